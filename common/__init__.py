@@ -1,0 +1,1 @@
+"""Shared parts of the Fabric memory recipes: flags, data, models, the training loop, metrics, report."""

@@ -1,0 +1,220 @@
+"""The flags every recipe accepts, parsed and validated in one place.
+
+Each recipe calls :func:`run` with its own defaults (the article's configuration for that rung), so
+``python recipes/05_gradient_accumulation.py`` reproduces the rung and every flag can still be changed.
+Impossible requests are refused before anything heavy is imported or allocated: one line on stderr,
+exit code 2, no traceback (DESIGN.md principle 6).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+PRECISIONS = ("32-true", "32", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "64-true")
+ACCELERATORS = ("auto", "cpu", "cuda", "gpu")
+DATA_CHOICES = ("auto", "cifar10", "synthetic")
+WEIGHTS_CHOICES = ("auto", "pretrained", "none")
+
+# Defaults shared by every recipe; a recipe overrides what its rung changes.
+BASE_DEFAULTS: dict[str, Any] = {
+    "accelerator": "auto",
+    "devices": 1,
+    "num_nodes": 1,
+    "precision": "32-true",
+    "tf32": True,
+    "batch_size": 64,
+    "accumulation_steps": 1,
+    "epochs": 1,
+    "max_steps": None,
+    "lr": 5e-5,
+    "data": "auto",
+    "data_dir": "data",
+    "weights": "auto",
+    "model": "vit_l_16",
+    "seed": 123,
+    "num_workers": 0,
+    "results_dir": "results",
+    "tag": None,
+    "eval_batches": None,
+    "log_every": 10,
+}
+
+
+class UsageError(Exception):
+    """A request that cannot be satisfied; reported as one line and exit code 2."""
+
+
+def fail(message: str) -> None:
+    """Print one line on stderr and exit with code 2 (the contract for bad input)."""
+    prog = os.path.basename(sys.argv[0]) or "recipe"
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse prints usage + message; we keep it to one line
+        fail(message)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def build_parser(description: str, defaults: dict[str, Any]) -> argparse.ArgumentParser:
+    """The shared parser. ``defaults`` are BASE_DEFAULTS updated with the recipe's own."""
+    d = {**BASE_DEFAULTS, **defaults}
+    p = _Parser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("hardware")
+    g.add_argument("--accelerator", choices=ACCELERATORS, help="cpu, cuda/gpu, or auto (cuda if present)")
+    g.add_argument("--devices", type=_positive_int, help="devices per node (processes are launched for >1)")
+    g.add_argument("--num-nodes", type=_positive_int, help="number of machines (with torchrun/SLURM)")
+    g.add_argument("--precision", choices=PRECISIONS, help="Fabric precision: the main lever of rungs 02-03")
+    g.add_argument(
+        "--tf32",
+        action=argparse.BooleanOptionalAction,
+        help="TF32 tensor-core matmuls for fp32 tensors (CUDA)",
+    )
+    g = p.add_argument_group("training")
+    g.add_argument(
+        "--batch-size", type=_positive_int, help="effective batch size per device and optimizer step"
+    )
+    g.add_argument(
+        "--accumulation-steps",
+        type=_positive_int,
+        help="micro-batches per optimizer step; micro-batch = batch-size / accumulation-steps",
+    )
+    g.add_argument("--epochs", type=_positive_int, help="passes over the training split")
+    g.add_argument("--max-steps", type=_positive_int, help="stop after this many optimizer steps")
+    g.add_argument("--lr", type=_positive_float, help="learning rate")
+    g.add_argument("--seed", type=int, help="random seed")
+    g = p.add_argument_group("data and model")
+    g.add_argument(
+        "--data", choices=DATA_CHOICES, help="auto falls back to synthetic when CIFAR-10 is unreachable"
+    )
+    g.add_argument("--data-dir", help="where CIFAR-10 is (or will be downloaded)")
+    g.add_argument("--weights", choices=WEIGHTS_CHOICES, help="auto falls back to random init when offline")
+    g.add_argument("--model", help="vit_l_16 (the ladder), vit_b_16, vit_tiny (CPU/tests)")
+    g.add_argument("--num-workers", type=int, help="DataLoader worker processes")
+    g.add_argument("--eval-batches", type=_positive_int, help="limit validation/test to this many batches")
+    g = p.add_argument_group("output")
+    g.add_argument("--results-dir", help="where results/<recipe>.json is written")
+    g.add_argument("--tag", help="suffix for the results file: <recipe>-<tag>.json")
+    g.add_argument("--log-every", type=_positive_int, help="optimizer steps between logged losses")
+    p.set_defaults(**d)
+    return p
+
+
+def _cuda_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def resolve_accelerator(requested: str) -> str:
+    """'auto' -> 'cuda' when a GPU is present, else 'cpu'; 'gpu' is an alias of 'cuda'."""
+    if requested == "auto":
+        return "cuda" if _cuda_count() > 0 else "cpu"
+    return "cuda" if requested == "gpu" else requested
+
+
+def validate(args: argparse.Namespace) -> argparse.Namespace:
+    """Check what argparse cannot: combinations and what the hardware can do. Raises UsageError."""
+    if args.batch_size % args.accumulation_steps != 0:
+        raise UsageError(
+            f"--accumulation-steps {args.accumulation_steps} does not divide --batch-size {args.batch_size}"
+            " (the micro-batch must be a whole number of samples)"
+        )
+    if args.num_workers < 0:
+        raise UsageError(f"--num-workers must be >= 0, got {args.num_workers}")
+    if args.precision == "32":
+        args.precision = "32-true"
+    args.accelerator = resolve_accelerator(args.accelerator)
+    if args.accelerator == "cuda":
+        have = _cuda_count()
+        if have == 0:
+            raise UsageError("--accelerator cuda was requested but no CUDA device is available")
+        import torch
+
+        if args.precision.startswith("bf16") and not torch.cuda.is_bf16_supported():
+            raise UsageError(f"--precision {args.precision}: this GPU does not support bfloat16")
+    else:
+        have = os.cpu_count() or 1
+        if args.precision == "16-mixed":
+            raise UsageError("--precision 16-mixed needs a CUDA GPU; on CPU use bf16-mixed or bf16-true")
+    if args.devices > have:
+        what = "CUDA devices" if args.accelerator == "cuda" else "CPU cores"
+        raise UsageError(f"--devices {args.devices} requested but this machine has {have} {what}")
+    if args.weights == "pretrained" and args.model not in ("vit_l_16", "vit_b_16"):
+        raise UsageError(f"--weights pretrained: no pretrained weights exist for --model {args.model}")
+    args.micro_batch_size = args.batch_size // args.accumulation_steps
+    return args
+
+
+def parse_args(
+    description: str, defaults: dict[str, Any], argv: list[str] | None = None, extra: Callable | None = None
+) -> argparse.Namespace:
+    """Parse and validate; ``extra(parser)`` may add recipe-specific flags. Exits 2 on bad input."""
+    parser = build_parser(description, defaults)
+    if extra is not None:
+        extra(parser)
+    args = parser.parse_args(argv)
+    from common.models import MODEL_NAMES  # cheap: no torch import at module level
+
+    if args.model not in MODEL_NAMES:
+        fail(f"--model {args.model!r} is not one of: {', '.join(MODEL_NAMES)}")
+    try:
+        return validate(args)
+    except UsageError as e:
+        fail(str(e))
+    raise AssertionError("unreachable")
+
+
+def run(
+    main: Callable,
+    *,
+    recipe: str,
+    description: str,
+    defaults: dict[str, Any],
+    argv: list[str] | None = None,
+    extra: Callable | None = None,
+) -> int:
+    """Parse flags, run ``main(args, log)``, and record the outcome.
+
+    A CUDA out-of-memory error is caught here and written as ``"status": "oom"`` with its config, so a
+    ladder run loses nothing; the process then exits 3 (``run_all.sh`` reports it and moves on).
+    """
+    args = parse_args(description, defaults, argv, extra)
+    from common.metrics import MetricsLogger
+
+    log = MetricsLogger(recipe, args, description=description.strip().splitlines()[0])
+    import torch
+
+    try:
+        main(args, log)
+    except torch.cuda.OutOfMemoryError as e:
+        log.finish(status="oom", error=str(e).splitlines()[0])
+        return 3
+    except UsageError as e:
+        fail(str(e))
+    log.finish(status="ok")
+    return 0

@@ -1,0 +1,159 @@
+"""The one training loop (and evaluation) every recipe hands its Fabric objects to.
+
+Gradient accumulation is done here once, and done right: the optimizer steps after the k-th micro-batch
+of a group (not after the first, the off-by-one that ``batch_idx % k == 0`` gives), each micro-batch's
+loss is divided by the size of its group so the summed gradient is the big batch's mean gradient, a
+final partial group at the end of an epoch still steps, and gradient synchronisation between processes
+is skipped on all but the last micro-batch of a group (``fabric.no_backward_sync``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from common.data import NUM_CLASSES, to_model_input
+
+# batch_fn(model, batch) -> (loss, logits, targets): how a batch becomes a loss; the loop is model-agnostic.
+BatchFn = Callable[[Any, Any], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def image_classification(image_size: int) -> BatchFn:
+    """uint8 images on the device -> resize/normalise on the device -> logits -> cross-entropy."""
+
+    def batch_fn(model, batch):
+        images, targets = batch
+        logits = model(to_model_input(images, image_size))
+        return F.cross_entropy(logits, targets), logits, targets
+
+    return batch_fn
+
+
+def planned_steps(
+    num_batches: int, accumulation_steps: int, epochs: int, max_steps: int | None = None
+) -> int:
+    """Optimizer steps the loop will take: ceil(batches / k) per epoch (a partial group steps too)."""
+    total = math.ceil(num_batches / accumulation_steps) * epochs
+    return min(total, max_steps) if max_steps else total
+
+
+def _accuracy_metric(device, num_classes: int):
+    from torchmetrics.classification import MulticlassAccuracy
+
+    # validate_args=False: the checks read tensor values on the host, i.e. synchronise every step.
+    return MulticlassAccuracy(num_classes=num_classes, average="micro", validate_args=False).to(device)
+
+
+def fit(
+    fabric,
+    model,
+    optimizer,
+    train_loader,
+    log,
+    batch_fn: BatchFn,
+    *,
+    accumulation_steps: int = 1,
+    epochs: int = 1,
+    max_steps: int | None = None,
+    scheduler=None,
+    log_every: int = 10,
+    num_classes: int = NUM_CLASSES,
+) -> None:
+    """Train; every optimizer step is reported to ``log.step_done()`` (an event, no synchronisation).
+
+    ``optimizer`` may be None when the update happens elsewhere (an optimizer step fused into backward
+    through parameter hooks): the loop then only counts the steps.
+    Losses are summed on the device and read every ``log_every`` steps, not every step, so the host
+    does not wait for the GPU inside the loop.
+    """
+    from tqdm.auto import tqdm
+
+    k = accumulation_steps
+    num_batches = len(train_loader)
+    if num_batches == 0:
+        raise ValueError("the training loader is empty: the micro-batch is larger than the training split")
+    total = planned_steps(num_batches, k, epochs, max_steps)
+    train_acc = _accuracy_metric(fabric.device, num_classes)
+    window_loss = torch.zeros((), device=fabric.device)
+    window_batches = 0
+    step = 0
+    bar = tqdm(
+        total=total, desc=log.recipe, unit="step", disable=not fabric.is_global_zero, dynamic_ncols=True
+    )
+
+    def close_window() -> float:
+        nonlocal window_loss, window_batches
+        mean = (window_loss / max(window_batches, 1)).item()
+        if log.loss["first"] is None:
+            log.loss["first"] = mean
+        log.loss["last"] = mean
+        log.accuracy["train"] = train_acc.compute().item()
+        metrics = {"train/loss": mean, "train/acc": log.accuracy["train"]}
+        if optimizer is not None:
+            metrics["train/lr"] = optimizer.param_groups[0]["lr"]
+        fabric.log_dict(metrics, step=step)
+        bar.set_postfix(loss=f"{mean:.4f}", acc=f"{log.accuracy['train']:.3f}")
+        train_acc.reset()
+        window_loss = torch.zeros((), device=fabric.device)
+        window_batches = 0
+        return mean
+
+    model.train()
+    for _epoch in range(epochs):
+        for i, batch in enumerate(train_loader):
+            group_size = min(k, num_batches - (i // k) * k)  # the last group of an epoch may be short
+            is_step = (i + 1) % k == 0 or i + 1 == num_batches
+            with fabric.no_backward_sync(model, enabled=not is_step):
+                loss, logits, targets = batch_fn(model, batch)
+                fabric.backward(loss / group_size)
+            log.micro_batches += 1
+            window_loss += loss.detach().float()
+            window_batches += 1
+            train_acc.update(logits.detach(), targets)
+            if not is_step:
+                continue
+            if optimizer is not None:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)  # frees gradient memory before the next forward
+            if scheduler is not None:
+                scheduler.step()
+            step += 1
+            log.step_done()
+            bar.update(1)
+            if step % log_every == 0:
+                close_window()
+            if step >= total:
+                break
+        if step >= total:
+            break
+    if window_batches:
+        close_window()
+    bar.close()
+
+
+@torch.no_grad()
+def evaluate(
+    fabric, model, loader, batch_fn: BatchFn, max_batches: int | None = None, num_classes: int = NUM_CLASSES
+) -> float:
+    """Accuracy over ``loader`` (all ranks' shards together), at most ``max_batches`` batches."""
+    model.eval()
+    acc = _accuracy_metric(fabric.device, num_classes)
+    for i, batch in enumerate(loader):
+        if max_batches is not None and i >= max_batches:
+            break
+        _, logits, targets = batch_fn(model, batch)
+        acc.update(logits, targets)
+    model.train()
+    return acc.compute().item()
+
+
+def evaluate_splits(
+    fabric, model, val_loader, test_loader, batch_fn: BatchFn, log, max_batches: int | None = None
+) -> None:
+    """Validation and test accuracy into the run's results."""
+    log.accuracy["val"] = evaluate(fabric, model, val_loader, batch_fn, max_batches)
+    log.accuracy["test"] = evaluate(fabric, model, test_loader, batch_fn, max_batches)

@@ -1,0 +1,329 @@
+"""The metrics logger: what every run measures about itself, written as one results JSON per run.
+
+Results JSON (``results/<recipe>[-<tag>].json``), schema version 1. The report reads these keys only.
+
+===============================  ===========================================================================
+key                              meaning
+===============================  ===========================================================================
+schema_version                   1
+recipe, tag, description         which script ran (tag: the --tag suffix or null)
+status                           "ok" | "oom" (CUDA out of memory, caught) | "error"
+error                            first line of the error, or null
+config                           every parsed flag (plus micro_batch_size)
+provenance                       device ("cuda"/"cpu"), gpu_name, world_size, num_nodes, versions (torch,
+                                 lightning, torchvision, python, cuda), float32_matmul_precision ("high"
+                                 means TF32 matmuls), data_source ("cifar10"/"synthetic"), weights
+                                 ("pretrained"/"random"), model, parameters, timestamp (UTC ISO 8601)
+memory.kind                      "cuda": torch.cuda.max_memory_allocated/reserved, reset at the start of
+                                 every phase; "cpu_rss": process peak resident set size (cannot be reset;
+                                 each phase shows the peak so far)
+memory.unit                      "GB" (1e9 bytes, as the article prints them)
+memory.phases.<name>             {peak_allocated_gb, peak_reserved_gb, per_rank: [{rank, allocated_gb,
+                                 reserved_gb}]}: max over ranks; phases are named by the recipe
+                                 ("model_load", "train", "eval", ...)
+memory.peak_allocated_gb         the "train" phase peak (max over ranks): the number the ladder compares
+memory.peak_reserved_gb          likewise, reserved by the caching allocator
+timing.train_wall_s              wall time of the training loop (start-up and evaluation excluded)
+timing.median_step_s             median time between consecutive optimizer steps, after warm-up steps
+timing.images_per_s              effective batch x world size / median_step_s (all ranks together)
+timing.optimizer_steps           optimizer steps taken; micro_batches, images_seen (per rank x world size)
+timing.warmup_steps              steps left out of the median (first steps pay for allocation/autotuning)
+accuracy.{train,val,test}        fraction correct (train: over the last logged window of the run)
+loss.{first,last}                training loss of the first and last logged window
+extra                            recipe-specific measurements (e.g. rung 07's two ways of loading)
+===============================  ===========================================================================
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import json
+import os
+import platform
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+SCHEMA_VERSION = 1
+GB = 1e9
+WARMUP_STEPS = 3
+LOG_DIR = os.environ.get("FMR_LOG_DIR", "logs")
+
+
+def results_path(results_dir: str, recipe: str, tag: str | None = None) -> str:
+    return os.path.join(results_dir, f"{recipe}-{tag}.json" if tag else f"{recipe}.json")
+
+
+def write_json_atomic(path: str, payload: dict) -> None:
+    """Write to a temporary file in the same folder, then rename: a reader never sees half a file."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=folder)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(payload, f, indent=2, sort_keys=False)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+class MetricsLogger:
+    """Collects one run's measurements and writes them at :meth:`finish`.
+
+    Usage in a recipe: ``fabric = L.Fabric(..., loggers=log.fabric_loggers())``, ``log.attach(fabric)``,
+    ``with log.phase("train"): ...``; the loop calls :meth:`step_done` after every optimizer step.
+    """
+
+    def __init__(self, recipe: str, args: Any, description: str = "") -> None:
+        self.recipe = recipe
+        self.args = args
+        self.description = description
+        self.fabric = None
+        self.phases: dict[str, dict[str, float]] = {}
+        self.step_marks: list[Any] = []  # CUDA events or perf_counter floats, one per optimizer step
+        self.optimizer_steps = 0
+        self.micro_batches = 0
+        self.accuracy: dict[str, float | None] = {"train": None, "val": None, "test": None}
+        self.loss: dict[str, float | None] = {"first": None, "last": None}
+        self.provenance: dict[str, Any] = {"data_source": None, "weights": None}
+        self.extra: dict[str, Any] = {}
+        self._loggers: list | None = None
+
+    # ------------------------------------------------------------------------------------------ set-up
+    def fabric_loggers(self) -> list:
+        """Fabric loggers to pass to ``L.Fabric(loggers=...)``: CSV always, TensorBoard if installed."""
+        if self._loggers is None:
+            import importlib.util
+
+            from lightning.fabric.loggers import CSVLogger, TensorBoardLogger
+
+            name = self.recipe + (f"-{self.args.tag}" if getattr(self.args, "tag", None) else "")
+            self._loggers = [CSVLogger(root_dir=LOG_DIR, name=name)]
+            if importlib.util.find_spec("tensorboard") is not None:
+                self._loggers.append(
+                    TensorBoardLogger(root_dir=os.path.join(LOG_DIR, "tensorboard"), name=name)
+                )
+        return self._loggers
+
+    def attach(self, fabric) -> None:
+        self.fabric = fabric
+
+    def set(self, **provenance: Any) -> None:
+        """Record where the run's inputs came from (data_source=..., weights=..., anything else)."""
+        self.provenance.update(provenance)
+
+    @property
+    def _cuda(self) -> bool:
+        return self.fabric is not None and self.fabric.device.type == "cuda"
+
+    # ------------------------------------------------------------------------------------------ phases
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        """Measure peak memory (and wall time) of a block. CUDA peaks are reset on entry."""
+        import torch
+
+        cuda = self._cuda
+        if cuda:
+            torch.cuda.synchronize(self.fabric.device)
+            torch.cuda.reset_peak_memory_stats(self.fabric.device)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if cuda:
+                torch.cuda.synchronize(self.fabric.device)
+                alloc = torch.cuda.max_memory_allocated(self.fabric.device)
+                reserved = torch.cuda.max_memory_reserved(self.fabric.device)
+            else:
+                # ru_maxrss is in KiB on Linux: the process peak so far, not resettable.
+                alloc = reserved = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            self.phases[name] = {
+                "allocated": alloc,
+                "reserved": reserved,
+                "wall_s": time.perf_counter() - start,
+            }
+
+    # ------------------------------------------------------------------------------------------ timing
+    def step_done(self) -> None:
+        """Mark the end of an optimizer step without synchronising (a CUDA event on the stream)."""
+        self.optimizer_steps += 1
+        if self._cuda:
+            import torch
+
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.step_marks.append(event)
+        else:
+            self.step_marks.append(time.perf_counter())
+
+    def step_intervals(self) -> list[float]:
+        """Seconds between consecutive optimizer steps (synchronises once, at the end)."""
+        if len(self.step_marks) < 2:
+            return []
+        if self._cuda:
+            self.step_marks[-1].synchronize()
+            return [
+                a.elapsed_time(b) / 1000.0 for a, b in zip(self.step_marks, self.step_marks[1:], strict=False)
+            ]
+        return [b - a for a, b in zip(self.step_marks, self.step_marks[1:], strict=False)]
+
+    # ------------------------------------------------------------------------------------------ output
+    def _world(self) -> tuple[int, int]:
+        if self.fabric is None:
+            return 0, 1
+        return self.fabric.global_rank, self.fabric.world_size
+
+    def _gather_phases(self, gather: bool = True) -> dict[str, dict]:
+        """Per-rank peaks, gathered to every rank when there are several processes."""
+        rank, world = self._world()
+        names = sorted(self.phases)
+        rows = {n: [(rank, self.phases[n]["allocated"], self.phases[n]["reserved"])] for n in names}
+        if gather and world > 1 and names:
+            import torch
+
+            local = torch.tensor(
+                [[self.phases[n]["allocated"], self.phases[n]["reserved"]] for n in names],
+                dtype=torch.float64,
+                device=self.fabric.device,
+            )
+            gathered = self.fabric.all_gather(local).cpu()  # (world, phases, 2)
+            rows = {
+                n: [(r, float(gathered[r, i, 0]), float(gathered[r, i, 1])) for r in range(world)]
+                for i, n in enumerate(names)
+            }
+        out = {}
+        for n in names:
+            per_rank = [{"rank": r, "allocated_gb": a / GB, "reserved_gb": res / GB} for r, a, res in rows[n]]
+            out[n] = {
+                "peak_allocated_gb": max(p["allocated_gb"] for p in per_rank),
+                "peak_reserved_gb": max(p["reserved_gb"] for p in per_rank),
+                "wall_s": self.phases[n]["wall_s"],
+                "per_rank": per_rank,
+            }
+        return out
+
+    def _provenance(self) -> dict[str, Any]:
+        import lightning
+        import torch
+        import torchvision
+
+        rank, world = self._world()
+        device = self.fabric.device.type if self.fabric is not None else "cpu"
+        prov = {
+            "device": device,
+            "gpu_name": torch.cuda.get_device_name(self.fabric.device) if device == "cuda" else None,
+            "world_size": world,
+            "num_nodes": getattr(self.args, "num_nodes", 1),
+            "torch": torch.__version__,
+            "lightning": lightning.__version__,
+            "torchvision": torchvision.__version__,
+            "cuda": torch.version.cuda,
+            "python": platform.python_version(),
+            "float32_matmul_precision": torch.get_float32_matmul_precision(),
+            "model": getattr(self.args, "model", None),
+            "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
+        }
+        prov.update(self.provenance)
+        return prov
+
+    def _timing(self) -> dict[str, Any]:
+        _, world = self._world()
+        intervals = self.step_intervals()
+        warmup = min(WARMUP_STEPS, max(0, len(intervals) - 1))
+        steady = intervals[warmup:]
+        median = statistics.median(steady) if steady else None
+        per_step = getattr(self.args, "batch_size", 0) * world
+        return {
+            "train_wall_s": self.phases.get("train", {}).get("wall_s"),
+            "median_step_s": median,
+            "images_per_s": per_step / median if median else None,
+            "optimizer_steps": self.optimizer_steps,
+            "micro_batches": self.micro_batches,
+            "images_seen": self.micro_batches * getattr(self.args, "micro_batch_size", 0) * world,
+            "warmup_steps": warmup,
+            "timed_intervals": len(steady),
+        }
+
+    def payload(self, status: str = "ok", error: str | None = None, gather: bool = True) -> dict[str, Any]:
+        phases = self._gather_phases(gather)
+        main = phases.get("train", {})
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "recipe": self.recipe,
+            "tag": getattr(self.args, "tag", None),
+            "description": self.description,
+            "status": status,
+            "error": error,
+            "config": {k: v for k, v in vars(self.args).items()},
+            "provenance": self._provenance(),
+            "memory": {
+                "kind": "cuda" if self._cuda else "cpu_rss",
+                "unit": "GB",
+                "peak_allocated_gb": main.get("peak_allocated_gb"),
+                "peak_reserved_gb": main.get("peak_reserved_gb"),
+                "phases": phases,
+            },
+            "timing": self._timing(),
+            "accuracy": self.accuracy,
+            "loss": self.loss,
+            "extra": self.extra,
+        }
+
+    def finish(self, status: str = "ok", error: str | None = None) -> dict[str, Any] | None:
+        """Write the results JSON (rank 0) and print the summary block. Returns the payload on rank 0.
+
+        After an OOM the other ranks may never reach a collective, so nothing is gathered then: the
+        rank that caught it reports its own view.
+        """
+        payload = self.payload(status, error, gather=status == "ok")
+        if self._loggers:
+            for lg in self._loggers:
+                with contextlib.suppress(Exception):
+                    lg.finalize("success" if status == "ok" else "failed")
+        rank, _ = self._world()
+        if rank != 0 and status == "ok":
+            return None
+        path = results_path(
+            getattr(self.args, "results_dir", "results"), self.recipe, getattr(self.args, "tag", None)
+        )
+        if rank != 0:
+            path = path[: -len(".json")] + f".rank{rank}.json"
+        write_json_atomic(path, payload)
+        print(summary(payload, path))
+        return payload
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def summary(p: dict[str, Any], path: str | None = None) -> str:
+    """The one summary block every run prints (same shape for every recipe)."""
+    prov, mem, t, acc = p["provenance"], p["memory"], p["timing"], p["accuracy"]
+    where = prov.get("gpu_name") or "CPU"
+    if prov.get("world_size", 1) > 1:
+        where = f"{prov['world_size']} x {where}"
+    mem_label = "peak memory (train)" if mem["kind"] == "cuda" else "peak RSS (CPU, process)"
+    lines = [
+        f"== {p['recipe']}{'-' + p['tag'] if p.get('tag') else ''}: {p['status'].upper()}"
+        + (f" ({p['error']})" if p.get("error") else ""),
+        f"   device        {where} | precision {p['config'].get('precision')} | model {prov.get('model')}"
+        f" ({prov.get('weights')}) | data {prov.get('data_source')}",
+        f"   {mem_label:<13} allocated {_fmt(mem['peak_allocated_gb'], '.2f')} GB,"
+        f" reserved {_fmt(mem['peak_reserved_gb'], '.2f')} GB",
+        f"   speed         {_fmt(t['images_per_s'], '.1f')} img/s (median step {_fmt(t['median_step_s'], '.4f')} s,"
+        f" {t['optimizer_steps']} steps, loop {_fmt(t['train_wall_s'], '.1f')} s)",
+        f"   accuracy      train {_fmt(acc.get('train'), '.3f')} | val {_fmt(acc.get('val'), '.3f')}"
+        f" | test {_fmt(acc.get('test'), '.3f')}",
+    ]
+    if path:
+        lines.append(f"   results       {path}")
+    return "\n".join(lines)

@@ -1,0 +1,97 @@
+"""Models: ViT-L/16 (pretrained or random init) for the ladder, smaller ViTs for CPU runs and tests.
+
+Every builder returns an ``nn.Module`` whose ``image_size`` attribute tells the data path which
+resolution to resize to on the device, and whose classification head has ``num_classes`` outputs.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+MODEL_NAMES = ("vit_l_16", "vit_b_16", "vit_tiny")
+_PRETRAINED = {"vit_l_16": "ViT_L_16_Weights", "vit_b_16": "ViT_B_16_Weights"}
+
+
+@dataclass
+class BuiltModel:
+    module: object  # torch.nn.Module (kept untyped so importing this file stays cheap)
+    name: str
+    weights: str  # "pretrained" or "random"
+
+
+def _weights_available(name: str) -> object | None:
+    """The torchvision weights enum for ``name`` if its file is cached or downloadable, else None."""
+    import torch
+    import torchvision.models as tvm
+
+    from common.net import reachable
+
+    enum = getattr(tvm, _PRETRAINED[name]).IMAGENET1K_V1
+    cached = os.path.join(torch.hub.get_dir(), "checkpoints", os.path.basename(enum.url))
+    if os.path.exists(cached) or reachable("download.pytorch.org"):
+        return enum
+    return None
+
+
+def resolve_weights(name: str, weights: str) -> object | None:
+    """Map --weights auto|pretrained|none to a torchvision weights enum (or None for random init).
+
+    ``auto`` falls back to random init with one printed line; ``pretrained`` offline is an error.
+    """
+    if weights == "none" or name not in _PRETRAINED:
+        if weights == "auto" and name not in _PRETRAINED:
+            print(f"[weights] {name} has no pretrained weights: random init")
+        return None
+    enum = _weights_available(name)
+    if enum is None:
+        if weights == "pretrained":
+            from common.cli import UsageError
+
+            raise UsageError(
+                f"--weights pretrained: {name} weights are not cached and the network is unreachable"
+            )
+        print(
+            f"[weights] pretrained {name} weights unreachable (offline): random init of the same architecture"
+        )
+    return enum
+
+
+def build_model(name: str, weights: object | None, num_classes: int = 10):
+    """Build ``name`` with the given torchvision weights enum (None = random init) and a new head.
+
+    Allocation happens on the current default device/dtype, so calling this inside
+    ``fabric.init_module()`` creates the model directly on the GPU in the target precision (rung 07).
+    """
+    import torch.nn as nn
+    import torchvision.models as tvm
+    from torchvision.models.vision_transformer import VisionTransformer
+
+    if name == "vit_tiny":
+        # 32x32 input, 8x8 patches -> 16 tokens + class token; a few thousand parameters per block.
+        model = VisionTransformer(
+            image_size=32,
+            patch_size=8,
+            num_layers=2,
+            num_heads=2,
+            hidden_dim=64,
+            mlp_dim=128,
+            num_classes=num_classes,
+        )
+        return model
+    builder = getattr(tvm, name)
+    model = builder(weights=weights)
+    model.heads.head = nn.Linear(model.heads.head.in_features, num_classes)
+    return model
+
+
+def load(name: str, weights: str, num_classes: int = 10) -> BuiltModel:
+    """Resolve --weights and build; records what was actually used ("pretrained"/"random")."""
+    enum = resolve_weights(name, weights)
+    return BuiltModel(
+        build_model(name, enum, num_classes), name, "pretrained" if enum is not None else "random"
+    )
+
+
+def count_parameters(model, trainable_only: bool = False) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)

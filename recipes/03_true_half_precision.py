@@ -1,0 +1,67 @@
+"""Rung 03 - true half precision: rung 02 with precision="bf16-true".
+
+Now the weights, gradients, Adam's state and the activations are all bfloat16: half the bytes of every
+tensor fp32 kept. bfloat16 has fp32's exponent range, so no loss scaling is needed; its 8-bit mantissa
+is why this is a fine-tuning trick rather than a free lunch. --precision 16-true selects float16.
+"""
+
+import lightning as L
+import torch
+
+from common import cli, data, loop, models
+
+RECIPE = "03_true_half_precision"
+DEFAULTS = dict(precision="bf16-true", batch_size=64, accumulation_steps=1, lr=5e-5)
+
+
+def main(args, log):
+    torch.set_float32_matmul_precision("high" if args.tf32 else "highest")  # "high" = TF32 matmuls
+    fabric = L.Fabric(
+        accelerator=args.accelerator,
+        devices=args.devices,
+        num_nodes=args.num_nodes,
+        precision=args.precision,
+        loggers=log.fabric_loggers(),
+    )
+    fabric.launch()
+    fabric.seed_everything(args.seed)
+    log.attach(fabric)
+
+    with fabric.rank_zero_first():
+        splits = data.load(args.data, args.data_dir)
+    weights = models.resolve_weights(args.model, args.weights)
+    log.set(data_source=splits.source, weights="pretrained" if weights else "random")
+
+    with log.phase("model_load"):
+        model = models.build_model(args.model, weights, num_classes=data.NUM_CLASSES)
+        optimizer = torch.optim.Adam(
+            model.parameters(), lr=args.lr, fused=True
+        )  # fused: one kernel, no temporaries
+        model, optimizer = fabric.setup(model, optimizer)
+    log.set(parameters=models.count_parameters(model))
+
+    loaders = data.loaders(
+        splits, args.micro_batch_size, args.batch_size, args.num_workers, fabric.device.type == "cuda"
+    )
+    train_loader, val_loader, test_loader = fabric.setup_dataloaders(*loaders)
+    batch_fn = loop.image_classification(model.image_size)
+
+    with log.phase("train"):
+        loop.fit(
+            fabric,
+            model,
+            optimizer,
+            train_loader,
+            log,
+            batch_fn,
+            accumulation_steps=args.accumulation_steps,
+            epochs=args.epochs,
+            max_steps=args.max_steps,
+            log_every=args.log_every,
+        )
+    with log.phase("eval"):
+        loop.evaluate_splits(fabric, model, val_loader, test_loader, batch_fn, log, args.eval_batches)
+
+
+if __name__ == "__main__":
+    raise SystemExit(cli.run(main, recipe=RECIPE, description=__doc__, defaults=DEFAULTS))

@@ -1,0 +1,68 @@
+"""Rung 05 - gradient accumulation: rung 04's batch of 16 built from 4 micro-batches of 4.
+
+Only a micro-batch's activations are alive at once; gradients of the 4 micro-batches add up in the
+.grad buffers (each loss divided by 4) and the optimizer steps once per group, after the 4th
+micro-batch. The update equals one step on the batch of 16. The loop in common/loop.py does the
+grouping; this recipe only sets --accumulation-steps 4 (micro-batch = batch-size / accumulation-steps).
+"""
+
+import lightning as L
+import torch
+
+from common import cli, data, loop, models
+
+RECIPE = "05_gradient_accumulation"
+DEFAULTS = dict(precision="bf16-true", batch_size=16, accumulation_steps=4, lr=5e-5)
+
+
+def main(args, log):
+    torch.set_float32_matmul_precision("high" if args.tf32 else "highest")  # "high" = TF32 matmuls
+    fabric = L.Fabric(
+        accelerator=args.accelerator,
+        devices=args.devices,
+        num_nodes=args.num_nodes,
+        precision=args.precision,
+        loggers=log.fabric_loggers(),
+    )
+    fabric.launch()
+    fabric.seed_everything(args.seed)
+    log.attach(fabric)
+
+    with fabric.rank_zero_first():
+        splits = data.load(args.data, args.data_dir)
+    weights = models.resolve_weights(args.model, args.weights)
+    log.set(data_source=splits.source, weights="pretrained" if weights else "random")
+
+    with log.phase("model_load"):
+        model = models.build_model(args.model, weights, num_classes=data.NUM_CLASSES)
+        optimizer = torch.optim.Adam(
+            model.parameters(), lr=args.lr, fused=True
+        )  # fused: one kernel, no temporaries
+        model, optimizer = fabric.setup(model, optimizer)
+    log.set(parameters=models.count_parameters(model))
+
+    loaders = data.loaders(
+        splits, args.micro_batch_size, args.batch_size, args.num_workers, fabric.device.type == "cuda"
+    )
+    train_loader, val_loader, test_loader = fabric.setup_dataloaders(*loaders)
+    batch_fn = loop.image_classification(model.image_size)
+
+    with log.phase("train"):
+        loop.fit(
+            fabric,
+            model,
+            optimizer,
+            train_loader,
+            log,
+            batch_fn,
+            accumulation_steps=args.accumulation_steps,
+            epochs=args.epochs,
+            max_steps=args.max_steps,
+            log_every=args.log_every,
+        )
+    with log.phase("eval"):
+        loop.evaluate_splits(fabric, model, val_loader, test_loader, batch_fn, log, args.eval_batches)
+
+
+if __name__ == "__main__":
+    raise SystemExit(cli.run(main, recipe=RECIPE, description=__doc__, defaults=DEFAULTS))

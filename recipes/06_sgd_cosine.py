@@ -1,0 +1,70 @@
+"""Rung 06 - a leaner optimizer: rung 05 with plain SGD (lr 0.01) and a cosine learning-rate schedule.
+
+Adam keeps two extra tensors per parameter (first and second moments): twice the weights' bytes.
+Plain SGD keeps none. The cosine schedule (CosineAnnealingLR over the optimizer steps) makes up for
+part of what SGD loses in convergence.
+"""
+
+import lightning as L
+import torch
+
+from common import cli, data, loop, models
+
+RECIPE = "06_sgd_cosine"
+DEFAULTS = dict(precision="bf16-true", batch_size=16, accumulation_steps=4, lr=0.01)
+
+
+def main(args, log):
+    torch.set_float32_matmul_precision("high" if args.tf32 else "highest")  # "high" = TF32 matmuls
+    fabric = L.Fabric(
+        accelerator=args.accelerator,
+        devices=args.devices,
+        num_nodes=args.num_nodes,
+        precision=args.precision,
+        loggers=log.fabric_loggers(),
+    )
+    fabric.launch()
+    fabric.seed_everything(args.seed)
+    log.attach(fabric)
+
+    with fabric.rank_zero_first():
+        splits = data.load(args.data, args.data_dir)
+    weights = models.resolve_weights(args.model, args.weights)
+    log.set(data_source=splits.source, weights="pretrained" if weights else "random")
+
+    with log.phase("model_load"):
+        model = models.build_model(args.model, weights, num_classes=data.NUM_CLASSES)
+        optimizer = torch.optim.SGD(
+            model.parameters(), lr=args.lr
+        )  # no state: Adam kept 2 tensors per parameter
+        model, optimizer = fabric.setup(model, optimizer)
+    log.set(parameters=models.count_parameters(model))
+
+    loaders = data.loaders(
+        splits, args.micro_batch_size, args.batch_size, args.num_workers, fabric.device.type == "cuda"
+    )
+    train_loader, val_loader, test_loader = fabric.setup_dataloaders(*loaders)
+    batch_fn = loop.image_classification(model.image_size)
+    num_steps = loop.planned_steps(len(train_loader), args.accumulation_steps, args.epochs, args.max_steps)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=num_steps)
+
+    with log.phase("train"):
+        loop.fit(
+            fabric,
+            model,
+            optimizer,
+            train_loader,
+            log,
+            batch_fn,
+            accumulation_steps=args.accumulation_steps,
+            epochs=args.epochs,
+            max_steps=args.max_steps,
+            scheduler=scheduler,
+            log_every=args.log_every,
+        )
+    with log.phase("eval"):
+        loop.evaluate_splits(fabric, model, val_loader, test_loader, batch_fn, log, args.eval_batches)
+
+
+if __name__ == "__main__":
+    raise SystemExit(cli.run(main, recipe=RECIPE, description=__doc__, defaults=DEFAULTS))

@@ -1,0 +1,91 @@
+"""Rung 07 - create the model where it will live: rung 06 with the model built inside fabric.init_module().
+
+The usual way builds the model in fp32 on the CPU, then moves it to the GPU and casts it: the GPU
+briefly holds the fp32 copy (2x the bf16 bytes) and the CPU holds it too. Inside fabric.init_module()
+parameters are allocated on the GPU directly in the target precision. The recipe measures the
+model-load peak both ways (phases "load_cpu_then_move" and "model_load") and then trains as rung 06.
+empty_init stays False: torchvision's ViT attention weights have no reset_parameters, so skipping
+initialisation leaves garbage in them (loss becomes NaN) unless real weights are loaded afterwards.
+"""
+
+import lightning as L
+import torch
+
+from common import cli, data, loop, models
+
+RECIPE = "07_init_module"
+DEFAULTS = dict(precision="bf16-true", batch_size=16, accumulation_steps=4, lr=0.01)
+
+
+def main(args, log):
+    torch.set_float32_matmul_precision("high" if args.tf32 else "highest")  # "high" = TF32 matmuls
+    fabric = L.Fabric(
+        accelerator=args.accelerator,
+        devices=args.devices,
+        num_nodes=args.num_nodes,
+        precision=args.precision,
+        loggers=log.fabric_loggers(),
+    )
+    fabric.launch()
+    fabric.seed_everything(args.seed)
+    log.attach(fabric)
+
+    with fabric.rank_zero_first():
+        splits = data.load(args.data, args.data_dir)
+    weights = models.resolve_weights(args.model, args.weights)
+    log.set(data_source=splits.source, weights="pretrained" if weights else "random")
+
+    # For comparison, the usual way: build in fp32 on the CPU, move to the device, then cast.
+    dtype = {"bf16-true": torch.bfloat16, "16-true": torch.float16}.get(args.precision, torch.float32)
+    with log.phase("load_cpu_then_move"):
+        usual = (
+            models.build_model(args.model, weights, num_classes=data.NUM_CLASSES).to(fabric.device).to(dtype)
+        )
+    del usual
+    if fabric.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    with log.phase("model_load"):
+        with fabric.init_module(empty_init=False):  # allocated on the device, in the target precision
+            model = models.build_model(args.model, weights, num_classes=data.NUM_CLASSES)
+        optimizer = torch.optim.SGD(
+            model.parameters(), lr=args.lr
+        )  # no state: Adam kept 2 tensors per parameter
+        model, optimizer = fabric.setup(model, optimizer)
+    log.set(parameters=models.count_parameters(model))
+    if fabric.device.type == "cuda":  # on CPU the phases hold process RSS, which cannot be reset
+        usual_gb, init_gb = (log.phases[p]["allocated"] / 1e9 for p in ("load_cpu_then_move", "model_load"))
+        log.extra["model_load_peak_allocated_gb"] = {
+            "cpu_then_move": usual_gb,
+            "init_module": init_gb,
+            "ratio": init_gb / usual_gb,
+        }
+
+    loaders = data.loaders(
+        splits, args.micro_batch_size, args.batch_size, args.num_workers, fabric.device.type == "cuda"
+    )
+    train_loader, val_loader, test_loader = fabric.setup_dataloaders(*loaders)
+    batch_fn = loop.image_classification(model.image_size)
+    num_steps = loop.planned_steps(len(train_loader), args.accumulation_steps, args.epochs, args.max_steps)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=num_steps)
+
+    with log.phase("train"):
+        loop.fit(
+            fabric,
+            model,
+            optimizer,
+            train_loader,
+            log,
+            batch_fn,
+            accumulation_steps=args.accumulation_steps,
+            epochs=args.epochs,
+            max_steps=args.max_steps,
+            scheduler=scheduler,
+            log_every=args.log_every,
+        )
+    with log.phase("eval"):
+        loop.evaluate_splits(fabric, model, val_loader, test_loader, batch_fn, log, args.eval_batches)
+
+
+if __name__ == "__main__":
+    raise SystemExit(cli.run(main, recipe=RECIPE, description=__doc__, defaults=DEFAULTS))

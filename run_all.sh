@@ -1,0 +1,117 @@
+#!/usr/bin/env bash
+# Run the recipe ladder, each recipe in its own process, then render the report.
+#
+#   ./run_all.sh                         every numbered recipe (GPU: full size; no GPU: quick CPU path)
+#   ./run_all.sh --only 01,03            recipes whose name starts with 01 or 03
+#   ./run_all.sh -- --max-steps 50       everything after -- is passed to every recipe
+#   ./run_all.sh --cpu                   force the quick CPU path (tiny model, synthetic data, few steps)
+#   ./run_all.sh --results-dir DIR       where the JSON and the report go
+#
+# A recipe that fails or runs out of memory does not stop the ladder; the script exits non-zero at the
+# end with a one-line-per-recipe summary. Exit codes of a recipe: 0 ok, 2 bad flags, 3 out of memory.
+set -u
+cd "$(dirname "$0")"
+
+PYTHON=${PYTHON:-python3}
+only=""
+force_cpu=0
+results_dir=""
+extra=()
+
+usage() { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; }
+
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --only) only="${2:-}"; shift 2 || { echo "run_all.sh: --only needs a value" >&2; exit 2; } ;;
+    --only=*) only="${1#--only=}"; shift ;;
+    --cpu) force_cpu=1; shift ;;
+    --results-dir) results_dir="${2:-}"; shift 2 || { echo "run_all.sh: --results-dir needs a value" >&2; exit 2; } ;;
+    --results-dir=*) results_dir="${1#--results-dir=}"; shift ;;
+    -h|--help) usage; exit 0 ;;
+    --) shift; extra=("$@"); break ;;
+    *) echo "run_all.sh: unknown option '$1' (see --help; recipe flags go after --)" >&2; exit 2 ;;
+  esac
+done
+
+gpus=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)' 2>/dev/null)
+if [ -z "$gpus" ]; then
+  echo "run_all.sh: cannot import torch with $PYTHON; install the project first: python3 -m pip install -e ." >&2
+  exit 2
+fi
+[ "$force_cpu" = 1 ] && gpus=0
+
+if [ "$gpus" = 0 ]; then
+  echo "No CUDA GPU found: running the quick CPU path (vit_tiny, synthetic data, random init, 5 steps)."
+  echo "Its numbers show that every rung runs and learns; memory and speed figures need a GPU."
+  mode=cpu
+  results_dir=${results_dir:-results/cpu}
+  base=(--accelerator cpu --model vit_tiny --data synthetic --weights none --max-steps 5 --eval-batches 2)
+else
+  echo "Found $gpus CUDA GPU(s): running the ladder at full size."
+  mode=gpu
+  results_dir=${results_dir:-results}
+  base=()
+fi
+
+# Recipe-specific changes for the CPU path: fp16 autocast needs CUDA, bf16 autocast is the CPU analogue.
+cpu_overrides() {
+  case "$1" in
+    02_*) echo "--precision bf16-mixed" ;;
+  esac
+}
+
+selected() {
+  [ -z "$only" ] && return 0
+  local p
+  IFS=',' read -ra pats <<< "$only"
+  for p in "${pats[@]}"; do
+    case "$1" in "$p"*) return 0 ;; esac
+  done
+  return 1
+}
+
+recipes=()
+for f in recipes/[0-9][0-9]_*.py; do
+  name=$(basename "$f" .py)
+  selected "$name" && recipes+=("$name")
+done
+if [ ${#recipes[@]} -eq 0 ]; then
+  echo "run_all.sh: no recipe matches --only '$only'" >&2
+  exit 2
+fi
+
+mkdir -p "$results_dir"
+summary=()
+failed=0
+for name in "${recipes[@]}"; do
+  args=("${base[@]}")
+  if [ "$mode" = cpu ]; then
+    read -ra ov <<< "$(cpu_overrides "$name")"
+    args+=("${ov[@]}")
+  fi
+  echo
+  echo ">>> $name ${args[*]} ${extra[*]:-} --results-dir $results_dir"
+  start=$(date +%s)
+  "$PYTHON" "recipes/$name.py" "${args[@]}" "${extra[@]}" --results-dir "$results_dir"
+  rc=$?
+  secs=$(( $(date +%s) - start ))
+  case $rc in
+    0) status=ok ;;
+    2) status="bad flags (exit 2)"; failed=1 ;;
+    3) status="out of memory (recorded)"; failed=1 ;;
+    *) status="failed (exit $rc)"; failed=1 ;;
+  esac
+  summary+=("$(printf '%-28s %-26s %5ss' "$name" "$status" "$secs")")
+done
+
+echo
+echo "Rendering the report from $results_dir ..."
+if ! "$PYTHON" -m common.report "$results_dir"; then
+  summary+=("$(printf '%-28s %s' report 'failed')")
+  failed=1
+fi
+
+echo
+echo "Summary ($mode path, results in $results_dir):"
+printf '  %s\n' "${summary[@]}"
+exit $failed
