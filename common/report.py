@@ -1,0 +1,295 @@
+"""The report: every results JSON in a directory -> a markdown table (README.md) and a figure (ladder.png).
+
+    python -m common.report [RESULTS_DIR]        # default: results
+
+Why a separate step: each recipe runs in its own process and writes only its own JSON, so the ladder is
+assembled afterwards from what the runs recorded. Only the schema-1 keys documented in `common.metrics`
+are read, and every number shown comes from those files (principle 3: measure, never claim). A file that
+cannot be read is skipped with one line on stderr: one bad file must not hide the rest of the ladder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+SCHEMA_VERSION = 1
+STANDARD_PHASES = {"train", "eval", "model_load"}
+RANK_FILE = re.compile(r"\.rank\d+\.json$")
+DASH = "—"
+CPU_MARK = "¹"  # footnote marker on memory cells that hold process RSS, not GPU memory
+
+
+def _get(d: Any, dotted: str, default: Any = None) -> Any:
+    """Nested lookup that tolerates missing keys and nulls: a partial JSON renders, it does not crash."""
+    for key in dotted.split("."):
+        if not isinstance(d, dict) or d.get(key) is None:
+            return default
+        d = d[key]
+    return d
+
+
+def _sort_key(result: dict) -> tuple[str, str]:
+    """Recipe, then tag (untagged first): the order of the file names `<recipe>[-<tag>].json`."""
+    return (str(result.get("recipe") or ""), str(result.get("tag") or ""))
+
+
+def load_results(results_dir: str | os.PathLike) -> list[dict]:
+    """Read the schema-1 results JSON files directly inside `results_dir`, sorted by recipe then tag.
+
+    Per-rank side files (`*.rankN.json`) and JSON that is not a results file are skipped silently;
+    unreadable files and other schema versions are skipped with a one-line warning on stderr.
+    """
+    results = []
+    for path in sorted(Path(results_dir).glob("*.json")):
+        if RANK_FILE.search(path.name) or not path.is_file():
+            continue
+        try:
+            payload = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            print(f"report: skipping {path}: unreadable ({reason})", file=sys.stderr)
+            continue
+        if not isinstance(payload, dict) or "schema_version" not in payload:
+            continue
+        if payload["schema_version"] != SCHEMA_VERSION or not payload.get("recipe"):
+            print(f"report: skipping {path}: not a schema-{SCHEMA_VERSION} results file", file=sys.stderr)
+            continue
+        results.append(payload)
+    return sorted(results, key=_sort_key)
+
+
+def _label(result: dict) -> str:
+    tag = result.get("tag")
+    return f"{result.get('recipe')} ({tag})" if tag else str(result.get("recipe"))
+
+
+def _num(value: Any, decimals: int) -> str:
+    return DASH if not isinstance(value, int | float) else f"{value:.{decimals}f}"
+
+
+def _is_cpu(result: dict) -> bool:
+    return _get(result, "memory.kind") == "cpu_rss"
+
+
+def _batch(result: dict) -> str:
+    batch, accum = _get(result, "config.batch_size"), _get(result, "config.accumulation_steps", 1)
+    if batch is None:
+        return DASH
+    if accum and accum > 1:
+        micro = _get(result, "config.micro_batch_size", batch // accum)
+        return f"{batch} ({micro}×{accum})"
+    return str(batch)
+
+
+def _memory_cells(result: dict) -> tuple[str, str]:
+    if result.get("status") == "oom":
+        return "OOM", "OOM"
+    mark = CPU_MARK if _is_cpu(result) else ""
+    cells = (_num(_get(result, f"memory.peak_{k}_gb"), 2) for k in ("reserved", "allocated"))
+    return tuple(c + mark if c != DASH else c for c in cells)  # type: ignore[return-value]
+
+
+def render_table(results: list[dict]) -> str:
+    """The ladder as a markdown table, one row per run (sorted by recipe, then tag)."""
+    header = [
+        "recipe", "status", "precision", "batch", "devices", "peak reserved GB", "peak allocated GB",
+        "img/s", "optimizer steps", "train acc", "val acc",
+    ]  # fmt: skip
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] * 3 + ["---:"] * 8) + "|"]
+    for r in sorted(results, key=_sort_key):
+        reserved, allocated = _memory_cells(r)
+        row = [
+            _label(r),
+            str(r.get("status") or DASH),
+            str(_get(r, "config.precision", DASH)),
+            _batch(r),
+            str(_get(r, "provenance.world_size", DASH)),
+            reserved,
+            allocated,
+            _num(_get(r, "timing.images_per_s"), 0),
+            str(_get(r, "timing.optimizer_steps", DASH)),
+            _num(_get(r, "accuracy.train"), 3),
+            _num(_get(r, "accuracy.val"), 3),
+        ]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def _provenance_lines(results: list[dict]) -> list[str]:
+    """One line per distinct (device, world size, versions, data, weights): what produced the numbers."""
+    groups: dict[tuple, list[str]] = {}
+    for r in results:
+        p = r.get("provenance") or {}
+        key = (
+            p.get("gpu_name") or "CPU",
+            p.get("world_size"),
+            p.get("torch"),
+            p.get("lightning"),
+            p.get("data_source"),
+            p.get("weights"),
+        )
+        groups.setdefault(key, []).append(_label(r))
+    lines = []
+    for (device, world, torch_v, lightning_v, data, weights), labels in groups.items():
+        lines.append(
+            f"- **{device}** · world size {world if world is not None else '?'} · torch {torch_v} · lightning {lightning_v}"
+            f" · data: {data} · weights: {weights} — {', '.join(labels)}"
+        )
+    return lines
+
+
+def _format_extra(value: Any) -> str:
+    if isinstance(value, dict):
+        return " · ".join(f"{k} {_format_extra(v)}" for k, v in value.items())
+    if isinstance(value, float):
+        return f"{value:.2f}" if abs(value) >= 0.01 or value == 0 else f"{value:.3g}"
+    return str(value)
+
+
+def render_markdown(results: list[dict], image_name: str = "ladder.png") -> str:
+    """The whole README.md: title, provenance, figure, table, per-phase peaks and recipe extras."""
+    out = [
+        "# Results: the memory ladder",
+        "",
+        "Generated by `python -m common.report` from the JSON files beside it — do not edit by hand.",
+        "",
+        f"![ladder]({image_name})",
+        "",
+        "Produced on:",
+        "",
+        *_provenance_lines(results),
+        "",
+        render_table(results),
+        "",
+        "Memory is the peak of the training phase, in GB (1e9 bytes): `allocated` by tensors and "
+        "`reserved` by the caching allocator. img/s counts all ranks together.",
+    ]
+    if any(_is_cpu(r) for r in results):
+        out += [
+            "",
+            f"{CPU_MARK} CPU run: the memory cells hold the process peak resident set size (RSS), not GPU "
+            "memory; it includes Python and the libraries and cannot be reset between phases.",
+        ]
+    phased = [r for r in results if set(_get(r, "memory.phases", {})) - STANDARD_PHASES]
+    if phased:
+        out += ["", "## Per-phase peaks", "", "| run | phase | peak allocated GB | peak reserved GB |"]
+        out.append("|---|---|---:|---:|")
+        for r in phased:
+            for name, phase in _get(r, "memory.phases", {}).items():
+                alloc, res = (_num(_get(phase, f"peak_{k}_gb"), 2) for k in ("allocated", "reserved"))
+                out.append(f"| {_label(r)} | {name} | {alloc} | {res} |")
+    with_extra = [r for r in results if r.get("extra")]
+    if with_extra:
+        out += ["", "## Recipe-specific measurements", ""]
+        for r in with_extra:
+            for key, value in r["extra"].items():
+                out.append(f"- **{_label(r)}** `{key}`: {_format_extra(value)}")
+    return "\n".join(out) + "\n"
+
+
+def render_figure(results: list[dict], path: str | os.PathLike) -> None:
+    """Two panels in table order: peak memory (reserved bar, allocated bar inside it) and img/s."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = sorted(results, key=_sort_key)
+    labels = [_label(r) for r in results]
+    xs = range(len(results))
+    oom = [r.get("status") == "oom" for r in results]
+
+    def values(key: str) -> list[float]:  # OOM runs (and missing values) plot as 0, drawn over below
+        return [0.0 if r.get("status") == "oom" else float(_get(r, key, 0.0)) for r in results]
+
+    reserved, allocated = values("memory.peak_reserved_gb"), values("memory.peak_allocated_gb")
+    speed = values("timing.images_per_s")
+
+    fig, (ax_mem, ax_speed) = plt.subplots(1, 2, figsize=(max(10, 1.3 * len(results) + 4), 5.5))
+
+    def text(values: list[float], fmt: str) -> list[str]:
+        return [format(v, fmt) if v else "" for v in values]
+
+    res_bars = ax_mem.bar(xs, reserved, width=0.75, color="#9ecae1", label="peak reserved")
+    alloc_bars = ax_mem.bar(xs, allocated, width=0.45, color="#08519c", label="peak allocated")
+    ax_mem.bar_label(res_bars, labels=text(reserved, ".2f"), fontsize=8)
+    ax_mem.bar_label(
+        alloc_bars, labels=text(allocated, ".2f"), fontsize=7, label_type="center", color="white"
+    )
+    speed_bars = ax_speed.bar(xs, speed, width=0.6, color="#31a354")
+    ax_speed.bar_label(speed_bars, labels=text(speed, ".0f"), fontsize=8)
+    positive = [v for v in speed if v > 0]
+    if positive and max(positive) / min(positive) > 30:
+        ax_speed.set_yscale("log")
+
+    for ax, values in ((ax_mem, reserved), (ax_speed, speed)):
+        top = max(values, default=0) or 1.0
+        for x in xs:
+            if oom[x]:  # no peak to show: a hatched placeholder bar, labelled
+                ax.bar(x, top, width=0.6, fill=False, hatch="//", edgecolor="#cb181d")
+                ax.text(
+                    x,
+                    top / 2,
+                    "OOM",
+                    ha="center",
+                    va="center",
+                    color="#cb181d",
+                    fontweight="bold",
+                    backgroundcolor="white",
+                )
+        ax.set_xticks(list(xs), labels, rotation=35, ha="right", fontsize=8)
+        ax.grid(axis="y", alpha=0.3)
+
+    kinds = {_get(r, "memory.kind") for r in results}
+    if kinds == {"cpu_rss"}:
+        ax_mem.set_ylabel("process peak RSS (GB, CPU)")
+    elif "cpu_rss" in kinds:
+        ax_mem.set_ylabel("peak memory (GB; CPU runs: process RSS)")
+    else:
+        ax_mem.set_ylabel("peak GPU memory (GB)")
+    ax_mem.set_title("Peak memory (training phase)")
+    ax_mem.legend(fontsize=8)
+    ax_speed.set_ylabel("images / s")
+    ax_speed.set_title("Throughput")
+    devices = sorted({_get(r, "provenance.gpu_name") or "CPU" for r in results})
+    fig.suptitle(f"Fabric memory ladder\n{', '.join(devices)}", fontsize=11)
+    fig.tight_layout()
+    tmp = Path(f"{path}.tmp")
+    fig.savefig(tmp, format="png", dpi=120)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def _write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)  # atomic: a reader never sees half a README
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Render RESULTS_DIR/README.md and RESULTS_DIR/ladder.png; exit 2 if there is nothing to render."""
+    parser = argparse.ArgumentParser(prog="python -m common.report", description=__doc__.splitlines()[0])
+    parser.add_argument("results_dir", nargs="?", default="results", help="directory of results JSON")
+    args = parser.parse_args(argv)
+    results_dir = Path(args.results_dir)
+    if not results_dir.is_dir():
+        print(f"report: {results_dir} is not a directory", file=sys.stderr)
+        return 2
+    results = load_results(results_dir)
+    if not results:
+        print(f"report: no schema-{SCHEMA_VERSION} results JSON in {results_dir}", file=sys.stderr)
+        return 2
+    _write_text(results_dir / "README.md", render_markdown(results, "ladder.png"))
+    render_figure(results, results_dir / "ladder.png")
+    print(f"report: {len(results)} runs -> {results_dir / 'README.md'}, {results_dir / 'ladder.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,270 @@
+"""common.report: results JSON -> README.md table + ladder.png, on fixtures and on a real CPU run."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from common import report
+
+REPO = Path(__file__).resolve().parents[1]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def make_result(
+    recipe: str,
+    *,
+    tag: str | None = None,
+    status: str = "ok",
+    batch: int = 64,
+    accum: int = 1,
+    precision: str = "32-true",
+    allocated: float | None = 26.891,
+    reserved: float | None = 29.5,
+    kind: str = "cuda",
+    images_per_s: float | None = 123.4,
+    extra_phases: dict | None = None,
+    extra: dict | None = None,
+) -> dict:
+    """A valid schema-1 payload with the keys documented in common/metrics.py."""
+    gpu = kind == "cuda"
+
+    def phase(a, r):
+        return {
+            "peak_allocated_gb": a,
+            "peak_reserved_gb": r,
+            "per_rank": [{"rank": 0, "allocated_gb": a, "reserved_gb": r}],
+        }
+
+    phases = {"model_load": phase(1.2, 1.3), "train": phase(allocated, reserved), "eval": phase(2.0, 2.5)}
+    phases.update(extra_phases or {})
+    return {
+        "schema_version": 1,
+        "recipe": recipe,
+        "tag": tag,
+        "description": f"{recipe} fixture",
+        "status": status,
+        "error": "CUDA out of memory" if status == "oom" else None,
+        "config": {
+            "precision": precision,
+            "batch_size": batch,
+            "accumulation_steps": accum,
+            "micro_batch_size": batch // accum,
+            "devices": 1,
+            "max_steps": 10,
+        },
+        "provenance": {
+            "device": "cuda" if gpu else "cpu",
+            "gpu_name": "NVIDIA H100 80GB HBM3" if gpu else None,
+            "world_size": 1,
+            "num_nodes": 1,
+            "torch": "2.5.1",
+            "lightning": "2.4.0",
+            "torchvision": "0.20.1",
+            "python": "3.11.7",
+            "cuda": "12.4",
+            "float32_matmul_precision": "high",
+            "data_source": "cifar10" if gpu else "synthetic",
+            "weights": "pretrained" if gpu else "random",
+            "model": "vit_l_16" if gpu else "vit_tiny",
+            "parameters": 304_000_000,
+            "timestamp": "2025-01-01T00:00:00+00:00",
+        },
+        "memory": {
+            "kind": kind,
+            "unit": "GB",
+            "phases": phases,
+            "peak_allocated_gb": allocated,
+            "peak_reserved_gb": reserved,
+        },
+        "timing": {
+            "train_wall_s": 100.0,
+            "median_step_s": 0.5,
+            "images_per_s": images_per_s,
+            "optimizer_steps": 10 if status == "ok" else 0,
+            "micro_batches": 10 * accum,
+            "images_seen": 10 * batch,
+            "warmup_steps": 1,
+        },
+        "accuracy": {"train": 0.91234, "val": 0.8766, "test": 0.87} if status == "ok" else {},
+        "loss": {"first": 2.3, "last": 0.4},
+        "extra": extra or {},
+    }
+
+
+FIXTURES = {
+    "01_baseline.json": make_result("01_baseline", allocated=26.891, reserved=29.5),
+    "02_mixed_precision.json": make_result("02_mixed_precision", precision="16-mixed", allocated=18.2),
+    "04_lower_batch_size.json": make_result("04_lower_batch_size", batch=16, allocated=5.123),
+    "04_lower_batch_size-small.json": make_result(
+        "04_lower_batch_size", tag="small", batch=8, allocated=3.333, reserved=4.0
+    ),
+    "05_gradient_accumulation.json": make_result("05_gradient_accumulation", batch=16, accum=4),
+    "03_true_half_precision.json": make_result(
+        "03_true_half_precision", status="oom", allocated=None, reserved=None, images_per_s=None
+    ),
+    "06_cpu.json": make_result("06_sgd_cosine", tag="cpu", kind="cpu_rss", allocated=1.2824, reserved=1.2824),
+    "07_init_module.json": make_result(
+        "07_init_module",
+        extra_phases={
+            "load_cpu_then_move": {"peak_allocated_gb": 4.567, "peak_reserved_gb": 4.75, "per_rank": []}
+        },
+        extra={"model_load_peak_allocated_gb": {"cpu_then_move": 4.567, "init_module": 1.234, "ratio": 0.27}},
+    ),
+}
+
+
+def write_fixtures(directory: Path, fixtures: dict = FIXTURES) -> None:
+    for name, payload in fixtures.items():
+        (directory / name).write_text(json.dumps(payload, indent=2))
+
+
+def table_rows(markdown: str) -> dict[str, list[str]]:
+    """Rows of the main table (the first one), keyed by the recipe cell."""
+    lines = markdown.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| recipe |"))
+    rows = {}
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        rows[cells[0]] = cells
+    return rows
+
+
+def run_module(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run(
+        [sys.executable, "-m", "common.report", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def assert_png(path: Path) -> None:
+    assert path.is_file()
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC
+    assert len(data) > 10_000
+
+
+def test_main_renders_table_and_figure(tmp_path):
+    write_fixtures(tmp_path)
+    assert report.main([str(tmp_path)]) == 0
+    markdown = (tmp_path / "README.md").read_text()
+    assert_png(tmp_path / "ladder.png")
+    assert "![ladder](ladder.png)" in markdown
+    assert "python -m common.report" in markdown
+    assert "NVIDIA H100 80GB HBM3" in markdown and "**CPU**" in markdown
+
+    rows = table_rows(markdown)
+    assert len(rows) == len(FIXTURES)
+    # columns: recipe, status, precision, batch, devices, reserved, allocated, img/s, steps, train, val
+    base = rows["01_baseline"]
+    assert base[1:] == ["ok", "32-true", "64", "1", "29.50", "26.89", "123", "10", "0.912", "0.877"]
+    assert rows["02_mixed_precision"][2] == "16-mixed"
+    assert rows["05_gradient_accumulation"][3] == "16 (4×4)"
+    assert rows["04_lower_batch_size (small)"][3:7] == ["8", "1", "4.00", "3.33"]
+
+    oom = rows["03_true_half_precision"]
+    assert oom[1] == "oom" and oom[5:7] == ["OOM", "OOM"]
+    assert oom[7] == "—" and oom[9:] == ["—", "—"]
+    assert oom[3] == "64"  # its config is still shown
+
+    cpu = rows["06_sgd_cosine (cpu)"]
+    assert cpu[5].startswith("1.28") and cpu[5] != "1.28"  # marked with the footnote
+    assert "RSS" in markdown
+
+    # Sorted by recipe, then tag (untagged first).
+    assert list(rows) == [
+        "01_baseline",
+        "02_mixed_precision",
+        "03_true_half_precision",
+        "04_lower_batch_size",
+        "04_lower_batch_size (small)",
+        "05_gradient_accumulation",
+        "06_sgd_cosine (cpu)",
+        "07_init_module",
+    ]
+
+    # Extra phases and recipe extras of rung 07.
+    assert "| 07_init_module | load_cpu_then_move | 4.57 | 4.75 |" in markdown
+    assert "model_load_peak_allocated_gb" in markdown
+    assert "cpu_then_move 4.57" in markdown and "init_module 1.23" in markdown and "ratio 0.27" in markdown
+
+
+def test_module_subprocess(tmp_path):
+    write_fixtures(tmp_path)
+    proc = run_module(str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert "26.89" in (tmp_path / "README.md").read_text()
+    assert_png(tmp_path / "ladder.png")
+
+
+def test_bad_files_are_skipped_with_a_warning(tmp_path, capsys):
+    write_fixtures(tmp_path, {"01_baseline.json": FIXTURES["01_baseline.json"]})
+    (tmp_path / "02_broken.json").write_text('{"schema_version": 1, "recipe": ')
+    (tmp_path / "01_baseline.rank1.json").write_text(json.dumps(make_result("01_rankfile")))
+    (tmp_path / "other.json").write_text(json.dumps({"not": "a result"}))
+    (tmp_path / "future.json").write_text(json.dumps({**make_result("09_future"), "schema_version": 2}))
+    assert report.main([str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert "02_broken.json" in err and "future.json" in err
+    assert "rank1" not in err and "other.json" not in err
+    rows = table_rows((tmp_path / "README.md").read_text())
+    assert list(rows) == ["01_baseline"]
+
+
+def test_load_results_sorted(tmp_path):
+    write_fixtures(tmp_path)
+    results = report.load_results(tmp_path)
+    keys = [(r["recipe"], r["tag"] or "") for r in results]
+    assert keys == sorted(keys)
+
+
+@pytest.mark.parametrize("kind", ["empty", "missing", "only_bad"])
+def test_nothing_to_render_exits_2(tmp_path, kind):
+    target = tmp_path / "results"
+    if kind != "missing":
+        target.mkdir()
+    if kind == "only_bad":
+        (target / "x.json").write_text("not json")
+    proc = run_module(str(target))
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == (2 if kind == "only_bad" else 1)  # only_bad: its warning, then the error
+    assert "Traceback" not in proc.stderr
+    assert not (target / "README.md").exists()
+
+
+def test_end_to_end_with_a_real_run(tmp_path):
+    """Guards that report.py reads what metrics.py really writes."""
+    env = {**os.environ, "FMR_OFFLINE": "1", "FMR_LOG_DIR": str(tmp_path / "logs")}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [
+        sys.executable,
+        "recipes/01_baseline.py",
+        "--accelerator", "cpu",
+        "--model", "vit_tiny",
+        "--data", "synthetic",
+        "--weights", "none",
+        "--max-steps", "3",
+        "--eval-batches", "1",
+        "--results-dir", str(tmp_path),
+    ]  # fmt: skip
+    run = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert report.main([str(tmp_path)]) == 0
+    rows = table_rows((tmp_path / "README.md").read_text())
+    row = rows["01_baseline"]
+    assert row[1:5] == ["ok", "32-true", "64", "1"]
+    assert row[5].endswith("¹")  # CPU: process RSS, footnoted
+    assert row[8] == "3"
+    assert row[7] != "—"
+    assert_png(tmp_path / "ladder.png")
