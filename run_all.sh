@@ -13,6 +13,8 @@ set -u
 cd "$(dirname "$0")"
 
 PYTHON=${PYTHON:-python3}
+# Recipes import `common`; make that work from a plain checkout too (pip install -e . is still the way).
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 only=""
 force_cpu=0
 results_dir=""

@@ -26,6 +26,7 @@ BASE_DEFAULTS: dict[str, Any] = {
     "num_nodes": 1,
     "precision": "32-true",
     "tf32": True,
+    "compile": None,
     "batch_size": 64,
     "accumulation_steps": 1,
     "epochs": 1,
@@ -93,6 +94,11 @@ def build_parser(description: str, defaults: dict[str, Any]) -> argparse.Argumen
         "--tf32",
         action=argparse.BooleanOptionalAction,
         help="TF32 tensor-core matmuls for fp32 tensors (CUDA)",
+    )
+    g.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        help="torch.compile each transformer block (default: on with CUDA, off on CPU)",
     )
     g = p.add_argument_group("training")
     g.add_argument(
@@ -166,6 +172,9 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
         raise UsageError(f"--devices {args.devices} requested but this machine has {have} {what}")
     if args.weights == "pretrained" and args.model not in ("vit_l_16", "vit_b_16"):
         raise UsageError(f"--weights pretrained: no pretrained weights exist for --model {args.model}")
+    if args.compile is None:
+        # Small batches are launch-bound on a GPU; on a CPU compiling costs more than it saves.
+        args.compile = args.accelerator == "cuda"
     args.micro_batch_size = args.batch_size // args.accumulation_steps
     return args
 

@@ -93,5 +93,10 @@ def load(name: str, weights: str, num_classes: int = 10) -> BuiltModel:
     )
 
 
+def blocks(model) -> list:
+    """The repeated transformer blocks (torchvision ViT: ``encoder.layers``), e.g. to compile or wrap each."""
+    return list(model.encoder.layers)
+
+
 def count_parameters(model, trainable_only: bool = False) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)

@@ -48,6 +48,9 @@ def main(args, log):
     with log.phase("model_load"):
         with fabric.init_module(empty_init=False):  # allocated on the device, in the target precision
             model = models.build_model(args.model, weights, num_classes=data.NUM_CLASSES)
+        if args.compile:  # one compiled graph per block (all 24 share it): fewer, fused kernel launches
+            for block in models.blocks(model):
+                block.compile()
         optimizer = torch.optim.SGD(
             model.parameters(), lr=args.lr
         )  # no state: Adam kept 2 tensors per parameter
@@ -61,9 +64,8 @@ def main(args, log):
             "ratio": init_gb / usual_gb,
         }
 
-    loaders = data.loaders(
-        splits, args.micro_batch_size, args.batch_size, args.num_workers, fabric.device.type == "cuda"
-    )
+    pin = fabric.device.type == "cuda"
+    loaders = data.loaders(splits, args.micro_batch_size, args.micro_batch_size, args.num_workers, pin)
     train_loader, val_loader, test_loader = fabric.setup_dataloaders(*loaders)
     batch_fn = loop.image_classification(model.image_size)
     num_steps = loop.planned_steps(len(train_loader), args.accumulation_steps, args.epochs, args.max_steps)
