@@ -55,6 +55,11 @@ else
   base=()
 fi
 
+# Rungs that shard across GPUs: run with min(GPUs, 4) processes; skipped with fewer than 2 GPUs.
+MULTI_GPU_RECIPES=" 08_fsdp 08_fsdp2 09_cpu_offload "
+MULTI_GPU_DEFAULT_DEVICES=4
+is_multi_gpu() { case "$MULTI_GPU_RECIPES" in *" $1 "*) return 0 ;; esac; return 1; }
+
 # Recipe-specific changes for the CPU path: fp16 autocast needs CUDA, bf16 autocast is the CPU analogue.
 cpu_overrides() {
   case "$1" in
@@ -87,6 +92,15 @@ summary=()
 failed=0
 for name in "${recipes[@]}"; do
   args=("${base[@]}")
+  if is_multi_gpu "$name"; then
+    if [ "$gpus" -lt 2 ]; then
+      echo
+      echo ">>> $name skipped: it shards across GPUs and this machine has $gpus (needs at least 2)"
+      summary+=("$(printf '%-28s %-26s' "$name" "skipped (needs >= 2 GPUs)")")
+      continue
+    fi
+    args+=(--devices "$(( gpus < MULTI_GPU_DEFAULT_DEVICES ? gpus : MULTI_GPU_DEFAULT_DEVICES ))")
+  fi
   if [ "$mode" = cpu ]; then
     read -ra ov <<< "$(cpu_overrides "$name")"
     args+=("${ov[@]}")

@@ -110,7 +110,7 @@ def synthetic(sizes: tuple[int, int, int] = SPLIT_SIZES, seed: int = 0, noise: f
 def load(choice: str, data_dir: str = "data") -> Splits:
     """--data auto|cifar10|synthetic. ``auto`` uses CIFAR-10 if present or downloadable, else the
     synthetic stand-in with one printed line. ``cifar10`` offline is a UsageError (exit 2)."""
-    from common.net import reachable
+    from common.net import note, reachable
 
     if choice == "synthetic":
         return synthetic()
@@ -124,7 +124,7 @@ def load(choice: str, data_dir: str = "data") -> Splits:
                 f"--data cifar10: not found under {data_dir}/{CIFAR_FOLDER} and the network is unreachable"
             )
         else:
-            print(
+            note(
                 "[data] CIFAR-10 not found and offline: using the synthetic stand-in (same shapes, learnable classes)"
             )
             return synthetic()
@@ -137,22 +137,42 @@ def loaders(
     eval_batch_size: int,
     num_workers: int = 0,
     pin_memory: bool = False,
+    world_size: int = 1,
+    rank: int = 0,
+    seed: int = 0,
 ):
     """Train (shuffled, whole micro-batches only) and val/test DataLoaders over uint8 tensors.
 
     ``drop_last=True`` on train keeps every micro-batch the same size, so averaging the loss over the
     micro-batches of an accumulation group equals the loss of the big batch.
+    With several processes each rank reads its own shard through a ``DistributedSampler``: on train
+    with ``drop_last=True`` (disjoint shards, no sample repeated); on val/test without it, so every
+    sample is seen and all ranks run the same number of batches (sharded models need every rank in
+    every forward). The sampler pads only when a split does not divide by the world size.
+    Fabric's ``setup_dataloaders`` keeps a DistributedSampler it is given.
     """
     import torch
-    from torch.utils.data import DataLoader, TensorDataset
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
     def ds(part):
         return TensorDataset(torch.from_numpy(part[0]), torch.from_numpy(part[1]))
 
     common = dict(num_workers=num_workers, pin_memory=pin_memory, persistent_workers=num_workers > 0)
-    train = DataLoader(ds(splits.train), batch_size=micro_batch_size, shuffle=True, drop_last=True, **common)
-    val = DataLoader(ds(splits.val), batch_size=eval_batch_size, shuffle=False, **common)
-    test = DataLoader(ds(splits.test), batch_size=eval_batch_size, shuffle=False, **common)
+    train_ds, val_ds, test_ds = ds(splits.train), ds(splits.val), ds(splits.test)
+    if world_size > 1:
+
+        def shard(d, shuffle, drop_last):
+            return DistributedSampler(d, world_size, rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
+
+        train = DataLoader(
+            train_ds, micro_batch_size, sampler=shard(train_ds, True, True), drop_last=True, **common
+        )
+        val = DataLoader(val_ds, eval_batch_size, sampler=shard(val_ds, False, False), **common)
+        test = DataLoader(test_ds, eval_batch_size, sampler=shard(test_ds, False, False), **common)
+        return train, val, test
+    train = DataLoader(train_ds, batch_size=micro_batch_size, shuffle=True, drop_last=True, **common)
+    val = DataLoader(val_ds, batch_size=eval_batch_size, shuffle=False, **common)
+    test = DataLoader(test_ds, batch_size=eval_batch_size, shuffle=False, **common)
     return train, val, test
 
 

@@ -39,9 +39,11 @@ def resolve_weights(name: str, weights: str) -> object | None:
 
     ``auto`` falls back to random init with one printed line; ``pretrained`` offline is an error.
     """
+    from common.net import note
+
     if weights == "none" or name not in _PRETRAINED:
         if weights == "auto" and name not in _PRETRAINED:
-            print(f"[weights] {name} has no pretrained weights: random init")
+            note(f"[weights] {name} has no pretrained weights: random init")
         return None
     enum = _weights_available(name)
     if enum is None:
@@ -51,7 +53,7 @@ def resolve_weights(name: str, weights: str) -> object | None:
             raise UsageError(
                 f"--weights pretrained: {name} weights are not cached and the network is unreachable"
             )
-        print(
+        note(
             f"[weights] pretrained {name} weights unreachable (offline): random init of the same architecture"
         )
     return enum
