@@ -272,10 +272,27 @@ def _write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)  # atomic: a reader never sees half a README
 
 
+def update_block(document: str, block: str, content: str) -> str:
+    """Replace the text between ``<!-- results:BLOCK:start -->`` and ``<!-- results:BLOCK:end -->``.
+
+    This is how the top-level README shows measured tables without anyone copying numbers by hand.
+    """
+    start, end = f"<!-- results:{block}:start -->", f"<!-- results:{block}:end -->"
+    i, j = document.find(start), document.find(end)
+    if i < 0 or j < i:
+        raise ValueError(f"markers {start} ... {end} not found")
+    return document[: i + len(start)] + "\n" + content.rstrip() + "\n" + document[j:]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Render RESULTS_DIR/README.md and RESULTS_DIR/ladder.png; exit 2 if there is nothing to render."""
     parser = argparse.ArgumentParser(prog="python -m common.report", description=__doc__.splitlines()[0])
     parser.add_argument("results_dir", nargs="?", default="results", help="directory of results JSON")
+    parser.add_argument(
+        "--readme",
+        metavar="PATH:BLOCK",
+        help="also write the table into the marked block BLOCK of the markdown file PATH",
+    )
     args = parser.parse_args(argv)
     results_dir = Path(args.results_dir)
     if not results_dir.is_dir():
@@ -288,6 +305,15 @@ def main(argv: list[str] | None = None) -> int:
     _write_text(results_dir / "README.md", render_markdown(results, "ladder.png"))
     render_figure(results, results_dir / "ladder.png")
     print(f"report: {len(results)} runs -> {results_dir / 'README.md'}, {results_dir / 'ladder.png'}")
+    if args.readme:
+        path, _, block = args.readme.rpartition(":")
+        try:
+            text = update_block(Path(path).read_text(), block, render_table(results))
+        except (OSError, ValueError) as e:
+            print(f"report: --readme {args.readme}: {e}", file=sys.stderr)
+            return 2
+        _write_text(Path(path), text)
+        print(f"report: table -> {path} (block {block})")
     return 0
 
 
