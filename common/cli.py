@@ -179,6 +179,61 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
+# `fabric run --devices 2 script.py` consumes the hardware flags itself and hands them to the script in
+# these variables; a recipe adopts them as its defaults.
+FABRIC_RUN_ENV = {
+    "accelerator": "LT_ACCELERATOR",
+    "devices": "LT_DEVICES",
+    "num_nodes": "LT_NUM_NODES",
+    "precision": "LT_PRECISION",
+}
+
+
+def _fabric_run_values() -> dict[str, Any]:
+    """Hardware settings given to ``fabric run`` (empty when the recipe was not started by it)."""
+    if not os.environ.get("LT_CLI_USED"):
+        return {}
+    if os.environ.get("LT_STRATEGY"):
+        fail(
+            f"fabric run --strategy {os.environ['LT_STRATEGY']}: each recipe builds its own strategy; leave it out"
+        )
+    values: dict[str, Any] = {}
+    for key, var in FABRIC_RUN_ENV.items():
+        raw = os.environ.get(var)
+        if raw is None:
+            continue
+        if key in ("devices", "num_nodes"):
+            if not raw.isdigit():
+                fail(
+                    f"fabric run --{key.replace('_', '-')} {raw}: the recipes need a number of devices/nodes"
+                )
+            values[key] = int(raw)
+        else:
+            values[key] = raw
+    return values
+
+
+def _adopt_fabric_run(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Parse with ``fabric run``'s settings as defaults; an explicit flag that disagrees is an error.
+
+    The variables are then cleared: the recipe passes its (validated, resolved) values to Fabric, which
+    would otherwise compare them with the variables and refuse e.g. 'cuda' against 'auto', and refuse
+    ``fabric.launch()``. The processes ``fabric run`` started are found as under torchrun.
+    """
+    given = _fabric_run_values()
+    parser.set_defaults(**given)
+    args = parser.parse_args(argv)
+    explicit = parser.parse_args(argv, namespace=argparse.Namespace(**{k: None for k in given}))
+    for key, value in given.items():
+        mine = getattr(explicit, key)
+        if mine is not None and str(mine) != str(value):
+            flag = "--" + key.replace("_", "-")
+            fail(f"{flag} {mine} conflicts with `fabric run {flag} {value}`: give it to one of them")
+    for var in (*FABRIC_RUN_ENV.values(), "LT_CLI_USED", "LT_STRATEGY"):
+        os.environ.pop(var, None)
+    return args
+
+
 def parse_args(
     description: str, defaults: dict[str, Any], argv: list[str] | None = None, extra: Callable | None = None
 ) -> argparse.Namespace:
@@ -186,7 +241,7 @@ def parse_args(
     parser = build_parser(description, defaults)
     if extra is not None:
         extra(parser)
-    args = parser.parse_args(argv)
+    args = _adopt_fabric_run(parser, argv)
     from common.models import MODEL_NAMES  # cheap: no torch import at module level
 
     if args.model not in MODEL_NAMES:

@@ -124,3 +124,42 @@ def test_bad_device_counts_exit_2_with_one_line(run_recipe, name):
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "--devices 9999" in lines[0], describe(proc)
     assert "Traceback" not in proc.stderr and payload is None
+
+
+def test_fabric_run_settings_become_the_defaults_and_are_consumed(monkeypatch):
+    from common import cli
+
+    env = {
+        "LT_CLI_USED": "1",
+        "LT_ACCELERATOR": "cpu",
+        "LT_DEVICES": "2",
+        "LT_NUM_NODES": "1",
+        "LT_PRECISION": "bf16-true",
+    }
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    args = cli.parse_args("x", {"devices": 4}, ["--model", "vit_tiny"])
+    assert (args.accelerator, args.devices, args.num_nodes, args.precision) == ("cpu", 2, 1, "bf16-true")
+    # consumed: Fabric must neither compare them with the recipe's values nor refuse launch()
+    assert not any(key in __import__("os").environ for key in env)
+
+
+@pytest.mark.parametrize(
+    ("env", "argv", "message"),
+    [
+        ({"LT_DEVICES": "2"}, ["--devices", "1"], "conflicts with `fabric run --devices 2`"),
+        ({"LT_STRATEGY": "ddp"}, [], "each recipe builds its own strategy"),
+    ],
+)
+def test_fabric_run_conflicts_exit_2(monkeypatch, capsys, env, argv, message):
+    from common import cli
+
+    monkeypatch.setenv("LT_CLI_USED", "1")
+    monkeypatch.setenv("LT_ACCELERATOR", "cpu")
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.parse_args("x", {}, ["--model", "vit_tiny", *argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
