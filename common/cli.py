@@ -170,7 +170,7 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
     if args.devices > have:
         what = "CUDA devices" if args.accelerator == "cuda" else "CPU cores"
         raise UsageError(f"--devices {args.devices} requested but this machine has {have} {what}")
-    if args.weights == "pretrained" and args.model not in ("vit_l_16", "vit_b_16"):
+    if args.weights == "pretrained" and args.model == "vit_tiny":
         raise UsageError(f"--weights pretrained: no pretrained weights exist for --model {args.model}")
     if args.compile is None:
         # Small batches are launch-bound on a GPU; on a CPU compiling costs more than it saves.
@@ -235,17 +235,23 @@ def _adopt_fabric_run(parser: argparse.ArgumentParser, argv: list[str] | None) -
 
 
 def parse_args(
-    description: str, defaults: dict[str, Any], argv: list[str] | None = None, extra: Callable | None = None
+    description: str,
+    defaults: dict[str, Any],
+    argv: list[str] | None = None,
+    extra: Callable | None = None,
+    model_choices: tuple[str, ...] | None = None,
 ) -> argparse.Namespace:
-    """Parse and validate; ``extra(parser)`` may add recipe-specific flags. Exits 2 on bad input."""
+    """Parse and validate; ``extra(parser)`` may add recipe-specific flags; ``model_choices`` replaces
+    the ViT names for recipes of other model families. Exits 2 on bad input."""
     parser = build_parser(description, defaults)
     if extra is not None:
         extra(parser)
     args = _adopt_fabric_run(parser, argv)
     from common.models import MODEL_NAMES  # cheap: no torch import at module level
 
-    if args.model not in MODEL_NAMES:
-        fail(f"--model {args.model!r} is not one of: {', '.join(MODEL_NAMES)}")
+    choices = model_choices or MODEL_NAMES
+    if args.model not in choices:
+        fail(f"--model {args.model!r} is not one of: {', '.join(choices)}")
     try:
         return validate(args)
     except UsageError as e:
@@ -261,13 +267,14 @@ def run(
     defaults: dict[str, Any],
     argv: list[str] | None = None,
     extra: Callable | None = None,
+    model_choices: tuple[str, ...] | None = None,
 ) -> int:
     """Parse flags, run ``main(args, log)``, and record the outcome.
 
     A CUDA out-of-memory error is caught here and written as ``"status": "oom"`` with its config, so a
     ladder run loses nothing; the process then exits 3 (``run_all.sh`` reports it and moves on).
     """
-    args = parse_args(description, defaults, argv, extra)
+    args = parse_args(description, defaults, argv, extra, model_choices)
     from common.metrics import MetricsLogger
 
     log = MetricsLogger(recipe, args, description=description.strip().splitlines()[0])
