@@ -6,6 +6,8 @@
 #   ./run_all.sh -- --max-steps 50       everything after -- is passed to every recipe
 #   ./run_all.sh --cpu                   force the quick CPU path (tiny model, synthetic data, few steps)
 #   ./run_all.sh --results-dir DIR       where the JSON and the report go
+#   ./run_all.sh --bonus                 the bonus cases instead (results/bonus): DistilBERT and BigBird on
+#                                        IMDb before/after, and the LLM fine-tuning toggles table
 #
 # A recipe that fails or runs out of memory does not stop the ladder; the script exits non-zero at the
 # end with a one-line-per-recipe summary. Exit codes of a recipe: 0 ok, 2 bad flags, 3 out of memory.
@@ -17,16 +19,18 @@ PYTHON=${PYTHON:-python3}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 only=""
 force_cpu=0
+bonus=0
 results_dir=""
 extra=()
 
-usage() { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; }
 
 while [ $# -gt 0 ]; do
   case "$1" in
     --only) only="${2:-}"; shift 2 || { echo "run_all.sh: --only needs a value" >&2; exit 2; } ;;
     --only=*) only="${1#--only=}"; shift ;;
     --cpu) force_cpu=1; shift ;;
+    --bonus) bonus=1; shift ;;
     --results-dir) results_dir="${2:-}"; shift 2 || { echo "run_all.sh: --results-dir needs a value" >&2; exit 2; } ;;
     --results-dir=*) results_dir="${1#--results-dir=}"; shift ;;
     -h|--help) usage; exit 0 ;;
@@ -43,14 +47,24 @@ fi
 [ "$force_cpu" = 1 ] && gpus=0
 
 if [ "$gpus" = 0 ]; then
-  echo "No CUDA GPU found: running the quick CPU path (vit_tiny, synthetic data, random init, 5 steps)."
+  if [ "$bonus" = 1 ]; then
+    echo "No CUDA GPU found: running the quick CPU path of the bonus cases (tiny configs, synthetic data, 5 steps)."
+  else
+    echo "No CUDA GPU found: running the quick CPU path (vit_tiny, synthetic data, random init, 5 steps)."
+  fi
   echo "Its numbers show that every rung runs and learns; memory and speed figures need a GPU."
   mode=cpu
-  results_dir=${results_dir:-results/cpu}
   base=(--accelerator cpu --model vit_tiny --data synthetic --weights none --max-steps 5 --eval-batches 2)
+  if [ "$bonus" = 1 ]; then
+    results_dir=${results_dir:-results/cpu/bonus}
+    base=(--accelerator cpu --data synthetic --weights none --max-steps 5 --eval-batches 2)
+  fi
+  results_dir=${results_dir:-results/cpu}
 else
-  echo "Found $gpus CUDA GPU(s): running the ladder at full size."
+  if [ "$bonus" = 1 ]; then what="bonus cases"; else what=ladder; fi
+  echo "Found $gpus CUDA GPU(s): running the $what at full size."
   mode=gpu
+  [ "$bonus" = 1 ] && results_dir=${results_dir:-results/bonus}
   results_dir=${results_dir:-results}
   base=()
 fi
@@ -64,6 +78,22 @@ is_multi_gpu() { case "$MULTI_GPU_RECIPES" in *" $1 "*) return 0 ;; esac; return
 cpu_overrides() {
   case "$1" in
     02_*) echo "--precision bf16-mixed" ;;
+    bonus_distilbert_*) echo "--model distilbert-tiny --max-length 128" ;;
+    bonus_bigbird_*) echo "--model bigbird-tiny --max-length 128" ;;
+    bonus_llm_*) echo "--model qwen2-tiny --max-length 64" ;;
+  esac
+}
+
+# The LLM fine-tuning table of seed 001: one run of bonus_llm_finetune per row, tagged with the row name.
+LLM_TABLE="vanilla half mixed checkpointing lora flash all"
+llm_flags() {
+  case "$1" in
+    half) echo "--half" ;;
+    mixed) echo "--mixed" ;;
+    checkpointing) echo "--grad-checkpointing" ;;
+    lora) echo "--lora" ;;
+    flash) echo "--half --attn sdpa" ;;  # sdpa = flash kernels on CUDA; compared with the half row
+    all) echo "--all" ;;
   esac
 }
 
@@ -77,10 +107,15 @@ selected() {
   return 1
 }
 
-recipes=()
-for f in recipes/[0-9][0-9]_*.py; do
+recipes=()  # entries: NAME, or NAME:TAG for a row of the LLM table
+if [ "$bonus" = 1 ]; then files=(recipes/bonus_*.py); else files=(recipes/[0-9][0-9]_*.py); fi
+for f in "${files[@]}"; do
   name=$(basename "$f" .py)
-  selected "$name" && recipes+=("$name")
+  if [ "$name" = bonus_llm_finetune ]; then
+    for row in $LLM_TABLE; do selected "$name-$row" && recipes+=("$name:$row"); done
+  else
+    selected "$name" && recipes+=("$name")
+  fi
 done
 if [ ${#recipes[@]} -eq 0 ]; then
   echo "run_all.sh: no recipe matches --only '$only'" >&2
@@ -90,13 +125,21 @@ fi
 mkdir -p "$results_dir"
 summary=()
 failed=0
-for name in "${recipes[@]}"; do
+for entry in "${recipes[@]}"; do
+  name=${entry%%:*}
+  label=$name
   args=("${base[@]}")
+  if [ "$entry" != "$name" ]; then
+    row=${entry#*:}
+    label="$name-$row"
+    read -ra ov <<< "$(llm_flags "$row")"
+    args+=("${ov[@]}" --tag "$row")
+  fi
   if is_multi_gpu "$name"; then
     if [ "$gpus" -lt 2 ]; then
       echo
       echo ">>> $name skipped: it shards across GPUs and this machine has $gpus (needs at least 2)"
-      summary+=("$(printf '%-28s %-26s' "$name" "skipped (needs >= 2 GPUs)")")
+      summary+=("$(printf '%-34s %-26s' "$name" "skipped (needs >= 2 GPUs)")")
       continue
     fi
     args+=(--devices "$(( gpus < MULTI_GPU_DEFAULT_DEVICES ? gpus : MULTI_GPU_DEFAULT_DEVICES ))")
@@ -106,7 +149,7 @@ for name in "${recipes[@]}"; do
     args+=("${ov[@]}")
   fi
   echo
-  echo ">>> $name ${args[*]} ${extra[*]:-} --results-dir $results_dir"
+  echo ">>> $label ${args[*]} ${extra[*]:-} --results-dir $results_dir"
   start=$(date +%s)
   "$PYTHON" "recipes/$name.py" "${args[@]}" "${extra[@]}" --results-dir "$results_dir"
   rc=$?
@@ -117,13 +160,13 @@ for name in "${recipes[@]}"; do
     3) status="out of memory (recorded)"; failed=1 ;;
     *) status="failed (exit $rc)"; failed=1 ;;
   esac
-  summary+=("$(printf '%-28s %-26s %5ss' "$name" "$status" "$secs")")
+  summary+=("$(printf '%-34s %-26s %5ss' "$label" "$status" "$secs")")
 done
 
 echo
 echo "Rendering the report from $results_dir ..."
 if ! "$PYTHON" -m common.report "$results_dir"; then
-  summary+=("$(printf '%-28s %s' report 'failed')")
+  summary+=("$(printf '%-34s %s' report 'failed')")
   failed=1
 fi
 

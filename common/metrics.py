@@ -13,7 +13,9 @@ config                           every parsed flag (plus micro_batch_size)
 provenance                       device ("cuda"/"cpu"), gpu_name, world_size, num_nodes, versions (torch,
                                  lightning, torchvision, python, cuda), float32_matmul_precision ("high"
                                  means TF32 matmuls), data_source ("cifar10"/"synthetic"), weights
-                                 ("pretrained"/"random"), model, parameters, timestamp (UTC ISO 8601)
+                                 ("pretrained"/"random"), model, parameters, timestamp (UTC ISO 8601);
+                                 text runs (bonus recipes) also tokens_per_sample (the padded sequence
+                                 length), data_detail, and data_source "imdb"/"synthetic"
 memory.kind                      "cuda": torch.cuda.max_memory_allocated/reserved, reset at the start of
                                  every phase; "cpu_rss": process peak resident set size (cannot be reset;
                                  each phase shows the peak so far)
@@ -25,10 +27,15 @@ memory.peak_allocated_gb         the "train" phase peak (max over ranks): the nu
 memory.peak_reserved_gb          likewise, reserved by the caching allocator
 timing.train_wall_s              wall time of the training loop (start-up and evaluation excluded)
 timing.median_step_s             median time between consecutive optimizer steps, after warm-up steps
-timing.images_per_s              effective batch x world size / median_step_s (all ranks together)
+timing.images_per_s              effective batch x world size / median_step_s (all ranks together);
+                                 null for text runs
+timing.samples_per_s             the same rate for any kind of sample (images, reviews, SFT examples)
+timing.tokens_per_s              text runs: samples_per_s x provenance.tokens_per_sample (padded tokens
+                                 through the model, all ranks together); null for images
 timing.optimizer_steps           optimizer steps taken; micro_batches, images_seen (per rank x world size)
 timing.warmup_steps              steps left out of the median (first steps pay for allocation/autotuning)
-accuracy.{train,val,test}        fraction correct (train: over the last logged window of the run)
+accuracy.{train,val,test}        fraction correct (train: over the last logged window of the run;
+                                 bonus_llm_finetune: next-token accuracy on completion tokens)
 loss.{first,last}                training loss of the first and last logged window
 extra                            recipe-specific measurements (e.g. rung 07's two ways of loading)
 ===============================  ===========================================================================
@@ -241,10 +248,14 @@ class MetricsLogger:
         steady = intervals[warmup:]
         median = statistics.median(steady) if steady else None
         per_step = getattr(self.args, "batch_size", 0) * world
+        rate = per_step / median if median else None
+        tokens = self.provenance.get("tokens_per_sample")  # set by text recipes only
         return {
             "train_wall_s": self.phases.get("train", {}).get("wall_s"),
             "median_step_s": median,
-            "images_per_s": per_step / median if median else None,
+            "images_per_s": rate if tokens is None else None,
+            "samples_per_s": rate,
+            "tokens_per_s": rate * tokens if rate and tokens else None,
             "optimizer_steps": self.optimizer_steps,
             "micro_batches": self.micro_batches,
             "images_seen": self.micro_batches * getattr(self.args, "micro_batch_size", 0) * world,
@@ -305,6 +316,12 @@ def _fmt(value: float | None, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
 
+def _speed(t: dict[str, Any]) -> str:
+    if t.get("tokens_per_s") is not None:  # text: samples/s alone hides the sequence length
+        return f"{_fmt(t.get('samples_per_s'), '.1f')} samples/s, {_fmt(t['tokens_per_s'], '.0f')} tokens/s"
+    return f"{_fmt(t.get('images_per_s'), '.1f')} img/s"
+
+
 def summary(p: dict[str, Any], path: str | None = None) -> str:
     """The one summary block every run prints (same shape for every recipe)."""
     prov, mem, t, acc = p["provenance"], p["memory"], p["timing"], p["accuracy"]
@@ -319,7 +336,7 @@ def summary(p: dict[str, Any], path: str | None = None) -> str:
         f" ({prov.get('weights')}) | data {prov.get('data_source')}",
         f"   {mem_label:<13} allocated {_fmt(mem['peak_allocated_gb'], '.2f')} GB,"
         f" reserved {_fmt(mem['peak_reserved_gb'], '.2f')} GB",
-        f"   speed         {_fmt(t['images_per_s'], '.1f')} img/s (median step {_fmt(t['median_step_s'], '.4f')} s,"
+        f"   speed         {_speed(t)} (median step {_fmt(t['median_step_s'], '.4f')} s,"
         f" {t['optimizer_steps']} steps, loop {_fmt(t['train_wall_s'], '.1f')} s)",
         f"   accuracy      train {_fmt(acc.get('train'), '.3f')} | val {_fmt(acc.get('val'), '.3f')}"
         f" | test {_fmt(acc.get('test'), '.3f')}",

@@ -95,13 +95,31 @@ def _memory_cells(result: dict) -> tuple[str, str]:
     return tuple(c + mark if c != DASH else c for c in cells)  # type: ignore[return-value]
 
 
+def _is_text(result: dict) -> bool:
+    """Text runs (the bonus recipes) record their padded sequence length; images do not."""
+    return _get(result, "provenance.tokens_per_sample") is not None
+
+
+def _speed_columns(results: list[dict]) -> list[tuple[str, str, int]]:
+    """(header, timing key, decimals): img/s for images; samples/s and tokens/s when there is text."""
+    text = [_is_text(r) for r in results]
+    columns = [] if text and all(text) else [("img/s", "timing.images_per_s", 0)]
+    if any(text):
+        columns += [("samples/s", "timing.samples_per_s", 1), ("tokens/s", "timing.tokens_per_s", 0)]
+    return columns
+
+
 def render_table(results: list[dict]) -> str:
     """The ladder as a markdown table, one row per run (sorted by recipe, then tag)."""
+    speed = _speed_columns(results)
     header = [
         "recipe", "status", "precision", "batch", "devices", "peak reserved GB", "peak allocated GB",
-        "img/s", "optimizer steps", "train acc", "val acc",
+        *(h for h, _, _ in speed), "optimizer steps", "train acc", "val acc",
     ]  # fmt: skip
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] * 3 + ["---:"] * 8) + "|"]
+    lines = [
+        "| " + " | ".join(header) + " |",
+        "|" + "|".join(["---"] * 3 + ["---:"] * (len(header) - 3)) + "|",
+    ]
     for r in sorted(results, key=_sort_key):
         reserved, allocated = _memory_cells(r)
         row = [
@@ -112,7 +130,7 @@ def render_table(results: list[dict]) -> str:
             str(_get(r, "provenance.world_size", DASH)),
             reserved,
             allocated,
-            _num(_get(r, "timing.images_per_s"), 0),
+            *(_num(_get(r, key), decimals) for _, key, decimals in speed),
             str(_get(r, "timing.optimizer_steps", DASH)),
             _num(_get(r, "accuracy.train"), 3),
             _num(_get(r, "accuracy.val"), 3),
@@ -168,7 +186,8 @@ def render_markdown(results: list[dict], image_name: str = "ladder.png") -> str:
         render_table(results),
         "",
         "Memory is the peak of the training phase, in GB (1e9 bytes): `allocated` by tensors and "
-        "`reserved` by the caching allocator. img/s counts all ranks together.",
+        "`reserved` by the caching allocator. Throughput counts all ranks together"
+        + ("; tokens/s counts padded tokens." if any(_is_text(r) for r in results) else "."),
     ]
     if any(_is_cpu(r) for r in results):
         out += [
@@ -209,7 +228,7 @@ def render_figure(results: list[dict], path: str | os.PathLike) -> None:
         return [0.0 if r.get("status") == "oom" else float(_get(r, key, 0.0)) for r in results]
 
     reserved, allocated = values("memory.peak_reserved_gb"), values("memory.peak_allocated_gb")
-    speed = values("timing.images_per_s")
+    speed = values("timing.samples_per_s" if all(_is_text(r) for r in results) else "timing.images_per_s")
 
     fig, (ax_mem, ax_speed) = plt.subplots(1, 2, figsize=(max(10, 1.3 * len(results) + 4), 5.5))
 
@@ -255,7 +274,7 @@ def render_figure(results: list[dict], path: str | os.PathLike) -> None:
         ax_mem.set_ylabel("peak GPU memory (GB)")
     ax_mem.set_title("Peak memory (training phase)")
     ax_mem.legend(fontsize=8)
-    ax_speed.set_ylabel("images / s")
+    ax_speed.set_ylabel("samples / s" if all(_is_text(r) for r in results) else "images / s")
     ax_speed.set_title("Throughput")
     devices = sorted({_get(r, "provenance.gpu_name") or "CPU" for r in results})
     fig.suptitle(f"Fabric memory ladder\n{', '.join(devices)}", fontsize=11)

@@ -1,0 +1,376 @@
+"""The bonus recipes on CPU: tiny DistilBERT / BigBird / Qwen2 configs, synthetic and real-format IMDb.
+
+Recipes run in-process through ``cli.run`` (one interpreter, no repeated torch/transformers imports);
+run_all.sh's bonus path runs once as a real subprocess. No network: FMR_OFFLINE=1, and the "real IMDb"
+tests write their own aclImdb folder / CSV and a WordPiece vocabulary file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # this checkout's `common`, not another installed copy
+    sys.path.insert(0, str(REPO))
+os.environ.setdefault("FMR_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from common import cli, hf_models, metrics, report, text  # noqa: E402
+
+WORDS = "the a movie film was is great good wonderful loved bad awful boring hated plot actor".split()
+POSITIVE = ["a wonderful film", "great plot and a good actor", "i loved the movie", "good good great"]
+NEGATIVE = ["an awful film", "boring plot and a bad actor", "i hated the movie", "bad bad awful"]
+
+
+# --------------------------------------------------------------------------------------------- helpers
+def load_recipe(name: str):
+    spec = importlib.util.spec_from_file_location(f"bonus_recipe_{name}", REPO / "recipes" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_recipe(name: str, tmp_path: Path, *args: str, data: str = "synthetic") -> dict:
+    """Run a recipe's main through cli.run (parsing, validation, results JSON) and return the payload."""
+    module = load_recipe(name)
+    argv = ["--accelerator", "cpu", "--data", data, "--weights", "none", "--results-dir", str(tmp_path)]
+    argv += ["--log-every", "5", *args]
+    rc = cli.run(
+        module.main,
+        recipe=module.RECIPE,
+        description=module.__doc__,
+        defaults=module.DEFAULTS,
+        argv=argv,
+        extra=getattr(module, "add_flags", text.add_flags),
+        model_choices=module.MODELS,
+    )
+    assert rc == 0
+    tag = args[args.index("--tag") + 1] if "--tag" in args else None
+    return json.loads(Path(metrics.results_path(str(tmp_path), module.RECIPE, tag)).read_text())
+
+
+@pytest.fixture(autouse=True)
+def _offline_one_thread(tmp_path, monkeypatch):
+    """Offline, logs in tmp, and one intra-op thread: the tiny models are too small to share between two
+    threads, which on a busy 2-core machine mostly spin waiting for each other."""
+    monkeypatch.setenv("FMR_OFFLINE", "1")
+    monkeypatch.setattr(metrics, "LOG_DIR", str(tmp_path / "logs"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def write_vocab(folder: Path) -> Path:
+    path = folder / "vocab.txt"
+    path.write_text(
+        "\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "and", "i", "an"] + WORDS) + "\n"
+    )
+    return path
+
+
+def write_aclimdb(folder: Path, copies: int = 3) -> None:
+    for split in ("train", "test"):
+        for name, reviews in (("pos", POSITIVE), ("neg", NEGATIVE)):
+            d = folder / "aclImdb" / split / name
+            d.mkdir(parents=True)
+            for i in range(copies):
+                for j, review in enumerate(reviews):
+                    (d / f"{i}_{j}.txt").write_text(review)
+
+
+# ------------------------------------------------------------------------------------- synthetic data
+def test_synthetic_reviews_have_imdb_like_lengths_and_a_learnable_label():
+    ids = hf_models.SPECS["distilbert-base-uncased"].ids
+    ds = text.SyntheticReviews(400, 512, ids, seed=3)
+    lengths, labels = [], []
+    for i in range(len(ds)):
+        input_ids, mask, label = ds[i]
+        n = int(mask.sum())
+        assert input_ids.shape == mask.shape == (512,)
+        assert input_ids[0] == ids.cls and input_ids[n - 1] == ids.sep
+        assert (input_ids[n:] == ids.pad).all() and (mask[:n] == 1).all()
+        lengths.append(n)
+        labels.append(int(label))
+        body = input_ids[1 : n - 1]
+        mine = torch.isin(body, torch.from_numpy(ds.markers[label])).float().mean()
+        other = torch.isin(body, torch.from_numpy(ds.markers[1 - label])).float().mean()
+        assert mine > 0.03 and other < 0.01  # the label's markers, not the other label's
+    lengths_t = torch.tensor(lengths, dtype=torch.float)
+    assert 190 <= lengths_t.median() <= 270  # IMDb: median ~230 tokens
+    assert 0.01 <= (lengths_t == 512).float().mean() <= 0.15  # the long tail is truncated
+    assert 0.4 <= sum(labels) / len(labels) <= 0.6
+    again = text.SyntheticReviews(400, 512, ids, seed=3)[7][0]
+    assert torch.equal(again, ds[7][0])  # made on demand, reproducibly
+
+
+def test_sft_example_puts_minus_100_on_prompt_and_padding_only():
+    input_ids, mask, labels = text.sft_example([11, 12, 13], [21, 22], max_length=8, pad_id=0)
+    assert input_ids.tolist() == [11, 12, 13, 21, 22, 0, 0, 0]
+    assert mask.tolist() == [1, 1, 1, 1, 1, 0, 0, 0]
+    assert labels.tolist() == [-100, -100, -100, 21, 22, -100, -100, -100]
+    # too long: the end is cut, the prompt stays masked
+    input_ids, mask, labels = text.sft_example([11, 12, 13], [21, 22, 23, 24], max_length=5, pad_id=0)
+    assert labels.tolist() == [-100, -100, -100, 21, 22] and mask.tolist() == [1] * 5
+
+
+def test_synthetic_sft_completions_follow_the_rule():
+    ids = hf_models.SPECS["qwen2-tiny"].ids
+    ds = text.SyntheticSFT(50, 64, ids, seed=1)
+    successor = {int(ds.answers[j]): int(ds.answers[ds.successor[j]]) for j in range(len(ds.answers))}
+    for i in range(len(ds)):
+        prompt, completion = ds.sample(i)
+        assert len(prompt) + len(completion) <= 64 and len(completion) >= 2
+        assert completion[0] == int(ds.answers[prompt[-1] % len(ds.answers)])
+        assert all(successor[a] == b for a, b in zip(completion, completion[1:], strict=False))
+        assert not set(prompt) & set(successor)  # prompt and completion vocabularies are disjoint
+        input_ids, mask, labels = ds[i]
+        n_prompt = len(prompt)
+        assert (labels[:n_prompt] == -100).all()
+        assert labels[n_prompt : n_prompt + len(completion)].tolist() == completion
+        assert (labels[n_prompt + len(completion) :] == -100).all()
+
+
+# -------------------------------------------------------------------------------------- real IMDb text
+def test_aclimdb_folder_is_read_split_and_tokenized_with_a_vocab_file(tmp_path):
+    write_aclimdb(tmp_path)
+    spec = hf_models.SPECS["distilbert-tiny"]
+    vocab = write_vocab(tmp_path)
+    splits = text.load(
+        "imdb", str(tmp_path), 16, spec.ids, lambda: hf_models.load_tokenizer(spec, str(vocab)), seed=0
+    )
+    assert splits.source == "imdb" and "aclImdb" in splits.detail
+    total = 2 * 2 * 3 * len(POSITIVE)  # {train,test} x {pos,neg} x copies x reviews
+    assert (len(splits.train), len(splits.val), len(splits.test)) == (
+        total - round(total * 0.1) - round(total * 0.2),
+        round(total * 0.1),
+        round(total * 0.2),
+    )
+    tokenizer = hf_models.load_tokenizer(spec, str(vocab))
+    assert splits.vocab_size == len(tokenizer)
+    for ds in (splits.train, splits.test):
+        for i in range(len(ds)):
+            input_ids, mask, label = ds[i]
+            assert input_ids.shape == (16,)
+            n = int(mask.sum())
+            assert input_ids[0] == tokenizer.cls_token_id and input_ids[n - 1] == tokenizer.sep_token_id
+            words = tokenizer.decode(input_ids[1 : n - 1].tolist())
+            assert (words in POSITIVE) == (int(label) == 1) and (words in POSITIVE + NEGATIVE)
+
+
+def test_csv_reviews_become_sft_pairs_with_the_answer_supervised(tmp_path):
+    rows = [(r, "positive") for r in POSITIVE] + [(r, "negative") for r in NEGATIVE]
+    with open(tmp_path / "imdb.csv", "w") as f:
+        f.write("review,sentiment\n" + "".join(f'"{r}",{s}\n' for r, s in rows * 3))
+    vocab = write_vocab(tmp_path)
+    with open(vocab, "a") as f:
+        f.write("positive\nnegative\nsentiment\nof\nthis\nreview\nor\nanswer\n:\n?\n")
+    spec = hf_models.SPECS["qwen2-tiny"]
+    splits = text.load(
+        "auto",
+        str(tmp_path),
+        40,
+        spec.ids,
+        lambda: hf_models.load_tokenizer(spec, str(vocab)),
+        task="causal_lm",
+    )
+    assert splits.source == "imdb" and "csv" in splits.detail
+    tokenizer = hf_models.load_tokenizer(spec, str(vocab))
+    for i in range(len(splits.train)):
+        input_ids, mask, labels = splits.train[i]
+        supervised = labels != -100
+        n = int(mask.sum())
+        assert supervised.sum() >= 1 and not supervised[n:].any()  # no padding supervised
+        first = int(supervised.nonzero()[0])
+        assert (labels[:first] == -100).all() and supervised[first:n].all()  # prompt masked, answer not
+        answer = tokenizer.decode(input_ids[first:n].tolist())
+        review = tokenizer.decode(input_ids[:first].tolist())
+        assert answer in ("positive", "negative")
+        assert any(r in review for r in (POSITIVE if answer == "positive" else NEGATIVE))
+
+
+def test_imdb_missing_offline(tmp_path):
+    ids = hf_models.SPECS["distilbert-tiny"].ids
+    with pytest.raises(cli.UsageError, match="--data imdb"):
+        text.load("imdb", str(tmp_path), 32, ids, lambda: None)
+    assert text.load("auto", str(tmp_path), 32, ids, lambda: None).source == "synthetic"
+    write_aclimdb(tmp_path, copies=1)
+    with pytest.raises(cli.UsageError, match="tokenizer"):  # data there, but no tokenizer offline
+        text.load("imdb", str(tmp_path), 32, ids, lambda: None)
+
+
+# ---------------------------------------------------------------------------------- recipes, end to end
+def test_distilbert_before_and_after_learn(tmp_path):
+    common = ("--model", "distilbert-tiny", "--max-length", "128", "--lr", "1e-3", "--eval-batches", "8")
+    before = run_recipe("bonus_distilbert_before", tmp_path, *common, "--max-steps", "25")
+    after = run_recipe("bonus_distilbert_after", tmp_path, *common, "--max-steps", "25")
+    for p in (before, after):
+        assert p["status"] == "ok" and p["provenance"]["data_source"] == "synthetic"
+        assert p["provenance"]["weights"] == "random" and p["provenance"]["tokens_per_sample"] == 128
+        assert p["accuracy"]["val"] > 0.75, p["accuracy"]  # 2 labels: chance is 0.5
+        t = p["timing"]
+        assert t["images_per_s"] is None and t["tokens_per_s"] == pytest.approx(128 * t["samples_per_s"])
+    assert before["config"]["precision"] == "32-true" and before["config"]["micro_batch_size"] == 12
+    assert after["config"]["precision"] == "bf16-true"
+    assert (after["config"]["micro_batch_size"], after["config"]["accumulation_steps"]) == (3, 4)
+    assert after["timing"]["micro_batches"] == 4 * 25
+    table = report.render_table([before, after])
+    assert "samples/s" in table and "tokens/s" in table and "img/s" not in table
+
+
+def test_bigbird_before_learns_and_after_runs_its_defaults(tmp_path):
+    common = ("--model", "bigbird-tiny", "--max-length", "128", "--eval-batches", "8")
+    before = run_recipe("bonus_bigbird_before", tmp_path, *common, "--lr", "1e-3", "--max-steps", "40")
+    assert before["status"] == "ok" and before["accuracy"]["val"] > 0.75, before["accuracy"]
+    after = run_recipe("bonus_bigbird_after", tmp_path, *common, "--max-steps", "3")
+    assert after["status"] == "ok" and after["config"]["precision"] == "bf16-true"
+    assert (after["config"]["micro_batch_size"], after["config"]["accumulation_steps"]) == (1, 12)
+    assert after["timing"]["micro_batches"] == 36
+    assert after["loss"]["last"] == after["loss"]["last"]  # not NaN
+
+
+def test_real_imdb_through_a_recipe(tmp_path):
+    write_aclimdb(tmp_path)
+    vocab = write_vocab(tmp_path)
+    p = run_recipe(
+        "bonus_distilbert_before",
+        tmp_path,
+        *("--model", "distilbert-tiny", "--data-dir", str(tmp_path), "--tokenizer", str(vocab)),
+        *("--max-length", "16", "--batch-size", "4", "--max-steps", "3"),
+        data="imdb",
+    )
+    assert p["status"] == "ok" and p["provenance"]["data_source"] == "imdb"
+    assert "aclImdb" in p["provenance"]["data_detail"]
+
+
+def test_after_recipes_shard_with_fsdp_and_offload_on_several_gpus():
+    from lightning.fabric.strategies import FSDPStrategy
+    from transformers.models.big_bird.modeling_big_bird import BigBirdLayer
+    from transformers.models.distilbert.modeling_distilbert import TransformerBlock
+
+    for name, block in (("bonus_distilbert_after", TransformerBlock), ("bonus_bigbird_after", BigBirdLayer)):
+        module = load_recipe(name)
+        assert module.make_strategy(argparse.Namespace(devices=1, num_nodes=1)) == "auto"
+        strategy = module.make_strategy(argparse.Namespace(devices=4, num_nodes=1))
+        assert isinstance(strategy, FSDPStrategy)
+        assert set(strategy._fsdp_kwargs["auto_wrap_policy"]._module_classes) == {block}
+        assert strategy.cpu_offload is not None and strategy.cpu_offload.offload_params
+
+
+def test_llm_vanilla_learns_the_synthetic_completions(tmp_path):
+    p = run_recipe(
+        "bonus_llm_finetune",
+        tmp_path,
+        *("--model", "qwen2-tiny", "--max-length", "64", "--lr", "3e-3", "--max-steps", "30"),
+        *("--eval-batches", "5"),
+    )
+    assert p["status"] == "ok" and p["extra"]["toggles"]["attn_implementation"] == "eager"
+    assert p["accuracy"]["val"] > 0.5, p["accuracy"]  # chance: 1/256 answer tokens
+    assert p["loss"]["last"] < p["loss"]["first"]
+
+
+def _lora_trainable(r: int) -> int:
+    c = hf_models.SPECS["qwen2-tiny"].overrides
+    head_dim = c["hidden_size"] // c["num_attention_heads"]
+    q = r * (c["hidden_size"] + c["hidden_size"])
+    v = r * (c["hidden_size"] + c["num_key_value_heads"] * head_dim)
+    return c["num_hidden_layers"] * (q + v)
+
+
+TOGGLES = {
+    "vanilla": ((), dict(weights_dtype="torch.float32", autocast=False, checkpointing=False, attn="eager")),
+    "half": (("--half",), dict(weights_dtype="torch.bfloat16", precision="bf16-true")),
+    "mixed": (("--mixed",), dict(weights_dtype="torch.float32", autocast=True, precision="bf16-mixed")),
+    "checkpointing": (("--grad-checkpointing",), dict(checkpointing=True)),
+    "lora": (("--lora",), dict(lora=True)),
+    "sdpa": (("--attn", "sdpa"), dict(attn="sdpa")),
+    "all": (("--all",), dict(weights_dtype="torch.bfloat16", checkpointing=True, lora=True, attn="sdpa")),
+}
+
+
+@pytest.mark.parametrize("row", list(TOGGLES))
+def test_llm_toggles_change_the_model(tmp_path, row):
+    flags, want = TOGGLES[row]
+    if "--lora" in flags or "--all" in flags:
+        pytest.importorskip("peft")
+    p = run_recipe(
+        "bonus_llm_finetune",
+        tmp_path,
+        *("--model", "qwen2-tiny", "--max-length", "32", "--max-steps", "2", "--eval-batches", "1"),
+        *("--batch-size", "4", "--accumulation-steps", "2", "--tag", row),
+        *flags,
+    )
+    assert p["status"] == "ok" and p["tag"] == row
+    got = p["extra"]["toggles"]
+    total = p["provenance"]["parameters"]
+    assert got["weights_dtype"] == want.get("weights_dtype", "torch.float32")
+    assert got["autocast"] == want.get("autocast", False)
+    assert got["gradient_checkpointing"] == want.get("checkpointing", False)
+    assert got["attn_implementation"] == want.get("attn", "eager")
+    assert got["lora"] == want.get("lora", False)
+    if got["lora"]:
+        assert got["trainable_parameters"] == _lora_trainable(8)
+        assert total > 30 * got["trainable_parameters"]  # adapters only: the base is frozen
+    else:
+        assert got["trainable_parameters"] == total
+    if "precision" in want:
+        assert p["config"]["precision"] == want["precision"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (("--half", "--mixed"), "exclude each other"),
+        (("--mixed", "--all"), "--all includes --half"),
+        (("--half", "--precision", "32-true"), "contradicts"),
+        (("--attn", "flash_attention_2"), "flash"),
+    ],
+)
+def test_llm_impossible_toggles_exit_2(tmp_path, capsys, flags, message):
+    if "flash_attention_2" in flags and importlib.util.find_spec("flash_attn") is not None:
+        pytest.skip("flash-attn is installed here")
+    with pytest.raises(SystemExit) as exc:
+        run_recipe("bonus_llm_finetune", tmp_path, "--model", "qwen2-tiny", "--max-steps", "1", *flags)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
+
+
+def test_after_recipe_refuses_several_cpu_devices(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        run_recipe("bonus_distilbert_after", tmp_path, "--model", "distilbert-tiny", "--devices", "2")
+    assert exc.value.code == 2 and "FSDP" in capsys.readouterr().err
+
+
+def test_run_all_bonus_runs_a_row_of_the_llm_table(tmp_path):
+    env = {**os.environ, "FMR_OFFLINE": "1", "FMR_LOG_DIR": str(tmp_path / "logs"), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [
+            "./run_all.sh",
+            "--bonus",
+            "--cpu",
+            "--only",
+            "bonus_llm_finetune-half",
+            "--results-dir",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    payload = json.loads((tmp_path / "bonus_llm_finetune-half.json").read_text())
+    assert payload["config"]["precision"] == "bf16-true" and payload["provenance"]["model"] == "qwen2-tiny"
+    assert [p.name for p in tmp_path.glob("*.json")] == ["bonus_llm_finetune-half.json"]
+    assert "tokens/s" in (tmp_path / "README.md").read_text()
