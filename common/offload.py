@@ -21,18 +21,18 @@ import torch
 class offload_activations(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 (a context manager)
     """``with offload_activations(): loss = model(x)`` - saved activations live in pinned host memory."""
 
-    def __init__(self, min_bytes: int = 1 << 16) -> None:
+    def __init__(self, min_bytes: int = 1 << 16, devices: tuple[str, ...] = ("cuda",)) -> None:
+        """``devices``: tensors on these device types are moved out (the tests add "cpu" to exercise the
+        mechanics without a GPU: the tensor is then copied to a separate host buffer)."""
         self.offloaded_bytes = 0
+        pin = torch.cuda.is_available()
 
         def pack(t: torch.Tensor):
             base = t._base if t._base is not None else t
-            if (
-                t.device.type != "cuda"
-                or isinstance(base, torch.nn.Parameter)
-                or t.numel() * t.element_size() < min_bytes
-            ):
+            small = t.numel() * t.element_size() < min_bytes
+            if t.device.type not in devices or isinstance(base, torch.nn.Parameter) or small:
                 return t
-            host = torch.empty(t.shape, dtype=t.dtype, layout=t.layout, pin_memory=True)
+            host = torch.empty(t.shape, dtype=t.dtype, layout=t.layout, pin_memory=pin)
             host.copy_(t, non_blocking=True)
             self.offloaded_bytes += host.numel() * host.element_size()
             return (t.device, host)
