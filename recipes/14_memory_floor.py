@@ -8,7 +8,7 @@
 - micro-batch 4 (rung 05), no accumulation (it would need the gradients rung 12 removes);
 - the caching allocator in expandable-segments mode, so reserved memory tracks allocated memory
   instead of rounding up to fixed-size segments.
-What is left on the GPU is the weights plus a few tens of MB in flight.
+What is left on the GPU is the weights (0.61 GB) plus about 0.1 GB in flight (measured: 0.72 GB peak).
 """
 
 import os
