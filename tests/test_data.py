@@ -1,0 +1,247 @@
+"""common.data: the CIFAR-10 reader against files in CIFAR-10's on-disk format, the offline fallback,
+the synthetic stand-in, the device-side input transform and the loaders."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from common import data, net
+from common.cli import UsageError
+
+PER_BATCH = 60
+N_TRAIN_FILES = 2
+N_TEST = 30
+
+
+def _image_id(images: np.ndarray) -> np.ndarray:
+    """The id written into pixel (row 0, col 0) channels 0 and 1 (see write_cifar)."""
+    return images[:, 0, 0, 0].astype(np.int64) + 256 * images[:, 0, 0, 1].astype(np.int64)
+
+
+def _cifar_rows(n: int, first_id: int, rng: np.random.Generator) -> tuple[np.ndarray, list[int]]:
+    """n rows of CIFAR-10's layout: 3072 bytes = 1024 red, 1024 green, 1024 blue, each row-major 32x32.
+    Every image carries a unique id in its top-left pixel (red = id % 256, green = id // 256)."""
+    rows = rng.integers(0, 256, size=(n, 3072), dtype=np.uint8)
+    ids = np.arange(first_id, first_id + n)
+    rows[:, 0] = ids % 256  # channel 0, row 0, col 0
+    rows[:, 1024] = ids // 256  # channel 1, row 0, col 0
+    labels = [int(v) for v in (ids * 7) % 10]  # a label derived from the id, checkable after shuffling
+    return rows, labels
+
+
+def write_cifar(root, n_train_files: int = N_TRAIN_FILES, per_batch: int = PER_BATCH, n_test: int = N_TEST):
+    """Write <root>/cifar-10-batches-py/data_batch_1..n and test_batch as CIFAR-10's python pickles."""
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(42)
+    raw = {}
+    for i in range(1, n_train_files + 1):
+        rows, labels = _cifar_rows(per_batch, (i - 1) * per_batch, rng)
+        entry = {b"batch_label": f"training batch {i} of 5".encode(), b"labels": labels, b"data": rows}
+        with open(folder / f"data_batch_{i}", "wb") as f:
+            pickle.dump(entry, f, protocol=2)
+        raw[f"data_batch_{i}"] = (rows, labels)
+    rows, labels = _cifar_rows(n_test, 10_000, rng)
+    with open(folder / "test_batch", "wb") as f:
+        pickle.dump(
+            {b"batch_label": b"testing batch 1 of 1", b"labels": labels, b"data": rows}, f, protocol=2
+        )
+    raw["test_batch"] = (rows, labels)
+    return raw
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    monkeypatch.setenv("FMR_OFFLINE", "1")
+    net.reachable.cache_clear()
+    yield
+    net.reachable.cache_clear()
+
+
+# ------------------------------------------------------------------------------------------ real reader
+def test_read_batch_pixel_layout_round_trips(tmp_path):
+    raw = write_cifar(tmp_path)
+    rows, labels = raw["data_batch_1"]
+    images, y = data.read_cifar10_batch(str(tmp_path / "cifar-10-batches-py" / "data_batch_1"))
+    assert images.shape == (PER_BATCH, 32, 32, 3) and images.dtype == np.uint8
+    assert y.dtype == np.int64 and y.tolist() == labels
+    # Known pixels, by CIFAR-10's definition: byte c*1024 + r*32 + w of a row is channel c at (r, w).
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        n, c, r, w = rng.integers(0, PER_BATCH), rng.integers(0, 3), rng.integers(0, 32), rng.integers(0, 32)
+        assert images[n, r, w, c] == rows[n, c * 1024 + r * 32 + w], (n, c, r, w)
+    # A hand-picked one that distinguishes row/column/channel orders.
+    assert images[5, 3, 17, 2] == rows[5, 2 * 1024 + 3 * 32 + 17]
+    assert images[5, 17, 3, 1] == rows[5, 1 * 1024 + 17 * 32 + 3]
+    assert images.flags.c_contiguous
+
+
+def test_read_cifar10_splits(tmp_path):
+    raw = write_cifar(tmp_path)
+    s = data.read_cifar10(str(tmp_path))
+    assert s.source == "cifar10"
+    n = N_TRAIN_FILES * PER_BATCH
+    (xtr, ytr), (xva, yva), (xte, yte) = s.train, s.val, s.test
+    assert len(xva) == n // 10 and len(xtr) == n - n // 10  # 90% / 10% for a partial set
+    assert len(ytr) == len(xtr) and len(yva) == len(xva)
+    ids_tr, ids_va = _image_id(xtr), _image_id(xva)
+    assert not set(ids_tr) & set(ids_va), "train and val must be disjoint"
+    assert sorted(set(ids_tr) | set(ids_va)) == list(range(n)), "together they are every training image"
+    # labels travel with their images through the shuffle
+    assert (ytr == (ids_tr * 7) % 10).all() and (yva == (ids_va * 7) % 10).all()
+    # the test split is test_batch, unshuffled
+    rows, labels = raw["test_batch"]
+    assert xte.shape == (N_TEST, 32, 32, 3) and yte.tolist() == labels
+    assert (xte.transpose(0, 3, 1, 2).reshape(N_TEST, 3072) == rows).all()
+    # the split is fixed (every rung sees the same one)
+    again = data.read_cifar10(str(tmp_path))
+    assert (again.val[0] == xva).all() and (again.train[1] == ytr).all()
+
+
+def test_full_size_split_is_45k_5k(tmp_path, monkeypatch):
+    """With all 50,000 training images the split is the article's 45k/5k (files faked by the reader)."""
+    write_cifar(tmp_path, n_train_files=1, per_batch=10)
+    big = (np.zeros((10_000, 32, 32, 3), np.uint8), np.zeros(10_000, np.int64))
+    real = data.read_cifar10_batch
+    monkeypatch.setattr(data, "read_cifar10_batch", lambda p: real(p) if p.endswith("test_batch") else big)
+    for i in range(2, 6):  # the reader reads the train files that exist
+        (tmp_path / "cifar-10-batches-py" / f"data_batch_{i}").write_bytes(b"")
+    s = data.read_cifar10(str(tmp_path))
+    assert (len(s.train[0]), len(s.val[0])) == (45_000, 5_000)
+
+
+def test_load_auto_uses_cifar_files_when_present(tmp_path, offline, capsys):
+    write_cifar(tmp_path)
+    for choice in ("auto", "cifar10"):
+        s = data.load(choice, str(tmp_path))
+        assert s.source == "cifar10"
+        assert len(s.train[0]) + len(s.val[0]) == N_TRAIN_FILES * PER_BATCH
+    assert "synthetic" not in capsys.readouterr().out
+
+
+def test_load_auto_offline_falls_back_to_synthetic_with_one_line(tmp_path, offline, capsys):
+    s = data.load("auto", str(tmp_path / "nothing-here"))
+    assert s.source == "synthetic"
+    assert len(s.train[0]) + len(s.val[0]) + len(s.test[0]) == sum(data.SPLIT_SIZES)
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("[data]") and "synthetic" in lines[0], lines
+
+
+def test_load_cifar10_offline_without_files_is_a_usage_error(tmp_path, offline):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UsageError, match="cifar10"):
+        data.load("cifar10", str(tmp_path / "empty"))
+    assert not (tmp_path / "empty" / "cifar-10-batches-py").exists()
+
+
+def test_cifar10_present_needs_train_and_test(tmp_path):
+    assert not data.cifar10_present(str(tmp_path))
+    write_cifar(tmp_path, n_train_files=1)
+    assert data.cifar10_present(str(tmp_path))
+    (tmp_path / "cifar-10-batches-py" / "test_batch").unlink()
+    assert not data.cifar10_present(str(tmp_path))
+
+
+# ------------------------------------------------------------------------------------------- synthetic
+def test_synthetic_shapes_dtypes_classes():
+    sizes = (300, 120, 150)
+    s = data.synthetic(sizes=sizes, seed=3)
+    assert s.source == "synthetic"
+    for (x, y), n in zip((s.train, s.val, s.test), sizes, strict=True):
+        assert x.shape == (n, 32, 32, 3) and x.dtype == np.uint8
+        assert y.shape == (n,) and y.dtype == np.int64
+        assert set(np.unique(y).tolist()) == set(range(data.NUM_CLASSES)), "every class appears"
+    assert s.train[0].std() > 10, "images are not constant"
+
+
+def test_synthetic_is_deterministic():
+    a, b = data.synthetic(sizes=(64, 32, 32), seed=5), data.synthetic(sizes=(64, 32, 32), seed=5)
+    for pa, pb in zip((a.train, a.val, a.test), (b.train, b.val, b.test), strict=True):
+        assert np.array_equal(pa[0], pb[0]) and np.array_equal(pa[1], pb[1])
+    c = data.synthetic(sizes=(64, 32, 32), seed=6)
+    assert not np.array_equal(a.train[0], c.train[0])
+
+
+def test_synthetic_classes_are_separable():
+    """Same-class images are closer to their class mean than to other classes' (the data is learnable)."""
+    s = data.synthetic(sizes=(2000, 500, 10), seed=0)
+    x, y = s.train[0].reshape(2000, -1).astype(np.float32), s.train[1]
+    means = np.stack([x[y == c].mean(0) for c in range(data.NUM_CLASSES)])
+    xv, yv = s.val[0].reshape(500, -1).astype(np.float32), s.val[1]
+    nearest = ((xv[:, None, :] - means[None]) ** 2).sum(-1).argmin(1)
+    assert (nearest == yv).mean() > 0.9
+
+
+# -------------------------------------------------------------------------------------- to_model_input
+def test_to_model_input_normalises_channel_first():
+    imgs = torch.zeros(2, 32, 32, 3, dtype=torch.uint8)
+    imgs[0, 4, 9] = torch.tensor([255, 0, 51], dtype=torch.uint8)
+    imgs[1] = 128
+    out = data.to_model_input(imgs, 32)
+    assert out.shape == (2, 3, 32, 32) and out.dtype == torch.float32
+    mean, std = data.IMAGENET_MEAN, data.IMAGENET_STD
+    for c, v in enumerate((255, 0, 51)):
+        assert out[0, c, 4, 9].item() == pytest.approx((v / 255 - mean[c]) / std[c], abs=1e-6)
+        assert out[0, c, 0, 0].item() == pytest.approx((0 - mean[c]) / std[c], abs=1e-6)
+        assert out[1, c].flatten().tolist() == pytest.approx(
+            [(128 / 255 - mean[c]) / std[c]] * 1024, abs=1e-6
+        )
+    assert imgs[0, 4, 9].tolist() == [255, 0, 51], "input untouched"
+
+
+@pytest.mark.parametrize("size", [16, 48, 224])
+def test_to_model_input_resizes(size):
+    imgs = torch.zeros(3, 32, 32, 3, dtype=torch.uint8)
+    imgs[:, :, :, 0] = 200  # constant red plane: any resize keeps it constant
+    imgs[:, :, 16:, 1] = 255  # right half green
+    out = data.to_model_input(imgs, size)
+    assert out.shape == (3, 3, size, size) and out.dtype == torch.float32
+    red = (200 / 255 - data.IMAGENET_MEAN[0]) / data.IMAGENET_STD[0]
+    assert torch.allclose(out[:, 0], torch.full_like(out[:, 0], red), atol=1e-5)
+    g_lo = (0 - data.IMAGENET_MEAN[1]) / data.IMAGENET_STD[1]
+    g_hi = (1 - data.IMAGENET_MEAN[1]) / data.IMAGENET_STD[1]
+    assert out[0, 1, 0, 0].item() == pytest.approx(g_lo, abs=1e-5)  # left edge: no green
+    assert out[0, 1, 0, size - 1].item() == pytest.approx(g_hi, abs=1e-5)  # right edge: full green
+
+
+# --------------------------------------------------------------------------------------------- loaders
+def test_loaders_drop_last_only_on_train():
+    s = data.synthetic(sizes=(100, 50, 45), seed=0)
+    train, val, test = data.loaders(s, micro_batch_size=32, eval_batch_size=20)
+    assert len(train) == 3 and train.drop_last
+    sizes = [len(b[0]) for b in train]
+    assert sizes == [32, 32, 32]
+    assert [len(b[0]) for b in val] == [20, 20, 10]
+    assert [len(b[0]) for b in test] == [20, 20, 5]
+    x, y = next(iter(train))
+    assert x.dtype == torch.uint8 and x.shape == (32, 32, 32, 3) and y.dtype == torch.int64
+    # val/test are not shuffled: the first batch is the first 20 samples
+    xv, yv = next(iter(val))
+    assert torch.equal(xv, torch.from_numpy(s.val[0][:20])) and torch.equal(
+        yv, torch.from_numpy(s.val[1][:20])
+    )
+    # train is shuffled: two epochs see different orders
+    torch.manual_seed(0)
+    e1 = torch.cat([b[1] for b in train])
+    e2 = torch.cat([b[1] for b in train])
+    assert not torch.equal(e1, e2)
+
+
+def test_loaders_shard_across_ranks():
+    """With several processes: train shards are disjoint whole micro-batches; val/test see every sample,
+    and every rank runs the same number of batches (sharded models need all ranks in every forward)."""
+    s = data.synthetic(sizes=(103, 41, 40), seed=0)
+    s.train = (s.train[0], np.arange(103, dtype=np.int64))  # labels as sample ids, to follow each sample
+    s.val = (s.val[0], np.arange(41, dtype=np.int64))
+    per_rank = [data.loaders(s, 8, 10, world_size=2, rank=r, seed=1) for r in (0, 1)]
+    train_ids = [torch.cat([b[1] for b in loaders[0]]).tolist() for loaders in per_rank]
+    assert all(len(b[1]) == 8 for loaders in per_rank for b in loaders[0]), "whole micro-batches only"
+    assert len(per_rank[0][0]) == len(per_rank[1][0]) == 103 // 2 // 8
+    assert not set(train_ids[0]) & set(train_ids[1]), "ranks train on disjoint samples"
+    val_ids = [torch.cat([b[1] for b in loaders[1]]).tolist() for loaders in per_rank]
+    assert set(val_ids[0]) | set(val_ids[1]) == set(range(41)), "every validation sample is evaluated"
+    assert len(per_rank[0][1]) == len(per_rank[1][1]) and len(per_rank[0][2]) == len(per_rank[1][2])

@@ -1,0 +1,290 @@
+"""common.loop in-process on a CPU Fabric: accumulation is exact, steps are counted right, it learns."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import types
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from common import data, loop, models
+from common.metrics import MetricsLogger
+
+IN, OUT = 12, 10
+
+
+def make_log(**args) -> MetricsLogger:
+    ns = argparse.Namespace(tag=None, batch_size=8, micro_batch_size=4, results_dir="unused", **args)
+    return MetricsLogger("test_loop", ns)
+
+
+@pytest.fixture
+def fabric():
+    import lightning as L  # here, not at import: collection stays quick (see conftest: background jobs)
+
+    return L.Fabric(accelerator="cpu", devices=1, precision="32-true")
+
+
+def tiny_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(IN, 16), nn.Tanh(), nn.Linear(16, OUT))
+
+
+def tiny_data(n: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, IN, generator=g), torch.randint(0, OUT, (n,), generator=g)
+
+
+def batch_fn(model, batch):
+    x, y = batch
+    logits = model(x)
+    return F.cross_entropy(logits, y), logits, y
+
+
+def loader(x, y, micro: int) -> DataLoader:
+    return DataLoader(TensorDataset(x, y), batch_size=micro, shuffle=False)
+
+
+def make_optimizer(kind: str, params, lr: float):
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    if kind == "sgd_momentum":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    return torch.optim.Adam(params, lr=lr)
+
+
+def fit_with_fabric(fabric, model, optimizer, dl, log=None, **kw):
+    model, optimizer = fabric.setup(model, optimizer)
+    log = log or make_log()
+    loop.fit(fabric, model, optimizer, dl, log, batch_fn, **kw)
+    return model, optimizer, log
+
+
+# --------------------------------------------------------------------------------------- (a) exactness
+@pytest.mark.parametrize("opt_kind,lr", [("sgd", 0.5), ("sgd_momentum", 0.1), ("adam", 1e-2)])
+@pytest.mark.parametrize(
+    "num_micro,k,epochs",
+    [
+        (12, 4, 1),  # three full groups
+        (10, 4, 1),  # groups of 4, 4 and a final partial group of 2
+        (10, 4, 2),  # the partial group in every epoch
+        (6, 1, 1),  # no accumulation
+    ],
+)
+def test_accumulation_equals_big_batch_steps(fabric, opt_kind, lr, num_micro, k, epochs):
+    micro = 4
+    x, y = tiny_data(num_micro * micro)
+    model0 = tiny_model()
+    reference = copy.deepcopy(model0)
+
+    opt = make_optimizer(opt_kind, model0.parameters(), lr)
+    trained, _, log = fit_with_fabric(
+        fabric, model0, opt, loader(x, y, micro), accumulation_steps=k, epochs=epochs, log_every=1
+    )
+
+    # By hand: one optimizer step per group, on the whole group as one batch (mean loss over it).
+    ref_opt = make_optimizer(opt_kind, reference.parameters(), lr)
+    steps = 0
+    for _ in range(epochs):
+        for start in range(0, num_micro, k):
+            stop = min(num_micro, start + k)
+            xb, yb = x[start * micro : stop * micro], y[start * micro : stop * micro]
+            ref_opt.zero_grad()
+            F.cross_entropy(reference(xb), yb).backward()
+            ref_opt.step()
+            steps += 1
+
+    assert log.optimizer_steps == steps
+    assert log.micro_batches == num_micro * epochs
+    for (name, p), q in zip(trained.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-6, msg=name)
+    # and the parameters really moved (the comparison is not trivially true)
+    assert not torch.allclose(next(iter(reference.parameters())), next(iter(tiny_model().parameters())))
+
+
+def test_stepping_after_first_micro_batch_would_be_detected(fabric):
+    """Guard for the test above: an update after micro-batch 1 of 4 differs from the big-batch step."""
+    micro, k = 4, 4
+    x, y = tiny_data(k * micro)
+    a, b = tiny_model(), tiny_model()
+    oa, ob = torch.optim.SGD(a.parameters(), lr=0.5), torch.optim.SGD(b.parameters(), lr=0.5)
+    F.cross_entropy(a(x), y).backward()
+    oa.step()
+    F.cross_entropy(b(x[:micro]), y[:micro]).backward()
+    ob.step()
+    assert not torch.allclose(a[0].weight, b[0].weight, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------- (b) step count
+class StepCounter:
+    """Wraps an optimizer's step: counts calls and records the micro-batch count and lr at each call.
+
+    Installed as a bound method (as torch's own hooks and LR schedulers expect ``optimizer.step`` to be).
+    """
+
+    def __init__(self, optimizer, log):
+        self.calls = 0
+        self.at_micro_batch: list[int] = []
+        self.lrs: list[float] = []
+        inner = optimizer.step
+        counter = self
+
+        def step(opt, *a, **kw):
+            counter.calls += 1
+            counter.at_micro_batch.append(log.micro_batches)
+            counter.lrs.append(opt.param_groups[0]["lr"])
+            return inner(*a, **kw)
+
+        optimizer.step = types.MethodType(step, optimizer)
+
+
+@pytest.mark.parametrize(
+    "num_micro,k,epochs,max_steps,expected_at",
+    [
+        (10, 4, 1, None, [4, 8, 10]),
+        (10, 4, 1, 2, [4, 8]),
+        (10, 4, 2, None, [4, 8, 10, 14, 18, 20]),
+        (10, 4, 2, 4, [4, 8, 10, 14]),
+        (8, 4, 1, None, [4, 8]),
+        (10, 1, 1, None, list(range(1, 11))),
+        (10, 1, 1, 3, [1, 2, 3]),
+        (10, 10, 1, None, [10]),
+        (3, 4, 1, None, [3]),  # fewer micro-batches than one group: still one step
+        (10, 5, 3, None, [5, 10, 15, 20, 25, 30]),
+    ],
+)
+def test_optimizer_steps_after_the_kth_micro_batch(fabric, num_micro, k, epochs, max_steps, expected_at):
+    x, y = tiny_data(num_micro * 2)
+    model = tiny_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    log = make_log()
+    counter = StepCounter(opt, log)  # patched on the wrapped optimizer: what Fabric's wrapper calls
+    fit_with_fabric(
+        fabric, model, opt, loader(x, y, 2), log, accumulation_steps=k, epochs=epochs, max_steps=max_steps
+    )
+    assert counter.calls == len(expected_at)
+    assert counter.at_micro_batch == expected_at
+    assert log.optimizer_steps == len(expected_at)
+    assert len(log.step_marks) == len(expected_at)
+    assert log.micro_batches == expected_at[-1]
+    assert loop.planned_steps(num_micro, k, epochs, max_steps) == len(expected_at)
+
+
+def test_gradients_are_cleared_after_each_step(fabric):
+    x, y = tiny_data(16)
+    model = tiny_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    fit_with_fabric(fabric, model, opt, loader(x, y, 2), accumulation_steps=4)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_without_optimizer_the_loop_only_counts_steps(fabric):
+    x, y = tiny_data(20)
+    model = fabric.setup(tiny_model())
+    before = [p.detach().clone() for p in model.parameters()]
+    log = make_log()
+    loop.fit(fabric, model, None, loader(x, y, 2), log, batch_fn, accumulation_steps=4)
+    assert log.optimizer_steps == 3 and log.micro_batches == 10
+    for p, q in zip(model.parameters(), before, strict=True):
+        assert torch.equal(p.detach(), q)
+
+
+def test_empty_loader_is_an_error(fabric):
+    x, y = tiny_data(3)
+    model = tiny_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, opt = fabric.setup(model, opt)
+    empty = DataLoader(TensorDataset(x, y), batch_size=4, drop_last=True)
+    with pytest.raises(ValueError, match="empty"):
+        loop.fit(fabric, model, opt, empty, make_log(), batch_fn)
+
+
+def test_loss_and_train_accuracy_are_logged(fabric):
+    x, y = tiny_data(40)
+    model = tiny_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    _, _, log = fit_with_fabric(fabric, model, opt, loader(x, y, 4), accumulation_steps=2, log_every=2)
+    assert log.loss["first"] is not None and log.loss["last"] is not None
+    assert 0.0 <= log.accuracy["train"] <= 1.0
+
+
+# ------------------------------------------------------------------------------------ (c) planned_steps
+@pytest.mark.parametrize(
+    "num_batches,k,epochs,max_steps,expected",
+    [
+        (10, 4, 1, None, 3),
+        (10, 4, 1, 2, 2),
+        (10, 4, 2, None, 6),
+        (10, 4, 2, 5, 5),
+        (10, 4, 1, 100, 3),
+        (8, 4, 1, None, 2),
+        (8, 4, 3, None, 6),
+        (9, 4, 1, None, 3),
+        (3, 4, 1, None, 1),
+        (1, 1, 1, None, 1),
+        (703, 4, 1, None, 176),
+        (2812, 1, 1, None, 2812),
+        (2812, 4, 2, None, 1406),
+    ],
+)
+def test_planned_steps(num_batches, k, epochs, max_steps, expected):
+    assert loop.planned_steps(num_batches, k, epochs, max_steps) == expected
+
+
+# ------------------------------------------------------------------------------------------ (d) learns
+def test_vit_tiny_learns_synthetic_data(fabric):
+    torch.manual_seed(0)
+    splits = data.synthetic(sizes=(2000, 500, 500), seed=0)
+    train, val, _ = data.loaders(splits, micro_batch_size=16, eval_batch_size=250)
+    model = models.build_model("vit_tiny", None, num_classes=data.NUM_CLASSES)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model, opt = fabric.setup(model, opt)
+    fn = loop.image_classification(model.image_size)
+
+    chance_before = loop.evaluate(fabric, model, val, fn)
+    log = make_log()
+    loop.fit(fabric, model, opt, train, log, fn, accumulation_steps=2, epochs=3, log_every=20)
+    assert log.micro_batches == 3 * (2000 // 16)  # 375 micro-batches
+    assert log.optimizer_steps == 3 * 63
+    acc = loop.evaluate(fabric, model, val, fn)
+    assert acc > 0.5, f"val accuracy {acc:.3f} after training (before: {chance_before:.3f})"
+    assert acc > chance_before + 0.2
+    assert log.loss["last"] < log.loss["first"]
+    assert model.training, "evaluate() must leave the model in train mode"
+    # evaluate() honours max_batches: one batch of 250 is a multiple of 1/250
+    one = loop.evaluate(fabric, model, val, fn, max_batches=1)
+    assert abs(one * 250 - round(one * 250)) < 1e-3
+
+
+# --------------------------------------------------------------------------------------- (e) scheduler
+@pytest.mark.parametrize("num_micro,k,epochs,max_steps", [(10, 4, 1, None), (10, 4, 2, None), (10, 2, 1, 3)])
+def test_scheduler_steps_once_per_optimizer_step(fabric, num_micro, k, epochs, max_steps):
+    x, y = tiny_data(num_micro * 2)
+    model = tiny_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    log = make_log()
+    counter = StepCounter(opt, log)  # before the scheduler, which wraps optimizer.step itself
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 1.0 / (epoch + 1))
+    model, opt = fabric.setup(model, opt)
+    loop.fit(
+        fabric,
+        model,
+        opt,
+        loader(x, y, 2),
+        log,
+        batch_fn,
+        accumulation_steps=k,
+        epochs=epochs,
+        max_steps=max_steps,
+        scheduler=sched,
+    )
+    n = loop.planned_steps(num_micro, k, epochs, max_steps)
+    assert counter.calls == n
+    assert sched.last_epoch == n  # one scheduler step per optimizer step
+    # the optimizer step j (0-based) used the lr after j scheduler steps: scheduler after optimizer
+    assert counter.lrs == pytest.approx([1.0 / (j + 1) for j in range(n)])
