@@ -117,6 +117,7 @@ def main(args, log):
             epochs=args.epochs,
             max_steps=args.max_steps,
             log_every=args.log_every,
+            **cli.checkpointing(args),
             num_classes=text.NUM_LABELS,
         )
     with log.phase("eval"):

@@ -374,3 +374,22 @@ def test_run_all_bonus_runs_a_row_of_the_llm_table(tmp_path):
     assert payload["config"]["precision"] == "bf16-true" and payload["provenance"]["model"] == "qwen2-tiny"
     assert [p.name for p in tmp_path.glob("*.json")] == ["bonus_llm_finetune-half.json"]
     assert "tokens/s" in (tmp_path / "README.md").read_text()
+
+
+def test_saved_activations_tool_counts_bytes(capsys):
+    spec = importlib.util.spec_from_file_location(
+        "saved_activations", REPO / "tools" / "saved_activations.py"
+    )
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert tool.main(["--model", "distilbert-tiny", "--max-length", "64", "--batch-size", "2"]) == 0
+    out = capsys.readouterr().out
+    n = hf_models.count_parameters(hf_models.build(hf_models.SPECS["distilbert-tiny"], False))
+    weights = float(out.split("weights")[1].split("GB")[0])
+    assert weights == pytest.approx(n * 4 / 1e9, abs=5e-4)  # fp32: 4 bytes per parameter
+    saved = float(out.split("saved activations")[1].split("GB")[0])
+    assert saved > 0 and "batch 2 x 64 tokens" in out
+    half = tool.main(
+        ["--model", "distilbert-tiny", "--max-length", "64", "--batch-size", "2", "--dtype", "bf16"]
+    )
+    assert half == 0 and "bf16" in capsys.readouterr().out
