@@ -22,6 +22,7 @@ the prompt and on padding). Batch 12 as 2 x 6 accumulation steps, AdamW (lr 5e-5
 """
 
 import argparse
+import importlib.util
 
 import lightning as L
 import torch
@@ -41,6 +42,7 @@ DEFAULTS = dict(
     attn=None,
 )
 LORA_TARGETS = ["q_proj", "v_proj"]
+SIXTEEN_BIT = ("bf16-true", "bf16-mixed", "16-true", "16-mixed")  # what flash-attn kernels accept
 
 
 class _Precision(argparse.Action):
@@ -85,24 +87,14 @@ def resolve_toggles(args) -> None:
     if (args.half and args.precision != "bf16-true") or (args.mixed and args.precision != "bf16-mixed"):
         raise cli.UsageError(f"--precision {args.precision} contradicts --half/--mixed")
     if args.attn == "flash_attention_2":
-        import importlib.util
-
         if importlib.util.find_spec("flash_attn") is None:
             raise cli.UsageError(
                 "--attn flash_attention_2 needs the flash-attn package; --attn sdpa is built in"
             )
-        if args.accelerator != "cuda" or args.precision not in (
-            "bf16-true",
-            "bf16-mixed",
-            "16-true",
-            "16-mixed",
-        ):
+        if args.accelerator != "cuda" or args.precision not in SIXTEEN_BIT:
             raise cli.UsageError("--attn flash_attention_2 needs a CUDA GPU and 16-bit precision")
-    if args.lora:
-        import importlib.util
-
-        if importlib.util.find_spec("peft") is None:
-            raise cli.UsageError("--lora needs peft: python3 -m pip install peft")
+    if args.lora and importlib.util.find_spec("peft") is None:
+        raise cli.UsageError("--lora needs peft: python3 -m pip install peft")
 
 
 def main(args, log):
@@ -173,8 +165,7 @@ def main(args, log):
         "lora": any("lora_" in name for name, _ in model.named_parameters()),
         "trainable_parameters": hf_models.count_parameters(model, trainable_only=True),
         "attn_implementation": model.config._attn_implementation,
-    }
-    log.extra["accuracy"] = "next-token accuracy on completion tokens"
+    }  # read from the model itself; accuracy.* is next-token accuracy on completion tokens
 
     pin = fabric.device.type == "cuda"
     loaders = text.loaders(

@@ -1,8 +1,9 @@
 """The bonus recipes on CPU: tiny DistilBERT / BigBird / Qwen2 configs, synthetic and real-format IMDb.
 
-Recipes run in-process through ``cli.run`` (one interpreter, no repeated torch/transformers imports);
-run_all.sh's bonus path runs once as a real subprocess. No network: FMR_OFFLINE=1, and the "real IMDb"
-tests write their own aclImdb folder / CSV and a WordPiece vocabulary file.
+Recipes run in-process through ``cli.run`` (parsing, validation, results JSON, in one interpreter that
+has imported torch and transformers once); run_all.sh's bonus path runs as a background process while
+they do. No network (conftest sets FMR_OFFLINE=1); the "real IMDb" tests write their own aclImdb folder
+or CSV and a WordPiece vocabulary file.
 """
 
 from __future__ import annotations
@@ -10,21 +11,30 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+from conftest import REPO, describe, result, run_process, session_dir, submit, subprocess_env
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # this checkout's `common`, not another installed copy
-    sys.path.insert(0, str(REPO))
-os.environ.setdefault("FMR_OFFLINE", "1")
+from common import cli, hf_models, metrics, report, text
 
-import torch  # noqa: E402
+BACKGROUND_PRIORITY = 20  # run_all.sh --bonus: one recipe process and the report
+BACKGROUND_TESTS = {"test_run_all_bonus_runs_a_row_of_the_llm_table"}
 
-from common import cli, hf_models, metrics, report, text  # noqa: E402
+
+def _run_all_bonus():
+    tmp = session_dir("run_all-bonus")
+    results = tmp / "results"
+    cmd = [REPO / "run_all.sh", "--bonus", "--cpu", "--only", "bonus_llm_finetune-half"]
+    env = subprocess_env(tmp / "logs", PYTHON=sys.executable)
+    return run_process([*cmd, "--results-dir", str(results)], env), results
+
+
+def start_background_jobs() -> None:
+    submit("run_all:bonus", _run_all_bonus)
+
 
 WORDS = "the a movie film was is great good wonderful loved bad awful boring hated plot actor".split()
 POSITIVE = ["a wonderful film", "great plot and a good actor", "i loved the movie", "good good great"]
@@ -59,15 +69,8 @@ def run_recipe(name: str, tmp_path: Path, *args: str, data: str = "synthetic") -
 
 
 @pytest.fixture(autouse=True)
-def _offline_one_thread(tmp_path, monkeypatch):
-    """Offline, logs in tmp, and one intra-op thread: the tiny models are too small to share between two
-    threads, which on a busy 2-core machine mostly spin waiting for each other."""
-    monkeypatch.setenv("FMR_OFFLINE", "1")
+def _logs_in_tmp(tmp_path, monkeypatch):
     monkeypatch.setattr(metrics, "LOG_DIR", str(tmp_path / "logs"))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def write_vocab(folder: Path) -> Path:
@@ -351,29 +354,15 @@ def test_after_recipe_refuses_several_cpu_devices(tmp_path, capsys):
     assert exc.value.code == 2 and "FSDP" in capsys.readouterr().err
 
 
-def test_run_all_bonus_runs_a_row_of_the_llm_table(tmp_path):
-    env = {**os.environ, "FMR_OFFLINE": "1", "FMR_LOG_DIR": str(tmp_path / "logs"), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [
-            "./run_all.sh",
-            "--bonus",
-            "--cpu",
-            "--only",
-            "bonus_llm_finetune-half",
-            "--results-dir",
-            str(tmp_path),
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    payload = json.loads((tmp_path / "bonus_llm_finetune-half.json").read_text())
+def test_run_all_bonus_runs_a_row_of_the_llm_table():
+    proc, results = result("run_all:bonus")
+    assert proc.returncode == 0, describe(proc)
+    assert "bonus cases" in proc.stdout.splitlines()[0]
+    payload = json.loads((results / "bonus_llm_finetune-half.json").read_text())
     assert payload["config"]["precision"] == "bf16-true" and payload["provenance"]["model"] == "qwen2-tiny"
-    assert [p.name for p in tmp_path.glob("*.json")] == ["bonus_llm_finetune-half.json"]
-    assert "tokens/s" in (tmp_path / "README.md").read_text()
+    assert payload["tag"] == "half" and payload["config"]["max_length"] == 64
+    assert [p.name for p in results.glob("*.json")] == ["bonus_llm_finetune-half.json"]
+    assert "tokens/s" in (results / "README.md").read_text()
 
 
 def test_saved_activations_tool_counts_bytes(capsys):
