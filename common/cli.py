@@ -322,5 +322,12 @@ def run(
         return 3
     except UsageError as e:
         fail(str(e))
+    except Exception as e:
+        # Record what ran and how it ended, then let the traceback through (exit code 1).
+        if log.fabric is not None:
+            log.finish(
+                status="error", error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            )
+        raise
     log.finish(status="ok")
     return 0

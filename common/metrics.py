@@ -75,6 +75,9 @@ def write_json_atomic(path: str, payload: dict) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=folder)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; results are meant to be shared like any file
     try:
         with os.fdopen(fd, "w") as f:
             json.dump(payload, f, indent=2, sort_keys=False)

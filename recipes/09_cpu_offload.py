@@ -46,7 +46,7 @@ def main(args, log):
         loggers=log.fabric_loggers(),
     )
     fabric.launch()
-    fabric.seed_everything(args.seed)
+    fabric.seed_everything(args.seed, verbose=False)  # the seed is in the results JSON
     log.attach(fabric)
 
     with fabric.rank_zero_first():
