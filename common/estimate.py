@@ -238,6 +238,7 @@ class Estimate:
                 "cpu_offload": p.cpu_offload,
                 "workspace_gb": (CUDA_WORKSPACE_BYTES / GB) if p.device == "cuda" else 0.0,
             },
+            "kernels": self.kernels,
             "model": self.model,
             "seconds": round(self.seconds, 2),
             "error": self.error,
@@ -782,11 +783,11 @@ def simulate(
         "optimizer_state": n_train * pbytes * state_factor * shard / GB,
     }
     return Estimate(
-        peak_gb=round(tracker.peak / GB, 4),
-        components_gb={c: round(tracker.peak_totals.get(c, 0.0) / GB, 4) for c in COMPONENTS},
+        peak_gb=round(tracker.peak / GB, 6),
+        components_gb={c: round(tracker.peak_totals.get(c, 0.0) / GB, 6) for c in COMPONENTS},
         peak_phase=tracker.peak_phase,
-        static_gb={key: round(v, 4) for key, v in static.items()},
-        activations_saved_gb=None if activations_saved is None else round(activations_saved, 4),
+        static_gb={key: round(v, 6) for key, v in static.items()},
+        activations_saved_gb=None if activations_saved is None else round(activations_saved, 6),
         parameters={"total": n_total, "trainable": n_train},
         plan=plan,
         model=model_name or type(model).__name__,
@@ -857,7 +858,7 @@ def for_run(model: Any, args: Any, **recipe_plan: Any) -> Estimate:
         note(f"[estimate] could not estimate memory: {est.error}")
     else:
         note(
-            f"[estimate] predicted peak {est.peak_gb:.2f} GB per device ({est.peak_phase}; "
+            f"[estimate] predicted peak {est.peak_gb:.3g} GB per device ({est.peak_phase}; "
             f"{est.plan.attention_kernel} attention, {est.seconds:.1f} s)"
         )
     return est
