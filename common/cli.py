@@ -42,6 +42,9 @@ BASE_DEFAULTS: dict[str, Any] = {
     "tag": None,
     "eval_batches": None,
     "log_every": 10,
+    "checkpoint_every": None,
+    "checkpoint_dir": None,
+    "resume": None,
     "memory_timeline": False,
     "snapshot": False,
     "profile_steps": 3,
@@ -125,6 +128,14 @@ def build_parser(description: str, defaults: dict[str, Any]) -> argparse.Argumen
     g.add_argument("--model", help="vit_l_16 (the ladder), vit_b_16, vit_tiny (CPU/tests)")
     g.add_argument("--num-workers", type=int, help="DataLoader worker processes")
     g.add_argument("--eval-batches", type=_positive_int, help="limit validation/test to this many batches")
+    g = p.add_argument_group("checkpoints (resumable runs)")
+    g.add_argument(
+        "--checkpoint-every", type=_positive_int, help="save a Fabric checkpoint every N optimizer steps"
+    )
+    g.add_argument("--checkpoint-dir", help="where checkpoints go (default: checkpoints/<recipe>[-<tag>])")
+    g.add_argument(
+        "--resume", help="a checkpoint file to continue from, or 'auto' for the newest in --checkpoint-dir"
+    )
     g = p.add_argument_group("output")
     g.add_argument("--results-dir", help="where results/<recipe>.json is written")
     g.add_argument("--tag", help="suffix for the results file: <recipe>-<tag>.json")
@@ -280,6 +291,29 @@ def parse_args(
     raise AssertionError("unreachable")
 
 
+def _resolve_checkpoints(args: argparse.Namespace, recipe: str) -> None:
+    """Fill in the default checkpoint folder and turn ``--resume auto`` into a file (or None)."""
+    if args.checkpoint_dir is None:
+        args.checkpoint_dir = os.path.join("checkpoints", recipe + (f"-{args.tag}" if args.tag else ""))
+    if args.resume == "auto":
+        from common.loop import latest_checkpoint
+
+        args.resume = latest_checkpoint(args.checkpoint_dir)
+        if args.resume is None:
+            print(f"[resume] no checkpoint in {args.checkpoint_dir}: starting from the beginning", flush=True)
+    elif args.resume is not None and not os.path.exists(args.resume):
+        fail(f"--resume {args.resume}: no such checkpoint")
+
+
+def checkpointing(args: argparse.Namespace) -> dict[str, Any]:
+    """The checkpoint/resume keyword arguments of ``common.loop.fit``, from the parsed flags."""
+    return {
+        "checkpoint_every": args.checkpoint_every,
+        "checkpoint_dir": args.checkpoint_dir,
+        "resume": args.resume,
+    }
+
+
 def run(
     main: Callable,
     *,
@@ -296,6 +330,7 @@ def run(
     ladder run loses nothing; the process then exits 3 (``run_all.sh`` reports it and moves on).
     """
     args = parse_args(description, defaults, argv, extra, model_choices)
+    _resolve_checkpoints(args, recipe)
     from common.metrics import MetricsLogger
 
     log = MetricsLogger(recipe, args, description=description.strip().splitlines()[0])

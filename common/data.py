@@ -180,7 +180,7 @@ def to_model_input(images, image_size: int):
     """uint8 (N, 32, 32, 3) on the device -> normalised float (N, 3, S, S), resized on the device.
 
     Called inside the training loop on a batch Fabric has already moved, so the 224x224 float images
-    only ever exist on the accelerator (50x the bytes of the uint8 originals).
+    only ever exist on the accelerator (196x the bytes of the uint8 originals).
     """
     import torch.nn.functional as F
 

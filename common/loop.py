@@ -10,6 +10,7 @@ is skipped on all but the last micro-batch of a group (``fabric.no_backward_sync
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +35,25 @@ def image_classification(image_size: int) -> BatchFn:
     return batch_fn
 
 
+class SchedulerGroup:
+    """Several learning-rate schedulers stepped (and checkpointed) as one: with one optimizer per
+    parameter (the optimizer step fused into backward) every optimizer has its own schedule."""
+
+    def __init__(self, schedulers) -> None:
+        self.schedulers = list(schedulers)
+
+    def step(self) -> None:
+        for scheduler in self.schedulers:
+            scheduler.step()
+
+    def state_dict(self) -> dict:
+        return {"schedulers": [s.state_dict() for s in self.schedulers]}
+
+    def load_state_dict(self, state: dict) -> None:
+        for scheduler, saved in zip(self.schedulers, state["schedulers"], strict=True):
+            scheduler.load_state_dict(saved)
+
+
 def planned_steps(
     num_batches: int, accumulation_steps: int, epochs: int, max_steps: int | None = None
 ) -> int:
@@ -47,6 +67,14 @@ def _accuracy_metric(device, num_classes: int):
 
     # validate_args=False: the checks read tensor values on the host, i.e. synchronise every step.
     return MulticlassAccuracy(num_classes=num_classes, average="micro", validate_args=False).to(device)
+
+
+def latest_checkpoint(directory: str) -> str | None:
+    """The newest ``step-NNNNNN.ckpt`` in ``directory`` (what ``--resume auto`` picks), or None."""
+    if not os.path.isdir(directory):
+        return None
+    names = sorted(n for n in os.listdir(directory) if n.startswith("step-") and n.endswith(".ckpt"))
+    return os.path.join(directory, names[-1]) if names else None
 
 
 def fit(
@@ -63,6 +91,9 @@ def fit(
     scheduler=None,
     log_every: int = 10,
     num_classes: int = NUM_CLASSES,
+    checkpoint_every: int | None = None,
+    checkpoint_dir: str | None = None,
+    resume: str | None = None,
 ) -> None:
     """Train; every optimizer step is reported to ``log.step_done()`` (an event, no synchronisation).
 
@@ -72,6 +103,12 @@ def fit(
     does not wait for the GPU inside the loop.
     ``--memory-timeline`` / ``--snapshot`` record the first steps (common/profiling.py); without them
     the recorder does nothing.
+
+    Resumable runs: every ``checkpoint_every`` optimizer steps, ``fabric.save`` writes the model, the
+    optimizer, the scheduler, the step, the position in the epoch and the random state that shuffled
+    the epoch to ``checkpoint_dir/step-NNNNNN.ckpt``. ``resume`` (a path) restores all of it: the
+    epoch is reshuffled identically and the micro-batches already trained on are skipped, so the
+    resumed run continues exactly where the interrupted one stopped.
     """
     from tqdm.auto import tqdm
 
@@ -83,9 +120,24 @@ def fit(
     train_acc = _accuracy_metric(fabric.device, num_classes)
     window_loss = torch.zeros((), device=fabric.device)
     window_batches = 0
-    step = 0
+    step, start_epoch, skip = 0, 0, 0
+    stateful = {"model": model}
+    if optimizer is not None:
+        stateful["optimizer"] = optimizer
+    if scheduler is not None:
+        stateful["scheduler"] = scheduler
+    if resume:
+        saved = fabric.load(resume, stateful)  # restores model/optimizer/scheduler in place
+        step, start_epoch, skip = saved["step"], saved["epoch"], saved["batch_in_epoch"]
+        log.optimizer_steps, log.micro_batches = saved["optimizer_steps"], saved["micro_batches"]
+        log.extra["resumed_from"] = {"path": resume, "step": step}
     bar = tqdm(
-        total=total, desc=log.recipe, unit="step", disable=not fabric.is_global_zero, dynamic_ncols=True
+        total=total,
+        initial=step,
+        desc=log.recipe,
+        unit="step",
+        disable=not fabric.is_global_zero,
+        dynamic_ncols=True,
     )
 
     def close_window() -> float:
@@ -105,10 +157,28 @@ def fit(
         window_batches = 0
         return mean
 
+    def save_checkpoint(epoch: int, batch_in_epoch: int, epoch_rng: torch.Tensor) -> None:
+        path = os.path.join(checkpoint_dir, f"step-{step:06d}.ckpt")
+        fabric.save(path, {
+            **stateful, "step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch,
+            "epoch_rng": epoch_rng, "rng": torch.get_rng_state(),
+            "optimizer_steps": log.optimizer_steps, "micro_batches": log.micro_batches,
+        })  # fmt: skip
+
     model.train()
     recorder = Recorder.for_run(fabric, log).start()
-    for _epoch in range(epochs):
+    for epoch in range(start_epoch, epochs):
+        if hasattr(train_loader, "_num_iter_calls"):
+            train_loader._num_iter_calls = epoch  # Fabric's loader sets a DistributedSampler's epoch from it
+        if resume and epoch == start_epoch:
+            # The shuffle order of an epoch is drawn from the global RNG when iteration starts.
+            torch.set_rng_state(saved["epoch_rng"])
+        epoch_rng = torch.get_rng_state()
         for i, batch in enumerate(train_loader):
+            if resume and epoch == start_epoch and i < skip:
+                if i + 1 == skip:
+                    torch.set_rng_state(saved["rng"])
+                continue
             group_size = min(k, num_batches - (i // k) * k)  # the last group of an epoch may be short
             is_step = (i + 1) % k == 0 or i + 1 == num_batches
             with fabric.no_backward_sync(model, enabled=not is_step):
@@ -134,6 +204,8 @@ def fit(
             bar.update(1)
             if step % log_every == 0:
                 close_window()
+            if checkpoint_every and step % checkpoint_every == 0 and step < total:
+                save_checkpoint(epoch, i + 1, epoch_rng)
             if step >= total:
                 break
         if step >= total:

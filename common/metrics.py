@@ -68,6 +68,18 @@ WARMUP_STEPS = 3
 LOG_DIR = os.environ.get("FMR_LOG_DIR", "logs")
 
 
+# Dense bf16 tensor-core peaks from the vendors' datasheets (FLOP/s), for model FLOPs utilisation.
+PEAK_BF16_FLOPS = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12, "L4": 121e12, "A10G": 70e12}
+
+
+def peak_bf16_flops(gpu_name: str | None) -> float | None:
+    """The datasheet bf16 peak for a GPU name such as 'NVIDIA H100 80GB HBM3' (None if unknown)."""
+    for key, flops in PEAK_BF16_FLOPS.items():
+        if gpu_name and key in gpu_name:
+            return flops
+    return None
+
+
 def results_path(results_dir: str, recipe: str, tag: str | None = None) -> str:
     return os.path.join(results_dir, f"{recipe}-{tag}.json" if tag else f"{recipe}.json")
 
@@ -134,6 +146,11 @@ class MetricsLogger:
     def set(self, **provenance: Any) -> None:
         """Record where the run's inputs came from (data_source=..., weights=..., anything else)."""
         self.provenance.update(provenance)
+
+    def gpu_name(self) -> str | None:
+        import torch
+
+        return torch.cuda.get_device_name(self.fabric.device) if self._cuda else None
 
     @property
     def _cuda(self) -> bool:
@@ -249,6 +266,15 @@ class MetricsLogger:
         }
         prov.update(self.provenance)
         return prov
+
+    def steady_intervals(self) -> list[float]:
+        """Step intervals without the first WARMUP_STEPS (allocation, autotuning, compilation)."""
+        intervals = self.step_intervals()
+        return intervals[min(WARMUP_STEPS, max(0, len(intervals) - 1)) :]
+
+    def median_step_s(self) -> float | None:
+        steady = self.steady_intervals()
+        return statistics.median(steady) if steady else None
 
     def _timing(self) -> dict[str, Any]:
         _, world = self._world()

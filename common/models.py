@@ -6,6 +6,7 @@ resolution to resize to on the device, and whose classification head has ``num_c
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -98,6 +99,55 @@ def load(name: str, weights: str, num_classes: int = 10) -> BuiltModel:
 def blocks(model) -> list:
     """The repeated transformer blocks (torchvision ViT: ``encoder.layers``), e.g. to compile or wrap each."""
     return list(model.encoder.layers)
+
+
+@functools.cache
+def _make_checkpointed_block():
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    class CheckpointedBlock(torch.nn.Module):
+        """Runs ``block`` under ``torch.utils.checkpoint``: in the forward pass only the block's input is
+        kept; the tensors inside the block are recomputed during the backward pass.
+
+        ``use_reentrant=False`` (the default here and PyTorch's recommendation) recomputes through
+        saved-tensor hooks: it works when the input does not require grad, supports keyword arguments,
+        and stops recomputing as soon as the tensors it needs are rebuilt. ``use_reentrant=True`` re-runs
+        the block inside a custom autograd Function during backward and needs an input that requires
+        grad; it is the older implementation.
+        """
+
+        def __init__(self, block: torch.nn.Module, use_reentrant: bool = False) -> None:
+            super().__init__()
+            self.block = block
+            self.use_reentrant = use_reentrant
+
+        def forward(self, x):
+            return checkpoint(self.block, x, use_reentrant=self.use_reentrant)
+
+    return CheckpointedBlock
+
+
+def __getattr__(name: str):
+    if name == "CheckpointedBlock":
+        return _make_checkpointed_block()
+    raise AttributeError(name)
+
+
+def training_flops(name: str, batch_size: int, num_classes: int = 10) -> int:
+    """FLOPs of one forward+backward at ``batch_size``, counted by torch.utils.flop_counter on the meta
+    device (shapes only, nothing allocated). Attention counts as its matrix products, the model's FLOPs;
+    kernels that recompute (flash attention's backward) do more real work than this."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.device("meta"):
+        model = build_model(name, None, num_classes)
+        size = getattr(model, "image_size", 224)
+        x = torch.empty(batch_size, 3, size, size)
+    with FlopCounterMode(display=False) as counter:
+        model(x).sum().backward()
+    return counter.get_total_flops()
 
 
 def count_parameters(model, trainable_only: bool = False) -> int:

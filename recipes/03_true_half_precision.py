@@ -61,6 +61,7 @@ def main(args, log):
             epochs=args.epochs,
             max_steps=args.max_steps,
             log_every=args.log_every,
+            **cli.checkpointing(args),
         )
     with log.phase("eval"):
         loop.evaluate_splits(fabric, model, val_loader, test_loader, batch_fn, log, args.eval_batches)

@@ -39,9 +39,8 @@ def main(args, log):
         if args.compile:  # one compiled graph per block (all 24 share it): fewer, fused kernel launches
             for block in models.blocks(model):
                 block.compile()
-        optimizer = torch.optim.SGD(
-            model.parameters(), lr=args.lr
-        )  # no state: Adam kept 2 tensors per parameter
+        # plain SGD keeps no state; Adam kept two extra tensors per parameter
+        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
         model, optimizer = fabric.setup(model, optimizer)
     log.set(parameters=models.count_parameters(model))
 
@@ -65,6 +64,7 @@ def main(args, log):
             max_steps=args.max_steps,
             scheduler=scheduler,
             log_every=args.log_every,
+            **cli.checkpointing(args),
         )
     with log.phase("eval"):
         loop.evaluate_splits(fabric, model, val_loader, test_loader, batch_fn, log, args.eval_batches)

@@ -7,7 +7,7 @@ per EncoderBlock keeps only each block's input during the forward pass and recom
 the block during the backward pass. Each GPU trains on its own shard of the data (batch 64 per GPU).
 
     python recipes/08_fsdp.py --devices 4                   # launches its 4 processes itself
-    fabric run --devices 4 recipes/08_fsdp.py --devices 4   # or let a launcher start them
+    fabric run --accelerator cuda --devices 4 recipes/08_fsdp.py   # or let a launcher start them
     torchrun --nproc-per-node 4 recipes/08_fsdp.py --devices 4
 """
 
@@ -35,7 +35,9 @@ def make_strategy(args) -> FSDPStrategy:
 
 def main(args, log):
     if args.accelerator != "cuda":
-        raise cli.UsageError("FSDPStrategy needs CUDA GPUs; on CPU, recipes/08_fsdp2.py runs the same sharding")
+        raise cli.UsageError(
+            "FSDPStrategy needs CUDA GPUs; on CPU, recipes/08_fsdp2.py runs the same sharding"
+        )
     if args.compile:
         raise cli.UsageError("--compile is not supported with FSDP1 here; recipes/08_fsdp2.py supports it")
     torch.set_float32_matmul_precision("high" if args.tf32 else "highest")  # "high" = TF32 matmuls
@@ -91,6 +93,7 @@ def main(args, log):
             epochs=args.epochs,
             max_steps=args.max_steps,
             log_every=args.log_every,
+            **cli.checkpointing(args),
         )
     with log.phase("eval"):
         loop.evaluate_splits(fabric, model, val_loader, test_loader, batch_fn, log, args.eval_batches)

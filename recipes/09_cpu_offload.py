@@ -38,7 +38,9 @@ def make_strategy(args) -> FSDPStrategy:
 
 def main(args, log):
     if args.accelerator != "cuda":
-        raise cli.UsageError("FSDPStrategy needs CUDA GPUs; on CPU, recipes/08_fsdp2.py runs the same sharding")
+        raise cli.UsageError(
+            "FSDPStrategy needs CUDA GPUs; on CPU, recipes/08_fsdp2.py runs the same sharding"
+        )
     if args.compile:
         raise cli.UsageError("--compile is not supported with FSDP1 here; recipes/08_fsdp2.py supports it")
     torch.set_float32_matmul_precision("high" if args.tf32 else "highest")  # "high" = TF32 matmuls
@@ -94,6 +96,7 @@ def main(args, log):
             epochs=args.epochs,
             max_steps=args.max_steps,
             log_every=args.log_every,
+            **cli.checkpointing(args),
         )
     with log.phase("eval"):
         loop.evaluate_splits(fabric, model, val_loader, test_loader, batch_fn, log, args.eval_batches)

@@ -1,0 +1,46 @@
+"""Activation offloading: keep the tensors autograd saves for backward in host memory, not on the GPU.
+
+``torch.autograd.graph.save_on_cpu(pin_memory=True)`` does this for every saved tensor, with a copy
+that makes the host wait each time, and it also copies the weights (a linear layer saves its weight
+for the backward pass), which live on the GPU anyway. :class:`offload_activations` differs in two ways:
+- parameters (and views of them) are left where they are: copying weights out and back is pure cost;
+- the device-to-host copy goes into pinned memory with ``non_blocking=True``. It is queued on the
+  compute stream, so it runs in order with the kernels around it and the host never waits. The GPU
+  copy can be released at once, because the caching allocator only reuses memory for work queued
+  later on the same stream. In backward, each tensor is copied back the same way, just before the
+  kernel that needs it.
+The copies still share the stream with compute (no overlap); what is saved is GPU memory, at the
+price of PCIe time. Tensors smaller than ``min_bytes`` stay on the GPU (not worth a transfer).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class offload_activations(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 (a context manager)
+    """``with offload_activations(): loss = model(x)`` - saved activations live in pinned host memory."""
+
+    def __init__(self, min_bytes: int = 1 << 16) -> None:
+        self.offloaded_bytes = 0
+
+        def pack(t: torch.Tensor):
+            base = t._base if t._base is not None else t
+            if (
+                t.device.type != "cuda"
+                or isinstance(base, torch.nn.Parameter)
+                or t.numel() * t.element_size() < min_bytes
+            ):
+                return t
+            host = torch.empty(t.shape, dtype=t.dtype, layout=t.layout, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            self.offloaded_bytes += host.numel() * host.element_size()
+            return (t.device, host)
+
+        def unpack(packed):
+            if isinstance(packed, torch.Tensor):
+                return packed
+            device, host = packed
+            return host.to(device, non_blocking=True)
+
+        super().__init__(pack, unpack)

@@ -1,0 +1,103 @@
+"""Rung 14 - the memory floor: everything that lowers memory, combined, still a full fine-tune that learns.
+
+- bf16-true weights built in place with fabric.init_module (rungs 03, 07): 0.61 GB for ViT-L/16;
+- plain SGD, no optimizer state (rung 06);
+- the optimizer step fused into backward, so gradients never exist all at once (rung 12);
+- every EncoderBlock checkpointed: only block inputs are kept in forward (rung 10);
+- what autograd still saves outside the checkpoints goes to pinned host memory (rung 11);
+- micro-batch 4 (rung 05), no accumulation (it would need the gradients rung 12 removes);
+- the caching allocator in expandable-segments mode, so reserved memory tracks allocated memory
+  instead of rounding up to fixed-size segments.
+What is left on the GPU is the weights plus a few tens of MB in flight.
+"""
+
+import os
+
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # must be set before CUDA starts
+
+import lightning as L
+import torch
+
+from common import cli, data, loop, models, offload
+
+RECIPE = "14_memory_floor"
+DEFAULTS = dict(precision="bf16-true", batch_size=4, accumulation_steps=1, lr=0.01, compile=False)
+
+
+def main(args, log):
+    if args.accumulation_steps != 1:
+        raise cli.UsageError(
+            "--accumulation-steps must be 1: the optimizer steps inside backward (see rung 12)"
+        )
+    torch.set_float32_matmul_precision("high" if args.tf32 else "highest")  # "high" = TF32 matmuls
+    fabric = L.Fabric(
+        accelerator=args.accelerator,
+        devices=args.devices,
+        num_nodes=args.num_nodes,
+        precision=args.precision,
+        loggers=log.fabric_loggers(),
+    )
+    fabric.launch()
+    fabric.seed_everything(args.seed)
+    log.attach(fabric)
+
+    with fabric.rank_zero_first():
+        splits = data.load(args.data, args.data_dir)
+    weights = models.resolve_weights(args.model, args.weights)
+    log.set(data_source=splits.source, weights="pretrained" if weights else "random")
+
+    with log.phase("model_load"):
+        with fabric.init_module(empty_init=False):  # allocated on the device, in the target precision
+            model = models.build_model(args.model, weights, num_classes=data.NUM_CLASSES)
+        if args.compile:  # one compiled graph per block (all 24 share it): fewer, fused kernel launches
+            for block in models.blocks(model):
+                block.compile()
+        for i, block in enumerate(
+            models.blocks(model)
+        ):  # keep the block input, recompute the rest in backward
+            model.encoder.layers[i] = models.CheckpointedBlock(block)
+        model = fabric.setup(model)
+        # One stateless SGD per parameter, stepped by a hook as soon as that parameter's gradient is ready.
+        optimizers = {p: torch.optim.SGD([p], lr=args.lr) for p in model.parameters()}
+
+        def step_in_backward(param):
+            optimizers[param].step()
+            optimizers[param].zero_grad(set_to_none=True)
+
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(step_in_backward)
+    log.set(parameters=models.count_parameters(model))
+    pin = fabric.device.type == "cuda"
+    loaders = data.loaders(splits, args.micro_batch_size, args.micro_batch_size, args.num_workers, pin)
+    train_loader, val_loader, test_loader = fabric.setup_dataloaders(*loaders)
+    image_batch = loop.image_classification(model.image_size)
+
+    def batch_fn(model, batch):
+        with offload.offload_activations():  # what the checkpoints still save goes to host memory
+            return image_batch(model, batch)
+
+    num_steps = loop.planned_steps(len(train_loader), args.accumulation_steps, args.epochs, args.max_steps)
+    schedulers = [torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=num_steps) for o in optimizers.values()]
+    scheduler = loop.SchedulerGroup(schedulers)
+
+    with log.phase("train"):
+        loop.fit(
+            fabric,
+            model,
+            None,  # the hooks step the parameters during backward
+            train_loader,
+            log,
+            batch_fn,
+            accumulation_steps=args.accumulation_steps,
+            epochs=args.epochs,
+            max_steps=args.max_steps,
+            scheduler=scheduler,
+            log_every=args.log_every,
+            **cli.checkpointing(args),
+        )
+    with log.phase("eval"):
+        loop.evaluate_splits(fabric, model, val_loader, test_loader, batch_fn, log, args.eval_batches)
+
+
+if __name__ == "__main__":
+    raise SystemExit(cli.run(main, recipe=RECIPE, description=__doc__, defaults=DEFAULTS))
