@@ -106,11 +106,14 @@ COMPONENT_COLORS = {
     "inputs": "black",
     "workspace": "grey",
 }
-OPTIMIZERS = ("adam", "adamw", "sgd", "sgd-momentum", "none")
-OPTIMIZER_STATE_FACTOR = {"adam": 2, "adamw": 2, "sgd": 0, "sgd-momentum": 1, "none": 0}
+OPTIMIZERS = ("adam", "adamw", "adamw8bit", "sgd", "sgd-momentum", "none")
+OPTIMIZER_STATE_FACTOR = {"adam": 2, "adamw": 2, "adamw8bit": 2, "sgd": 0, "sgd-momentum": 1, "none": 0}
+LOWBIT_BLOCK = 256  # torchao's 8-bit optimizer: one fp32 scale per block of 256 values
+LOWBIT_MIN_NUMEL = 4096  # ...and smaller tensors keep full-precision state
 OPTIMIZER_IMPLS = ("fused", "foreach", "for-loop")
 ATTENTION_CHOICES = ("auto", "fused", "math")
 SHARDING_CHOICES = ("none", "fsdp", "fsdp2")
+CHECKPOINT_WRAPPERS = ("CheckpointedBlock", "CheckpointWrapper")  # modules that checkpoint their child
 LOW_PRECISION = {
     "16-mixed": "float16",
     "bf16-mixed": "bfloat16",
@@ -129,7 +132,11 @@ class Plan:
     """Everything besides the model that decides a run's memory. Recipes declare theirs as ``ESTIMATE``.
 
     ``checkpoint`` and ``shard_units`` name module classes (``"EncoderBlock"``): every module of that
-    class is activation-checkpointed / is one FSDP unit. ``world_size`` only matters when sharding.
+    class is activation-checkpointed / is one FSDP unit (a model that checkpoints inside its own
+    forward, like rung 10's, needs no ``checkpoint``: the simulation runs it). ``world_size`` only
+    matters when sharding. ``activation_offload`` models common.offload.offload_activations (saved
+    tensors of at least ``offload_min_bytes`` live in host memory); ``optimizer_in_backward`` models a
+    per-parameter step in a post-accumulate-grad hook that frees each gradient at once (rung 12).
     """
 
     precision: str = "32-true"
@@ -146,6 +153,9 @@ class Plan:
     device: str = "cuda"
     compile: bool = False
     prefetch_units: int = 2
+    activation_offload: bool = False
+    offload_min_bytes: int = 1 << 16
+    optimizer_in_backward: bool = False
 
     def __post_init__(self) -> None:
         if self.precision == "32":
@@ -162,6 +172,8 @@ class Plan:
             raise ValueError(f"sharding {self.sharding!r}: expected one of {SHARDING_CHOICES}")
         if self.cpu_offload and self.sharding == "none":
             raise ValueError("cpu_offload is modelled for FSDP only (sharding='fsdp')")
+        if self.optimizer_in_backward and self.accumulation_steps > 1:
+            raise ValueError("optimizer_in_backward frees every gradient at once: no accumulation")
         self.checkpoint = tuple(self.checkpoint)
         self.shard_units = tuple(self.shard_units)
 
@@ -207,6 +219,7 @@ class Estimate:
     model: str
     seconds: float
     kernels: list[str] = dataclasses.field(default_factory=list)
+    activations_host_gb: float = 0.0
     timeline: list[tuple[str, dict[str, float]]] = dataclasses.field(default_factory=list, repr=False)
     error: str | None = None
 
@@ -219,6 +232,7 @@ class Estimate:
             "peak_phase": self.peak_phase,
             "static_gb": self.static_gb,
             "activations_saved_gb": self.activations_saved_gb,
+            "activations_host_gb": self.activations_host_gb,
             "parameters": self.parameters,
             "assumptions": {
                 "method": "one training step on fake tensors (eager graph), storages tracked",
@@ -236,6 +250,8 @@ class Estimate:
                 "shard_units": list(p.shard_units),
                 "world_size": p.world_size,
                 "cpu_offload": p.cpu_offload,
+                "activation_offload": p.activation_offload,
+                "optimizer_in_backward": p.optimizer_in_backward,
                 "workspace_gb": (CUDA_WORKSPACE_BYTES / GB) if p.device == "cuda" else 0.0,
             },
             "kernels": self.kernels,
@@ -361,12 +377,15 @@ class _Tracker(TorchDispatchMode):
         self.peak_phase = ""
         self.record_timeline = record_timeline
         self.timeline: list[tuple[str, dict[str, float]]] = []
+        self.totals_max: dict[str, int] = defaultdict(int)
 
     def weighted(self) -> float:
         return sum(self.scales.get(c, 1.0) * v for c, v in self.totals.items())
 
     def _changed(self) -> None:
         total = self.weighted()
+        if self.totals["host"] > self.totals_max["host"]:
+            self.totals_max["host"] = self.totals["host"]
         if self.record_timeline:
             self.timeline.append(
                 (self.phase, {c: self.scales.get(c, 1.0) * v / GB for c, v in self.totals.items() if v})
@@ -534,8 +553,14 @@ def _checkpointed(model, class_names: tuple[str, ...], keep: Callable[[torch.Ten
     from torch.utils.checkpoint import checkpoint
 
     wrapped = []
+    already = {  # blocks the model checkpoints itself (rung 10's CheckpointedBlock, checkpoint_wrapper)
+        id(child)
+        for module in model.modules()
+        if type(module).__name__ in CHECKPOINT_WRAPPERS
+        for child in module.children()
+    }
     for module in model.modules():
-        if class_names and type(module).__name__ in class_names:
+        if class_names and type(module).__name__ in class_names and id(module) not in already:
             original = module.forward
 
             def forward(*args, _original=original, **kwargs):
@@ -647,6 +672,53 @@ def _unit_bytes(model: Any, class_names: tuple[str, ...], dtype_bytes: int) -> t
     return largest * dtype_bytes, root * dtype_bytes
 
 
+def _optimizer_state(p: torch.Tensor, plan: Plan) -> list[torch.Tensor]:
+    """The state tensors the optimizer keeps for parameter ``p`` from its first step on."""
+    if plan.optimizer == "adamw8bit" and p.numel() >= LOWBIT_MIN_NUMEL and p.numel() % LOWBIT_BLOCK == 0:
+        state = []  # torchao OptimState8bit: uint8 codes, one fp32 scale per block, a 256-entry qmap
+        for _ in range(2):
+            state.append(torch.empty(p.shape, dtype=torch.uint8))
+            state.append(torch.empty(p.numel() // LOWBIT_BLOCK, dtype=torch.float32))
+            state.append(torch.empty(256, dtype=torch.float32))
+        return state
+    state = [torch.zeros_like(p) for _ in range(OPTIMIZER_STATE_FACTOR[plan.optimizer])]
+    if plan.optimizer in ("adam", "adamw") and plan.optimizer_impl == "fused":
+        state.append(torch.zeros((), dtype=torch.float32))  # the step count lives on the device
+    return state
+
+
+class _SimulatedSaves(SavedTensorCounter):
+    """The simulation's saved-tensor hooks: count every saved storage (as a real run's counter would),
+    mark it as an activation, and with ``activation_offload`` move it to host memory as
+    common.offload.offload_activations does: the device copy is no longer referenced by the graph (it
+    is freed when the forward pass drops it) and backward copies it back just before it is needed."""
+
+    def __init__(self, exclude: list[torch.Tensor], tracker: _Tracker, plan: Plan) -> None:
+        super().__init__(exclude)
+        self.tracker = tracker
+        self.offload = plan.activation_offload
+        self.min_bytes = plan.offload_min_bytes
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        st = t.untyped_storage()
+        if id(st) in self._exclude:
+            return t
+        if self.offload and t.numel() * t.element_size() >= self.min_bytes:
+            host = torch.empty(t.shape, dtype=t.dtype)  # one host copy per saved tensor, as offload.py
+            self.tracker.retag(host, "host")  # counts 0 on the device
+            self._seen[host.untyped_storage()] = host.untyped_storage().nbytes()
+            return ("offloaded", host)
+        super()._pack(t)
+        self.tracker.retag(t, "activations", only_from=("temporaries",))
+        return t
+
+    @staticmethod
+    def _unpack(packed: Any) -> torch.Tensor:
+        if isinstance(packed, tuple) and packed and packed[0] == "offloaded":
+            return packed[1].clone()  # back on the device: a temporary of the backward pass
+        return packed
+
+
 @contextlib.contextmanager
 def _fresh_normalisation_cache() -> Iterator[None]:
     """common.data caches its mean/std tensors per device; constants made under the fake mode must not
@@ -697,12 +769,10 @@ def simulate(
     trainable = [n for n, p in named_params.items() if p.requires_grad]
     n_total = sum(p.numel() for p in named_params.values())
     n_train = sum(named_params[n].numel() for n in trainable)
-    state_factor = OPTIMIZER_STATE_FACTOR[plan.optimizer]
-
-    scales: dict[str, float] = {}
+    scales: dict[str, float] = {"host": 0.0}  # offloaded activations live in host memory
     if plan.sharding != "none":
         shard = 0.0 if plan.cpu_offload else 1.0 / plan.world_size
-        scales = {"parameters": shard, "gradients": shard, "optimizer_state": shard}
+        scales.update({"parameters": shard, "gradients": shard, "optimizer_state": shard})
     tracker = _Tracker(scales, record_timeline=record_timeline)
     kernels: set[str] = set()
     activations_saved = None
@@ -721,8 +791,14 @@ def simulate(
             t = torch.empty(p.shape, dtype=dtype, requires_grad=bool(p.requires_grad))
             tracker.retag(t, "parameters")
             fake_state[n] = t
+
+        def grad_ready(p: torch.Tensor) -> None:
+            tracker.retag(p.grad, "gradients")
+            if plan.optimizer_in_backward:  # stepped by the hook, then freed at once
+                p.grad = None
+
         for n in trainable:
-            fake_state[n].register_post_accumulate_grad_hook(lambda p: tracker.retag(p.grad, "gradients"))
+            fake_state[n].register_post_accumulate_grad_hook(grad_ready)
         if plan.sharding != "none":
             unit, root = _unit_bytes(model, plan.shard_units, pbytes)
             # in use at once: the current unit, the prefetched one, the root; one unit's unsharded grads
@@ -732,19 +808,12 @@ def simulate(
             tracker.add_constant("workspace", CUDA_WORKSPACE_BYTES)
 
         tracker.phase = "optimizer state"  # as it is from the first optimizer step on
-        state = []
-        for n in trainable:
-            for _ in range(state_factor):
-                state.append(torch.zeros_like(fake_state[n]))
-            if plan.optimizer in ("adam", "adamw") and plan.optimizer_impl == "fused":
-                state.append(torch.zeros((), dtype=torch.float32))  # the step count lives on the device
+        state = [t for n in trainable for t in _optimizer_state(fake_state[n], plan)]
         for s in state:
             tracker.retag(s, "optimizer_state")
 
         params_and_buffers = list(fake_state.values())
-        counter = SavedTensorCounter(
-            params_and_buffers, on_pack=lambda t: tracker.retag(t, "activations", only_from=("temporaries",))
-        )
+        counter = _SimulatedSaves(params_and_buffers, tracker, plan)
         # The fake weights stand in for the module's own for the whole step: checkpointed blocks
         # recompute in backward, after the forward call has returned.
         stack.enter_context(_reparametrize_module(model, fake_state, tie_weights=True))
@@ -771,20 +840,32 @@ def simulate(
             transient = n_train * pbytes  # torch._foreach_sqrt(exp_avg_sq): a list as large as the grads
         elif plan.optimizer in ("adam", "adamw") and plan.optimizer_impl == "for-loop":
             transient = max((named_params[n].numel() for n in trainable), default=0) * pbytes
+        elif plan.optimizer == "adamw8bit":  # per tensor: the two moments dequantised + the update, fp32
+            transient = 3 * 4 * max((named_params[n].numel() for n in trainable), default=0)
+        if plan.optimizer_in_backward:
+            transient = 0  # already done, parameter by parameter, inside backward
         transient = int(transient * scales.get("optimizer_state", 1.0))
         tracker.add_constant("temporaries", transient)
         tracker.add_constant("temporaries", -transient)
         del state, fake_state, params_and_buffers, wrapped, counter
 
     shard = scales.get("parameters", 1.0)
+    with FakeTensorMode():
+        state_bytes = sum(
+            t.untyped_storage().nbytes()
+            for n in trainable
+            for t in _optimizer_state(torch.empty(named_params[n].shape, dtype=precision.param_dtype), plan)
+            if t.dim() > 0  # leave out step counters
+        )
     static = {
         "weights": n_total * pbytes * shard / GB,
         "gradients": n_train * pbytes * shard / GB,
-        "optimizer_state": n_train * pbytes * state_factor * shard / GB,
+        "optimizer_state": state_bytes * shard / GB,
     }
     return Estimate(
         peak_gb=round(tracker.peak / GB, 6),
         components_gb={c: round(tracker.peak_totals.get(c, 0.0) / GB, 6) for c in COMPONENTS},
+        activations_host_gb=round(tracker.totals_max.get("host", 0) / GB, 6),
         peak_phase=tracker.peak_phase,
         static_gb={key: round(v, 6) for key, v in static.items()},
         activations_saved_gb=None if activations_saved is None else round(activations_saved, 6),

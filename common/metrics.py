@@ -371,7 +371,12 @@ def summary(p: dict[str, Any], path: str | None = None) -> str:
     ]
     est = p.get("estimate") or {}
     if est.get("peak_allocated_gb") is not None:
-        line = f"   estimate      predicted peak {est['peak_allocated_gb']:.2f} GB"
+        predicted = est["peak_allocated_gb"]
+        line = (
+            f"   estimate      predicted peak {predicted:.2f} GB"
+            if predicted >= 0.1
+            else (f"   estimate      predicted peak {predicted:.3g} GB")
+        )
         if mem["kind"] == "cuda" and mem.get("peak_allocated_gb"):
             error = 100.0 * (est["peak_allocated_gb"] - mem["peak_allocated_gb"]) / mem["peak_allocated_gb"]
             line += f" vs measured {mem['peak_allocated_gb']:.2f} GB allocated ({error:+.1f}%)"
