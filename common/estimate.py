@@ -226,13 +226,17 @@ class Estimate:
     def to_dict(self) -> dict[str, Any]:
         """The ``estimate`` key of the results JSON (documented in common/metrics.py)."""
         p = self.plan
+
+        def r(x: float | None) -> float | None:
+            return None if x is None else round(x, 6)
+
         return {
-            "peak_allocated_gb": self.peak_gb,
-            "components_gb": self.components_gb,
+            "peak_allocated_gb": r(self.peak_gb),
+            "components_gb": {k: r(v) for k, v in self.components_gb.items()},
             "peak_phase": self.peak_phase,
-            "static_gb": self.static_gb,
-            "activations_saved_gb": self.activations_saved_gb,
-            "activations_host_gb": self.activations_host_gb,
+            "static_gb": {k: r(v) for k, v in self.static_gb.items()},
+            "activations_saved_gb": r(self.activations_saved_gb),
+            "activations_host_gb": r(self.activations_host_gb),
             "parameters": self.parameters,
             "assumptions": {
                 "method": "one training step on fake tensors (eager graph), storages tracked",
@@ -378,6 +382,16 @@ class _Tracker(TorchDispatchMode):
         self.record_timeline = record_timeline
         self.timeline: list[tuple[str, dict[str, float]]] = []
         self.totals_max: dict[str, int] = defaultdict(int)
+        self.new_category = "temporaries"
+
+    @contextlib.contextmanager
+    def creating(self, category: str) -> Iterator[None]:
+        """Storages created inside belong to ``category`` from the start (weights, optimizer state)."""
+        previous, self.new_category = self.new_category, category
+        try:
+            yield
+        finally:
+            self.new_category = previous
 
     def weighted(self) -> float:
         return sum(self.scales.get(c, 1.0) * v for c, v in self.totals.items())
@@ -436,7 +450,7 @@ class _Tracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        category = "temporaries"
+        category = self.new_category
         if func is torch.ops.aten._to_copy.default and isinstance(args[0], torch.Tensor):
             if self.category_of(args[0]) == "parameters":
                 category = "weight_copies"  # autocast's low-precision copy of a weight
@@ -704,8 +718,8 @@ class _SimulatedSaves(SavedTensorCounter):
         if id(st) in self._exclude:
             return t
         if self.offload and t.numel() * t.element_size() >= self.min_bytes:
-            host = torch.empty(t.shape, dtype=t.dtype)  # one host copy per saved tensor, as offload.py
-            self.tracker.retag(host, "host")  # counts 0 on the device
+            with self.tracker.creating("host"):  # counts 0 on the device
+                host = torch.empty(t.shape, dtype=t.dtype)  # one host copy per saved tensor, as offload.py
             self._seen[host.untyped_storage()] = host.untyped_storage().nbytes()
             return ("offloaded", host)
         super()._pack(t)
@@ -786,11 +800,10 @@ def simulate(
 
         # Weights and buffers, in the dtype Fabric gives them.
         fake_state: dict[str, torch.Tensor] = {}
-        for n, p in [*named_params.items(), *model.named_buffers()]:
-            dtype = precision.param_dtype if p.is_floating_point() else p.dtype
-            t = torch.empty(p.shape, dtype=dtype, requires_grad=bool(p.requires_grad))
-            tracker.retag(t, "parameters")
-            fake_state[n] = t
+        with tracker.creating("parameters"):
+            for n, p in [*named_params.items(), *model.named_buffers()]:
+                dtype = precision.param_dtype if p.is_floating_point() else p.dtype
+                fake_state[n] = torch.empty(p.shape, dtype=dtype, requires_grad=bool(p.requires_grad))
 
         def grad_ready(p: torch.Tensor) -> None:
             tracker.retag(p.grad, "gradients")
@@ -808,9 +821,8 @@ def simulate(
             tracker.add_constant("workspace", CUDA_WORKSPACE_BYTES)
 
         tracker.phase = "optimizer state"  # as it is from the first optimizer step on
-        state = [t for n in trainable for t in _optimizer_state(fake_state[n], plan)]
-        for s in state:
-            tracker.retag(s, "optimizer_state")
+        with tracker.creating("optimizer_state"):
+            state = [t for n in trainable for t in _optimizer_state(fake_state[n], plan)]
 
         params_and_buffers = list(fake_state.values())
         counter = _SimulatedSaves(params_and_buffers, tracker, plan)
@@ -857,18 +869,18 @@ def simulate(
             for t in _optimizer_state(torch.empty(named_params[n].shape, dtype=precision.param_dtype), plan)
             if t.dim() > 0  # leave out step counters
         )
-    static = {
+    static = {  # seed 004's arithmetic, exactly
         "weights": n_total * pbytes * shard / GB,
         "gradients": n_train * pbytes * shard / GB,
         "optimizer_state": state_bytes * shard / GB,
     }
     return Estimate(
-        peak_gb=round(tracker.peak / GB, 6),
-        components_gb={c: round(tracker.peak_totals.get(c, 0.0) / GB, 6) for c in COMPONENTS},
-        activations_host_gb=round(tracker.totals_max.get("host", 0) / GB, 6),
+        peak_gb=tracker.peak / GB,
+        components_gb={c: tracker.peak_totals.get(c, 0.0) / GB for c in COMPONENTS},
+        activations_host_gb=tracker.totals_max.get("host", 0) / GB,
         peak_phase=tracker.peak_phase,
-        static_gb={key: round(v, 6) for key, v in static.items()},
-        activations_saved_gb=None if activations_saved is None else round(activations_saved, 6),
+        static_gb=static,
+        activations_saved_gb=activations_saved,
         parameters={"total": n_total, "trainable": n_train},
         plan=plan,
         model=model_name or type(model).__name__,
