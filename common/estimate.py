@@ -787,7 +787,7 @@ def simulate(
     if plan.sharding != "none":
         shard = 0.0 if plan.cpu_offload else 1.0 / plan.world_size
         scales.update({"parameters": shard, "gradients": shard, "optimizer_state": shard})
-    tracker = _Tracker(scales, record_timeline=record_timeline)
+    tracker = _Tracker(scales)  # the timeline is recorded from the first forward to zero_grad
     kernels: set[str] = set()
     activations_saved = None
 
@@ -832,6 +832,7 @@ def simulate(
         stack.enter_context(_checkpointed(model, plan.checkpoint, counter.add))
         wrapped = _Wrapped(model, precision)
         k = plan.accumulation_steps
+        tracker.record_timeline = record_timeline
         for micro in range(min(k, 2)):
             label = "first micro-batch" if micro == 0 else "a later micro-batch (gradients kept)"
             tracker.phase = f"forward, {label}"
@@ -859,6 +860,10 @@ def simulate(
         transient = int(transient * scales.get("optimizer_state", 1.0))
         tracker.add_constant("temporaries", transient)
         tracker.add_constant("temporaries", -transient)
+        tracker.phase = "zero_grad(set_to_none=True)"
+        for t in fake_state.values():
+            t.grad = None
+        tracker.record_timeline = False
         del state, fake_state, params_and_buffers, wrapped, counter
 
     shard = scales.get("parameters", 1.0)
@@ -1105,10 +1110,39 @@ def render_check(rows: list[dict[str, Any]]) -> str:
         if r["world_size"] and r["world_size"] > 1:
             gpu = f"{r['world_size']}× {gpu} (per GPU)"
         lines.append(
-            f"| `{r['file']}` | {gpu} | {'on' if r['compile'] else 'off'} | {r['predicted_gb']:.2f} |"
-            f" {r['measured_gb']:.2f} | {r['error_pct']:+.1f}% |"
+            f"| `{r['file']}` | {gpu} | {'on' if r['compile'] else 'off'} | {r['predicted_gb']:.3f} |"
+            f" {r['measured_gb']:.3f} | {r['error_pct']:+.1f}% |"
         )
     return "\n".join(lines)
+
+
+def plot_check(rows: list[dict[str, Any]], path: str | os.PathLike) -> None:
+    """Predicted vs measured peak per run (bars) with the error on top."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [
+        f"{Path(r['file']).parent.name}/{r['recipe']} ({'compiled' if r['compile'] else 'eager'})"
+        for r in rows
+    ]
+    xs = range(len(rows))
+    fig, ax = plt.subplots(figsize=(max(8, 0.75 * len(rows) + 3), 5))
+    ax.bar([x - 0.2 for x in xs], [r["measured_gb"] for r in rows], 0.4, color="#08519c", label="measured")
+    bars = ax.bar(
+        [x + 0.2 for x in xs], [r["predicted_gb"] for r in rows], 0.4, color="#fc9272", label="predicted"
+    )
+    ax.bar_label(bars, labels=[f"{r['error_pct']:+.1f}%" for r in rows], fontsize=7)
+    ax.set_yscale("log")
+    ax.set_xticks(list(xs), labels, rotation=40, ha="right", fontsize=8)
+    ax.set_ylabel("peak allocated, GB (log scale)")
+    ax.set_title("common.estimate: predicted vs measured peak allocated (label: error)")
+    ax.legend()
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, Any], str]:
@@ -1135,7 +1169,11 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, Any], 
     g.add_argument("--optimizer", choices=OPTIMIZERS, help="override the recipe's optimizer")
     g.add_argument("--checkpoint", help="comma-separated module classes to checkpoint (e.g. EncoderBlock)")
     g.add_argument("--json", action="store_true", help="print the estimate as JSON")
-    g.add_argument("--plot", metavar="PNG", help="write the simulated timeline as a stacked-area PNG")
+    g.add_argument(
+        "--plot",
+        metavar="PNG",
+        help="write the simulated timeline (with --check: predicted vs measured) as a PNG",
+    )
     g.add_argument(
         "--check",
         nargs="+",
@@ -1172,6 +1210,8 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(rows, indent=2))
         else:
             print(render_check(rows))
+        if args.plot and rows:
+            plot_check(rows, args.plot)
         return 0 if rows else 2
     try:
         plan = plan_from_args(args, **plan_fields)

@@ -249,12 +249,12 @@ def measured_cpu_peak(model, optimizer, batch, fn, k: int = 1) -> int:
 def test_simulated_peak_matches_a_real_cpu_step(k, optimizer, checkpoint):
     torch.manual_seed(0)
     model = VisionTransformer(
-        image_size=64, patch_size=8, num_layers=3, num_heads=4, hidden_dim=256, mlp_dim=1024, num_classes=10
+        image_size=64, patch_size=8, num_layers=2, num_heads=4, hidden_dim=256, mlp_dim=1024, num_classes=10
     )
-    batch, fn = image_batch(model, batch=8)
+    batch, fn = image_batch(model, batch=4)
     plan = estimate.Plan(
         device="cpu",
-        micro_batch_size=8,
+        micro_batch_size=4,
         accumulation_steps=k,
         optimizer=optimizer,
         optimizer_impl="for-loop",
