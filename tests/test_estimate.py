@@ -310,6 +310,22 @@ def test_simulation_leaves_no_trace_behind():
     fn(model, batch)[0].backward()  # a real step still works (no fake tensors cached)
 
 
+def test_estimate_inside_init_module_like_defaults_is_unchanged():
+    """Recipes may call for_run inside fabric.init_module(): another default device and dtype."""
+    model = small_vit()
+    plan = estimate.Plan(precision="bf16-true", micro_batch_size=4, device="cpu")
+    plain = estimate.simulate(model, plan).peak_gb
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("meta"):
+            inside = estimate.simulate(model, plan).peak_gb
+        assert torch.get_default_dtype() == torch.bfloat16
+    finally:
+        torch.set_default_dtype(previous)
+    assert inside == plain
+
+
 def test_for_run_records_a_failure_instead_of_raising():
     class Broken(nn.Module):
         image_size = 32
