@@ -45,6 +45,9 @@ BASE_DEFAULTS: dict[str, Any] = {
     "checkpoint_every": None,
     "checkpoint_dir": None,
     "resume": None,
+    "memory_timeline": False,
+    "snapshot": False,
+    "profile_steps": 3,
 }
 
 
@@ -137,6 +140,20 @@ def build_parser(description: str, defaults: dict[str, Any]) -> argparse.Argumen
     g.add_argument("--results-dir", help="where results/<recipe>.json is written")
     g.add_argument("--tag", help="suffix for the results file: <recipe>-<tag>.json")
     g.add_argument("--log-every", type=_positive_int, help="optimizer steps between logged losses")
+    g = p.add_argument_group("memory anatomy (see common/profiling.py)")
+    g.add_argument(
+        "--memory-timeline",
+        action="store_true",
+        help="profile the first --profile-steps steps; write <recipe>-timeline.html/.png/.json by category",
+    )
+    g.add_argument(
+        "--snapshot",
+        action="store_true",
+        help="CUDA only: dump <recipe>-snapshot.pickle of the allocator history (open in pytorch.org/memory_viz)",
+    )
+    g.add_argument(
+        "--profile-steps", type=_positive_int, help="optimizer steps recorded by the two flags above"
+    )
     p.set_defaults(**d)
     return p
 
@@ -181,6 +198,10 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
     if args.devices > have:
         what = "CUDA devices" if args.accelerator == "cuda" else "CPU cores"
         raise UsageError(f"--devices {args.devices} requested but this machine has {have} {what}")
+    if getattr(args, "snapshot", False) and args.accelerator != "cuda":
+        raise UsageError(
+            "--snapshot needs CUDA: it records the CUDA caching allocator's history; on a CPU use --memory-timeline"
+        )
     if args.weights == "pretrained" and args.model == "vit_tiny":
         raise UsageError(f"--weights pretrained: no pretrained weights exist for --model {args.model}")
     if args.compile is None:
@@ -322,5 +343,12 @@ def run(
         return 3
     except UsageError as e:
         fail(str(e))
+    except Exception as e:
+        # Record what ran and how it ended, then let the traceback through (exit code 1).
+        if log.fabric is not None:
+            log.finish(
+                status="error", error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            )
+        raise
     log.finish(status="ok")
     return 0

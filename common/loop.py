@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from common.data import NUM_CLASSES, to_model_input
+from common.profiling import Recorder
 
 # batch_fn(model, batch) -> (loss, logits, targets): how a batch becomes a loss; the loop is model-agnostic.
 BatchFn = Callable[[Any, Any], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -100,6 +101,8 @@ def fit(
     through parameter hooks): the loop then only counts the steps.
     Losses are summed on the device and read every ``log_every`` steps, not every step, so the host
     does not wait for the GPU inside the loop.
+    ``--memory-timeline`` / ``--snapshot`` record the first steps (common/profiling.py); without them
+    the recorder does nothing.
 
     Resumable runs: every ``checkpoint_every`` optimizer steps, ``fabric.save`` writes the model, the
     optimizer, the scheduler, the step, the position in the epoch and the random state that shuffled
@@ -163,6 +166,7 @@ def fit(
         })  # fmt: skip
 
     model.train()
+    recorder = Recorder.for_run(fabric, log).start()
     for epoch in range(start_epoch, epochs):
         if hasattr(train_loader, "_num_iter_calls"):
             train_loader._num_iter_calls = epoch  # Fabric's loader sets a DistributedSampler's epoch from it
@@ -178,8 +182,10 @@ def fit(
             group_size = min(k, num_batches - (i // k) * k)  # the last group of an epoch may be short
             is_step = (i + 1) % k == 0 or i + 1 == num_batches
             with fabric.no_backward_sync(model, enabled=not is_step):
-                loss, logits, targets = batch_fn(model, batch)
-                fabric.backward(loss / group_size)
+                with recorder.region("forward"):
+                    loss, logits, targets = batch_fn(model, batch)
+                with recorder.region("backward"):
+                    fabric.backward(loss / group_size)
             log.micro_batches += 1
             window_loss += loss.detach().float()
             window_batches += 1
@@ -187,12 +193,14 @@ def fit(
             if not is_step:
                 continue
             if optimizer is not None:
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)  # frees gradient memory before the next forward
+                with recorder.region("optimizer"):
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)  # frees gradient memory before the next forward
             if scheduler is not None:
                 scheduler.step()
             step += 1
             log.step_done()
+            recorder.step()
             bar.update(1)
             if step % log_every == 0:
                 close_window()
@@ -202,6 +210,7 @@ def fit(
                 break
         if step >= total:
             break
+    recorder.close()
     if window_batches:
         close_window()
     bar.close()

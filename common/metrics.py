@@ -25,6 +25,20 @@ memory.phases.<name>             {peak_allocated_gb, peak_reserved_gb, per_rank:
                                  ("model_load", "train", "eval", ...)
 memory.peak_allocated_gb         the "train" phase peak (max over ranks): the number the ladder compares
 memory.peak_reserved_gb          likewise, reserved by the caching allocator
+memory.timeline                  --memory-timeline: {html, png, json, device, steps, phases_ms} files of the
+                                 torch.profiler memory timeline by category (next to this JSON), else null
+memory.snapshot                  --snapshot: path of the CUDA allocator history pickle (memory_viz), else null
+estimate                         the predicted peak (common.estimate, made before the run): {
+                                 peak_allocated_gb, components_gb {parameters, gathered_parameters,
+                                 weight_copies, gradients, optimizer_state, activations, temporaries, inputs,
+                                 workspace} (GB at the predicted peak), peak_phase, static_gb {weights,
+                                 gradients, optimizer_state}, activations_saved_gb (one micro-batch's
+                                 forward), parameters {total, trainable}, assumptions {method, device,
+                                 attention_kernel, compile, compile_modelled, precision, micro_batch_size,
+                                 accumulation_steps, optimizer, optimizer_impl, checkpoint, sharding,
+                                 shard_units, world_size, cpu_offload, workspace_gb}, kernels, model,
+                                 seconds, error}; null when the recipe made none. Compare it with
+                                 memory.peak_allocated_gb (per device)
 timing.train_wall_s              wall time of the training loop (start-up and evaluation excluded)
 timing.median_step_s             median time between consecutive optimizer steps, after warm-up steps
 timing.images_per_s              effective batch x world size / median_step_s (all ranks together);
@@ -82,6 +96,9 @@ def write_json_atomic(path: str, payload: dict) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=folder)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; results are meant to be shared like any file
     try:
         with os.fdopen(fd, "w") as f:
             json.dump(payload, f, indent=2, sort_keys=False)
@@ -113,6 +130,8 @@ class MetricsLogger:
         self.loss: dict[str, float | None] = {"first": None, "last": None}
         self.provenance: dict[str, Any] = {"data_source": None, "weights": None}
         self.extra: dict[str, Any] = {}
+        self.estimate: Any = None  # a common.estimate.Estimate, set by the recipe before training
+        self.memory_files: dict[str, Any] = {"timeline": None, "snapshot": None}  # set by common.loop
         self._loggers: list | None = None
 
     # ------------------------------------------------------------------------------------------ set-up
@@ -307,11 +326,14 @@ class MetricsLogger:
                 "peak_allocated_gb": main.get("peak_allocated_gb"),
                 "peak_reserved_gb": main.get("peak_reserved_gb"),
                 "phases": phases,
+                "timeline": self.memory_files.get("timeline"),
+                "snapshot": self.memory_files.get("snapshot"),
             },
             "timing": self._timing(),
             "accuracy": self.accuracy,
             "loss": self.loss,
             "extra": self.extra,
+            "estimate": self.estimate.to_dict() if self.estimate is not None else None,
         }
 
     def finish(self, status: str = "ok", error: str | None = None) -> dict[str, Any] | None:
@@ -367,6 +389,29 @@ def summary(p: dict[str, Any], path: str | None = None) -> str:
         f"   accuracy      train {_fmt(acc.get('train'), '.3f')} | val {_fmt(acc.get('val'), '.3f')}"
         f" | test {_fmt(acc.get('test'), '.3f')}",
     ]
+    est = p.get("estimate") or {}
+    if est.get("peak_allocated_gb") is not None:
+        predicted = est["peak_allocated_gb"]
+        line = (
+            f"   estimate      predicted peak {predicted:.2f} GB"
+            if predicted >= 0.1
+            else (f"   estimate      predicted peak {predicted:.3g} GB")
+        )
+        if mem["kind"] == "cuda" and mem.get("peak_allocated_gb"):
+            error = 100.0 * (est["peak_allocated_gb"] - mem["peak_allocated_gb"]) / mem["peak_allocated_gb"]
+            line += f" vs measured {mem['peak_allocated_gb']:.2f} GB allocated ({error:+.1f}%)"
+        lines.append(line)
+    elif est.get("error"):
+        lines.append(f"   estimate      failed: {est['error']}")
+    for kind in ("timeline", "snapshot"):
+        files = mem.get(kind)
+        if files:
+            shown = (
+                files
+                if isinstance(files, str)
+                else ", ".join(str(files[k]) for k in ("html", "png") if files.get(k))
+            )
+            lines.append(f"   {kind:<13} {shown}")
     if path:
         lines.append(f"   results       {path}")
     return "\n".join(lines)

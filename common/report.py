@@ -139,6 +139,49 @@ def render_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def estimate_error_pct(result: dict) -> float | None:
+    """(predicted - measured) / measured of the train-phase peak allocated, in %; None without both
+    numbers or when the measurement is CPU RSS (not comparable with a GPU prediction)."""
+    predicted = _get(result, "estimate.peak_allocated_gb")
+    measured = _get(result, "memory.peak_allocated_gb")
+    if predicted is None or not measured or _is_cpu(result) or result.get("status") != "ok":
+        return None
+    return 100.0 * (predicted - measured) / measured
+
+
+def render_estimates(results: list[dict]) -> str | None:
+    """Predicted (common.estimate, before the run) vs measured peak allocated, per run with an estimate."""
+    rows = [r for r in sorted(results, key=_sort_key) if _get(r, "estimate") is not None]
+    if not rows:
+        return None
+    lines = [
+        "| recipe | predicted GB | measured allocated GB | error | predicted peak during | attention | compile |",
+        "|---|---:|---:|---:|---|---|---|",
+    ]
+    for r in rows:
+        err = estimate_error_pct(r)
+        measured = "OOM" if r.get("status") == "oom" else _num(_get(r, "memory.peak_allocated_gb"), 2)
+        if _is_cpu(r) and measured != DASH:
+            measured += CPU_MARK
+        failed = _get(r, "estimate.error")
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    _label(r),
+                    f"failed: {failed}" if failed else _num(_get(r, "estimate.peak_allocated_gb"), 2),
+                    measured,
+                    DASH if err is None else f"{err:+.1f}%",
+                    str(_get(r, "estimate.peak_phase", DASH)),
+                    str(_get(r, "estimate.assumptions.attention_kernel", DASH)),
+                    "on" if _get(r, "config.compile") else "off",
+                ]
+            )
+            + " |"
+        )
+    return "\n".join(lines)
+
+
 def _provenance_lines(results: list[dict]) -> list[str]:
     """One line per distinct (device, world size, versions, data, weights): what produced the numbers."""
     groups: dict[tuple, list[str]] = {}
@@ -189,6 +232,18 @@ def render_markdown(results: list[dict], image_name: str = "ladder.png") -> str:
         "`reserved` by the caching allocator. Throughput counts all ranks together"
         + ("; tokens/s counts padded tokens." if any(_is_text(r) for r in results) else "."),
     ]
+    estimates = render_estimates(results)
+    if estimates:
+        out += [
+            "",
+            "## Predicted vs measured peak",
+            "",
+            "The prediction is made by `common.estimate` before the run (one training step simulated on fake "
+            "tensors: weights, gradients, optimizer state, saved activations, backward working memory; "
+            "eager graph). Error = (predicted − measured) / measured allocated. Target: within ±10%.",
+            "",
+            estimates,
+        ]
     if any(_is_cpu(r) for r in results):
         out += [
             "",
@@ -241,6 +296,21 @@ def render_figure(results: list[dict], path: str | os.PathLike) -> None:
     ax_mem.bar_label(
         alloc_bars, labels=text(allocated, ".2f"), fontsize=7, label_type="center", color="white"
     )
+    predicted = [
+        _get(r, "estimate.peak_allocated_gb") if estimate_error_pct(r) is not None else None for r in results
+    ]
+    if any(p is not None for p in predicted):
+        px = [x for x, p in zip(xs, predicted, strict=True) if p is not None]
+        ax_mem.scatter(
+            px,
+            [p for p in predicted if p is not None],
+            marker="_",
+            s=900,
+            linewidths=2,
+            color="#cb181d",
+            zorder=5,
+            label="predicted (common.estimate)",
+        )
     speed_bars = ax_speed.bar(xs, speed, width=0.6, color="#31a354")
     ax_speed.bar_label(speed_bars, labels=text(speed, ".0f"), fontsize=8)
     positive = [v for v in speed if v > 0]

@@ -8,10 +8,11 @@ scaler keeps small fp16 gradients from underflowing. --precision bf16-mixed need
 import lightning as L
 import torch
 
-from common import cli, data, loop, models
+from common import cli, data, estimate, loop, models
 
 RECIPE = "02_mixed_precision"
 DEFAULTS = dict(precision="16-mixed", batch_size=64, accumulation_steps=1, lr=5e-5)
+ESTIMATE = dict(optimizer="adam")  # for common.estimate: what the flags do not say (fused Adam)
 
 
 def main(args, log):
@@ -24,7 +25,7 @@ def main(args, log):
         loggers=log.fabric_loggers(),
     )
     fabric.launch()
-    fabric.seed_everything(args.seed)
+    fabric.seed_everything(args.seed, verbose=False)  # the seed is in the results JSON
     log.attach(fabric)
 
     with fabric.rank_zero_first():
@@ -34,6 +35,7 @@ def main(args, log):
 
     with log.phase("model_load"):
         model = models.build_model(args.model, weights, num_classes=data.NUM_CLASSES)
+        log.estimate = estimate.for_run(model, args, **ESTIMATE)  # the predicted peak
         if args.compile:  # one compiled graph per block (all 24 share it): fewer, fused kernel launches
             for block in models.blocks(model):
                 block.compile()

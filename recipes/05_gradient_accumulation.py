@@ -9,10 +9,11 @@ grouping; this recipe only sets --accumulation-steps 4 (micro-batch = batch-size
 import lightning as L
 import torch
 
-from common import cli, data, loop, models
+from common import cli, data, estimate, loop, models
 
 RECIPE = "05_gradient_accumulation"
 DEFAULTS = dict(precision="bf16-true", batch_size=16, accumulation_steps=4, lr=5e-5)
+ESTIMATE = dict(optimizer="adam")  # for common.estimate: what the flags do not say (fused Adam)
 
 
 def main(args, log):
@@ -25,7 +26,7 @@ def main(args, log):
         loggers=log.fabric_loggers(),
     )
     fabric.launch()
-    fabric.seed_everything(args.seed)
+    fabric.seed_everything(args.seed, verbose=False)  # the seed is in the results JSON
     log.attach(fabric)
 
     with fabric.rank_zero_first():
@@ -35,6 +36,7 @@ def main(args, log):
 
     with log.phase("model_load"):
         model = models.build_model(args.model, weights, num_classes=data.NUM_CLASSES)
+        log.estimate = estimate.for_run(model, args, **ESTIMATE)  # the predicted peak
         if args.compile:  # one compiled graph per block (all 24 share it): fewer, fused kernel launches
             for block in models.blocks(model):
                 block.compile()

@@ -8,10 +8,11 @@ part of what SGD loses in convergence.
 import lightning as L
 import torch
 
-from common import cli, data, loop, models
+from common import cli, data, estimate, loop, models
 
 RECIPE = "06_sgd_cosine"
 DEFAULTS = dict(precision="bf16-true", batch_size=16, accumulation_steps=4, lr=0.01)
+ESTIMATE = dict(optimizer="sgd", optimizer_impl="foreach")  # for common.estimate: SGD keeps no state
 
 
 def main(args, log):
@@ -24,7 +25,7 @@ def main(args, log):
         loggers=log.fabric_loggers(),
     )
     fabric.launch()
-    fabric.seed_everything(args.seed)
+    fabric.seed_everything(args.seed, verbose=False)  # the seed is in the results JSON
     log.attach(fabric)
 
     with fabric.rank_zero_first():
@@ -34,6 +35,7 @@ def main(args, log):
 
     with log.phase("model_load"):
         model = models.build_model(args.model, weights, num_classes=data.NUM_CLASSES)
+        log.estimate = estimate.for_run(model, args, **ESTIMATE)  # the predicted peak
         if args.compile:  # one compiled graph per block (all 24 share it): fewer, fused kernel launches
             for block in models.blocks(model):
                 block.compile()

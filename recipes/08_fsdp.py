@@ -16,10 +16,13 @@ import torch
 from lightning.fabric.strategies import FSDPStrategy
 from torchvision.models.vision_transformer import EncoderBlock
 
-from common import cli, data, loop, models
+from common import cli, data, estimate, loop, models
 
 RECIPE = "08_fsdp"
 DEFAULTS = dict(precision="32-true", batch_size=64, accumulation_steps=1, lr=5e-5, devices=4, compile=False)
+ESTIMATE = dict(  # for common.estimate: FSDP, one unit and one checkpoint per block
+    optimizer="adam", sharding="fsdp", shard_units=("EncoderBlock",), checkpoint=("EncoderBlock",)
+)
 
 
 def make_strategy(args) -> FSDPStrategy:
@@ -47,7 +50,7 @@ def main(args, log):
         loggers=log.fabric_loggers(),
     )
     fabric.launch()
-    fabric.seed_everything(args.seed)
+    fabric.seed_everything(args.seed, verbose=False)  # the seed is in the results JSON
     log.attach(fabric)
 
     with fabric.rank_zero_first():
@@ -57,6 +60,7 @@ def main(args, log):
 
     with log.phase("model_load"):
         model = models.build_model(args.model, weights, num_classes=data.NUM_CLASSES)
+        log.estimate = estimate.for_run(model, args, **ESTIMATE)  # the predicted peak
         image_size, parameters = model.image_size, models.count_parameters(model)
         model = fabric.setup_module(model)  # shard first, then build the optimizer over the shards
         optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, fused=True)

@@ -11,10 +11,11 @@ docs/10_activation_checkpointing.md for what each saves). torch.compile is off b
 import lightning as L
 import torch
 
-from common import cli, data, loop, models
+from common import cli, data, estimate, loop, models
 
 RECIPE = "10_activation_checkpointing"
 DEFAULTS = dict(precision="bf16-true", batch_size=16, accumulation_steps=4, lr=0.01, compile=False)
+ESTIMATE = dict(optimizer="sgd", optimizer_impl="foreach", checkpoint=("EncoderBlock",))
 
 
 def add_flags(parser) -> None:
@@ -31,7 +32,7 @@ def main(args, log):
         loggers=log.fabric_loggers(),
     )
     fabric.launch()
-    fabric.seed_everything(args.seed)
+    fabric.seed_everything(args.seed, verbose=False)  # the seed is in the results JSON
     log.attach(fabric)
 
     with fabric.rank_zero_first():
@@ -51,6 +52,7 @@ def main(args, log):
             model.encoder.layers[i] = models.CheckpointedBlock(block, use_reentrant=args.reentrant)
         # plain SGD keeps no state; Adam kept two extra tensors per parameter
         optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+        log.estimate = estimate.for_run(model, args, **ESTIMATE)  # the predicted peak
         model, optimizer = fabric.setup(model, optimizer)
     log.set(parameters=models.count_parameters(model))
     pin = fabric.device.type == "cuda"

@@ -11,10 +11,11 @@ no accumulation (--accumulation-steps > 1 is refused). torch.compile is off by d
 import lightning as L
 import torch
 
-from common import cli, data, loop, models
+from common import cli, data, estimate, loop, models
 
 RECIPE = "12_optimizer_in_backward"
 DEFAULTS = dict(precision="bf16-true", batch_size=4, accumulation_steps=1, lr=0.01, compile=False)
+ESTIMATE = dict(optimizer="sgd", optimizer_impl="for-loop", optimizer_in_backward=True)
 
 
 def main(args, log):
@@ -32,7 +33,7 @@ def main(args, log):
         loggers=log.fabric_loggers(),
     )
     fabric.launch()
-    fabric.seed_everything(args.seed)
+    fabric.seed_everything(args.seed, verbose=False)  # the seed is in the results JSON
     log.attach(fabric)
 
     with fabric.rank_zero_first():
@@ -46,6 +47,7 @@ def main(args, log):
         if args.compile:  # one compiled graph per block (all 24 share it): fewer, fused kernel launches
             for block in models.blocks(model):
                 block.compile()
+        log.estimate = estimate.for_run(model, args, **ESTIMATE)  # the predicted peak
         model = fabric.setup(model)
         # One optimizer per parameter, stepped by a hook as soon as that parameter's gradient is ready.
         optimizers = {p: torch.optim.SGD([p], lr=args.lr) for p in model.parameters()}

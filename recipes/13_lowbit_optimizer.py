@@ -10,10 +10,11 @@ torch.compile of the blocks is off by default here (torchao compiles its own upd
 import lightning as L
 import torch
 
-from common import cli, data, loop, models
+from common import cli, data, estimate, loop, models
 
 RECIPE = "13_lowbit_optimizer"
 DEFAULTS = dict(precision="bf16-true", batch_size=16, accumulation_steps=4, lr=5e-5, compile=False)
+ESTIMATE = dict(optimizer="adamw8bit")  # for common.estimate: 8-bit moments
 
 
 def main(args, log):
@@ -30,7 +31,7 @@ def main(args, log):
         loggers=log.fabric_loggers(),
     )
     fabric.launch()
-    fabric.seed_everything(args.seed)
+    fabric.seed_everything(args.seed, verbose=False)  # the seed is in the results JSON
     log.attach(fabric)
 
     with fabric.rank_zero_first():
@@ -47,6 +48,7 @@ def main(args, log):
         optimizer = AdamW8bit(
             model.parameters(), lr=args.lr
         )  # both Adam moments in 8 bits, block-wise scaled
+        log.estimate = estimate.for_run(model, args, **ESTIMATE)  # the predicted peak
         model, optimizer = fabric.setup(model, optimizer)
     log.set(parameters=models.count_parameters(model))
     pin = fabric.device.type == "cuda"

@@ -18,10 +18,17 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # 
 import lightning as L
 import torch
 
-from common import cli, data, loop, models, offload
+from common import cli, data, estimate, loop, models, offload
 
 RECIPE = "14_memory_floor"
 DEFAULTS = dict(precision="bf16-true", batch_size=4, accumulation_steps=1, lr=0.01, compile=False)
+ESTIMATE = dict(  # for common.estimate: what the flags do not say
+    optimizer="sgd",
+    optimizer_impl="for-loop",
+    optimizer_in_backward=True,
+    activation_offload=True,
+    checkpoint=("EncoderBlock",),
+)
 
 
 def main(args, log):
@@ -38,7 +45,7 @@ def main(args, log):
         loggers=log.fabric_loggers(),
     )
     fabric.launch()
-    fabric.seed_everything(args.seed)
+    fabric.seed_everything(args.seed, verbose=False)  # the seed is in the results JSON
     log.attach(fabric)
 
     with fabric.rank_zero_first():
@@ -56,6 +63,7 @@ def main(args, log):
             models.blocks(model)
         ):  # keep the block input, recompute the rest in backward
             model.encoder.layers[i] = models.CheckpointedBlock(block)
+        log.estimate = estimate.for_run(model, args, **ESTIMATE)  # the predicted peak
         model = fabric.setup(model)
         # One stateless SGD per parameter, stepped by a hook as soon as that parameter's gradient is ready.
         optimizers = {p: torch.optim.SGD([p], lr=args.lr) for p in model.parameters()}

@@ -46,6 +46,9 @@ if str(REPO) not in sys.path:
 _TMP_ROOT = Path(tempfile.mkdtemp(prefix="fmr-tests-"))
 _LOG_DIR = _TMP_ROOT / "logs"
 os.environ["FMR_OFFLINE"] = "1"
+# No torch.compile in CPU tests: compiling costs minutes on 2 cores and is not what they check. torchao's
+# 8-bit Adam (rung 13) compiles its update step; with dynamo disabled it runs the same step eagerly.
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 os.environ["FMR_LOG_DIR"] = str(_LOG_DIR)
 
 # The flags that make any recipe a quick CPU run (see run_all.sh's CPU path).

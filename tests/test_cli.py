@@ -23,11 +23,6 @@ RECIPE = "01_baseline"
 QUICK = ["--accelerator", "cpu", "--model", "vit_tiny", "--data", "synthetic", "--weights", "none",
          "--max-steps", "1", "--eval-batches", "1"]  # fmt: skip
 
-SEED_LINE_BUG = (
-    "a UsageError raised inside main() (--data cifar10 offline in data.load; likewise --weights pretrained "
-    "offline in models.resolve_weights) comes after fabric.seed_everything(), which has already logged "
-    "'Seed set to 123' on stderr: two lines, not one"
-)
 
 # id -> (extra args, a word the error line must contain); later flags override QUICK's.
 BAD = {
@@ -119,15 +114,7 @@ def test_bad_flag_exits_2_without_traceback_or_results(case, bad_runs):
     assert BAD[case][1] in errors[0], describe(proc)
 
 
-@pytest.mark.parametrize(
-    "case",
-    [
-        pytest.param(c, marks=pytest.mark.xfail(reason=SEED_LINE_BUG, strict=True))
-        if c in RAISED_IN_MAIN
-        else c
-        for c in BAD
-    ],
-)
+@pytest.mark.parametrize("case", list(BAD))
 def test_bad_flag_is_exactly_one_line_on_stderr(case, bad_runs):
     if _skip_reason(case):
         pytest.skip(_skip_reason(case))

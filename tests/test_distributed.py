@@ -7,6 +7,7 @@ the FSDP2 variant (fully_shard through ModelParallelStrategy) really runs here w
 from __future__ import annotations
 
 import argparse
+import os
 
 import numpy as np
 import pytest
@@ -119,10 +120,12 @@ def test_fsdp2_parallelize_shards_every_block_with_checkpointing():
 
 @pytest.mark.parametrize("name", ["08_fsdp", "09_cpu_offload", "08_fsdp2"])
 def test_bad_device_counts_exit_2_with_one_line(run_recipe, name):
-    proc, payload = run_recipe(name, "--accelerator", "cpu", "--devices", "9999", "--model", "vit_tiny")
+    # cores + 1, not a huge number: if the check ever broke, Fabric would launch that many processes
+    too_many = str((os.cpu_count() or 1) + 1)
+    proc, payload = run_recipe(name, "--accelerator", "cpu", "--devices", too_many, "--model", "vit_tiny")
     assert proc.returncode == 2, describe(proc)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and "--devices 9999" in lines[0], describe(proc)
+    assert len(lines) == 1 and f"--devices {too_many}" in lines[0], describe(proc)
     assert "Traceback" not in proc.stderr and payload is None
 
 
@@ -141,7 +144,7 @@ def test_fabric_run_settings_become_the_defaults_and_are_consumed(monkeypatch):
     args = cli.parse_args("x", {"devices": 4}, ["--model", "vit_tiny"])
     assert (args.accelerator, args.devices, args.num_nodes, args.precision) == ("cpu", 2, 1, "bf16-true")
     # consumed: Fabric must neither compare them with the recipe's values nor refuse launch()
-    assert not any(key in __import__("os").environ for key in env)
+    assert not any(key in os.environ for key in env)
 
 
 @pytest.mark.parametrize(

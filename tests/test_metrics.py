@@ -76,6 +76,22 @@ def test_ok_run_through_cli_run(tmp_path):
     assert p["status"] == "ok" and p["error"] is None and p["timing"]["optimizer_steps"] == 1
 
 
+def test_a_crash_is_recorded_as_error_and_still_raises(tmp_path):
+    import lightning as L
+
+    def main(args, log):
+        log.attach(L.Fabric(accelerator="cpu", devices=1))
+        with log.phase("train"):
+            raise RuntimeError("loss is NaN\nat step 3")
+
+    with pytest.raises(RuntimeError, match="loss is NaN"):
+        cli.run(main, recipe="r", description="d", defaults={},
+                argv=["--accelerator", "cpu", "--results-dir", str(tmp_path)])  # fmt: skip
+    p = json.loads((tmp_path / "r.json").read_text())
+    assert p["status"] == "error" and p["error"] == "RuntimeError: loss is NaN"
+    assert "train" in p["memory"]["phases"]
+
+
 # ------------------------------------------------------------------------------------------- atomic
 def test_write_json_atomic_replaces_whole_file(tmp_path):
     path = tmp_path / "sub" / "x.json"
@@ -116,14 +132,6 @@ def test_write_json_atomic_uses_rename_in_the_same_folder(tmp_path, monkeypatch)
     assert os.path.dirname(renames[0][0]) == str(tmp_path) and renames[0][1] == str(tmp_path / "y.json")
 
 
-PERMISSIONS_BUG = (
-    "write_json_atomic creates the file with tempfile.mkstemp, which makes it mode 0600; os.replace keeps "
-    "that, so every results JSON is unreadable to other users (shared results dirs, workshop machines), "
-    "unlike a plain open(): fix by os.chmod(tmp, 0o666 & ~umask) before the rename"
-)
-
-
-@pytest.mark.xfail(reason=PERMISSIONS_BUG, strict=True)
 def test_results_file_gets_normal_permissions(tmp_path):
     umask = os.umask(0o022)
     try:

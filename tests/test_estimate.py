@@ -1,0 +1,378 @@
+"""common.estimate: exact static bytes, the PEFT and FSDP arithmetic, traced activations against a real
+run's saved tensors, and the simulated peak against a real CPU step's allocations (torch.profiler)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torchvision.models.vision_transformer import VisionTransformer
+
+from common import estimate, loop, models, report
+
+GB = 1e9
+
+
+# ------------------------------------------------------------------------------------------ fixtures
+class TwoLinear(nn.Module):
+    """Every tensor a multiple of 512 bytes in fp32 and bf16, so allocator rounding cannot blur sums."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(256, 512)
+        self.b = nn.Linear(512, 256)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+def linear_batch(batch: int = 16):
+    def make():
+        return (torch.empty(batch, 256),)
+
+    def fn(model, b):
+        out = model(b[0])
+        return (out.float().pow(2).mean(),)
+
+    return make, fn
+
+
+def numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def small_vit(layers: int = 2) -> VisionTransformer:
+    return VisionTransformer(
+        image_size=32,
+        patch_size=8,
+        num_layers=layers,
+        num_heads=4,
+        hidden_dim=128,
+        mlp_dim=512,
+        num_classes=10,
+    )
+
+
+def image_batch(model, batch: int = 8):
+    g = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (batch, 32, 32, 3), dtype=torch.uint8, generator=g)
+    labels = torch.randint(0, 10, (batch,), generator=g)
+    return (images, labels), loop.image_classification(model.image_size)
+
+
+def simulate(model, batch_fns=None, **plan):
+    plan.setdefault("device", "cpu")
+    plan.setdefault("optimizer_impl", "foreach")  # no per-parameter step counters in the sums
+    make, fn = batch_fns or linear_batch()
+    return estimate.simulate(model, estimate.Plan(**plan), make_batch=make, batch_fn=fn)
+
+
+# -------------------------------------------------------------------------------- static arithmetic
+@pytest.mark.parametrize(
+    ("optimizer", "state_factor"), [("adam", 2), ("adamw", 2), ("sgd", 0), ("sgd-momentum", 1), ("none", 0)]
+)
+@pytest.mark.parametrize(("precision", "nbytes"), [("32-true", 4), ("bf16-true", 2), ("16-mixed", 4)])
+def test_weights_grads_optimizer_state_are_exact(optimizer, state_factor, precision, nbytes):
+    model = TwoLinear()
+    p = numel(model)
+    est = simulate(model, precision=precision, micro_batch_size=16, accumulation_steps=2, optimizer=optimizer)
+    assert est.static_gb["weights"] == pytest.approx(p * nbytes / GB, abs=1e-9)
+    assert est.static_gb["gradients"] == pytest.approx(p * nbytes / GB, abs=1e-9)
+    assert est.static_gb["optimizer_state"] == pytest.approx(state_factor * p * nbytes / GB, abs=1e-9)
+    # At the peak (a later micro-batch: gradients kept), the simulated storages hold exactly these bytes.
+    c = est.components_gb
+    assert c["parameters"] == pytest.approx(p * nbytes / GB, abs=1e-9)
+    assert c["gradients"] == pytest.approx(p * nbytes / GB, abs=1e-9)
+    assert c["optimizer_state"] == pytest.approx(state_factor * p * nbytes / GB, abs=1e-9)
+    assert est.peak_gb == pytest.approx(sum(c.values()), abs=2e-6)
+
+
+def test_fused_adam_keeps_one_step_counter_per_parameter_on_the_device():
+    model = TwoLinear()
+    est = simulate(model, micro_batch_size=16, accumulation_steps=2, optimizer="adam", optimizer_impl="fused")
+    counters = 4 * estimate.ALLOCATOR_ROUND  # 4 parameter tensors, one 512-byte block each
+    assert est.components_gb["optimizer_state"] == pytest.approx(
+        (2 * numel(model) * 4 + counters) / GB, abs=1e-9
+    )
+
+
+def test_peft_weights_k_plus_n_grads_n_adam_2n():
+    """Seed 004: with K frozen and N trainable parameters: weights K+N, gradients N, Adam 2N."""
+    model = TwoLinear()
+    model.a.requires_grad_(False)
+    k, n = numel(model.a), numel(model.b)
+    est = simulate(model, micro_batch_size=16, accumulation_steps=2, optimizer="adam")
+    assert est.parameters == {"total": k + n, "trainable": n}
+    assert est.static_gb == pytest.approx(
+        {"weights": 4 * (k + n) / GB, "gradients": 4 * n / GB, "optimizer_state": 8 * n / GB}
+    )
+    c = est.components_gb
+    assert (c["parameters"], c["gradients"], c["optimizer_state"]) == pytest.approx(
+        (4 * (k + n) / GB, 4 * n / GB, 8 * n / GB), abs=1e-9
+    )
+
+
+def test_fsdp_divides_sharded_state_by_world_size_and_offload_removes_it():
+    model = TwoLinear()
+    kw = dict(micro_batch_size=16, accumulation_steps=2, optimizer="adam", shard_units=("Linear",))
+    one = simulate(model, **kw)
+    four = simulate(model, sharding="fsdp", world_size=4, **kw)
+    for key in ("weights", "gradients", "optimizer_state"):
+        assert four.static_gb[key] == pytest.approx(one.static_gb[key] / 4, abs=1e-9)
+    for key in ("parameters", "optimizer_state"):  # alive all step long (gradients: see static_gb)
+        assert four.components_gb[key] == pytest.approx(one.components_gb[key] / 4, abs=1e-9)
+    # the gathered units: the current and the prefetched one, plus one unit's unsharded gradients
+    largest = max(numel(model.a), numel(model.b)) * 4
+    assert four.components_gb["gathered_parameters"] == pytest.approx(3 * largest / GB, abs=1e-9)
+    offload = simulate(model, sharding="fsdp", world_size=4, cpu_offload=True, **kw)
+    assert offload.components_gb["parameters"] == offload.components_gb["optimizer_state"] == 0
+    assert offload.peak_gb < four.peak_gb
+
+
+def test_plan_rejects_what_it_cannot_model():
+    with pytest.raises(ValueError, match="optimizer"):
+        estimate.Plan(optimizer="lion")
+    with pytest.raises(ValueError, match="cpu_offload"):
+        estimate.Plan(cpu_offload=True)
+    with pytest.raises(ValueError, match="accumulation"):
+        estimate.Plan(optimizer_in_backward=True, accumulation_steps=2)
+
+
+# -------------------------------------------------------------------------- activations vs a real run
+def real_saved_bytes(model, batch, fn, wrap=lambda m: m, backend=None) -> int:
+    wrapped = wrap(model)
+    with estimate.SavedTensorCounter([*wrapped.parameters(), *wrapped.buffers()]) as saved:
+        if backend is None:
+            fn(wrapped, batch)
+        else:
+            with sdpa_kernel(backend):
+                fn(wrapped, batch)
+    return saved.nbytes
+
+
+@pytest.mark.parametrize("attention", ["fused", "math"])
+def test_traced_activations_equal_the_bytes_a_real_forward_saves(attention):
+    torch.manual_seed(0)
+    model = small_vit()
+    batch, fn = image_batch(model)
+    real = real_saved_bytes(model, batch, fn, backend=SDPBackend.MATH if attention == "math" else None)
+    traced = estimate.trace_activations(
+        model, estimate.Plan(device="cpu", attention=attention), lambda: batch, fn
+    )
+    assert traced == real > 0
+
+
+def test_math_attention_saves_the_score_matrix_fused_does_not():
+    model = small_vit()
+    batch, fn = image_batch(model, batch=8)
+    fused = estimate.trace_activations(
+        model, estimate.Plan(device="cpu", attention="fused"), lambda: batch, fn
+    )
+    math = estimate.trace_activations(model, estimate.Plan(device="cpu", attention="math"), lambda: batch, fn)
+    seq, heads, layers = 17, 4, 2
+    assert math - fused >= layers * 8 * heads * seq * seq * 4  # at least one fp32 (b, h, s, s) per block
+
+
+@pytest.mark.parametrize("precision", ["bf16-true", "bf16-mixed"])
+def test_traced_activations_follow_fabric_precision_plugins(precision):
+    import lightning as L
+
+    torch.manual_seed(0)
+    model = small_vit()
+    batch, fn = image_batch(model)
+    traced = estimate.trace_activations(
+        model, estimate.Plan(device="cpu", precision=precision), lambda: batch, fn
+    )
+    fabric = L.Fabric(accelerator="cpu", devices=1, precision=precision)
+    real = real_saved_bytes(model, batch, fn, wrap=fabric.setup_module)
+    assert traced == real > 0
+
+
+def test_frozen_blocks_save_less_and_checkpointing_shrinks_activations():
+    torch.manual_seed(0)
+    model = small_vit(layers=3)
+    batch, fn = image_batch(model)
+    make = lambda: batch  # noqa: E731
+    full = estimate.trace_activations(model, estimate.Plan(device="cpu"), make, fn)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for p in [*models.blocks(model)[0].parameters(), *model.heads.parameters()]:
+        p.requires_grad_(True)
+    first = estimate.trace_activations(model, estimate.Plan(device="cpu"), make, fn)
+    assert first == real_saved_bytes(model, batch, fn)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for p in [*models.blocks(model)[-1].parameters(), *model.heads.parameters()]:
+        p.requires_grad_(True)
+    last = estimate.trace_activations(model, estimate.Plan(device="cpu"), make, fn)
+    assert last == real_saved_bytes(model, batch, fn)
+    assert last < first < full  # same trainable count for first and last, very different memory
+    for p in model.parameters():
+        p.requires_grad_(True)
+    ckpt = estimate.trace_activations(
+        model, estimate.Plan(device="cpu", checkpoint=("EncoderBlock",)), make, fn
+    )
+    assert ckpt < full / 3
+    # a model that checkpoints itself (rung 10's CheckpointedBlock) saves what the plan predicts
+    for i, block in enumerate(models.blocks(model)):
+        model.encoder.layers[i] = models.CheckpointedBlock(block)
+    assert real_saved_bytes(model, batch, fn) == ckpt
+
+
+# -------------------------------------------------------------------------- the peak vs a real CPU step
+def measured_cpu_peak(model, optimizer, batch, fn, k: int = 1) -> int:
+    """Peak of live CPU bytes during one steady-state step, from torch.profiler's memory events."""
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import MemoryProfileTimeline
+
+    def step():
+        for _ in range(k):
+            (fn(model, batch)[0] / k).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()  # optimizer state exists from here on
+    with profile(
+        activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True
+    ) as p:
+        step()
+    _, sizes = MemoryProfileTimeline(p._memory_profile())._coalesce_timeline("cpu")
+    return max(sum(s) for s in sizes)
+
+
+@pytest.mark.parametrize(
+    ("k", "optimizer", "checkpoint"), [(1, "adam", False), (2, "sgd", False), (1, "adam", True)]
+)
+def test_simulated_peak_matches_a_real_cpu_step(k, optimizer, checkpoint):
+    torch.manual_seed(0)
+    model = VisionTransformer(
+        image_size=64, patch_size=8, num_layers=2, num_heads=4, hidden_dim=256, mlp_dim=1024, num_classes=10
+    )
+    batch, fn = image_batch(model, batch=4)
+    plan = estimate.Plan(
+        device="cpu",
+        micro_batch_size=4,
+        accumulation_steps=k,
+        optimizer=optimizer,
+        optimizer_impl="for-loop",
+        checkpoint=("EncoderBlock",) if checkpoint else (),
+    )
+    predicted = estimate.simulate(model, plan, make_batch=lambda: batch, batch_fn=fn).peak_gb * GB
+    if checkpoint:
+        for i, block in enumerate(models.blocks(model)):
+            model.encoder.layers[i] = models.CheckpointedBlock(block)
+    cls = torch.optim.Adam if optimizer == "adam" else torch.optim.SGD
+    measured = measured_cpu_peak(model, cls(model.parameters(), lr=1e-3, foreach=False), batch, fn, k)
+    assert predicted == pytest.approx(measured, rel=0.02)
+
+
+# ------------------------------------------------------------------------------ modelled techniques
+def test_optimizer_in_backward_activation_offload_and_8bit_state():
+    torch.manual_seed(0)
+    model = small_vit()
+    fns = (lambda: image_batch(model)[0], image_batch(model)[1])
+    base = simulate(model, fns, micro_batch_size=8, optimizer="sgd")
+    in_backward = simulate(model, fns, micro_batch_size=8, optimizer="sgd", optimizer_in_backward=True)
+    assert in_backward.components_gb["gradients"] < base.static_gb["gradients"] / 2
+    offload = simulate(
+        model, fns, micro_batch_size=8, optimizer="sgd", activation_offload=True, offload_min_bytes=0
+    )
+    assert offload.components_gb["activations"] < base.components_gb["activations"] / 10
+    assert offload.activations_host_gb > 0.8 * base.activations_saved_gb
+    big = nn.Linear(1024, 1024, bias=False)  # 8-bit moments: 1 byte + a 4-byte scale per 256 values
+    lowbit = simulate(
+        big, (lambda: (torch.empty(4, 1024),), lambda m, b: (m(b[0]).sum(),)), optimizer="adamw8bit"
+    )
+    assert lowbit.static_gb["optimizer_state"] == pytest.approx(
+        2 * (1024 * 1024 * (1 + 4 / 256) + 256 * 4) / GB
+    )
+
+
+def test_simulation_leaves_no_trace_behind():
+    """Autocast policy, SDPA, default dtype and the model's own parameters are restored afterwards."""
+    import torch.nn.functional as F
+
+    model = small_vit()
+    params = dict(model.named_parameters())
+    sdpa = F.scaled_dot_product_attention
+    estimate.simulate(model, estimate.Plan(precision="16-mixed", device="cuda", micro_batch_size=4))
+    estimate.simulate(model, estimate.Plan(precision="bf16-true", micro_batch_size=4))
+    assert F.scaled_dot_product_attention is sdpa
+    assert torch.get_default_dtype() == torch.float32
+    assert all(p is params[n] for n, p in model.named_parameters())
+    x = torch.randn(3, 8, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert F.layer_norm(x, (8,)).dtype == torch.bfloat16  # CPU autocast's own policy is back
+    batch, fn = image_batch(model)
+    fn(model, batch)[0].backward()  # a real step still works (no fake tensors cached)
+
+
+def test_estimate_inside_init_module_like_defaults_is_unchanged():
+    """Recipes may call for_run inside fabric.init_module(): another default device and dtype."""
+    model = small_vit()
+    plan = estimate.Plan(precision="bf16-true", micro_batch_size=4, device="cpu")
+    plain = estimate.simulate(model, plan).peak_gb
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("meta"):
+            inside = estimate.simulate(model, plan).peak_gb
+        assert torch.get_default_dtype() == torch.bfloat16
+    finally:
+        torch.set_default_dtype(previous)
+    assert inside == plain
+
+
+def test_for_run_records_a_failure_instead_of_raising():
+    class Broken(nn.Module):
+        image_size = 32
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Linear(4, 4)
+
+        def forward(self, x):
+            raise RuntimeError("no forward today")
+
+    args = type("A", (), dict(precision="32-true", batch_size=4, accumulation_steps=1, devices=1))()
+    est = estimate.for_run(Broken(), args, optimizer="adam")
+    assert est.peak_gb is None and "no forward today" in est.error
+    assert est.to_dict()["error"] == est.error
+
+
+# -------------------------------------------------------------------------------------- CLI and report
+def test_cli_predicts_a_ladder_rung_in_seconds(capsys):
+    assert estimate.main(["--recipe", "05", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["recipe"] == "05_gradient_accumulation"
+    assert out["assumptions"]["attention_kernel"] == "fused"
+    assert out["assumptions"]["micro_batch_size"] == 4 and out["assumptions"]["accumulation_steps"] == 4
+    # ViT-L/16, bf16, fused Adam: 0.61 weights + 0.61 grads + 1.21 Adam + activations of a micro-batch of 4
+    assert 2.9 < out["peak_allocated_gb"] < 3.4
+    assert out["seconds"] < 60
+    assert estimate.main(["--recipe", "06_sgd", "--model", "vit_tiny", "--batch-size", "8"]) == 0
+    table = capsys.readouterr().out
+    assert "predicted peak" in table and "optimizer sgd" in table
+
+
+def test_check_and_report_compare_prediction_with_measurement(tmp_path, capsys):
+    result = {
+        "schema_version": 1,
+        "recipe": "05_gradient_accumulation",
+        "status": "ok",
+        "config": {"precision": "bf16-true", "batch_size": 16, "accumulation_steps": 4, "micro_batch_size": 4,
+                   "devices": 1, "num_nodes": 1, "compile": False, "model": "vit_tiny"},
+        "provenance": {"gpu_name": "NVIDIA H100 80GB HBM3", "world_size": 1},
+        "memory": {"kind": "cuda", "peak_allocated_gb": 0.08},
+    }  # fmt: skip
+    (tmp_path / "05_gradient_accumulation.json").write_text(json.dumps(result))
+    rows = estimate.check_results([str(tmp_path)])
+    assert len(rows) == 1
+    row = rows[0]
+    assert row["error_pct"] == pytest.approx(100 * (row["predicted_gb"] - 0.08) / 0.08)
+    result["estimate"] = {"peak_allocated_gb": 0.084, "peak_phase": "backward", "assumptions": {}}
+    assert report.estimate_error_pct(result) == pytest.approx(5.0)
+    assert "+5.0%" in report.render_estimates([result])

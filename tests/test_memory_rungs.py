@@ -1,0 +1,258 @@
+"""Rungs 10-15 and resumable runs: each technique changes memory, never the numbers it computes.
+
+- the optimizer step fused into backward gives the parameters the ordinary step gives (SGD);
+- checkpointed blocks (reentrant or not) give the gradients of plain blocks;
+- offloaded activations give the gradients of the plain run, and the weights are never offloaded;
+- a run interrupted and resumed from its checkpoint ends with the uninterrupted run's parameters;
+- the new rungs run tiny on CPU and learn (subprocesses, started in the background).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from conftest import describe, result, submit_recipe
+from torch.utils.data import DataLoader, TensorDataset
+
+from common import loop, models
+from common.metrics import MetricsLogger
+from common.offload import offload_activations
+
+TINY = ("--accelerator", "cpu", "--model", "vit_tiny", "--data", "synthetic", "--weights", "none")
+LEARN = {
+    "12_optimizer_in_backward": (
+        "--batch-size",
+        "16",
+        "--lr",
+        "0.05",
+        "--max-steps",
+        "60",
+        "--eval-batches",
+        "20",
+    ),
+    "14_memory_floor": ("--batch-size", "16", "--lr", "0.05", "--max-steps", "60", "--eval-batches", "20"),
+    "13_lowbit_optimizer": ("--lr", "3e-3", "--max-steps", "40", "--eval-batches", "20"),
+    "10_activation_checkpointing": (
+        "--lr",
+        "0.05",
+        "--max-steps",
+        "40",
+        "--eval-batches",
+        "20",
+        "--reentrant",
+    ),
+}
+BACKGROUND_PRIORITY = 20
+
+
+def start_background_jobs() -> None:
+    for name, args in LEARN.items():
+        submit_recipe(f"learn-{name}", name, (*TINY, *args))
+
+
+@pytest.mark.parametrize("name", sorted(LEARN))
+def test_new_rungs_learn_on_cpu(name):
+    proc, payload, _ = result(f"learn-{name}")
+    assert proc.returncode == 0, describe(proc)
+    assert payload["status"] == "ok"
+    assert payload["loss"]["last"] < payload["loss"]["first"], payload["loss"]
+    assert payload["accuracy"]["val"] > 0.3, payload["accuracy"]  # 10 classes: chance is 0.1
+
+
+# ------------------------------------------------------------------------------------------ in-process
+def make_log() -> MetricsLogger:
+    ns = argparse.Namespace(tag=None, batch_size=8, micro_batch_size=8, results_dir="unused")
+    return MetricsLogger("test", ns)
+
+
+@pytest.fixture
+def fabric():
+    import lightning as L
+
+    return L.Fabric(accelerator="cpu", devices=1, precision="32-true")
+
+
+def tiny_mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(12, 32), nn.Tanh(), nn.Linear(32, 10))
+
+
+def batch_fn(model, batch):
+    x, y = batch
+    logits = model(x)
+    return F.cross_entropy(logits, y), logits, y
+
+
+def data_loader(n: int = 64, batch: int = 8) -> DataLoader:
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(n, 12, generator=g), torch.randint(0, 10, (n,), generator=g)
+    return DataLoader(TensorDataset(x, y), batch_size=batch, shuffle=False)
+
+
+def test_optimizer_in_backward_equals_the_ordinary_step(fabric):
+    plain, fused = tiny_mlp(), tiny_mlp()
+    optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
+    m1, optimizer = fabric.setup(plain, optimizer)
+    loop.fit(
+        fabric, m1, optimizer, fabric.setup_dataloaders(data_loader()), make_log(), batch_fn, max_steps=6
+    )
+
+    m2 = fabric.setup(fused)
+    optimizers = {p: torch.optim.SGD([p], lr=0.1) for p in m2.parameters()}
+    seen_grads = []
+
+    def step_in_backward(p):
+        optimizers[p].step()
+        optimizers[p].zero_grad(set_to_none=True)
+        seen_grads.append(sum(q.grad is not None for q in m2.parameters()))
+
+    for p in m2.parameters():
+        p.register_post_accumulate_grad_hook(step_in_backward)
+    log = make_log()
+    loop.fit(fabric, m2, None, fabric.setup_dataloaders(data_loader()), log, batch_fn, max_steps=6)
+
+    assert log.optimizer_steps == 6
+    assert max(seen_grads) <= 1, "gradients must be freed as soon as they are used"
+    for a, b in zip(m1.parameters(), m2.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_optimizer_in_backward_rungs_refuse_accumulation(run_recipe):
+    for name in ("12_optimizer_in_backward", "14_memory_floor"):
+        proc, payload = run_recipe(name, *TINY, "--accumulation-steps", "2")
+        assert proc.returncode == 2, describe(proc)
+        assert "accumulation" in proc.stderr and payload is None
+
+
+def _vit_grads(wrap: str | None, seed: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    torch.manual_seed(seed)
+    model = models.build_model("vit_tiny", None)
+    if wrap is not None:
+        for i, block in enumerate(models.blocks(model)):
+            model.encoder.layers[i] = models.CheckpointedBlock(block, use_reentrant=wrap == "reentrant")
+    x = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    loss = F.cross_entropy(model(x), torch.tensor([0, 1, 2, 3]))
+    loss.backward()
+    grads = {n.replace("block.", ""): p.grad.clone() for n, p in model.named_parameters()}
+    return loss.detach(), grads
+
+
+@pytest.mark.parametrize("mode", ["non_reentrant", "reentrant"])
+def test_checkpointed_blocks_give_the_same_gradients(mode):
+    loss0, grads0 = _vit_grads(None)
+    loss1, grads1 = _vit_grads(mode)
+    torch.testing.assert_close(loss1, loss0)
+    assert grads0.keys() == grads1.keys()
+    for name in grads0:
+        torch.testing.assert_close(grads1[name], grads0[name], rtol=1e-5, atol=1e-6)
+
+
+def test_checkpointing_saves_fewer_activation_bytes():
+    def saved_bytes(wrap):
+        torch.manual_seed(0)
+        model = models.build_model("vit_tiny", None)
+        if wrap:
+            for i, block in enumerate(models.blocks(model)):
+                model.encoder.layers[i] = models.CheckpointedBlock(block)
+        params = {p.data_ptr() for p in model.parameters()}
+        total = 0
+
+        def pack(t):
+            nonlocal total
+            if t.untyped_storage().data_ptr() not in params:
+                total += t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(torch.randn(8, 3, 32, 32)).sum()
+        return total
+
+    assert saved_bytes(True) < 0.5 * saved_bytes(False)
+
+
+def test_offloaded_activations_give_the_plain_gradients_and_skip_weights():
+    torch.manual_seed(0)
+    model = models.build_model("vit_tiny", None)
+    x, y = torch.randn(4, 3, 32, 32), torch.tensor([1, 2, 3, 4])
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {"all": 0, "activations": 0}
+
+    def count(t):
+        size = t.numel() * t.element_size()
+        saved["all"] += size
+        saved["activations"] += 0 if t.untyped_storage().data_ptr() in params else size
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(count, lambda t: t):
+        F.cross_entropy(model(x), y).backward()
+    plain = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+
+    hooks = offload_activations(min_bytes=0, devices=("cpu",))  # exercise the mechanics on CPU
+    with hooks:
+        loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    for a, p in zip(plain, model.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, a)
+    # every saved activation went out, no weight did (weights are saved too: "all" is larger)
+    assert hooks.offloaded_bytes == saved["activations"] < saved["all"]
+
+
+def test_resume_reproduces_the_uninterrupted_run(fabric, tmp_path):
+    """fp32 on CPU: momentum SGD + cosine schedule, shuffled data over 2 epochs, accumulation k=2."""
+
+    def setup(seed_data: bool = True):
+        model = tiny_mlp(seed=5)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        model, optimizer = fabric.setup(model, optimizer)
+        g = torch.Generator().manual_seed(11)
+        ds = TensorDataset(torch.randn(50, 12, generator=g), torch.randint(0, 10, (50,), generator=g))
+        train = fabric.setup_dataloaders(DataLoader(ds, batch_size=4, shuffle=True, drop_last=True))
+        total = loop.planned_steps(len(train), 2, 2)
+        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total)
+        return model, optimizer, train, scheduler
+
+    def run(resume=None, stop_after=None, checkpoint_every=None):
+        torch.manual_seed(1234)  # the global RNG that shuffles each epoch
+        model, optimizer, train, scheduler = setup()
+        log = make_log()
+        if stop_after is not None:
+            original = log.step_done
+
+            def step_done():
+                original()
+                if log.optimizer_steps == stop_after:
+                    raise KeyboardInterrupt
+
+            log.step_done = step_done
+        try:
+            loop.fit(
+                fabric, model, optimizer, train, log, batch_fn, accumulation_steps=2, epochs=2,
+                scheduler=scheduler, checkpoint_every=checkpoint_every, checkpoint_dir=str(tmp_path),
+                resume=resume,
+            )  # fmt: skip
+        except KeyboardInterrupt:
+            pass
+        return model, log
+
+    straight, _ = run()
+    run(stop_after=9, checkpoint_every=4)  # checkpoints at steps 4 and 8, killed at 9 (epoch 2)
+    newest = loop.latest_checkpoint(str(tmp_path))
+    assert newest.endswith("step-000008.ckpt")
+    # The resumed process starts from a fresh RNG state (run() re-seeds as a new process would);
+    # epoch 2's shuffle order must come from the checkpoint, not from that state.
+    resumed, log = run(resume=newest)
+    assert log.extra["resumed_from"]["step"] == 8
+    assert log.optimizer_steps == loop.planned_steps(12, 2, 2)
+    for a, b in zip(straight.parameters(), resumed.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_speed_rung_counts_model_flops():
+    # ViT-L/16 on the meta device: ~370 GFLOP per image for forward + backward (TARGETS.md: 370.9)
+    assert models.training_flops("vit_l_16", 1) == pytest.approx(370e9, rel=0.01)
+    assert models.training_flops("vit_tiny", 4) == 4 * models.training_flops("vit_tiny", 1)
