@@ -382,3 +382,16 @@ def test_saved_activations_tool_counts_bytes(capsys):
         ["--model", "distilbert-tiny", "--max-length", "64", "--batch-size", "2", "--dtype", "bf16"]
     )
     assert half == 0 and "bf16" in capsys.readouterr().out
+
+
+def test_imdb_asked_for_offline_is_one_line_and_exit_2(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        run_recipe(
+            "bonus_distilbert_before",
+            tmp_path,
+            *("--model", "distilbert-tiny", "--data-dir", str(tmp_path / "empty")),
+            data="imdb",
+        )
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--data imdb" in err[0], err
