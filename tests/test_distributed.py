@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 
 import numpy as np
 import pytest
@@ -104,7 +105,10 @@ def test_fsdp2_parallelize_shards_every_block_with_checkpointing():
     assert strategy._data_parallel_size == 2 and strategy._tensor_parallel_size == 1
     started = not dist.is_initialized()
     if started:
-        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29533", rank=0, world_size=1)
+        with socket.socket() as probe:  # a free port: another suite on this machine may hold a fixed one
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
         model = module.parallelize(models.build_model("vit_tiny", None), mesh)
