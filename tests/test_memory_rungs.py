@@ -24,28 +24,13 @@ from common.offload import offload_activations
 
 TINY = ("--accelerator", "cpu", "--model", "vit_tiny", "--data", "synthetic", "--weights", "none")
 LEARN = {
-    "12_optimizer_in_backward": (
-        "--batch-size",
-        "16",
-        "--lr",
-        "0.05",
-        "--max-steps",
-        "60",
-        "--eval-batches",
-        "20",
-    ),
-    "14_memory_floor": ("--batch-size", "16", "--lr", "0.05", "--max-steps", "60", "--eval-batches", "20"),
+    "10_activation_checkpointing": ("--lr", "0.05", "--max-steps", "40", "--eval-batches", "20", "--reentrant"),
+    "11_activation_offload": ("--lr", "0.05", "--max-steps", "40", "--eval-batches", "20"),
+    "12_optimizer_in_backward": ("--batch-size", "16", "--lr", "0.05", "--max-steps", "60", "--eval-batches", "20"),
     "13_lowbit_optimizer": ("--lr", "3e-3", "--max-steps", "40", "--eval-batches", "20"),
-    "10_activation_checkpointing": (
-        "--lr",
-        "0.05",
-        "--max-steps",
-        "40",
-        "--eval-batches",
-        "20",
-        "--reentrant",
-    ),
-}
+    "14_memory_floor": ("--batch-size", "16", "--lr", "0.05", "--max-steps", "60", "--eval-batches", "20"),
+    "15_speed": ("--batch-size", "32", "--lr", "3e-3", "--max-steps", "40", "--eval-batches", "20"),
+}  # fmt: skip
 BACKGROUND_PRIORITY = 20
 
 
