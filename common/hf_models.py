@@ -263,3 +263,20 @@ def checkpointing_enabled(model) -> bool:
     """True if any layer will recompute its activations: Hugging Face marks such modules with
     ``gradient_checkpointing = True`` (read from the model, not from the flag that asked for it)."""
     return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+
+
+def load_text(args, spec, task: str = "classification"):
+    """The bonus recipes' data: ``common.text.load`` with this model's token ids and tokenizer, from
+    the shared flags (--data, --data-dir, --max-length, --tokenizer, --seed). One call per recipe,
+    as ``common.data.load`` is for the ladder."""
+    from common import text
+
+    return text.load(
+        args.data,
+        args.data_dir,
+        args.max_length,
+        spec.ids,
+        lambda: load_tokenizer(spec, args.tokenizer),
+        task=task,
+        seed=args.seed,
+    )

@@ -289,8 +289,8 @@ class MetricsLogger:
     def _timing(self) -> dict[str, Any]:
         _, world = self._world()
         intervals = self.step_intervals()
-        warmup = min(WARMUP_STEPS, max(0, len(intervals) - 1))
-        steady = intervals[warmup:]
+        steady = self.steady_intervals()
+        warmup = len(intervals) - len(steady)
         median = statistics.median(steady) if steady else None
         per_step = getattr(self.args, "batch_size", 0) * world
         rate = per_step / median if median else None

@@ -47,14 +47,7 @@ def main(args, log):
     spec = hf_models.SPECS[args.model]
     pretrained = hf_models.resolve_weights(spec, args.weights)
     with fabric.rank_zero_first():
-        splits = text.load(
-            args.data,
-            args.data_dir,
-            args.max_length,
-            spec.ids,
-            lambda: hf_models.load_tokenizer(spec, args.tokenizer),
-            seed=args.seed,
-        )
+        splits = hf_models.load_text(args, spec)
     log.set(
         data_source=splits.source,
         data_detail=splits.detail,

@@ -116,15 +116,7 @@ def main(args, log):
     spec = hf_models.SPECS[args.model]
     pretrained = hf_models.resolve_weights(spec, args.weights)
     with fabric.rank_zero_first():
-        splits = text.load(
-            args.data,
-            args.data_dir,
-            args.max_length,
-            spec.ids,
-            lambda: hf_models.load_tokenizer(spec, args.tokenizer),
-            task="causal_lm",
-            seed=args.seed,
-        )
+        splits = hf_models.load_text(args, spec, task="causal_lm")
     log.set(
         data_source=splits.source,
         data_detail=splits.detail,
