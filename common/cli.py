@@ -2,8 +2,9 @@
 
 Each recipe calls :func:`run` with its own defaults (the article's configuration for that rung), so
 ``python recipes/05_gradient_accumulation.py`` reproduces the rung and every flag can still be changed.
-Impossible requests are refused before anything heavy is imported or allocated: one line on stderr,
-exit code 2, no traceback (DESIGN.md principle 6).
+Impossible requests are refused before any model, data or device memory is set up: one line on
+stderr, exit code 2, no traceback (DESIGN.md principle 6). The recipe has imported torch and lightning
+by then (a few seconds), which keeps the recipes' imports at the top where readers expect them.
 """
 
 from __future__ import annotations
