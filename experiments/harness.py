@@ -9,7 +9,8 @@ Adam over the trainable parameters only, ``zero_grad(set_to_none=True)``). Measu
 * ``saved_activations_gb``: bytes autograd saves in one real forward pass, counted with the same
   ``saved_tensors_hooks`` the estimator uses (works on a CPU too);
 * ``phase_ms``: median milliseconds of forward, backward and optimizer per step, read from a
-  torch.profiler trace (GPU-side spans of the ``## phase ##`` ranges on CUDA, host-side on a CPU);
+  torch.profiler trace (on CUDA, the GPU-side span of the kernels each ``## phase ##`` range launched;
+  host-side on a CPU), and on CUDA ``phase_kernel_ms``: the sum of those kernels' own durations;
 * optionally the memory timeline by category (``--timelines``, common/profiling.py).
 
 Experiments run eager (no torch.compile): the estimator models the eager graph.
@@ -18,6 +19,7 @@ Experiments run eager (no torch.compile): the estimator models the eager graph.
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import gc
 import json
@@ -83,17 +85,62 @@ def make_fabric(accelerator: str, precision: str):
     return fabric
 
 
-def _phase_ms_from_trace(path: str) -> dict[str, list[float]]:
-    """Durations (ms) of the ``## phase ##`` ranges in a Chrome trace: GPU-side if present, else host."""
+# Trace categories of work that runs on the GPU, and of the host calls that launch it.
+_GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
+_LAUNCH_CATS = {"cuda_runtime", "cuda_driver"}
+
+
+def _phase_ms_from_trace(path: str) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Durations (ms) of each ``## phase ##`` range in a Chrome trace, one entry per occurrence.
+
+    Returns ``(span, kernel)``. ``span`` is how long the phase took; ``kernel`` (CUDA only) is the sum of
+    its kernels' own durations, the GPU's busy time: where it is much smaller than the span, the GPU sat
+    waiting for the host to launch work.
+
+    On CUDA the duration is GPU-side: from the start of the first kernel to the end of the last kernel
+    *launched* while the range was open on the host. Kernels are matched to their launch call through the
+    trace's correlation ids, and the launch to the range by its host timestamp, whichever thread launched
+    it. That matters for backward: autograd launches its kernels from its own device thread, so the
+    profiler's ``gpu_user_annotation`` span of the main thread's range is empty there. A range that
+    launched no kernel, and every range on a CPU-only trace, is timed on the host.
+    """
     with open(path) as f:
-        events = json.load(f).get("traceEvents", [])
-    spans: dict[str, dict[str, list[float]]] = {"gpu_user_annotation": {}, "user_annotation": {}}
+        events = [e for e in json.load(f).get("traceEvents", []) if e.get("ph") == "X"]
+    ranges: list[tuple[str, float, float]] = []  # (phase, host start, host end), in microseconds
+    launches: dict[int, float] = {}  # correlation id -> host time of the launch call
+    kernels: list[tuple[int, float, float]] = []  # (correlation id, GPU start, GPU end)
     for e in events:
-        name = e.get("name", "")
-        cat = e.get("cat")
-        if e.get("ph") == "X" and cat in spans and name.startswith("## ") and name.endswith(" ##"):
-            spans[cat].setdefault(name[3:-3], []).append(float(e.get("dur", 0.0)) / 1000.0)
-    return spans["gpu_user_annotation"] or spans["user_annotation"]
+        name, cat = e.get("name", ""), e.get("cat")
+        ts, dur = float(e.get("ts", 0.0)), float(e.get("dur", 0.0))
+        corr = (e.get("args") or {}).get("correlation")
+        if cat == "user_annotation" and name.startswith("## ") and name.endswith(" ##"):
+            ranges.append((name[3:-3], ts, ts + dur))
+        elif cat in _LAUNCH_CATS and corr is not None:
+            launches[int(corr)] = ts
+        elif cat in _GPU_CATS and corr is not None:
+            kernels.append((int(corr), ts, ts + dur))
+    ranges.sort(key=lambda r: r[1])
+    gpu: list[list[float]] = [[] for _ in ranges]  # per range: [first start, last end, busy]
+    starts = [r[1] for r in ranges]
+    for corr, k0, k1 in kernels:
+        t = launches.get(corr)
+        if t is None:
+            continue
+        i = bisect.bisect_right(starts, t) - 1
+        if i < 0 or t > ranges[i][2]:
+            continue
+        g = gpu[i]
+        if g:
+            g[0], g[1], g[2] = min(g[0], k0), max(g[1], k1), g[2] + (k1 - k0)
+        else:
+            g.extend((k0, k1, k1 - k0))
+    span: dict[str, list[float]] = {}
+    kernel: dict[str, list[float]] = {}
+    for (phase, h0, h1), g in zip(ranges, gpu, strict=True):
+        span.setdefault(phase, []).append(((g[1] - g[0]) if g else (h1 - h0)) / 1000.0)
+        if kernels:
+            kernel.setdefault(phase, []).append((g[2] if g else 0.0) / 1000.0)
+    return span, kernel
 
 
 def train_variant(
@@ -165,7 +212,7 @@ def train_variant(
             if cuda:
                 torch.cuda.synchronize()
         prof.export_chrome_trace(trace)
-        phases = _phase_ms_from_trace(trace)
+        phases, busy = _phase_ms_from_trace(trace)
     measured_peak = torch.cuda.max_memory_allocated() / GB if cuda else None
     measured_reserved = torch.cuda.max_memory_reserved() / GB if cuda else None
     timeline = None
@@ -182,6 +229,7 @@ def train_variant(
             "saved_activations_gb": saved_bytes / GB,
             "phase_ms": {k: statistics.median(v) for k, v in phases.items()},
             "phase_ms_all": phases,
+            "phase_kernel_ms": {k: statistics.median(v) for k, v in busy.items()},
             "timeline": timeline,
         },
     }
@@ -278,9 +326,17 @@ def plot_rows(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     ax_m.set_title("Peak memory: predicted components vs measured")
     ax_m.legend(fontsize=7)
     width = 0.25
+    has_kernel = any(r["measured"].get("phase_kernel_ms") for r in rows)
     for i, phase in enumerate(("forward", "backward", "optimizer")):
+        pos = [x + (i - 1) * width for x in xs]
         vals = [r["measured"]["phase_ms"].get(phase, 0.0) for r in rows]
-        ax_t.bar([x + (i - 1) * width for x in xs], vals, width, label=phase)
+        color = f"C{i}"
+        if has_kernel:  # span, light; the GPU's kernel time inside it, solid
+            ax_t.bar(pos, vals, width, color=color, alpha=0.35, label=f"{phase} (span)")
+            busy = [r["measured"].get("phase_kernel_ms", {}).get(phase, 0.0) for r in rows]
+            ax_t.bar(pos, busy, width * 0.6, color=color, label=f"{phase} (kernel time)")
+        else:
+            ax_t.bar(pos, vals, width, color=color, label=phase)
     ax_t.set_xticks(list(xs), names)
     ax_t.set_ylabel("ms per step (median)")
     ax_t.set_title("Phase times (profiler trace)")
@@ -303,12 +359,19 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
     def num(v: float | None, spec: str = ".3g") -> str:
         return "—" if v is None else format(v, spec)
 
+    def phase(m: dict, name: str) -> str:
+        span, kernel = m["phase_ms"].get(name), m.get("phase_kernel_ms", {}).get(name)
+        return num(span, ".1f") + ("" if kernel is None else f" ({kernel:.1f})")
+
     for r in rows:
         m, p = r["measured"], r["predicted"]
         lines.append(
             f"| {r['variant']} | {r['parameters']['trainable']:,} | {num(p['peak_allocated_gb'])} |"
             f" {num(m['peak_allocated_gb'])} | {num(p['activations_saved_gb'])} |"
-            f" {num(m['saved_activations_gb'])} | {num(m['phase_ms'].get('forward'), '.1f')} |"
-            f" {num(m['phase_ms'].get('backward'), '.1f')} | {num(m['phase_ms'].get('optimizer'), '.1f')} |"
+            f" {num(m['saved_activations_gb'])} | {phase(m, 'forward')} | {phase(m, 'backward')} |"
+            f" {phase(m, 'optimizer')} |"
         )
+    if any(r["measured"].get("phase_kernel_ms") for r in rows):
+        lines.append("")
+        lines.append("Times: median span per step, in brackets the GPU's kernel time within it (CUDA).")
     return "\n".join(lines)
