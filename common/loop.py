@@ -233,8 +233,15 @@ def evaluate(
 
 
 def evaluate_splits(
-    fabric, model, val_loader, test_loader, batch_fn: BatchFn, log, max_batches: int | None = None
+    fabric,
+    model,
+    val_loader,
+    test_loader,
+    batch_fn: BatchFn,
+    log,
+    max_batches: int | None = None,
+    num_classes: int = NUM_CLASSES,
 ) -> None:
     """Validation and test accuracy into the run's results."""
-    log.accuracy["val"] = evaluate(fabric, model, val_loader, batch_fn, max_batches)
-    log.accuracy["test"] = evaluate(fabric, model, test_loader, batch_fn, max_batches)
+    log.accuracy["val"] = evaluate(fabric, model, val_loader, batch_fn, max_batches, num_classes)
+    log.accuracy["test"] = evaluate(fabric, model, test_loader, batch_fn, max_batches, num_classes)

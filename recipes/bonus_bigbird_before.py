@@ -91,10 +91,9 @@ def main(args, log):
             num_classes=text.NUM_LABELS,
         )
     with log.phase("eval"):
-        for split, loader in (("val", val_loader), ("test", test_loader)):
-            log.accuracy[split] = loop.evaluate(
-                fabric, model, loader, batch_fn, args.eval_batches, num_classes=text.NUM_LABELS
-            )
+        loop.evaluate_splits(
+            fabric, model, val_loader, test_loader, batch_fn, log, args.eval_batches, text.NUM_LABELS
+        )
 
 
 if __name__ == "__main__":

@@ -190,10 +190,9 @@ def main(args, log):
             num_classes=vocab,
         )
     with log.phase("eval"):
-        for split, loader in (("val", val_loader), ("test", test_loader)):
-            log.accuracy[split] = loop.evaluate(
-                fabric, model, loader, batch_fn, args.eval_batches, num_classes=vocab
-            )
+        loop.evaluate_splits(
+            fabric, model, val_loader, test_loader, batch_fn, log, args.eval_batches, num_classes=vocab
+        )
 
 
 if __name__ == "__main__":
