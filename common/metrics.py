@@ -91,23 +91,43 @@ def results_path(results_dir: str, recipe: str, tag: str | None = None) -> str:
     return os.path.join(results_dir, f"{recipe}-{tag}.json" if tag else f"{recipe}.json")
 
 
-def write_json_atomic(path: str, payload: dict) -> None:
-    """Write to a temporary file in the same folder, then rename: a reader never sees half a file."""
+def write_atomic(path: str | os.PathLike, write: Any, binary: bool = False) -> None:
+    """``write(f)`` into a temporary file in the same folder, then rename: a reader never sees half a
+    file (results JSON, the rendered README, the figure)."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=folder)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.splitext(str(path))[1], dir=folder)
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; results are meant to be shared like any file
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(payload, f, indent=2, sort_keys=False)
-            f.write("\n")
+        with os.fdopen(fd, "wb" if binary else "w") as f:
+            write(f)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def write_json_atomic(path: str, payload: dict) -> None:
+    def dump(f) -> None:
+        json.dump(payload, f, indent=2, sort_keys=False)
+        f.write("\n")
+
+    write_atomic(path, dump)
+
+
+def estimate_error_pct(result: dict) -> float | None:
+    """(predicted - measured) / measured of the train-phase peak allocated of a results payload, in %;
+    None without both numbers, for a run that did not finish, or when the measurement is CPU RSS (not
+    comparable with a GPU prediction)."""
+    predicted = (result.get("estimate") or {}).get("peak_allocated_gb")
+    memory = result.get("memory") or {}
+    measured = memory.get("peak_allocated_gb")
+    if predicted is None or not measured or memory.get("kind") == "cpu_rss" or result.get("status") != "ok":
+        return None
+    return 100.0 * (predicted - measured) / measured
 
 
 class MetricsLogger:
@@ -130,7 +150,8 @@ class MetricsLogger:
         self.loss: dict[str, float | None] = {"first": None, "last": None}
         self.provenance: dict[str, Any] = {"data_source": None, "weights": None}
         self.extra: dict[str, Any] = {}
-        self.estimate: Any = None  # a common.estimate.Estimate, set by the recipe before training
+        self._estimate: Any = None
+        self._estimate_s = 0.0  # time spent predicting memory: kept out of the phases' wall_s
         self.memory_files: dict[str, Any] = {"timeline": None, "snapshot": None}  # set by common.loop
         self._loggers: list | None = None
 
@@ -157,6 +178,18 @@ class MetricsLogger:
         """Record where the run's inputs came from (data_source=..., weights=..., anything else)."""
         self.provenance.update(provenance)
 
+    @property
+    def estimate(self) -> Any:
+        """The predicted peak (a common.estimate.Estimate), set by the recipe before training."""
+        return self._estimate
+
+    @estimate.setter
+    def estimate(self, est: Any) -> None:
+        # A recipe predicts right after building its model, inside the "model_load" phase; the seconds
+        # of simulation are not loading, so phase() leaves them out of that phase's wall time.
+        self._estimate = est
+        self._estimate_s += getattr(est, "seconds", 0.0) or 0.0
+
     def gpu_name(self) -> str | None:
         import torch
 
@@ -169,14 +202,16 @@ class MetricsLogger:
     # ------------------------------------------------------------------------------------------ phases
     @contextlib.contextmanager
     def phase(self, name: str):
-        """Measure peak memory (and wall time) of a block. CUDA peaks are reset on entry."""
+        """Measure peak memory (and wall time, less any memory prediction made inside) of a block.
+
+        CUDA peaks are reset on entry."""
         import torch
 
         cuda = self._cuda
         if cuda:
             torch.cuda.synchronize(self.fabric.device)
             torch.cuda.reset_peak_memory_stats(self.fabric.device)
-        start = time.perf_counter()
+        start, estimate_s = time.perf_counter(), self._estimate_s
         try:
             yield
         finally:
@@ -190,7 +225,7 @@ class MetricsLogger:
             self.phases[name] = {
                 "allocated": alloc,
                 "reserved": reserved,
-                "wall_s": time.perf_counter() - start,
+                "wall_s": time.perf_counter() - start - (self._estimate_s - estimate_s),
             }
 
     # ------------------------------------------------------------------------------------------ timing
@@ -261,7 +296,7 @@ class MetricsLogger:
         device = self.fabric.device.type if self.fabric is not None else "cpu"
         prov = {
             "device": device,
-            "gpu_name": torch.cuda.get_device_name(self.fabric.device) if device == "cuda" else None,
+            "gpu_name": self.gpu_name(),
             "world_size": world,
             "num_nodes": getattr(self.args, "num_nodes", 1),
             "torch": torch.__version__,
@@ -397,8 +432,8 @@ def summary(p: dict[str, Any], path: str | None = None) -> str:
             if predicted >= 0.1
             else (f"   estimate      predicted peak {predicted:.3g} GB")
         )
-        if mem["kind"] == "cuda" and mem.get("peak_allocated_gb"):
-            error = 100.0 * (est["peak_allocated_gb"] - mem["peak_allocated_gb"]) / mem["peak_allocated_gb"]
+        error = estimate_error_pct(p)
+        if error is not None:
             line += f" vs measured {mem['peak_allocated_gb']:.2f} GB allocated ({error:+.1f}%)"
         lines.append(line)
     elif est.get("error"):

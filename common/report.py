@@ -18,7 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 1
+from common.metrics import SCHEMA_VERSION, estimate_error_pct, write_atomic
+
 STANDARD_PHASES = {"train", "eval", "model_load"}
 RANK_FILE = re.compile(r"\.rank\d+\.json$")
 DASH = "—"
@@ -137,16 +138,6 @@ def render_table(results: list[dict]) -> str:
         ]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
-
-
-def estimate_error_pct(result: dict) -> float | None:
-    """(predicted - measured) / measured of the train-phase peak allocated, in %; None without both
-    numbers or when the measurement is CPU RSS (not comparable with a GPU prediction)."""
-    predicted = _get(result, "estimate.peak_allocated_gb")
-    measured = _get(result, "memory.peak_allocated_gb")
-    if predicted is None or not measured or _is_cpu(result) or result.get("status") != "ok":
-        return None
-    return 100.0 * (predicted - measured) / measured
 
 
 def render_estimates(results: list[dict]) -> str | None:
@@ -349,16 +340,12 @@ def render_figure(results: list[dict], path: str | os.PathLike) -> None:
     devices = sorted({_get(r, "provenance.gpu_name") or "CPU" for r in results})
     fig.suptitle(f"Fabric memory ladder\n{', '.join(devices)}", fontsize=11)
     fig.tight_layout()
-    tmp = Path(f"{path}.tmp")
-    fig.savefig(tmp, format="png", dpi=120)
+    write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=120), binary=True)
     plt.close(fig)
-    os.replace(tmp, path)
 
 
 def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)  # atomic: a reader never sees half a README
+    write_atomic(path, lambda f: f.write(text))
 
 
 def update_block(document: str, block: str, content: str) -> str:

@@ -238,6 +238,22 @@ def test_cpu_phases_are_rss_in_gb(monkeypatch):
     ]
 
 
+def test_time_spent_predicting_memory_is_not_load_time(monkeypatch):
+    """The recipe predicts inside its model_load phase; the prediction's seconds are left out."""
+    import types
+
+    clock = iter([100.0, 103.5, 200.0, 201.0])  # model_load: 3.5 s, of which 2.25 s estimating
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: next(clock))
+    log = MetricsLogger("t", _args())
+    with log.phase("model_load"):
+        log.estimate = types.SimpleNamespace(seconds=2.25)
+    with log.phase("train"):  # a later phase is not charged for it again
+        pass
+    assert log.phases["model_load"]["wall_s"] == pytest.approx(1.25)
+    assert log.phases["train"]["wall_s"] == pytest.approx(1.0)
+    assert log.estimate.seconds == 2.25
+
+
 # ------------------------------------------------------------------------------------------ summary
 def test_finish_prints_one_consistent_block(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(
