@@ -106,7 +106,8 @@ def fit(
 
     Resumable runs: every ``checkpoint_every`` optimizer steps, ``fabric.save`` writes the model, the
     optimizer, the scheduler, the step, the position in the epoch and the random state that shuffled
-    the epoch to ``checkpoint_dir/step-NNNNNN.ckpt``. ``resume`` (a path) restores all of it: the
+    the epoch (and the CUDA generators, for dropout on a GPU) to ``checkpoint_dir/step-NNNNNN.ckpt``.
+    ``resume`` (a path) restores all of it: the
     epoch is reshuffled identically and the micro-batches already trained on are skipped, so the
     resumed run continues exactly where the interrupted one stopped.
     """
@@ -129,6 +130,9 @@ def fit(
     if resume:
         saved = fabric.load(resume, stateful)  # restores model/optimizer/scheduler in place
         step, start_epoch, skip = saved["step"], saved["epoch"], saved["batch_in_epoch"]
+        if saved.get("cuda_rng") is not None and torch.cuda.is_available():
+            # dropout on the GPU draws from the CUDA generators; skipped batches never run the model
+            torch.cuda.set_rng_state_all(saved["cuda_rng"])
         log.optimizer_steps, log.micro_batches = saved["optimizer_steps"], saved["micro_batches"]
         log.extra["resumed_from"] = {"path": resume, "step": step}
     bar = tqdm(
@@ -162,6 +166,7 @@ def fit(
         fabric.save(path, {
             **stateful, "step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch,
             "epoch_rng": epoch_rng, "rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
             "optimizer_steps": log.optimizer_steps, "micro_batches": log.micro_batches,
         })  # fmt: skip
 
@@ -205,7 +210,10 @@ def fit(
             if step % log_every == 0:
                 close_window()
             if checkpoint_every and step % checkpoint_every == 0 and step < total:
-                save_checkpoint(epoch, i + 1, epoch_rng)
+                if i + 1 == num_batches:  # the epoch is done: resume at the next one, nothing to skip
+                    save_checkpoint(epoch + 1, 0, torch.get_rng_state())
+                else:
+                    save_checkpoint(epoch, i + 1, epoch_rng)
             if step >= total:
                 break
         if step >= total:

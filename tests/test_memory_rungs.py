@@ -187,7 +187,13 @@ def test_offloaded_activations_give_the_plain_gradients_and_skip_weights():
     assert hooks.offloaded_bytes == saved["activations"] < saved["all"]
 
 
-def test_resume_reproduces_the_uninterrupted_run(fabric, tmp_path):
+@pytest.mark.parametrize(
+    ("checkpoint_every", "newest_step", "resume_epoch"),
+    [(4, 8, 1), (3, 6, 1)],  # step 8: mid-epoch 2; step 6: the last step of epoch 1
+)
+def test_resume_reproduces_the_uninterrupted_run(
+    fabric, tmp_path, checkpoint_every, newest_step, resume_epoch
+):
     """fp32 on CPU: momentum SGD + cosine schedule, shuffled data over 2 epochs, accumulation k=2."""
 
     def setup(seed_data: bool = True):
@@ -225,13 +231,16 @@ def test_resume_reproduces_the_uninterrupted_run(fabric, tmp_path):
         return model, log
 
     straight, _ = run()
-    run(stop_after=9, checkpoint_every=4)  # checkpoints at steps 4 and 8, killed at 9 (epoch 2)
+    run(stop_after=9, checkpoint_every=checkpoint_every)  # 6 steps per epoch, killed at 9 (epoch 2)
     newest = loop.latest_checkpoint(str(tmp_path))
-    assert newest.endswith("step-000008.ckpt")
+    assert newest.endswith(f"step-{newest_step:06d}.ckpt")
+    saved = torch.load(newest, weights_only=False)
+    assert saved["epoch"] == resume_epoch  # an epoch-end checkpoint resumes at the next epoch ...
+    assert saved["batch_in_epoch"] == (0 if newest_step == 6 else 4)  # ... with no batch to skip
     # The resumed process starts from a fresh RNG state (run() re-seeds as a new process would);
     # epoch 2's shuffle order must come from the checkpoint, not from that state.
     resumed, log = run(resume=newest)
-    assert log.extra["resumed_from"]["step"] == 8
+    assert log.extra["resumed_from"]["step"] == newest_step
     assert log.optimizer_steps == loop.planned_steps(12, 2, 2)
     for a, b in zip(straight.parameters(), resumed.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
