@@ -73,10 +73,13 @@ else
   base=()
 fi
 
-# Rungs that shard across GPUs: run with min(GPUs, 4) processes; skipped with fewer than 2 GPUs.
+# Rungs that shard across GPUs: run with min(GPUs, 4) processes; skipped with fewer than 2 GPUs, except
+# on the CPU path for those that also shard across CPU processes (gloo), which run there with 2.
 MULTI_GPU_RECIPES=" 08_fsdp 08_fsdp2 09_cpu_offload "
+CPU_SHARDED_RECIPES=" 08_fsdp2 "
 MULTI_GPU_DEFAULT_DEVICES=4
 is_multi_gpu() { case "$MULTI_GPU_RECIPES" in *" $1 "*) return 0 ;; esac; return 1; }
+shards_on_cpu() { case "$CPU_SHARDED_RECIPES" in *" $1 "*) return 0 ;; esac; return 1; }
 
 # Recipe-specific changes for the CPU path: fp16 autocast needs CUDA, bf16 autocast is the CPU analogue.
 cpu_overrides() {
@@ -140,13 +143,16 @@ for entry in "${recipes[@]}"; do
     args+=("${ov[@]}" --tag "$row")
   fi
   if is_multi_gpu "$name"; then
-    if [ "$gpus" -lt 2 ]; then
+    if [ "$mode" = cpu ] && shards_on_cpu "$name"; then
+      args+=(--devices 2)
+    elif [ "$gpus" -lt 2 ]; then
       echo
       echo ">>> $name skipped: it shards across GPUs and this machine has $gpus (needs at least 2)"
       summary+=("$(printf '%-34s %-26s' "$name" "skipped (needs >= 2 GPUs)")")
       continue
+    else
+      args+=(--devices "$(( gpus < MULTI_GPU_DEFAULT_DEVICES ? gpus : MULTI_GPU_DEFAULT_DEVICES ))")
     fi
-    args+=(--devices "$(( gpus < MULTI_GPU_DEFAULT_DEVICES ? gpus : MULTI_GPU_DEFAULT_DEVICES ))")
   fi
   if [ "$mode" = cpu ]; then
     read -ra ov <<< "$(cpu_overrides "$name")"

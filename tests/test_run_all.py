@@ -122,21 +122,23 @@ esac
 def test_failures_do_not_stop_the_ladder(tmp_path):
     """With a stand-in interpreter: 01 'runs out of memory', 04 'crashes'; 02 and 05 still run, in order,
     with the CPU-path flags (02 gets bf16 autocast), the extra flags, and the report is rendered.
-    Rungs that shard across GPUs are skipped (listed in the summary) on the CPU path."""
+    Rungs that shard across GPUs are skipped (listed in the summary) on the CPU path, except 08_fsdp2,
+    which shards across 2 CPU processes there."""
     fake = tmp_path / "fakepython"
     fake.write_text(FAKE_PYTHON)
     fake.chmod(0o755)
     calls = tmp_path / "calls.txt"
     results = tmp_path / "results"
     proc = run_process(
-        [SCRIPT, "--cpu", "--only", "01,02,04,05,08", "--results-dir", results, "--", "--seed", "7"],
+        [SCRIPT, "--cpu", "--only", "01,02,04,05,08,09", "--results-dir", results, "--", "--seed", "7"],
         subprocess_env(tmp_path / "logs", PYTHON=str(fake), CALLS=str(calls)),
         timeout=60,
     )
     assert proc.returncode == 1, describe(proc)
     lines = calls.read_text().splitlines()
     recipes = [ln.split()[0] for ln in lines if ln.startswith("recipes/")]
-    assert [Path(r).stem[:2] for r in recipes] == ["01", "02", "04", "05"], lines
+    assert [Path(r).stem for r in recipes][-1] == "08_fsdp2", lines
+    assert [Path(r).stem[:2] for r in recipes] == ["01", "02", "04", "05", "08"], lines
     assert lines[-1].startswith("report -m common.report") and str(results) in lines[-1]
     for ln in lines[:-1]:
         args = ln.split()
@@ -153,8 +155,9 @@ def test_failures_do_not_stop_the_ladder(tmp_path):
     assert "out of memory (recorded)" in status("01_")
     assert "failed (exit 1)" in status("04_")
     assert " ok " in status("02_") + " " and " ok " in status("05_") + " "
-    multi_gpu = sorted(p.stem for p in (REPO / "recipes").glob("08_*.py"))
-    for name in multi_gpu:
-        assert "skipped" in status(name), summary
+    for name in ("08_fsdp", "09_cpu_offload"):  # FSDP1 needs CUDA
+        assert "skipped" in status(name + " "), summary
         assert not any(ln.startswith(f"recipes/{name}.py") for ln in lines)
+    assert " ok " in status("08_fsdp2") + " "
+    assert "--devices 2" in next(ln for ln in lines if ln.startswith("recipes/08_fsdp2.py"))
     assert os.path.isdir(results)
