@@ -130,6 +130,24 @@ def estimate_error_pct(result: dict) -> float | None:
     return 100.0 * (predicted - measured) / measured
 
 
+def environment() -> dict[str, Any]:
+    """Versions, matmul precision, time and command line: what every results file records."""
+    import lightning
+    import torch
+    import torchvision
+
+    return {
+        "torch": torch.__version__,
+        "lightning": lightning.__version__,
+        "torchvision": torchvision.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
+    }
+
+
 class MetricsLogger:
     """Collects one run's measurements and writes them at :meth:`finish`.
 
@@ -288,10 +306,6 @@ class MetricsLogger:
         return out
 
     def _provenance(self) -> dict[str, Any]:
-        import lightning
-        import torch
-        import torchvision
-
         rank, world = self._world()
         device = self.fabric.device.type if self.fabric is not None else "cpu"
         prov = {
@@ -299,15 +313,8 @@ class MetricsLogger:
             "gpu_name": self.gpu_name(),
             "world_size": world,
             "num_nodes": getattr(self.args, "num_nodes", 1),
-            "torch": torch.__version__,
-            "lightning": lightning.__version__,
-            "torchvision": torchvision.__version__,
-            "cuda": torch.version.cuda,
-            "python": platform.python_version(),
-            "float32_matmul_precision": torch.get_float32_matmul_precision(),
+            **environment(),
             "model": getattr(self.args, "model", None),
-            "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
         }
         prov.update(self.provenance)
         return prov

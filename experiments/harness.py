@@ -24,11 +24,9 @@ import contextlib
 import gc
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -39,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `python experiments/x.py` from a plain checkout finds `common`
     sys.path.insert(0, str(REPO))
 
-from common import data, estimate, loop, models  # noqa: E402
+from common import cli, data, estimate, loop, metrics, models  # noqa: E402
 from common.profiling import export_timeline  # noqa: E402
 
 GB = 1e9
@@ -50,7 +48,7 @@ def parser(description: str, defaults: dict[str, Any]) -> argparse.ArgumentParse
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--accelerator", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--model", choices=models.MODEL_NAMES, default=defaults.get("model", "vit_l_16"))
-    p.add_argument("--precision", default=defaults.get("precision", "bf16-true"))
+    p.add_argument("--precision", choices=cli.PRECISIONS, default=defaults.get("precision", "bf16-true"))
     p.add_argument("--batch-size", type=int, default=defaults.get("batch_size", 32))
     p.add_argument("--steps", type=int, default=defaults.get("steps", 8), help="training steps per variant")
     p.add_argument("--profile-steps", type=int, default=3, help="last steps, timed by the profiler")
@@ -66,8 +64,7 @@ def parser(description: str, defaults: dict[str, Any]) -> argparse.ArgumentParse
 
 
 def resolve_accelerator(name: str) -> str:
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
+    name = cli.resolve_accelerator(name)
     if name == "cuda" and not torch.cuda.is_available():
         print("--accelerator cuda: no CUDA device available", file=sys.stderr)
         raise SystemExit(2)
@@ -262,15 +259,11 @@ def _timeline(step: Callable, fabric: Any, prefix: Path, predicted: float | None
 
 
 def provenance(fabric: Any, args: argparse.Namespace) -> dict[str, Any]:
-    import lightning
-
     cuda = fabric.device.type == "cuda"
     return {
         "device": fabric.device.type,
         "gpu_name": torch.cuda.get_device_name(fabric.device) if cuda else None,
-        "torch": torch.__version__,
-        "lightning": lightning.__version__,
-        "python": platform.python_version(),
+        **metrics.environment(),
         "model": args.model,
         "precision": args.precision,
         "batch_size": args.batch_size,
@@ -278,16 +271,7 @@ def provenance(fabric: Any, args: argparse.Namespace) -> dict[str, Any]:
         "data": "synthetic (random uint8 images; memory and speed do not depend on values)",
         "weights": "random init",
         "compile": False,
-        "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
-        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-
-
-def write_json(path: Path, payload: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(payload, indent=2) + "\n")
-    os.replace(tmp, path)
 
 
 def plot_rows(rows: list[dict[str, Any]], path: Path, title: str) -> None:
