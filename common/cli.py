@@ -68,14 +68,19 @@ class _Parser(argparse.ArgumentParser):
         fail(message)
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse ``type`` for integers >= ``minimum`` (``at_least(1)``: a positive count)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
 
 
 def _positive_float(text: str) -> float:
@@ -94,8 +99,8 @@ def build_parser(description: str, defaults: dict[str, Any]) -> argparse.Argumen
     p = _Parser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("hardware")
     g.add_argument("--accelerator", choices=ACCELERATORS, help="cpu, cuda/gpu, or auto (cuda if present)")
-    g.add_argument("--devices", type=_positive_int, help="devices per node (processes are launched for >1)")
-    g.add_argument("--num-nodes", type=_positive_int, help="number of machines (with torchrun/SLURM)")
+    g.add_argument("--devices", type=at_least(1), help="devices per node (processes are launched for >1)")
+    g.add_argument("--num-nodes", type=at_least(1), help="number of machines (with torchrun/SLURM)")
     g.add_argument("--precision", choices=PRECISIONS, help="Fabric precision: the main lever of rungs 02-03")
     g.add_argument(
         "--tf32",
@@ -109,15 +114,15 @@ def build_parser(description: str, defaults: dict[str, Any]) -> argparse.Argumen
     )
     g = p.add_argument_group("training")
     g.add_argument(
-        "--batch-size", type=_positive_int, help="effective batch size per device and optimizer step"
+        "--batch-size", type=at_least(1), help="effective batch size per device and optimizer step"
     )
     g.add_argument(
         "--accumulation-steps",
-        type=_positive_int,
+        type=at_least(1),
         help="micro-batches per optimizer step; micro-batch = batch-size / accumulation-steps",
     )
-    g.add_argument("--epochs", type=_positive_int, help="passes over the training split")
-    g.add_argument("--max-steps", type=_positive_int, help="stop after this many optimizer steps")
+    g.add_argument("--epochs", type=at_least(1), help="passes over the training split")
+    g.add_argument("--max-steps", type=at_least(1), help="stop after this many optimizer steps")
     g.add_argument("--lr", type=_positive_float, help="learning rate")
     g.add_argument("--seed", type=int, help="random seed")
     g = p.add_argument_group("data and model")
@@ -128,10 +133,10 @@ def build_parser(description: str, defaults: dict[str, Any]) -> argparse.Argumen
     g.add_argument("--weights", choices=WEIGHTS_CHOICES, help="auto falls back to random init when offline")
     g.add_argument("--model", help="vit_l_16 (the ladder), vit_b_16, vit_tiny (CPU/tests)")
     g.add_argument("--num-workers", type=int, help="DataLoader worker processes")
-    g.add_argument("--eval-batches", type=_positive_int, help="limit validation/test to this many batches")
+    g.add_argument("--eval-batches", type=at_least(1), help="limit validation/test to this many batches")
     g = p.add_argument_group("checkpoints (resumable runs)")
     g.add_argument(
-        "--checkpoint-every", type=_positive_int, help="save a Fabric checkpoint every N optimizer steps"
+        "--checkpoint-every", type=at_least(1), help="save a Fabric checkpoint every N optimizer steps"
     )
     g.add_argument("--checkpoint-dir", help="where checkpoints go (default: checkpoints/<recipe>[-<tag>])")
     g.add_argument(
@@ -140,7 +145,7 @@ def build_parser(description: str, defaults: dict[str, Any]) -> argparse.Argumen
     g = p.add_argument_group("output")
     g.add_argument("--results-dir", help="where results/<recipe>.json is written")
     g.add_argument("--tag", help="suffix for the results file: <recipe>-<tag>.json")
-    g.add_argument("--log-every", type=_positive_int, help="optimizer steps between logged losses")
+    g.add_argument("--log-every", type=at_least(1), help="optimizer steps between logged losses")
     g = p.add_argument_group("memory anatomy (see common/profiling.py)")
     g.add_argument(
         "--memory-timeline",
@@ -153,7 +158,7 @@ def build_parser(description: str, defaults: dict[str, Any]) -> argparse.Argumen
         help="CUDA only: dump <recipe>-snapshot.pickle of the allocator history (open in pytorch.org/memory_viz)",
     )
     g.add_argument(
-        "--profile-steps", type=_positive_int, help="optimizer steps recorded by the two flags above"
+        "--profile-steps", type=at_least(1), help="optimizer steps recorded by the two flags above"
     )
     p.set_defaults(**d)
     return p
@@ -173,7 +178,11 @@ def resolve_accelerator(requested: str) -> str:
 
 
 def validate(args: argparse.Namespace) -> argparse.Namespace:
-    """Check what argparse cannot: combinations and what the hardware can do. Raises UsageError."""
+    """Check what argparse cannot: combinations and what the hardware can do. Raises UsageError.
+
+    A recipe whose own flags decide the precision leaves ``precision`` None by default, sets it in
+    ``main`` and calls this again (it is idempotent) so that the final value is checked too.
+    """
     if args.batch_size % args.accumulation_steps != 0:
         raise UsageError(
             f"--accumulation-steps {args.accumulation_steps} does not divide --batch-size {args.batch_size}"
@@ -190,7 +199,7 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
             raise UsageError("--accelerator cuda was requested but no CUDA device is available")
         import torch
 
-        if args.precision.startswith("bf16") and not torch.cuda.is_bf16_supported():
+        if args.precision and args.precision.startswith("bf16") and not torch.cuda.is_bf16_supported():
             raise UsageError(f"--precision {args.precision}: this GPU does not support bfloat16")
     else:
         have = os.cpu_count() or 1

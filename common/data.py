@@ -141,7 +141,40 @@ def loaders(
     rank: int = 0,
     seed: int = 0,
 ):
-    """Train (shuffled, whole micro-batches only) and val/test DataLoaders over uint8 tensors.
+    """:func:`dataloaders` over the uint8 image tensors of ``splits``."""
+    import torch
+    from torch.utils.data import TensorDataset
+
+    def ds(part):
+        return TensorDataset(torch.from_numpy(part[0]), torch.from_numpy(part[1]))
+
+    return dataloaders(
+        ds(splits.train),
+        ds(splits.val),
+        ds(splits.test),
+        micro_batch_size,
+        eval_batch_size,
+        num_workers,
+        pin_memory,
+        world_size=world_size,
+        rank=rank,
+        seed=seed,
+    )
+
+
+def dataloaders(
+    train_ds,
+    val_ds,
+    test_ds,
+    micro_batch_size: int,
+    eval_batch_size: int,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+    world_size: int = 1,
+    rank: int = 0,
+    seed: int = 0,
+):
+    """Train (shuffled, whole micro-batches only) and val/test DataLoaders over three torch Datasets.
 
     ``drop_last=True`` on train keeps every micro-batch the same size, so averaging the loss over the
     micro-batches of an accumulation group equals the loss of the big batch.
@@ -151,14 +184,9 @@ def loaders(
     every forward). The sampler pads only when a split does not divide by the world size.
     Fabric's ``setup_dataloaders`` keeps a DistributedSampler it is given.
     """
-    import torch
-    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
-
-    def ds(part):
-        return TensorDataset(torch.from_numpy(part[0]), torch.from_numpy(part[1]))
+    from torch.utils.data import DataLoader, DistributedSampler
 
     common = dict(num_workers=num_workers, pin_memory=pin_memory, persistent_workers=num_workers > 0)
-    train_ds, val_ds, test_ds = ds(splits.train), ds(splits.val), ds(splits.test)
     if world_size > 1:
 
         def shard(d, shuffle, drop_last):

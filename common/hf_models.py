@@ -152,7 +152,9 @@ def _cached(hub_id: str) -> bool:
     return isinstance(try_to_load_from_cache(hub_id, "config.json"), str)
 
 
-def _hub_online() -> bool:
+def hub_online() -> bool:
+    """Whether the Hugging Face hub may be used: HF_HUB_OFFLINE is unset (or 0) and huggingface.co
+    answers. The weights, the tokenizer and IMDb through ``datasets`` all take this one decision."""
     from common.net import reachable
 
     return os.environ.get("HF_HUB_OFFLINE", "") in ("", "0") and reachable("huggingface.co")
@@ -174,7 +176,7 @@ def resolve_weights(spec: Spec, weights: str) -> bool:
             raise UsageError(f"--weights pretrained: no pretrained weights exist for --model {spec.name}")
         note(f"[weights] {spec.name} has no pretrained weights: random init from its config")
         return False
-    if _cached(spec.hub_id) or _hub_online():
+    if _cached(spec.hub_id) or hub_online():
         return True
     if weights == "pretrained":
         raise UsageError(
@@ -211,7 +213,7 @@ def build(
         kwargs["attn_implementation"] = attn_implementation
     fields: dict[str, Any] = {"num_labels": num_labels} if spec.task == "classification" else {}
     if pretrained:
-        local = not _hub_online()
+        local = not hub_online()
         model = auto.from_pretrained(spec.hub_id, local_files_only=local, **fields, **kwargs)
         return model.to(torch.get_default_dtype())
     if vocab_size is not None and vocab_size > spec.ids.vocab_size:
@@ -240,11 +242,11 @@ def load_tokenizer(spec: Spec, path: str | None = None):
                 **{"vocab" if "vocab" in params else "vocab_file": path}, do_lower_case=True
             )
         raise UsageError(f"--tokenizer {path}: no such file or directory")
-    if spec.hub_id is None or not (_cached(spec.hub_id) or _hub_online()):
+    if spec.hub_id is None or not (_cached(spec.hub_id) or hub_online()):
         return None
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(spec.hub_id, local_files_only=not _hub_online())
+    tokenizer = AutoTokenizer.from_pretrained(spec.hub_id, local_files_only=not hub_online())
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

@@ -5,7 +5,8 @@ Real first (DESIGN.md principle 4). ``--data auto|imdb`` looks for IMDb in this 
 1. ``--data-dir`` is a CSV file, or holds ``imdb.csv`` (columns ``text``/``review`` and ``label``/
    ``sentiment``; labels 0/1 or negative/positive);
 2. ``--data-dir`` holds the original archive unpacked: ``aclImdb/{train,test}/{pos,neg}/*.txt``;
-3. ``datasets.load_dataset("imdb")`` when the ``datasets`` package is installed and the hub is reachable;
+3. ``datasets.load_dataset("imdb")`` when the ``datasets`` package is installed and the hub is online
+   (``hf_models.hub_online``: the same decision as for the weights, HF_HUB_OFFLINE honoured);
 4. the archive from ai.stanford.edu, unpacked into ``--data-dir``, when that host is reachable.
 
 All 50,000 labelled reviews are pooled and split 35k / 5k / 10k (train / val / test) with a fixed
@@ -34,7 +35,8 @@ from typing import Any
 
 import numpy as np
 
-from common.hf_models import TokenIds
+from common import cli
+from common.hf_models import TokenIds, hub_online
 
 DATA_CHOICES = ("auto", "imdb", "synthetic")
 NUM_LABELS = 2
@@ -52,6 +54,9 @@ SFT_COMPLETION_MEDIAN = 200
 SFT_SIGMA = 0.5
 SFT_QUESTION = "Is the sentiment of this movie review positive or negative?"
 SFT_ANSWERS = ("negative", "positive")
+SFT_ANSWER_TOKENS = 256  # synthetic SFT: the completions' vocabulary (chance accuracy 1/256)
+MARKERS_PER_LABEL = 8  # synthetic reviews: "positive"/"negative" words per label
+MARKER_RATE = 0.2  # synthetic reviews: the share of a review's tokens that are its label's markers
 
 
 @dataclass
@@ -67,7 +72,7 @@ class TextSplits:
 
 
 # ------------------------------------------------------------------------------------------------ flags
-def add_flags(parser, max_length_help: str = "") -> None:
+def add_flags(parser) -> None:
     """The text recipes' flags: ``--data`` gets the IMDb choices, plus ``--max-length`` and ``--tokenizer``.
 
     argparse has no public way to change an existing option's choices, so the shared ``--data``
@@ -84,25 +89,13 @@ def add_flags(parser, max_length_help: str = "") -> None:
     g = parser.add_argument_group("text")
     g.add_argument(
         "--max-length",
-        type=_positive_int,
-        help="tokens per sequence: reviews are truncated to it and padded to it" + max_length_help,
+        type=cli.at_least(8),
+        help="tokens per sequence: reviews are truncated to it and padded to it",
     )
     g.add_argument(
         "--tokenizer",
         help="tokenizer for real text: a directory or a WordPiece vocab.txt (default: the model's own)",
     )
-
-
-def _positive_int(text: str) -> int:
-    import argparse
-
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 8:
-        raise argparse.ArgumentTypeError(f"must be >= 8, got {value}")
-    return value
 
 
 # --------------------------------------------------------------------------------------------- real text
@@ -191,7 +184,7 @@ def find_reviews(data_dir: str) -> tuple[str, Callable[[], tuple[list[str], list
         return f"aclImdb folder {folder}", lambda: read_aclimdb(folder)
     import importlib.util
 
-    if importlib.util.find_spec("datasets") is not None and reachable("huggingface.co"):
+    if importlib.util.find_spec("datasets") is not None and hub_online():
         return "datasets.load_dataset('imdb')", _load_hf_imdb
     if reachable("ai.stanford.edu"):
         return f"aclImdb archive from {ACLIMDB_URL}", lambda: read_aclimdb(_download_aclimdb(data_dir))
@@ -249,28 +242,18 @@ class SyntheticReviews:
     """A stand-in for tokenized IMDb reviews whose sentiment is learnable.
 
     Sample ``i`` is made on demand from ``(seed, split, i)``: a label, an IMDb-like length, uniform
-    random ordinary tokens, and about ``marker_rate`` of them replaced by tokens from a small set that
+    random ordinary tokens, and about ``MARKER_RATE`` of them replaced by tokens from a small set that
     belongs to the label (a few "positive" and "negative" words). Memory and speed depend only on the
     padded shape, so the measurements hold; accuracy on it only shows that training works.
     """
 
-    def __init__(
-        self,
-        n: int,
-        max_length: int,
-        ids: TokenIds,
-        seed: int = 0,
-        split: int = 0,
-        markers_per_label: int = 8,
-        marker_rate: float = 0.2,
-    ) -> None:
+    def __init__(self, n: int, max_length: int, ids: TokenIds, seed: int = 0, split: int = 0) -> None:
         self.n, self.max_length, self.ids, self.seed, self.split = n, max_length, ids, seed, split
-        self.marker_rate = marker_rate
         rng = np.random.default_rng(seed)  # the task (which tokens are markers) is the same in every split
         chosen = rng.choice(
-            np.arange(ids.first_regular, ids.vocab_size), size=NUM_LABELS * markers_per_label, replace=False
+            np.arange(ids.first_regular, ids.vocab_size), size=NUM_LABELS * MARKERS_PER_LABEL, replace=False
         )
-        self.markers = chosen.reshape(NUM_LABELS, markers_per_label)
+        self.markers = chosen.reshape(NUM_LABELS, MARKERS_PER_LABEL)
 
     def __len__(self) -> int:
         return self.n
@@ -282,7 +265,7 @@ class SyntheticReviews:
         specials = (self.ids.cls is not None) + (self.ids.sep is not None)
         n_body = review_length(rng, self.max_length) - specials
         body = rng.integers(self.ids.first_regular, self.ids.vocab_size, size=n_body)
-        marked = rng.random(n_body) < self.marker_rate
+        marked = rng.random(n_body) < MARKER_RATE
         body[marked] = rng.choice(self.markers[label], size=int(marked.sum()))
         ids = ([self.ids.cls] if self.ids.cls is not None else []) + body.tolist()
         ids += [self.ids.sep] if self.ids.sep is not None else []
@@ -333,20 +316,18 @@ class SFTSamples:
 class SyntheticSFT:
     """A stand-in for a chat fine-tuning set: random prompts and completions that follow a fixed rule.
 
-    The completion vocabulary is ``answer_tokens`` ordinary tokens (disjoint from the prompt's); its first
+    The completion vocabulary is ``SFT_ANSWER_TOKENS`` ordinary tokens (disjoint from the prompt's); its first
     token is set by the prompt's last token and every next token by the one before (a fixed random
     successor table), so next-token accuracy on completions can approach 1 while chance is
-    1 / answer_tokens. Prompt and completion lengths are lognormal (medians ``SFT_PROMPT_MEDIAN`` and
+    1 / SFT_ANSWER_TOKENS. Prompt and completion lengths are lognormal (medians ``SFT_PROMPT_MEDIAN`` and
     ``SFT_COMPLETION_MEDIAN``) and shrink together to fit ``max_length``.
     """
 
-    def __init__(
-        self, n: int, max_length: int, ids: TokenIds, seed: int = 0, split: int = 0, answer_tokens: int = 256
-    ) -> None:
+    def __init__(self, n: int, max_length: int, ids: TokenIds, seed: int = 0, split: int = 0) -> None:
         self.n, self.max_length, self.ids, self.seed, self.split = n, max_length, ids, seed, split
         rng = np.random.default_rng(seed)
         regular = np.arange(ids.first_regular, ids.vocab_size)
-        k = min(answer_tokens, len(regular) // 2)
+        k = min(SFT_ANSWER_TOKENS, len(regular) // 2)
         chosen = rng.permutation(regular)
         self.answers, self.prompt_vocab = chosen[:k], np.sort(chosen[k:])
         self.successor = rng.permutation(k)  # answers[j] is followed by answers[successor[j]]
@@ -507,30 +488,20 @@ def loaders(
     seed: int = 0,
 ):
     """Train (shuffled, whole micro-batches only) and val/test DataLoaders, sharded per rank when
-    several processes run; the same rules as ``common.data.loaders`` for images."""
-    from torch.utils.data import DataLoader, DistributedSampler
+    several processes run: ``common.data.dataloaders``, the rules the images follow."""
+    from common.data import dataloaders
 
-    common = dict(num_workers=num_workers, pin_memory=pin_memory, persistent_workers=num_workers > 0)
-    if world_size > 1:
-
-        def shard(d, shuffle, drop_last):
-            return DistributedSampler(d, world_size, rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
-
-        return (
-            DataLoader(
-                splits.train,
-                micro_batch_size,
-                sampler=shard(splits.train, True, True),
-                drop_last=True,
-                **common,
-            ),
-            DataLoader(splits.val, eval_batch_size, sampler=shard(splits.val, False, False), **common),
-            DataLoader(splits.test, eval_batch_size, sampler=shard(splits.test, False, False), **common),
-        )
-    return (
-        DataLoader(splits.train, micro_batch_size, shuffle=True, drop_last=True, **common),
-        DataLoader(splits.val, eval_batch_size, shuffle=False, **common),
-        DataLoader(splits.test, eval_batch_size, shuffle=False, **common),
+    return dataloaders(
+        splits.train,
+        splits.val,
+        splits.test,
+        micro_batch_size,
+        eval_batch_size,
+        num_workers,
+        pin_memory,
+        world_size=world_size,
+        rank=rank,
+        seed=seed,
     )
 
 

@@ -33,7 +33,7 @@ RECIPE = "bonus_llm_finetune"
 MODELS = hf_models.QWEN2  # --model choices: the full-size hub name and a tiny config
 DEFAULTS = dict(
     model="Qwen/Qwen2-0.5B-Instruct",
-    precision="32-true",
+    precision=None,  # 32-true; bf16-true with --half or --all, bf16-mixed with --mixed (resolve_toggles)
     batch_size=12,
     accumulation_steps=6,
     lr=5e-5,
@@ -45,23 +45,11 @@ LORA_TARGETS = ["q_proj", "v_proj"]
 SIXTEEN_BIT = ("bf16-true", "bf16-mixed", "16-true", "16-mixed")  # what flash-attn kernels accept
 
 
-class _Precision(argparse.Action):
-    """--half / --mixed are names for a --precision value, set while parsing so it is validated as one."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        setattr(namespace, self.dest, True)
-        namespace.precision = self.const
-
-
 def add_flags(parser: argparse.ArgumentParser) -> None:
     text.add_flags(parser)
     g = parser.add_argument_group("memory toggles (seed 001)")
-    g.add_argument(
-        "--half", action=_Precision, nargs=0, const="bf16-true", default=False, help="bf16 weights"
-    )
-    g.add_argument(
-        "--mixed", action=_Precision, nargs=0, const="bf16-mixed", default=False, help="bf16 autocast"
-    )
+    g.add_argument("--half", action="store_true", help="bf16 weights: --precision bf16-true")
+    g.add_argument("--mixed", action="store_true", help="bf16 autocast: --precision bf16-mixed")
     g.add_argument("--grad-checkpointing", action="store_true", help="recompute activations in backward")
     g.add_argument("--lora", action="store_true", help="train LoRA adapters only (needs peft)")
     g.add_argument("--lora-r", type=int, default=8, help="LoRA rank (default 8)")
@@ -74,18 +62,23 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def resolve_toggles(args) -> None:
-    """--all switches the toggles on; contradictions are a UsageError (exit 2)."""
+    """--all switches the toggles on, --half/--mixed pick the precision (an explicit --precision must
+    agree), and the final precision is validated; contradictions are a UsageError (exit 2)."""
     if args.all:
         if args.mixed:
             raise cli.UsageError("--all includes --half; leave out --mixed")
         args.half = args.grad_checkpointing = args.lora = True
-        args.precision = "bf16-true"
         args.attn = args.attn or "sdpa"
     args.attn = args.attn or "eager"
     if args.half and args.mixed:
         raise cli.UsageError("--half and --mixed exclude each other: choose bf16 weights or bf16 autocast")
-    if (args.half and args.precision != "bf16-true") or (args.mixed and args.precision != "bf16-mixed"):
-        raise cli.UsageError(f"--precision {args.precision} contradicts --half/--mixed")
+    wanted = "bf16-true" if args.half else "bf16-mixed" if args.mixed else "32-true"
+    if args.precision is None:  # not given: the toggles decide
+        args.precision = wanted
+    elif (args.half or args.mixed) and args.precision != wanted:
+        toggle = "--all" if args.all else "--half" if args.half else "--mixed"
+        raise cli.UsageError(f"--precision {args.precision} contradicts {toggle} (precision {wanted})")
+    cli.validate(args)  # again, now with the final precision (e.g. a GPU without bfloat16)
     if args.attn == "flash_attention_2":
         if importlib.util.find_spec("flash_attn") is None:
             raise cli.UsageError(

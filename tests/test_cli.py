@@ -258,3 +258,47 @@ def test_pretrained_weights_offline_is_exit_2(monkeypatch, capsys, tmp_path):
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith(f"{RECIPE}.py: error:")]
     assert len(err) == 1 and "--weights pretrained" in err[0] and "vit_b_16" in err[0], err
     assert not any(tmp_path.iterdir())
+
+
+# ---------------------------------------------------------------------- the LLM recipe's precision toggles
+def _llm_outcome(*flags: str, accelerator: str = "cpu") -> str:
+    """bonus_llm_finetune's final precision after its toggles are resolved, or its UsageError."""
+    mod = load_recipe_module("bonus_llm_finetune")
+    argv = ["--accelerator", accelerator, "--model", "qwen2-tiny", *flags]
+    args = cli.parse_args(mod.__doc__, mod.DEFAULTS, argv, extra=mod.add_flags, model_choices=mod.MODELS)
+    try:
+        mod.resolve_toggles(args)
+    except cli.UsageError as e:
+        return f"error: {e}"
+    return args.precision
+
+
+@pytest.mark.parametrize("toggle", ["--half", "--mixed", "--all"])
+@pytest.mark.parametrize("precision", [None, "32-true", "bf16-true", "bf16-mixed"])
+def test_llm_precision_toggles_do_not_depend_on_flag_order(toggle, precision):
+    if toggle == "--all":
+        pytest.importorskip("peft")  # --all includes --lora
+    given = ("--precision", precision) if precision else ()
+    first, last = _llm_outcome(toggle, *given), _llm_outcome(*given, toggle)
+    assert first == last
+    wanted = "bf16-mixed" if toggle == "--mixed" else "bf16-true"
+    if precision in (None, wanted):
+        assert first == wanted
+    else:  # an explicit --precision that the toggle contradicts is refused, never overridden
+        assert first.startswith("error:") and "contradicts" in first and toggle in first
+
+
+def test_llm_precision_without_toggles_is_the_flag_or_fp32():
+    assert _llm_outcome() == "32-true"
+    assert _llm_outcome("--precision", "bf16-mixed") == "bf16-mixed"
+
+
+@pytest.mark.parametrize("toggle", ["--half", "--all"])
+def test_llm_toggle_precision_is_validated(toggle, monkeypatch):
+    """The precision a toggle sets is checked like a --precision flag: a GPU without bf16 refuses it."""
+    import torch
+
+    monkeypatch.setattr(cli, "_cuda_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    assert _llm_outcome(accelerator="cuda") == "32-true"
+    assert "does not support bfloat16" in _llm_outcome(toggle, accelerator="cuda")
