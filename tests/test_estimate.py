@@ -376,3 +376,16 @@ def test_check_and_report_compare_prediction_with_measurement(tmp_path, capsys):
     result["estimate"] = {"peak_allocated_gb": 0.084, "peak_phase": "backward", "assumptions": {}}
     assert report.estimate_error_pct(result) == pytest.approx(5.0)
     assert "+5.0%" in report.render_estimates([result])
+    # a run that recorded its own prediction is compared with that one, not re-simulated
+    (tmp_path / "05_gradient_accumulation.json").write_text(json.dumps(result))
+    # a recipe without an ESTIMATE (the Hugging Face bonus models) is left out, not a crash
+    bonus = {
+        **result,
+        "recipe": "bonus_bigbird_after",
+        "config": {**result["config"], "model": "google/bigbird-roberta-base"},
+    }
+    bonus.pop("estimate")
+    (tmp_path / "bonus_bigbird_after.json").write_text(json.dumps(bonus))
+    rows = estimate.check_results([str(tmp_path)])
+    assert [r["recipe"] for r in rows] == ["05_gradient_accumulation"]
+    assert rows[0]["predicted_gb"] == 0.084 and rows[0]["error_pct"] == pytest.approx(5.0)
