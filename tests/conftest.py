@@ -223,7 +223,7 @@ class _Zygote:
                 job["done"].set()
         self._dead = True  # EOF: release everyone still waiting
         self._ready.set()
-        for job in self._jobs.values():
+        for job in list(self._jobs.values()):  # run() may add a job meanwhile
             job["done"].set()
 
     def run(self, argv: list[str], env: dict[str, str], timeout: float = SUBPROCESS_TIMEOUT):
@@ -236,6 +236,8 @@ class _Zygote:
         out, err = folder / f"{job_id}.out", folder / f"{job_id}.err"
         job = {"done": threading.Event(), "pid": None, "returncode": None}
         self._jobs[job_id] = job
+        if self._dead:  # the server went away between the check above and now
+            return subprocess.CompletedProcess([sys.executable, *argv], -9, "", "[tests] session ended")
         request = {
             "id": job_id,
             "argv": argv,
