@@ -205,12 +205,18 @@ def test_empty_loader_is_an_error(fabric):
 
 
 def test_loss_and_train_accuracy_are_logged(fabric):
+    """With lr 0 the model never changes, so every logged number can be computed here. 10 micro-batches
+    of 4, k=2, a window every 2 steps: windows of micro-batches 1-4, 5-8 and (the last, short) 9-10."""
     x, y = tiny_data(40)
     model = tiny_model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with torch.no_grad():
+        losses = [F.cross_entropy(model(x[i : i + 4]), y[i : i + 4]).item() for i in range(0, 40, 4)]
+        last_acc = (model(x[32:]).argmax(1) == y[32:]).float().mean().item()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
     _, _, log = fit_with_fabric(fabric, model, opt, loader(x, y, 4), accumulation_steps=2, log_every=2)
-    assert log.loss["first"] is not None and log.loss["last"] is not None
-    assert 0.0 <= log.accuracy["train"] <= 1.0
+    assert log.loss["first"] == pytest.approx(sum(losses[:4]) / 4, rel=1e-5)  # the first window's mean
+    assert log.loss["last"] == pytest.approx(sum(losses[8:]) / 2, rel=1e-5)  # the last window's mean
+    assert log.accuracy["train"] == pytest.approx(last_acc)  # over the last window only
 
 
 # ------------------------------------------------------------------------------------ (c) planned_steps
