@@ -371,17 +371,44 @@ def test_saved_activations_tool_counts_bytes(capsys):
     )
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
-    assert tool.main(["--model", "distilbert-tiny", "--max-length", "64", "--batch-size", "2"]) == 0
+    args = ["--model", "distilbert-tiny", "--max-length", "64", "--batch-size", "2"]
+
+    def exact(out, line):  # the "GB (1,234 bytes" on a line
+        return int(out.split(line)[1].split("GB (")[1].split(" bytes")[0].replace(",", ""))
+
+    assert tool.main(args) == 0
     out = capsys.readouterr().out
-    n = hf_models.count_parameters(hf_models.build(hf_models.SPECS["distilbert-tiny"], False))
+    model = hf_models.build(hf_models.SPECS["distilbert-tiny"], False)
+    n = hf_models.count_parameters(model)
     weights = float(out.split("weights")[1].split("GB")[0])
-    assert weights == pytest.approx(n * 4 / 1e9, abs=5e-4)  # fp32: 4 bytes per parameter
+    assert weights == pytest.approx(n * 4 / 1e9, abs=5e-4) and exact(out, "weights") == 4 * n  # fp32
+    assert exact(out, "gradients") == 4 * n and exact(out, "Adam state") == 8 * n
     saved = float(out.split("saved activations")[1].split("GB")[0])
     assert saved > 0 and "batch 2 x 64 tokens" in out
-    half = tool.main(
-        ["--model", "distilbert-tiny", "--max-length", "64", "--batch-size", "2", "--dtype", "bf16"]
-    )
-    assert half == 0 and "bf16" in capsys.readouterr().out
+    # Saved activations leave out the weights a Linear saves: count every saved storage here, then drop
+    # the parameters' and buffers' storages by hand.
+    model.train()
+    splits = text.synthetic(64, hf_models.SPECS["distilbert-tiny"].ids, task="classification")
+    items = [splits.train[i] for i in (0, 1)]  # the tool's batch
+    batch = {
+        k: torch.stack([it[j] for it in items])
+        for j, k in enumerate(("input_ids", "attention_mask", "labels"))
+    }
+    seen = {}
+    with torch.autograd.graph.saved_tensors_hooks(
+        lambda t: seen.setdefault(t.untyped_storage().data_ptr(), (t.untyped_storage().nbytes(), t)),
+        lambda packed: packed[1],
+    ):
+        loss = model(**batch).loss
+    state = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    inclusive = sum(nbytes for nbytes, _ in seen.values())
+    saved_weights = sum(nbytes for ptr, (nbytes, _) in seen.items() if ptr in state)
+    assert saved_weights > 0 and exact(out, "saved activations") == inclusive - saved_weights
+    del loss
+    assert tool.main([*args, "--dtype", "bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "bf16" in out.splitlines()[0] and exact(out, "weights") == 2 * n  # bf16: 2 bytes per parameter
+    assert 0 < exact(out, "saved activations") < inclusive - saved_weights
 
 
 def test_imdb_asked_for_offline_is_one_line_and_exit_2(tmp_path, capsys):

@@ -5,8 +5,9 @@
 
 Builds the full-size model from its config (random init, no download), runs one training-mode forward
 pass on synthetic tokens under ``torch.autograd.graph.saved_tensors_hooks`` and adds up the distinct
-storages autograd saves. It also prints the exact bytes of weights, gradients and Adam state for the
-chosen dtype, so the docs' back-of-envelope tables can be reproduced without a GPU.
+storages autograd saves, leaving out the parameters and buffers (``SavedTensorCounter.nbytes``: exact
+bytes, not rounded to the CUDA allocator's 512-byte blocks). It also prints the exact bytes of weights,
+gradients and Adam state for the chosen dtype, so the docs' back-of-envelope tables can be reproduced without a GPU.
 
 Caveats: this is the CPU's view. On the CPU, attention with a padding mask takes the math path, which
 saves the (sequence x sequence) score matrices; on a GPU, SDPA's fused kernels do not, and Hugging Face's
@@ -28,19 +29,15 @@ GB = 1e9
 
 
 def saved_bytes(model, batch: dict) -> int:
-    """Sum of the distinct storages autograd saves during ``model(**batch)``."""
-    import torch
+    """Exact bytes of the distinct storages autograd saves during ``model(**batch)``, leaving out the
+    parameters and buffers (a Linear saves its weight; the weights are counted on their own line)."""
+    from common.estimate import SavedTensorCounter
 
-    storages: dict[tuple[int, int], int] = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        storages[(s.data_ptr(), s.nbytes())] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(**batch)
-    return sum(storages.values())
+    with SavedTensorCounter([*model.parameters(), *model.buffers()]) as saved:
+        out = model(**batch)  # keeps the graph, hence the saved storages, alive until counted
+    nbytes = saved.nbytes
+    del out
+    return nbytes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,11 +73,15 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"model {args.model}: {n / 1e6:.1f} M parameters, {args.dtype}, attention {model.config._attn_implementation}"
     )
-    print(f"  weights           {n * width / GB:7.3f} GB")
-    print(f"  gradients         {n * width / GB:7.3f} GB")
-    print(f"  Adam state (m, v) {2 * n * width / GB:7.3f} GB")
+    for name, nbytes in (
+        ("weights", n * width),
+        ("gradients", n * width),
+        ("Adam state (m, v)", 2 * n * width),
+    ):
+        print(f"  {name:17} {nbytes / GB:7.3f} GB ({nbytes:,} bytes)")
     print(
-        f"  saved activations {acts / GB:7.3f} GB for batch {args.batch_size} x {args.max_length} tokens"
+        f"  saved activations {acts / GB:7.3f} GB ({acts:,} bytes, exact, weights excluded)"
+        f" for batch {args.batch_size} x {args.max_length} tokens"
         f" ({acts / args.batch_size / GB:.3f} GB per sample; forward {time.perf_counter() - start:.0f} s on CPU)"
     )
     return 0
