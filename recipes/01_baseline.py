@@ -35,12 +35,12 @@ def main(args, log):
 
     with log.phase("model_load"):
         model = models.build_model(args.model, weights, num_classes=data.NUM_CLASSES)
-        log.estimate = estimate.for_run(model, args, **ESTIMATE)  # the predicted peak
         if args.compile:  # one compiled graph per block (all 24 share it): fewer, fused kernel launches
             for block in models.blocks(model):
                 block.compile()
         # fused: the whole update in one kernel, no temporary copies of the parameters
         optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, fused=True)
+        log.estimate = estimate.for_run(model, args, **ESTIMATE)  # the predicted peak
         model, optimizer = fabric.setup(model, optimizer)
     log.set(parameters=models.count_parameters(model))
 

@@ -49,12 +49,12 @@ def main(args, log):
     with log.phase("model_load"):
         with fabric.init_module(empty_init=False):  # allocated on the device, in the target precision
             model = models.build_model(args.model, weights, num_classes=data.NUM_CLASSES)
-            log.estimate = estimate.for_run(model, args, **ESTIMATE)  # the predicted peak
         if args.compile:  # one compiled graph per block (all 24 share it): fewer, fused kernel launches
             for block in models.blocks(model):
                 block.compile()
         # plain SGD keeps no state; Adam kept two extra tensors per parameter
         optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+        log.estimate = estimate.for_run(model, args, **ESTIMATE)  # the predicted peak
         model, optimizer = fabric.setup(model, optimizer)
     log.set(parameters=models.count_parameters(model))
     if fabric.device.type == "cuda":  # on CPU the phases hold process RSS, which cannot be reset

@@ -45,9 +45,8 @@ def main(args, log):
         if args.compile:  # one compiled graph per block (all 24 share it): fewer, fused kernel launches
             for block in models.blocks(model):
                 block.compile()
-        optimizer = AdamW8bit(
-            model.parameters(), lr=args.lr
-        )  # both Adam moments in 8 bits, block-wise scaled
+        # both Adam moments in 8 bits, block-wise scaled
+        optimizer = AdamW8bit(model.parameters(), lr=args.lr)
         log.estimate = estimate.for_run(model, args, **ESTIMATE)  # the predicted peak
         model, optimizer = fabric.setup(model, optimizer)
     log.set(parameters=models.count_parameters(model))

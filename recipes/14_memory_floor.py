@@ -59,9 +59,8 @@ def main(args, log):
         if args.compile:  # one compiled graph per block (all 24 share it): fewer, fused kernel launches
             for block in models.blocks(model):
                 block.compile()
-        for i, block in enumerate(
-            models.blocks(model)
-        ):  # keep the block input, recompute the rest in backward
+        # keep each block's input, recompute the rest in backward
+        for i, block in enumerate(models.blocks(model)):
             model.encoder.layers[i] = models.CheckpointedBlock(block)
         log.estimate = estimate.for_run(model, args, **ESTIMATE)  # the predicted peak
         model = fabric.setup(model)
