@@ -19,6 +19,13 @@ PRECISIONS = ("32-true", "32", "16-mixed", "bf16-mixed", "16-true", "bf16-true",
 ACCELERATORS = ("auto", "cpu", "cuda", "gpu")
 DATA_CHOICES = ("auto", "cifar10", "synthetic")
 WEIGHTS_CHOICES = ("auto", "pretrained", "none")
+# The help of the flags whose meaning depends on the recipe's data and model family; a recipe of
+# another family (the bonus text recipes) replaces it with ``help_overrides`` (see common/text.py).
+HELP = {
+    "data": "auto falls back to synthetic when CIFAR-10 is unreachable",
+    "data_dir": "where CIFAR-10 is (or will be downloaded)",
+    "model": "vit_l_16 (the ladder), vit_b_16, vit_tiny (CPU/tests)",
+}
 
 # Defaults shared by every recipe; a recipe overrides what its rung changes.
 BASE_DEFAULTS: dict[str, Any] = {
@@ -93,9 +100,23 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def build_parser(description: str, defaults: dict[str, Any]) -> argparse.ArgumentParser:
-    """The shared parser. ``defaults`` are BASE_DEFAULTS updated with the recipe's own."""
+def build_parser(
+    description: str,
+    defaults: dict[str, Any],
+    *,
+    data_choices: tuple[str, ...] | None = None,
+    help_overrides: dict[str, str] | None = None,
+) -> argparse.ArgumentParser:
+    """The shared parser. ``defaults`` are BASE_DEFAULTS updated with the recipe's own.
+
+    ``data_choices`` replaces the ``--data`` choices (CIFAR-10's) and ``help_overrides`` the help of the
+    flags in :data:`HELP` (keyed like it, by dest), for recipes of other data and model families.
+    """
     d = {**BASE_DEFAULTS, **defaults}
+    unknown = set(help_overrides or {}) - set(HELP)
+    if unknown:
+        raise ValueError(f"help_overrides: no overridable help for {sorted(unknown)}; only {sorted(HELP)}")
+    helps = {**HELP, **(help_overrides or {})}
     p = _Parser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("hardware")
     g.add_argument("--accelerator", choices=ACCELERATORS, help="cpu, cuda/gpu, or auto (cuda if present)")
@@ -126,12 +147,10 @@ def build_parser(description: str, defaults: dict[str, Any]) -> argparse.Argumen
     g.add_argument("--lr", type=_positive_float, help="learning rate")
     g.add_argument("--seed", type=int, help="random seed")
     g = p.add_argument_group("data and model")
-    g.add_argument(
-        "--data", choices=DATA_CHOICES, help="auto falls back to synthetic when CIFAR-10 is unreachable"
-    )
-    g.add_argument("--data-dir", help="where CIFAR-10 is (or will be downloaded)")
+    g.add_argument("--data", choices=data_choices or DATA_CHOICES, help=helps["data"])
+    g.add_argument("--data-dir", help=helps["data_dir"])
     g.add_argument("--weights", choices=WEIGHTS_CHOICES, help="auto falls back to random init when offline")
-    g.add_argument("--model", help="vit_l_16 (the ladder), vit_b_16, vit_tiny (CPU/tests)")
+    g.add_argument("--model", help=helps["model"])
     g.add_argument("--num-workers", type=int, help="DataLoader worker processes")
     g.add_argument("--eval-batches", type=at_least(1), help="limit validation/test to this many batches")
     g = p.add_argument_group("checkpoints (resumable runs)")
@@ -282,10 +301,13 @@ def parse_args(
     argv: list[str] | None = None,
     extra: Callable | None = None,
     model_choices: tuple[str, ...] | None = None,
+    data_choices: tuple[str, ...] | None = None,
+    help_overrides: dict[str, str] | None = None,
 ) -> argparse.Namespace:
     """Parse and validate; ``extra(parser)`` may add recipe-specific flags; ``model_choices`` replaces
-    the ViT names for recipes of other model families. Exits 2 on bad input."""
-    parser = build_parser(description, defaults)
+    the ViT names, ``data_choices`` the ``--data`` choices and ``help_overrides`` the help of the flags
+    in :data:`HELP`, for recipes of other model and data families. Exits 2 on bad input."""
+    parser = build_parser(description, defaults, data_choices=data_choices, help_overrides=help_overrides)
     if extra is not None:
         extra(parser)
     args = _adopt_fabric_run(parser, argv)
@@ -333,13 +355,15 @@ def run(
     argv: list[str] | None = None,
     extra: Callable | None = None,
     model_choices: tuple[str, ...] | None = None,
+    data_choices: tuple[str, ...] | None = None,
+    help_overrides: dict[str, str] | None = None,
 ) -> int:
     """Parse flags, run ``main(args, log)``, and record the outcome.
 
     A CUDA out-of-memory error is caught here and written as ``"status": "oom"`` with its config, so a
     ladder run loses nothing; the process then exits 3 (``run_all.sh`` reports it and moves on).
     """
-    args = parse_args(description, defaults, argv, extra, model_choices)
+    args = parse_args(description, defaults, argv, extra, model_choices, data_choices, help_overrides)
     _resolve_checkpoints(args, recipe)
     from common.metrics import MetricsLogger
 

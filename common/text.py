@@ -39,6 +39,11 @@ from common import cli
 from common.hf_models import TokenIds, hub_online
 
 DATA_CHOICES = ("auto", "imdb", "synthetic")
+HELP = {  # cli.HELP for the text recipes: the shared flags whose meaning is IMDb's and the hub models'
+    "data": "auto: IMDb when present or downloadable, else a synthetic token-id stand-in",
+    "data_dir": "a folder holding aclImdb/ or imdb.csv (downloads go here), or a CSV file",
+    "model": "a hub name (full size) or a *-tiny config (CPU/tests)",
+}
 NUM_LABELS = 2
 SPLIT_SIZES = (35_000, 5_000, 10_000)  # the article: 50k labelled reviews -> train / val / test
 SPLIT_FRACTIONS = (0.7, 0.1, 0.2)  # the same proportions for a smaller CSV or folder
@@ -73,19 +78,8 @@ class TextSplits:
 
 # ------------------------------------------------------------------------------------------------ flags
 def add_flags(parser) -> None:
-    """The text recipes' flags: ``--data`` gets the IMDb choices, plus ``--max-length`` and ``--tokenizer``.
-
-    argparse has no public way to change an existing option's choices, so the shared ``--data``
-    action is edited in place rather than defined twice.
-    """
-    for action in parser._actions:
-        if action.dest == "data":
-            action.choices = DATA_CHOICES
-            action.help = "auto: IMDb when present or downloadable, else a synthetic token-id stand-in"
-        elif action.dest == "data_dir":
-            action.help = "a folder holding aclImdb/ or imdb.csv (downloads go here), or a CSV file"
-        elif action.dest == "model":
-            action.help = "a hub name (full size) or a *-tiny config (CPU/tests)"
+    """The text recipes' own flags, ``--max-length`` and ``--tokenizer``. Their ``--data`` choices and
+    help come with ``cli.run(..., data_choices=DATA_CHOICES, help_overrides=HELP)``."""
     g = parser.add_argument_group("text")
     g.add_argument(
         "--max-length",

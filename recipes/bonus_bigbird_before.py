@@ -105,5 +105,7 @@ if __name__ == "__main__":
             defaults=DEFAULTS,
             extra=text.add_flags,
             model_choices=MODELS,
+            data_choices=text.DATA_CHOICES,
+            help_overrides=text.HELP,
         )
     )

@@ -197,5 +197,7 @@ if __name__ == "__main__":
             defaults=DEFAULTS,
             extra=add_flags,
             model_choices=MODELS,
+            data_choices=text.DATA_CHOICES,
+            help_overrides=text.HELP,
         )
     )

@@ -1,7 +1,7 @@
 """The bonus recipes on CPU: tiny DistilBERT / BigBird / Qwen2 configs, synthetic and real-format IMDb.
 
-Recipes run in-process through ``cli.run`` (parsing, validation, results JSON, in one interpreter that
-has imported torch and transformers once); run_all.sh's bonus path runs as a background process while
+Recipes run in-process as ``__main__`` (their own ``cli.run`` call: parsing, validation, results JSON,
+in one interpreter that has imported torch and transformers once); run_all.sh's bonus path runs as a background process while
 they do. No network (conftest sets FMR_OFFLINE=1); the "real IMDb" tests write their own aclImdb folder
 or CSV and a WordPiece vocabulary file.
 """
@@ -11,12 +11,22 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import runpy
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, describe, result, run_process, session_dir, submit, subprocess_env
+from conftest import (
+    REPO,
+    describe,
+    load_recipe_module,
+    result,
+    run_process,
+    session_dir,
+    submit,
+    subprocess_env,
+)
 
 from common import cli, hf_models, metrics, report, text
 
@@ -42,30 +52,23 @@ NEGATIVE = ["an awful film", "boring plot and a bad actor", "i hated the movie",
 
 
 # --------------------------------------------------------------------------------------------- helpers
-def load_recipe(name: str):
-    spec = importlib.util.spec_from_file_location(f"bonus_recipe_{name}", REPO / "recipes" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def run_in_process(name: str, tmp_path: Path, *args: str, data: str = "synthetic") -> dict:
+    """Run ``recipes/<name>.py`` as ``__main__`` in this interpreter and return its results payload.
 
-
-def run_recipe(name: str, tmp_path: Path, *args: str, data: str = "synthetic") -> dict:
-    """Run a recipe's main through cli.run (parsing, validation, results JSON) and return the payload."""
-    module = load_recipe(name)
+    The recipe's own ``cli.run(...)`` call parses the flags (its model and data choices, its extra
+    flags), validates them, trains and writes the results JSON, as ``python recipes/<name>.py`` would.
+    A refused flag raises SystemExit(2) here, as in a subprocess.
+    """
+    path = REPO / "recipes" / f"{name}.py"
     argv = ["--accelerator", "cpu", "--data", data, "--weights", "none", "--results-dir", str(tmp_path)]
     argv += ["--log-every", "5", *args]
-    rc = cli.run(
-        module.main,
-        recipe=module.RECIPE,
-        description=module.__doc__,
-        defaults=module.DEFAULTS,
-        argv=argv,
-        extra=getattr(module, "add_flags", text.add_flags),
-        model_choices=module.MODELS,
-    )
-    assert rc == 0
+    with pytest.MonkeyPatch.context() as mp, pytest.raises(SystemExit) as exc:
+        mp.setattr(sys, "argv", [str(path), *argv])
+        runpy.run_path(str(path), run_name="__main__")
+    if exc.value.code != 0:
+        raise exc.value
     tag = args[args.index("--tag") + 1] if "--tag" in args else None
-    return json.loads(Path(metrics.results_path(str(tmp_path), module.RECIPE, tag)).read_text())
+    return json.loads(Path(metrics.results_path(str(tmp_path), name, tag)).read_text())
 
 
 @pytest.fixture(autouse=True)
@@ -214,8 +217,8 @@ def test_imdb_missing_offline(tmp_path):
 # ---------------------------------------------------------------------------------- recipes, end to end
 def test_distilbert_before_and_after_learn(tmp_path):
     common = ("--model", "distilbert-tiny", "--max-length", "128", "--lr", "1e-3", "--eval-batches", "8")
-    before = run_recipe("bonus_distilbert_before", tmp_path, *common, "--max-steps", "25")
-    after = run_recipe("bonus_distilbert_after", tmp_path, *common, "--max-steps", "25")
+    before = run_in_process("bonus_distilbert_before", tmp_path, *common, "--max-steps", "25")
+    after = run_in_process("bonus_distilbert_after", tmp_path, *common, "--max-steps", "25")
     for p in (before, after):
         assert p["status"] == "ok" and p["provenance"]["data_source"] == "synthetic"
         assert p["provenance"]["weights"] == "random" and p["provenance"]["tokens_per_sample"] == 128
@@ -232,9 +235,9 @@ def test_distilbert_before_and_after_learn(tmp_path):
 
 def test_bigbird_before_learns_and_after_runs_its_defaults(tmp_path):
     common = ("--model", "bigbird-tiny", "--max-length", "128", "--eval-batches", "8")
-    before = run_recipe("bonus_bigbird_before", tmp_path, *common, "--lr", "1e-3", "--max-steps", "40")
+    before = run_in_process("bonus_bigbird_before", tmp_path, *common, "--lr", "1e-3", "--max-steps", "40")
     assert before["status"] == "ok" and before["accuracy"]["val"] > 0.75, before["accuracy"]
-    after = run_recipe("bonus_bigbird_after", tmp_path, *common, "--max-steps", "3")
+    after = run_in_process("bonus_bigbird_after", tmp_path, *common, "--max-steps", "3")
     assert after["status"] == "ok" and after["config"]["precision"] == "bf16-true"
     assert (after["config"]["micro_batch_size"], after["config"]["accumulation_steps"]) == (1, 12)
     assert after["timing"]["micro_batches"] == 36
@@ -244,7 +247,7 @@ def test_bigbird_before_learns_and_after_runs_its_defaults(tmp_path):
 def test_real_imdb_through_a_recipe(tmp_path):
     write_aclimdb(tmp_path)
     vocab = write_vocab(tmp_path)
-    p = run_recipe(
+    p = run_in_process(
         "bonus_distilbert_before",
         tmp_path,
         *("--model", "distilbert-tiny", "--data-dir", str(tmp_path), "--tokenizer", str(vocab)),
@@ -261,7 +264,7 @@ def test_after_recipes_shard_with_fsdp_and_offload_on_several_gpus():
     from transformers.models.distilbert.modeling_distilbert import TransformerBlock
 
     for name, block in (("bonus_distilbert_after", TransformerBlock), ("bonus_bigbird_after", BigBirdLayer)):
-        module = load_recipe(name)
+        module = load_recipe_module(name)
         assert module.make_strategy(argparse.Namespace(devices=1, num_nodes=1)) == "auto"
         strategy = module.make_strategy(argparse.Namespace(devices=4, num_nodes=1))
         assert isinstance(strategy, FSDPStrategy)
@@ -270,7 +273,7 @@ def test_after_recipes_shard_with_fsdp_and_offload_on_several_gpus():
 
 
 def test_llm_vanilla_learns_the_synthetic_completions(tmp_path):
-    p = run_recipe(
+    p = run_in_process(
         "bonus_llm_finetune",
         tmp_path,
         *("--model", "qwen2-tiny", "--max-length", "64", "--lr", "3e-3", "--max-steps", "30"),
@@ -305,7 +308,7 @@ def test_llm_toggles_change_the_model(tmp_path, row):
     flags, want = TOGGLES[row]
     if "--lora" in flags or "--all" in flags:
         pytest.importorskip("peft")
-    p = run_recipe(
+    p = run_in_process(
         "bonus_llm_finetune",
         tmp_path,
         *("--model", "qwen2-tiny", "--max-length", "32", "--max-steps", "2", "--eval-batches", "1"),
@@ -342,7 +345,7 @@ def test_llm_impossible_toggles_exit_2(tmp_path, capsys, flags, message):
     if "flash_attention_2" in flags and importlib.util.find_spec("flash_attn") is not None:
         pytest.skip("flash-attn is installed here")
     with pytest.raises(SystemExit) as exc:
-        run_recipe("bonus_llm_finetune", tmp_path, "--model", "qwen2-tiny", "--max-steps", "1", *flags)
+        run_in_process("bonus_llm_finetune", tmp_path, "--model", "qwen2-tiny", "--max-steps", "1", *flags)
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0]
@@ -350,7 +353,7 @@ def test_llm_impossible_toggles_exit_2(tmp_path, capsys, flags, message):
 
 def test_after_recipe_refuses_several_cpu_devices(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
-        run_recipe("bonus_distilbert_after", tmp_path, "--model", "distilbert-tiny", "--devices", "2")
+        run_in_process("bonus_distilbert_after", tmp_path, "--model", "distilbert-tiny", "--devices", "2")
     assert exc.value.code == 2 and "FSDP" in capsys.readouterr().err
 
 
@@ -413,7 +416,7 @@ def test_saved_activations_tool_counts_bytes(capsys):
 
 def test_imdb_asked_for_offline_is_one_line_and_exit_2(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
-        run_recipe(
+        run_in_process(
             "bonus_distilbert_before",
             tmp_path,
             *("--model", "distilbert-tiny", "--data-dir", str(tmp_path / "empty")),
@@ -422,3 +425,14 @@ def test_imdb_asked_for_offline_is_one_line_and_exit_2(tmp_path, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--data imdb" in err[0], err
+
+
+@pytest.mark.parametrize("name", ["bonus_distilbert_before", "bonus_llm_finetune"])
+def test_bonus_recipes_refuse_cifar10_in_one_line(tmp_path, capsys, name):
+    with pytest.raises(SystemExit) as exc:
+        run_in_process(name, tmp_path, data="cifar10")
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"{name}.py: error:"), err
+    assert "invalid choice: 'cifar10'" in err[0] and "imdb" in err[0], err
+    assert not any(tmp_path.iterdir())

@@ -260,6 +260,46 @@ def test_pretrained_weights_offline_is_exit_2(monkeypatch, capsys, tmp_path):
     assert not any(tmp_path.iterdir())
 
 
+def _data_outcome(data: str, **kwargs) -> str:
+    """The parsed ``--data``, or the one-line error argparse refused it with."""
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            return cli.parse_args("d", {}, ["--accelerator", "cpu", "--data", data], **kwargs).data
+    except SystemExit as exc:
+        assert exc.code == 2
+        lines = err.getvalue().strip().splitlines()
+        assert len(lines) == 1, lines
+        return lines[0]
+
+
+def test_data_choices_replace_the_image_choices():
+    from common import text
+
+    for data in ("auto", "cifar10", "synthetic"):  # the image recipes pass none: unchanged
+        assert _data_outcome(data) == data
+    assert "invalid choice: 'imdb'" in _data_outcome("imdb")
+    for data in text.DATA_CHOICES:  # what the bonus recipes pass
+        assert _data_outcome(data, data_choices=text.DATA_CHOICES) == data
+    refused = _data_outcome("cifar10", data_choices=text.DATA_CHOICES)
+    assert "--data: invalid choice: 'cifar10'" in refused and "imdb" in refused
+
+
+def test_help_overrides_replace_the_image_help():
+    from common import text
+
+    image = cli.build_parser("d", {}).format_help()
+    assert "CIFAR-10" in image and "vit_l_16" in image and "{auto,cifar10,synthetic}" in image
+    bonus = cli.build_parser("d", {}, data_choices=text.DATA_CHOICES, help_overrides=text.HELP).format_help()
+    assert "CIFAR-10" not in bonus and "vit_l_16" not in bonus and "{auto,imdb,synthetic}" in bonus
+    assert all(" ".join(h.split()) in " ".join(bonus.split()) for h in text.HELP.values())
+    with pytest.raises(ValueError, match="lr"):  # only the flags in cli.HELP can be reworded
+        cli.build_parser("d", {}, help_overrides={"lr": "x"})
+
+
 # ---------------------------------------------------------------------- the LLM recipe's precision toggles
 def _llm_outcome(*flags: str, accelerator: str = "cpu") -> str:
     """bonus_llm_finetune's final precision after its toggles are resolved, or its UsageError."""
