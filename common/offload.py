@@ -1,8 +1,10 @@
 """Activation offloading: keep the tensors autograd saves for backward in host memory, not on the GPU.
 
-``torch.autograd.graph.save_on_cpu(pin_memory=True)`` does this for every saved tensor, with a copy
-that makes the host wait each time, and it also copies the weights (a linear layer saves its weight
-for the backward pass), which live on the GPU anyway. :class:`offload_activations` differs in two ways:
+``torch.autograd.graph.save_on_cpu(pin_memory=True)`` does this for every saved tensor. In torch 2.11,
+the version behind the committed results, it packs with a blocking ``copy_`` that makes the host wait
+each time (checked on the GPU machine; later releases copy non-blocking), and in every version it also
+copies the weights (a linear layer saves its weight for the backward pass), which live on the GPU
+anyway. :class:`offload_activations` differs in two ways:
 - parameters (and views of them) are left where they are: copying weights out and back is pure cost;
 - the device-to-host copy goes into pinned memory with ``non_blocking=True``. It is queued on the
   compute stream, so it runs in order with the kernels around it and the host never waits. The GPU
