@@ -226,6 +226,8 @@ class Estimate:
     seconds: float
     kernels: list[str] = dataclasses.field(default_factory=list)
     activations_host_gb: float = 0.0
+    # the storages behind activations_saved_gb, unrounded: SavedTensorCounter.nbytes of a real forward pass
+    activations_saved_bytes: int | None = None
     timeline: list[tuple[str, dict[str, float]]] = dataclasses.field(default_factory=list, repr=False)
     error: str | None = None
 
@@ -326,26 +328,25 @@ class SavedTensorCounter:
     parameters and buffers: they exist anyway).
 
     The same hooks serve the simulation (fake tensors) and a real run, which is how the tests check that
-    the traced activations are the bytes a real forward pass saves. Storages are held weakly: a storage
-    freed before the count is read (a saved tensor released early) no longer counts.
+    the simulated activations are the bytes a real forward pass saves. Storages are held weakly: a storage
+    freed before the count is read (a saved tensor released early) no longer counts. So read the count
+    while the forward's output (hence the graph) is alive, as the simulation does: dropping it frees what
+    only the graph held (e.g. the loss's 4-byte ``total_weight``).
 
         with SavedTensorCounter(model.parameters()) as saved:
             loss = model(x).sum()
-        saved.nbytes
+        saved.nbytes  # loss still alive
     """
 
-    def __init__(self, exclude=(), on_pack: Callable[[torch.Tensor], None] | None = None) -> None:
+    def __init__(self, exclude=()) -> None:
         self._exclude = {id(t.untyped_storage()): t for t in exclude}  # values keep the ids valid
         self._seen = WeakIdKeyDictionary()
-        self._on_pack = on_pack
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         st = t.untyped_storage()
         if id(st) not in self._exclude and st not in self._seen:
             self._seen[st] = st.nbytes()
-            if self._on_pack is not None:
-                self._on_pack(t)
         return t
 
     @staticmethod
@@ -381,7 +382,7 @@ class _Tracker(TorchDispatchMode):
     weighs components: FSDP counts sharded state at 1/N, offloaded state at 0.
     """
 
-    def __init__(self, scales: dict[str, float] | None = None, record_timeline: bool = False) -> None:
+    def __init__(self, scales: dict[str, float] | None = None) -> None:
         super().__init__()
         self.records = WeakIdKeyDictionary()
         self.totals: dict[str, int] = defaultdict(int)
@@ -390,9 +391,9 @@ class _Tracker(TorchDispatchMode):
         self.peak = 0.0
         self.peak_totals: dict[str, float] = {}
         self.peak_phase = ""
-        self.record_timeline = record_timeline
+        self.record_timeline = False  # switched on for the stretch of the step that the timeline shows
         self.timeline: list[tuple[str, dict[str, float]]] = []
-        self.totals_max: dict[str, int] = defaultdict(int)
+        self.host_peak = 0  # most bytes in host memory at once (offloaded activations)
         self.new_category = "temporaries"
 
     @contextlib.contextmanager
@@ -409,8 +410,7 @@ class _Tracker(TorchDispatchMode):
 
     def _changed(self) -> None:
         total = self.weighted()
-        if self.totals["host"] > self.totals_max["host"]:
-            self.totals_max["host"] = self.totals["host"]
+        self.host_peak = max(self.host_peak, self.totals["host"])
         if self.record_timeline:
             self.timeline.append(
                 (self.phase, {c: self.scales.get(c, 1.0) * v / GB for c, v in self.totals.items() if v})
@@ -608,8 +608,6 @@ class _Precision:
     lightning.fabric.plugins.precision: HalfPrecision, MixedPrecision), replayed on fake tensors."""
 
     def __init__(self, precision: str, cuda_policy: bool) -> None:
-
-        self.precision = precision
         self.cuda_policy = cuda_policy
         low = getattr(torch, LOW_PRECISION[precision]) if precision in LOW_PRECISION else None
         self.mixed = precision.endswith("-mixed")
@@ -814,7 +812,7 @@ def simulate(
         scales.update({"parameters": shard, "gradients": shard, "optimizer_state": shard})
     tracker = _Tracker(scales)  # the timeline is recorded from the first forward to zero_grad
     kernels: set[str] = set()
-    activations_saved = None
+    saved_bytes = saved_rounded = None
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(_neutral_defaults())
@@ -849,6 +847,7 @@ def simulate(
         tracker.phase = "optimizer state"  # as it is from the first optimizer step on
         with tracker.creating("optimizer_state"):
             state = [t for n in trainable for t in _optimizer_state(fake_state[n], plan)]
+        state_bytes = sum(t.untyped_storage().nbytes() for t in state if t.dim() > 0)  # no step counters
 
         params_and_buffers = list(fake_state.values())
         counter = _SimulatedSaves(params_and_buffers, tracker, plan)
@@ -867,8 +866,8 @@ def simulate(
                 tracker.retag(t, "inputs")
             with counter:
                 loss = batch_fn(wrapped, batch)[0]
-            if micro == 0:
-                activations_saved = counter.rounded_nbytes / GB
+            if micro == 0:  # read while the graph is alive, as a real run's counter is read
+                saved_bytes, saved_rounded = counter.nbytes, counter.rounded_nbytes
             tracker.phase = f"backward, {label}"
             (loss / k).backward()
             del loss, batch
@@ -893,13 +892,6 @@ def simulate(
         del state, fake_state, params_and_buffers, wrapped, counter
 
     shard = scales.get("parameters", 1.0)
-    with FakeTensorMode():
-        state_bytes = sum(
-            t.untyped_storage().nbytes()
-            for n in trainable
-            for t in _optimizer_state(torch.empty(named_params[n].shape, dtype=precision.param_dtype), plan)
-            if t.dim() > 0  # leave out step counters
-        )
     static = {  # seed 004's arithmetic, exactly
         "weights": n_total * pbytes * shard / GB,
         "gradients": n_train * pbytes * shard / GB,
@@ -908,10 +900,11 @@ def simulate(
     return Estimate(
         peak_gb=tracker.peak / GB,
         components_gb={c: tracker.peak_totals.get(c, 0.0) / GB for c in COMPONENTS},
-        activations_host_gb=tracker.totals_max.get("host", 0) / GB,
+        activations_host_gb=tracker.host_peak / GB,
         peak_phase=tracker.peak_phase,
         static_gb=static,
-        activations_saved_gb=activations_saved,
+        activations_saved_gb=None if saved_rounded is None else saved_rounded / GB,
+        activations_saved_bytes=saved_bytes,
         parameters={"total": n_total, "trainable": n_train},
         plan=plan,
         model=model_name or type(model).__name__,
@@ -919,31 +912,6 @@ def simulate(
         kernels=sorted(kernels),
         timeline=tracker.timeline,
     )
-
-
-def trace_activations(model: Any, plan: Plan, make_batch: Callable[[], Any], batch_fn: Callable) -> int:
-    """Bytes (unrounded) that one forward pass saves for backward, traced on fake tensors: the number a
-    real run measures with :class:`SavedTensorCounter` around its forward pass."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.nn.utils.stateless import _reparametrize_module
-
-    precision = _Precision(plan.precision, cuda_policy=plan.device == "cuda")
-    kernels: set[str] = set()
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(_neutral_defaults())
-        stack.enter_context(_fresh_normalisation_cache())
-        stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
-        stack.enter_context(_attention_kernel(plan.attention_kernel, plan.device, kernels))
-        fake_state = {}
-        for n, p in [*model.named_parameters(), *model.named_buffers()]:
-            dtype = precision.param_dtype if p.is_floating_point() else p.dtype
-            fake_state[n] = torch.empty(p.shape, dtype=dtype, requires_grad=bool(p.requires_grad))
-        counter = SavedTensorCounter(fake_state.values())
-        stack.enter_context(_reparametrize_module(model, fake_state, tie_weights=True))
-        stack.enter_context(_checkpointed(model, plan.checkpoint, counter.add))
-        with counter:
-            batch_fn(_Wrapped(model, precision), make_batch())
-        return counter.nbytes
 
 
 def failed(plan: Plan | None, model_name: str, error: str) -> Estimate:
@@ -1079,15 +1047,6 @@ def meta_model(name: str, num_classes: int = 10) -> Any:
         return models.build_model(name, None, num_classes=num_classes)
 
 
-def _namespace_from_config(config: dict[str, Any]) -> argparse.Namespace:
-    args = argparse.Namespace(**config)
-    args.compile = bool(config.get("compile"))
-    args.micro_batch_size = config.get("micro_batch_size") or config["batch_size"] // max(
-        1, config.get("accumulation_steps", 1)
-    )
-    return args
-
-
 def check_results(dirs: list[str]) -> list[dict[str, Any]]:
     """Compare every results JSON in ``dirs`` with its prediction: the one the recipe recorded
     (``estimate``), or, for runs made before recipes recorded one, a prediction from the recorded
@@ -1112,8 +1071,7 @@ def check_results(dirs: list[str]) -> list[dict[str, Any]]:
             config = result.get("config") or {}
             recorded = result.get("estimate") or {}
             if recorded.get("peak_allocated_gb") is None:
-                args = _namespace_from_config(config)
-                args.accelerator = "cuda"
+                args = argparse.Namespace(**{**config, "accelerator": "cuda"})
                 plan = plan_from_args(args, **recipe.estimate)
                 model = meta_model(config.get("model", "vit_l_16"))
                 recorded = simulate(model, plan, model_name=config.get("model")).to_dict()
@@ -1220,8 +1178,6 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, Any], 
         cli.fail(
             f"--accumulation-steps {args.accumulation_steps} does not divide --batch-size {args.batch_size}"
         )
-    if args.precision == "32":
-        args.precision = "32-true"
     args.accelerator = "cpu" if args.accelerator == "cpu" else "cuda"  # 'auto': predict for a GPU
     if args.compile is None:
         args.compile = args.accelerator == "cuda"

@@ -1,8 +1,9 @@
-"""common.estimate: exact static bytes, the PEFT and FSDP arithmetic, traced activations against a real
-run's saved tensors, and the simulated peak against a real CPU step's allocations (torch.profiler)."""
+"""common.estimate: exact static bytes, the PEFT and FSDP arithmetic, simulated activations against a
+real run's saved tensors, and the simulated peak against a real CPU step's allocations (torch.profiler)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -142,84 +143,83 @@ def test_plan_rejects_what_it_cannot_model():
 
 
 # -------------------------------------------------------------------------- activations vs a real run
-def real_saved_bytes(model, batch, fn, wrap=lambda m: m, backend=None) -> int:
+def real_saved(model, batch, fn, wrap=lambda m: m, backend=None) -> tuple[int, int]:
+    """(exact, allocator-rounded) bytes a real forward pass saves, counted while its graph is alive."""
     wrapped = wrap(model)
-    with estimate.SavedTensorCounter([*wrapped.parameters(), *wrapped.buffers()]) as saved:
-        if backend is None:
-            fn(wrapped, batch)
-        else:
-            with sdpa_kernel(backend):
-                fn(wrapped, batch)
-    return saved.nbytes
+    with contextlib.ExitStack() as stack:
+        saved = stack.enter_context(estimate.SavedTensorCounter([*wrapped.parameters(), *wrapped.buffers()]))
+        if backend is not None:
+            stack.enter_context(sdpa_kernel(backend))
+        out = fn(wrapped, batch)  # noqa: F841 - keeps the graph (and what it saved) alive until counted
+    return saved.nbytes, saved.rounded_nbytes
+
+
+def simulated_saved(model, batch, fn, **plan) -> tuple[int, int]:
+    """(exact, allocator-rounded) bytes that estimate.simulate counts as saved by one forward pass."""
+    est = estimate.simulate(model, estimate.Plan(device="cpu", **plan), make_batch=lambda: batch, batch_fn=fn)
+    return est.activations_saved_bytes, round(est.activations_saved_gb * GB)
 
 
 @pytest.mark.parametrize("attention", ["fused", "math"])
-def test_traced_activations_equal_the_bytes_a_real_forward_saves(attention):
+def test_simulated_activations_equal_the_bytes_a_real_forward_saves(attention):
     torch.manual_seed(0)
     model = small_vit()
     batch, fn = image_batch(model)
-    real = real_saved_bytes(model, batch, fn, backend=SDPBackend.MATH if attention == "math" else None)
-    traced = estimate.trace_activations(
-        model, estimate.Plan(device="cpu", attention=attention), lambda: batch, fn
-    )
-    assert traced == real > 0
+    real = real_saved(model, batch, fn, backend=SDPBackend.MATH if attention == "math" else None)
+    assert simulated_saved(model, batch, fn, attention=attention) == real
+    assert real[0] > 0
 
 
 def test_math_attention_saves_the_score_matrix_fused_does_not():
     model = small_vit()
     batch, fn = image_batch(model, batch=8)
-    fused = estimate.trace_activations(
-        model, estimate.Plan(device="cpu", attention="fused"), lambda: batch, fn
-    )
-    math = estimate.trace_activations(model, estimate.Plan(device="cpu", attention="math"), lambda: batch, fn)
+    fused, _ = simulated_saved(model, batch, fn, attention="fused")
+    math, _ = simulated_saved(model, batch, fn, attention="math")
     seq, heads, layers = 17, 4, 2
     assert math - fused >= layers * 8 * heads * seq * seq * 4  # at least one fp32 (b, h, s, s) per block
 
 
 @pytest.mark.parametrize("precision", ["bf16-true", "bf16-mixed"])
-def test_traced_activations_follow_fabric_precision_plugins(precision):
+def test_simulated_activations_follow_fabric_precision_plugins(precision):
     import lightning as L
 
     torch.manual_seed(0)
     model = small_vit()
     batch, fn = image_batch(model)
-    traced = estimate.trace_activations(
-        model, estimate.Plan(device="cpu", precision=precision), lambda: batch, fn
-    )
+    simulated = simulated_saved(model, batch, fn, precision=precision)
     fabric = L.Fabric(accelerator="cpu", devices=1, precision=precision)
-    real = real_saved_bytes(model, batch, fn, wrap=fabric.setup_module)
-    assert traced == real > 0
+    real = real_saved(model, batch, fn, wrap=fabric.setup_module)
+    assert simulated == real
+    assert real[0] > 0
 
 
 def test_frozen_blocks_save_less_and_checkpointing_shrinks_activations():
     torch.manual_seed(0)
     model = small_vit(layers=3)
     batch, fn = image_batch(model)
-    make = lambda: batch  # noqa: E731
-    full = estimate.trace_activations(model, estimate.Plan(device="cpu"), make, fn)
+    full = simulated_saved(model, batch, fn)
+    assert full == real_saved(model, batch, fn)
     for p in model.parameters():
         p.requires_grad_(False)
     for p in [*models.blocks(model)[0].parameters(), *model.heads.parameters()]:
         p.requires_grad_(True)
-    first = estimate.trace_activations(model, estimate.Plan(device="cpu"), make, fn)
-    assert first == real_saved_bytes(model, batch, fn)
+    first = simulated_saved(model, batch, fn)
+    assert first == real_saved(model, batch, fn)
     for p in model.parameters():
         p.requires_grad_(False)
     for p in [*models.blocks(model)[-1].parameters(), *model.heads.parameters()]:
         p.requires_grad_(True)
-    last = estimate.trace_activations(model, estimate.Plan(device="cpu"), make, fn)
-    assert last == real_saved_bytes(model, batch, fn)
-    assert last < first < full  # same trainable count for first and last, very different memory
+    last = simulated_saved(model, batch, fn)
+    assert last == real_saved(model, batch, fn)
+    assert last[0] < first[0] < full[0]  # same trainable count for first and last, very different memory
     for p in model.parameters():
         p.requires_grad_(True)
-    ckpt = estimate.trace_activations(
-        model, estimate.Plan(device="cpu", checkpoint=("EncoderBlock",)), make, fn
-    )
-    assert ckpt < full / 3
+    ckpt = simulated_saved(model, batch, fn, checkpoint=("EncoderBlock",))
+    assert ckpt[0] < full[0] / 3
     # a model that checkpoints itself (rung 10's CheckpointedBlock) saves what the plan predicts
     for i, block in enumerate(models.blocks(model)):
         model.encoder.layers[i] = models.CheckpointedBlock(block)
-    assert real_saved_bytes(model, batch, fn) == ckpt
+    assert real_saved(model, batch, fn) == ckpt
 
 
 # -------------------------------------------------------------------------- the peak vs a real CPU step
