@@ -10,8 +10,9 @@ Adam over the trainable parameters only, ``zero_grad(set_to_none=True)``). Measu
   ``saved_tensors_hooks`` the estimator uses (works on a CPU too);
 * ``phase_ms``: median milliseconds of forward, backward and optimizer per step, read from a
   torch.profiler trace (on CUDA, the GPU-side span of the kernels each ``## phase ##`` range launched;
-  host-side on a CPU), and on CUDA ``phase_kernel_ms``: the sum of those kernels' own durations;
-* optionally the memory timeline by category (``--timelines``, common/profiling.py).
+  host-side on a CPU), and on CUDA ``phase_kernel_ms``: the sum of those kernels' own durations
+  (``common.profiling.phase_ranges``, the recipes' ``--memory-timeline`` timer too);
+* optionally the memory timeline by category (``--timelines``, ``common.profiling.Recorder``).
 
 Experiments run eager (no torch.compile): the estimator models the eager graph.
 """
@@ -19,14 +20,9 @@ Experiments run eager (no torch.compile): the estimator models the eager graph.
 from __future__ import annotations
 
 import argparse
-import bisect
-import contextlib
 import gc
-import json
-import os
 import statistics
 import sys
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -38,7 +34,7 @@ if str(REPO) not in sys.path:  # `python experiments/x.py` from a plain checkout
     sys.path.insert(0, str(REPO))
 
 from common import cli, data, estimate, loop, metrics, models  # noqa: E402
-from common.profiling import export_timeline  # noqa: E402
+from common.profiling import Recorder  # noqa: E402
 
 GB = 1e9
 
@@ -82,64 +78,6 @@ def make_fabric(accelerator: str, precision: str):
     return fabric
 
 
-# Trace categories of work that runs on the GPU, and of the host calls that launch it.
-_GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
-_LAUNCH_CATS = {"cuda_runtime", "cuda_driver"}
-
-
-def _phase_ms_from_trace(path: str) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
-    """Durations (ms) of each ``## phase ##`` range in a Chrome trace, one entry per occurrence.
-
-    Returns ``(span, kernel)``. ``span`` is how long the phase took; ``kernel`` (CUDA only) is the sum of
-    its kernels' own durations, the GPU's busy time: where it is much smaller than the span, the GPU sat
-    waiting for the host to launch work.
-
-    On CUDA the duration is GPU-side: from the start of the first kernel to the end of the last kernel
-    *launched* while the range was open on the host. Kernels are matched to their launch call through the
-    trace's correlation ids, and the launch to the range by its host timestamp, whichever thread launched
-    it. That matters for backward: autograd launches its kernels from its own device thread, so the
-    profiler's ``gpu_user_annotation`` span of the main thread's range is empty there. A range that
-    launched no kernel, and every range on a CPU-only trace, is timed on the host.
-    """
-    with open(path) as f:
-        events = [e for e in json.load(f).get("traceEvents", []) if e.get("ph") == "X"]
-    ranges: list[tuple[str, float, float]] = []  # (phase, host start, host end), in microseconds
-    launches: dict[int, float] = {}  # correlation id -> host time of the launch call
-    kernels: list[tuple[int, float, float]] = []  # (correlation id, GPU start, GPU end)
-    for e in events:
-        name, cat = e.get("name", ""), e.get("cat")
-        ts, dur = float(e.get("ts", 0.0)), float(e.get("dur", 0.0))
-        corr = (e.get("args") or {}).get("correlation")
-        if cat == "user_annotation" and name.startswith("## ") and name.endswith(" ##"):
-            ranges.append((name[3:-3], ts, ts + dur))
-        elif cat in _LAUNCH_CATS and corr is not None:
-            launches[int(corr)] = ts
-        elif cat in _GPU_CATS and corr is not None:
-            kernels.append((int(corr), ts, ts + dur))
-    ranges.sort(key=lambda r: r[1])
-    gpu: list[list[float]] = [[] for _ in ranges]  # per range: [first start, last end, busy]
-    starts = [r[1] for r in ranges]
-    for corr, k0, k1 in kernels:
-        t = launches.get(corr)
-        if t is None:
-            continue
-        i = bisect.bisect_right(starts, t) - 1
-        if i < 0 or t > ranges[i][2]:
-            continue
-        g = gpu[i]
-        if g:
-            g[0], g[1], g[2] = min(g[0], k0), max(g[1], k1), g[2] + (k1 - k0)
-        else:
-            g.extend((k0, k1, k1 - k0))
-    span: dict[str, list[float]] = {}
-    kernel: dict[str, list[float]] = {}
-    for (phase, h0, h1), g in zip(ranges, gpu, strict=True):
-        span.setdefault(phase, []).append(((g[1] - g[0]) if g else (h1 - h0)) / 1000.0)
-        if kernels:
-            kernel.setdefault(phase, []).append((g[2] if g else 0.0) / 1000.0)
-    return span, kernel
-
-
 def train_variant(
     name: str,
     build: Callable[[], torch.nn.Module],
@@ -170,17 +108,17 @@ def train_variant(
     labels = torch.randint(0, data.NUM_CLASSES, (args.batch_size,), generator=g)
     batch = (images.to(fabric.device), labels.to(fabric.device))
 
-    def step(mark: bool = False) -> None:
-        def rf(label: str):
-            return torch.profiler.record_function(label) if mark else contextlib.nullcontext()
+    idle = Recorder(fabric.device)  # marks nothing
 
-        with rf("## forward ##"):
+    def step(rec: Recorder = idle) -> None:
+        with rec.region("forward"):
             loss = batch_fn(model, batch)[0]
-        with rf("## backward ##"):
+        with rec.region("backward"):
             fabric.backward(loss)
-        with rf("## optimizer ##"):
+        with rec.region("optimizer"):
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+        rec.step()
 
     baseline = None
     if cuda:
@@ -198,23 +136,21 @@ def train_variant(
     for _ in range(max(0, args.steps - 1 - args.profile_steps)):
         step()
     # timed steps: a light profiler (no memory, no stacks), after the warm-up steps above
-    with tempfile.TemporaryDirectory() as tmp:
-        trace = os.path.join(tmp, "trace.json")
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if cuda:
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-        with torch.profiler.profile(activities=activities) as prof:
-            for _ in range(args.profile_steps):
-                step(mark=True)
-            if cuda:
-                torch.cuda.synchronize()
-        prof.export_chrome_trace(trace)
-        phases, busy = _phase_ms_from_trace(trace)
+    timer = Recorder(fabric.device, steps=args.profile_steps, time_phases=True).start()
+    for _ in range(args.profile_steps):
+        step(timer)
+    timer.close()
+    phases, busy = timer.phase_ms
     measured_peak = torch.cuda.max_memory_allocated() / GB if cuda else None
     measured_reserved = torch.cuda.max_memory_reserved() / GB if cuda else None
     timeline = None
-    if args.timelines:
-        timeline = _timeline(step, fabric, out_dir / f"{prefix}-{name}-timeline", predicted.peak_gb, name)
+    if args.timelines:  # two steps with the memory categoriser
+        prefix_path = str(out_dir / f"{prefix}-{name}-timeline")
+        rec = Recorder(fabric.device, prefix_path, steps=2, title=name, predicted=predicted.peak_gb).start()
+        for _ in range(2):
+            step(rec)
+        rec.close()
+        timeline = rec.timeline_files
     row = {
         "variant": name,
         "parameters": predicted.parameters,
@@ -238,24 +174,6 @@ def release() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-
-
-def _timeline(step: Callable, fabric: Any, prefix: Path, predicted: float | None, title: str) -> dict | None:
-    """Two profiled steps with the memory categoriser; files at ``prefix``.png/.html/.json."""
-    try:
-        with torch.profiler.profile(
-            activities=[torch.profiler.ProfilerActivity.CPU]
-            + ([torch.profiler.ProfilerActivity.CUDA] if fabric.device.type == "cuda" else []),
-            profile_memory=True,
-            record_shapes=True,
-            with_stack=True,
-        ) as prof:
-            for _ in range(2):
-                step(mark=True)
-        return export_timeline(prof, str(prefix), str(fabric.device), title=title, predicted=predicted)
-    except Exception as e:  # noqa: BLE001 - a failed timeline must not cost the other measurements
-        print(f"[timeline] {title}: {e}", file=sys.stderr)
-        return {"error": f"{type(e).__name__}: {e}"}
 
 
 def provenance(fabric: Any, args: argparse.Namespace) -> dict[str, Any]:

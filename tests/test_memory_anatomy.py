@@ -46,6 +46,9 @@ def test_memory_timeline_writes_html_png_json_and_records_them(tmp_path):
     assert max(data["categories"]["parameters"]) > 0 and max(data["categories"]["optimizer state"]) > 0
     assert {"forward", "backward", "optimizer"} <= {name for name, _, _ in data["phases_ms"]}
     assert len(data["step_phase_times_ms"]) == 2  # --profile-steps 2
+    # on a CPU the phases are host spans, placed on the memory timeline's clock
+    assert data["phase_times"] == "host" and data["step_phase_kernel_ms"] is None
+    assert all(-1.0 <= start < data["time_ms"][-1] for _, start, _ in data["phases_ms"])
     # the estimate rides along in the same JSON, and the summary says where the files are
     assert payload["estimate"]["peak_allocated_gb"] > 0 and payload["estimate"]["error"] is None
     assert "timeline" in proc.stdout
@@ -117,7 +120,7 @@ def test_phase_times_are_gpu_side_and_follow_launches_from_other_threads(tmp_pat
     Backward's kernels are launched by autograd's own thread, so a span read off the main thread alone
     would be empty; this trace has that shape and the backward time must come from its kernels.
     """
-    from experiments.harness import _phase_ms_from_trace
+    from common.profiling import phase_ms_from_trace
 
     def x(name, cat, ts, dur, tid=1, corr=None):
         e = {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "tid": tid}
@@ -151,7 +154,7 @@ def test_phase_times_are_gpu_side_and_follow_launches_from_other_threads(tmp_pat
     ]
     trace = tmp_path / "trace.json"
     trace.write_text(json.dumps({"traceEvents": events}))
-    span, kernel = _phase_ms_from_trace(str(trace))
+    span, kernel = phase_ms_from_trace(str(trace))
     assert span["forward"] == pytest.approx([1.8, 0.1])  # GPU span 200..2000 us; then host 100 us
     assert span["backward"] == pytest.approx([5.0])  # 2000..7000 us, from kernels of another thread
     assert span["optimizer"] == pytest.approx([0.5])
