@@ -11,6 +11,7 @@ import functools
 import os
 import pickle
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -131,35 +132,15 @@ def load(choice: str, data_dir: str = "data") -> Splits:
     return read_cifar10(data_dir)
 
 
-def loaders(
-    splits: Splits,
-    micro_batch_size: int,
-    eval_batch_size: int,
-    num_workers: int = 0,
-    pin_memory: bool = False,
-    world_size: int = 1,
-    rank: int = 0,
-    seed: int = 0,
-):
-    """:func:`dataloaders` over the uint8 image tensors of ``splits``."""
+def loaders(splits: Splits, *args: Any, **kwargs: Any):
+    """:func:`dataloaders` (same further arguments) over the uint8 image tensors of ``splits``."""
     import torch
     from torch.utils.data import TensorDataset
 
     def ds(part):
         return TensorDataset(torch.from_numpy(part[0]), torch.from_numpy(part[1]))
 
-    return dataloaders(
-        ds(splits.train),
-        ds(splits.val),
-        ds(splits.test),
-        micro_batch_size,
-        eval_batch_size,
-        num_workers,
-        pin_memory,
-        world_size=world_size,
-        rank=rank,
-        seed=seed,
-    )
+    return dataloaders(ds(splits.train), ds(splits.val), ds(splits.test), *args, **kwargs)
 
 
 def dataloaders(

@@ -471,32 +471,13 @@ def _real(where: str, read: Callable, tokenizer, max_length: int, task: str, see
 
 
 # --------------------------------------------------------------------------------------------- loaders
-def loaders(
-    splits: TextSplits,
-    micro_batch_size: int,
-    eval_batch_size: int,
-    num_workers: int = 0,
-    pin_memory: bool = False,
-    world_size: int = 1,
-    rank: int = 0,
-    seed: int = 0,
-):
+def loaders(splits: TextSplits, *args: Any, **kwargs: Any):
     """Train (shuffled, whole micro-batches only) and val/test DataLoaders, sharded per rank when
-    several processes run: ``common.data.dataloaders``, the rules the images follow."""
+    several processes run: ``common.data.dataloaders`` (same further arguments), the rules the images
+    follow."""
     from common.data import dataloaders
 
-    return dataloaders(
-        splits.train,
-        splits.val,
-        splits.test,
-        micro_batch_size,
-        eval_batch_size,
-        num_workers,
-        pin_memory,
-        world_size=world_size,
-        rank=rank,
-        seed=seed,
-    )
+    return dataloaders(splits.train, splits.val, splits.test, *args, **kwargs)
 
 
 # ------------------------------------------------------------------------------------------- batch_fns
