@@ -579,6 +579,18 @@ def render_comparison_figure(rows: list[dict], path: str | os.PathLike) -> bool:
     return True
 
 
+def write_comparison(rows: list[dict], folder: str | os.PathLike, figure: bool = True) -> bool:
+    """FOLDER/comparison.md (the table and its notes) and, with ``figure``, FOLDER/comparison.png (when
+    matplotlib is there: returns whether it was drawn). tools.compare_reference writes the table after
+    every run and the figure at the end."""
+    folder = Path(folder)
+    image = folder / "comparison.png"
+    drawn = render_comparison_figure(rows, image) if figure else False
+    text = render_comparison_markdown(rows, image.name if drawn else None)
+    _write_text(folder / "comparison.md", "# Against the article's scripts\n\n" + text)
+    return drawn
+
+
 def comparison_main(path: str, readme: str | None) -> int:
     """``--comparison PATH``: PATH's folder gets comparison.md and comparison.png; ``--readme PATH:BLOCK``
     also gets the table, the notes and the figure (linked relative to that file)."""
@@ -589,12 +601,11 @@ def comparison_main(path: str, readme: str | None) -> int:
         return 2
     folder = Path(path).parent
     image = folder / "comparison.png"
-    drawn = render_comparison_figure(rows, image)
-    _write_text(folder / "comparison.md", render_comparison_markdown(rows, image.name if drawn else None))
+    drawn = write_comparison(rows, folder)
     print(f"report: {len(rows)} rungs -> {folder / 'comparison.md'}" + (f", {image}" if drawn else ""))
     if readme:
         target, _, block = readme.rpartition(":")
-        link = os.path.relpath(image, Path(target).resolve().parent if target else ".") if drawn else None
+        link = os.path.relpath(image, Path(target).resolve().parent) if drawn else None
         try:
             text = update_block(Path(target).read_text(), block, render_comparison_markdown(rows, link))
         except (OSError, ValueError) as e:

@@ -41,7 +41,7 @@ from typing import Any
 
 from common.cli import at_least, fail
 from common.metrics import WARMUP_STEPS, write_json_atomic
-from common.report import comparison_ratios, render_comparison_figure, render_comparison_markdown
+from common.report import comparison_ratios, write_comparison
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -284,8 +284,7 @@ def side_of(run: Run | None, summary: dict[str, Any] | None, out_dir: Path) -> d
     side: dict[str, Any] = dict(
         summary or {"status": "error", "peak_reserved_gb": None, "images_per_s": None}
     )
-    side.pop("provenance", None)
-    side.pop("substitutions", None)
+    side.pop("provenance", None)  # in the row's "call" instead
     outcome = (run.result if run else None) or {}
     if outcome.get("status") in ("timeout", "not run"):
         side["status"] = outcome["status"]
@@ -351,14 +350,11 @@ def call_info(runs: list[Run], started: str, steps: int, command: str) -> dict[s
     }
 
 
-def write_outputs(out_dir: Path, rows: list[dict]) -> None:
-    """comparison.json (rows sorted by rung), comparison.md and comparison.png (when matplotlib is there)."""
+def write_outputs(out_dir: Path, rows: list[dict], figure: bool = True) -> None:
+    """comparison.json (rows sorted by rung), comparison.md and, with ``figure``, comparison.png."""
     rows = sorted(rows, key=lambda r: r["rung"])
     write_json_atomic(str(out_dir / "comparison.json"), rows)  # type: ignore[arg-type]
-    image = out_dir / "comparison.png"
-    drawn = render_comparison_figure(rows, image)
-    md = render_comparison_markdown(rows, image.name if drawn else None)
-    (out_dir / "comparison.md").write_text("# Against the article's scripts\n\n" + md, encoding="utf-8")
+    write_comparison(rows, out_dir, figure=figure)
 
 
 # ----------------------------------------------------------------------------------------- running
@@ -401,10 +397,14 @@ def _fmt(value: Any, spec: str) -> str:
     return format(value, spec) if isinstance(value, int | float) else "n/a"
 
 
-def _describe(run: Run, out_dir: Path) -> str:
+def _side(run: Run, out_dir: Path) -> dict[str, Any]:
     summary = (summarize_reference if run.kind == "reference" else summarize_project)(run.json)
-    side = side_of(run, summary, out_dir) or {}
-    text = f"{side.get('status')}"
+    return side_of(run, summary, out_dir) or {}
+
+
+def _describe(side: dict[str, Any], run: Run) -> str:
+    """'ok, 3.25 GB reserved, 88.7 img/s, 21.3 s' or 'timeout (killed after 300 s), 300.0 s'."""
+    text = str(side.get("status"))
     if side.get("status") == "ok":
         text += (
             f", {_fmt(side.get('peak_reserved_gb'), '.2f')} GB reserved,"
@@ -515,16 +515,32 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def _earlier_rows(out_dir: Path, rungs: list[str]) -> list[dict]:
+    """Rows of an earlier comparison.json in ``out_dir`` for rungs that this call does not run."""
+    try:
+        previous = json.loads((out_dir / "comparison.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    kept = [r for r in previous if isinstance(r, dict) and r.get("rung") and r["rung"] not in rungs]
+    if kept:
+        print(
+            f"compare: keeping rows {', '.join(sorted(r['rung'] for r in kept))} from {out_dir / 'comparison.json'}"
+        )
+    return kept
+
+
+def _run_env(log_dir: str) -> dict[str, str]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", FMR_OFFLINE="1", FMR_LOG_DIR=log_dir)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    return env
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     command = "python -m tools.compare_reference " + shlex.join(sys.argv[1:] if argv is None else argv)
-    needs = max(
-        [RUNGS[r].devices for r in args.rungs]
-        + [(args.mapping.get(r, RUNGS[r].reference) or Reference("", 1)).devices for r in args.rungs]
-    )
-    gpus, gpu_name = (None, None)
-    if args.out is None or needs > 1:
-        gpus, gpu_name = gpu_probe(args.python)
+    references = [args.mapping.get(r, RUNGS[r].reference) for r in args.rungs]
+    needs = max([RUNGS[r].devices for r in args.rungs] + [ref.devices for ref in references if ref])
+    gpus, gpu_name = gpu_probe(args.python) if args.out is None or needs > 1 else (None, None)
     out_dir = Path(args.out or REPO / "results" / f"compare-{gpu_slug(gpu_name)}")
     runs_dir = out_dir / "runs"
     runs = plan_runs(
@@ -550,22 +566,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{i:2d}/{len(runs)}] {run.label}: {shlex.join(run.cmd)}")
         return 0
     runs_dir.mkdir(parents=True, exist_ok=True)
-    previous = []
-    if (out_dir / "comparison.json").is_file():
-        try:
-            previous = json.loads((out_dir / "comparison.json").read_text(encoding="utf-8"))
-        except ValueError:
-            previous = []
-    kept = [r for r in previous if isinstance(r, dict) and r.get("rung") not in args.rungs]
-    if kept:
-        print(
-            f"compare: keeping rows {', '.join(sorted(r['rung'] for r in kept))} from {out_dir}/comparison.json"
-        )
+    kept = _earlier_rows(out_dir, args.rungs)
 
     started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-    log_dir = tempfile.mkdtemp(prefix="compare-logs-")
-    env = dict(os.environ, PYTHONUNBUFFERED="1", FMR_OFFLINE="1", FMR_LOG_DIR=log_dir)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    log_dir = tempfile.mkdtemp(prefix="compare-logs-")  # Fabric's CSV logs of the project runs
+    env = _run_env(log_dir)
     t0 = time.perf_counter()
     for i, run in enumerate(runs, 1):
         devices = max(RUNGS[run.rows[0]].devices if run.kind == "project" else 1, _devices_of(run))
@@ -578,25 +583,30 @@ def main(argv: list[str] | None = None) -> int:
             timeout = min(args.timeout, args.budget - elapsed) if args.budget else args.timeout
             print(f"[{i:2d}/{len(runs)}] {run.label}: started", flush=True)
             run.result = execute(run, env, timeout)
-        print(f"[{i:2d}/{len(runs)}] {run.label}: {_describe(run, out_dir)}", flush=True)
-        if run.result["status"] not in ("ok", "not run"):
+        side = _side(run, out_dir)
+        run.result["final"] = side.get("status")
+        print(f"[{i:2d}/{len(runs)}] {run.label}: {_describe(side, run)}", flush=True)
+        if run.result["status"] not in ("ok", "not run") or side.get("status") != "ok":
             print("    " + "\n    ".join(run.result.get("tail", "").strip().splitlines()[-5:]), flush=True)
         info = call_info(runs, started, args.steps, command)
         rows = [build_row(r, runs, out_dir, args.modes, info, args.mapping) for r in args.rungs]
-        write_outputs(out_dir, kept + rows)
+        write_outputs(out_dir, kept + rows, figure=i == len(runs))  # the figure once, at the end
     shutil.rmtree(log_dir, ignore_errors=True)
+
     total = time.perf_counter() - t0
-    walls = ", ".join(f"{r.label} {_fmt((r.result or {}).get('wall_s'), '.0f')} s" for r in runs)
-    print(f"compare: {len(runs)} runs in {total:.1f} s ({walls})")
-    print(f"compare: {out_dir / 'comparison.json'}, comparison.md, comparison.png")
-    failed = [r for r in runs if (r.result or {}).get("status") != "ok"]
+    by_kind = {}
+    for run in runs:
+        key = "reference" if run.kind == "reference" else run.mode
+        by_kind[key] = by_kind.get(key, 0.0) + (run.result or {}).get("wall_s", 0.0)
+    split = ", ".join(f"{k} {v:.0f} s" for k, v in by_kind.items())
+    print(f"compare: {len(runs)} runs in {total:.1f} s ({split}) -> {out_dir / 'comparison.json'}, .md, .png")
+    failed = [r for r in runs if r.result.get("final") != "ok"]
     if failed:
-        lines = [
-            f"{r.label}: {r.result['status']}" + (f" ({r.result['error']})" if r.result.get("error") else "")
-            for r in failed
-        ]
+        lines = [f"{r.label}: {_describe(_side(r, out_dir), r)}" for r in failed]
         print(
-            f"compare: {len(failed)} of {len(runs)} runs did not finish ok:\n  " + "\n  ".join(lines),
+            f"compare: {len(failed)} of {len(runs)} runs did not finish ok:",
+            *lines,
+            sep="\n  ",
             file=sys.stderr,
         )
         return 1
