@@ -549,3 +549,10 @@ def test_checkout_matches_the_mapping(rung):
     assert "step" in calls and "Fabric" in calls
     devices = [k.value.value for c in calls["Fabric"] for k in c.keywords if k.arg == "devices"]
     assert devices == [ref.devices]
+
+
+def test_readme_has_the_comparison_block():
+    """`python -m common.report --comparison ... --readme README.md:comparison` has a block to fill."""
+    text = (REPO / "README.md").read_text()
+    start, end = "<!-- results:comparison:start -->", "<!-- results:comparison:end -->"
+    assert text.count(start) == 1 and text.count(end) == 1 and text.index(start) < text.index(end)
