@@ -221,6 +221,9 @@ def test_runner_reports_a_script_that_ends_before_n_steps(tmp_path, capsys):
     run = json.loads(out.read_text())
     assert run["status"] == "error" and "ended after 0 of 5 optimizer steps" in run["error"]
     assert run["images_per_s"] is None
+    script.write_text("import sys\nsys.exit(3)\n")
+    assert rr.main([str(script), "--steps", "5", "--out", str(out)]) == 1
+    assert "exited (3) after 0 of 5" in json.loads(out.read_text())["error"]
     with pytest.raises(SystemExit) as exc:
         rr.main([str(tmp_path / "missing.py"), "--out", str(out)])
     assert exc.value.code == 2
@@ -385,14 +388,8 @@ json.dump(payload, open(os.path.join(opt("--results-dir"), recipe + "-" + mode +
 
 
 def _tool(*args: str) -> subprocess.CompletedProcess:
-    env = subprocess_env()
-    return subprocess.run(
-        [sys.executable, "-m", "tools.compare_reference", *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    return run_process(
+        [sys.executable, "-m", "tools.compare_reference", *args], subprocess_env(), timeout=120
     )
 
 

@@ -28,7 +28,8 @@ Batch size. A forward pre-hook on the model counts the images that go through it
 between two optimizer steps, so the effective batch is what the script really feeds per step (micro-batch
 x accumulation), whatever constants it uses; the most common count over the timed intervals is taken.
 The script's upper-case integer constants (``BATCHSIZE``, ``ACCUMULATION_STEPS``, ...) are recorded next
-to it as a cross-check. A step that the fp16 GradScaler skips (non-finite gradients, usually while its
+to it as a cross-check; they are the fallback when nothing was counted (a model that torchvision's ViT
+builders did not make): ``batch_source`` says which. A step that the fp16 GradScaler skips (non-finite gradients, usually while its
 scale calibrates in the first steps) calls no ``optimizer.step``: its images and time fall into the next
 interval (``images_per_interval`` in the JSON shows it).
 
@@ -217,6 +218,9 @@ class StepRecorder:
         per_interval = self.images[1:]  # images[k + 1] went through the model during interval k
         timed_images = per_interval[skip:]
         batch = Counter(timed_images).most_common(1)[0][0] if timed_images else None
+        source = "counted" if self.counting else None
+        if not self.counting and self.constants.get("BATCHSIZE"):  # a model the builders did not make
+            batch, source = self.constants["BATCHSIZE"], "script constant BATCHSIZE"
         median = statistics.median(steady) if steady else None
         end = self.memory_end or _memory_now()
         warm = self.memory_warmup
@@ -230,7 +234,7 @@ class StepRecorder:
             "median_step_s": median,
             "effective_batch": batch,
             "images_per_s": batch * world / median if batch and median else None,
-            "batch_source": "counted" if self.counting else None,
+            "batch_source": source,
             "script_constants": self.constants,
             "step_intervals_s": intervals,
             "images_per_interval": per_interval,
@@ -404,6 +408,9 @@ def main(argv: list[str] | None = None) -> int:
                 pass
             except torch.cuda.OutOfMemoryError as e:
                 status, error = "oom", _first_line(e)
+            except SystemExit as e:  # the script called sys.exit() before the last step
+                status = "error"
+                error = f"the script exited ({e.code}) after {len(recorder.marks)} of {args.steps} optimizer steps"
             except Exception as e:  # noqa: BLE001 - recorded, with the traceback on stderr
                 traceback.print_exc()
                 status, error = "error", _first_line(e)
