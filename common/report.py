@@ -456,7 +456,7 @@ def _comparison_call(rows: list[dict]) -> dict:
 def render_comparison_markdown(rows: list[dict], image: str | None = None) -> str:
     """The table with what produced it, the notes it refers to, and the figure when there is one."""
     call = _comparison_call(rows)
-    calls = {json.dumps(r.get("call", {}).get("started")) for r in rows}
+    calls = {json.dumps((r.get("call") or {}).get("started")) for r in rows}
     out = []
     if image:
         out += [f"![memory against throughput]({image})", ""]
@@ -474,8 +474,9 @@ def render_comparison_markdown(rows: list[dict], image: str | None = None) -> st
     for rung, note in notes:
         mark = "²" if not next(r for r in rows if r["rung"] == rung).get("like_for_like", True) else "¹"
         out += ["", f"{mark} {rung}: {note}"]
-    if call.get("command"):
-        out += ["", f"Produced by `{call['command']}`."]
+    commands = [c for c in dict.fromkeys((r.get("call") or {}).get("command") for r in rows) if c]
+    if commands:
+        out += ["", "Produced by " + "; ".join(f"`{c}`" for c in commands) + "."]
     return "\n".join(out) + "\n"
 
 

@@ -490,9 +490,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         script, _, devices = target.partition(":")
         if rung not in RUNGS or not script or (devices and not devices.isdigit()):
             fail(f"--map {item}: expected RUNG=SCRIPT[:DEVICES] with a known rung")
-        args.mapping[rung] = Reference(
-            script, int(devices or 1), like_for_like=True, note=f"reference chosen with --map {item}"
-        )
+        default = RUNGS[rung].reference
+        if default is not None and default.script == script and not devices:
+            continue  # the mapping's own choice, with its notes
+        args.mapping[rung] = Reference(script, int(devices or 1), note=f"reference chosen with --map {item}")
     missing = sorted(
         {
             ref.script
