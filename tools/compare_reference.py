@@ -576,7 +576,7 @@ def main(argv: list[str] | None = None) -> int:
     for i, run in enumerate(runs, 1):
         devices = max(RUNGS[run.rows[0]].devices if run.kind == "project" else 1, _devices_of(run))
         elapsed = time.perf_counter() - t0
-        if gpus is not None and devices > gpus:
+        if gpus is not None and devices > 1 and devices > gpus:  # one process runs anywhere
             run.result = {"status": "not run", "error": f"needs {devices} GPUs, found {gpus}", "wall_s": 0.0}
         elif args.budget and elapsed >= args.budget:
             run.result = {"status": "not run", "error": f"--budget {args.budget} s spent", "wall_s": 0.0}
