@@ -34,6 +34,7 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):  # noqa: N8
         mechanics without a GPU: the tensor is then copied to a separate host buffer)."""
         self.offloaded_bytes = 0
         self.buffers: list[torch.Tensor | None] = []  # the n-th saved tensor's host buffer, kept across steps
+        self._sources: list[tuple | None] = []  # (shape, stride, dtype) each buffer was made for
         self._next = 0
         pin = torch.cuda.is_available()
 
@@ -45,10 +46,14 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):  # noqa: N8
             slot, self._next = self._next, self._next + 1
             if slot == len(self.buffers):
                 self.buffers.append(None)
+                self._sources.append(None)
+            layout = (t.shape, t.stride(), t.dtype)
+            if self._sources[slot] != layout:
+                # the saved tensor's strides where they are dense: a compiled backward checks the layout
+                # it gets back
+                self.buffers[slot] = torch.empty_like(t, device="cpu", pin_memory=pin)
+                self._sources[slot] = layout
             host = self.buffers[slot]
-            if host is None or host.shape != t.shape or host.stride() != t.stride() or host.dtype != t.dtype:
-                # same strides as the saved tensor: a compiled backward checks the layout it gets back
-                host = self.buffers[slot] = torch.empty_like(t, device="cpu", pin_memory=pin)
             host.copy_(t, non_blocking=True)
             self.offloaded_bytes += host.numel() * host.element_size()
             return (t.device, host)

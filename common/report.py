@@ -98,6 +98,16 @@ def _memory_cells(result: dict) -> tuple[str, str]:
     return tuple(c + mark if c != DASH else c for c in cells)  # type: ignore[return-value]
 
 
+def _mode(result: dict) -> str:
+    """How the steps ran: "eager", "compiled" (torch.compile) and/or "graphs" (one CUDA graph per step)."""
+    parts = [
+        name
+        for name, key in (("compiled", "config.compile"), ("graphs", "config.cuda_graphs"))
+        if _get(result, key)
+    ]
+    return " + ".join(parts) if parts else "eager"
+
+
 def _is_text(result: dict) -> bool:
     """Text runs (the bonus recipes) record their padded sequence length; images do not."""
     return _get(result, "provenance.tokens_per_sample") is not None
@@ -116,18 +126,19 @@ def render_table(results: list[dict]) -> str:
     """The ladder as a markdown table, one row per run (sorted by recipe, then tag)."""
     speed = _speed_columns(results)
     header = [
-        "recipe", "status", "precision", "batch", "devices", "peak reserved GB", "peak allocated GB",
+        "recipe", "status", "mode", "precision", "batch", "devices", "peak reserved GB", "peak allocated GB",
         *(h for h, _, _ in speed), "optimizer steps", "train acc", "val acc",
     ]  # fmt: skip
     lines = [
         "| " + " | ".join(header) + " |",
-        "|" + "|".join(["---"] * 3 + ["---:"] * (len(header) - 3)) + "|",
+        "|" + "|".join(["---"] * 4 + ["---:"] * (len(header) - 4)) + "|",
     ]
     for r in sorted(results, key=_sort_key):
         reserved, allocated = _memory_cells(r)
         row = [
             _label(r),
             str(r.get("status") or DASH),
+            _mode(r),
             str(_get(r, "config.precision", DASH)),
             _batch(r),
             str(_get(r, "provenance.world_size", DASH)),
