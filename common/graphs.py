@@ -146,6 +146,10 @@ class StepGraph:
         # which cannot hand pages back like the main allocator, holds only one micro-batch's activations.
         # Without accumulation (k = 1) they are made and freed inside the step, as eagerly.
         self.persistent_grads = accumulation_steps > 1 and optimizer is not None
+        if self.persistent_grads:  # made now, in one piece, not among the first backward's activations
+            for p in model.parameters():
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
         # The optimizer's state is made in its first step, in memory the first backward just freed; with
         # its blocks scattered among the activations' pages, the pages could not be returned before the
         # capture (measured on an H100, rung 05: 0.5 GB more reserved). Returning the free pages first

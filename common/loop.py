@@ -222,7 +222,8 @@ def fit(
                     if optimizer is not None:
                         with recorder.region("optimizer"):
                             optimizer.step()
-                            optimizer.zero_grad(set_to_none=True)  # frees gradient memory before the next forward
+                            # frees gradient memory before the next forward (fast mode may keep it: graphs.py)
+                            optimizer.zero_grad(set_to_none=graph is None or not graph.persistent_grads)
                 if graph is not None:
                     graph.warmup_step_done()
             if scheduler is not None:
