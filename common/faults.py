@@ -90,7 +90,7 @@ def _handle(signum: int, frame) -> None:
     global _pending
     if _pending is not None:
         if signum == signal.SIGINT:  # the second Ctrl-C: the user will not wait for the step to end
-            _write(2, f"{_prog()}: interrupted again: exiting at once; this run's results are not written\n")
+            _write(2, f"\n{_prog()}: interrupted again: exiting at once; this run's results are not written\n")
             with contextlib.suppress(Exception):
                 sys.stdout.flush()
             os._exit(EXIT_CODES[signal.SIGINT])
@@ -101,8 +101,9 @@ def _handle(signum: int, frame) -> None:
         _write(1, f"\n[stop] {signal_name(signum)}: stopping after the current optimizer step{again}\n")
 
 
-def request_stop(signum: int) -> None:
-    """Record a stop request as the signal handler does (for callers without a signal, and tests)."""
+def request_stop(signum: int | None) -> None:
+    """Record a stop request as the signal handler does (for callers without a signal, and tests);
+    None withdraws it."""
     global _pending
     _pending = signum
 
