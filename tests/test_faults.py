@@ -614,7 +614,9 @@ def test_garbage_resume_file_is_one_line(drill):
     proc = job["garbage"]
     row.observed(f"exit {proc.returncode}; {' | '.join(message_lines(proc.stderr))}")
     assert proc.returncode == 2, describe(proc)
-    line = one_line(proc, f"01_baseline.py: error: --resume {job['garbage_file']}: truncated, or not a checkpoint")
+    line = one_line(
+        proc, f"01_baseline.py: error: --resume {job['garbage_file']}: truncated, or not a checkpoint"
+    )
     assert "weights_only" not in proc.stderr + proc.stdout, line
     assert_intact(job["before"])
 
@@ -990,11 +992,12 @@ def _free_port() -> int:
 
 
 def _fsdp2(tmp: Path, name: str, launch: list[str], devices: int, nodes: int, batch: int) -> dict:
-    """08_fsdp2 on the tiny CIFAR: 4 steps, a checkpoint after step 3 (params and Adam state)."""
+    """08_fsdp2 on the tiny CIFAR (3 steps an epoch at 32 images a step): 4 steps, a checkpoint after
+    step 3 (parameters and Adam state)."""
     out = tmp / name
     recipe = [str(RECIPES_DIR / "08_fsdp2.py"), *QUICK, "--data", "cifar10", "--data-dir", str(tmp / "data"),
               "--devices", str(devices), "--num-nodes", str(nodes), "--batch-size", str(batch),
-              "--max-steps", "4", "--checkpoint-every", "3", "--checkpoint-dir", str(out / "ckpt"),
+              "--epochs", "2", "--max-steps", "4", "--checkpoint-every", "3", "--checkpoint-dir", str(out / "ckpt"),
               "--results-dir", str(out / "results")]  # fmt: skip
     env = subprocess_env(out / "logs")
     procs = [
@@ -1053,9 +1056,20 @@ def test_two_nodes_on_localhost_match_one_node(tmp_path, drill):
     single = json.loads((one["out"] / "results" / "08_fsdp2.json").read_text())
     a = _parameters(two["out"] / "ckpt" / "step-000003.ckpt")
     b = _parameters(one["out"] / "ckpt" / "step-000003.ckpt")
-    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    compared = {}
+    for key in a:
+        x, y = a[key], b[key]
+        if key.endswith("self_attention.in_proj_bias"):
+            # The key bias (the middle third) adds the same q.b_k to every score of a query: softmax
+            # ignores it and its true gradient is 0. Adam divides the rounding noise left there by its
+            # own square root and moves it by up to lr a step, so it is compared with that bound only.
+            third = len(x) // 3
+            assert (x[third : 2 * third] - y[third : 2 * third]).abs().max() <= 3 * 1e-3, key
+            x, y = torch.cat([x[:third], x[2 * third :]]), torch.cat([y[:third], y[2 * third :]])
+        compared[key] = (x, y)
+    worst = max((x - y).abs().max().item() for x, y in compared.values())
     row.observed(f"world size {multi['provenance']['world_size']}, nodes {multi['provenance']['num_nodes']};"
-                 f" largest parameter difference {worst:.2e}")  # fmt: skip
+                 f" parameters after step 3 differ by at most {worst:.1e}")  # fmt: skip
     assert (
         multi["status"] == "ok"
         and multi["provenance"]["world_size"] == 4
@@ -1064,5 +1078,5 @@ def test_two_nodes_on_localhost_match_one_node(tmp_path, drill):
     assert multi["timing"]["optimizer_steps"] == single["timing"]["optimizer_steps"] == 4
     assert multi["timing"]["images_seen"] == single["timing"]["images_seen"] == 4 * 32
     assert sorted(a) == sorted(b)
-    for key in a:
-        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5, msg=key)
+    for key, (x, y) in compared.items():
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5, msg=key)
