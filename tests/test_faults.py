@@ -226,7 +226,8 @@ def _sigusr1_prune_resume_and_truncated() -> dict:
     common = [*QUICK, *cifar, "--batch-size", "8", "--epochs", "100000", "--checkpoint-dir", ckpt]
     run = Running("01_baseline", [*common, "--max-steps", "10000000", "--checkpoint-every", "2",
                                   "--results-dir", results], tmp / "logs")  # fmt: skip
-    run.wait_until(lambda out, err: (ckpt / "step-000006.ckpt").exists())  # three saves: one pruned
+    # three saves at least, so that one was pruned (the newest two are kept: poll the highest step)
+    run.wait_until(lambda out, err: max((s for s, _ in checkpoints.listing(str(ckpt))), default=0) >= 6)
     run.send(signal.SIGUSR1)
     stopped = run.wait()
     out = dict(
@@ -268,7 +269,7 @@ def _second_ctrl_c() -> dict:
     args = [*QUICK, *tiny_cifar(tmp / "data", files=3, per_file=1000), "--batch-size", "4096",
             "--accumulation-steps", "128", *UNTIL_STOPPED, "--results-dir", results]  # fmt: skip
     run = Running("01_baseline", args, tmp / "logs")
-    run.wait_until(lambda out, err: "/" in err)  # the bar is drawn: the first step has begun
+    run.wait_until(lambda out, err: re.search(r"01_baseline: +0%\|", err))  # the bar is drawn: step 1 begins
     run.send(signal.SIGINT)
     acknowledged = run.wait_until(lambda out, err: "[stop] SIGINT" in out)
     sent = time.monotonic()
@@ -705,7 +706,9 @@ def _archive(tmp_path: Path) -> tuple[Path, Path]:
     return data_dir, source
 
 
-def _run_baseline(argv: list[str]) -> int:
+def _run_baseline(argv: list[str], monkeypatch) -> int:
+    """Rung 01 through its own cli.run, in this process (the messages name it as its script would)."""
+    monkeypatch.setattr(sys, "argv", ["recipes/01_baseline.py", *argv])
     module = load_recipe_module("01_baseline")
     return cli.run(
         module.main, recipe=module.RECIPE, description=module.__doc__, defaults=module.DEFAULTS, argv=argv
@@ -723,7 +726,7 @@ def test_archive_placed_by_hand_is_verified_and_extracted(tmp_path, monkeypatch,
     monkeypatch.setattr(data, "CIFAR_MD5", md5)  # the test's archive stands in for the published one
     results = tmp_path / "results"
     code = _run_baseline([*QUICK, "--data", "cifar10", "--data-dir", str(data_dir), "--batch-size", "8",
-                          "--max-steps", "2", "--results-dir", str(results)])  # fmt: skip
+                          "--max-steps", "2", "--results-dir", str(results)], monkeypatch)  # fmt: skip
     payload = json.loads((results / "01_baseline.json").read_text())
     row.observed(f"exit {code}; data_source {payload['provenance']['data_source']}")
     assert code == 0 and payload["status"] == "ok" and payload["provenance"]["data_source"] == "cifar10"
@@ -745,11 +748,12 @@ def test_archive_with_the_wrong_md5_is_one_line(tmp_path, monkeypatch, capsys, d
     before = snapshot(earlier_result(results, "01_baseline").parent)
     with pytest.raises(SystemExit) as exc:
         _run_baseline(
-            [*QUICK, "--data", "cifar10", "--data-dir", str(data_dir), "--results-dir", str(results)]
+            [*QUICK, "--data", "cifar10", "--data-dir", str(data_dir), "--results-dir", str(results)],
+            monkeypatch,
         )
     err = message_lines(capsys.readouterr().err)
     row.observed(f"exit {exc.value.code}; {' | '.join(err)}")
-    assert exc.value.code == 2 and len(err) == 1, err
+    assert exc.value.code == 2 and len(err) == 1 and err[0].startswith("01_baseline.py: error: "), err
     assert (
         str(data_dir / data.CIFAR_ARCHIVE) in err[0]
         and "is not the published c58f30108f718f92721af3b95e74349a" in err[0]
