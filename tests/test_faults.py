@@ -1084,3 +1084,17 @@ def test_two_nodes_on_localhost_match_one_node(tmp_path, drill):
     assert sorted(a) == sorted(b)
     for key, (x, y) in compared.items():
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5, msg=key)
+
+
+def test_the_slurm_script_parses(monkeypatch):
+    """docs/slurm_requeue.sbatch: valid shell, and the recipe accepts the flags it passes (as on a node
+    with 4 GPUs: SLURM is not here, so its real run is not tested)."""
+    script = REPO / "docs" / "slurm_requeue.sbatch"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    text = script.read_text()
+    command = re.search(r"srun python recipes/(\w+)\.py (.*?)\n(?!\s)", text.replace("\\\n", " "))
+    flags = command.group(2).replace('"$CKPT"', "checkpoints/x").split()
+    monkeypatch.setattr(cli, "_cuda_count", lambda: 4)
+    args = cli.parse_args("d", load_recipe_module(command.group(1)).DEFAULTS, flags, recipe=command.group(1))
+    assert (args.devices, args.num_nodes, args.resume, args.accelerator) == (4, 2, "auto", "cuda")
+    assert "--signal=USR1@" in text and "scontrol requeue" in text and "138|143)" in text
