@@ -118,8 +118,15 @@ def extract_cifar10_archive(data_dir: str) -> None:
     scratch = tempfile.mkdtemp(prefix=".extract-", dir=data_dir)
     try:
         with tarfile.open(archive, "r:gz") as tar:
-            members = [m for m in tar.getmembers() if m.isfile() and m.name.startswith(CIFAR_FOLDER + "/")]
-            tar.extractall(scratch, members=members, filter="data")
+            members = [
+                m
+                for m in tar.getmembers()
+                if m.isfile() and m.name.startswith(CIFAR_FOLDER + "/") and ".." not in m.name.split("/")
+            ]
+            if hasattr(tarfile, "data_filter"):  # Python >= 3.10.12 / 3.11.4: also refuses odd modes
+                tar.extractall(scratch, members=members, filter="data")
+            else:
+                tar.extractall(scratch, members=members)
         os.makedirs(target, exist_ok=True)
         for name in os.listdir(os.path.join(scratch, CIFAR_FOLDER)):
             if not os.path.exists(os.path.join(target, name)):

@@ -6,7 +6,9 @@ on preemption) and SIGUSR1 (what SLURM's ``--signal`` can send ahead of a time l
 only records a stop request; the training loop acts on it at the next optimizer-step boundary, where
 every process agrees on it (:class:`StopCheck`), saves a checkpoint when the run checkpoints, and
 raises :class:`Interrupted`. ``cli.run`` then writes the results JSON with ``"status": "interrupted"``
-and the measurements so far, prints one line, and the process exits with 128 + the signal number:
+and the measurements so far, prints one line, and the process exits with 128 + the signal number
+(a request that comes after the last step lets the run finish, evaluation included: nothing is left
+to stop):
 
 ==========  =========  ==========================================================================
 signal      exit code  meaning
@@ -90,7 +92,9 @@ def _handle(signum: int, frame) -> None:
     global _pending
     if _pending is not None:
         if signum == signal.SIGINT:  # the second Ctrl-C: the user will not wait for the step to end
-            _write(2, f"\n{_prog()}: interrupted again: exiting at once; this run's results are not written\n")
+            _write(
+                2, f"\n{_prog()}: interrupted again: exiting at once; this run's results are not written\n"
+            )
             with contextlib.suppress(Exception):
                 sys.stdout.flush()
             os._exit(EXIT_CODES[signal.SIGINT])
@@ -98,7 +102,7 @@ def _handle(signum: int, frame) -> None:
     _pending = signum
     if first_process():
         again = " (Ctrl-C again to exit at once)" if signum == signal.SIGINT else ""
-        _write(1, f"\n[stop] {signal_name(signum)}: stopping after the current optimizer step{again}\n")
+        _write(1, f"\n[stop] {signal_name(signum)}: stopping at the next optimizer-step boundary{again}\n")
 
 
 def request_stop(signum: int | None) -> None:

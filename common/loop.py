@@ -127,7 +127,7 @@ def fit(
     if scheduler is not None:
         stateful["scheduler"] = scheduler
     if resume:
-        saved = checkpoints.load(fabric, resume, stateful, total)  # restores model/optimizer/scheduler in place
+        saved = checkpoints.load(fabric, resume, stateful, total)  # restores model/optimizer/scheduler
         step, start_epoch, skip = saved["step"], saved["epoch"], saved["batch_in_epoch"]
         if saved.get("cuda_rng") is not None and torch.cuda.is_available():
             # dropout on the GPU draws from the CUDA generators; skipped batches never run the model

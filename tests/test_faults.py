@@ -68,6 +68,12 @@ class Drill:
     def observed(self, text: str) -> None:
         self._record("observed", text)
 
+    def saw(self, proc: subprocess.CompletedProcess) -> None:
+        """Record the exit code and the recipe's own lines on stderr (``<script>.py: ...``)."""
+        lines = message_lines(proc.stderr)
+        own = [ln for ln in lines if re.match(r"[\w.-]+\.py: ", ln)] or lines
+        self.observed(f"exit {proc.returncode}; {' | '.join(own)}")
+
 
 @pytest.fixture
 def drill(record_property):
@@ -431,13 +437,12 @@ def test_sigint_stops_at_a_step_and_keeps_the_earlier_result(drill):
     )
     job = result("faults:sigint")
     proc, results = job["proc"], job["results"]
-    line = message_lines(proc.stderr)[-1] if message_lines(proc.stderr) else ""
-    row.observed(f"exit {proc.returncode}; {line}")
+    row.saw(proc)
     assert proc.returncode == 130, describe(proc)
     line = one_line(proc, "01_baseline.py: interrupted at step ")
     step, total = map(int, re.search(r"at step (\d+) of (\d+)", line).groups())
     assert "(SIGINT)" in line and "no checkpoint was saved" in line, line
-    assert "[stop] SIGINT: stopping after the current optimizer step" in proc.stdout, describe(proc)
+    assert "[stop] SIGINT: stopping at the next optimizer-step boundary" in proc.stdout, describe(proc)
     assert_intact(job["before"])  # the earlier successful result, byte for byte
     beside = results / "01_baseline.interrupted.json"
     payload = json.loads(beside.read_text())
@@ -461,7 +466,7 @@ def test_a_second_run_of_a_rung_refuses_at_start(drill):
     job = result("faults:sigint")
     second = job["second"]
     assert second is not None, "the first run never started training" + describe(job["proc"])
-    row.observed(f"exit {second.returncode}; {' | '.join(message_lines(second.stderr))}")
+    row.saw(second)
     assert second.returncode == 2, describe(second)
     line = one_line(second, "01_baseline.py: error: another run of 01_baseline")
     assert f"(pid {job['pid']})" in line and "--tag" in line, line
@@ -476,8 +481,7 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(drill):
     )
     job = result("faults:fsdp2")
     proc, ckpt = job["proc"], job["ckpt"]
-    lines = message_lines(proc.stderr)
-    row.observed(f"exit {proc.returncode}; {lines[-1] if lines else ''}")
+    row.saw(proc)
     assert proc.returncode == 143, describe(proc)
     line = one_line(proc, "08_fsdp2.py: interrupted at step ", launcher_noise=True)
     step = int(re.search(r"at step (\d+)", line).group(1))
@@ -503,8 +507,7 @@ def test_sigusr1_checkpoints_and_exits_138(drill):
     )
     job = result("faults:usr1")
     proc = job["stopped"]
-    lines = message_lines(proc.stderr)
-    row.observed(f"exit {proc.returncode}; {lines[-1] if lines else ''}")
+    row.saw(proc)
     assert proc.returncode == 138, describe(proc)
     line = one_line(proc, "01_baseline.py: interrupted at step ")
     step = job["step"]
@@ -613,7 +616,7 @@ def test_garbage_resume_file_is_one_line(drill):
     row = drill("garbage file given to --resume", "exit 2; one line naming the file; no weights_only advice")
     job = result("faults:refused")
     proc = job["garbage"]
-    row.observed(f"exit {proc.returncode}; {' | '.join(message_lines(proc.stderr))}")
+    row.saw(proc)
     assert proc.returncode == 2, describe(proc)
     line = one_line(
         proc, f"01_baseline.py: error: --resume {job['garbage_file']}: truncated, or not a checkpoint"
@@ -626,7 +629,7 @@ def test_unwritable_results_dir_is_refused_before_training(drill):
     row = drill("--results-dir unwritable", "exit 2 before the model is built; one line naming the folder")
     job = result("faults:refused")
     proc = job["unwritable"]
-    row.observed(f"exit {proc.returncode}; {' | '.join(message_lines(proc.stderr))}")
+    row.saw(proc)
     assert proc.returncode == 2, describe(proc)
     one_line(proc, f"01_baseline.py: error: --results-dir {job['blocker'] / 'results'}: cannot write there (")
     assert "[estimate]" not in proc.stdout and "%|" not in proc.stderr, "nothing was built or trained"
@@ -640,7 +643,7 @@ def test_truncated_cifar_batch_file_is_one_line_naming_it(drill):
     )
     job = result("faults:refused")
     proc = job["corrupt"]
-    row.observed(f"exit {proc.returncode}; {' | '.join(message_lines(proc.stderr))}")
+    row.saw(proc)
     assert proc.returncode == 2, describe(proc)
     one_line(proc, f"01_baseline.py: error: {job['batch']}: not a readable CIFAR-10 batch file (")
     assert_intact(job["before"])
