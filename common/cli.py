@@ -426,17 +426,17 @@ def run(
     process exits 130, 143 or 138. A bad input file (data, checkpoint) is one line and exit code 2.
     ``cpu_variant``: the recipe to suggest on a machine without a GPU when this one needs CUDA.
     """
-    args = parse_args(
-        description, defaults, argv, extra, model_choices, data_choices, help_overrides,
-        recipe=recipe, cpu_variant=cpu_variant,
-    )  # fmt: skip
-    _resolve_checkpoints(args, recipe)
-    lock = _prepare_outputs(args, recipe)
-    try:
-        with faults.handling_signals():
+    with faults.handling_signals():  # from here on, a signal stops the run at an optimizer-step boundary
+        args = parse_args(
+            description, defaults, argv, extra, model_choices, data_choices, help_overrides,
+            recipe=recipe, cpu_variant=cpu_variant,
+        )  # fmt: skip
+        _resolve_checkpoints(args, recipe)
+        lock = _prepare_outputs(args, recipe)
+        try:
             return _run_main(main, recipe, args, description)
-    finally:
-        lock.release()
+        finally:
+            lock.release()
 
 
 def _run_main(main: Callable, recipe: str, args: argparse.Namespace, description: str) -> int:

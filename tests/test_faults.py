@@ -920,6 +920,14 @@ def test_fit_stops_at_the_step_boundary(tmp_path, on_stop):
         assert stop.checkpoint is None and not any(tmp_path.iterdir())
 
 
+def test_a_stop_during_set_up_stops_before_the_first_step(tmp_path):
+    faults.request_stop(signal.SIGINT)  # a signal while the data and the model were being built
+    with pytest.raises(faults.Interrupted) as exc:
+        _train(_fabric(), tmp_path, stop_at=None, checkpoint_on_stop=True)
+    assert (exc.value.step, exc.value.total, exc.value.checkpoint) == (0, 30, None)
+    assert not any(tmp_path.iterdir()), "nothing trained, nothing to save"
+
+
 def test_a_stop_at_the_last_step_completes_the_run(tmp_path):
     log = _train(_fabric(), tmp_path, stop_at=30, checkpoint_on_stop=True)
     assert log.optimizer_steps == 30 and not any(tmp_path.iterdir())
