@@ -6,12 +6,13 @@
 It runs tests/test_faults.py (the ``faults`` marker) with the multi-node test switched on
 (FMR_TEST_MULTINODE=1), reads what each test recorded (its row of the table, what is expected, what was
 observed) from pytest's junit XML, and prints one markdown row per fault: row, expected, observed,
-pass/fail. It exits with pytest's exit code.
+pass/fail (a test's temporary folder is shown as $TMP). It exits with pytest's exit code.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -47,9 +48,14 @@ def run(pytest_args: list[str]) -> tuple[int, list[dict]]:
         return code, rows
 
 
+# A test's own temporary folder, e.g. /tmp/fmr-tests-abc/faults-usr1-xyz or /tmp/pytest-of-me/pytest-7/test_x0
+TEST_FOLDER = re.compile(r"(?:/[^\s/]+)*/(?:fmr-tests-[^\s/]+|pytest-of-[^\s/]+/pytest-\d+)/[^\s/]+")
+
+
 def table(rows: list[dict]) -> str:
     def cell(text: str | None) -> str:
-        return (text or "—").replace("|", "\\|").replace("\n", " ")
+        text = TEST_FOLDER.sub("$TMP", text or "—")  # the test's temporary folder, for legibility
+        return text.replace("|", "\\|").replace("\n", " ")
 
     lines = ["| row | expected | observed | result |", "|---|---|---|---|"]
     for r in rows:
