@@ -10,7 +10,11 @@
 #                                        IMDb before/after, and the LLM fine-tuning toggles table
 #
 # A recipe that fails or runs out of memory does not stop the ladder; the script exits non-zero at the
-# end with a one-line-per-recipe summary. Exit codes of a recipe: 0 ok, 2 bad flags, 3 out of memory.
+# end with a one-line-per-recipe summary. Exit codes of a recipe: 0 ok, 2 bad flags, 3 out of memory,
+# 130/143/138 stopped by SIGINT/SIGTERM/SIGUSR1 (recorded as "interrupted"). Ctrl-C (or SIGTERM to the
+# process group) stops the ladder: the running recipe stops at its next optimizer step and records
+# what it measured, then the summary is printed, the report of what exists is rendered, and the script
+# exits 130 (143 for SIGTERM).
 set -u
 cd "$(dirname "$0")"
 
@@ -23,7 +27,12 @@ bonus=0
 results_dir=""
 extra=()
 
-usage() { sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; }
+# A signal while a recipe runs reaches the recipe too (one process group); bash acts on the trap once
+# the recipe has stopped. Between recipes it stops the ladder before the next one starts.
+stopped=0
+trap 'stopped=130' INT
+trap 'stopped=143' TERM
 
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -132,7 +141,9 @@ fi
 mkdir -p "$results_dir"
 summary=()
 failed=0
+not_run=()
 for entry in "${recipes[@]}"; do
+  if [ "$stopped" != 0 ]; then not_run+=("${entry/:/-}"); continue; fi
   name=${entry%%:*}
   label=$name
   args=("${base[@]}")
@@ -168,6 +179,7 @@ for entry in "${recipes[@]}"; do
     0) status=ok ;;
     2) status="bad flags (exit 2)"; failed=1 ;;
     3) status="out of memory (recorded)"; failed=1 ;;
+    130|138|143) status="interrupted (exit $rc)"; failed=1; [ "$stopped" = 0 ] && stopped=$rc ;;
     *) status="failed (exit $rc)"; failed=1 ;;
   esac
   summary+=("$(printf '%-34s %-26s %5ss' "$label" "$status" "$secs")")
@@ -183,4 +195,8 @@ fi
 echo
 echo "Summary ($mode path, results in $results_dir):"
 printf '  %s\n' "${summary[@]}"
+if [ "$stopped" != 0 ]; then
+  [ ${#not_run[@]} -gt 0 ] && echo "  stopped before: ${not_run[*]}"
+  exit "$stopped"
+fi
 exit $failed

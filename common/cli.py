@@ -15,6 +15,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from common import faults
+
 PRECISIONS = ("32-true", "32", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "64-true")
 ACCELERATORS = ("auto", "cpu", "cuda", "gpu")
 MODES = ("fast", "eager")
@@ -56,6 +58,8 @@ BASE_DEFAULTS: dict[str, Any] = {
     "checkpoint_every": None,
     "checkpoint_dir": None,
     "resume": None,
+    "checkpoint_on_stop": None,  # None: on when --checkpoint-every or --resume is given
+    "keep_checkpoints": 2,
     "memory_timeline": False,
     "snapshot": False,
     "profile_steps": 3,
@@ -175,6 +179,14 @@ def build_parser(
     g.add_argument("--checkpoint-dir", help="where checkpoints go (default: checkpoints/<recipe>[-<tag>])")
     g.add_argument(
         "--resume", help="a checkpoint file to continue from, or 'auto' for the newest in --checkpoint-dir"
+    )
+    g.add_argument(
+        "--checkpoint-on-stop",
+        action=argparse.BooleanOptionalAction,
+        help="save a checkpoint when stopped by SIGINT/SIGTERM/SIGUSR1 (default: on with --checkpoint-every or --resume)",
+    )
+    g.add_argument(
+        "--keep-checkpoints", type=at_least(0), help="keep the newest N checkpoints (0: all; default 2)"
     )
     g = p.add_argument_group("output")
     g.add_argument("--results-dir", help="where results/<recipe>.json is written")
@@ -344,10 +356,16 @@ def parse_args(
     model_choices: tuple[str, ...] | None = None,
     data_choices: tuple[str, ...] | None = None,
     help_overrides: dict[str, str] | None = None,
+    *,
+    recipe: str | None = None,
+    cpu_variant: str | None = None,
 ) -> argparse.Namespace:
     """Parse and validate; ``extra(parser)`` may add recipe-specific flags; ``model_choices`` replaces
     the ViT names, ``data_choices`` the ``--data`` choices and ``help_overrides`` the help of the flags
-    in :data:`HELP`, for recipes of other model and data families. Exits 2 on bad input."""
+    in :data:`HELP`, for recipes of other model and data families. Exits 2 on bad input.
+
+    With ``recipe`` (a run, not a tool reading the flags) a GPU-sized run that would start on the CPU
+    only because no GPU was found is refused (``faults.wrong_machine``; ``cpu_variant`` as there)."""
     parser = build_parser(description, defaults, data_choices=data_choices, help_overrides=help_overrides)
     if extra is not None:
         extra(parser)
@@ -357,6 +375,10 @@ def parse_args(
     choices = model_choices or MODEL_NAMES
     if args.model not in choices:
         fail(f"--model {args.model!r} is not one of: {', '.join(choices)}")
+    if recipe is not None and args.accelerator == "auto" and _cuda_count() == 0:
+        refusal = faults.wrong_machine(recipe, args, choices, cpu_variant)
+        if refusal:
+            fail(refusal)
     try:
         return validate(args)
     except UsageError as e:
@@ -365,17 +387,31 @@ def parse_args(
 
 
 def _resolve_checkpoints(args: argparse.Namespace, recipe: str) -> None:
-    """Fill in the default checkpoint folder and turn ``--resume auto`` into a file (or None)."""
+    """Fill in the default checkpoint folder, decide ``--checkpoint-on-stop``, and turn ``--resume
+    auto`` into the newest intact checkpoint (or None). A checkpoint that cannot be used, or a new run
+    that would write its checkpoints among an earlier run's, is refused here, before anything is built."""
+    from common import checkpoints
+    from common.net import note
+
     if args.checkpoint_dir is None:
         args.checkpoint_dir = os.path.join("checkpoints", recipe + (f"-{args.tag}" if args.tag else ""))
+    if args.checkpoint_on_stop is None:
+        args.checkpoint_on_stop = args.checkpoint_every is not None or args.resume is not None
     if args.resume == "auto":
-        from common.loop import latest_checkpoint
-
-        args.resume = latest_checkpoint(args.checkpoint_dir)
+        args.resume = checkpoints.latest_intact(args.checkpoint_dir, say=note)
         if args.resume is None:
-            print(f"[resume] no checkpoint in {args.checkpoint_dir}: starting from the beginning", flush=True)
-    elif args.resume is not None and not os.path.exists(args.resume):
-        fail(f"--resume {args.resume}: no such checkpoint")
+            note(f"[resume] no usable checkpoint in {args.checkpoint_dir}: starting from the beginning")
+    elif args.resume is not None:
+        reason = checkpoints.problem(args.resume)
+        if reason is not None:
+            fail(f"--resume {args.resume}: {reason}")
+    newest = checkpoints.latest(args.checkpoint_dir)
+    writes = args.checkpoint_every is not None or args.checkpoint_on_stop
+    if writes and args.resume is None and newest is not None:
+        fail(
+            f"--checkpoint-dir {args.checkpoint_dir} holds an earlier run's checkpoints (newest {os.path.basename(newest)}):"
+            " continue it with --resume auto, or start over in another --checkpoint-dir"
+        )
 
 
 def checkpointing(args: argparse.Namespace) -> dict[str, Any]:
@@ -384,7 +420,29 @@ def checkpointing(args: argparse.Namespace) -> dict[str, Any]:
         "checkpoint_every": args.checkpoint_every,
         "checkpoint_dir": args.checkpoint_dir,
         "resume": args.resume,
+        "checkpoint_on_stop": args.checkpoint_on_stop,
+        "keep_checkpoints": args.keep_checkpoints,
     }
+
+
+def _prepare_outputs(args: argparse.Namespace, recipe: str) -> faults.RunLock:
+    """Before anything is built: the results (and, when used, checkpoint and log) folders exist and
+    take a file, and no other run of this rung writes to the same results folder. Exits 2 otherwise.
+    Returns the held lock (a lock that holds nothing in the processes Fabric or a launcher started)."""
+    from common.metrics import LOG_DIR
+
+    name = recipe + (f"-{args.tag}" if args.tag else "")
+    lock = faults.RunLock(args.results_dir, name)
+    try:
+        faults.check_writable(args.results_dir, "--results-dir")
+        if args.checkpoint_every is not None or args.checkpoint_on_stop:
+            faults.check_writable(args.checkpoint_dir, "--checkpoint-dir")
+        faults.check_writable(LOG_DIR, "the log folder (FMR_LOG_DIR)")
+        if faults.first_process():  # the process that writes the results JSON
+            lock.acquire()
+    except faults.BadInput as e:
+        fail(str(e))
+    return lock
 
 
 def run(
@@ -398,14 +456,31 @@ def run(
     model_choices: tuple[str, ...] | None = None,
     data_choices: tuple[str, ...] | None = None,
     help_overrides: dict[str, str] | None = None,
+    cpu_variant: str | None = None,
 ) -> int:
-    """Parse flags, run ``main(args, log)``, and record the outcome.
+    """Parse flags, check the outputs, run ``main(args, log)``, and record the outcome.
 
     A CUDA out-of-memory error is caught here and written as ``"status": "oom"`` with its config, so a
     ladder run loses nothing; the process then exits 3 (``run_all.sh`` reports it and moves on).
+    SIGINT, SIGTERM and SIGUSR1 stop the run at the next optimizer step (common/faults.py): it is
+    recorded as ``"status": "interrupted"``, one line says where it stopped and how to resume, and the
+    process exits 130, 143 or 138. A bad input file (data, checkpoint) is one line and exit code 2.
+    ``cpu_variant``: the recipe to suggest on a machine without a GPU when this one needs CUDA.
     """
-    args = parse_args(description, defaults, argv, extra, model_choices, data_choices, help_overrides)
-    _resolve_checkpoints(args, recipe)
+    with faults.handling_signals():  # from here on, a signal stops the run at an optimizer-step boundary
+        args = parse_args(
+            description, defaults, argv, extra, model_choices, data_choices, help_overrides,
+            recipe=recipe, cpu_variant=cpu_variant,
+        )  # fmt: skip
+        _resolve_checkpoints(args, recipe)
+        lock = _prepare_outputs(args, recipe)
+        try:
+            return _run_main(main, recipe, args, description)
+        finally:
+            lock.release()
+
+
+def _run_main(main: Callable, recipe: str, args: argparse.Namespace, description: str) -> int:
     from common.metrics import MetricsLogger
 
     log = MetricsLogger(recipe, args, description=description.strip().splitlines()[0])
@@ -413,10 +488,18 @@ def run(
 
     try:
         main(args, log)
+    except faults.Interrupted as stop:
+        # Every process stopped after the same step (loop.fit agrees on it): gathering is safe.
+        log.extra["stopped"] = stop.record()
+        log.finish(status="interrupted", error=str(stop), gather=True)
+        if log.fabric is None or log.fabric.global_rank == 0:
+            print(faults.interrupted_line(stop), file=sys.stderr, flush=True)
+        faults.outlive_launcher(log.fabric)
+        return stop.exit_code
     except torch.cuda.OutOfMemoryError as e:
         log.finish(status="oom", error=str(e).splitlines()[0])
         return 3
-    except UsageError as e:
+    except (UsageError, faults.BadInput) as e:
         fail(str(e))
     except Exception as e:
         # Record what ran and how it ended, then let the traceback through (exit code 1).

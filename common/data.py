@@ -8,12 +8,18 @@ DataLoader, which made the small-batch rungs wait on the CPU. Here a batch trave
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import pickle
+import shutil
+import tarfile
+import tempfile
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from common.faults import BadInput
 
 NUM_CLASSES = 10
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -21,6 +27,8 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 CIFAR_FOLDER = "cifar-10-batches-py"
 CIFAR_TRAIN_FILES = tuple(f"data_batch_{i}" for i in range(1, 6))
 CIFAR_TEST_FILE = "test_batch"
+CIFAR_ARCHIVE = "cifar-10-python.tar.gz"
+CIFAR_MD5 = "c58f30108f718f92721af3b95e74349a"  # published with the archive (and checked by torchvision)
 SPLIT_SIZES = (45_000, 5_000, 10_000)  # train / val / test, as in the article
 
 
@@ -37,14 +45,25 @@ class Splits:
 # ---------------------------------------------------------------------------------------------- real data
 def read_cifar10_batch(path: str) -> tuple[np.ndarray, np.ndarray]:
     """Read one file of CIFAR-10's python format: a pickled dict with b'data' (N, 3072, channel-major
-    uint8) and b'labels'. Returns images as (N, 32, 32, 3) uint8 and labels as int64."""
-    with open(path, "rb") as f:
-        entry = pickle.load(f, encoding="bytes")
-    data = entry.get(b"data", entry.get("data"))
-    labels = entry.get(b"labels", entry.get("labels"))
-    if data is None or labels is None:
-        raise ValueError(f"{path} is not a CIFAR-10 batch file (no data/labels keys)")
-    images = np.asarray(data, dtype=np.uint8).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
+    uint8) and b'labels'. Returns images as (N, 32, 32, 3) uint8 and labels as int64.
+
+    A file that is truncated or not such a batch raises ``BadInput`` naming it (one line, exit 2)."""
+    try:
+        with open(path, "rb") as f:
+            entry = pickle.load(f, encoding="bytes")
+        data = entry.get(b"data", entry.get("data"))
+        labels = entry.get(b"labels", entry.get("labels"))
+        if data is None or labels is None:
+            raise ValueError("no data/labels keys")
+        images = np.asarray(data, dtype=np.uint8).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
+        if len(images) != len(labels):
+            raise ValueError(f"{len(images)} images but {len(labels)} labels")
+    except Exception as e:  # noqa: BLE001 - unpickling a damaged file raises many kinds of error
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise BadInput(
+            f"{path}: not a readable CIFAR-10 batch file ({reason}); restore it, or delete"
+            f" {os.path.dirname(path)} to extract or download CIFAR-10 again"
+        ) from None
     return np.ascontiguousarray(images), np.asarray(labels, dtype=np.int64)
 
 
@@ -78,6 +97,44 @@ def download_cifar10(data_dir: str) -> None:
     from torchvision.datasets import CIFAR10
 
     CIFAR10(root=data_dir, train=True, download=True)
+
+
+def extract_cifar10_archive(data_dir: str) -> None:
+    """Extract ``<data_dir>/cifar-10-python.tar.gz`` (placed there by hand, e.g. on an offline machine)
+    after checking it against the published MD5. Only regular files inside ``cifar-10-batches-py/`` are
+    extracted, into a temporary folder first; files already in place are kept. A wrong checksum or a
+    damaged archive raises ``BadInput`` naming the archive."""
+    archive = os.path.join(data_dir, CIFAR_ARCHIVE)
+    md5 = hashlib.md5(usedforsecurity=False)
+    with open(archive, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            md5.update(chunk)
+    if md5.hexdigest() != CIFAR_MD5:
+        raise BadInput(
+            f"{archive}: MD5 {md5.hexdigest()} is not the published {CIFAR_MD5}: the archive is incomplete"
+            " or another file; replace it (or delete it, and the next run online downloads it)"
+        )
+    target = os.path.join(data_dir, CIFAR_FOLDER)
+    scratch = tempfile.mkdtemp(prefix=".extract-", dir=data_dir)
+    try:
+        with tarfile.open(archive, "r:gz") as tar:
+            members = [
+                m
+                for m in tar.getmembers()
+                if m.isfile() and m.name.startswith(CIFAR_FOLDER + "/") and ".." not in m.name.split("/")
+            ]
+            if hasattr(tarfile, "data_filter"):  # Python >= 3.10.12 / 3.11.4: also refuses odd modes
+                tar.extractall(scratch, members=members, filter="data")
+            else:
+                tar.extractall(scratch, members=members)
+        os.makedirs(target, exist_ok=True)
+        for name in os.listdir(os.path.join(scratch, CIFAR_FOLDER)):
+            if not os.path.exists(os.path.join(target, name)):
+                os.replace(os.path.join(scratch, CIFAR_FOLDER, name), os.path.join(target, name))
+    except (tarfile.TarError, OSError, EOFError) as e:
+        raise BadInput(f"{archive}: cannot be extracted ({e})") from None
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------------------- synthetic data
@@ -115,6 +172,8 @@ def load(choice: str, data_dir: str = "data") -> Splits:
 
     if choice == "synthetic":
         return synthetic()
+    if not cifar10_present(data_dir) and os.path.exists(os.path.join(data_dir, CIFAR_ARCHIVE)):
+        extract_cifar10_archive(data_dir)  # an archive placed by hand: verified, then extracted
     if not cifar10_present(data_dir):
         if reachable("www.cs.toronto.edu"):
             download_cifar10(data_dir)

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from common import checkpoints, faults
 from common.data import NUM_CLASSES, to_model_input
 from common.graphs import WARMUP_STEPS, StepGraph
 from common.profiling import Recorder
@@ -74,14 +74,6 @@ def _accuracy_metric(device, num_classes: int):
     return MulticlassAccuracy(num_classes=num_classes, average="micro", validate_args=False).to(device)
 
 
-def latest_checkpoint(directory: str) -> str | None:
-    """The newest ``step-NNNNNN.ckpt`` in ``directory`` (what ``--resume auto`` picks), or None."""
-    if not os.path.isdir(directory):
-        return None
-    names = sorted(n for n in os.listdir(directory) if n.startswith("step-") and n.endswith(".ckpt"))
-    return os.path.join(directory, names[-1]) if names else None
-
-
 def fit(
     fabric,
     model,
@@ -100,6 +92,8 @@ def fit(
     checkpoint_dir: str | None = None,
     resume: str | None = None,
     cuda_graphs: bool = False,
+    checkpoint_on_stop: bool = False,
+    keep_checkpoints: int = 2,
 ) -> None:
     """Train; every optimizer step is reported to ``log.step_done()`` (an event, no synchronisation).
 
@@ -118,7 +112,12 @@ def fit(
     the epoch (and the CUDA generators, for dropout on a GPU) to ``checkpoint_dir/step-NNNNNN.ckpt``.
     ``resume`` (a path) restores all of it: the
     epoch is reshuffled identically and the micro-batches already trained on are skipped, so the
-    resumed run continues exactly where the interrupted one stopped.
+    resumed run continues exactly where the interrupted one stopped. Checkpoints are written atomically
+    and only the newest ``keep_checkpoints`` stay (0: all); see common/checkpoints.py.
+
+    A stop request (SIGINT/SIGTERM/SIGUSR1, common/faults.py) is honoured at the next optimizer-step
+    boundary, on every process at the same step: with ``checkpoint_on_stop`` a checkpoint is saved
+    there, the measurement window is closed, and ``faults.Interrupted`` is raised for ``cli.run``.
     """
     from tqdm.auto import tqdm
 
@@ -137,7 +136,7 @@ def fit(
     if scheduler is not None:
         stateful["scheduler"] = scheduler
     if resume:
-        saved = fabric.load(resume, stateful)  # restores model/optimizer/scheduler in place
+        saved = checkpoints.load(fabric, resume, stateful, total)  # restores model/optimizer/scheduler
         step, start_epoch, skip = saved["step"], saved["epoch"], saved["batch_in_epoch"]
         if saved.get("cuda_rng") is not None and torch.cuda.is_available():
             # dropout on the GPU draws from the CUDA generators; skipped batches never run the model
@@ -170,20 +169,23 @@ def fit(
         window_batches = 0
         return mean
 
-    def save_checkpoint(epoch: int, batch_in_epoch: int, epoch_rng: torch.Tensor) -> None:
-        path = os.path.join(checkpoint_dir, f"step-{step:06d}.ckpt")
-        fabric.save(path, {
+    def save_checkpoint(epoch: int, batch_in_epoch: int, epoch_rng: torch.Tensor) -> str:
+        return checkpoints.save(fabric, checkpoint_dir, step, {
             **stateful, "step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch,
             "epoch_rng": epoch_rng, "rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
             "optimizer_steps": log.optimizer_steps, "micro_batches": log.micro_batches,
-        })  # fmt: skip
+        }, keep_checkpoints)  # fmt: skip
 
     model.train()
     graph = StepGraph(fabric, model, optimizer, batch_fn, k, scheduler) if cuda_graphs else None
     warmup_steps = step + (WARMUP_STEPS + 1 if graph else 1)  # + the capture step; else the first step
     recorder = Recorder.for_run(fabric, log).start()
+    stop = faults.StopCheck(fabric)  # every process stops after the same step
+    stopping, newest = stop.check(), resume  # newest: the checkpoint a stopped run can resume from
     for epoch in range(start_epoch, epochs):
+        if stopping:  # a signal during set-up: stop before the first step
+            break
         if hasattr(train_loader, "_num_iter_calls"):
             train_loader._num_iter_calls = epoch  # Fabric's loader sets a DistributedSampler's epoch from it
         if resume and epoch == start_epoch:
@@ -236,14 +238,16 @@ def fit(
             bar.update(1)
             if step % log_every == 0:
                 close_window()
-            if checkpoint_every and step % checkpoint_every == 0 and step < total:
+            stopping = stop.check()
+            periodic = checkpoint_every and step % checkpoint_every == 0
+            if (periodic or stopping and checkpoint_on_stop) and step < total:
                 if i + 1 == num_batches:  # the epoch is done: resume at the next one, nothing to skip
-                    save_checkpoint(epoch + 1, 0, torch.get_rng_state())
+                    newest = save_checkpoint(epoch + 1, 0, torch.get_rng_state())
                 else:
-                    save_checkpoint(epoch, i + 1, epoch_rng)
-            if step >= total:
+                    newest = save_checkpoint(epoch, i + 1, epoch_rng)
+            if step >= total or stopping:
                 break
-        if step >= total:
+        if step >= total or stopping:
             break
     recorder.close()
     if graph is not None:
@@ -252,6 +256,8 @@ def fit(
     if window_batches:
         close_window()
     bar.close()
+    if stopping and step < total:  # a stop at the last step changes nothing: the run is complete
+        raise faults.Interrupted(stop.signum, step, total, newest)
 
 
 @torch.no_grad()

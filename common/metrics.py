@@ -1,6 +1,8 @@
 """The metrics logger: what every run measures about itself, written as one results JSON per run.
 
 Results JSON (``results/<recipe>[-<tag>].json``), schema version 1. The report reads these keys only.
+A run that did not succeed never replaces a successful result: it is written beside it as
+``<recipe>[-<tag>].<status>.json`` (e.g. ``01_baseline.interrupted.json``; ``common.faults.results_file``).
 
 ===============================  ===========================================================================
 key                              meaning
@@ -9,8 +11,11 @@ schema_version                   1
 recipe, tag, description         which script ran (tag: the --tag suffix or null)
 mode                             "fast" (CUDA: compiled blocks, each optimizer step one CUDA graph where the
                                  rung uses them; config.compile / config.cuda_graphs say which) | "eager"
-status                           "ok" | "oom" (CUDA out of memory, caught) | "error"
-error                            first line of the error, or null
+status                           "ok" | "oom" (CUDA out of memory, caught) | "error" | "interrupted"
+                                 (stopped by SIGINT/SIGTERM/SIGUSR1 at an optimizer-step boundary: the
+                                 measurements cover the steps taken)
+error                            first line of the error ("SIGTERM at step 7 of 100" when interrupted),
+                                 or null
 config                           every parsed flag (plus micro_batch_size)
 provenance                       device ("cuda"/"cpu"), gpu_name, world_size, num_nodes, versions (torch,
                                  lightning, torchvision, python, cuda), float32_matmul_precision ("high"
@@ -61,7 +66,10 @@ timing.step_s                    {min, p10, median, p90, max} of the timed step 
 accuracy.{train,val,test}        fraction correct (train: over the last logged window of the run;
                                  bonus_llm_finetune: next-token accuracy on completion tokens)
 loss.{first,last}                training loss of the first and last logged window
-extra                            recipe-specific measurements (e.g. rung 07's two ways of loading)
+extra                            recipe-specific measurements (e.g. rung 07's two ways of loading);
+                                 set by the loop: resumed_from {path, step} (a resumed run), stopped
+                                 {signal, step, planned_steps, checkpoint (to resume from, or null)}
+                                 (an interrupted run)
 ===============================  ===========================================================================
 """
 
@@ -78,6 +86,8 @@ import sys
 import tempfile
 import time
 from typing import Any
+
+from common import faults
 
 SCHEMA_VERSION = 1
 GB = 1e9
@@ -431,23 +441,28 @@ class MetricsLogger:
             "estimate": self.estimate.to_dict() if self.estimate is not None else None,
         }
 
-    def finish(self, status: str = "ok", error: str | None = None) -> dict[str, Any] | None:
+    def finish(
+        self, status: str = "ok", error: str | None = None, gather: bool | None = None
+    ) -> dict[str, Any] | None:
         """Write the results JSON (rank 0) and print the summary block. Returns the payload on rank 0.
 
         After an OOM the other ranks may never reach a collective, so nothing is gathered then: the
-        rank that caught it reports its own view.
+        rank that caught it reports its own view. ``gather`` (default: only when ok) says that every
+        rank reached this point together.
         """
-        payload = self.payload(status, error, gather=status == "ok")
+        gather = status == "ok" if gather is None else gather
+        payload = self.payload(status, error, gather=gather)
         if self._loggers:
             for lg in self._loggers:
                 with contextlib.suppress(Exception):
                     lg.finalize("success" if status == "ok" else "failed")
         rank, _ = self._world()
-        if rank != 0 and status == "ok":
+        if rank != 0 and gather:
             return None
         path = results_path(
             getattr(self.args, "results_dir", "results"), self.recipe, getattr(self.args, "tag", None)
         )
+        path = faults.results_file(path, status)  # never replaces a successful result
         if rank != 0:
             path = path[: -len(".json")] + f".rank{rank}.json"
         write_json_atomic(path, payload)

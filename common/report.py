@@ -37,9 +37,11 @@ def _get(d: Any, dotted: str, default: Any = None) -> Any:
     return d
 
 
-def _sort_key(result: dict) -> tuple[str, str]:
-    """Recipe, then tag (untagged first): the order of the file names `<recipe>[-<tag>].json`."""
-    return (str(result.get("recipe") or ""), str(result.get("tag") or ""))
+def _sort_key(result: dict) -> tuple[str, str, bool, str]:
+    """Recipe, then tag (untagged first): the order of the file names `<recipe>[-<tag>].json`; a run
+    that did not succeed, kept beside a successful one (`<recipe>[-<tag>].<status>.json`), after it."""
+    status = str(result.get("status") or "")
+    return (str(result.get("recipe") or ""), str(result.get("tag") or ""), status != "ok", status)
 
 
 def load_results(results_dir: str | os.PathLike) -> list[dict]:
@@ -279,7 +281,7 @@ def render_figure(results: list[dict], path: str | os.PathLike) -> None:
     import matplotlib.pyplot as plt
 
     results = sorted(results, key=_sort_key)
-    labels = [_label(r) for r in results]
+    labels = [_label(r) + ("" if r.get("status") == "ok" else f" [{r.get('status')}]") for r in results]
     xs = range(len(results))
     oom = [r.get("status") == "oom" for r in results]
 

@@ -100,4 +100,6 @@ def main(args, log):
 
 
 if __name__ == "__main__":
-    raise SystemExit(cli.run(main, recipe=RECIPE, description=__doc__, defaults=DEFAULTS))
+    raise SystemExit(
+        cli.run(main, recipe=RECIPE, description=__doc__, defaults=DEFAULTS, cpu_variant="08_fsdp2")
+    )

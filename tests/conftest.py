@@ -227,9 +227,13 @@ class _Zygote:
             job["done"].set()
 
     def run(self, argv: list[str], env: dict[str, str], timeout: float = SUBPROCESS_TIMEOUT):
+        return self.start(argv, env).wait(timeout)
+
+    def start(self, argv: list[str], env: dict[str, str]) -> WarmRun:
+        """Start the run and return at once (see :class:`WarmRun`)."""
         self._start()
         if self._closing or self._dead:
-            return subprocess.CompletedProcess([sys.executable, *argv], -9, "", "[tests] session ended")
+            return WarmRun(argv, None, None, None)
         job_id = str(next(self._ids))
         folder = _TMP_ROOT / "zygote"
         folder.mkdir(exist_ok=True)
@@ -237,7 +241,7 @@ class _Zygote:
         job = {"done": threading.Event(), "pid": None, "returncode": None}
         self._jobs[job_id] = job
         if self._dead:  # the server went away between the check above and now
-            return subprocess.CompletedProcess([sys.executable, *argv], -9, "", "[tests] session ended")
+            return WarmRun(argv, None, None, None)
         request = {
             "id": job_id,
             "argv": argv,
@@ -249,17 +253,7 @@ class _Zygote:
         with self._lock:
             self._proc.stdin.write(json.dumps(request) + "\n")
             self._proc.stdin.flush()
-        note = ""
-        if not job["done"].wait(timeout):
-            if job["pid"]:
-                _killpg(job["pid"])
-            job["done"].wait(30)
-            note = f"\n[tests] killed after {timeout} s"
-        if job["returncode"] is None:
-            note += "\n[tests] the warm interpreter died: see the zygote log"
-        read = lambda p: p.read_text(errors="replace") if p.exists() else ""  # noqa: E731
-        returncode = job["returncode"] if job["returncode"] is not None else -9
-        return subprocess.CompletedProcess([sys.executable, *argv], returncode, read(out), read(err) + note)
+        return WarmRun(argv, job, out, err)
 
     def kill_running(self) -> None:
         for job in list(self._jobs.values()):
@@ -280,7 +274,47 @@ class _Zygote:
         self._proc = None
 
 
+class WarmRun:
+    """A run in a forked child of the warm interpreter: ``pid`` (once the child exists), its output
+    files, ``read()`` while it runs, ``wait()`` for the CompletedProcess. Tests that signal a running
+    recipe use it through :func:`start_warm`."""
+
+    def __init__(self, argv: list[str], job: dict | None, out: Path | None, err: Path | None) -> None:
+        self.argv, self._job, self.out, self.err = argv, job, out, err
+
+    @property
+    def pid(self) -> int | None:
+        return self._job["pid"] if self._job else None
+
+    def read(self) -> tuple[str, str]:
+        """(stdout, stderr) so far."""
+        read = lambda p: p.read_text(errors="replace") if p is not None and p.exists() else ""  # noqa: E731
+        return read(self.out), read(self.err)
+
+    def wait(self, timeout: float = SUBPROCESS_TIMEOUT) -> subprocess.CompletedProcess:
+        job = self._job
+        if job is None:
+            return subprocess.CompletedProcess([sys.executable, *self.argv], -9, "", "[tests] session ended")
+        note = ""
+        if not job["done"].wait(timeout):
+            if job["pid"]:
+                _killpg(job["pid"])
+            job["done"].wait(30)
+            note = f"\n[tests] killed after {timeout} s"
+        if job["returncode"] is None:
+            note += "\n[tests] the warm interpreter died: see the zygote log"
+        returncode = job["returncode"] if job["returncode"] is not None else -9
+        out, err = self.read()
+        return subprocess.CompletedProcess([sys.executable, *self.argv], returncode, out, err + note)
+
+
 _ZYGOTE = _Zygote()
+
+
+def start_warm(argv: Sequence[str], env: dict[str, str]) -> WarmRun:
+    """Start ``python *argv`` (a script and its arguments) as a forked child of the warm interpreter
+    and return at once; ``FMR_TEST_COLD=1`` is not honoured here (see run_recipe_process for that)."""
+    return _ZYGOTE.start([str(a) for a in argv], env)
 
 
 @pytest.fixture

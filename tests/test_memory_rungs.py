@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from conftest import describe, result, submit_recipe
 from torch.utils.data import DataLoader, TensorDataset
 
-from common import loop, models
+from common import checkpoints, loop, models
 from common.metrics import MetricsLogger
 from common.offload import offload_activations
 
@@ -244,7 +244,7 @@ def test_resume_reproduces_the_uninterrupted_run(
 
     straight, _ = run()
     run(stop_after=9, checkpoint_every=checkpoint_every)  # 6 steps per epoch, killed at 9 (epoch 2)
-    newest = loop.latest_checkpoint(str(tmp_path))
+    newest = checkpoints.latest(str(tmp_path))
     assert newest.endswith(f"step-{newest_step:06d}.ckpt")
     saved = torch.load(newest, weights_only=False)
     assert saved["epoch"] == resume_epoch  # an epoch-end checkpoint resumes at the next epoch ...
