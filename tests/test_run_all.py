@@ -58,7 +58,7 @@ def test_cpu_path_runs_the_selected_recipes(cpu_ladder):
         p = json.loads(path.read_text())
         assert p["status"] == "ok" and p["provenance"]["device"] == "cpu"
         assert p["config"]["max_steps"] == 5 and p["timing"]["optimizer_steps"] == 5
-        assert p["provenance"]["data_source"] == "synthetic" and p["provenance"]["weights"] == "random"
+        assert p["provenance"]["data_source"] == "digits" and p["provenance"]["weights"] == "random"
     # --only selects: nothing else ran
     assert sorted(f.name for f in results.glob("*.json")) == ["01_baseline.json", "04_lower_batch_size.json"]
     assert not list(results.glob(".tmp-*"))

@@ -1,0 +1,1 @@
+"""Command-line tools (run from the repository root as `python -m tools.<name>`)."""
