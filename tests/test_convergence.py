@@ -13,7 +13,6 @@ import math
 import sys
 
 import numpy as np
-import pytest
 import torch
 from conftest import REPO, describe, result, run_process, session_dir, submit, subprocess_env
 
@@ -124,7 +123,10 @@ def test_flags_and_causes_from_measured_differences():
     rows = {line.split(" | ")[0][2:]: line for line in table.splitlines()[2:]}
     assert "within (+0.005)" in rows["03_true_half_precision"]
     assert "**outside ± 2 sd** (-0.310)" in rows["15_speed"]
-    assert "80 optimizer steps vs 380" in rows["15_speed"] and "final training loss 0.600 vs 0.050" in rows["15_speed"]
+    assert (
+        "80 optimizer steps vs 380" in rows["15_speed"]
+        and "final training loss 0.600 vs 0.050" in rows["15_speed"]
+    )
     assert "0.910 ± 0.010 (n=3)" in rows["01_baseline"]
 
 
@@ -132,16 +134,18 @@ def test_tool_plans_every_single_gpu_rung_with_its_kind_of_learning_rate():
     args = convergence.parse_args(["--seeds", "2"])
     jobs = convergence.plan(args, cuda=False)
     rungs = sorted({j.recipe for j in jobs})
-    assert [r[:2] for r in rungs] == ["01", "02", "03", "04", "05", "06", "07", "10", "11", "12", "13", "14", "15"]
+    assert [r[:2] for r in rungs] == "01 02 03 04 05 06 07 10 11 12 13 14 15".split()
     assert {j.seed for j in jobs} == {0, 1}
     lr = {j.recipe: j.args[j.args.index("--lr") + 1] for j in jobs}
-    assert lr["01_baseline"] == str(convergence.ADAM_LR) and lr["13_lowbit_optimizer"] == str(convergence.ADAM_LR)
+    assert lr["01_baseline"] == str(convergence.ADAM_LR) and lr["13_lowbit_optimizer"] == str(
+        convergence.ADAM_LR
+    )
     assert lr["06_sgd_cosine"] == str(convergence.SGD_LR) and lr["14_memory_floor"] == str(convergence.SGD_LR)
     for j in jobs:
         assert j.args[j.args.index("--data") + 1] == "digits" and "--eval-batches" not in j.args
     mixed = [j for j in jobs if j.recipe == "02_mixed_precision"][0]
     assert mixed.args[mixed.args.index("--precision") + 1] == "bf16-mixed", "fp16 autocast needs CUDA"
-    assert {j.variant for j in jobs if j.recipe == "06_sgd_cosine"} == {"default", "stochastic", "kahan", "mixed"}
+    assert {j.variant for j in jobs if j.recipe == "06_sgd_cosine"} == {"default", "stochastic", "kahan", "mixed"}  # fmt: skip
     assert not [j for j in jobs if j.seed is None], "no ViT-L/16 memory runs without CUDA"
     assert [j for j in convergence.plan(args, cuda=True) if j.seed is None]
     assert REPO.joinpath("tools", "convergence.py").exists()

@@ -230,7 +230,8 @@ def run_all(args: argparse.Namespace) -> int:
         },
         "wall_s": wall,
         "runs": [
-            {k: v for k, v in asdict(j).items() if k not in ("args", "extra")} | {"tag": j.tag, "args": j.args}
+            {k: v for k, v in asdict(j).items() if k not in ("args", "extra")}
+            | {"tag": j.tag, "args": j.args}
             for j in done
         ],
     }
@@ -326,10 +327,14 @@ def differences(s: dict[str, Any], base: dict[str, Any]) -> list[str]:
     if s["rule"] not in (None, "plain"):
         out.append(f"--bf16-update {s['rule']}")
     if _short(s["optimizer"]) != _short(base["optimizer"]) or s["lr"] != base["lr"]:
-        out.append(f"{_short(s['optimizer'])} lr {s['lr']:g} vs {_short(base['optimizer'])} lr {base['lr']:g}")
+        out.append(
+            f"{_short(s['optimizer'])} lr {s['lr']:g} vs {_short(base['optimizer'])} lr {base['lr']:g}"
+        )
     steps, base_steps = _mean_sd(s["steps"])[0], _mean_sd(base["steps"])[0]
     if s["batch"] != base["batch"] or steps != base_steps:
-        micro = f" ({s['micro']}×{s['batch'] // s['micro']})" if s["micro"] and s["micro"] != s["batch"] else ""
+        micro = (
+            f" ({s['micro']}×{s['batch'] // s['micro']})" if s["micro"] and s["micro"] != s["batch"] else ""
+        )
         out.append(
             f"batch {s['batch']}{micro}: {steps:.0f} optimizer steps vs {base_steps:.0f}"
             if steps is not None and base_steps is not None
@@ -370,7 +375,11 @@ def render_table(results: list[dict]) -> str:
             variant,
             str(s["precision"] or DASH),
             f"{_short(s['optimizer'])} {s['lr']:g}" if s["lr"] is not None else _short(s["optimizer"]),
-            str(s["batch"] if s["micro"] in (None, s["batch"]) else f"{s['batch']} ({s['micro']}×{s['batch'] // s['micro']})"),
+            str(
+                s["batch"]
+                if s["micro"] in (None, s["batch"])
+                else f"{s['batch']} ({s['micro']}×{s['batch'] // s['micro']})"
+            ),
             DASH if steps is None else f"{steps:.0f}",
             _pm(s["test"]),
             _pm(s["loss"]),
@@ -385,7 +394,9 @@ def render_fixes(results: list[dict]) -> str | None:
     """The bf16 fixes against fp32 master weights: final training loss, accuracy, lost updates, memory."""
     acc, mem = groups(results)
     pairs = [("02_mixed_precision", "default", "Adam: 16-mixed (rung 02)")]
-    pairs += [("03_true_half_precision", v, f"Adam: bf16-true {v}") for v in ("default", "stochastic", "kahan")]
+    pairs += [
+        ("03_true_half_precision", v, f"Adam: bf16-true {v}") for v in ("default", "stochastic", "kahan")
+    ]
     pairs += [("06_sgd_cosine", "mixed", "SGD: 16-mixed (rung 06 --precision 16-mixed)")]
     pairs += [("06_sgd_cosine", v, f"SGD: bf16-true {v}") for v in ("default", "stochastic", "kahan")]
     rows = [(r, v, label) for r, v, label in pairs if (r, v) in acc or (r, v) in mem]
@@ -398,7 +409,9 @@ def render_fixes(results: list[dict]) -> str | None:
     ]
     for recipe, variant, label in rows:
         s = _stats(acc.get((recipe, variant), []))
-        reference = ("02_mixed_precision", "default") if label.startswith("Adam") else ("06_sgd_cosine", "mixed")
+        reference = (
+            ("02_mixed_precision", "default") if label.startswith("Adam") else ("06_sgd_cosine", "mixed")
+        )
         ref_loss = _mean_sd(_stats(acc.get(reference, []))["loss"])[0]
         loss = _mean_sd(s["loss"])[0]
         gap = DASH if loss is None or not ref_loss else f"{100 * (loss - ref_loss) / ref_loss:+.0f}%"
@@ -503,7 +516,9 @@ def render_figure(results: list[dict], path: Path) -> None:
     keys = sorted(acc)
     cols = 4
     rows = max(1, math.ceil(len(keys) / cols))
-    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 2.8 * rows), sharex=True, sharey=True, squeeze=False)
+    fig, axes = plt.subplots(
+        rows, cols, figsize=(4 * cols, 2.8 * rows), sharex=True, sharey=True, squeeze=False
+    )
     base = acc.get((BASELINE, "default"), [])
     for ax, key in zip(axes.flat, keys, strict=False):
         for r in base:
@@ -561,7 +576,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--readme", metavar="PATH:BLOCK", help="also write the table into a marked README block")
     p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 (default 3)")
     p.add_argument("--seed-list", help="comma-separated seeds instead of --seeds")
-    p.add_argument("--rungs", help="comma-separated recipe names or prefixes (default: every single-GPU rung)")
+    p.add_argument(
+        "--rungs", help="comma-separated recipe names or prefixes (default: every single-GPU rung)"
+    )
     p.add_argument("--model", default=MODEL)
     p.add_argument("--epochs", type=int, default=EPOCHS)
     p.add_argument("--adam-lr", type=float, default=ADAM_LR, help="learning rate of the Adam rungs")
