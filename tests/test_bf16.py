@@ -148,3 +148,26 @@ def test_unsupported_combinations_are_refused_clearly(tmp_path):
         cli.parse_args("d", {}, argv)
     assert exc.value.code == 2
     assert cli.parse_args("d", {}, [*argv[:3], "bf16-true", "--bf16-update", "kahan"]).bf16_update == "kahan"
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("update", ["stochastic", "kahan"])
+def test_the_replacements_follow_the_rungs_optimizer_on_fp32_weights(optimizer, update):
+    """Same update rule: on fp32 weights (no rounding to fix) 50 steps land where torch's optimizer does."""
+    if not fix_available(update, optimizer):
+        pytest.skip(f"--bf16-update {update} needs a package that is not installed")
+    torch.manual_seed(0)
+    start, grads = torch.randn(1000), [torch.randn(1000) for _ in range(50)]
+
+    def final(update_rule: str) -> torch.Tensor:
+        w = start.clone().requires_grad_(True)
+        base = torch.optim.SGD([w], lr=1e-2) if optimizer == "sgd" else torch.optim.Adam([w], lr=1e-3)
+        opt = bf16.replace(base, update_rule)
+        for g in grads:
+            w.grad = g.clone()
+            opt.step()
+        return w.detach()
+
+    reference = final("plain")
+    moved = (reference - start).abs().max()
+    assert (final(update) - reference).abs().max() <= 1e-4 * moved
