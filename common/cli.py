@@ -245,7 +245,9 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
         what = "CUDA devices" if args.accelerator == "cuda" else "CPU cores"
         raise UsageError(f"--devices {args.devices} requested but this machine has {have} {what}")
     if getattr(args, "bf16_update", "plain") not in ("plain", None) and args.precision != "bf16-true":
-        raise UsageError(f"--bf16-update {args.bf16_update} needs --precision bf16-true, not {args.precision}")
+        raise UsageError(
+            f"--bf16-update {args.bf16_update} needs --precision bf16-true, not {args.precision}"
+        )
     if getattr(args, "snapshot", False) and args.accelerator != "cuda":
         raise UsageError(
             "--snapshot needs CUDA: it records the CUDA caching allocator's history; on a CPU use --memory-timeline"

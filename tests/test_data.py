@@ -246,7 +246,8 @@ def test_to_model_input_makes_three_channels_of_a_one_channel_batch():
     mean = torch.tensor(data.IMAGENET_MEAN).view(1, 3, 1, 1)
     std = torch.tensor(data.IMAGENET_STD).view(1, 3, 1, 1)
     grey = out * std + mean  # undo the per-channel normalisation: the three channels are one image
-    assert torch.allclose(grey[:, 0], grey[:, 1], atol=1e-6) and torch.allclose(grey[:, 0], grey[:, 2], atol=1e-6)
+    assert torch.allclose(grey[:, 0], grey[:, 1], atol=1e-6)
+    assert torch.allclose(grey[:, 0], grey[:, 2], atol=1e-6)
     assert grey[0, 0, 0, 0].item() == pytest.approx(0.0, abs=1e-6)
     assert grey[0, 0, 0, 31].item() == pytest.approx(1.0, abs=1e-6)
     assert grey[1].abs().max().item() < 1e-6

@@ -286,6 +286,16 @@ def groups(results: list[dict]) -> tuple[dict[tuple[str, str], list[dict]], dict
     return acc, mem
 
 
+def final_loss(result: dict) -> float | None:
+    """Mean training loss over the last tenth of the loss curve (at least its last point): one logged
+    window alone is too noisy to compare runs by, with Adam at a constant learning rate."""
+    curve = (result.get("loss") or {}).get("curve") or []
+    if not curve:
+        return (result.get("loss") or {}).get("last")
+    tail = curve[-max(1, len(curve) // 10) :]
+    return statistics.fmean(v for _, v in tail)
+
+
 def _stats(runs: list[dict]) -> dict[str, Any]:
     ok = [r for r in runs if r.get("status") == "ok"]
 
@@ -303,7 +313,7 @@ def _stats(runs: list[dict]) -> dict[str, Any]:
         "runs": len(runs),
         "ok": len(ok),
         "test": values(lambda r: (r.get("accuracy") or {}).get("test")),
-        "loss": values(lambda r: (r.get("loss") or {}).get("last")),
+        "loss": values(final_loss),
         "lost": values(lambda r: ((r.get("updates") or {}).get("lost") or {}).get("mean_lost")),
         "steps": values(lambda r: (r.get("timing") or {}).get("optimizer_steps")),
         "precision": cfg.get("precision"),
@@ -352,7 +362,7 @@ def render_table(results: list[dict]) -> str:
     base = _stats(acc.get((BASELINE, "default"), []))
     base_mean, base_sd = _mean_sd(base["test"])
     lines = [
-        "| rung | variant | precision | optimizer | batch | optimizer steps | test accuracy | final train loss"
+        "| rung | variant | precision | optimizer | batch | optimizer steps | test accuracy | final train loss¹"
         " | lost updates / step | vs baseline |",
         "|---|---|---|---|---:|---:|---:|---:|---:|---|",
     ]
@@ -403,7 +413,7 @@ def render_fixes(results: list[dict]) -> str | None:
     if not rows:
         return None
     lines = [
-        "| run | final train loss | vs 16-mixed | test accuracy | lost updates / step | ViT-L/16 peak allocated GB"
+        "| run | final train loss¹ | vs 16-mixed | test accuracy | lost updates / step | ViT-L/16 peak allocated GB"
         " | ViT-L/16 peak reserved GB |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
@@ -474,6 +484,9 @@ def render_markdown(results: list[dict], summary: dict[str, Any], figure: str | 
         " measurably does differently (the candidate causes).",
         "",
         render_table(results),
+        "",
+        "¹ Final training loss: the mean of the loss curve's last tenth (about the last 10% of the steps),"
+        " averaged over seeds. Lost updates: the mean over sampled steps (see below).",
     ]
     fixes = render_fixes(results)
     if fixes:
@@ -522,10 +535,10 @@ def render_figure(results: list[dict], path: Path) -> None:
     base = acc.get((BASELINE, "default"), [])
     for ax, key in zip(axes.flat, keys, strict=False):
         for r in base:
-            ax.plot(*curve(r), color="#999999", lw=1, label="01 fp32 baseline" if r is base[0] else None)
+            ax.plot(*curve(r), color="#999999", lw=1)
         if key != (BASELINE, "default"):
-            for i, r in enumerate(acc[key]):
-                ax.plot(*curve(r), color="#d62728", lw=1, label="this rung" if i == 0 else None)
+            for r in acc[key]:
+                ax.plot(*curve(r), color="#d62728", lw=1)
         ax.set_title(f"{key[0]}" + ("" if key[1] == "default" else f" [{key[1]}]"), fontsize=8)
         ax.set_yscale("log")
         ax.grid(alpha=0.3)
@@ -535,9 +548,12 @@ def render_figure(results: list[dict], path: Path) -> None:
         ax.set_xlabel("epochs (samples seen / training split)", fontsize=8)
     for ax in axes[:, 0]:
         ax.set_ylabel("training loss", fontsize=8)
-    axes.flat[0].legend(fontsize=7)
+    from matplotlib.lines import Line2D
+
+    handles = [Line2D([], [], color="#999999", lw=1), Line2D([], [], color="#d62728", lw=1)]
+    fig.legend(handles, ["01 fp32 baseline", "the rung / variant"], loc="upper right", fontsize=8)
     fig.suptitle("Training loss per rung (one line per seed) against the fp32 baseline", fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 0.93, 1))
     write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=110), binary=True)
     plt.close(fig)
 
