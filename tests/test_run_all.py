@@ -142,7 +142,7 @@ def test_failures_do_not_stop_the_ladder(tmp_path):
     assert lines[-1].startswith("report -m common.report") and str(results) in lines[-1]
     for ln in lines[:-1]:
         args = ln.split()
-        for flag in ("--accelerator cpu", "--model vit_tiny", "--data synthetic", "--weights none"):
+        for flag in ("--accelerator cpu", "--model vit_tiny", "--data digits", "--weights none"):
             assert flag in ln, (flag, ln)
         assert args[-2:] == ["--results-dir", str(results)]
         assert "--seed 7" in ln
