@@ -400,6 +400,13 @@ def render_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+TABLE_NOTE = (
+    "¹ Final training loss: the mean of the loss curve's last tenth (about the last 10% of the steps),"
+    " averaged over seeds. Lost updates / step: the mean over sampled steps of the fraction of parameters"
+    " with a non-zero gradient whose effective weight did not move (common/bf16.py)."
+)
+
+
 def render_fixes(results: list[dict]) -> str | None:
     """The bf16 fixes against fp32 master weights: final training loss, accuracy, lost updates, memory."""
     acc, mem = groups(results)
@@ -485,8 +492,7 @@ def render_markdown(results: list[dict], summary: dict[str, Any], figure: str | 
         "",
         render_table(results),
         "",
-        "¹ Final training loss: the mean of the loss curve's last tenth (about the last 10% of the steps),"
-        " averaged over seeds. Lost updates: the mean over sampled steps (see below).",
+        TABLE_NOTE,
     ]
     fixes = render_fixes(results)
     if fixes:
@@ -570,11 +576,13 @@ def render(out: Path, readme: str | None = None) -> int:
     render_figure(results, out / "loss_curves.png")
     write_atomic(out / "README.md", lambda f: f.write(render_markdown(results, summary, "loss_curves.png")))
     print(f"[convergence] report: {out / 'README.md'}, {out / 'loss_curves.png'}")
-    if readme:
+    if readme:  # the table and the figure, into a marked block of another markdown file
         path, _, block = readme.rpartition(":")
-        text = update_block(Path(path).read_text(), block, render_table(results))
+        figure = os.path.relpath(out / "loss_curves.png", Path(path).resolve().parent)
+        content = f"{render_table(results)}\n\n{TABLE_NOTE}\n\n![loss curves]({figure})"
+        text = update_block(Path(path).read_text(), block, content)
         write_atomic(path, lambda f: f.write(text))
-        print(f"[convergence] table -> {path} (block {block})")
+        print(f"[convergence] table and figure -> {path} (block {block})")
     return 0
 
 
