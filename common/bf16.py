@@ -22,7 +22,8 @@ The fixes, selected with ``--bf16-update`` on the bf16-true rungs (``plain`` kee
 
 What the measurement counts. Every ``N``-th optimizer step, hooks on the optimizer copy
 the weights before the step and compare after it. A parameter *should* change when its gradient is not
-zero (plain SGD: the update is ``-lr * grad``; Adam: its first moment then moves too). It *did* change
+zero and an update of the size the optimizer intends would move it in fp32 (plain SGD: ``lr * grad``
+exactly; Adam-like: about ``lr``), so that a learning rate decayed to ~0 does not count. It *did* change
 when its effective value moved: the stored weight, plus the Kahan buffer for ``kahan``. Recorded per
 sampled step: ``lost`` = should and did not / should, and ``unchanged`` = stored bf16 weights that did not
 move / all (what a plain comparison of the weights shows). Stochastic rounding leaves many weights
@@ -187,16 +188,28 @@ class LostUpdates:
         step = self.log.optimizer_steps + 1
         if not self._sampled(step):
             return
+        sgd = type(optimizer).__name__ in ("SGD", "StochasticRoundSGD")  # update = lr * grad exactly
         for group in optimizer.param_groups:
+            lr = float(group["lr"])
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 comp = self._kahan(optimizer, p)
                 self._before[id(p)] = (
                     p.detach().clone(),
-                    p.grad.detach() != 0,  # captured now: some optimizers reuse .grad as a buffer
+                    self._should_change(p, lr, sgd),  # now: some optimizers reuse .grad as a buffer
                     None if comp is None else comp.detach().clone(),
                 )
+
+    @staticmethod
+    def _should_change(p: torch.Tensor, lr: float, sgd: bool) -> torch.Tensor:
+        """Parameters whose update would move them in fp32: a non-zero gradient, and an update of the
+        size the optimizer intends (SGD: ``lr * grad``; Adam-like: about ``lr``) that fp32 does not
+        round away. The second part keeps a learning rate decayed to ~0 (cosine) from counting as loss."""
+        g = p.grad.detach().float()
+        w = p.detach().float()
+        update = g * lr if sgd else torch.sign(g) * lr
+        return (g != 0) & ((w - update) != w)
 
     @torch.no_grad()
     def _post(self, optimizer, args, kwargs) -> None:

@@ -60,9 +60,9 @@ updates.rule                     --bf16-update of the run ("plain"/"stochastic"/
 updates.optimizer                the optimizer class that stepped (module.Class), null likewise
 updates.lost                     --lost-updates N: {every, columns ["step", "lost", "unchanged"], steps
                                  [[step, lost, unchanged], ...], mean_lost, mean_unchanged, last_lost}:
-                                 per sampled step, the fraction of parameters with a non-zero gradient
-                                 whose effective weight did not move, and of stored weights that did
-                                 not move (common/bf16.py); null without the flag
+                                 per sampled step, the fraction of parameters whose update would move
+                                 them in fp32 but whose effective weight did not move, and of stored
+                                 weights that did not move (common/bf16.py); null without the flag
 extra                            recipe-specific measurements (e.g. rung 07's two ways of loading)
 ===============================  ===========================================================================
 """

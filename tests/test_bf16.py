@@ -102,6 +102,16 @@ def test_lost_updates_counts_what_an_update_should_have_changed():
     assert log.updates["optimizer"] == "torch.optim.sgd.SGD"
 
 
+def test_an_update_that_fp32_would_also_round_away_is_not_counted():
+    """A learning rate decayed to zero (the end of a cosine schedule) moves nothing, in any precision."""
+    log, args = _log(every=1)
+    a, b, c = _params()
+    opt = bf16.updates(torch.optim.SGD([a, b, c], lr=0.0), args, log)
+    _grads(a, b, c)
+    opt.step()
+    assert log.updates["lost"]["steps"][0][1:] == [0.0, 1.0]  # nothing due, so nothing lost; none moved
+
+
 def test_lost_updates_adds_up_one_optimizer_per_parameter():
     """Rungs 12/14 step one optimizer per parameter inside backward: one row per training step."""
     log, args = _log(every=1)

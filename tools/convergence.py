@@ -403,7 +403,7 @@ def render_table(results: list[dict]) -> str:
 TABLE_NOTE = (
     "¹ Final training loss: the mean of the loss curve's last tenth (about the last 10% of the steps),"
     " averaged over seeds. Lost updates / step: the mean over sampled steps of the fraction of parameters"
-    " with a non-zero gradient whose effective weight did not move (common/bf16.py)."
+    " whose update would move them in fp32 but whose effective weight did not move (common/bf16.py)."
 )
 
 
@@ -500,9 +500,9 @@ def render_markdown(results: list[dict], summary: dict[str, Any], figure: str | 
             "",
             "## bf16 weights: plain rounding, stochastic rounding, Kahan summation, fp32 master weights",
             "",
-            "Lost updates: per sampled step, the fraction of parameters with a non-zero gradient whose"
-            " effective weight did not move (common/bf16.py; stochastic rounding leaves many unchanged by"
-            " design). Memory: ViT-L/16, 10 steps on synthetic data, rung defaults, when measured on a GPU.",
+            "Lost updates: per sampled step, the fraction of parameters whose update would move them in"
+            " fp32 but whose effective weight did not move (common/bf16.py; stochastic rounding leaves many"
+            " unchanged by design). Memory: ViT-L/16, 10 steps on synthetic data, rung defaults, when measured on a GPU.",
             "",
             fixes,
         ]
