@@ -76,13 +76,16 @@ VARIANTS: dict[str, list[tuple[str, list[str], list[str] | None]]] = {
     ],
 }
 # ViT-L/16 memory of the fixes (GPU only): rung, variant, flags. Synthetic data: memory does not depend
-# on the values, and 10 steps reach the steady state.
+# on the values, and 10 steps reach the steady state. Rung 14 shows what each fix costs at the floor.
+FIXES = [("stochastic", ["--bf16-update", "stochastic"]), ("kahan", ["--bf16-update", "kahan"])]
 MEMORY_RUNS = [
     ("02_mixed_precision", "default", []),
-    ("03_true_half_precision", "default", []),
-    ("03_true_half_precision", "stochastic", ["--bf16-update", "stochastic"]),
-    ("03_true_half_precision", "kahan", ["--bf16-update", "kahan"]),
+    *[("03_true_half_precision", v, f) for v, f in [("default", []), *FIXES]],
+    ("06_sgd_cosine", "mixed", ["--precision", "16-mixed"]),
+    *[("06_sgd_cosine", v, f) for v, f in [("default", []), *FIXES]],
+    *[("14_memory_floor", v, f) for v, f in [("default", []), *FIXES]],
 ]
+MEMORY_PARALLEL = 2  # ViT-L/16 runs at once, in addition to --parallel
 MEMORY_FLAGS = ["--model", "vit_l_16", "--data", "synthetic", "--weights", "none", "--max-steps", "10"]
 MEMORY_FLAGS += ["--eval-batches", "1"]
 TAG = re.compile(r"^(?P<variant>.+)-s(?P<seed>\d+)$")
@@ -208,8 +211,15 @@ def run_all(args: argparse.Namespace) -> int:
     )
     start = time.monotonic()
     deadline = start + (args.deadline_s or float("inf"))
-    with ThreadPoolExecutor(max_workers=args.parallel) as pool:
-        done = list(pool.map(lambda j: run_job(j, out, logs, env, args.extra, deadline), jobs))
+    # the ViT-L/16 memory runs (up to ~16 GB each) go MEMORY_PARALLEL at a time, beside the others
+    memory, accuracy = [j for j in jobs if j.seed is None], [j for j in jobs if j.seed is not None]
+    with (
+        ThreadPoolExecutor(max_workers=MEMORY_PARALLEL) as memory_pool,
+        ThreadPoolExecutor(max_workers=args.parallel) as pool,
+    ):
+        futures = [memory_pool.submit(run_job, j, out, logs, env, args.extra, deadline) for j in memory]
+        futures += [pool.submit(run_job, j, out, logs, env, args.extra, deadline) for j in accuracy]
+        done = [f.result() for f in futures]
     wall = time.monotonic() - start
     summary = {
         "tool": "tools.convergence",
@@ -410,13 +420,14 @@ TABLE_NOTE = (
 def render_fixes(results: list[dict]) -> str | None:
     """The bf16 fixes against fp32 master weights: final training loss, accuracy, lost updates, memory."""
     acc, mem = groups(results)
-    pairs = [("02_mixed_precision", "default", "Adam: 16-mixed (rung 02)")]
-    pairs += [
-        ("03_true_half_precision", v, f"Adam: bf16-true {v}") for v in ("default", "stochastic", "kahan")
-    ]
-    pairs += [("06_sgd_cosine", "mixed", "SGD: 16-mixed (rung 06 --precision 16-mixed)")]
-    pairs += [("06_sgd_cosine", v, f"SGD: bf16-true {v}") for v in ("default", "stochastic", "kahan")]
-    rows = [(r, v, label) for r, v, label in pairs if (r, v) in acc or (r, v) in mem]
+    adam, sgd = ("02_mixed_precision", "default"), ("06_sgd_cosine", "mixed")
+    rules = ("default", "stochastic", "kahan")
+    pairs = [(*adam, "Adam: 16-mixed (rung 02)", adam)]
+    pairs += [("03_true_half_precision", v, f"Adam: bf16-true {v} (rung 03)", adam) for v in rules]
+    pairs += [(*sgd, "SGD: 16-mixed (rung 06 --precision 16-mixed)", sgd)]
+    pairs += [("06_sgd_cosine", v, f"SGD: bf16-true {v} (rung 06)", sgd) for v in rules]
+    pairs += [("14_memory_floor", v, f"SGD in backward: bf16-true {v} (rung 14)", None) for v in rules]
+    rows = [row for row in pairs if row[:2] in acc or row[:2] in mem]
     if not rows:
         return None
     lines = [
@@ -424,12 +435,9 @@ def render_fixes(results: list[dict]) -> str | None:
         " | ViT-L/16 peak reserved GB |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for recipe, variant, label in rows:
+    for recipe, variant, label, reference in rows:
         s = _stats(acc.get((recipe, variant), []))
-        reference = (
-            ("02_mixed_precision", "default") if label.startswith("Adam") else ("06_sgd_cosine", "mixed")
-        )
-        ref_loss = _mean_sd(_stats(acc.get(reference, []))["loss"])[0]
+        ref_loss = _mean_sd(_stats(acc.get(reference, []))["loss"])[0] if reference else None
         loss = _mean_sd(s["loss"])[0]
         gap = DASH if loss is None or not ref_loss else f"{100 * (loss - ref_loss) / ref_loss:+.0f}%"
         m = mem.get((recipe, variant)) or {}
@@ -607,7 +615,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--epochs", type=int, default=EPOCHS)
     p.add_argument("--adam-lr", type=float, default=ADAM_LR, help="learning rate of the Adam rungs")
     p.add_argument("--sgd-lr", type=float, default=SGD_LR, help="learning rate of the SGD rungs")
-    p.add_argument("--parallel", type=int, default=1, help="runs at once (they share the GPU)")
+    p.add_argument(
+        "--parallel",
+        type=int,
+        default=1,
+        help="digits runs at once (they share the GPU; +2 ViT-L/16 memory runs)",
+    )
     p.add_argument("--deadline-s", type=float, help="start no run after this many seconds")
     p.add_argument("--compile", action="store_true", help="let recipes compile (default: eager)")
     p.add_argument("--no-variants", dest="variants", action="store_false", help="skip the bf16 fix variants")
