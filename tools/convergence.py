@@ -85,7 +85,7 @@ MEMORY_RUNS = [
     *[("06_sgd_cosine", v, f) for v, f in [("default", []), *FIXES]],
     *[("14_memory_floor", v, f) for v, f in [("default", []), *FIXES]],
 ]
-MEMORY_PARALLEL = 2  # ViT-L/16 runs at once, in addition to --parallel
+MEMORY_PARALLEL = 3  # ViT-L/16 runs at once (up to ~16 GB each), in addition to --parallel
 MEMORY_FLAGS = ["--model", "vit_l_16", "--data", "synthetic", "--weights", "none", "--max-steps", "10"]
 MEMORY_FLAGS += ["--eval-batches", "1"]
 TAG = re.compile(r"^(?P<variant>.+)-s(?P<seed>\d+)$")
@@ -619,7 +619,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--parallel",
         type=int,
         default=1,
-        help="digits runs at once (they share the GPU; +2 ViT-L/16 memory runs)",
+        help="digits runs at once (they share the GPU; +3 ViT-L/16 memory runs)",
     )
     p.add_argument("--deadline-s", type=float, help="start no run after this many seconds")
     p.add_argument("--compile", action="store_true", help="let recipes compile (default: eager)")
