@@ -17,6 +17,7 @@ from typing import Any
 
 PRECISIONS = ("32-true", "32", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "64-true")
 ACCELERATORS = ("auto", "cpu", "cuda", "gpu")
+MODES = ("fast", "eager")
 DATA_CHOICES = ("auto", "cifar10", "digits", "synthetic")
 WEIGHTS_CHOICES = ("auto", "pretrained", "none")
 # The help of the flags whose meaning depends on the recipe's data and model family; a recipe of
@@ -35,7 +36,9 @@ BASE_DEFAULTS: dict[str, Any] = {
     "num_nodes": 1,
     "precision": "32-true",
     "tf32": True,
+    "mode": None,
     "compile": None,
+    "cuda_graphs": None,
     "batch_size": 64,
     "accumulation_steps": 1,
     "epochs": 1,
@@ -132,9 +135,21 @@ def build_parser(
         help="TF32 tensor-core matmuls for fp32 tensors (CUDA)",
     )
     g.add_argument(
+        "--mode",
+        choices=MODES,
+        help="fast: compiled blocks and one CUDA graph per optimizer step (what --compile and"
+        " --cuda-graphs default to); eager: neither (default: fast with CUDA, eager on CPU)",
+    )
+    g.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,
-        help="torch.compile each transformer block (default: on with CUDA, off on CPU)",
+        help="torch.compile each transformer block (default: on in fast mode)",
+    )
+    g.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        help="capture each optimizer step as a CUDA graph after a 2-step warm-up (default: on in fast"
+        " mode; one CUDA device only)",
     )
     g = p.add_argument_group("training")
     g.add_argument(
@@ -233,6 +248,7 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
         have = _cuda_count()
         if have == 0:
             raise UsageError("--accelerator cuda was requested but no CUDA device is available")
+        _choose_mode(args)  # before anything starts CUDA: fast mode may configure the allocator
         import torch
 
         if args.precision and args.precision.startswith("bf16") and not torch.cuda.is_bf16_supported():
@@ -254,11 +270,40 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
         )
     if args.weights == "pretrained" and args.model == "vit_tiny":
         raise UsageError(f"--weights pretrained: no pretrained weights exist for --model {args.model}")
-    if args.compile is None:
-        # Small batches are launch-bound on a GPU; on a CPU compiling costs more than it saves.
-        args.compile = args.accelerator == "cuda"
+    _choose_mode(args)
+    if getattr(args, "lost_updates", None) and args.cuda_graphs:
+        raise UsageError(
+            "--lost-updates reads the weights between steps: use it with --no-cuda-graphs or --mode eager"
+        )
     args.micro_batch_size = args.batch_size // args.accumulation_steps
     return args
+
+
+# The caching allocator's setting in fast mode (read when CUDA starts): cached blocks left over from the
+# eager warm-up steps can be returned page by page before the CUDA graph's own pool is made.
+FAST_ALLOCATOR = "expandable_segments:True"
+
+
+def _choose_mode(args: argparse.Namespace) -> None:
+    """Resolve --mode into --compile and --cuda-graphs (idempotent; refuses impossible combinations)."""
+    if args.mode is None:
+        # Small batches are launch-bound on a GPU; on a CPU compiling costs more than it saves.
+        args.mode = "fast" if args.accelerator == "cuda" else "eager"
+    if args.compile is None:
+        args.compile = args.mode == "fast"
+    one_device = args.devices == 1 and args.num_nodes == 1
+    profiling = getattr(args, "memory_timeline", False) or getattr(args, "snapshot", False)
+    if args.cuda_graphs is None:
+        args.cuda_graphs = args.mode == "fast" and args.accelerator == "cuda" and one_device and not profiling
+    elif args.cuda_graphs:
+        if args.accelerator != "cuda":
+            raise UsageError("--cuda-graphs needs CUDA (on a CPU the fast mode is the eager mode)")
+        if not one_device:
+            raise UsageError("--cuda-graphs works on one device; with several, leave it out (DDP/FSDP run eagerly)")
+        if profiling:
+            raise UsageError("--cuda-graphs with --memory-timeline/--snapshot: profile the eager steps (--no-cuda-graphs)")
+    if args.cuda_graphs and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = FAST_ALLOCATOR
 
 
 # `fabric run --devices 2 script.py` consumes the hardware flags itself and hands them to the script in

@@ -5,10 +5,14 @@ of a group (not after the first, the off-by-one that ``batch_idx % k == 0`` give
 loss is divided by the size of its group so the summed gradient is the big batch's mean gradient, a
 final partial group at the end of an epoch still steps, and gradient synchronisation between processes
 is skipped on all but the last micro-batch of a group (``fabric.no_backward_sync``).
+
+Fast mode (``cuda_graphs=True``, one GPU): after a short eager warm-up, each optimizer step - the same
+micro-batches, backward passes and update - runs as one CUDA graph (common/graphs.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections.abc import Callable
@@ -18,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from common.data import NUM_CLASSES, to_model_input
+from common.graphs import WARMUP_STEPS, StepGraph
 from common.profiling import Recorder
 
 # batch_fn(model, batch) -> (loss, logits, targets): how a batch becomes a loss; the loop is model-agnostic.
@@ -94,6 +99,7 @@ def fit(
     checkpoint_every: int | None = None,
     checkpoint_dir: str | None = None,
     resume: str | None = None,
+    cuda_graphs: bool = False,
 ) -> None:
     """Train; every optimizer step is reported to ``log.step_done()`` (an event, no synchronisation).
 
@@ -103,6 +109,9 @@ def fit(
     does not wait for the GPU inside the loop.
     ``--memory-timeline`` / ``--snapshot`` record the first steps (common/profiling.py); without them
     the recorder does nothing.
+    ``cuda_graphs``: fast mode. The first steps run eagerly (warm-up), then every step is one replay of
+    a captured CUDA graph (common/graphs.py); the warm-up's peak memory is recorded apart from the
+    steady state's (``log.warmup_done``).
 
     Resumable runs: every ``checkpoint_every`` optimizer steps, ``fabric.save`` writes the model, the
     optimizer, the scheduler, the step, the position in the epoch and the random state that shuffled
@@ -154,7 +163,7 @@ def fit(
         log.accuracy["train"] = train_acc.compute().item()
         metrics = {"train/loss": mean, "train/acc": log.accuracy["train"]}
         if optimizer is not None:
-            metrics["train/lr"] = optimizer.param_groups[0]["lr"]
+            metrics["train/lr"] = float(optimizer.param_groups[0]["lr"])
         fabric.log_dict(metrics, step=step)
         bar.set_postfix(loss=f"{mean:.4f}", acc=f"{log.accuracy['train']:.3f}")
         train_acc.reset()
@@ -172,6 +181,8 @@ def fit(
         })  # fmt: skip
 
     model.train()
+    graph = StepGraph(fabric, model, optimizer, batch_fn, k, scheduler) if cuda_graphs else None
+    warmup_steps = step + (WARMUP_STEPS + 1 if graph else 1)  # + the capture step; else the first step
     recorder = Recorder.for_run(fabric, log).start()
     for epoch in range(start_epoch, epochs):
         if hasattr(train_loader, "_num_iter_calls"):
@@ -187,25 +198,41 @@ def fit(
                 continue
             group_size = min(k, num_batches - (i // k) * k)  # the last group of an epoch may be short
             is_step = (i + 1) % k == 0 or i + 1 == num_batches
-            with fabric.no_backward_sync(model, enabled=not is_step):
-                with recorder.region("forward"):
-                    loss, logits, targets = batch_fn(model, batch)
-                with recorder.region("backward"):
-                    fabric.backward(loss / group_size)
-            log.micro_batches += 1
-            window_loss += loss.detach().float()
-            window_batches += 1
-            train_acc.update(logits.detach(), targets)
-            if not is_step:
-                continue
-            if optimizer is not None:
-                with recorder.region("optimizer"):
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)  # frees gradient memory before the next forward
+            if graph is not None and graph.ready:  # fast mode: the graph replays the whole step
+                graph.load(i % k, batch)
+                if not is_step:
+                    continue
+                loss_sum, logits, targets = graph.replay(group_size)
+                log.micro_batches += group_size
+                window_loss += loss_sum
+                window_batches += group_size
+                train_acc.update(logits, targets)
+            else:
+                with graph.warmup() if graph is not None else contextlib.nullcontext():
+                    with fabric.no_backward_sync(model, enabled=not is_step):
+                        with recorder.region("forward"):
+                            loss, logits, targets = batch_fn(model, batch)
+                        with recorder.region("backward"):
+                            fabric.backward(loss / group_size)
+                    log.micro_batches += 1
+                    window_loss += loss.detach().float()
+                    window_batches += 1
+                    train_acc.update(logits.detach(), targets)
+                    if not is_step:
+                        continue
+                    if optimizer is not None:
+                        with recorder.region("optimizer"):
+                            optimizer.step()
+                            # frees gradient memory before the next forward (fast mode may keep it: graphs.py)
+                            optimizer.zero_grad(set_to_none=graph is None or not graph.persistent_grads)
+                if graph is not None:
+                    graph.warmup_step_done()
             if scheduler is not None:
                 scheduler.step()
             step += 1
             log.step_done()
+            if step == warmup_steps:
+                log.warmup_done(step)  # peak memory so far (compilation, capture) kept apart
             recorder.step()
             bar.update(1)
             if step % log_every == 0:
@@ -220,6 +247,9 @@ def fit(
         if step >= total:
             break
     recorder.close()
+    if graph is not None:
+        log.extra["cuda_graphs"] = {"graphs": len(graph.graphs), **(graph.memory() or {})}
+        graph.close()
     if window_batches:
         close_window()
     bar.close()

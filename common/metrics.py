@@ -7,12 +7,14 @@ key                              meaning
 ===============================  ===========================================================================
 schema_version                   1
 recipe, tag, description         which script ran (tag: the --tag suffix or null)
+mode                             "fast" (CUDA: compiled blocks, each optimizer step one CUDA graph where the
+                                 rung uses them; config.compile / config.cuda_graphs say which) | "eager"
 status                           "ok" | "oom" (CUDA out of memory, caught) | "error"
 error                            first line of the error, or null
 config                           every parsed flag (plus micro_batch_size)
 provenance                       device ("cuda"/"cpu"), gpu_name, world_size, num_nodes, versions (torch,
                                  lightning, torchvision, python, cuda), float32_matmul_precision ("high"
-                                 means TF32 matmuls), data_source ("cifar10"/"synthetic"), weights
+                                 means TF32 matmuls), cuda_alloc_conf (PYTORCH_CUDA_ALLOC_CONF), data_source ("cifar10"/"synthetic"), weights
                                  ("pretrained"/"random"), model, parameters, timestamp (UTC ISO 8601);
                                  data_source is "cifar10"/"digits"/"synthetic" for images (only real
                                  data makes accuracy a score; digits: common/digits.py);
@@ -27,6 +29,13 @@ memory.phases.<name>             {peak_allocated_gb, peak_reserved_gb, per_rank:
                                  ("model_load", "train", "eval", ...)
 memory.peak_allocated_gb         the "train" phase peak (max over ranks): the number the ladder compares
 memory.peak_reserved_gb          likewise, reserved by the caching allocator
+memory.run_peak_allocated_gb     the largest phase peak: the whole run (model load, training, evaluation)
+memory.run_peak_reserved_gb      likewise, reserved
+memory.warmup                    CUDA: {steps, peak_allocated_gb, peak_reserved_gb} over the first ``steps``
+                                 optimizer steps of training (compilation, CUDA-graph capture, optimizer
+                                 state created); null without it. The "train" phase peak is the larger of
+                                 this and memory.steady
+memory.steady                    {peak_allocated_gb, peak_reserved_gb} after the warm-up steps
 memory.timeline                  --memory-timeline: {html, png, json, device, steps, phases_ms} files of the
                                  torch.profiler memory timeline by category (next to this JSON), else null
 memory.snapshot                  --snapshot: path of the CUDA allocator history pickle (memory_viz), else null
@@ -50,6 +59,7 @@ timing.tokens_per_s              text runs: samples_per_s x provenance.tokens_pe
                                  through the model, all ranks together); null for images
 timing.optimizer_steps           optimizer steps taken; micro_batches, images_seen (per rank x world size)
 timing.warmup_steps              steps left out of the median (first steps pay for allocation/autotuning)
+timing.step_s                    {min, p10, median, p90, max} of the timed step intervals (s): the spread
 accuracy.{train,val,test}        fraction correct (train: over the last logged window of the run;
                                  bonus_llm_finetune: next-token accuracy on completion tokens)
 loss.{first,last}                training loss of the first and last logged window
@@ -155,6 +165,7 @@ def environment() -> dict[str, Any]:
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
         "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
     }
@@ -184,6 +195,8 @@ class MetricsLogger:
         self._estimate: Any = None
         self._estimate_s = 0.0  # time spent predicting memory: kept out of the phases' wall_s
         self.memory_files: dict[str, Any] = {"timeline": None, "snapshot": None}  # set by common.loop
+        self.warmup: dict[str, Any] | None = None  # peak memory up to the end of warm-up (warmup_done)
+        self._steady_from: str | None = None  # the phase in which warm-up ended (its peaks were reset)
         self._loggers: list | None = None
 
     # ------------------------------------------------------------------------------------------ set-up
@@ -238,6 +251,7 @@ class MetricsLogger:
         CUDA peaks are reset on entry."""
         import torch
 
+        self._phase = name
         cuda = self._cuda
         if cuda:
             torch.cuda.synchronize(self.fabric.device)
@@ -253,11 +267,43 @@ class MetricsLogger:
             else:
                 # ru_maxrss is in KiB on Linux: the process peak so far, not resettable.
                 alloc = reserved = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            if self._steady_from == name and self.warmup is not None:
+                # warm-up ended inside this phase and reset the peaks: the phase's peak is the larger
+                self.warmup["steady_allocated"], self.warmup["steady_reserved"] = alloc, reserved
+                alloc = max(alloc, self.warmup["allocated"])
+                reserved = max(reserved, self.warmup["reserved"])
             self.phases[name] = {
                 "allocated": alloc,
                 "reserved": reserved,
                 "wall_s": time.perf_counter() - start - (self._estimate_s - estimate_s),
             }
+
+    def warmup_done(self, steps: int) -> None:
+        """End of warm-up (compilation, CUDA-graph capture, optimizer state created): keep the peak so
+        far apart and reset the peaks, so the rest of the phase measures the steady state."""
+        if not self._cuda:
+            return
+        import torch
+
+        device = self.fabric.device
+        torch.cuda.synchronize(device)
+        self.warmup = {
+            "steps": steps,
+            "allocated": torch.cuda.max_memory_allocated(device),
+            "reserved": torch.cuda.max_memory_reserved(device),
+        }
+        self._steady_from = getattr(self, "_phase", None)
+        torch.cuda.reset_peak_memory_stats(device)
+
+    def _warmup_payload(self) -> tuple[dict | None, dict | None]:
+        """(memory.warmup, memory.steady) for the results, or (None, None)."""
+        w = self.warmup
+        if w is None or "steady_allocated" not in w:
+            return None, None
+        return (
+            {"steps": w["steps"], "peak_allocated_gb": w["allocated"] / GB, "peak_reserved_gb": w["reserved"] / GB},
+            {"peak_allocated_gb": w["steady_allocated"] / GB, "peak_reserved_gb": w["steady_reserved"] / GB},
+        )
 
     # ------------------------------------------------------------------------------------------ timing
     def step_done(self) -> None:
@@ -361,16 +407,19 @@ class MetricsLogger:
             "images_seen": self.micro_batches * getattr(self.args, "micro_batch_size", 0) * world,
             "warmup_steps": warmup,
             "timed_intervals": len(steady),
+            "step_s": _quantiles(steady),
         }
 
     def payload(self, status: str = "ok", error: str | None = None, gather: bool = True) -> dict[str, Any]:
         phases = self._gather_phases(gather)
         main = phases.get("train", {})
+        warmup, steady = self._warmup_payload()
         return {
             "schema_version": SCHEMA_VERSION,
             "recipe": self.recipe,
             "tag": getattr(self.args, "tag", None),
             "description": self.description,
+            "mode": run_mode(self.args),
             "status": status,
             "error": error,
             "config": {k: v for k, v in vars(self.args).items()},
@@ -381,6 +430,10 @@ class MetricsLogger:
                 "peak_allocated_gb": main.get("peak_allocated_gb"),
                 "peak_reserved_gb": main.get("peak_reserved_gb"),
                 "phases": phases,
+                "run_peak_allocated_gb": max((p["peak_allocated_gb"] for p in phases.values()), default=None),
+                "run_peak_reserved_gb": max((p["peak_reserved_gb"] for p in phases.values()), default=None),
+                "warmup": warmup,
+                "steady": steady,
                 "timeline": self.memory_files.get("timeline"),
                 "snapshot": self.memory_files.get("snapshot"),
             },
@@ -414,6 +467,28 @@ class MetricsLogger:
         write_json_atomic(path, payload)
         print(summary(payload, path))
         return payload
+
+
+def _quantiles(values: list[float]) -> dict[str, float] | None:
+    """min / 10th percentile / median / 90th percentile / max of the timed step intervals (s)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+
+    def at(q: float) -> float:
+        return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+    return {"min": ordered[0], "p10": at(0.1), "median": statistics.median(ordered), "p90": at(0.9),
+            "max": ordered[-1]}  # fmt: skip
+
+
+def run_mode(args: Any) -> str:
+    """"fast" or "eager": what a run's config says (older results: compiled counts as fast)."""
+    config = args if isinstance(args, dict) else vars(args)
+    mode = config.get("mode")
+    if mode:
+        return mode
+    return "fast" if config.get("compile") or config.get("cuda_graphs") else "eager"
 
 
 def _fmt(value: float | None, spec: str) -> str:

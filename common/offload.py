@@ -13,6 +13,12 @@ anyway. :class:`offload_activations` differs in two ways:
   kernel that needs it.
 The copies still share the stream with compute (no overlap); what is saved is GPU memory, at the
 price of PCIe time. Tensors smaller than ``min_bytes`` stay on the GPU (not worth a transfer).
+
+The host buffers persist: the n-th tensor saved inside a ``with`` block goes to the same pinned buffer
+every time the block is entered (a new one only if its shape or dtype changed). No pinned memory is
+allocated per step, and a CUDA graph that captured the copies (fast mode, common/graphs.py) keeps
+copying to memory that stays valid. So create one instance and enter it once per micro-batch, and
+run each micro-batch's backward before entering it again (the training loop does both).
 """
 
 from __future__ import annotations
@@ -27,6 +33,9 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):  # noqa: N8
         """``devices``: tensors on these device types are moved out (the tests add "cpu" to exercise the
         mechanics without a GPU: the tensor is then copied to a separate host buffer)."""
         self.offloaded_bytes = 0
+        self.buffers: list[torch.Tensor | None] = []  # the n-th saved tensor's host buffer, kept across steps
+        self._sources: list[tuple | None] = []  # (shape, stride, dtype) each buffer was made for
+        self._next = 0
         pin = torch.cuda.is_available()
 
         def pack(t: torch.Tensor):
@@ -34,7 +43,17 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):  # noqa: N8
             small = t.numel() * t.element_size() < min_bytes
             if t.device.type not in devices or isinstance(base, torch.nn.Parameter) or small:
                 return t
-            host = torch.empty(t.shape, dtype=t.dtype, layout=t.layout, pin_memory=pin)
+            slot, self._next = self._next, self._next + 1
+            if slot == len(self.buffers):
+                self.buffers.append(None)
+                self._sources.append(None)
+            layout = (t.shape, t.stride(), t.dtype)
+            if self._sources[slot] != layout:
+                # the saved tensor's strides where they are dense: a compiled backward checks the layout
+                # it gets back
+                self.buffers[slot] = torch.empty_like(t, device="cpu", pin_memory=pin)
+                self._sources[slot] = layout
+            host = self.buffers[slot]
             host.copy_(t, non_blocking=True)
             self.offloaded_bytes += host.numel() * host.element_size()
             return (t.device, host)
@@ -46,3 +65,11 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):  # noqa: N8
             return host.to(device, non_blocking=True)
 
         super().__init__(pack, unpack)
+
+    def __enter__(self):
+        self._next = 0  # the saved tensors of this micro-batch reuse the buffers, in order
+        return super().__enter__()
+
+    def host_bytes(self) -> int:
+        """Bytes of the host buffers: what one micro-batch copies out (and back) on its saved tensors."""
+        return sum(b.numel() * b.element_size() for b in self.buffers if b is not None)

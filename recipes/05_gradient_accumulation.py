@@ -63,6 +63,7 @@ def main(args, log):
             epochs=args.epochs,
             max_steps=args.max_steps,
             log_every=args.log_every,
+            cuda_graphs=args.cuda_graphs,  # fast mode: each optimizer step one CUDA graph
             **cli.checkpointing(args),
         )
     with log.phase("eval"):

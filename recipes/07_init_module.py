@@ -15,7 +15,7 @@ from common import bf16, cli, data, estimate, loop, models
 
 RECIPE = "07_init_module"
 DEFAULTS = dict(precision="bf16-true", batch_size=16, accumulation_steps=4, lr=0.01)
-ESTIMATE = dict(optimizer="sgd", optimizer_impl="foreach")  # for common.estimate: SGD keeps no state
+ESTIMATE = dict(optimizer="sgd", optimizer_impl="fused")  # for common.estimate: SGD keeps no state
 
 
 def main(args, log):
@@ -52,8 +52,8 @@ def main(args, log):
         if args.compile:  # one compiled graph per block (all 24 share it): fewer, fused kernel launches
             for block in models.blocks(model):
                 block.compile()
-        # plain SGD keeps no state; Adam kept two extra tensors per parameter
-        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+        # plain SGD keeps no state (Adam kept two extra tensors per parameter); fused: one kernel
+        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, fused=True)
         log.estimate = estimate.for_run(model, args, **ESTIMATE)  # the predicted peak
         optimizer = bf16.updates(optimizer, args, log)  # --bf16-update, --lost-updates (common/bf16.py)
         model, optimizer = fabric.setup(model, optimizer)
@@ -86,6 +86,7 @@ def main(args, log):
             max_steps=args.max_steps,
             scheduler=scheduler,
             log_every=args.log_every,
+            cuda_graphs=args.cuda_graphs,  # fast mode: each optimizer step one CUDA graph
             **cli.checkpointing(args),
         )
     with log.phase("eval"):

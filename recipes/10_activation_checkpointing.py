@@ -5,7 +5,7 @@ During the forward pass each block keeps only its input; the ~20 tensors it woul
 and recomputed block by block during the backward pass. Activation memory falls from "every block's
 insides" to "every block's input + one block's insides", for about one extra forward pass of compute.
 Non-reentrant checkpointing is the default; --reentrant selects the older implementation (see
-docs/10_activation_checkpointing.md for what each saves). torch.compile is off by default here.
+docs/10_activation_checkpointing.md for what each saves).
 """
 
 import lightning as L
@@ -14,8 +14,8 @@ import torch
 from common import bf16, cli, data, estimate, loop, models
 
 RECIPE = "10_activation_checkpointing"
-DEFAULTS = dict(precision="bf16-true", batch_size=16, accumulation_steps=4, lr=0.01, compile=False)
-ESTIMATE = dict(optimizer="sgd", optimizer_impl="foreach", checkpoint=("EncoderBlock",))
+DEFAULTS = dict(precision="bf16-true", batch_size=16, accumulation_steps=4, lr=0.01)
+ESTIMATE = dict(optimizer="sgd", optimizer_impl="fused", checkpoint=("EncoderBlock",))
 
 
 def add_flags(parser) -> None:
@@ -49,8 +49,8 @@ def main(args, log):
         # keep each block's input, recompute the rest in backward
         for i, block in enumerate(models.blocks(model)):
             model.encoder.layers[i] = models.CheckpointedBlock(block, use_reentrant=args.reentrant)
-        # plain SGD keeps no state; Adam kept two extra tensors per parameter
-        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+        # plain SGD keeps no state (Adam kept two extra tensors per parameter); fused: one kernel
+        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, fused=True)
         log.estimate = estimate.for_run(model, args, **ESTIMATE)  # the predicted peak
         optimizer = bf16.updates(optimizer, args, log)  # --bf16-update, --lost-updates (common/bf16.py)
         model, optimizer = fabric.setup(model, optimizer)
@@ -75,6 +75,7 @@ def main(args, log):
             max_steps=args.max_steps,
             scheduler=scheduler,
             log_every=args.log_every,
+            cuda_graphs=args.cuda_graphs,  # fast mode: each optimizer step one CUDA graph
             **cli.checkpointing(args),
         )
     with log.phase("eval"):

@@ -4,7 +4,6 @@ Rung 06 dropped Adam to save its state: two tensors per parameter, 1.21 GB in bf
 torchao's AdamW8bit keeps both moments block-wise quantised to 8 bits (plus one scale per block),
 a quarter of fp32 state and half of bf16 state, and dequantises them inside the update. Adam's
 convergence, at 0.61 GB of state. Needs torchao (`pip install -e ".[lowbit]"`).
-torch.compile of the blocks is off by default here (torchao compiles its own update step).
 """
 
 import lightning as L
@@ -13,7 +12,7 @@ import torch
 from common import bf16, cli, data, estimate, loop, models
 
 RECIPE = "13_lowbit_optimizer"
-DEFAULTS = dict(precision="bf16-true", batch_size=16, accumulation_steps=4, lr=5e-5, compile=False)
+DEFAULTS = dict(precision="bf16-true", batch_size=16, accumulation_steps=4, lr=5e-5)
 ESTIMATE = dict(optimizer="adamw8bit")  # for common.estimate: 8-bit moments
 
 
@@ -71,6 +70,7 @@ def main(args, log):
             max_steps=args.max_steps,
             scheduler=scheduler,
             log_every=args.log_every,
+            cuda_graphs=args.cuda_graphs,  # fast mode: each optimizer step one CUDA graph
             **cli.checkpointing(args),
         )
     with log.phase("eval"):

@@ -342,3 +342,36 @@ def test_llm_toggle_precision_is_validated(toggle, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
     assert _llm_outcome(accelerator="cuda") == "32-true"
     assert "does not support bfloat16" in _llm_outcome(toggle, accelerator="cuda")
+
+
+# ------------------------------------------------------------------------------------------- fast mode
+def test_mode_defaults_fast_on_cuda_and_eager_on_cpu(monkeypatch):
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    cpu = cli.parse_args("d", {}, ["--accelerator", "cpu"])
+    assert (cpu.mode, cpu.compile, cpu.cuda_graphs) == ("eager", False, False)
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+    _pretend_gpus(monkeypatch)
+    gpu = cli.parse_args("d", {}, ["--accelerator", "cuda"])
+    assert (gpu.mode, gpu.compile, gpu.cuda_graphs) == ("fast", True, True)
+    # the graphs' allocator setting is in place before anything starts CUDA
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == cli.FAST_ALLOCATOR
+    eager = cli.parse_args("d", {}, ["--accelerator", "cuda", "--mode", "eager"])
+    assert (eager.compile, eager.cuda_graphs) == (False, False)
+    # one flag overrides its part of the mode
+    mixed = cli.parse_args("d", {}, ["--accelerator", "cuda", "--no-compile"])
+    assert (mixed.mode, mixed.compile, mixed.cuda_graphs) == ("fast", False, True)
+
+
+def test_cuda_graphs_only_where_they_can_run(monkeypatch):
+    _pretend_gpus(monkeypatch)
+    several = cli.parse_args("d", {}, ["--accelerator", "cuda", "--devices", "2"])
+    assert several.cuda_graphs is False  # fast mode with several devices: compiled, no graphs
+    profiled = cli.parse_args("d", {}, ["--accelerator", "cuda", "--memory-timeline"])
+    assert profiled.cuda_graphs is False  # the profiler records the eager steps
+    for argv, word in (
+        (["--accelerator", "cpu", "--cuda-graphs"], "CUDA"),
+        (["--accelerator", "cuda", "--devices", "2", "--cuda-graphs"], "one device"),
+        (["--accelerator", "cuda", "--snapshot", "--cuda-graphs"], "--no-cuda-graphs"),
+    ):
+        with pytest.raises(cli.UsageError, match=word):
+            cli.validate(cli.build_parser("d", {}).parse_args(argv))

@@ -185,6 +185,18 @@ def test_offloaded_activations_give_the_plain_gradients_and_skip_weights():
         torch.testing.assert_close(p.grad, a)
     # every saved activation went out, no weight did (weights are saved too: "all" is larger)
     assert hooks.offloaded_bytes == saved["activations"] < saved["all"]
+    assert hooks.host_bytes() == saved["activations"]  # one micro-batch's buffers
+
+    # Entered again, it reuses the same host buffers, in order (a CUDA graph keeps copying to them),
+    # and the gradients are still the plain ones.
+    buffers = [b.data_ptr() for b in hooks.buffers]
+    model.zero_grad(set_to_none=True)
+    with hooks:
+        loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    assert [b.data_ptr() for b in hooks.buffers] == buffers
+    for a, p in zip(plain, model.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, a)
 
 
 @pytest.mark.parametrize(

@@ -122,17 +122,43 @@ def write_fixtures(directory: Path, fixtures: dict = FIXTURES) -> None:
         (directory / name).write_text(json.dumps(payload, indent=2))
 
 
-def table_rows(markdown: str) -> dict[str, list[str]]:
-    """Rows of the main table (the first one), keyed by the recipe cell."""
+def table_rows(markdown: str, mode: bool = False) -> dict[str, list[str]]:
+    """Rows of the main table (the first one), keyed by the recipe cell; without the mode column
+    (``mode=True``: that column alone)."""
     lines = markdown.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("| recipe |"))
+    header = [c.strip() for c in lines[start].strip("|").split("|")]
+    at = header.index("mode")
     rows = {}
     for line in lines[start + 2 :]:
         if not line.startswith("|"):
             break
         cells = [c.strip() for c in line.strip("|").split("|")]
-        rows[cells[0]] = cells
+        rows[cells[0]] = cells[at] if mode else cells[:at] + cells[at + 1 :]
     return rows
+
+
+def test_mode_column_says_how_each_row_ran(tmp_path):
+    """Compiled, CUDA-graph and eager rows are labelled, never an unlabelled mix."""
+    runs = {
+        "a": {"compile": True, "cuda_graphs": True},
+        "b": {"compile": True, "cuda_graphs": False},
+        "c": {"compile": False, "cuda_graphs": False},
+        "d": {"compile": False},  # an older file without the key
+    }
+    results = []
+    for tag, config in runs.items():
+        r = make_result("01_baseline", tag=tag)
+        r["config"].pop("cuda_graphs", None)
+        r["config"].update(config)
+        results.append(r)
+    modes = table_rows(report.render_table(results), mode=True)
+    assert modes == {
+        "01_baseline (a)": "compiled + graphs",
+        "01_baseline (b)": "compiled",
+        "01_baseline (c)": "eager",
+        "01_baseline (d)": "eager",
+    }
 
 
 def run_module(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:

@@ -20,8 +20,9 @@ batch, accumulation, optimizer, schedule and memory technique; the benchmark set
 defaults would get wrong from scratch: the learning rate (``--adam-lr`` for the Adam rungs, ``--sgd-lr``
 for the SGD rungs, the same for every rung of a kind) and the length (``--epochs``). No warm-up: the
 rungs have none, and the small ViT trains without it at these rates. Runs are eager by default
-(``--no-compile``, TORCHDYNAMO_DISABLE=1): accuracy does not depend on compilation, and compiling in
-~60 processes would cost more than the training. Several runs share the GPU at once (``--parallel``).
+(``--mode eager`` to every recipe, and TORCHDYNAMO_DISABLE=1 for torchao's optimizers): accuracy does
+not depend on compilation or CUDA graphs, compiling in ~70 processes would cost more than the
+training, and ``--lost-updates`` needs eager steps. Several runs share the GPU at once (``--parallel``).
 
 The bf16 fixes (``--bf16-update``, common/bf16.py) run as variants of rung 03 (Adam) and rung 06 (SGD),
 compared with 16-mixed (fp32 master weights; rung 02 for Adam, rung 06 with --precision 16-mixed for
@@ -138,11 +139,10 @@ def plan(args: argparse.Namespace, cuda: bool) -> list[Job]:
             base = [
                 "--data", "digits", "--model", args.model, "--weights", "none", "--seed", str(seed),
                 "--epochs", str(args.epochs), "--lr", str(lr),
-                "--log-every", str(max(1, steps // CURVE_POINTS)),
-                "--lost-updates", str(max(1, steps // LOST_POINTS)),
+                "--log-every", str(max(1, steps // CURVE_POINTS)), "--mode", args.mode,
             ]  # fmt: skip
-            if not args.compile:
-                base.append("--no-compile")
+            if args.mode == "eager":  # the measurement reads weights between steps: not under CUDA graphs
+                base += ["--lost-updates", str(max(1, steps // LOST_POINTS))]
             if not cuda and d.get("precision") == "16-mixed":
                 base += ["--precision", "bf16-mixed"]  # fp16 autocast needs CUDA
             variants = [("default", [], None)]
@@ -155,7 +155,7 @@ def plan(args: argparse.Namespace, cuda: bool) -> list[Job]:
         for recipe, variant, flags in MEMORY_RUNS:
             if args.rungs and recipe not in args.rungs:
                 continue
-            memory_flags = [*MEMORY_FLAGS, *([] if args.compile else ["--no-compile"]), *flags]
+            memory_flags = [*MEMORY_FLAGS, "--mode", args.mode, *flags]
             jobs.append(Job(recipe, variant, None, memory_flags, 10**9))
     return jobs
 
@@ -168,7 +168,7 @@ def child_env(args: argparse.Namespace, logs: Path) -> dict[str, str]:
     env.setdefault("OMP_NUM_THREADS", "1")  # several runs at once: one intra-op thread each
     env.setdefault("TQDM_MININTERVAL", "30")  # a progress line every 30 s in the logs, not every 0.1 s
     env["PYTHONUNBUFFERED"] = "1"
-    if not args.compile:
+    if args.mode == "eager":
         env["TORCHDYNAMO_DISABLE"] = "1"  # torchao's optimizers compile their step otherwise
     return env
 
@@ -232,7 +232,7 @@ def run_all(args: argparse.Namespace) -> int:
             "sgd_lr": args.sgd_lr,
             "seeds": args.seed_list,
             "parallel": args.parallel,
-            "compile": args.compile,
+            "mode": args.mode,
             "extra_flags": args.extra,
             "device": "cuda" if cuda else "cpu",
             "gpu_name": torch.cuda.get_device_name(0) if cuda else None,
@@ -622,7 +622,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="digits runs at once (they share the GPU; +3 ViT-L/16 memory runs)",
     )
     p.add_argument("--deadline-s", type=float, help="start no run after this many seconds")
-    p.add_argument("--compile", action="store_true", help="let recipes compile (default: eager)")
+    p.add_argument(
+        "--mode",
+        choices=("eager", "fast"),
+        default="eager",
+        help="the recipes' --mode (default eager; fast cannot measure lost updates: the tool then skips them)",
+    )
     p.add_argument("--no-variants", dest="variants", action="store_false", help="skip the bf16 fix variants")
     p.add_argument("--no-memory", dest="memory", action="store_false", help="skip the ViT-L/16 memory runs")
     args = p.parse_args(argv)
