@@ -20,12 +20,13 @@ from common import faults
 PRECISIONS = ("32-true", "32", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "64-true")
 ACCELERATORS = ("auto", "cpu", "cuda", "gpu")
 MODES = ("fast", "eager")
-DATA_CHOICES = ("auto", "cifar10", "synthetic")
+DATA_CHOICES = ("auto", "cifar10", "digits", "synthetic")
 WEIGHTS_CHOICES = ("auto", "pretrained", "none")
 # The help of the flags whose meaning depends on the recipe's data and model family; a recipe of
 # another family (the bonus text recipes) replaces it with ``help_overrides`` (see common/text.py).
 HELP = {
-    "data": "auto falls back to synthetic when CIFAR-10 is unreachable",
+    "data": "auto falls back to digits (real, bundled with scikit-learn) when CIFAR-10 is unreachable;"
+    " synthetic: memory/speed runs only (its accuracy is not a score)",
     "data_dir": "where CIFAR-10 is (or will be downloaded)",
     "model": "vit_l_16 (the ladder), vit_b_16, vit_tiny (CPU/tests)",
 }
@@ -45,6 +46,8 @@ BASE_DEFAULTS: dict[str, Any] = {
     "epochs": 1,
     "max_steps": None,
     "lr": 5e-5,
+    "bf16_update": "plain",
+    "lost_updates": None,
     "data": "auto",
     "data_dir": "data",
     "weights": "auto",
@@ -165,6 +168,20 @@ def build_parser(
     g.add_argument("--max-steps", type=at_least(1), help="stop after this many optimizer steps")
     g.add_argument("--lr", type=_positive_float, help="learning rate")
     g.add_argument("--seed", type=int, help="random seed")
+    g = p.add_argument_group("bf16 weight updates (single-GPU rungs; see common/bf16.py)")
+    g.add_argument(
+        "--bf16-update",
+        choices=("plain", "stochastic", "kahan"),
+        help="how bf16-true weights store an update: plain rounding (loses small updates), stochastic"
+        " rounding, or Kahan-compensated (+2 bytes/parameter)",
+    )
+    g.add_argument(
+        "--lost-updates",
+        type=at_least(1),
+        metavar="N",
+        help="every N optimizer steps, measure the fraction of parameters whose update was lost"
+        " (costs a copy of the weights and a sync in those steps)",
+    )
     g = p.add_argument_group("data and model")
     g.add_argument("--data", choices=data_choices or DATA_CHOICES, help=helps["data"])
     g.add_argument("--data-dir", help=helps["data_dir"])
@@ -255,6 +272,10 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
     if args.devices > have:
         what = "CUDA devices" if args.accelerator == "cuda" else "CPU cores"
         raise UsageError(f"--devices {args.devices} requested but this machine has {have} {what}")
+    if getattr(args, "bf16_update", "plain") not in ("plain", None) and args.precision != "bf16-true":
+        raise UsageError(
+            f"--bf16-update {args.bf16_update} needs --precision bf16-true, not {args.precision}"
+        )
     if getattr(args, "snapshot", False) and args.accelerator != "cuda":
         raise UsageError(
             "--snapshot needs CUDA: it records the CUDA caching allocator's history; on a CPU use --memory-timeline"
@@ -262,6 +283,10 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
     if args.weights == "pretrained" and args.model == "vit_tiny":
         raise UsageError(f"--weights pretrained: no pretrained weights exist for --model {args.model}")
     _choose_mode(args)
+    if getattr(args, "lost_updates", None) and args.cuda_graphs:
+        raise UsageError(
+            "--lost-updates reads the weights between steps: use it with --no-cuda-graphs or --mode eager"
+        )
     args.micro_batch_size = args.batch_size // args.accumulation_steps
     return args
 

@@ -1,4 +1,4 @@
-"""CIFAR-10 (real) and a learnable synthetic stand-in, kept as uint8 32x32 on the host.
+"""CIFAR-10 and scikit-learn's digits (real) and a learnable synthetic stand-in, kept as uint8 on the host.
 
 Why uint8 on the host: the reference scripts resized every image to 224x224 on the CPU in the
 DataLoader, which made the small-batch rungs wait on the CPU. Here a batch travels as 3 KB per image and
@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from common import digits
 from common.faults import BadInput
 
 NUM_CLASSES = 10
@@ -34,12 +35,20 @@ SPLIT_SIZES = (45_000, 5_000, 10_000)  # train / val / test, as in the article
 
 @dataclass
 class Splits:
-    """Three splits of uint8 images (N, 32, 32, 3) and int64 labels (N,), plus where they came from."""
+    """Three splits of uint8 images (N, H, W, C) and int64 labels (N,), plus where they came from.
+
+    CIFAR-10 and the synthetic stand-in are (N, 32, 32, 3); digits are (N, 8, 8, 1).
+    """
 
     train: tuple[np.ndarray, np.ndarray]
     val: tuple[np.ndarray, np.ndarray]
     test: tuple[np.ndarray, np.ndarray]
-    source: str  # "cifar10" or "synthetic"
+    source: str  # "cifar10", "digits" or "synthetic"
+
+    @property
+    def real(self) -> bool:
+        """Real images: accuracy on them is a measurement; on the synthetic stand-in it is not."""
+        return self.source != "synthetic"
 
 
 # ---------------------------------------------------------------------------------------------- real data
@@ -165,15 +174,25 @@ def synthetic(sizes: tuple[int, int, int] = SPLIT_SIZES, seed: int = 0, noise: f
 
 
 # ------------------------------------------------------------------------------------------------ choice
+def load_digits() -> Splits:
+    """scikit-learn's bundled digits: fixed stratified splits of real 8x8 images (common/digits.py)."""
+    (train, val, test), _ = digits.splits()
+    return Splits(train, val, test, "digits")
+
+
 def load(choice: str, data_dir: str = "data") -> Splits:
-    """--data auto|cifar10|synthetic. ``auto`` uses CIFAR-10 if present or downloadable, else the
-    synthetic stand-in with one printed line. ``cifar10`` offline is a UsageError (exit 2)."""
+    """--data auto|cifar10|digits|synthetic. ``auto`` uses CIFAR-10 if present or downloadable, else
+    the real digits bundled with scikit-learn, with one printed line. ``cifar10`` offline is a
+    UsageError (exit 2). ``synthetic`` is for memory and speed runs only: CIFAR-10's shapes and sizes,
+    but its accuracy is not a score."""
     from common.net import note, reachable
 
     if choice == "synthetic":
         return synthetic()
     if not cifar10_present(data_dir) and os.path.exists(os.path.join(data_dir, CIFAR_ARCHIVE)):
         extract_cifar10_archive(data_dir)  # an archive placed by hand: verified, then extracted
+    if choice == "digits":
+        return load_digits()
     if not cifar10_present(data_dir):
         if reachable("www.cs.toronto.edu"):
             download_cifar10(data_dir)
@@ -185,9 +204,9 @@ def load(choice: str, data_dir: str = "data") -> Splits:
             )
         else:
             note(
-                "[data] CIFAR-10 not found and offline: using the synthetic stand-in (same shapes, learnable classes)"
+                "[data] CIFAR-10 not found and offline: using scikit-learn's bundled digits (real 8x8 images)"
             )
-            return synthetic()
+            return load_digits()
     return read_cifar10(data_dir)
 
 
@@ -245,10 +264,11 @@ def dataloaders(
 
 
 def to_model_input(images, image_size: int):
-    """uint8 (N, 32, 32, 3) on the device -> normalised float (N, 3, S, S), resized on the device.
+    """uint8 (N, H, W, C) on the device -> normalised float (N, 3, S, S), resized on the device.
 
     Called inside the training loop on a batch Fabric has already moved, so the 224x224 float images
-    only ever exist on the accelerator (196x the bytes of the uint8 originals).
+    only ever exist on the accelerator (196x the bytes of the uint8 originals). A one-channel batch
+    (digits) is resized as one channel and then repeated to three (a view, no copy).
     """
     import torch.nn.functional as F
 
@@ -257,6 +277,8 @@ def to_model_input(images, image_size: int):
         x = F.interpolate(
             x, size=(image_size, image_size), mode="bilinear", align_corners=False, antialias=False
         )
+    if x.shape[1] == 1:
+        x = x.expand(-1, 3, -1, -1)
     mean, std = _normalisation(x.device)
     return (x - mean) / std
 

@@ -158,6 +158,7 @@ def fit(
         if log.loss["first"] is None:
             log.loss["first"] = mean
         log.loss["last"] = mean
+        log.loss["curve"].append([step, mean])
         log.accuracy["train"] = train_acc.compute().item()
         metrics = {"train/loss": mean, "train/acc": log.accuracy["train"]}
         if optimizer is not None:

@@ -21,6 +21,8 @@ provenance                       device ("cuda"/"cpu"), gpu_name, world_size, nu
                                  lightning, torchvision, python, cuda), float32_matmul_precision ("high"
                                  means TF32 matmuls), cuda_alloc_conf (PYTORCH_CUDA_ALLOC_CONF), data_source ("cifar10"/"synthetic"), weights
                                  ("pretrained"/"random"), model, parameters, timestamp (UTC ISO 8601);
+                                 data_source is "cifar10"/"digits"/"synthetic" for images (only real
+                                 data makes accuracy a score; digits: common/digits.py);
                                  text runs (bonus recipes) also tokens_per_sample (the padded sequence
                                  length), data_detail, and data_source "imdb"/"synthetic"
 memory.kind                      "cuda": torch.cuda.max_memory_allocated/reserved, reset at the start of
@@ -66,6 +68,16 @@ timing.step_s                    {min, p10, median, p90, max} of the timed step 
 accuracy.{train,val,test}        fraction correct (train: over the last logged window of the run;
                                  bonus_llm_finetune: next-token accuracy on completion tokens)
 loss.{first,last}                training loss of the first and last logged window
+loss.curve                       [[optimizer step, mean training loss of the window ending there], ...]:
+                                 one point every --log-every steps (and the last, partial window)
+updates.rule                     --bf16-update of the run ("plain"/"stochastic"/"kahan"); null when the
+                                 recipe does not route its optimizer through common.bf16
+updates.optimizer                the optimizer class that stepped (module.Class), null likewise
+updates.lost                     --lost-updates N: {every, columns ["step", "lost", "unchanged"], steps
+                                 [[step, lost, unchanged], ...], mean_lost, mean_unchanged, last_lost}:
+                                 per sampled step, the fraction of parameters whose update would move
+                                 them in fp32 but whose effective weight did not move, and of stored
+                                 weights that did not move (common/bf16.py); null without the flag
 extra                            recipe-specific measurements (e.g. rung 07's two ways of loading);
                                  set by the loop: resumed_from {path, step} (a resumed run), stopped
                                  {signal, step, planned_steps, checkpoint (to resume from, or null)}
@@ -186,7 +198,8 @@ class MetricsLogger:
         self.optimizer_steps = 0
         self.micro_batches = 0
         self.accuracy: dict[str, float | None] = {"train": None, "val": None, "test": None}
-        self.loss: dict[str, float | None] = {"first": None, "last": None}
+        self.loss: dict[str, Any] = {"first": None, "last": None, "curve": []}
+        self.updates: dict[str, Any] = {"rule": None, "optimizer": None, "lost": None}  # common.bf16
         self.provenance: dict[str, Any] = {"data_source": None, "weights": None}
         self.extra: dict[str, Any] = {}
         self._estimate: Any = None
@@ -437,6 +450,7 @@ class MetricsLogger:
             "timing": self._timing(),
             "accuracy": self.accuracy,
             "loss": self.loss,
+            "updates": self.updates,
             "extra": self.extra,
             "estimate": self.estimate.to_dict() if self.estimate is not None else None,
         }

@@ -65,6 +65,7 @@ def build_model(name: str, weights: object | None, num_classes: int = 10):
 
     Allocation happens on the current default device/dtype, so calling this inside
     ``fabric.init_module()`` creates the model directly on the GPU in the target precision (rung 07).
+    The small CPU/benchmark model (``vit_tiny``) is the exception, see :func:`_same_start`.
     """
     import torch.nn as nn
     import torchvision.models as tvm
@@ -72,20 +73,46 @@ def build_model(name: str, weights: object | None, num_classes: int = 10):
 
     if name == "vit_tiny":
         # 32x32 input, 8x8 patches -> 16 tokens + class token; a few thousand parameters per block.
-        model = VisionTransformer(
-            image_size=32,
-            patch_size=8,
-            num_layers=2,
-            num_heads=2,
-            hidden_dim=64,
-            mlp_dim=128,
-            num_classes=num_classes,
+        return _same_start(
+            lambda: VisionTransformer(
+                image_size=32,
+                patch_size=8,
+                num_layers=2,
+                num_heads=2,
+                hidden_dim=64,
+                mlp_dim=128,
+                num_classes=num_classes,
+            )
         )
-        return model
     builder = getattr(tvm, name)
     model = builder(weights=weights)
     model.heads.head = nn.Linear(model.heads.head.in_features, num_classes)
     return model
+
+
+def _same_start(make):
+    """Build with ``make()`` so that every rung starts from the same weights for a given seed.
+
+    The convergence benchmark (tools/convergence.py) compares rungs from the same initial weights, but
+    rungs build their model in different ways: on the CPU (01-06), on the GPU in bf16 inside
+    ``fabric.init_module()`` (07, 10-15, whose random numbers come from the CUDA generator), or twice
+    (07). So the small model is always initialised on the CPU in fp32 from a generator reset to the
+    run's seed (``torch.initial_seed()``, set by ``fabric.seed_everything``), then moved to the default
+    device and dtype. The global random state is left as it was, so building it does not change the
+    order in which the data is shuffled either. Cheap for a model of this size; the ladder's ViT-L/16
+    keeps the rungs' own way of building.
+    """
+    import torch
+
+    device, dtype = torch.get_default_device(), torch.get_default_dtype()
+    with torch.random.fork_rng(devices=[]), torch.device("cpu"):
+        torch.manual_seed(torch.initial_seed())
+        torch.set_default_dtype(torch.float32)
+        try:
+            model = make()
+        finally:
+            torch.set_default_dtype(dtype)
+    return model.to(device=device, dtype=dtype)
 
 
 def load(name: str, weights: str, num_classes: int = 10) -> BuiltModel:

@@ -100,6 +100,27 @@ def _memory_cells(result: dict) -> tuple[str, str]:
     return tuple(c + mark if c != DASH else c for c in cells)  # type: ignore[return-value]
 
 
+def _real_data(result: dict) -> bool:
+    """Accuracy is a score only on real data (CIFAR-10, digits, IMDb); the synthetic stand-ins are
+    learnable by construction, so their accuracy only shows that a run learns."""
+    return _get(result, "provenance.data_source") not in (None, "synthetic")
+
+
+def _accuracy(result: dict, split: str) -> str:
+    return _num(_get(result, f"accuracy.{split}"), 3) if _real_data(result) else DASH
+
+
+def _data_note(results: list[dict]) -> str:
+    """Which rows' accuracy is a score (real data) and which is not shown (synthetic)."""
+    real = [f"{_label(r)} ({_get(r, 'provenance.data_source')})" for r in results if _real_data(r)]
+    return (
+        "Accuracy is shown for runs on real data only"
+        + (f": {', '.join(real)}" if real else " (none here)")
+        + f". Runs on synthetic data show {DASH}: memory and speed do not depend on the pixel values, and "
+        "accuracy on the learnable stand-in is not a score."
+    )
+
+
 def _mode(result: dict) -> str:
     """How the steps ran: "eager", "compiled" (torch.compile) and/or "graphs" (one CUDA graph per step)."""
     parts = [
@@ -148,8 +169,8 @@ def render_table(results: list[dict]) -> str:
             allocated,
             *(_num(_get(r, key), decimals) for _, key, decimals in speed),
             str(_get(r, "timing.optimizer_steps", DASH)),
-            _num(_get(r, "accuracy.train"), 3),
-            _num(_get(r, "accuracy.val"), 3),
+            _accuracy(r, "train"),
+            _accuracy(r, "val"),
         ]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
@@ -237,6 +258,8 @@ def render_markdown(results: list[dict], image_name: str = "ladder.png") -> str:
         "Memory is the peak of the training phase, in GB (1e9 bytes): `allocated` by tensors and "
         "`reserved` by the caching allocator. Throughput counts all ranks together"
         + ("; tokens/s counts padded tokens." if any(_is_text(r) for r in results) else "."),
+        "",
+        _data_note(results),
     ]
     estimates = render_estimates(results)
     if estimates:

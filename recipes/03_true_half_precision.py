@@ -8,7 +8,7 @@ is why this is a fine-tuning trick rather than a free lunch. --precision 16-true
 import lightning as L
 import torch
 
-from common import cli, data, estimate, loop, models
+from common import bf16, cli, data, estimate, loop, models
 
 RECIPE = "03_true_half_precision"
 DEFAULTS = dict(precision="bf16-true", batch_size=64, accumulation_steps=1, lr=5e-5)
@@ -41,6 +41,7 @@ def main(args, log):
         # fused: the whole update in one kernel, no temporary copies of the parameters
         optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, fused=True)
         log.estimate = estimate.for_run(model, args, **ESTIMATE)  # the predicted peak
+        optimizer = bf16.updates(optimizer, args, log)  # --bf16-update, --lost-updates (common/bf16.py)
         model, optimizer = fabric.setup(model, optimizer)
     log.set(parameters=models.count_parameters(model))
 

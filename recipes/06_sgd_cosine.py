@@ -8,7 +8,7 @@ part of what SGD loses in convergence.
 import lightning as L
 import torch
 
-from common import cli, data, estimate, loop, models
+from common import bf16, cli, data, estimate, loop, models
 
 RECIPE = "06_sgd_cosine"
 DEFAULTS = dict(precision="bf16-true", batch_size=16, accumulation_steps=4, lr=0.01)
@@ -41,6 +41,7 @@ def main(args, log):
         # plain SGD keeps no state (Adam kept two extra tensors per parameter); fused: one kernel
         optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, fused=True)
         log.estimate = estimate.for_run(model, args, **ESTIMATE)  # the predicted peak
+        optimizer = bf16.updates(optimizer, args, log)  # --bf16-update, --lost-updates (common/bf16.py)
         model, optimizer = fabric.setup(model, optimizer)
     log.set(parameters=models.count_parameters(model))
 

@@ -11,7 +11,7 @@ no accumulation (--accumulation-steps > 1 is refused).
 import lightning as L
 import torch
 
-from common import cli, data, estimate, loop, models
+from common import bf16, cli, data, estimate, loop, models
 
 RECIPE = "12_optimizer_in_backward"
 DEFAULTS = dict(precision="bf16-true", batch_size=4, accumulation_steps=1, lr=0.01)
@@ -56,6 +56,7 @@ def main(args, log):
             optimizers[param].step()
             optimizers[param].zero_grad(set_to_none=True)  # the gradient is freed right away
 
+        optimizers = bf16.updates(optimizers, args, log)  # --bf16-update, --lost-updates (common/bf16.py)
         for p in model.parameters():
             p.register_post_accumulate_grad_hook(step_in_backward)
     log.set(parameters=models.count_parameters(model))

@@ -9,7 +9,7 @@ convergence, at 0.61 GB of state. Needs torchao (`pip install -e ".[lowbit]"`).
 import lightning as L
 import torch
 
-from common import cli, data, estimate, loop, models
+from common import bf16, cli, data, estimate, loop, models
 
 RECIPE = "13_lowbit_optimizer"
 DEFAULTS = dict(precision="bf16-true", batch_size=16, accumulation_steps=4, lr=5e-5)
@@ -47,6 +47,7 @@ def main(args, log):
         # both Adam moments in 8 bits, block-wise scaled
         optimizer = AdamW8bit(model.parameters(), lr=args.lr)
         log.estimate = estimate.for_run(model, args, **ESTIMATE)  # the predicted peak
+        optimizer = bf16.updates(optimizer, args, log)  # --bf16-update, --lost-updates (common/bf16.py)
         model, optimizer = fabric.setup(model, optimizer)
     log.set(parameters=models.count_parameters(model))
     pin = fabric.device.type == "cuda"

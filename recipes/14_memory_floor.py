@@ -18,7 +18,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # 
 import lightning as L
 import torch
 
-from common import cli, data, estimate, loop, models, offload
+from common import bf16, cli, data, estimate, loop, models, offload
 
 RECIPE = "14_memory_floor"
 DEFAULTS = dict(precision="bf16-true", batch_size=4, accumulation_steps=1, lr=0.01)
@@ -71,6 +71,7 @@ def main(args, log):
             optimizers[param].step()
             optimizers[param].zero_grad(set_to_none=True)
 
+        optimizers = bf16.updates(optimizers, args, log)  # --bf16-update, --lost-updates (common/bf16.py)
         for p in model.parameters():
             p.register_post_accumulate_grad_hook(step_in_backward)
     log.set(parameters=models.count_parameters(model))

@@ -16,7 +16,7 @@ torch.utils.flop_counter, over the measured step time, against the GPU's datashe
 import lightning as L
 import torch
 
-from common import cli, data, estimate, loop, metrics, models
+from common import bf16, cli, data, estimate, loop, metrics, models
 
 RECIPE = "15_speed"
 DEFAULTS = dict(precision="bf16-true", batch_size=256, accumulation_steps=1, lr=5e-5)
@@ -50,6 +50,7 @@ def main(args, log):
             model = torch.compile(model)
         # fused: the whole update in one kernel, no temporary copies of the parameters
         optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, fused=True)
+        optimizer = bf16.updates(optimizer, args, log)  # --bf16-update, --lost-updates (common/bf16.py)
         model, optimizer = fabric.setup(model, optimizer)
     log.set(parameters=models.count_parameters(model))
 

@@ -292,7 +292,7 @@ def test_help_overrides_replace_the_image_help():
     from common import text
 
     image = cli.build_parser("d", {}).format_help()
-    assert "CIFAR-10" in image and "vit_l_16" in image and "{auto,cifar10,synthetic}" in image
+    assert "CIFAR-10" in image and "vit_l_16" in image and "{auto,cifar10,digits,synthetic}" in image
     bonus = cli.build_parser("d", {}, data_choices=text.DATA_CHOICES, help_overrides=text.HELP).format_help()
     assert "CIFAR-10" not in bonus and "vit_l_16" not in bonus and "{auto,imdb,synthetic}" in bonus
     assert all(" ".join(h.split()) in " ".join(bonus.split()) for h in text.HELP.values())

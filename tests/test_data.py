@@ -1,5 +1,5 @@
-"""common.data: the CIFAR-10 reader against files in CIFAR-10's on-disk format, the offline fallback,
-the synthetic stand-in, the device-side input transform and the loaders."""
+"""common.data: the CIFAR-10 reader against files in CIFAR-10's on-disk format, the digits splits, the
+offline fallback, the synthetic stand-in, the device-side input transform and the loaders."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from common import data, net
+from common import data, digits, net
 from common.cli import UsageError
 
 PER_BATCH = 60
@@ -123,12 +123,42 @@ def test_load_auto_uses_cifar_files_when_present(tmp_path, offline, capsys):
     assert "synthetic" not in capsys.readouterr().out
 
 
-def test_load_auto_offline_falls_back_to_synthetic_with_one_line(tmp_path, offline, capsys):
+def test_load_auto_offline_falls_back_to_digits_with_one_line(tmp_path, offline, capsys):
     s = data.load("auto", str(tmp_path / "nothing-here"))
-    assert s.source == "synthetic"
-    assert len(s.train[0]) + len(s.val[0]) + len(s.test[0]) == sum(data.SPLIT_SIZES)
+    assert s.source == "digits" and s.real
+    assert len(s.train[0]) + len(s.val[0]) + len(s.test[0]) == 1797
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("[data]") and "synthetic" in lines[0], lines
+    assert len(lines) == 1 and lines[0].startswith("[data]") and "digits" in lines[0], lines
+    assert not (tmp_path / "nothing-here").exists(), "nothing downloaded or written"
+    assert data.load("synthetic").source == "synthetic" and not data.load("synthetic").real
+
+
+# ---------------------------------------------------------------------------------------------- digits
+DIGITS_SPLIT = "c94204e8f281"  # common.digits.split_fingerprint of the fixed split: a change shows here
+
+
+def test_digits_splits_are_stratified_fixed_and_disjoint():
+    x, y = digits.raw()
+    assert x.shape == (1797, 8, 8, 1) and x.dtype == np.uint8 and x.max() == 255 and x.min() == 0
+    idx = digits.split_indices(y)
+    together = np.concatenate(idx)
+    assert len(together) == len(set(together.tolist())) == len(y), "disjoint, and every image in one split"
+    totals = np.bincount(y, minlength=10)
+    for part, fraction in zip(idx, (0.7, 0.1, 0.2), strict=True):
+        counts = np.bincount(y[part], minlength=10)
+        assert np.all(np.abs(counts - fraction * totals) <= 1), (fraction, counts)  # stratified
+    np.random.seed(7)  # the global NumPy state plays no part
+    assert all(np.array_equal(a, b) for a, b in zip(idx, digits.split_indices(y), strict=True))
+    assert digits.split_fingerprint(idx) == DIGITS_SPLIT
+    # no test or validation image is also a training image (not even an identical copy)
+    flat = x.reshape(len(x), -1)
+    train = {row.tobytes() for row in flat[idx[0]]}
+    assert not any(row.tobytes() in train for row in flat[np.concatenate(idx[1:])])
+    s = data.load("digits")
+    assert s.source == "digits"
+    for (images, labels), part in zip((s.train, s.val, s.test), idx, strict=True):
+        assert np.array_equal(images, x[part]) and np.array_equal(labels, y[part])
+    assert f"split {DIGITS_SPLIT}" in digits.splits()[1]
 
 
 def test_load_cifar10_offline_without_files_is_a_usage_error(tmp_path, offline):
@@ -206,6 +236,21 @@ def test_to_model_input_resizes(size):
     g_hi = (1 - data.IMAGENET_MEAN[1]) / data.IMAGENET_STD[1]
     assert out[0, 1, 0, 0].item() == pytest.approx(g_lo, abs=1e-5)  # left edge: no green
     assert out[0, 1, 0, size - 1].item() == pytest.approx(g_hi, abs=1e-5)  # right edge: full green
+
+
+def test_to_model_input_makes_three_channels_of_a_one_channel_batch():
+    imgs = torch.zeros(2, 8, 8, 1, dtype=torch.uint8)
+    imgs[0, :, 4:] = 255  # right half white
+    out = data.to_model_input(imgs, 32)
+    assert out.shape == (2, 3, 32, 32) and out.dtype == torch.float32
+    mean = torch.tensor(data.IMAGENET_MEAN).view(1, 3, 1, 1)
+    std = torch.tensor(data.IMAGENET_STD).view(1, 3, 1, 1)
+    grey = out * std + mean  # undo the per-channel normalisation: the three channels are one image
+    assert torch.allclose(grey[:, 0], grey[:, 1], atol=1e-6)
+    assert torch.allclose(grey[:, 0], grey[:, 2], atol=1e-6)
+    assert grey[0, 0, 0, 0].item() == pytest.approx(0.0, abs=1e-6)
+    assert grey[0, 0, 0, 31].item() == pytest.approx(1.0, abs=1e-6)
+    assert grey[1].abs().max().item() < 1e-6
 
 
 # --------------------------------------------------------------------------------------------- loaders

@@ -206,6 +206,10 @@ def test_main_renders_table_and_figure(tmp_path):
     cpu = rows["06_sgd_cosine (cpu)"]
     assert cpu[5].startswith("1.28") and cpu[5] != "1.28"  # marked with the footnote
     assert "RSS" in markdown
+    # synthetic data: its accuracy is not a score, shown as a dash; the note names the real-data rows
+    assert cpu[9:] == ["—", "—"] and base[9:] == ["0.912", "0.877"]
+    note = next(line for line in markdown.splitlines() if line.startswith("Accuracy is shown"))
+    assert "01_baseline (cifar10)" in note and "06_sgd_cosine (cpu)" not in note
 
     # Sorted by recipe, then tag (untagged first).
     assert list(rows) == [

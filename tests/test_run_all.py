@@ -58,7 +58,7 @@ def test_cpu_path_runs_the_selected_recipes(cpu_ladder):
         p = json.loads(path.read_text())
         assert p["status"] == "ok" and p["provenance"]["device"] == "cpu"
         assert p["config"]["max_steps"] == 5 and p["timing"]["optimizer_steps"] == 5
-        assert p["provenance"]["data_source"] == "synthetic" and p["provenance"]["weights"] == "random"
+        assert p["provenance"]["data_source"] == "digits" and p["provenance"]["weights"] == "random"
     # --only selects: nothing else ran
     assert sorted(f.name for f in results.glob("*.json")) == ["01_baseline.json", "04_lower_batch_size.json"]
     assert not list(results.glob(".tmp-*"))
@@ -142,7 +142,7 @@ def test_failures_do_not_stop_the_ladder(tmp_path):
     assert lines[-1].startswith("report -m common.report") and str(results) in lines[-1]
     for ln in lines[:-1]:
         args = ln.split()
-        for flag in ("--accelerator cpu", "--model vit_tiny", "--data synthetic", "--weights none"):
+        for flag in ("--accelerator cpu", "--model vit_tiny", "--data digits", "--weights none"):
             assert flag in ln, (flag, ln)
         assert args[-2:] == ["--results-dir", str(results)]
         assert "--seed 7" in ln

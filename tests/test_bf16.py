@@ -1,0 +1,183 @@
+"""common.bf16: plain bf16 weights lose small updates, the fixes keep them, and the measurement counts right."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import types
+
+import pytest
+import torch
+
+from common import bf16, cli
+
+HAVE_OPTIMI = importlib.util.find_spec("optimi") is not None
+HAVE_TORCHAO = importlib.util.find_spec("torchao") is not None
+STEPS, LR = 100, 1e-3  # 100 updates of -0.001 to weights at 1.0: each is below half a bf16 step (2^-8)
+
+
+def fix_available(update: str, optimizer: str) -> bool:
+    if update == "kahan":
+        return HAVE_OPTIMI
+    if update == "stochastic" and optimizer == "adam":
+        return HAVE_TORCHAO
+    return True
+
+
+def train_ones(optimizer: str, update: str) -> torch.Tensor:
+    """4096 bf16 weights at 1.0, gradient 1 for STEPS steps: SGD and Adam both intend -LR per step."""
+    torch.manual_seed(0)
+    w = torch.ones(4096, dtype=torch.bfloat16, requires_grad=True)
+    base = torch.optim.SGD([w], lr=LR) if optimizer == "sgd" else torch.optim.Adam([w], lr=LR)
+    opt = bf16.replace(base, update)
+    assert (opt is base) == (update == "plain")
+    for _ in range(STEPS):
+        w.grad = torch.ones_like(w)
+        opt.step()
+    return w.detach().float()
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("update", bf16.UPDATES)
+def test_plain_bf16_loses_small_updates_and_the_fixes_keep_them(optimizer, update):
+    if not fix_available(update, optimizer):
+        pytest.skip(f"--bf16-update {update} needs a package that is not installed")
+    w = train_ones(optimizer, update)
+    intended = 1.0 - STEPS * LR  # 0.9
+    if update == "plain":
+        assert torch.all(w == 1.0), "every one of the 100 updates was rounded away"
+    elif update == "stochastic":
+        assert abs(w.mean().item() - intended) < 0.003, w.mean()  # right on average
+        assert w.std().item() > 0, "the rounding is random per element"
+    else:  # kahan: the stored weight is within one bf16 step of the intended value
+        assert torch.all((w - intended).abs() <= 2**-8), (w.min(), w.max())
+
+
+def test_round_stochastic_is_unbiased_and_keeps_exact_values():
+    torch.manual_seed(0)
+    step = 2.0**-7  # the bf16 spacing in [1, 2)
+    x = torch.full((200_000,), 1.0 + 0.25 * step)
+    r = bf16.round_stochastic(x)
+    assert r.dtype == torch.bfloat16
+    assert set(r.float().unique().tolist()) == {1.0, 1.0 + step}
+    assert (r.float() == 1.0 + step).float().mean().item() == pytest.approx(0.25, abs=0.01)
+    assert r.float().mean().item() == pytest.approx(x[0].item(), abs=step * 0.01)
+    exact = torch.tensor([0.0, -2.0, 1.5, 2.0**100, float("inf"), float("-inf")])
+    assert torch.equal(bf16.round_stochastic(exact).float(), exact)
+    assert bf16.round_stochastic(torch.tensor([float("nan")])).isnan().all()
+    neg = bf16.round_stochastic(-x).float()  # symmetric: rounds away from zero with the same odds
+    assert neg.mean().item() == pytest.approx(-x[0].item(), abs=step * 0.01)
+
+
+def _log(every: int | None = None):
+    return types.SimpleNamespace(optimizer_steps=0, updates={}), argparse.Namespace(
+        bf16_update="plain", lost_updates=every
+    )
+
+
+def _params():
+    """a: an update far below half a step (lost); b: a large one (applied); c: zero gradient (none due)."""
+    a, b, c = (torch.ones(n, dtype=torch.bfloat16, requires_grad=True) for n in (300, 100, 50))
+    return a, b, c
+
+
+def _grads(a, b, c):
+    a.grad, b.grad, c.grad = torch.full_like(a, 1e-3), torch.full_like(b, 0.25), torch.zeros_like(c)
+
+
+def test_lost_updates_counts_what_an_update_should_have_changed():
+    log, args = _log(every=2)
+    a, b, c = _params()
+    opt = bf16.updates(torch.optim.SGD([a, b, c], lr=1.0), args, log)
+    for _ in range(4):
+        _grads(a, b, c)
+        opt.step()
+        log.optimizer_steps += 1  # what the loop's log.step_done() does after the step
+    lost = log.updates["lost"]
+    assert lost["every"] == 2 and [row[0] for row in lost["steps"]] == [2, 4], "sampled steps only"
+    for _, fraction_lost, unchanged in lost["steps"]:
+        assert fraction_lost == pytest.approx(300 / 400)  # a's 300 of the 400 that should move
+        assert unchanged == pytest.approx(350 / 450)  # a and c did not move
+    assert lost["mean_lost"] == pytest.approx(0.75) and log.updates["rule"] == "plain"
+    assert log.updates["optimizer"] == "torch.optim.sgd.SGD"
+
+
+def test_an_update_that_fp32_would_also_round_away_is_not_counted():
+    """A learning rate decayed to zero (the end of a cosine schedule) moves nothing, in any precision."""
+    log, args = _log(every=1)
+    a, b, c = _params()
+    opt = bf16.updates(torch.optim.SGD([a, b, c], lr=0.0), args, log)
+    _grads(a, b, c)
+    opt.step()
+    assert log.updates["lost"]["steps"][0][1:] == [0.0, 1.0]  # nothing due, so nothing lost; none moved
+
+
+def test_lost_updates_adds_up_one_optimizer_per_parameter():
+    """Rungs 12/14 step one optimizer per parameter inside backward: one row per training step."""
+    log, args = _log(every=1)
+    a, b, c = _params()
+    optimizers = bf16.updates({p: torch.optim.SGD([p], lr=1.0) for p in (a, b, c)}, args, log)
+    for _ in range(2):
+        _grads(a, b, c)
+        for o in optimizers.values():
+            o.step()
+        log.optimizer_steps += 1
+    assert [row[0] for row in log.updates["lost"]["steps"]] == [1, 2]
+    assert log.updates["lost"]["steps"][1][1:] == pytest.approx([0.75, 350 / 450])
+
+
+@pytest.mark.skipif(not HAVE_OPTIMI, reason="needs torch-optimi")
+def test_lost_updates_counts_the_kahan_buffer_as_applied():
+    log, args = _log(every=1)
+    args.bf16_update = "kahan"
+    a, b, c = _params()
+    opt = bf16.updates(torch.optim.SGD([a, b, c], lr=1.0), args, log)
+    _grads(a, b, c)
+    opt.step()
+    log.optimizer_steps += 1
+    assert log.updates["rule"] == "kahan" and log.updates["optimizer"].startswith("optimi")
+    _, fraction_lost, unchanged = log.updates["lost"]["steps"][0]
+    assert fraction_lost == 0.0, "a's update waits in the compensation buffer"
+    assert unchanged == pytest.approx(350 / 450), "the stored bf16 weights of a did not move"
+
+
+def test_unsupported_combinations_are_refused_clearly(tmp_path):
+    w, v = (torch.ones(4, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    with pytest.raises(cli.UsageError, match="momentum"):
+        bf16.replace(torch.optim.SGD([w], lr=0.1, momentum=0.9), "kahan")
+    with pytest.raises(cli.UsageError, match="one parameter group"):
+        bf16.replace(torch.optim.SGD([{"params": [w]}, {"params": [v]}], lr=0.1), "stochastic")
+    if HAVE_TORCHAO:
+        from torchao.optim import AdamW8bit
+
+        with pytest.raises(cli.UsageError, match="8-bit Adam has no Kahan"):
+            bf16.replace(AdamW8bit([w], lr=1e-3), "kahan")
+        assert bf16.replace(AdamW8bit([w], lr=1e-3), "stochastic").bf16_stochastic_round
+    argv = ["--accelerator", "cpu", "--precision", "32-true", "--bf16-update", "kahan"]
+    with pytest.raises(SystemExit) as exc:
+        cli.parse_args("d", {}, argv)
+    assert exc.value.code == 2
+    assert cli.parse_args("d", {}, [*argv[:3], "bf16-true", "--bf16-update", "kahan"]).bf16_update == "kahan"
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("update", ["stochastic", "kahan"])
+def test_the_replacements_follow_the_rungs_optimizer_on_fp32_weights(optimizer, update):
+    """Same update rule: on fp32 weights (no rounding to fix) 50 steps land where torch's optimizer does."""
+    if not fix_available(update, optimizer):
+        pytest.skip(f"--bf16-update {update} needs a package that is not installed")
+    torch.manual_seed(0)
+    start, grads = torch.randn(1000), [torch.randn(1000) for _ in range(50)]
+
+    def final(update_rule: str) -> torch.Tensor:
+        w = start.clone().requires_grad_(True)
+        base = torch.optim.SGD([w], lr=1e-2) if optimizer == "sgd" else torch.optim.Adam([w], lr=1e-3)
+        opt = bf16.replace(base, update_rule)
+        for g in grads:
+            w.grad = g.clone()
+            opt.step()
+        return w.detach()
+
+    reference = final("plain")
+    moved = (reference - start).abs().max()
+    assert (final(update) - reference).abs().max() <= 1e-4 * moved
