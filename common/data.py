@@ -7,6 +7,7 @@ DataLoader, which made the small-batch rungs wait on the CPU. Here a batch trave
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -173,6 +174,38 @@ def synthetic(sizes: tuple[int, int, int] = SPLIT_SIZES, seed: int = 0, noise: f
     return Splits(make(sizes[0]), make(sizes[1]), make(sizes[2]), "synthetic")
 
 
+SYNTHETIC_CACHE = "synthetic-v1-seed0.npz"  # the default stand-in (SPLIT_SIZES, seed 0), made once
+
+
+def synthetic_cached(data_dir: str) -> Splits:
+    """:func:`synthetic` with its defaults, kept in ``data_dir`` after the first run.
+
+    Drawing 184 M Gaussian samples takes seconds per process, and a benchmark call starts dozens of
+    processes. The file (184 MB) is written atomically; one that cannot be read is made again, and a
+    folder that cannot be written to only costs the seconds."""
+    path = os.path.join(data_dir, SYNTHETIC_CACHE)
+    try:
+        with np.load(path) as f:
+            parts = [(f[f"x{i}"], f[f"y{i}"]) for i in range(3)]
+        if [len(x) for x, _ in parts] == list(SPLIT_SIZES):
+            return Splits(*parts, "synthetic")
+    except (OSError, ValueError, KeyError, EOFError):
+        pass  # absent or unreadable: make it
+    splits = synthetic()
+    arrays = {f"{k}{i}": part[j] for i, part in enumerate((splits.train, splits.val, splits.test))
+              for j, k in enumerate("xy")}  # fmt: skip
+    try:
+        os.makedirs(data_dir, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".npz", dir=data_dir)
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, **arrays)
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError, UnboundLocalError):
+            os.unlink(tmp)
+    return splits
+
+
 # ------------------------------------------------------------------------------------------------ choice
 def load_digits() -> Splits:
     """scikit-learn's bundled digits: fixed stratified splits of real 8x8 images (common/digits.py)."""
@@ -188,7 +221,7 @@ def load(choice: str, data_dir: str = "data") -> Splits:
     from common.net import note, reachable
 
     if choice == "synthetic":
-        return synthetic()
+        return synthetic_cached(data_dir)
     if not cifar10_present(data_dir) and os.path.exists(os.path.join(data_dir, CIFAR_ARCHIVE)):
         extract_cifar10_archive(data_dir)  # an archive placed by hand: verified, then extracted
     if choice == "digits":

@@ -290,3 +290,26 @@ def test_loaders_shard_across_ranks():
     val_ids = [torch.cat([b[1] for b in loaders[1]]).tolist() for loaders in per_rank]
     assert set(val_ids[0]) | set(val_ids[1]) == set(range(41)), "every validation sample is evaluated"
     assert len(per_rank[0][1]) == len(per_rank[1][1]) and len(per_rank[0][2]) == len(per_rank[1][2])
+
+
+def test_synthetic_is_made_once_per_data_dir(tmp_path, monkeypatch):
+    """The default stand-in is kept in the data folder: the second load reads the same arrays back, a
+    damaged file is made again, and a folder that cannot be written only costs the time."""
+    made = []
+    small = (64, 16, 16)
+    real = data.synthetic
+    monkeypatch.setattr(data, "SPLIT_SIZES", small)
+    monkeypatch.setattr(data, "synthetic", lambda: made.append(1) or real(sizes=small))
+    first = data.load("synthetic", str(tmp_path))
+    second = data.load("synthetic", str(tmp_path))
+    assert len(made) == 1 and second.source == "synthetic"
+    for a, b in zip(
+        (first.train, first.val, first.test), (second.train, second.val, second.test), strict=True
+    ):
+        assert (a[0] == b[0]).all() and (a[1] == b[1]).all() and a[0].dtype == b[0].dtype
+    (tmp_path / data.SYNTHETIC_CACHE).write_bytes(b"not an npz")
+    third = data.load("synthetic", str(tmp_path))
+    assert len(made) == 2 and (third.train[0] == first.train[0]).all()
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    assert data.load("synthetic", str(blocked / "data")).train[0].shape == (64, 32, 32, 3)
