@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         "provenance": harness.provenance(fabric, args),
         "variants": rows,
     }
-    harness.metrics.write_json_atomic(out / "lora_tower.json", payload)
+    harness.results_file.write_json_atomic(out / "lora_tower.json", payload)
     harness.plot_rows(
         rows,
         out / "lora_tower.png",

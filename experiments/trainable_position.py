@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         "provenance": harness.provenance(fabric, args),
         "variants": rows,
     }
-    harness.metrics.write_json_atomic(out / "trainable_position.json", payload)
+    harness.results_file.write_json_atomic(out / "trainable_position.json", payload)
     harness.plot_rows(
         rows,
         out / "trainable_position.png",

@@ -1,6 +1,6 @@
 """The bonus recipes on CPU: tiny DistilBERT / BigBird / Qwen2 configs, synthetic and real-format IMDb.
 
-Recipes run in-process as ``__main__`` (their own ``cli.run`` call: parsing, validation, results JSON,
+Recipes run in-process as ``__main__`` (their own ``lifecycle.run_recipe`` call: parsing, checks, results JSON,
 in one interpreter that has imported torch and transformers once); run_all.sh's bonus path runs as a background process while
 they do. No network (conftest sets FMR_OFFLINE=1); the "real IMDb" tests write their own aclImdb folder
 or CSV and a WordPiece vocabulary file.
@@ -8,7 +8,7 @@ or CSV and a WordPiece vocabulary file.
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import importlib.util
 import json
 import runpy
@@ -28,7 +28,8 @@ from conftest import (
     subprocess_env,
 )
 
-from common import cli, hf_models, metrics, report, text
+from common import hf_models, report, results, results_file, text, text_samples
+from common.config import UsageError
 
 BACKGROUND_PRIORITY = 20  # run_all.sh --bonus: one recipe process and the report
 BACKGROUND_TESTS = {"test_run_all_bonus_runs_a_row_of_the_llm_table"}
@@ -55,7 +56,7 @@ NEGATIVE = ["an awful film", "boring plot and a bad actor", "i hated the movie",
 def run_in_process(name: str, tmp_path: Path, *args: str, data: str = "synthetic") -> dict:
     """Run ``recipes/<name>.py`` as ``__main__`` in this interpreter and return its results payload.
 
-    The recipe's own ``cli.run(...)`` call parses the flags (its model and data choices, its extra
+    The recipe's own ``lifecycle.run_recipe(...)`` call parses the flags (its model and data choices, its extra
     flags), validates them, trains and writes the results JSON, as ``python recipes/<name>.py`` would.
     A refused flag raises SystemExit(2) here, as in a subprocess.
     """
@@ -68,12 +69,12 @@ def run_in_process(name: str, tmp_path: Path, *args: str, data: str = "synthetic
     if exc.value.code != 0:
         raise exc.value
     tag = args[args.index("--tag") + 1] if "--tag" in args else None
-    return json.loads(Path(metrics.results_path(str(tmp_path), name, tag)).read_text())
+    return json.loads(Path(results_file.results_path(str(tmp_path), name, tag)).read_text())
 
 
 @pytest.fixture(autouse=True)
 def _logs_in_tmp(tmp_path, monkeypatch):
-    monkeypatch.setattr(metrics, "LOG_DIR", str(tmp_path / "logs"))
+    monkeypatch.setattr(results, "LOG_DIR", str(tmp_path / "logs"))
 
 
 def write_vocab(folder: Path) -> Path:
@@ -97,7 +98,7 @@ def write_aclimdb(folder: Path, copies: int = 3) -> None:
 # ------------------------------------------------------------------------------------- synthetic data
 def test_synthetic_reviews_have_imdb_like_lengths_and_a_learnable_label():
     ids = hf_models.SPECS["distilbert-base-uncased"].ids
-    ds = text.SyntheticReviews(400, 512, ids, seed=3)
+    ds = text_samples.SyntheticReviews(400, 512, ids, seed=3)
     lengths, labels = [], []
     for i in range(len(ds)):
         input_ids, mask, label = ds[i]
@@ -115,23 +116,23 @@ def test_synthetic_reviews_have_imdb_like_lengths_and_a_learnable_label():
     assert 190 <= lengths_t.median() <= 270  # IMDb: median ~230 tokens
     assert 0.01 <= (lengths_t == 512).float().mean() <= 0.15  # the long tail is truncated
     assert 0.4 <= sum(labels) / len(labels) <= 0.6
-    again = text.SyntheticReviews(400, 512, ids, seed=3)[7][0]
+    again = text_samples.SyntheticReviews(400, 512, ids, seed=3)[7][0]
     assert torch.equal(again, ds[7][0])  # made on demand, reproducibly
 
 
 def test_sft_example_puts_minus_100_on_prompt_and_padding_only():
-    input_ids, mask, labels = text.sft_example([11, 12, 13], [21, 22], max_length=8, pad_id=0)
+    input_ids, mask, labels = text_samples.sft_example([11, 12, 13], [21, 22], max_length=8, pad_id=0)
     assert input_ids.tolist() == [11, 12, 13, 21, 22, 0, 0, 0]
     assert mask.tolist() == [1, 1, 1, 1, 1, 0, 0, 0]
     assert labels.tolist() == [-100, -100, -100, 21, 22, -100, -100, -100]
     # too long: the end is cut, the prompt stays masked
-    input_ids, mask, labels = text.sft_example([11, 12, 13], [21, 22, 23, 24], max_length=5, pad_id=0)
+    input_ids, mask, labels = text_samples.sft_example([11, 12, 13], [21, 22, 23, 24], max_length=5, pad_id=0)
     assert labels.tolist() == [-100, -100, -100, 21, 22] and mask.tolist() == [1] * 5
 
 
 def test_synthetic_sft_completions_follow_the_rule():
     ids = hf_models.SPECS["qwen2-tiny"].ids
-    ds = text.SyntheticSFT(50, 64, ids, seed=1)
+    ds = text_samples.SyntheticSFT(50, 64, ids, seed=1)
     successor = {int(ds.answers[j]): int(ds.answers[ds.successor[j]]) for j in range(len(ds.answers))}
     for i in range(len(ds)):
         prompt, completion = ds.sample(i)
@@ -206,11 +207,11 @@ def test_csv_reviews_become_sft_pairs_with_the_answer_supervised(tmp_path):
 
 def test_imdb_missing_offline(tmp_path):
     ids = hf_models.SPECS["distilbert-tiny"].ids
-    with pytest.raises(cli.UsageError, match="--data imdb"):
+    with pytest.raises(UsageError, match="--data imdb"):
         text.load("imdb", str(tmp_path), 32, ids, lambda: None)
     assert text.load("auto", str(tmp_path), 32, ids, lambda: None).source == "synthetic"
     write_aclimdb(tmp_path, copies=1)
-    with pytest.raises(cli.UsageError, match="tokenizer"):  # data there, but no tokenizer offline
+    with pytest.raises(UsageError, match="tokenizer"):  # data there, but no tokenizer offline
         text.load("imdb", str(tmp_path), 32, ids, lambda: None)
 
 
@@ -265,8 +266,8 @@ def test_after_recipes_shard_with_fsdp_and_offload_on_several_gpus():
 
     for name, block in (("bonus_distilbert_after", TransformerBlock), ("bonus_bigbird_after", BigBirdLayer)):
         module = load_recipe_module(name)
-        assert module.make_strategy(argparse.Namespace(devices=1, num_nodes=1)) == "auto"
-        strategy = module.make_strategy(argparse.Namespace(devices=4, num_nodes=1))
+        assert module.make_strategy(module.RUNG) == "auto"
+        strategy = module.make_strategy(dataclasses.replace(module.RUNG, devices=4))
         assert isinstance(strategy, FSDPStrategy)
         assert set(strategy._fsdp_kwargs["auto_wrap_policy"]._module_classes) == {block}
         assert strategy.cpu_offload is not None and strategy.cpu_offload.offload_params
