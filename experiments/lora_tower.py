@@ -1,4 +1,4 @@
-"""Experiment (seed 000, b): LoRA embedded in every block vs a decoupled LoRA side tower.
+"""Experiment (b): LoRA embedded in every block vs a decoupled LoRA side tower.
 
 Three variants of ViT-L/16 fine-tuning, trained identically (Adam, synthetic batches):
 

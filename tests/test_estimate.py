@@ -103,7 +103,7 @@ def test_fused_adam_keeps_one_step_counter_per_parameter_on_the_device():
 
 
 def test_peft_weights_k_plus_n_grads_n_adam_2n():
-    """Seed 004: with K frozen and N trainable parameters: weights K+N, gradients N, Adam 2N."""
+    """With K frozen and N trainable parameters: weights K+N, gradients N, Adam 2N."""
     model = TwoLinear()
     model.a.requires_grad_(False)
     k, n = numel(model.a), numel(model.b)
@@ -380,7 +380,7 @@ def test_check_and_report_compare_prediction_with_measurement(tmp_path, capsys):
         "recipe": "05_gradient_accumulation",
         "status": "ok",
         "config": {"precision": "bf16-true", "batch_size": 16, "accumulation_steps": 4, "micro_batch_size": 4,
-                   "devices": 1, "num_nodes": 1, "compile": False, "model": "vit_tiny"},
+                   "devices": 1, "num_nodes": 1, "compile": False, "model": "vit_tiny", "accelerator": "cuda"},
         "provenance": {"gpu_name": "NVIDIA H100 80GB HBM3", "world_size": 1},
         "memory": {"kind": "cuda", "peak_allocated_gb": 0.08},
     }  # fmt: skip

@@ -46,7 +46,8 @@ def check_results(dirs: list[str]) -> list[dict[str, Any]]:
             recorded = result.get("estimate") or {}
             if recorded.get("peak_allocated_gb") is None:
                 flags = {f.name for f in RunConfig.flag_fields()}
-                cfg = rung.with_flags(**{k: v for k, v in config.items() if k in flags}, accelerator="cuda")
+                recorded_flags = {k: v for k, v in config.items() if k in flags}
+                cfg = rung.with_flags(**{**recorded_flags, "accelerator": "cuda"})
                 plan = plan_for(cfg)
                 model = meta_model(config.get("model", "vit_l_16"))
                 recorded = simulate(model, plan, model_name=config.get("model")).to_dict()

@@ -237,7 +237,7 @@ class Estimate:
         lines.append("")
         s = self.static_gb
         lines.append(
-            "  Static (seed 004's arithmetic, per GPU): "
+            "  Static (arithmetic, per GPU): "
             + ", ".join(f"{k} {v:.3f}" for k, v in s.items())
             + f" GB | trainable {self.parameters['trainable']:,} of {self.parameters['total']:,} parameters"
         )
