@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from common.report_format import DASH, num, update_block, write_text
+from common.report_format import DASH, num, write_into_block, write_text
 from common.results_file import write_atomic
 
 COMPARISON_MODES = ("eager", "fast")
@@ -257,13 +257,7 @@ def comparison_main(path: str, readme: str | None) -> int:
     drawn = write_comparison(rows, folder)
     print(f"report: {len(rows)} rungs -> {folder / 'comparison.md'}" + (f", {image}" if drawn else ""))
     if readme:
-        target, _, block = readme.rpartition(":")
+        target = readme.rpartition(":")[0]
         link = os.path.relpath(image, Path(target).resolve().parent) if drawn else None
-        try:
-            text = update_block(Path(target).read_text(), block, render_comparison_markdown(rows, link))
-        except (OSError, ValueError) as e:
-            print(f"report: --readme {readme}: {e}", file=sys.stderr)
-            return 2
-        write_text(Path(target), text)
-        print(f"report: comparison -> {target} (block {block})")
+        return write_into_block(readme, render_comparison_markdown(rows, link), "comparison")
     return 0

@@ -21,7 +21,16 @@ from typing import Any
 
 from common.comparison import comparison_main
 from common.report_figure import render_figure
-from common.report_format import DASH, get, is_text, label, num, sort_key, update_block, write_text
+from common.report_format import (
+    DASH,
+    get,
+    is_text,
+    label,
+    num,
+    sort_key,
+    write_into_block,
+    write_text,
+)
 from common.results_file import SCHEMA_VERSION, estimate_error_pct
 
 STANDARD_PHASES = {"train", "eval", "model_load"}
@@ -296,14 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     render_figure(results, results_dir / "ladder.png")
     print(f"report: {len(results)} runs -> {results_dir / 'README.md'}, {results_dir / 'ladder.png'}")
     if args.readme:
-        path, _, block = args.readme.rpartition(":")
-        try:
-            text = update_block(Path(path).read_text(), block, render_table(results))
-        except (OSError, ValueError) as e:
-            print(f"report: --readme {args.readme}: {e}", file=sys.stderr)
-            return 2
-        write_text(Path(path), text)
-        print(f"report: table -> {path} (block {block})")
+        return write_into_block(args.readme, render_table(results), "table")
     return 0
 
 

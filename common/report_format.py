@@ -3,6 +3,7 @@ writing generated text into files (whole, or into a marked block of a document).
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -55,3 +56,17 @@ def label(result: dict) -> str:
 def is_text(result: dict) -> bool:
     """Text runs (the bonus recipes) record their padded sequence length; images do not."""
     return get(result, "provenance.tokens_per_sample") is not None
+
+
+def write_into_block(readme: str, content: str, what: str) -> int:
+    """``--readme PATH:BLOCK``: put ``content`` into the marked block of the file; 0, or 2 with one line
+    on stderr when the file or its markers are not there."""
+    path, _, block = readme.rpartition(":")
+    try:
+        text = update_block(Path(path).read_text(), block, content)
+    except (OSError, ValueError) as e:
+        print(f"report: --readme {readme}: {e}", file=sys.stderr)
+        return 2
+    write_text(Path(path), text)
+    print(f"report: {what} -> {path} (block {block})")
+    return 0
