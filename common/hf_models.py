@@ -192,7 +192,7 @@ def resolve_weights(spec: Spec, weights: str) -> bool:
     return False
 
 
-def build(
+def build_model(
     spec: Spec,
     pretrained: bool,
     *,

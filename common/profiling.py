@@ -57,7 +57,7 @@ class Recorder:
     written after ``steps`` of them); ``close()`` after the loop (writes what was recorded if the run
     had fewer steps).
 
-    Without a ``log`` (the experiments), ``predicted`` is the dashed line of the timeline plot, and
+    Without ``results`` (the experiments), ``predicted`` is the dashed line of the timeline plot, and
     ``time_phases=True`` records the steps with a light profiler (no memory, no stacks) only to time the
     phases: ``phase_ms`` is then :func:`phase_ms_from_trace` of those steps.
     """
@@ -68,7 +68,7 @@ class Recorder:
         timeline_prefix: str | None = None,
         snapshot_path: str | None = None,
         steps: int = 3,
-        log: Any = None,
+        results: Any = None,
         title: str = "",
         predicted: float | None = None,
         time_phases: bool = False,
@@ -77,7 +77,7 @@ class Recorder:
         self.timeline_prefix = timeline_prefix
         self.snapshot_path = snapshot_path
         self.steps = max(1, steps)
-        self.log = log
+        self.results = results
         self.title = title
         self.predicted = predicted
         self.time_phases = time_phases
@@ -89,19 +89,19 @@ class Recorder:
         self.phase_ms: tuple[dict[str, list[float]], dict[str, list[float]]] = ({}, {})
 
     @classmethod
-    def for_run(cls, fabric: Any, log: Any) -> Recorder:
+    def for_run(cls, fabric: Any, results: Any) -> Recorder:
         """From the recipe's flags (``--memory-timeline``, ``--snapshot``, ``--profile-steps``); rank 0
         records, the other ranks get an inactive recorder."""
-        cfg = log.cfg
+        cfg = results.cfg
         want_timeline, want_snapshot = cfg.memory_timeline, cfg.snapshot
         if not (want_timeline or want_snapshot) or not fabric.is_global_zero:
             return cls(fabric.device)
         return cls(
             fabric.device,
-            timeline_prefix=artifact_path(log, "timeline") if want_timeline else None,
-            snapshot_path=artifact_path(log, "snapshot.pickle") if want_snapshot else None,
+            timeline_prefix=artifact_path(results, "timeline") if want_timeline else None,
+            snapshot_path=artifact_path(results, "snapshot.pickle") if want_snapshot else None,
             steps=cfg.profile_steps,
-            log=log,
+            results=results,
             title=cfg.run_name,
         )
 
@@ -156,11 +156,11 @@ class Recorder:
             self._profiler.__exit__(None, None, None)
             self._profiler = None
         self._finish_snapshot()
-        if self.log is not None:
+        if self.results is not None:
             if self.timeline_files is not None:
-                self.log.memory_files["timeline"] = self.timeline_files
+                self.results.memory_files["timeline"] = self.timeline_files
             if self.snapshot_path and os.path.exists(self.snapshot_path):
-                self.log.memory_files["snapshot"] = self.snapshot_path
+                self.results.memory_files["snapshot"] = self.snapshot_path
 
     # ---------------------------------------------------------------------------------------- export
     def _sync(self) -> None:
@@ -197,5 +197,5 @@ class Recorder:
     def _predicted(self) -> float | None:
         if self.predicted is not None:
             return self.predicted
-        est = getattr(self.log, "estimate", None)
+        est = getattr(self.results, "estimate", None)
         return getattr(est, "peak_gb", None)

@@ -69,7 +69,7 @@ def main(cfg: TextConfig, results) -> None:
 
     with results.phase("model_load"):
         with fabric.init_module(empty_init=False):  # rung 07: allocated on the device, in bf16
-            model = hf_models.build(
+            model = hf_models.build_model(
                 spec, pretrained, num_labels=text.NUM_LABELS, vocab_size=splits.vocab_size
             )
         parameters = hf_models.count_parameters(model)

@@ -50,7 +50,9 @@ def main(cfg: TextConfig, results) -> None:
                 weights="pretrained" if pretrained else "random", tokens_per_sample=cfg.max_length)  # fmt: skip
 
     with results.phase("model_load"):
-        model = hf_models.build(spec, pretrained, num_labels=text.NUM_LABELS, vocab_size=splits.vocab_size)
+        model = hf_models.build_model(
+            spec, pretrained, num_labels=text.NUM_LABELS, vocab_size=splits.vocab_size
+        )
         optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr, fused=True)
         model, optimizer = fabric.setup(model, optimizer)
     results.set(parameters=hf_models.count_parameters(model))

@@ -64,7 +64,7 @@ def main(cfg: ToggleConfig, results) -> None:
 
     with results.phase("model_load"):
         with fabric.init_module():  # created on the device, in the dtype of the precision
-            model = hf_models.build(
+            model = hf_models.build_model(
                 spec, pretrained, attn_implementation=cfg.attn, vocab_size=splits.vocab_size
             )
         if cfg.grad_checkpointing:

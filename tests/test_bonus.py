@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
-import runpy
 import sys
 from pathlib import Path
 
@@ -23,12 +22,13 @@ from conftest import (
     load_recipe_module,
     result,
     run_process,
+    run_recipe_inprocess,
     session_dir,
     submit,
     subprocess_env,
 )
 
-from common import hf_models, report, results, results_file, text, text_samples
+from common import hf_models, report, results, text, text_samples
 from common.config import UsageError
 
 BACKGROUND_PRIORITY = 20  # run_all.sh --bonus: one recipe process and the report
@@ -53,23 +53,26 @@ NEGATIVE = ["an awful film", "boring plot and a bad actor", "i hated the movie",
 
 
 # --------------------------------------------------------------------------------------------- helpers
-def run_in_process(name: str, tmp_path: Path, *args: str, data: str = "synthetic") -> dict:
-    """Run ``recipes/<name>.py`` as ``__main__`` in this interpreter and return its results payload.
+def _run(name: str, tmp_path: Path, args: tuple[str, ...], data: str):
+    argv = ["--accelerator", "cpu", "--data", data, "--weights", "none", "--log-every", "5", *args]
+    return run_recipe_inprocess(name, argv, tmp_path)
 
-    The recipe's own ``lifecycle.run_recipe(...)`` call parses the flags (its model and data choices, its extra
-    flags), validates them, trains and writes the results JSON, as ``python recipes/<name>.py`` would.
-    A refused flag raises SystemExit(2) here, as in a subprocess.
-    """
-    path = REPO / "recipes" / f"{name}.py"
-    argv = ["--accelerator", "cpu", "--data", data, "--weights", "none", "--results-dir", str(tmp_path)]
-    argv += ["--log-every", "5", *args]
-    with pytest.MonkeyPatch.context() as mp, pytest.raises(SystemExit) as exc:
-        mp.setattr(sys, "argv", [str(path), *argv])
-        runpy.run_path(str(path), run_name="__main__")
-    if exc.value.code != 0:
-        raise exc.value
-    tag = args[args.index("--tag") + 1] if "--tag" in args else None
-    return json.loads(Path(results_file.results_path(str(tmp_path), name, tag)).read_text())
+
+def run_in_process(name: str, tmp_path: Path, *args: str, data: str = "synthetic") -> dict:
+    """Run ``recipes/<name>.py`` as ``__main__`` in this interpreter (conftest.run_recipe_inprocess:
+    its own flags, checks and results JSON, as ``python recipes/<name>.py`` would) and return its
+    results payload; the run must succeed."""
+    proc, payload = _run(name, tmp_path, args, data)
+    assert proc.returncode == 0 and payload is not None, describe(proc)
+    return payload
+
+
+def refused(name: str, tmp_path: Path, *args: str, data: str = "synthetic") -> list[str]:
+    """The same run, which must be refused: exit code 2; returns its lines on stderr."""
+    proc, payload = _run(name, tmp_path, args, data)
+    assert proc.returncode == 2 and payload is None, describe(proc)
+    assert "Traceback" not in proc.stderr, describe(proc)
+    return proc.stderr.strip().splitlines()
 
 
 @pytest.fixture(autouse=True)
@@ -342,20 +345,16 @@ def test_llm_toggles_change_the_model(tmp_path, row):
         (("--attn", "flash_attention_2"), "flash"),
     ],
 )
-def test_llm_impossible_toggles_exit_2(tmp_path, capsys, flags, message):
+def test_llm_impossible_toggles_exit_2(tmp_path, flags, message):
     if "flash_attention_2" in flags and importlib.util.find_spec("flash_attn") is not None:
         pytest.skip("flash-attn is installed here")
-    with pytest.raises(SystemExit) as exc:
-        run_in_process("bonus_llm_finetune", tmp_path, "--model", "qwen2-tiny", "--max-steps", "1", *flags)
-    assert exc.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
+    err = refused("bonus_llm_finetune", tmp_path, "--model", "qwen2-tiny", "--max-steps", "1", *flags)
     assert len(err) == 1 and message in err[0]
 
 
-def test_after_recipe_refuses_several_cpu_devices(tmp_path, capsys):
-    with pytest.raises(SystemExit) as exc:
-        run_in_process("bonus_distilbert_after", tmp_path, "--model", "distilbert-tiny", "--devices", "2")
-    assert exc.value.code == 2 and "FSDP" in capsys.readouterr().err
+def test_after_recipe_refuses_several_cpu_devices(tmp_path):
+    err = refused("bonus_distilbert_after", tmp_path, "--model", "distilbert-tiny", "--devices", "2")
+    assert len(err) == 1 and "FSDP" in err[0]
 
 
 def test_run_all_bonus_runs_a_row_of_the_llm_table():
@@ -382,7 +381,7 @@ def test_saved_activations_tool_counts_bytes(capsys):
 
     assert tool.main(args) == 0
     out = capsys.readouterr().out
-    model = hf_models.build(hf_models.SPECS["distilbert-tiny"], False)
+    model = hf_models.build_model(hf_models.SPECS["distilbert-tiny"], False)
     n = hf_models.count_parameters(model)
     weights = float(out.split("weights")[1].split("GB")[0])
     assert weights == pytest.approx(n * 4 / 1e9, abs=5e-4) and exact(out, "weights") == 4 * n  # fp32
@@ -415,25 +414,17 @@ def test_saved_activations_tool_counts_bytes(capsys):
     assert 0 < exact(out, "saved activations") < inclusive - saved_weights
 
 
-def test_imdb_asked_for_offline_is_one_line_and_exit_2(tmp_path, capsys):
-    with pytest.raises(SystemExit) as exc:
-        run_in_process(
-            "bonus_distilbert_before",
-            tmp_path,
-            *("--model", "distilbert-tiny", "--data-dir", str(tmp_path / "empty")),
-            data="imdb",
-        )
-    assert exc.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
+def test_imdb_asked_for_offline_is_one_line_and_exit_2(tmp_path):
+    err = refused(
+        "bonus_distilbert_before", tmp_path, "--model", "distilbert-tiny", "--data-dir", str(tmp_path / "empty"),
+        data="imdb",
+    )  # fmt: skip
     assert len(err) == 1 and "--data imdb" in err[0], err
 
 
 @pytest.mark.parametrize("name", ["bonus_distilbert_before", "bonus_llm_finetune"])
-def test_bonus_recipes_refuse_cifar10_in_one_line(tmp_path, capsys, name):
-    with pytest.raises(SystemExit) as exc:
-        run_in_process(name, tmp_path, data="cifar10")
-    assert exc.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
+def test_bonus_recipes_refuse_cifar10_in_one_line(tmp_path, name):
+    err = refused(name, tmp_path, data="cifar10")
     assert len(err) == 1 and err[0].startswith(f"{name}.py: error:"), err
     assert "invalid choice: 'cifar10'" in err[0] and "imdb" in err[0], err
     assert not any(tmp_path.iterdir())

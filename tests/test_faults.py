@@ -672,13 +672,6 @@ def _archive(tmp_path: Path) -> tuple[Path, Path]:
     return data_dir, source
 
 
-def _run_baseline(argv: list[str], monkeypatch) -> int:
-    """Rung 01 through its own lifecycle, in this process (the messages name it as its script would)."""
-    monkeypatch.setattr(sys, "argv", ["recipes/01_baseline.py", *argv])
-    module = load_recipe_module("01_baseline")
-    return lifecycle.run_recipe(module.main, module.RUNG, module.__doc__, argv=argv)
-
-
 def test_archive_placed_by_hand_is_verified_and_extracted(tmp_path, monkeypatch, drill):
     row = drill(
         "valid cifar-10-python.tar.gz placed in --data-dir offline",
@@ -689,11 +682,15 @@ def test_archive_placed_by_hand_is_verified_and_extracted(tmp_path, monkeypatch,
     md5 = hashlib.md5((data_dir / data.CIFAR_ARCHIVE).read_bytes()).hexdigest()
     monkeypatch.setattr(data, "CIFAR_MD5", md5)  # the test's archive stands in for the published one
     results = tmp_path / "results"
-    code = _run_baseline([*QUICK, "--data", "cifar10", "--data-dir", str(data_dir), "--batch-size", "8",
-                          "--max-steps", "2", "--results-dir", str(results)], monkeypatch)  # fmt: skip
-    payload = json.loads((results / "01_baseline.json").read_text())
-    row.observed(f"exit {code}; data_source {payload['provenance']['data_source']}")
-    assert code == 0 and payload["status"] == "ok" and payload["provenance"]["data_source"] == "cifar10"
+    argv = [*QUICK, "--data", "cifar10", "--data-dir", str(data_dir), "--batch-size", "8", "--max-steps", "2"]
+    proc, payload = run_recipe_inprocess("01_baseline", argv, results)
+    assert payload is not None, describe(proc)
+    row.observed(f"exit {proc.returncode}; data_source {payload['provenance']['data_source']}")
+    assert (
+        proc.returncode == 0
+        and payload["status"] == "ok"
+        and payload["provenance"]["data_source"] == "cifar10"
+    )
     for name in (*data.CIFAR_TRAIN_FILES[:2], data.CIFAR_TEST_FILE):
         extracted = data_dir / data.CIFAR_FOLDER / name
         assert extracted.read_bytes() == (source / data.CIFAR_FOLDER / name).read_bytes()
@@ -702,7 +699,7 @@ def test_archive_placed_by_hand_is_verified_and_extracted(tmp_path, monkeypatch,
     )
 
 
-def test_archive_with_the_wrong_md5_is_one_line(tmp_path, monkeypatch, capsys, drill):
+def test_archive_with_the_wrong_md5_is_one_line(tmp_path, monkeypatch, drill):
     row = drill(
         "cifar-10-python.tar.gz that is not the published archive", "exit 2; one line naming it and the MD5"
     )
@@ -710,14 +707,12 @@ def test_archive_with_the_wrong_md5_is_one_line(tmp_path, monkeypatch, capsys, d
     data_dir, _ = _archive(tmp_path)  # its MD5 is not the published c58f30108f718f92721af3b95e74349a
     results = tmp_path / "results"
     before = snapshot(earlier_result(results, "01_baseline").parent)
-    with pytest.raises(SystemExit) as exc:
-        _run_baseline(
-            [*QUICK, "--data", "cifar10", "--data-dir", str(data_dir), "--results-dir", str(results)],
-            monkeypatch,
-        )
-    err = message_lines(capsys.readouterr().err)
-    row.observed(f"exit {exc.value.code}; {' | '.join(err)}")
-    assert exc.value.code == 2 and len(err) == 1 and err[0].startswith("01_baseline.py: error: "), err
+    proc, _ = run_recipe_inprocess(
+        "01_baseline", [*QUICK, "--data", "cifar10", "--data-dir", str(data_dir)], results
+    )
+    err = message_lines(proc.stderr)
+    row.observed(f"exit {proc.returncode}; {' | '.join(err)}")
+    assert proc.returncode == 2 and len(err) == 1 and err[0].startswith("01_baseline.py: error: "), err
     assert (
         str(data_dir / data.CIFAR_ARCHIVE) in err[0]
         and "is not the published c58f30108f718f92721af3b95e74349a" in err[0]
