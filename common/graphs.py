@@ -154,15 +154,19 @@ class StepGraph:
         # its blocks scattered among the activations' pages, the pages could not be returned before the
         # capture (measured on an H100, rung 05: 0.5 GB more reserved). Returning the free pages first
         # lets the state be laid out compactly.
+        self.released_before_first_step = False
         self._first_step_hook = None
-        if self.cuda and optimizer is not None:
+        if optimizer is not None:
             base = getattr(optimizer, "optimizer", optimizer)
             self._first_step_hook = base.register_step_pre_hook(self._release_before_first_step)
 
     # ----------------------------------------------------------------------------------------- warm-up
     def _release_before_first_step(self, *_) -> None:
-        torch.cuda.empty_cache()
-        self._first_step_hook.remove()
+        # (removed in warmup_step_done: the optimizer is iterating over its hooks right now)
+        if not self.released_before_first_step:
+            self.released_before_first_step = True
+            if self.cuda:
+                torch.cuda.empty_cache()
 
     @property
     def ready(self) -> bool:
@@ -189,6 +193,9 @@ class StepGraph:
 
     def warmup_step_done(self) -> None:
         self.warmup_steps_done += 1
+        if self._first_step_hook is not None:
+            self._first_step_hook.remove()
+            self._first_step_hook = None
         if self.warmup_steps_done == 1:
             move_step_state_to_device(self.optimizers, self.device)
             self.lrs = LearningRates(self.optimizers, self.device)

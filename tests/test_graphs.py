@@ -38,8 +38,11 @@ def fake_capture(graph: FakeGraph, body):
 class FakeStepGraph(graphs.StepGraph):
     replays: list[list[float]] = []
 
+    last = None
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, make_graph=FakeGraph, capture=fake_capture, **kwargs)
+        FakeStepGraph.last = self
 
     def replay(self, group_size):
         out = super().replay(group_size)
@@ -101,6 +104,9 @@ def test_graphed_steps_equal_eager_steps(fabric, monkeypatch, opt, num_micro, k,
     assert log_f.accuracy["train"] == pytest.approx(log_e.accuracy["train"])
     # the schedule reached the graph: the lr read at each replay is the scheduler's (cosine, falling)
     assert FakeStepGraph.replays[0][0] > FakeStepGraph.replays[-1][0]
+    # the free pages were returned once, before the optimizer's first step, and the hook is gone
+    assert FakeStepGraph.last.released_before_first_step
+    assert not getattr(opt_f, "optimizer", opt_f)._optimizer_step_pre_hooks
     # outside the capture the schedulers see floats again, and the parameters really moved
     assert isinstance(opt_f.param_groups[0]["lr"], float)
     assert not torch.allclose(next(fast.parameters()), next(model0.parameters()))
