@@ -102,7 +102,7 @@ cpu_overrides() {
   esac
 }
 
-# The LLM fine-tuning table of seed 001: one run of bonus_llm_finetune per row, tagged with the row name.
+# The LLM fine-tuning table: one run of bonus_llm_finetune per row, tagged with the row name.
 LLM_TABLE="vanilla half mixed checkpointing lora flash all"
 llm_flags() {
   case "$1" in

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from common.cli import UsageError  # a --bf16-update the optimizer cannot honour: one line, exit 2
+from common.config import UsageError  # a --bf16-update the optimizer cannot honour: one line, exit 2
 
 UPDATES = ("plain", "stochastic", "kahan")
 
@@ -160,12 +160,12 @@ class LostUpdates:
     """Counts lost updates at sampled steps through optimizer step hooks (see the module docstring).
 
     Several optimizers may report into one probe (rungs 12 and 14: one optimizer per parameter, stepped
-    inside backward); the loop's step counter (``log.optimizer_steps``, increased after each step)
+    inside backward); the loop's step counter (``results.optimizer_steps``, increased after each step)
     tells which step a hook belongs to, so their counts add up per step.
     """
 
-    def __init__(self, log, every: int) -> None:
-        self.log, self.every = log, every
+    def __init__(self, results, every: int) -> None:
+        self.results, self.every = results, every
         self.record: dict[str, Any] = {"every": every, "steps": []}
         self._current: list | None = None  # [step, lost, should, unchanged, total] being summed
         self._before: dict[int, tuple] = {}
@@ -185,7 +185,7 @@ class LostUpdates:
 
     @torch.no_grad()
     def _pre(self, optimizer, args, kwargs) -> None:
-        step = self.log.optimizer_steps + 1
+        step = self.results.optimizer_steps + 1
         if not self._sampled(step):
             return
         sgd = type(optimizer).__name__ in ("SGD", "StochasticRoundSGD")  # update = lr * grad exactly
@@ -213,7 +213,7 @@ class LostUpdates:
 
     @torch.no_grad()
     def _post(self, optimizer, args, kwargs) -> None:
-        step = self.log.optimizer_steps + 1
+        step = self.results.optimizer_steps + 1
         if not self._before:
             return
         counts = torch.zeros(4, dtype=torch.int64, device=next(iter(self._before.values()))[0].device)
@@ -253,7 +253,7 @@ class LostUpdates:
             [s, lost / should if should else 0.0, unchanged / total if total else 0.0]
             for s, lost, should, unchanged, total in self.record["steps"]
         ]
-        self.log.updates["lost"] = {
+        self.results.updates["lost"] = {
             "every": self.every,
             "columns": ["step", "lost", "unchanged"],
             "steps": rows,
@@ -264,13 +264,14 @@ class LostUpdates:
 
 
 # --------------------------------------------------------------------------------------------- recipes
-def updates(optimizer, args, log):
+def updates(optimizer, cfg, results):
     """What a bf16 rung calls on its optimizer (or its dict of per-parameter optimizers): applies
-    ``--bf16-update`` and, with ``--lost-updates N``, attaches the measurement. Recorded in the results
-    JSON under ``updates``. Returns the optimizer (or dict) to use."""
-    rule = getattr(args, "bf16_update", "plain") or "plain"
-    every = getattr(args, "lost_updates", None)
-    probe = LostUpdates(log, every) if every else None
+    ``cfg.bf16_update`` (``--bf16-update``) and, with ``--lost-updates N``, attaches the measurement.
+    ``results`` is the run's ``RunResults``: recorded in the results JSON under ``updates``. Returns the
+    optimizer (or dict) to use."""
+    rule = cfg.bf16_update or "plain"
+    every = cfg.lost_updates
+    probe = LostUpdates(results, every) if every else None
     if isinstance(optimizer, dict):
         out = {key: replace(o, rule) for key, o in optimizer.items()}
         chosen = list(out.values())
@@ -281,7 +282,7 @@ def updates(optimizer, args, log):
         for o in chosen:
             probe.attach(o)
     name = type(chosen[0]).__name__ if chosen else None
-    log.updates.update(rule=rule, optimizer=f"{type(chosen[0]).__module__}.{name}" if chosen else None)
+    results.updates.update(rule=rule, optimizer=f"{type(chosen[0]).__module__}.{name}" if chosen else None)
     if probe is not None:
-        log.updates["lost"] = {"every": every, "columns": ["step", "lost", "unchanged"], "steps": []}
+        results.updates["lost"] = {"every": every, "columns": ["step", "lost", "unchanged"], "steps": []}
     return out

@@ -15,13 +15,24 @@ import pickle
 import shutil
 import tarfile
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torchvision.datasets import CIFAR10
 
 from common import digits
+from common.config import RunConfig, UsageError
+from common.console import notice
 from common.faults import BadInput
+from common.net import reachable
+
+# batch_fn(model, batch) -> (loss, logits, targets): how a batch becomes a loss; the loop is model-agnostic.
+BatchFn = Callable[[Any, Any], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 NUM_CLASSES = 10
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -50,6 +61,13 @@ class Splits:
     def real(self) -> bool:
         """Real images: accuracy on them is a measurement; on the synthetic stand-in it is not."""
         return self.source != "synthetic"
+
+    def datasets(self) -> tuple[TensorDataset, TensorDataset, TensorDataset]:
+        """train / val / test as torch Datasets of (uint8 images, int64 labels), sharing the arrays."""
+        return tuple(
+            TensorDataset(torch.from_numpy(x), torch.from_numpy(y))
+            for x, y in (self.train, self.val, self.test)
+        )
 
 
 # ---------------------------------------------------------------------------------------------- real data
@@ -104,8 +122,6 @@ def read_cifar10(data_dir: str, seed: int = 0) -> Splits:
 
 def download_cifar10(data_dir: str) -> None:
     """Fetch and verify the archive with torchvision (the reading is ours, see read_cifar10)."""
-    from torchvision.datasets import CIFAR10
-
     CIFAR10(root=data_dir, train=True, download=True)
 
 
@@ -218,8 +234,6 @@ def load(choice: str, data_dir: str = "data") -> Splits:
     the real digits bundled with scikit-learn, with one printed line. ``cifar10`` offline is a
     UsageError (exit 2). ``synthetic`` is for memory and speed runs only: CIFAR-10's shapes and sizes,
     but its accuracy is not a score."""
-    from common.net import note, reachable
-
     if choice == "synthetic":
         return synthetic_cached(data_dir)
     if not cifar10_present(data_dir) and os.path.exists(os.path.join(data_dir, CIFAR_ARCHIVE)):
@@ -230,34 +244,31 @@ def load(choice: str, data_dir: str = "data") -> Splits:
         if reachable("www.cs.toronto.edu"):
             download_cifar10(data_dir)
         elif choice == "cifar10":
-            from common.cli import UsageError
-
             raise UsageError(
                 f"--data cifar10: not found under {data_dir}/{CIFAR_FOLDER} and the network is unreachable"
             )
         else:
-            note(
+            notice(
                 "[data] CIFAR-10 not found and offline: using scikit-learn's bundled digits (real 8x8 images)"
             )
             return load_digits()
     return read_cifar10(data_dir)
 
 
-def loaders(splits: Splits, *args: Any, **kwargs: Any):
-    """:func:`dataloaders` (same further arguments) over the uint8 image tensors of ``splits``."""
-    import torch
-    from torch.utils.data import TensorDataset
+def loaders(splits, cfg: RunConfig, fabric, shard: bool = False) -> tuple[DataLoader, DataLoader, DataLoader]:
+    """A recipe's train / val / test DataLoaders over ``splits.datasets()``: micro-batches of
+    ``cfg.micro_batch_size``, ``cfg.num_workers`` workers, pinned host memory on CUDA. ``shard``: every
+    process reads its own shard (the sharded rungs); otherwise Fabric's ``setup_dataloaders`` adds a
+    DistributedSampler when several processes run."""
+    return build_loaders(
+        splits.datasets(), cfg.micro_batch_size, cfg.micro_batch_size, cfg.num_workers,
+        pin_memory=fabric.device.type == "cuda",
+        world_size=fabric.world_size if shard else 1, rank=fabric.global_rank if shard else 0, seed=cfg.seed,
+    )  # fmt: skip
 
-    def ds(part):
-        return TensorDataset(torch.from_numpy(part[0]), torch.from_numpy(part[1]))
 
-    return dataloaders(ds(splits.train), ds(splits.val), ds(splits.test), *args, **kwargs)
-
-
-def dataloaders(
-    train_ds,
-    val_ds,
-    test_ds,
+def build_loaders(
+    datasets,
     micro_batch_size: int,
     eval_batch_size: int,
     num_workers: int = 0,
@@ -265,8 +276,8 @@ def dataloaders(
     world_size: int = 1,
     rank: int = 0,
     seed: int = 0,
-):
-    """Train (shuffled, whole micro-batches only) and val/test DataLoaders over three torch Datasets.
+) -> tuple[DataLoader, DataLoader, DataLoader]:
+    """Train (shuffled, whole micro-batches only) and val/test DataLoaders over (train, val, test) Datasets.
 
     ``drop_last=True`` on train keeps every micro-batch the same size, so averaging the loss over the
     micro-batches of an accumulation group equals the loss of the big batch.
@@ -276,8 +287,7 @@ def dataloaders(
     every forward). The sampler pads only when a split does not divide by the world size.
     Fabric's ``setup_dataloaders`` keeps a DistributedSampler it is given.
     """
-    from torch.utils.data import DataLoader, DistributedSampler
-
+    train_ds, val_ds, test_ds = datasets
     common = dict(num_workers=num_workers, pin_memory=pin_memory, persistent_workers=num_workers > 0)
     if world_size > 1:
 
@@ -296,6 +306,18 @@ def dataloaders(
     return train, val, test
 
 
+def image_classification(image_size: int) -> BatchFn:
+    """The ladder's batch_fn: uint8 images on the device -> resize/normalise on the device -> logits
+    -> cross-entropy."""
+
+    def batch_fn(model, batch):
+        images, targets = batch
+        logits = model(to_model_input(images, image_size))
+        return F.cross_entropy(logits, targets), logits, targets
+
+    return batch_fn
+
+
 def to_model_input(images, image_size: int):
     """uint8 (N, H, W, C) on the device -> normalised float (N, 3, S, S), resized on the device.
 
@@ -303,8 +325,6 @@ def to_model_input(images, image_size: int):
     only ever exist on the accelerator (196x the bytes of the uint8 originals). A one-channel batch
     (digits) is resized as one channel and then repeated to three (a view, no copy).
     """
-    import torch.nn.functional as F
-
     x = images.permute(0, 3, 1, 2).float().div_(255.0)
     if x.shape[-1] != image_size:
         x = F.interpolate(
@@ -320,8 +340,6 @@ def to_model_input(images, image_size: int):
 def _normalisation(device):
     """Mean/std tensors made once per device: building them every step would copy from the host and
     synchronise the GPU each time."""
-    import torch
-
     mean = torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1)
     std = torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1)
     return mean, std

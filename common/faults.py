@@ -1,11 +1,11 @@
 """Faults that must lose nothing: stop requests (signals), bad input files, outputs that cannot be
 written, two runs of one rung at once, a GPU-sized run on a machine without a GPU.
 
-Stopping. ``cli.run`` installs handlers for SIGINT (Ctrl-C), SIGTERM (what SLURM and Kubernetes send
+Stopping. ``lifecycle.run_recipe`` installs handlers for SIGINT (Ctrl-C), SIGTERM (what SLURM and Kubernetes send
 on preemption) and SIGUSR1 (what SLURM's ``--signal`` can send ahead of a time limit). The first signal
 only records a stop request; the training loop acts on it at the next optimizer-step boundary, where
-every process agrees on it (:class:`StopCheck`), saves a checkpoint when the run checkpoints, and
-raises :class:`Interrupted`. ``cli.run`` then writes the results JSON with ``"status": "interrupted"``
+every process agrees on it (``common.train_steps.StopCheck``), saves a checkpoint when the run
+checkpoints, and raises :class:`Interrupted`. ``lifecycle.run_recipe`` then writes the results JSON with ``"status": "interrupted"``
 and the measurements so far, prints one line, and the process exits with 128 + the signal number
 (a request that comes after the last step lets the run finish, evaluation included: nothing is left
 to stop):
@@ -18,21 +18,22 @@ SIGTERM     143        terminated (preemption, ``kill``, ``scancel``)
 SIGUSR1     138        the scheduler's warning ahead of a time limit (requeue and resume)
 ==========  =========  ==========================================================================
 
-Nothing here imports torch or lightning at module level: ``common.cli`` imports this module and stays
-cheap to import.
+This module needs neither torch nor Lightning: the report and the tools that read results use it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import shlex
 import signal
 import sys
 import tempfile
-import time
 from collections.abc import Iterator, Sequence
+
+from common.console import program
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 EXIT_CODES = {int(s): 128 + int(s) for s in STOP_SIGNALS}  # the shell's convention: 130, 143, 138
@@ -93,7 +94,7 @@ def _handle(signum: int, frame) -> None:
     if _pending is not None:
         if signum == signal.SIGINT:  # the second Ctrl-C: the user will not wait for the step to end
             _write(
-                2, f"\n{_prog()}: interrupted again: exiting at once; this run's results are not written\n"
+                2, f"\n{program()}: interrupted again: exiting at once; this run's results are not written\n"
             )
             with contextlib.suppress(Exception):
                 sys.stdout.flush()
@@ -137,76 +138,6 @@ def handling_signals() -> Iterator[None]:
         _pending = None
 
 
-class StopCheck:
-    """Agrees on a stop request at optimizer-step boundaries.
-
-    A signal may reach one process only (``kill`` of rank 0, a scheduler signalling one task), so with
-    several processes every step boundary all-reduces the local request (MAX over the signal numbers:
-    SIGTERM > SIGUSR1 > SIGINT) and all of them stop after the same step. The reduction is one int32 on
-    the CPU through gloo (the default group when it is gloo, else a gloo group made once): no GPU
-    synchronisation, a few tens of microseconds on one host. With one process it is a variable read.
-    """
-
-    def __init__(self, fabric) -> None:
-        self.signum = 0
-        self._group = None
-        self._distributed = False
-        if fabric.world_size > 1:
-            import torch.distributed as dist
-
-            if dist.is_available() and dist.is_initialized():
-                self._distributed = True
-                self._group = _cpu_group()
-
-    def check(self) -> bool:
-        """True when some process has a stop request (a collective call with several processes: every
-        process must call it at the same boundaries)."""
-        local = _pending or 0
-        if self._distributed:
-            import torch
-            import torch.distributed as dist
-
-            flag = torch.tensor([local], dtype=torch.int32)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-            local = int(flag.item())
-        self.signum = local
-        return bool(local)
-
-
-_GLOO_GROUPS: dict[int, object] = {}
-
-
-def _cpu_group():
-    """None (the default group) when it can reduce CPU tensors, else a gloo group over all ranks."""
-    import torch.distributed as dist
-
-    if "gloo" in str(dist.get_backend()):
-        return None
-    key = id(dist.group.WORLD)
-    if key not in _GLOO_GROUPS:
-        _GLOO_GROUPS[key] = dist.new_group(backend="gloo")
-    return _GLOO_GROUPS[key]
-
-
-def outlive_launcher(fabric, timeout: float = 60.0) -> None:
-    """In a process that Fabric's own launcher started (``--devices N`` without torchrun/SLURM): wait
-    for rank 0 to exit first. That launcher watches its processes and, as soon as one exits with a
-    non-zero code, kills the others, rank 0 included, which may still be writing the results JSON."""
-    if fabric is None or fabric.local_rank == 0:
-        return
-    from lightning.fabric.plugins.environments import LightningEnvironment
-
-    if not isinstance(getattr(fabric.strategy, "cluster_environment", None), LightningEnvironment):
-        return
-    parent, deadline = os.getppid(), time.monotonic() + timeout
-    while os.getppid() == parent and time.monotonic() < deadline:
-        time.sleep(0.05)
-
-
-def _prog() -> str:
-    return os.path.basename(sys.argv[0]) or "recipe"
-
-
 def resume_command(argv: Sequence[str] | None = None) -> str:
     """How to continue a stopped run: its own command line with ``--resume auto``."""
     argv = list(sys.argv if argv is None else argv)
@@ -235,7 +166,7 @@ def interrupted_line(stop: Interrupted, argv: Sequence[str] | None = None) -> st
         if stop.step
         else f"interrupted before the first of {stop.total} steps"
     )
-    head = f"{_prog()}: {where} ({signal_name(stop.signum)})"
+    head = f"{program()}: {where} ({signal_name(stop.signum)})"
     if stop.checkpoint:
         return f"{head}; checkpoint {stop.checkpoint}; resume with: {resume_command(argv)}"
     if stop.step:
@@ -288,8 +219,6 @@ class RunLock:
         self._fd: int | None = None
 
     def acquire(self) -> RunLock:
-        import fcntl
-
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
@@ -324,31 +253,31 @@ class RunLock:
 
 
 # ------------------------------------------------------------------------------------------ the machine
-def wrong_machine(
-    recipe: str, args, model_choices: Sequence[str], cpu_variant: str | None = None
-) -> str | None:
+def wrong_machine(cfg) -> str | None:
     """The one-line refusal for a GPU-sized run that would start on the CPU only because no GPU was
     found (``--accelerator auto``), with the quick CPU command that does work; None otherwise.
 
-    A model whose name ends in "tiny" is the CPU size (``vit_tiny``, ``distilbert-tiny``, ...). An
-    explicit ``--accelerator cpu`` runs whatever was asked for. ``cpu_variant`` names the recipe to
-    suggest instead when this one cannot run on a CPU at all.
+    ``cfg`` is the parsed :class:`~common.config.RunConfig`. A model whose name ends in "tiny" is the
+    CPU size (``vit_tiny``, ``distilbert-tiny``, ...). An explicit ``--accelerator cpu`` runs whatever
+    was asked for. ``cfg.cpu_variant`` names the recipe to suggest instead when this one cannot run on
+    a CPU at all.
     """
-    if args.accelerator != "auto" or str(args.model).endswith("tiny"):
+    if cfg.accelerator != "auto" or str(cfg.model).endswith("tiny"):
         return None
-    tiny = next((m for m in model_choices if m.endswith("tiny")), None)
+    tiny = next((m for m in cfg.model_choices if m.endswith("tiny")), None)
     if tiny is None:
         return None
+    recipe, cpu_variant = cfg.recipe, cfg.cpu_variant
     flags = ["--accelerator", "cpu", "--model", tiny, "--data", "synthetic", "--weights", "none"]
     flags += ["--max-steps", "5", "--eval-batches", "2"]
-    if args.precision == "16-mixed":  # fp16 autocast needs CUDA; bf16 autocast is the CPU analogue
+    if cfg.precision == "16-mixed":  # fp16 autocast needs CUDA; bf16 autocast is the CPU analogue
         flags += ["--precision", "bf16-mixed"]
-    if args.devices > 1 or cpu_variant:  # a sharding rung keeps its two processes (gloo)
+    if cfg.devices > 1 or cpu_variant:  # a sharding rung keeps its two processes (gloo)
         flags += ["--devices", "2"]
     command = shlex.join(["python", f"recipes/{cpu_variant or recipe}.py", *flags])
     if cpu_variant:
         return f"no CUDA GPU found: {recipe} needs CUDA GPUs; on a CPU, {cpu_variant} runs the same sharding: {command}"
     return (
-        f"no CUDA GPU found: {recipe} would train {args.model} on the CPU at seconds per step;"
-        f" a quick CPU run: {command} (pass --accelerator cpu to train {args.model} on the CPU anyway)"
+        f"no CUDA GPU found: {recipe} would train {cfg.model} on the CPU at seconds per step;"
+        f" a quick CPU run: {command} (pass --accelerator cpu to train {cfg.model} on the CPU anyway)"
     )

@@ -4,17 +4,31 @@ Each ``--model`` name maps to a :class:`Spec`: the model type that ``AutoConfig.
 hub id that holds pretrained weights and the tokenizer, and the config fields that make the size.
 ``--weights auto`` loads the hub weights when they are cached or huggingface.co is reachable and
 otherwise builds the same architecture from its config with random initialisation, printing one line
-(DESIGN.md principle 4). Memory and speed do not depend on the weights' values.
+(real first, offline always). Memory and speed do not depend on the weights' values.
 
 The ``*-tiny`` names are a few layers of width 64: the CPU path of ``run_all.sh`` and the tests use them.
-Nothing here imports torch or transformers at module level, so ``--help`` stays fast.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
+from huggingface_hub import try_to_load_from_cache
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    BertTokenizerFast,
+)
+
+from common.config import UsageError
+from common.console import notice
+from common.net import reachable
 
 
 @dataclass(frozen=True)
@@ -138,25 +152,17 @@ QWEN2 = ("Qwen/Qwen2-0.5B-Instruct", "qwen2-tiny")
 
 def config(spec: Spec, **fields: Any):
     """``AutoConfig.for_model(model_type, **overrides, **fields)``: the architecture without any download."""
-    from transformers import AutoConfig
-
     return AutoConfig.for_model(spec.model_type, **{**spec.overrides, **fields})
 
 
 def _cached(hub_id: str) -> bool:
     """True if the hub repository's config is in the local Hugging Face cache (usable offline)."""
-    try:
-        from huggingface_hub import try_to_load_from_cache
-    except ImportError:
-        return False
     return isinstance(try_to_load_from_cache(hub_id, "config.json"), str)
 
 
 def hub_online() -> bool:
     """Whether the Hugging Face hub may be used: HF_HUB_OFFLINE is unset (or 0) and huggingface.co
     answers. The weights, the tokenizer and IMDb through ``datasets`` all take this one decision."""
-    from common.net import reachable
-
     return os.environ.get("HF_HUB_OFFLINE", "") in ("", "0") and reachable("huggingface.co")
 
 
@@ -166,15 +172,12 @@ def resolve_weights(spec: Spec, weights: str) -> bool:
     ``auto`` falls back to random init with one printed line; ``pretrained`` without the weights is a
     UsageError (exit 2).
     """
-    from common.cli import UsageError
-    from common.net import note
-
     if weights == "none":
         return False
     if spec.hub_id is None:
         if weights == "pretrained":
             raise UsageError(f"--weights pretrained: no pretrained weights exist for --model {spec.name}")
-        note(f"[weights] {spec.name} has no pretrained weights: random init from its config")
+        notice(f"[weights] {spec.name} has no pretrained weights: random init from its config")
         return False
     if _cached(spec.hub_id) or hub_online():
         return True
@@ -182,14 +185,14 @@ def resolve_weights(spec: Spec, weights: str) -> bool:
         raise UsageError(
             f"--weights pretrained: {spec.hub_id} is not cached and huggingface.co is unreachable"
         )
-    note(
+    notice(
         f"[weights] {spec.hub_id} unreachable (offline): random init of the same architecture"
         f" (AutoConfig.for_model({spec.model_type!r}, ...))"
     )
     return False
 
 
-def build(
+def build_model(
     spec: Spec,
     pretrained: bool,
     *,
@@ -204,9 +207,6 @@ def build(
     checkpoint's dtype (Qwen2's is bf16), so it is cast to the default dtype: the precision flag alone
     decides the weights' dtype. ``vocab_size`` widens a random-init embedding to fit a tokenizer.
     """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
     auto = AutoModelForSequenceClassification if spec.task == "classification" else AutoModelForCausalLM
     kwargs: dict[str, Any] = {}
     if attn_implementation is not None:
@@ -225,17 +225,9 @@ def load_tokenizer(spec: Spec, path: str | None = None):
     """The tokenizer for real text: ``path`` (a directory, or a WordPiece ``vocab.txt``) if given, else the
     model's own from the hub when cached or reachable; None when there is none to be had offline."""
     if path:
-        from common.cli import UsageError
-
         if os.path.isdir(path):
-            from transformers import AutoTokenizer
-
             return AutoTokenizer.from_pretrained(path)
         if os.path.isfile(path):
-            import inspect
-
-            from transformers import BertTokenizerFast
-
             # transformers 5 takes the vocabulary as `vocab` (and ignores `vocab_file`); 4.x as `vocab_file`.
             params = inspect.signature(BertTokenizerFast.__init__).parameters
             return BertTokenizerFast(
@@ -244,8 +236,6 @@ def load_tokenizer(spec: Spec, path: str | None = None):
         raise UsageError(f"--tokenizer {path}: no such file or directory")
     if spec.hub_id is None or not (_cached(spec.hub_id) or hub_online()):
         return None
-    from transformers import AutoTokenizer
-
     tokenizer = AutoTokenizer.from_pretrained(spec.hub_id, local_files_only=not hub_online())
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -265,20 +255,3 @@ def checkpointing_enabled(model) -> bool:
     """True if any layer will recompute its activations: Hugging Face marks such modules with
     ``gradient_checkpointing = True`` (read from the model, not from the flag that asked for it)."""
     return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
-
-
-def load_text(args, spec, task: str = "classification"):
-    """The bonus recipes' data: ``common.text.load`` with this model's token ids and tokenizer, from
-    the shared flags (--data, --data-dir, --max-length, --tokenizer, --seed). One call per recipe,
-    as ``common.data.load`` is for the ladder."""
-    from common import text
-
-    return text.load(
-        args.data,
-        args.data_dir,
-        args.max_length,
-        spec.ids,
-        lambda: load_tokenizer(spec, args.tokenizer),
-        task=task,
-        seed=args.seed,
-    )

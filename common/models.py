@@ -6,28 +6,25 @@ resolution to resize to on the device, and whose classification head has ``num_c
 
 from __future__ import annotations
 
-import functools
 import os
-from dataclasses import dataclass
 
-MODEL_NAMES = ("vit_l_16", "vit_b_16", "vit_tiny")
+import torch
+import torch.nn as nn
+import torchvision.models as tvm
+from torch.utils.checkpoint import checkpoint
+from torch.utils.flop_counter import FlopCounterMode
+from torchvision.models.vision_transformer import VisionTransformer
+
+from common.config import VIT_MODELS, UsageError
+from common.console import notice
+from common.net import reachable
+
+MODEL_NAMES = VIT_MODELS
 _PRETRAINED = {"vit_l_16": "ViT_L_16_Weights", "vit_b_16": "ViT_B_16_Weights"}
-
-
-@dataclass
-class BuiltModel:
-    module: object  # torch.nn.Module (kept untyped so importing this file stays cheap)
-    name: str
-    weights: str  # "pretrained" or "random"
 
 
 def _weights_available(name: str) -> object | None:
     """The torchvision weights enum for ``name`` if its file is cached or downloadable, else None."""
-    import torch
-    import torchvision.models as tvm
-
-    from common.net import reachable
-
     enum = getattr(tvm, _PRETRAINED[name]).IMAGENET1K_V1
     cached = os.path.join(torch.hub.get_dir(), "checkpoints", os.path.basename(enum.url))
     if os.path.exists(cached) or reachable("download.pytorch.org"):
@@ -40,21 +37,17 @@ def resolve_weights(name: str, weights: str) -> object | None:
 
     ``auto`` falls back to random init with one printed line; ``pretrained`` offline is an error.
     """
-    from common.net import note
-
     if weights == "none" or name not in _PRETRAINED:
         if weights == "auto" and name not in _PRETRAINED:
-            note(f"[weights] {name} has no pretrained weights: random init")
+            notice(f"[weights] {name} has no pretrained weights: random init")
         return None
     enum = _weights_available(name)
     if enum is None:
         if weights == "pretrained":
-            from common.cli import UsageError
-
             raise UsageError(
                 f"--weights pretrained: {name} weights are not cached and the network is unreachable"
             )
-        note(
+        notice(
             f"[weights] pretrained {name} weights unreachable (offline): random init of the same architecture"
         )
     return enum
@@ -67,10 +60,6 @@ def build_model(name: str, weights: object | None, num_classes: int = 10):
     ``fabric.init_module()`` creates the model directly on the GPU in the target precision (rung 07).
     The small CPU/benchmark model (``vit_tiny``) is the exception, see :func:`_same_start`.
     """
-    import torch.nn as nn
-    import torchvision.models as tvm
-    from torchvision.models.vision_transformer import VisionTransformer
-
     if name == "vit_tiny":
         # 32x32 input, 8x8 patches -> 16 tokens + class token; a few thousand parameters per block.
         return _same_start(
@@ -102,8 +91,6 @@ def _same_start(make):
     order in which the data is shuffled either. Cheap for a model of this size; the ladder's ViT-L/16
     keeps the rungs' own way of building.
     """
-    import torch
-
     device, dtype = torch.get_default_device(), torch.get_default_dtype()
     with torch.random.fork_rng(devices=[]), torch.device("cpu"):
         torch.manual_seed(torch.initial_seed())
@@ -115,59 +102,43 @@ def _same_start(make):
     return model.to(device=device, dtype=dtype)
 
 
-def load(name: str, weights: str, num_classes: int = 10) -> BuiltModel:
-    """Resolve --weights and build; records what was actually used ("pretrained"/"random")."""
-    enum = resolve_weights(name, weights)
-    return BuiltModel(
-        build_model(name, enum, num_classes), name, "pretrained" if enum is not None else "random"
-    )
-
-
 def blocks(model) -> list:
     """The repeated transformer blocks (torchvision ViT: ``encoder.layers``), e.g. to compile or wrap each."""
     return list(model.encoder.layers)
 
 
-@functools.cache
-def _make_checkpointed_block():
-    import torch
-    from torch.utils.checkpoint import checkpoint
-
-    class CheckpointedBlock(torch.nn.Module):
-        """Runs ``block`` under ``torch.utils.checkpoint``: in the forward pass only the block's input is
-        kept; the tensors inside the block are recomputed during the backward pass.
-
-        ``use_reentrant=False`` (the default here and PyTorch's recommendation) recomputes through
-        saved-tensor hooks: it works when the input does not require grad, supports keyword arguments,
-        and stops recomputing as soon as the tensors it needs are rebuilt. ``use_reentrant=True`` re-runs
-        the block inside a custom autograd Function during backward and needs an input that requires
-        grad; it is the older implementation.
-        """
-
-        def __init__(self, block: torch.nn.Module, use_reentrant: bool = False) -> None:
-            super().__init__()
-            self.block = block
-            self.use_reentrant = use_reentrant
-
-        def forward(self, x):
-            return checkpoint(self.block, x, use_reentrant=self.use_reentrant)
-
-    return CheckpointedBlock
+def compile_blocks(model, enabled: bool) -> None:
+    """Fast mode (``--compile``): ``torch.compile`` each block. All 24 blocks of ViT-L/16 share one
+    compiled graph: fewer, fused kernel launches, and one compilation."""
+    if enabled:
+        for block in blocks(model):
+            block.compile()
 
 
-def __getattr__(name: str):
-    if name == "CheckpointedBlock":
-        return _make_checkpointed_block()
-    raise AttributeError(name)
+class CheckpointedBlock(torch.nn.Module):
+    """Rung 10: runs ``block`` under ``torch.utils.checkpoint``. In the forward pass only the block's
+    input is kept; the tensors inside the block are recomputed during the backward pass.
+
+    ``use_reentrant=False`` (the default here and PyTorch's recommendation) recomputes through
+    saved-tensor hooks: it works when the input does not require grad, supports keyword arguments,
+    and stops recomputing as soon as the tensors it needs are rebuilt. ``use_reentrant=True`` re-runs
+    the block inside a custom autograd Function during backward and needs an input that requires
+    grad; it is the older implementation.
+    """
+
+    def __init__(self, block: torch.nn.Module, use_reentrant: bool = False) -> None:
+        super().__init__()
+        self.block = block
+        self.use_reentrant = use_reentrant
+
+    def forward(self, x):
+        return checkpoint(self.block, x, use_reentrant=self.use_reentrant)
 
 
 def training_flops(name: str, batch_size: int, num_classes: int = 10) -> int:
     """FLOPs of one forward+backward at ``batch_size``, counted by torch.utils.flop_counter on the meta
     device (shapes only, nothing allocated). Attention counts as its matrix products, the model's FLOPs;
     kernels that recompute (flash attention's backward) do more real work than this."""
-    import torch
-    from torch.utils.flop_counter import FlopCounterMode
-
     with torch.device("meta"):
         model = build_model(name, None, num_classes)
         size = getattr(model, "image_size", 224)

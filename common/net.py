@@ -31,11 +31,3 @@ def reachable(host: str, port: int = 443, timeout: float = 3.0) -> bool:
     worker.start()
     worker.join(timeout)
     return bool(result and result[0])
-
-
-def note(message: str) -> None:
-    """Print a one-line notice once per run (rank 0 only when several processes run the recipe)."""
-    from lightning.fabric.utilities.rank_zero import rank_zero_only
-
-    if getattr(rank_zero_only, "rank", 0) == 0:
-        print(message, flush=True)

@@ -1,4 +1,4 @@
-"""What the seed-000 experiments share: train a model variant for a few steps, measure its memory and its
+"""What the experiments in experiments/ share: train a model variant for a few steps, measure its memory and its
 forward / backward / optimizer times, and put the estimator's prediction next to the measurement.
 
 Every variant is trained the same way (Fabric, synthetic CIFAR-shaped batches resized on the device,
@@ -11,7 +11,7 @@ Adam over the trainable parameters only, ``zero_grad(set_to_none=True)``). Measu
 * ``phase_ms``: median milliseconds of forward, backward and optimizer per step, read from a
   torch.profiler trace (on CUDA, the GPU-side span of the kernels each ``## phase ##`` range launched;
   host-side on a CPU), and on CUDA ``phase_kernel_ms``: the sum of those kernels' own durations
-  (``common.profiling.phase_ranges``, the recipes' ``--memory-timeline`` timer too);
+  (``common.timeline.phase_ranges``, the recipes' ``--memory-timeline`` timer too);
 * optionally the memory timeline by category (``--timelines``, ``common.profiling.Recorder``).
 
 Experiments run eager (no torch.compile): the estimator models the eager graph.
@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `python experiments/x.py` from a plain checkout finds `common`
     sys.path.insert(0, str(REPO))
 
-from common import cli, data, estimate, loop, metrics, models  # noqa: E402
+from common import config, data, estimate, models, results, results_file  # noqa: E402, F401 (results_file: for the experiments)
 from common.profiling import Recorder  # noqa: E402
 
 GB = 1e9
@@ -44,7 +44,7 @@ def parser(description: str, defaults: dict[str, Any]) -> argparse.ArgumentParse
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--accelerator", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--model", choices=models.MODEL_NAMES, default=defaults.get("model", "vit_l_16"))
-    p.add_argument("--precision", choices=cli.PRECISIONS, default=defaults.get("precision", "bf16-true"))
+    p.add_argument("--precision", choices=config.PRECISIONS, default=defaults.get("precision", "bf16-true"))
     p.add_argument("--batch-size", type=int, default=defaults.get("batch_size", 32))
     p.add_argument("--steps", type=int, default=defaults.get("steps", 8), help="training steps per variant")
     p.add_argument("--profile-steps", type=int, default=3, help="last steps, timed by the profiler")
@@ -60,7 +60,11 @@ def parser(description: str, defaults: dict[str, Any]) -> argparse.ArgumentParse
 
 
 def resolve_accelerator(name: str) -> str:
-    name = cli.resolve_accelerator(name)
+    """'auto' -> 'cuda' when a GPU is present, else 'cpu'; 'gpu' is an alias of 'cuda'."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "gpu":
+        name = "cuda"
     if name == "cuda" and not torch.cuda.is_available():
         print("--accelerator cuda: no CUDA device available", file=sys.stderr)
         raise SystemExit(2)
@@ -102,7 +106,7 @@ def train_variant(
     predicted = estimate.simulate(model, plan, model_name=f"{args.model} ({name})")
     optimizer = torch.optim.Adam(trainable, lr=1e-4, fused=cuda)
     model, optimizer = fabric.setup(model, optimizer)
-    batch_fn = loop.image_classification(model.image_size)
+    batch_fn = data.image_classification(model.image_size)
     g = torch.Generator(device="cpu").manual_seed(args.seed)
     images = torch.randint(0, 256, (args.batch_size, 32, 32, 3), dtype=torch.uint8, generator=g)
     labels = torch.randint(0, data.NUM_CLASSES, (args.batch_size,), generator=g)
@@ -181,7 +185,7 @@ def provenance(fabric: Any, args: argparse.Namespace) -> dict[str, Any]:
     return {
         "device": fabric.device.type,
         "gpu_name": torch.cuda.get_device_name(fabric.device) if cuda else None,
-        **metrics.environment(),
+        **results.environment(),
         "model": args.model,
         "precision": args.precision,
         "batch_size": args.batch_size,

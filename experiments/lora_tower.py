@@ -1,4 +1,4 @@
-"""Experiment (seed 000, b): LoRA embedded in every block vs a decoupled LoRA side tower.
+"""Experiment (b): LoRA embedded in every block vs a decoupled LoRA side tower.
 
 Three variants of ViT-L/16 fine-tuning, trained identically (Adam, synthetic batches):
 
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         "provenance": harness.provenance(fabric, args),
         "variants": rows,
     }
-    harness.metrics.write_json_atomic(out / "lora_tower.json", payload)
+    harness.results_file.write_json_atomic(out / "lora_tower.json", payload)
     harness.plot_rows(
         rows,
         out / "lora_tower.png",

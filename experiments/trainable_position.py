@@ -1,4 +1,4 @@
-"""Experiment (seed 000, a): the same number of trainable parameters, very different activation memory.
+"""Experiment (a): the same number of trainable parameters, very different activation memory.
 
 Three variants of ViT-L/16 fine-tuning, trained identically (Adam, synthetic batches):
 
@@ -14,7 +14,7 @@ next op has consumed them. With only the first block trainable, the loss's gradi
 through all 23 frozen blocks to reach it, so they are all recorded. They save less than in full fine-tuning
 though: a frozen ``Linear`` needs its weight to pass the gradient to its input, but not its input
 (that is only needed for the weight's own gradient), so the inputs of the frozen matrix products are not
-kept. Seed 000 saw that drop ("the principle is unknown for now"); this is it.
+kept. This is why that drop happens.
 
     python experiments/trainable_position.py                        # full size on a GPU
     python experiments/trainable_position.py --accelerator cpu --model vit_tiny --batch-size 8 --steps 3
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         "provenance": harness.provenance(fabric, args),
         "variants": rows,
     }
-    harness.metrics.write_json_atomic(out / "trainable_position.json", payload)
+    harness.results_file.write_json_atomic(out / "trainable_position.json", payload)
     harness.plot_rows(
         rows,
         out / "trainable_position.png",

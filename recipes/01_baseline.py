@@ -8,66 +8,50 @@ TF32 is ON: fp32 tensors and accumulation, but matrix products use the tensor co
 import lightning as L
 import torch
 
-from common import bf16, cli, data, estimate, loop, models
+from common import bf16, data, estimate, lifecycle, loop, models
+from common.config import RunConfig
 
-RECIPE = "01_baseline"
-DEFAULTS = dict(precision="32-true", batch_size=64, accumulation_steps=1, lr=5e-5)
-ESTIMATE = dict(optimizer="adam")  # for common.estimate: what the flags do not say (fused Adam)
+RUNG = RunConfig(
+    recipe="01_baseline",
+    precision="32-true",  # rung 01: fp32 weights, gradients and Adam state
+    batch_size=64,
+    accumulation_steps=1,
+    lr=5e-5,
+    optimizer="adam",  # for the estimate: what the code below builds (fused Adam, two moments)
+)
 
 
-def main(args, log):
-    torch.set_float32_matmul_precision("high" if args.tf32 else "highest")  # "high" = TF32 matmuls
-    fabric = L.Fabric(
-        accelerator=args.accelerator,
-        devices=args.devices,
-        num_nodes=args.num_nodes,
-        precision=args.precision,
-        loggers=log.fabric_loggers(),
-    )
+def main(cfg: RunConfig, results) -> None:
+    torch.set_float32_matmul_precision("high" if cfg.tf32 else "highest")  # "high" = TF32 matmuls
+    fabric = L.Fabric(accelerator=cfg.accelerator, devices=cfg.devices, num_nodes=cfg.num_nodes,
+                      precision=cfg.precision, loggers=results.fabric_loggers())  # fmt: skip
     fabric.launch()
-    fabric.seed_everything(args.seed, verbose=False)  # the seed is in the results JSON
-    log.attach(fabric)
+    fabric.seed_everything(cfg.seed, verbose=False)  # the seed is in the results JSON
+    results.attach(fabric)
 
     with fabric.rank_zero_first():
-        splits = data.load(args.data, args.data_dir)
-    weights = models.resolve_weights(args.model, args.weights)
-    log.set(data_source=splits.source, weights="pretrained" if weights else "random")
+        splits = data.load(cfg.data, cfg.data_dir)
+    weights = models.resolve_weights(cfg.model, cfg.weights)
+    results.set(data_source=splits.source, weights="pretrained" if weights else "random")
 
-    with log.phase("model_load"):
-        model = models.build_model(args.model, weights, num_classes=data.NUM_CLASSES)
-        if args.compile:  # one compiled graph per block (all 24 share it): fewer, fused kernel launches
-            for block in models.blocks(model):
-                block.compile()
+    with results.phase("model_load"):
+        model = models.build_model(cfg.model, weights, num_classes=data.NUM_CLASSES)
+        models.compile_blocks(model, cfg.compile)  # fast mode: one compiled graph shared by every block
         # fused: the whole update in one kernel, no temporary copies of the parameters
-        optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, fused=True)
-        log.estimate = estimate.for_run(model, args, **ESTIMATE)  # the predicted peak
-        optimizer = bf16.updates(optimizer, args, log)  # --bf16-update, --lost-updates (common/bf16.py)
+        optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr, fused=True)
+        results.estimate = estimate.for_run(model, cfg)  # the predicted peak
+        optimizer = bf16.updates(optimizer, cfg, results)  # --bf16-update, --lost-updates (common/bf16.py)
         model, optimizer = fabric.setup(model, optimizer)
-    log.set(parameters=models.count_parameters(model))
+    results.set(parameters=models.count_parameters(model))
 
-    pin = fabric.device.type == "cuda"
-    loaders = data.loaders(splits, args.micro_batch_size, args.micro_batch_size, args.num_workers, pin)
-    train_loader, val_loader, test_loader = fabric.setup_dataloaders(*loaders)
-    batch_fn = loop.image_classification(model.image_size)
+    train_loader, val_loader, test_loader = fabric.setup_dataloaders(*data.loaders(splits, cfg, fabric))
+    batch_fn = data.image_classification(model.image_size)
 
-    with log.phase("train"):
-        loop.fit(
-            fabric,
-            model,
-            optimizer,
-            train_loader,
-            log,
-            batch_fn,
-            accumulation_steps=args.accumulation_steps,
-            epochs=args.epochs,
-            max_steps=args.max_steps,
-            log_every=args.log_every,
-            cuda_graphs=args.cuda_graphs,  # fast mode: each optimizer step one CUDA graph
-            **cli.checkpointing(args),
-        )
-    with log.phase("eval"):
-        loop.evaluate_splits(fabric, model, val_loader, test_loader, batch_fn, log, args.eval_batches)
+    with results.phase("train"):
+        loop.fit(fabric, model, optimizer, train_loader, batch_fn, cfg, results)
+    with results.phase("eval"):
+        loop.evaluate_splits(fabric, model, val_loader, test_loader, batch_fn, results, cfg.eval_batches)
 
 
 if __name__ == "__main__":
-    raise SystemExit(cli.run(main, recipe=RECIPE, description=__doc__, defaults=DEFAULTS))
+    raise SystemExit(lifecycle.run_recipe(main, RUNG, __doc__))

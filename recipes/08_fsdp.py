@@ -16,90 +16,63 @@ import torch
 from lightning.fabric.strategies import FSDPStrategy
 from torchvision.models.vision_transformer import EncoderBlock
 
-from common import cli, data, estimate, loop, models
+from common import data, estimate, lifecycle, loop, models
+from common.config import RunConfig, UsageError
 
-RECIPE = "08_fsdp"
-DEFAULTS = dict(precision="32-true", batch_size=64, accumulation_steps=1, lr=5e-5, devices=4, compile=False)
-ESTIMATE = dict(  # for common.estimate: FSDP, one unit and one checkpoint per block
-    optimizer="adam", sharding="fsdp", shard_units=("EncoderBlock",), checkpoint=("EncoderBlock",)
+RUNG = RunConfig(
+    recipe="08_fsdp",
+    precision="32-true",
+    batch_size=64,  # per GPU: every process trains on its own shard of the data
+    devices=4,  # rung 08: 4 processes, each holding a shard of every parameter, gradient and Adam state
+    compile=False,
+    cuda_graphs=False,  # sharded steps run eagerly
+    sharding="fsdp",  # rung 08, for the estimate: one FSDP unit and one checkpoint per block
+    shard_units=("EncoderBlock",),
+    checkpoint=("EncoderBlock",),
+    cpu_variant="08_fsdp2",  # FSDPStrategy refuses the CPU; 08_fsdp2 runs the same sharding there
 )
 
 
-def make_strategy(args) -> FSDPStrategy:
+def make_strategy(cfg: RunConfig) -> FSDPStrategy:
     return FSDPStrategy(
-        auto_wrap_policy={EncoderBlock},  # each transformer block is one FSDP unit: sharded, gathered on use
+        auto_wrap_policy={EncoderBlock},  # rung 08: each transformer block is one FSDP unit, gathered on use
         activation_checkpointing_policy={EncoderBlock},  # keep block inputs, recompute the rest in backward
         cpu_offload=False,
     )
 
 
-def main(args, log):
-    if args.accelerator != "cuda":
-        raise cli.UsageError(
-            "FSDPStrategy needs CUDA GPUs; on CPU, recipes/08_fsdp2.py runs the same sharding"
-        )
-    if args.compile:
-        raise cli.UsageError("--compile is not supported with FSDP1 here; recipes/08_fsdp2.py supports it")
-    torch.set_float32_matmul_precision("high" if args.tf32 else "highest")  # "high" = TF32 matmuls
-    fabric = L.Fabric(
-        accelerator=args.accelerator,
-        devices=args.devices,
-        num_nodes=args.num_nodes,
-        strategy=make_strategy(args),
-        precision=args.precision,
-        loggers=log.fabric_loggers(),
-    )
+def main(cfg: RunConfig, results) -> None:
+    if cfg.compile:
+        raise UsageError("--compile is not supported with FSDP1 here; recipes/08_fsdp2.py supports it")
+    torch.set_float32_matmul_precision("high" if cfg.tf32 else "highest")  # "high" = TF32 matmuls
+    fabric = L.Fabric(accelerator=cfg.accelerator, devices=cfg.devices, num_nodes=cfg.num_nodes,
+                      strategy=make_strategy(cfg),  # rung 08: the model sharded over the processes
+                      precision=cfg.precision, loggers=results.fabric_loggers())  # fmt: skip
     fabric.launch()
-    fabric.seed_everything(args.seed, verbose=False)  # the seed is in the results JSON
-    log.attach(fabric)
+    fabric.seed_everything(cfg.seed, verbose=False)  # the seed is in the results JSON
+    results.attach(fabric)
 
     with fabric.rank_zero_first():
-        splits = data.load(args.data, args.data_dir)
-    weights = models.resolve_weights(args.model, args.weights)
-    log.set(data_source=splits.source, weights="pretrained" if weights else "random")
+        splits = data.load(cfg.data, cfg.data_dir)
+    weights = models.resolve_weights(cfg.model, cfg.weights)
+    results.set(data_source=splits.source, weights="pretrained" if weights else "random")
 
-    with log.phase("model_load"):
-        model = models.build_model(args.model, weights, num_classes=data.NUM_CLASSES)
-        log.estimate = estimate.for_run(model, args, **ESTIMATE)  # the predicted peak
+    with results.phase("model_load"):
+        model = models.build_model(cfg.model, weights, num_classes=data.NUM_CLASSES)
+        results.estimate = estimate.for_run(model, cfg)  # the predicted peak
         image_size, parameters = model.image_size, models.count_parameters(model)
-        model = fabric.setup_module(model)  # shard first, then build the optimizer over the shards
-        optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, fused=True)
-        optimizer = fabric.setup_optimizers(optimizer)
-    log.set(parameters=parameters)
+        model = fabric.setup_module(model)  # rung 08: shard first, then build the optimizer over the shards
+        optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=cfg.lr, fused=True))
+    results.set(parameters=parameters)
 
-    pin = fabric.device.type == "cuda"
-    loaders = data.loaders(
-        splits,
-        args.micro_batch_size,
-        args.micro_batch_size,
-        args.num_workers,
-        pin,
-        world_size=fabric.world_size,
-        rank=fabric.global_rank,
-        seed=args.seed,
-    )
+    loaders = data.loaders(splits, cfg, fabric, shard=True)  # rung 08: every rank reads its own shard
     train_loader, val_loader, test_loader = fabric.setup_dataloaders(*loaders)
-    batch_fn = loop.image_classification(image_size)
-
-    with log.phase("train"):
-        loop.fit(
-            fabric,
-            model,
-            optimizer,
-            train_loader,
-            log,
-            batch_fn,
-            accumulation_steps=args.accumulation_steps,
-            epochs=args.epochs,
-            max_steps=args.max_steps,
-            log_every=args.log_every,
-            **cli.checkpointing(args),
-        )
-    with log.phase("eval"):
-        loop.evaluate_splits(fabric, model, val_loader, test_loader, batch_fn, log, args.eval_batches)
+    batch_fn = data.image_classification(image_size)
+    with results.phase("train"):
+        loop.fit(fabric, model, optimizer, train_loader, batch_fn, cfg, results)
+    with results.phase("eval"):
+        loop.evaluate_splits(fabric, model, val_loader, test_loader, batch_fn, results, cfg.eval_batches)
 
 
 if __name__ == "__main__":
-    raise SystemExit(
-        cli.run(main, recipe=RECIPE, description=__doc__, defaults=DEFAULTS, cpu_variant="08_fsdp2")
-    )
+    raise SystemExit(lifecycle.run_recipe(main, RUNG, __doc__))

@@ -1,18 +1,12 @@
 """Rung 08, FSDP2 variant: the same sharding and checkpointing as rung 08, with PyTorch's fully_shard.
 
 FSDP2 (torch.distributed.fsdp.fully_shard) shards each parameter as a DTensor along dim 0 instead of
-flattening a unit's parameters into one buffer (FSDP1). Parameters keep their names and shapes, the
-optimizer sees ordinary (distributed) tensors, and memory is freed more predictably. Fabric drives it
-through ModelParallelStrategy with a parallelize function: wrap each EncoderBlock in activation
-checkpointing, shard each block as its own unit, then shard the root (patch embedding, class token,
-head). This path also runs on CPU with the gloo backend (the tests use 2 processes).
+flattening a unit's parameters into one buffer (FSDP1): parameters keep their names and shapes, and memory
+is freed more predictably. Fabric drives it through ModelParallelStrategy; it runs on CPU (gloo) too:
 
-    python recipes/08_fsdp2.py --devices 4
-    torchrun --nproc-per-node 4 recipes/08_fsdp2.py --devices 4
+    python recipes/08_fsdp2.py --devices 4      # or: torchrun --nproc-per-node 4 recipes/08_fsdp2.py --devices 4
     python recipes/08_fsdp2.py --accelerator cpu --devices 2 --model vit_tiny --max-steps 5
 """
-
-import functools
 
 import lightning as L
 import torch
@@ -20,96 +14,67 @@ from lightning.fabric.strategies import ModelParallelStrategy
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.fsdp import fully_shard
 
-from common import cli, data, estimate, loop, models
+from common import data, estimate, lifecycle, loop, models
+from common.config import RunConfig
 
-RECIPE = "08_fsdp2"
-DEFAULTS = dict(precision="32-true", batch_size=64, accumulation_steps=1, lr=5e-5, devices=4, compile=False)
-ESTIMATE = dict(  # for common.estimate: FSDP, one unit and one checkpoint per block
-    optimizer="adam", sharding="fsdp2", shard_units=("EncoderBlock",), checkpoint=("EncoderBlock",)
+RUNG = RunConfig(
+    recipe="08_fsdp2",
+    precision="32-true",
+    batch_size=64,  # per GPU: every process trains on its own shard of the data
+    devices=4,  # rung 08: 4 processes, each holding a shard of every parameter, gradient and Adam state
+    compile=False,
+    cuda_graphs=False,  # sharded steps run eagerly
+    sharding="fsdp2",  # rung 08, for the estimate: one FSDP unit and one checkpoint per block
+    shard_units=("EncoderBlock",),
+    checkpoint=("EncoderBlock",),
 )
 
 
 def parallelize(model, device_mesh, compile_blocks: bool = False):
     """Called by Fabric in setup_module: checkpoint and shard block by block, then the root."""
     mesh = device_mesh["data_parallel"]
-    layers = model.encoder.layers
-    for i, block in enumerate(layers):
-        layers[i] = checkpoint_wrapper(block)  # save the block input only, recompute inside in backward
+    for i, block in enumerate(model.encoder.layers):
+        model.encoder.layers[i] = block = checkpoint_wrapper(block)  # keep the block input, recompute inside
         if compile_blocks:  # one compiled graph shared by every block
-            layers[i].compile()
-        fully_shard(layers[i], mesh=mesh)  # one unit: all-gathered before the block runs, freed after
-    fully_shard(model, mesh=mesh)  # patch embedding, class token, final norm and head
-    return model
+            block.compile()
+        fully_shard(block, mesh=mesh)  # rung 08: one unit, all-gathered before the block runs, freed after
+    return fully_shard(model, mesh=mesh)  # the root: patch embedding, class token, final norm and head
 
 
-def make_strategy(args) -> ModelParallelStrategy:
-    world = args.devices * args.num_nodes
-    return ModelParallelStrategy(
-        parallelize_fn=functools.partial(parallelize, compile_blocks=args.compile),
-        data_parallel_size=world,  # every process holds a shard: pure data-parallel sharding (no tensor parallel)
+def main(cfg: RunConfig, results) -> None:
+    torch.set_float32_matmul_precision("high" if cfg.tf32 else "highest")  # "high" = TF32 matmuls
+    strategy = ModelParallelStrategy(  # rung 08: every process holds a shard (data parallel only)
+        lambda model, mesh: parallelize(model, mesh, compile_blocks=cfg.compile),
+        data_parallel_size=cfg.world_size,
         tensor_parallel_size=1,
     )
-
-
-def main(args, log):
-    torch.set_float32_matmul_precision("high" if args.tf32 else "highest")  # "high" = TF32 matmuls
-    fabric = L.Fabric(
-        accelerator=args.accelerator,
-        devices=args.devices,
-        num_nodes=args.num_nodes,
-        strategy=make_strategy(args),
-        precision=args.precision,
-        loggers=log.fabric_loggers(),
-    )
+    fabric = L.Fabric(accelerator=cfg.accelerator, devices=cfg.devices, num_nodes=cfg.num_nodes,
+                      strategy=strategy, precision=cfg.precision, loggers=results.fabric_loggers())  # fmt: skip
     fabric.launch()
-    fabric.seed_everything(args.seed, verbose=False)  # the seed is in the results JSON
-    log.attach(fabric)
+    fabric.seed_everything(cfg.seed, verbose=False)  # the seed is in the results JSON
+    results.attach(fabric)
 
     with fabric.rank_zero_first():
-        splits = data.load(args.data, args.data_dir)
-    weights = models.resolve_weights(args.model, args.weights)
-    log.set(data_source=splits.source, weights="pretrained" if weights else "random")
+        splits = data.load(cfg.data, cfg.data_dir)
+    weights = models.resolve_weights(cfg.model, cfg.weights)
+    results.set(data_source=splits.source, weights="pretrained" if weights else "random")
 
-    with log.phase("model_load"):
-        model = models.build_model(args.model, weights, num_classes=data.NUM_CLASSES)
-        log.estimate = estimate.for_run(model, args, **ESTIMATE)  # the predicted peak
+    with results.phase("model_load"):
+        model = models.build_model(cfg.model, weights, num_classes=data.NUM_CLASSES)
+        results.estimate = estimate.for_run(model, cfg)  # the predicted peak
         image_size, parameters = model.image_size, models.count_parameters(model)
-        model = fabric.setup_module(model)  # shard first, then build the optimizer over the shards
-        optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, fused=True)
-        optimizer = fabric.setup_optimizers(optimizer)
-    log.set(parameters=parameters)
+        model = fabric.setup_module(model)  # rung 08: shard first, then build the optimizer over the shards
+        optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=cfg.lr, fused=True))
+    results.set(parameters=parameters)
 
-    pin = fabric.device.type == "cuda"
-    loaders = data.loaders(
-        splits,
-        args.micro_batch_size,
-        args.micro_batch_size,
-        args.num_workers,
-        pin,
-        world_size=fabric.world_size,
-        rank=fabric.global_rank,
-        seed=args.seed,
-    )
+    loaders = data.loaders(splits, cfg, fabric, shard=True)  # rung 08: every rank reads its own shard
     train_loader, val_loader, test_loader = fabric.setup_dataloaders(*loaders)
-    batch_fn = loop.image_classification(image_size)
-
-    with log.phase("train"):
-        loop.fit(
-            fabric,
-            model,
-            optimizer,
-            train_loader,
-            log,
-            batch_fn,
-            accumulation_steps=args.accumulation_steps,
-            epochs=args.epochs,
-            max_steps=args.max_steps,
-            log_every=args.log_every,
-            **cli.checkpointing(args),
-        )
-    with log.phase("eval"):
-        loop.evaluate_splits(fabric, model, val_loader, test_loader, batch_fn, log, args.eval_batches)
+    batch_fn = data.image_classification(image_size)
+    with results.phase("train"):
+        loop.fit(fabric, model, optimizer, train_loader, batch_fn, cfg, results)
+    with results.phase("eval"):
+        loop.evaluate_splits(fabric, model, val_loader, test_loader, batch_fn, results, cfg.eval_batches)
 
 
 if __name__ == "__main__":
-    raise SystemExit(cli.run(main, recipe=RECIPE, description=__doc__, defaults=DEFAULTS))
+    raise SystemExit(lifecycle.run_recipe(main, RUNG, __doc__))

@@ -16,73 +16,60 @@ torch.utils.flop_counter, over the measured step time, against the GPU's datashe
 import lightning as L
 import torch
 
-from common import bf16, cli, data, estimate, loop, metrics, models
+from common import bf16, data, estimate, lifecycle, loop, models, results_file
+from common.config import RunConfig
 
-RECIPE = "15_speed"
-DEFAULTS = dict(precision="bf16-true", batch_size=256, accumulation_steps=1, lr=5e-5)
-ESTIMATE = dict(optimizer="adam")  # for common.estimate: fused Adam (the eager graph is traced)
+RUNG = RunConfig(
+    recipe="15_speed",
+    precision="bf16-true",  # rung 03: half the bytes moved, bf16 tensor cores
+    batch_size=256,  # rung 15: bigger matrix products, the optimizer step paid once per 256 images
+    accumulation_steps=1,
+    lr=5e-5,
+    optimizer="adam",  # for the estimate: what the code below builds (fused Adam, two moments)
+)
 
 
-def main(args, log):
-    torch.set_float32_matmul_precision("high" if args.tf32 else "highest")  # "high" = TF32 matmuls
-    fabric = L.Fabric(
-        accelerator=args.accelerator,
-        devices=args.devices,
-        num_nodes=args.num_nodes,
-        precision=args.precision,
-        loggers=log.fabric_loggers(),
-    )
+def main(cfg: RunConfig, results) -> None:
+    torch.set_float32_matmul_precision("high" if cfg.tf32 else "highest")  # "high" = TF32 matmuls
+    fabric = L.Fabric(accelerator=cfg.accelerator, devices=cfg.devices, num_nodes=cfg.num_nodes,
+                      precision=cfg.precision, loggers=results.fabric_loggers())  # fmt: skip
     fabric.launch()
-    fabric.seed_everything(args.seed, verbose=False)  # the seed is in the results JSON
-    log.attach(fabric)
+    fabric.seed_everything(cfg.seed, verbose=False)  # the seed is in the results JSON
+    results.attach(fabric)
 
     with fabric.rank_zero_first():
-        splits = data.load(args.data, args.data_dir)
-    weights = models.resolve_weights(args.model, args.weights)
-    log.set(data_source=splits.source, weights="pretrained" if weights else "random")
+        splits = data.load(cfg.data, cfg.data_dir)
+    weights = models.resolve_weights(cfg.model, cfg.weights)
+    results.set(data_source=splits.source, weights="pretrained" if weights else "random")
 
-    with log.phase("model_load"):
-        with fabric.init_module(empty_init=False):
-            model = models.build_model(args.model, weights, num_classes=data.NUM_CLASSES)
-            log.estimate = estimate.for_run(model, args, **ESTIMATE)  # the predicted peak
+    with results.phase("model_load"):
+        with fabric.init_module(empty_init=False):  # rung 07: allocated on the device, in bf16
+            model = models.build_model(cfg.model, weights, num_classes=data.NUM_CLASSES)
+            results.estimate = estimate.for_run(model, cfg)  # the predicted peak
         image_size = model.image_size
-        if args.compile:  # the whole model as one graph (forward and backward each)
+        if cfg.compile:  # rung 15: the whole model as one graph (forward and backward each)
             model = torch.compile(model)
         # fused: the whole update in one kernel, no temporary copies of the parameters
-        optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, fused=True)
-        optimizer = bf16.updates(optimizer, args, log)  # --bf16-update, --lost-updates (common/bf16.py)
+        optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr, fused=True)
+        optimizer = bf16.updates(optimizer, cfg, results)  # --bf16-update, --lost-updates (common/bf16.py)
         model, optimizer = fabric.setup(model, optimizer)
-    log.set(parameters=models.count_parameters(model))
+    results.set(parameters=models.count_parameters(model))
 
-    pin = fabric.device.type == "cuda"
-    loaders = data.loaders(splits, args.micro_batch_size, args.micro_batch_size, args.num_workers, pin)
-    train_loader, val_loader, test_loader = fabric.setup_dataloaders(*loaders)
-    batch_fn = loop.image_classification(image_size)
+    train_loader, val_loader, test_loader = fabric.setup_dataloaders(*data.loaders(splits, cfg, fabric))
+    batch_fn = data.image_classification(image_size)
 
-    with log.phase("train"):
-        loop.fit(
-            fabric,
-            model,
-            optimizer,
-            train_loader,
-            log,
-            batch_fn,
-            accumulation_steps=args.accumulation_steps,
-            epochs=args.epochs,
-            max_steps=args.max_steps,
-            log_every=args.log_every,
-            cuda_graphs=args.cuda_graphs,  # fast mode: each optimizer step one CUDA graph
-            **cli.checkpointing(args),
-        )
-    flops_per_step = models.training_flops(args.model, args.micro_batch_size) * args.accumulation_steps
-    median, peak = log.median_step_s(), metrics.peak_bf16_flops(log.gpu_name())
-    log.extra["model_flops_per_step"] = flops_per_step
-    log.extra["achieved_tflops"] = flops_per_step / median / 1e12 if median else None
-    log.extra["mfu"] = flops_per_step / median / peak if median and peak else None
-    log.extra["mfu_peak_tflops"] = peak / 1e12 if peak else None
-    with log.phase("eval"):
-        loop.evaluate_splits(fabric, model, val_loader, test_loader, batch_fn, log, args.eval_batches)
+    with results.phase("train"):
+        loop.fit(fabric, model, optimizer, train_loader, batch_fn, cfg, results)
+    # rung 15: model FLOPs utilisation, the step's model FLOPs over its time against the datasheet peak
+    flops_per_step = models.training_flops(cfg.model, cfg.micro_batch_size) * cfg.accumulation_steps
+    median, peak = results.median_step_s(), results_file.peak_bf16_flops(results.gpu_name())
+    results.extra["model_flops_per_step"] = flops_per_step
+    results.extra["achieved_tflops"] = flops_per_step / median / 1e12 if median else None
+    results.extra["mfu"] = flops_per_step / median / peak if median and peak else None
+    results.extra["mfu_peak_tflops"] = peak / 1e12 if peak else None
+    with results.phase("eval"):
+        loop.evaluate_splits(fabric, model, val_loader, test_loader, batch_fn, results, cfg.eval_batches)
 
 
 if __name__ == "__main__":
-    raise SystemExit(cli.run(main, recipe=RECIPE, description=__doc__, defaults=DEFAULTS))
+    raise SystemExit(lifecycle.run_recipe(main, RUNG, __doc__))

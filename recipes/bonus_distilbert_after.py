@@ -19,115 +19,74 @@ import torch
 from lightning.fabric.strategies import FSDPStrategy
 from transformers.models.distilbert.modeling_distilbert import TransformerBlock
 
-from common import cli, hf_models, loop, text
+from common import data, hf_models, lifecycle, loop, text
+from common.config import UsageError
+from common.text import TextConfig
 
-RECIPE = "bonus_distilbert_after"
-MODELS = hf_models.DISTILBERT  # --model choices: the full-size hub name and a tiny config
-DEFAULTS = dict(
+RUNG = TextConfig(
+    recipe="bonus_distilbert_after",
     model="distilbert-base-uncased",
-    precision="bf16-true",
+    model_choices=hf_models.DISTILBERT,  # the full-size hub name and a tiny config
+    precision="bf16-true",  # rung 03: weights, gradients and Adam state in bf16
     batch_size=12,
-    accumulation_steps=4,
+    accumulation_steps=4,  # rung 05: micro-batches of 3
     lr=5e-5,
     max_length=512,
     compile=False,
+    cuda_graphs=False,  # the Hugging Face models run their steps eagerly
 )
 
 
-def make_strategy(args):
-    if args.devices * args.num_nodes == 1:
+def make_strategy(cfg: TextConfig):
+    if cfg.world_size == 1:
         return "auto"  # one device: nothing to shard
     return FSDPStrategy(
-        auto_wrap_policy={TransformerBlock},  # each transformer block is one FSDP unit: gathered on use
-        cpu_offload=True,  # shards of parameters and gradients live in CPU memory; Adam steps on the CPU
+        auto_wrap_policy={
+            TransformerBlock
+        },  # rung 08: each transformer block is one FSDP unit, gathered on use
+        cpu_offload=True,  # rung 09: shards of parameters and gradients in CPU memory; Adam steps on the CPU
     )
 
 
-def main(args, log):
-    if args.compile:
-        raise cli.UsageError("--compile is not wired for the Hugging Face models of the bonus recipes")
-    if args.devices * args.num_nodes > 1 and args.accelerator != "cuda":
-        raise cli.UsageError("--devices > 1 shards with FSDPStrategy, which needs CUDA GPUs")
-    torch.set_float32_matmul_precision("high" if args.tf32 else "highest")  # "high" = TF32 matmuls
-    fabric = L.Fabric(
-        accelerator=args.accelerator,
-        devices=args.devices,
-        num_nodes=args.num_nodes,
-        strategy=make_strategy(args),
-        precision=args.precision,
-        loggers=log.fabric_loggers(),
-    )
+def main(cfg: TextConfig, results) -> None:
+    if cfg.compile:
+        raise UsageError("--compile is not wired for the Hugging Face models of the bonus recipes")
+    if cfg.world_size > 1 and cfg.accelerator != "cuda":
+        raise UsageError("--devices > 1 shards with FSDPStrategy, which needs CUDA GPUs")
+    torch.set_float32_matmul_precision("high" if cfg.tf32 else "highest")  # "high" = TF32 matmuls
+    fabric = L.Fabric(accelerator=cfg.accelerator, devices=cfg.devices, num_nodes=cfg.num_nodes,
+                      strategy=make_strategy(cfg),  # rungs 08-09 with several devices
+                      precision=cfg.precision, loggers=results.fabric_loggers())  # fmt: skip
     fabric.launch()
-    fabric.seed_everything(args.seed, verbose=False)  # the seed is in the results JSON
-    log.attach(fabric)
+    fabric.seed_everything(cfg.seed, verbose=False)  # the seed is in the results JSON
+    results.attach(fabric)
 
-    spec = hf_models.SPECS[args.model]
-    pretrained = hf_models.resolve_weights(spec, args.weights)
+    spec = hf_models.SPECS[cfg.model]
+    pretrained = hf_models.resolve_weights(spec, cfg.weights)
     with fabric.rank_zero_first():
-        splits = hf_models.load_text(args, spec)
-    log.set(
-        data_source=splits.source,
-        data_detail=splits.detail,
-        weights="pretrained" if pretrained else "random",
-        tokens_per_sample=args.max_length,
-    )
+        splits = text.load_for(cfg, spec)
+    results.set(data_source=splits.source, data_detail=splits.detail,
+                weights="pretrained" if pretrained else "random", tokens_per_sample=cfg.max_length)  # fmt: skip
 
-    with log.phase("model_load"):
-        with fabric.init_module(empty_init=False):  # allocated on the device, in bf16
-            model = hf_models.build(
+    with results.phase("model_load"):
+        with fabric.init_module(empty_init=False):  # rung 07: allocated on the device, in bf16
+            model = hf_models.build_model(
                 spec, pretrained, num_labels=text.NUM_LABELS, vocab_size=splits.vocab_size
             )
         parameters = hf_models.count_parameters(model)
         model = fabric.setup_module(model)  # with FSDP: shard first, then build the optimizer over the shards
-        optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, fused=True)
-        optimizer = fabric.setup_optimizers(optimizer)
-    log.set(parameters=parameters)
+        optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=cfg.lr, fused=True))
+    results.set(parameters=parameters)
 
-    pin = fabric.device.type == "cuda"
-    loaders = text.loaders(
-        splits,
-        args.micro_batch_size,
-        args.micro_batch_size,
-        args.num_workers,
-        pin,
-        world_size=fabric.world_size,
-        rank=fabric.global_rank,
-        seed=args.seed,
-    )
+    loaders = data.loaders(splits, cfg, fabric, shard=True)  # with several processes, a shard each
     train_loader, val_loader, test_loader = fabric.setup_dataloaders(*loaders)
     batch_fn = text.sequence_classification
-
-    with log.phase("train"):
-        loop.fit(
-            fabric,
-            model,
-            optimizer,
-            train_loader,
-            log,
-            batch_fn,
-            accumulation_steps=args.accumulation_steps,
-            epochs=args.epochs,
-            max_steps=args.max_steps,
-            log_every=args.log_every,
-            **cli.checkpointing(args),
-            num_classes=text.NUM_LABELS,
-        )
-    with log.phase("eval"):
-        loop.evaluate_splits(
-            fabric, model, val_loader, test_loader, batch_fn, log, args.eval_batches, text.NUM_LABELS
-        )
+    with results.phase("train"):
+        loop.fit(fabric, model, optimizer, train_loader, batch_fn, cfg, results, num_classes=text.NUM_LABELS)
+    with results.phase("eval"):
+        loop.evaluate_splits(fabric, model, val_loader, test_loader, batch_fn, results, cfg.eval_batches,
+                             text.NUM_LABELS)  # fmt: skip
 
 
 if __name__ == "__main__":
-    raise SystemExit(
-        cli.run(
-            main,
-            recipe=RECIPE,
-            description=__doc__,
-            defaults=DEFAULTS,
-            extra=text.add_flags,
-            model_choices=MODELS,
-            data_choices=text.DATA_CHOICES,
-            help_overrides=text.HELP,
-        )
-    )
+    raise SystemExit(lifecycle.run_recipe(main, RUNG, __doc__))

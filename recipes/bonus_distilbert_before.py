@@ -13,98 +13,58 @@ and measured 3.99 GB; this one is the single-GPU fp32 baseline the ladder starts
 import lightning as L
 import torch
 
-from common import cli, hf_models, loop, text
+from common import data, hf_models, lifecycle, loop, text
+from common.config import UsageError
+from common.text import TextConfig
 
-RECIPE = "bonus_distilbert_before"
-MODELS = hf_models.DISTILBERT  # --model choices: the full-size hub name and a tiny config
-DEFAULTS = dict(
+RUNG = TextConfig(
+    recipe="bonus_distilbert_before",
     model="distilbert-base-uncased",
+    model_choices=hf_models.DISTILBERT,  # the full-size hub name and a tiny config
     precision="32-true",
     batch_size=12,
     accumulation_steps=1,
     lr=5e-5,
     max_length=512,
     compile=False,
+    cuda_graphs=False,  # the Hugging Face models run their steps eagerly
 )
 
 
-def main(args, log):
-    if args.compile:
-        raise cli.UsageError("--compile is not wired for the Hugging Face models of the bonus recipes")
-    torch.set_float32_matmul_precision("high" if args.tf32 else "highest")  # "high" = TF32 matmuls
-    fabric = L.Fabric(
-        accelerator=args.accelerator,
-        devices=args.devices,
-        num_nodes=args.num_nodes,
-        precision=args.precision,
-        loggers=log.fabric_loggers(),
-    )
+def main(cfg: TextConfig, results) -> None:
+    if cfg.compile:
+        raise UsageError("--compile is not wired for the Hugging Face models of the bonus recipes")
+    torch.set_float32_matmul_precision("high" if cfg.tf32 else "highest")  # "high" = TF32 matmuls
+    fabric = L.Fabric(accelerator=cfg.accelerator, devices=cfg.devices, num_nodes=cfg.num_nodes,
+                      precision=cfg.precision, loggers=results.fabric_loggers())  # fmt: skip
     fabric.launch()
-    fabric.seed_everything(args.seed, verbose=False)  # the seed is in the results JSON
-    log.attach(fabric)
+    fabric.seed_everything(cfg.seed, verbose=False)  # the seed is in the results JSON
+    results.attach(fabric)
 
-    spec = hf_models.SPECS[args.model]
-    pretrained = hf_models.resolve_weights(spec, args.weights)
+    spec = hf_models.SPECS[cfg.model]
+    pretrained = hf_models.resolve_weights(spec, cfg.weights)
     with fabric.rank_zero_first():
-        splits = hf_models.load_text(args, spec)
-    log.set(
-        data_source=splits.source,
-        data_detail=splits.detail,
-        weights="pretrained" if pretrained else "random",
-        tokens_per_sample=args.max_length,
-    )
+        splits = text.load_for(cfg, spec)
+    results.set(data_source=splits.source, data_detail=splits.detail,
+                weights="pretrained" if pretrained else "random", tokens_per_sample=cfg.max_length)  # fmt: skip
 
-    with log.phase("model_load"):
-        model = hf_models.build(spec, pretrained, num_labels=text.NUM_LABELS, vocab_size=splits.vocab_size)
-        optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, fused=True)
+    with results.phase("model_load"):
+        model = hf_models.build_model(
+            spec, pretrained, num_labels=text.NUM_LABELS, vocab_size=splits.vocab_size
+        )
+        optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr, fused=True)
         model, optimizer = fabric.setup(model, optimizer)
-    log.set(parameters=hf_models.count_parameters(model))
+    results.set(parameters=hf_models.count_parameters(model))
 
-    pin = fabric.device.type == "cuda"
-    loaders = text.loaders(
-        splits,
-        args.micro_batch_size,
-        args.micro_batch_size,
-        args.num_workers,
-        pin,
-        world_size=fabric.world_size,
-        rank=fabric.global_rank,
-        seed=args.seed,
-    )
+    loaders = data.loaders(splits, cfg, fabric, shard=True)  # with several processes, a shard each
     train_loader, val_loader, test_loader = fabric.setup_dataloaders(*loaders)
     batch_fn = text.sequence_classification
-
-    with log.phase("train"):
-        loop.fit(
-            fabric,
-            model,
-            optimizer,
-            train_loader,
-            log,
-            batch_fn,
-            accumulation_steps=args.accumulation_steps,
-            epochs=args.epochs,
-            max_steps=args.max_steps,
-            log_every=args.log_every,
-            **cli.checkpointing(args),
-            num_classes=text.NUM_LABELS,
-        )
-    with log.phase("eval"):
-        loop.evaluate_splits(
-            fabric, model, val_loader, test_loader, batch_fn, log, args.eval_batches, text.NUM_LABELS
-        )
+    with results.phase("train"):
+        loop.fit(fabric, model, optimizer, train_loader, batch_fn, cfg, results, num_classes=text.NUM_LABELS)
+    with results.phase("eval"):
+        loop.evaluate_splits(fabric, model, val_loader, test_loader, batch_fn, results, cfg.eval_batches,
+                             text.NUM_LABELS)  # fmt: skip
 
 
 if __name__ == "__main__":
-    raise SystemExit(
-        cli.run(
-            main,
-            recipe=RECIPE,
-            description=__doc__,
-            defaults=DEFAULTS,
-            extra=text.add_flags,
-            model_choices=MODELS,
-            data_choices=text.DATA_CHOICES,
-            help_overrides=text.HELP,
-        )
-    )
+    raise SystemExit(lifecycle.run_recipe(main, RUNG, __doc__))

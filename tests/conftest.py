@@ -1,35 +1,39 @@
-"""Shared fixtures: run recipes as subprocesses (CPU, offline), or load them in-process.
+"""Shared fixtures: run recipes in this interpreter (CPU, offline), or as processes where a process is
+what is tested.
 
-Every recipe process runs with FMR_OFFLINE=1 (no network look-ups) and FMR_LOG_DIR in a temporary
-folder (Fabric's CSV/TensorBoard logs), from the repository root, with the interpreter running pytest.
+Every recipe runs with FMR_OFFLINE=1 (no network look-ups) and FMR_LOG_DIR in a temporary folder
+(Fabric's CSV/TensorBoard logs), from the repository root.
 
-Speed. A fresh interpreter spends ~6 s of CPU importing torch/lightning before a recipe parses its
-flags, and the suite needs a few dozen recipe runs. Two things keep it fast on 2 cores:
-
-* Background jobs: a test module may define ``start_background_jobs()``; it is called once the tests
-  are collected (only for modules with selected tests) and submits its runs with :func:`submit` /
-  :func:`submit_recipe`. They run concurrently while the in-process tests go on; a test waits for its
-  own with :func:`result`.
-* A warm interpreter (tests/_zygote.py) that has imported the third-party packages once and forks a
-  child per run: the child executes ``recipes/<name>.py`` as ``__main__`` with its own argv, sys.path,
-  environment, working directory, stdout/stderr and exit code, importing the project's code fresh.
-  ``submit_recipe`` uses it; ``run_recipe`` (and FMR_TEST_COLD=1 for everything) runs a plain
-  ``python recipes/<name>.py``. run_all.sh's tests always start plain interpreters.
+* In-process (:func:`run_recipe_inprocess`, the ``run_recipe`` fixture): the recipe file runs as
+  ``__main__`` with a patched ``sys.argv`` (runpy), in the interpreter that has imported torch and
+  Lightning once. This is how a recipe run is tested: its flags, its results JSON, its one-line
+  refusals and exit codes (``SystemExit``).
+* A process (:func:`run_process`, :func:`run_recipe_process`, :class:`Started`): what needs one -
+  several ranks (gloo), real signals and their exit codes, ``run_all.sh`` and the tools' command lines.
+  A fresh interpreter spends ~6 s of CPU importing torch/Lightning, so these few start as background
+  jobs: a test module may define ``start_background_jobs()``; it is called once the tests are
+  collected (only for modules with selected tests) and submits its runs with :func:`submit` /
+  :func:`submit_recipe`. They run while the in-process tests go on; a test waits for its own with
+  :func:`result`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import inspect
-import itertools
+import io
 import json
 import os
+import runpy
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
+import time
+import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -41,7 +45,7 @@ RECIPES_DIR = REPO / "recipes"
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-# In-process code (common.metrics reads FMR_LOG_DIR at import time; common.net reads FMR_OFFLINE)
+# In-process code (common.results reads FMR_LOG_DIR at import time; common.net reads FMR_OFFLINE)
 # must see these before anything imports common.*: set them while conftest is imported.
 _TMP_ROOT = Path(tempfile.mkdtemp(prefix="fmr-tests-"))
 _LOG_DIR = _TMP_ROOT / "logs"
@@ -57,11 +61,10 @@ CPU_ARGS = (
     "--max-steps", "3", "--eval-batches", "1",
 )  # fmt: skip
 # Rungs whose strategy (Fabric's FSDPStrategy) refuses the CPU: on CPU they must exit 2 with one line
-# saying so (DESIGN.md, "Known ground"); everything else runs on CPU.
+# saying so (docs/08_fsdp.md); everything else runs on CPU.
 CUDA_ONLY_RECIPES = frozenset({"08_fsdp", "09_cpu_offload"})
 SUBPROCESS_TIMEOUT = 400
 WORKERS = int(os.environ.get("FMR_TEST_WORKERS", "0")) or max(2, min(4, os.cpu_count() or 2))
-COLD = os.environ.get("FMR_TEST_COLD", "") not in ("", "0")
 
 
 # ------------------------------------------------------------------------------------------ discovery
@@ -75,7 +78,7 @@ def recipe_names() -> list[str]:
 
 
 def load_recipe_module(name: str):
-    """Import ``recipes/<name>.py`` as a module (its ``main``, ``RECIPE``, ``DEFAULTS``), not as __main__."""
+    """Import ``recipes/<name>.py`` as a module (its ``main`` and ``RUNG``), not as __main__."""
     path = RECIPES_DIR / f"{name}.py"
     spec = importlib.util.spec_from_file_location(f"recipe_{name}", path)
     module = importlib.util.module_from_spec(spec)
@@ -148,181 +151,115 @@ def _option(args: Sequence[str], flag: str) -> str | None:
     return None
 
 
-def run_recipe_process(
-    name: str, args: Sequence[str], results_dir: str | os.PathLike, log_dir=None, warm: bool = False
+def run_recipe_inprocess(
+    name: str, args: Sequence[str], results_dir: str | os.PathLike
 ) -> tuple[subprocess.CompletedProcess, dict | None]:
-    """``python recipes/<name>.py *args`` from the repo root; returns (process, results JSON or None).
+    """``python recipes/<name>.py *args``, run in this interpreter: the file is executed as
+    ``__main__`` with its own ``sys.argv`` (runpy, as torchtune's recipe tests do), stdout and stderr
+    captured, ``SystemExit`` taken as the exit code and an uncaught exception as exit code 1 with its
+    traceback on stderr (what the interpreter would print). Returns (the outcome as a
+    CompletedProcess, the results JSON or None).
 
-    ``--results-dir results_dir`` is added unless ``args`` has one. The JSON is the file the recipe
-    is documented to write: ``<results_dir>/<name>[-<tag>].json``. ``warm``: a forked child of the
-    warm interpreter runs the script (same behaviour, ~6 s less CPU), unless FMR_TEST_COLD=1.
+    ``--results-dir results_dir`` is added unless ``args`` has one. The JSON is the file the recipe is
+    documented to write: ``<results_dir>/<name>[-<tag>].json``. Everything that needs a real process
+    (signals, several ranks, exit codes of the interpreter itself) uses :func:`run_process` instead.
     """
     args = [str(a) for a in args]
     where = _option(args, "--results-dir")
     if where is None:
         where = str(results_dir)
         args += ["--results-dir", where]
-    argv = [str(RECIPES_DIR / f"{name}.py"), *args]
-    if warm and not COLD:
-        proc = _ZYGOTE.run(argv, subprocess_env(log_dir))
-    else:
-        proc = run_process([sys.executable, *argv], subprocess_env(log_dir))
+    path = RECIPES_DIR / f"{name}.py"
+    out, err = io.StringIO(), io.StringIO()
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    code = 0
+    sys.argv = [str(path), *args]
+    sys.path.insert(0, str(RECIPES_DIR))  # as `python recipes/<name>.py` sets sys.path[0]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                runpy.run_path(str(path), run_name="__main__")
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            except Exception:  # noqa: BLE001 - reported as the interpreter would: traceback, exit 1
+                traceback.print_exc()
+                code = 1
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path
+    proc = subprocess.CompletedProcess(
+        [sys.executable, str(path), *args], code, out.getvalue(), err.getvalue()
+    )
+    tag = _option(args, "--tag")
+    json_path = Path(where) / (f"{name}-{tag}.json" if tag else f"{name}.json")
+    payload = json.loads(json_path.read_text()) if json_path.exists() else None
+    return proc, payload
+
+
+def run_recipe_process(
+    name: str, args: Sequence[str], results_dir: str | os.PathLike, log_dir=None
+) -> tuple[subprocess.CompletedProcess, dict | None]:
+    """``python recipes/<name>.py *args`` as a real process (several ranks, signals); as
+    :func:`run_recipe_inprocess` otherwise."""
+    args = [str(a) for a in args]
+    where = _option(args, "--results-dir")
+    if where is None:
+        where = str(results_dir)
+        args += ["--results-dir", where]
+    proc = run_process([sys.executable, str(RECIPES_DIR / f"{name}.py"), *args], subprocess_env(log_dir))
     tag = _option(args, "--tag")
     path = Path(where) / (f"{name}-{tag}.json" if tag else f"{name}.json")
     payload = json.loads(path.read_text()) if path.exists() else None
     return proc, payload
 
 
-class _Zygote:
-    """Client of tests/_zygote.py (see its docstring): one warm interpreter, a forked child per run."""
+class Started:
+    """A process started now, its output going to files: watched (``read``), signalled, waited for.
+    The signal tests use it (a real process: real signal handlers, real exit codes)."""
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._proc: subprocess.Popen | None = None
-        self._ready = threading.Event()
-        self._dead = False
-        self._closing = False
-        self._jobs: dict[str, dict] = {}
-        self._ids = itertools.count()
-
-    def _start(self) -> None:
-        with self._lock:
-            if self._proc is None and not self._closing:
-                env = subprocess_env()
-                # single-threaded until it forks: no BLAS/OpenMP pools may exist in the parent
-                env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-                self._log = open(_TMP_ROOT / "zygote.log", "w")  # noqa: SIM115
-                self._proc = subprocess.Popen(
-                    [sys.executable, str(Path(__file__).with_name("_zygote.py"))],
-                    cwd=REPO,
-                    env=env,
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE,
-                    stderr=self._log,
-                    text=True,
-                    start_new_session=True,
-                )
-                threading.Thread(target=self._read, name="fmr-zygote", daemon=True).start()
-        if self._closing:
-            return
-        if not self._ready.wait(300) or self._dead:
-            log = (_TMP_ROOT / "zygote.log").read_text()[-3000:]
-            raise RuntimeError(f"the warm interpreter (tests/_zygote.py) did not start:\n{log}")
-
-    def _read(self) -> None:
-        for line in self._proc.stdout:
-            message = json.loads(line)
-            if message.get("ready"):
-                self._ready.set()
-                continue
-            job = self._jobs[message["id"]]
-            if "pid" in message:
-                job["pid"] = message["pid"]
-            else:
-                job["returncode"] = message["returncode"]
-                job["done"].set()
-        self._dead = True  # EOF: release everyone still waiting
-        self._ready.set()
-        for job in list(self._jobs.values()):  # run() may add a job meanwhile
-            job["done"].set()
-
-    def run(self, argv: list[str], env: dict[str, str], timeout: float = SUBPROCESS_TIMEOUT):
-        return self.start(argv, env).wait(timeout)
-
-    def start(self, argv: list[str], env: dict[str, str]) -> WarmRun:
-        """Start the run and return at once (see :class:`WarmRun`)."""
-        self._start()
-        if self._closing or self._dead:
-            return WarmRun(argv, None, None, None)
-        job_id = str(next(self._ids))
-        folder = _TMP_ROOT / "zygote"
-        folder.mkdir(exist_ok=True)
-        out, err = folder / f"{job_id}.out", folder / f"{job_id}.err"
-        job = {"done": threading.Event(), "pid": None, "returncode": None}
-        self._jobs[job_id] = job
-        if self._dead:  # the server went away between the check above and now
-            return WarmRun(argv, None, None, None)
-        request = {
-            "id": job_id,
-            "argv": argv,
-            "cwd": str(REPO),
-            "env": env,
-            "stdout": str(out),
-            "stderr": str(err),
-        }
-        with self._lock:
-            self._proc.stdin.write(json.dumps(request) + "\n")
-            self._proc.stdin.flush()
-        return WarmRun(argv, job, out, err)
-
-    def kill_running(self) -> None:
-        for job in list(self._jobs.values()):
-            if not job["done"].is_set() and job["pid"]:
-                _killpg(job["pid"])
-
-    def close(self) -> None:
-        self._closing = True
-        if self._proc is None:
-            return
-        self.kill_running()
-        try:
-            self._proc.stdin.close()
-            self._proc.wait(timeout=30)
-        except (OSError, subprocess.TimeoutExpired):
-            _kill(self._proc)
-        self._log.close()
-        self._proc = None
-
-
-class WarmRun:
-    """A run in a forked child of the warm interpreter: ``pid`` (once the child exists), its output
-    files, ``read()`` while it runs, ``wait()`` for the CompletedProcess. Tests that signal a running
-    recipe use it through :func:`start_warm`."""
-
-    def __init__(self, argv: list[str], job: dict | None, out: Path | None, err: Path | None) -> None:
-        self.argv, self._job, self.out, self.err = argv, job, out, err
+    def __init__(self, argv: Sequence[str], env: dict[str, str], folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        stem = folder / f"run-{time.monotonic_ns()}"
+        self.out, self.err = stem.with_suffix(".out"), stem.with_suffix(".err")
+        with open(self.out, "w") as out, open(self.err, "w") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, *map(str, argv)], cwd=REPO, env=env, stdout=out, stderr=err,
+                start_new_session=True,
+            )  # fmt: skip
+        with _LIVE_LOCK:
+            _LIVE.add(self.proc)
+        self.argv = self.proc.args
 
     @property
-    def pid(self) -> int | None:
-        return self._job["pid"] if self._job else None
+    def pid(self) -> int:
+        return self.proc.pid
 
     def read(self) -> tuple[str, str]:
         """(stdout, stderr) so far."""
-        read = lambda p: p.read_text(errors="replace") if p is not None and p.exists() else ""  # noqa: E731
-        return read(self.out), read(self.err)
+        return self.out.read_text(errors="replace"), self.err.read_text(errors="replace")
+
+    def running(self) -> bool:
+        return self.proc.poll() is None
 
     def wait(self, timeout: float = SUBPROCESS_TIMEOUT) -> subprocess.CompletedProcess:
-        job = self._job
-        if job is None:
-            return subprocess.CompletedProcess([sys.executable, *self.argv], -9, "", "[tests] session ended")
         note = ""
-        if not job["done"].wait(timeout):
-            if job["pid"]:
-                _killpg(job["pid"])
-            job["done"].wait(30)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
             note = f"\n[tests] killed after {timeout} s"
-        if job["returncode"] is None:
-            note += "\n[tests] the warm interpreter died: see the zygote log"
-        returncode = job["returncode"] if job["returncode"] is not None else -9
+        finally:
+            _kill(self.proc)  # what it launched and left behind (its process group) goes with it
+            with _LIVE_LOCK:
+                _LIVE.discard(self.proc)
         out, err = self.read()
-        return subprocess.CompletedProcess([sys.executable, *self.argv], returncode, out, err + note)
-
-
-_ZYGOTE = _Zygote()
-
-
-def start_warm(argv: Sequence[str], env: dict[str, str]) -> WarmRun:
-    """Start ``python *argv`` (a script and its arguments) as a forked child of the warm interpreter
-    and return at once; ``FMR_TEST_COLD=1`` is not honoured here (see run_recipe_process for that)."""
-    return _ZYGOTE.start([str(a) for a in argv], env)
+        return subprocess.CompletedProcess(self.argv, self.proc.wait(), out, err + note)
 
 
 @pytest.fixture
 def run_recipe(tmp_path):
-    """``run_recipe(name, *args)`` -> (CompletedProcess, parsed results JSON or None), run now."""
+    """``run_recipe(name, *args)`` -> (CompletedProcess, parsed results JSON or None), run now in-process."""
 
     def _run(name: str, *args: str):
-        return run_recipe_process(name, args, tmp_path / "results", tmp_path / "logs")
+        return run_recipe_inprocess(name, args, tmp_path / "results")
 
     return _run
 
@@ -355,25 +292,11 @@ def submit(key: str, fn: Callable, *args) -> Future:
     return _JOBS[key]
 
 
-def submit_recipe(
-    key: str,
-    name: str,
-    args: Sequence[str] | Callable[[], Sequence[str]],
-    results_dir: Path | None = None,
-    warm: bool = True,
-) -> Future:
-    """Run ``recipes/<name>.py *args`` in the background; ``result(key)`` -> (process, JSON, results_dir).
-
-    ``args`` may be a function (called in the background): an error computing them, e.g. a recipe that
-    cannot be imported, then fails the test that waits for this job instead of the whole session.
-    """
+def submit_recipe(key: str, name: str, args: Sequence[str], results_dir: Path | None = None) -> Future:
+    """Run ``recipes/<name>.py *args`` as a process in the background (the multi-process runs);
+    ``result(key)`` -> (process, JSON, results_dir)."""
     results_dir = results_dir or session_dir(f"results-{key.replace(':', '-')}")
-
-    def job():
-        argv = args() if callable(args) else args
-        return (*run_recipe_process(name, argv, results_dir, warm=warm), results_dir)
-
-    return submit(key, job)
+    return submit(key, lambda: (*run_recipe_process(name, args, results_dir), results_dir))
 
 
 _START_ERRORS: dict[str, Exception] = {}
@@ -423,9 +346,7 @@ def pytest_sessionfinish(session, exitstatus):
             live = list(_LIVE)
         for proc in live:
             _kill(proc)
-        _ZYGOTE.close()  # ends its running children: the jobs waiting for them return now
         _EXECUTOR.shutdown(wait=True)
-    _ZYGOTE.close()
     shutil.rmtree(_TMP_ROOT, ignore_errors=True)
 
 

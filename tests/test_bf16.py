@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import types
 
@@ -10,6 +9,7 @@ import pytest
 import torch
 
 from common import bf16, cli
+from common.config import RunConfig, UsageError
 
 HAVE_OPTIMI = importlib.util.find_spec("optimi") is not None
 HAVE_TORCHAO = importlib.util.find_spec("torchao") is not None
@@ -70,9 +70,7 @@ def test_round_stochastic_is_unbiased_and_keeps_exact_values():
 
 
 def _log(every: int | None = None):
-    return types.SimpleNamespace(optimizer_steps=0, updates={}), argparse.Namespace(
-        bf16_update="plain", lost_updates=every
-    )
+    return types.SimpleNamespace(optimizer_steps=0, updates={}), RunConfig(lost_updates=every)
 
 
 def _params():
@@ -143,21 +141,21 @@ def test_lost_updates_counts_the_kahan_buffer_as_applied():
 
 def test_unsupported_combinations_are_refused_clearly(tmp_path):
     w, v = (torch.ones(4, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
-    with pytest.raises(cli.UsageError, match="momentum"):
+    with pytest.raises(UsageError, match="momentum"):
         bf16.replace(torch.optim.SGD([w], lr=0.1, momentum=0.9), "kahan")
-    with pytest.raises(cli.UsageError, match="one parameter group"):
+    with pytest.raises(UsageError, match="one parameter group"):
         bf16.replace(torch.optim.SGD([{"params": [w]}, {"params": [v]}], lr=0.1), "stochastic")
     if HAVE_TORCHAO:
         from torchao.optim import AdamW8bit
 
-        with pytest.raises(cli.UsageError, match="8-bit Adam has no Kahan"):
+        with pytest.raises(UsageError, match="8-bit Adam has no Kahan"):
             bf16.replace(AdamW8bit([w], lr=1e-3), "kahan")
         assert bf16.replace(AdamW8bit([w], lr=1e-3), "stochastic").bf16_stochastic_round
     argv = ["--accelerator", "cpu", "--precision", "32-true", "--bf16-update", "kahan"]
     with pytest.raises(SystemExit) as exc:
-        cli.parse_args("d", {}, argv)
+        cli.parse(RunConfig(), argv)
     assert exc.value.code == 2
-    assert cli.parse_args("d", {}, [*argv[:3], "bf16-true", "--bf16-update", "kahan"]).bf16_update == "kahan"
+    assert cli.parse(RunConfig(), [*argv[:3], "bf16-true", "--bf16-update", "kahan"]).bf16_update == "kahan"
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])

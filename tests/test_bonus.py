@@ -1,6 +1,6 @@
 """The bonus recipes on CPU: tiny DistilBERT / BigBird / Qwen2 configs, synthetic and real-format IMDb.
 
-Recipes run in-process as ``__main__`` (their own ``cli.run`` call: parsing, validation, results JSON,
+Recipes run in-process as ``__main__`` (their own ``lifecycle.run_recipe`` call: parsing, checks, results JSON,
 in one interpreter that has imported torch and transformers once); run_all.sh's bonus path runs as a background process while
 they do. No network (conftest sets FMR_OFFLINE=1); the "real IMDb" tests write their own aclImdb folder
 or CSV and a WordPiece vocabulary file.
@@ -8,10 +8,9 @@ or CSV and a WordPiece vocabulary file.
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import importlib.util
 import json
-import runpy
 import sys
 from pathlib import Path
 
@@ -23,12 +22,14 @@ from conftest import (
     load_recipe_module,
     result,
     run_process,
+    run_recipe_inprocess,
     session_dir,
     submit,
     subprocess_env,
 )
 
-from common import cli, hf_models, metrics, report, text
+from common import hf_models, report, results, text, text_samples
+from common.config import UsageError
 
 BACKGROUND_PRIORITY = 20  # run_all.sh --bonus: one recipe process and the report
 BACKGROUND_TESTS = {"test_run_all_bonus_runs_a_row_of_the_llm_table"}
@@ -52,28 +53,31 @@ NEGATIVE = ["an awful film", "boring plot and a bad actor", "i hated the movie",
 
 
 # --------------------------------------------------------------------------------------------- helpers
-def run_in_process(name: str, tmp_path: Path, *args: str, data: str = "synthetic") -> dict:
-    """Run ``recipes/<name>.py`` as ``__main__`` in this interpreter and return its results payload.
+def _run(name: str, tmp_path: Path, args: tuple[str, ...], data: str):
+    argv = ["--accelerator", "cpu", "--data", data, "--weights", "none", "--log-every", "5", *args]
+    return run_recipe_inprocess(name, argv, tmp_path)
 
-    The recipe's own ``cli.run(...)`` call parses the flags (its model and data choices, its extra
-    flags), validates them, trains and writes the results JSON, as ``python recipes/<name>.py`` would.
-    A refused flag raises SystemExit(2) here, as in a subprocess.
-    """
-    path = REPO / "recipes" / f"{name}.py"
-    argv = ["--accelerator", "cpu", "--data", data, "--weights", "none", "--results-dir", str(tmp_path)]
-    argv += ["--log-every", "5", *args]
-    with pytest.MonkeyPatch.context() as mp, pytest.raises(SystemExit) as exc:
-        mp.setattr(sys, "argv", [str(path), *argv])
-        runpy.run_path(str(path), run_name="__main__")
-    if exc.value.code != 0:
-        raise exc.value
-    tag = args[args.index("--tag") + 1] if "--tag" in args else None
-    return json.loads(Path(metrics.results_path(str(tmp_path), name, tag)).read_text())
+
+def run_in_process(name: str, tmp_path: Path, *args: str, data: str = "synthetic") -> dict:
+    """Run ``recipes/<name>.py`` as ``__main__`` in this interpreter (conftest.run_recipe_inprocess:
+    its own flags, checks and results JSON, as ``python recipes/<name>.py`` would) and return its
+    results payload; the run must succeed."""
+    proc, payload = _run(name, tmp_path, args, data)
+    assert proc.returncode == 0 and payload is not None, describe(proc)
+    return payload
+
+
+def refused(name: str, tmp_path: Path, *args: str, data: str = "synthetic") -> list[str]:
+    """The same run, which must be refused: exit code 2; returns its lines on stderr."""
+    proc, payload = _run(name, tmp_path, args, data)
+    assert proc.returncode == 2 and payload is None, describe(proc)
+    assert "Traceback" not in proc.stderr, describe(proc)
+    return proc.stderr.strip().splitlines()
 
 
 @pytest.fixture(autouse=True)
 def _logs_in_tmp(tmp_path, monkeypatch):
-    monkeypatch.setattr(metrics, "LOG_DIR", str(tmp_path / "logs"))
+    monkeypatch.setattr(results, "LOG_DIR", str(tmp_path / "logs"))
 
 
 def write_vocab(folder: Path) -> Path:
@@ -97,7 +101,7 @@ def write_aclimdb(folder: Path, copies: int = 3) -> None:
 # ------------------------------------------------------------------------------------- synthetic data
 def test_synthetic_reviews_have_imdb_like_lengths_and_a_learnable_label():
     ids = hf_models.SPECS["distilbert-base-uncased"].ids
-    ds = text.SyntheticReviews(400, 512, ids, seed=3)
+    ds = text_samples.SyntheticReviews(400, 512, ids, seed=3)
     lengths, labels = [], []
     for i in range(len(ds)):
         input_ids, mask, label = ds[i]
@@ -115,23 +119,23 @@ def test_synthetic_reviews_have_imdb_like_lengths_and_a_learnable_label():
     assert 190 <= lengths_t.median() <= 270  # IMDb: median ~230 tokens
     assert 0.01 <= (lengths_t == 512).float().mean() <= 0.15  # the long tail is truncated
     assert 0.4 <= sum(labels) / len(labels) <= 0.6
-    again = text.SyntheticReviews(400, 512, ids, seed=3)[7][0]
+    again = text_samples.SyntheticReviews(400, 512, ids, seed=3)[7][0]
     assert torch.equal(again, ds[7][0])  # made on demand, reproducibly
 
 
 def test_sft_example_puts_minus_100_on_prompt_and_padding_only():
-    input_ids, mask, labels = text.sft_example([11, 12, 13], [21, 22], max_length=8, pad_id=0)
+    input_ids, mask, labels = text_samples.sft_example([11, 12, 13], [21, 22], max_length=8, pad_id=0)
     assert input_ids.tolist() == [11, 12, 13, 21, 22, 0, 0, 0]
     assert mask.tolist() == [1, 1, 1, 1, 1, 0, 0, 0]
     assert labels.tolist() == [-100, -100, -100, 21, 22, -100, -100, -100]
     # too long: the end is cut, the prompt stays masked
-    input_ids, mask, labels = text.sft_example([11, 12, 13], [21, 22, 23, 24], max_length=5, pad_id=0)
+    input_ids, mask, labels = text_samples.sft_example([11, 12, 13], [21, 22, 23, 24], max_length=5, pad_id=0)
     assert labels.tolist() == [-100, -100, -100, 21, 22] and mask.tolist() == [1] * 5
 
 
 def test_synthetic_sft_completions_follow_the_rule():
     ids = hf_models.SPECS["qwen2-tiny"].ids
-    ds = text.SyntheticSFT(50, 64, ids, seed=1)
+    ds = text_samples.SyntheticSFT(50, 64, ids, seed=1)
     successor = {int(ds.answers[j]): int(ds.answers[ds.successor[j]]) for j in range(len(ds.answers))}
     for i in range(len(ds)):
         prompt, completion = ds.sample(i)
@@ -206,11 +210,11 @@ def test_csv_reviews_become_sft_pairs_with_the_answer_supervised(tmp_path):
 
 def test_imdb_missing_offline(tmp_path):
     ids = hf_models.SPECS["distilbert-tiny"].ids
-    with pytest.raises(cli.UsageError, match="--data imdb"):
+    with pytest.raises(UsageError, match="--data imdb"):
         text.load("imdb", str(tmp_path), 32, ids, lambda: None)
     assert text.load("auto", str(tmp_path), 32, ids, lambda: None).source == "synthetic"
     write_aclimdb(tmp_path, copies=1)
-    with pytest.raises(cli.UsageError, match="tokenizer"):  # data there, but no tokenizer offline
+    with pytest.raises(UsageError, match="tokenizer"):  # data there, but no tokenizer offline
         text.load("imdb", str(tmp_path), 32, ids, lambda: None)
 
 
@@ -265,8 +269,8 @@ def test_after_recipes_shard_with_fsdp_and_offload_on_several_gpus():
 
     for name, block in (("bonus_distilbert_after", TransformerBlock), ("bonus_bigbird_after", BigBirdLayer)):
         module = load_recipe_module(name)
-        assert module.make_strategy(argparse.Namespace(devices=1, num_nodes=1)) == "auto"
-        strategy = module.make_strategy(argparse.Namespace(devices=4, num_nodes=1))
+        assert module.make_strategy(module.RUNG) == "auto"
+        strategy = module.make_strategy(dataclasses.replace(module.RUNG, devices=4))
         assert isinstance(strategy, FSDPStrategy)
         assert set(strategy._fsdp_kwargs["auto_wrap_policy"]._module_classes) == {block}
         assert strategy.cpu_offload is not None and strategy.cpu_offload.offload_params
@@ -341,20 +345,16 @@ def test_llm_toggles_change_the_model(tmp_path, row):
         (("--attn", "flash_attention_2"), "flash"),
     ],
 )
-def test_llm_impossible_toggles_exit_2(tmp_path, capsys, flags, message):
+def test_llm_impossible_toggles_exit_2(tmp_path, flags, message):
     if "flash_attention_2" in flags and importlib.util.find_spec("flash_attn") is not None:
         pytest.skip("flash-attn is installed here")
-    with pytest.raises(SystemExit) as exc:
-        run_in_process("bonus_llm_finetune", tmp_path, "--model", "qwen2-tiny", "--max-steps", "1", *flags)
-    assert exc.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
+    err = refused("bonus_llm_finetune", tmp_path, "--model", "qwen2-tiny", "--max-steps", "1", *flags)
     assert len(err) == 1 and message in err[0]
 
 
-def test_after_recipe_refuses_several_cpu_devices(tmp_path, capsys):
-    with pytest.raises(SystemExit) as exc:
-        run_in_process("bonus_distilbert_after", tmp_path, "--model", "distilbert-tiny", "--devices", "2")
-    assert exc.value.code == 2 and "FSDP" in capsys.readouterr().err
+def test_after_recipe_refuses_several_cpu_devices(tmp_path):
+    err = refused("bonus_distilbert_after", tmp_path, "--model", "distilbert-tiny", "--devices", "2")
+    assert len(err) == 1 and "FSDP" in err[0]
 
 
 def test_run_all_bonus_runs_a_row_of_the_llm_table():
@@ -381,7 +381,7 @@ def test_saved_activations_tool_counts_bytes(capsys):
 
     assert tool.main(args) == 0
     out = capsys.readouterr().out
-    model = hf_models.build(hf_models.SPECS["distilbert-tiny"], False)
+    model = hf_models.build_model(hf_models.SPECS["distilbert-tiny"], False)
     n = hf_models.count_parameters(model)
     weights = float(out.split("weights")[1].split("GB")[0])
     assert weights == pytest.approx(n * 4 / 1e9, abs=5e-4) and exact(out, "weights") == 4 * n  # fp32
@@ -414,25 +414,17 @@ def test_saved_activations_tool_counts_bytes(capsys):
     assert 0 < exact(out, "saved activations") < inclusive - saved_weights
 
 
-def test_imdb_asked_for_offline_is_one_line_and_exit_2(tmp_path, capsys):
-    with pytest.raises(SystemExit) as exc:
-        run_in_process(
-            "bonus_distilbert_before",
-            tmp_path,
-            *("--model", "distilbert-tiny", "--data-dir", str(tmp_path / "empty")),
-            data="imdb",
-        )
-    assert exc.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
+def test_imdb_asked_for_offline_is_one_line_and_exit_2(tmp_path):
+    err = refused(
+        "bonus_distilbert_before", tmp_path, "--model", "distilbert-tiny", "--data-dir", str(tmp_path / "empty"),
+        data="imdb",
+    )  # fmt: skip
     assert len(err) == 1 and "--data imdb" in err[0], err
 
 
 @pytest.mark.parametrize("name", ["bonus_distilbert_before", "bonus_llm_finetune"])
-def test_bonus_recipes_refuse_cifar10_in_one_line(tmp_path, capsys, name):
-    with pytest.raises(SystemExit) as exc:
-        run_in_process(name, tmp_path, data="cifar10")
-    assert exc.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
+def test_bonus_recipes_refuse_cifar10_in_one_line(tmp_path, name):
+    err = refused(name, tmp_path, data="cifar10")
     assert len(err) == 1 and err[0].startswith(f"{name}.py: error:"), err
     assert "invalid choice: 'cifar10'" in err[0] and "imdb" in err[0], err
     assert not any(tmp_path.iterdir())

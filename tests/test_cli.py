@@ -1,5 +1,5 @@
-"""Bad flags fail clearly (one line on stderr, exit 2, no traceback) through a real recipe process, and
-good flags reach Fabric unchanged."""
+"""Bad flags fail clearly (one line on stderr, exit 2, no traceback) through a real recipe run (in this
+interpreter: conftest.run_recipe_inprocess), and good flags reach Fabric unchanged."""
 
 from __future__ import annotations
 
@@ -7,17 +7,11 @@ import os
 import sys
 
 import pytest
-from conftest import (
-    CUDA_ONLY_RECIPES,
-    describe,
-    load_recipe_module,
-    recipe_names,
-    result,
-    session_dir,
-    submit_recipe,
-)
+from conftest import CUDA_ONLY_RECIPES, describe, load_recipe_module, recipe_names, run_recipe_inprocess
 
-from common import cli
+from common import cli, lifecycle
+from common.config import FAST_ALLOCATOR, Hardware, RunConfig, UsageError
+from common.text import TextConfig
 
 RECIPE = "01_baseline"
 QUICK = ["--accelerator", "cpu", "--model", "vit_tiny", "--data", "synthetic", "--weights", "none",
@@ -66,30 +60,22 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
-BACKGROUND_PRIORITY = 15
-BACKGROUND_TESTS = {
-    "test_bad_flag_exits_2_without_traceback_or_results",
-    "test_bad_flag_is_exactly_one_line_on_stderr",
-}  # the tests that wait for the jobs
-_EMPTY: list = []
-
-
-def start_background_jobs(selected: list[str]) -> None:
-    """The bad-flag runs of the baseline recipe that the selected tests need, in the background."""
-    empty = session_dir("empty-data-dir")
-    _EMPTY.append(empty)
-    for case, (extra, _) in BAD.items():
-        if _skip_reason(case) or not any(name.endswith(f"[{case}]") for name in selected):
-            continue
-        extra = [a.replace("{empty}", str(empty)) for a in extra]
-        submit_recipe(f"cli:{case}", RECIPE, QUICK + extra)
+_BAD_RUNS: dict = {}
 
 
 @pytest.fixture
-def bad_runs():
+def bad_runs(tmp_path_factory):
+    """The baseline recipe run with each bad flag (once per case: two tests read each)."""
+
     class Runs:
         def __getitem__(self, case):
-            return result(f"cli:{case}")
+            if case not in _BAD_RUNS:
+                empty = tmp_path_factory.mktemp("empty-data-dir")
+                results_dir = tmp_path_factory.mktemp("results")
+                extra = [a.replace("{empty}", str(empty)) for a in BAD[case][0]]
+                proc, payload = run_recipe_inprocess(RECIPE, QUICK + extra, results_dir)
+                _BAD_RUNS[case] = (proc, payload, results_dir, empty)
+            return _BAD_RUNS[case]
 
     return Runs()
 
@@ -102,12 +88,12 @@ def _stderr_lines(proc) -> list[str]:
 def test_bad_flag_exits_2_without_traceback_or_results(case, bad_runs):
     if _skip_reason(case):
         pytest.skip(_skip_reason(case))
-    proc, payload, results_dir = bad_runs[case]
+    proc, payload, results_dir, empty = bad_runs[case]
     assert proc.returncode == 2, describe(proc)
     assert "Traceback" not in proc.stderr + proc.stdout, describe(proc)
     assert payload is None and not any(results_dir.iterdir()), "bad flags must not write results"
     if case in RAISED_IN_MAIN:
-        assert not any(_EMPTY[0].iterdir()), "a refused --data cifar10 must not create files in --data-dir"
+        assert not any(empty.iterdir()), "a refused --data cifar10 must not create files in --data-dir"
     # the error line is there, names the recipe and the offending flag/value
     errors = [ln for ln in _stderr_lines(proc) if ln.startswith(f"{RECIPE}.py: error:")]
     assert len(errors) == 1, describe(proc)
@@ -118,7 +104,7 @@ def test_bad_flag_exits_2_without_traceback_or_results(case, bad_runs):
 def test_bad_flag_is_exactly_one_line_on_stderr(case, bad_runs):
     if _skip_reason(case):
         pytest.skip(_skip_reason(case))
-    proc, _, _ = bad_runs[case]
+    proc = bad_runs[case][0]
     assert proc.returncode == 2, describe(proc)
     lines = _stderr_lines(proc)
     assert len(lines) == 1, describe(proc)
@@ -152,15 +138,13 @@ def _call_recipe_main(name, argv, fake, monkeypatch):
     if hasattr(mod, "Fabric"):  # in case a recipe imports the class by name
         monkeypatch.setattr(mod, "Fabric", fake)
     with pytest.raises(FabricReached):
-        cli.run(mod.main, recipe=mod.RECIPE, description=mod.__doc__, defaults=mod.DEFAULTS, argv=argv)
+        lifecycle.run_recipe(mod.main, mod.RUNG, mod.__doc__, argv=argv)
 
 
-def _pretend_gpus(monkeypatch, count: int = 8) -> None:
-    """Let validation accept --accelerator cuda here: the fake Fabric stops the run before any CUDA call."""
-    import torch
-
-    monkeypatch.setattr(cli, "_cuda_count", lambda: count)
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+def _pretend_gpus(monkeypatch, count: int = 8, bf16: bool = True) -> None:
+    """Let the checks accept --accelerator cuda here: the fake Fabric stops the run before any CUDA call."""
+    gpus = Hardware(cuda_devices=count, cpu_cores=os.cpu_count() or 1, bf16_supported=lambda: bf16)
+    monkeypatch.setattr(cli, "detect_hardware", lambda: gpus)
 
 
 @pytest.mark.parametrize("precision", ["bf16-true", "bf16-mixed", "32-true"])
@@ -204,31 +188,46 @@ def test_normalised_flags_reach_fabric(fake_fabric, monkeypatch, tmp_path):
 def test_recipe_defaults_reach_fabric(name, fake_fabric, monkeypatch, tmp_path):
     """Without --precision/--devices each rung uses its own defaults (the lesson of rungs 02/03/08)."""
     fake, seen = fake_fabric
-    mod = load_recipe_module(name)
-    defaults = {**cli.BASE_DEFAULTS, **mod.DEFAULTS}
+    rung = load_recipe_module(name).RUNG
     if not _has_cuda():
         _pretend_gpus(monkeypatch)
     argv = ["--accelerator", "cuda", "--model", "vit_tiny", "--results-dir", str(tmp_path)]
     _call_recipe_main(name, argv, fake, monkeypatch)
-    assert seen[-1]["precision"] == defaults["precision"]
-    assert seen[-1]["devices"] == defaults["devices"]
+    assert seen[-1]["precision"] == rung.precision
+    assert seen[-1]["devices"] == rung.devices
 
 
 # ----------------------------------------------------------------------------------- parse_args units
 def test_micro_batch_size_is_batch_over_accumulation():
-    args = cli.parse_args(
-        "d", {}, ["--accelerator", "cpu", "--batch-size", "12", "--accumulation-steps", "3"]
-    )
-    assert args.micro_batch_size == 4
+    cfg = cli.parse(RunConfig(), ["--accelerator", "cpu", "--batch-size", "12", "--accumulation-steps", "3"])
+    assert cfg.micro_batch_size == 4 and cfg.flags()["micro_batch_size"] == 4
+
+
+def test_the_step_in_backward_refuses_accumulation_in_one_place():
+    """Rungs 12 and 14 declare optimizer_in_backward; the config refuses accumulation for them."""
+    rung = RunConfig(optimizer_in_backward=True, batch_size=8)
+    hardware = Hardware(cuda_devices=0, cpu_cores=2)
+    assert rung.with_flags(accelerator="cpu").checked(hardware).accumulation_steps == 1
+    with pytest.raises(UsageError, match="accumulation"):
+        rung.with_flags(accelerator="cpu", accumulation_steps=2).checked(hardware)
+    RunConfig(batch_size=8, accumulation_steps=2, accelerator="cpu").checked(hardware)  # others may
+
+
+def test_every_flag_has_a_default_a_help_and_a_group():
+    for cls in (RunConfig, TextConfig):
+        parser = cli.build_parser(cls())
+        for f in cls.flag_fields():
+            assert f.metadata["group"] in cls.GROUPS, f.name
+            assert parser.get_default(f.name) == getattr(cls(), f.name), f.name
 
 
 def test_usage_error_from_main_is_exit_2_one_line(capsys, tmp_path):
-    def main(args, log):
-        raise cli.UsageError("something impossible")
+    def main(cfg, results):
+        raise UsageError("something impossible")
 
     with pytest.raises(SystemExit) as exc:
-        cli.run(main, recipe="x", description="d", defaults={},
-                argv=["--accelerator", "cpu", "--results-dir", str(tmp_path)])  # fmt: skip
+        lifecycle.run_recipe(main, RunConfig(recipe="x"), "d",
+                             argv=["--accelerator", "cpu", "--results-dir", str(tmp_path)])  # fmt: skip
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].endswith("error: something impossible")
@@ -253,22 +252,24 @@ def test_pretrained_weights_offline_is_exit_2(monkeypatch, capsys, tmp_path):
     argv = ["--accelerator", "cpu", "--weights", "pretrained", "--model", "vit_b_16", "--data", "synthetic",
             "--results-dir", str(tmp_path)]  # fmt: skip
     with pytest.raises(SystemExit) as exc:
-        cli.run(mod.main, recipe=mod.RECIPE, description=mod.__doc__, defaults=mod.DEFAULTS, argv=argv)
+        lifecycle.run_recipe(mod.main, mod.RUNG, mod.__doc__, argv=argv)
     assert exc.value.code == 2
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith(f"{RECIPE}.py: error:")]
     assert len(err) == 1 and "--weights pretrained" in err[0] and "vit_b_16" in err[0], err
     assert not any(tmp_path.iterdir())
 
 
-def _data_outcome(data: str, **kwargs) -> str:
+def _data_outcome(data: str, rung: RunConfig | None = None) -> str:
     """The parsed ``--data``, or the one-line error argparse refused it with."""
     import contextlib
     import io
 
     err = io.StringIO()
+    rung = rung or RunConfig()
+    argv = ["--accelerator", "cpu", "--data", data, "--model", rung.model_choices[-1]]
     try:
         with contextlib.redirect_stderr(err):
-            return cli.parse_args("d", {}, ["--accelerator", "cpu", "--data", data], **kwargs).data
+            return cli.parse(rung, argv).data
     except SystemExit as exc:
         assert exc.code == 2
         lines = err.getvalue().strip().splitlines()
@@ -277,40 +278,37 @@ def _data_outcome(data: str, **kwargs) -> str:
 
 
 def test_data_choices_replace_the_image_choices():
-    from common import text
-
-    for data in ("auto", "cifar10", "synthetic"):  # the image recipes pass none: unchanged
+    text_rung = TextConfig(
+        model="distilbert-tiny", model_choices=("distilbert-base-uncased", "distilbert-tiny")
+    )
+    for data in ("auto", "cifar10", "synthetic"):  # the image recipes' choices
         assert _data_outcome(data) == data
     assert "invalid choice: 'imdb'" in _data_outcome("imdb")
-    for data in text.DATA_CHOICES:  # what the bonus recipes pass
-        assert _data_outcome(data, data_choices=text.DATA_CHOICES) == data
-    refused = _data_outcome("cifar10", data_choices=text.DATA_CHOICES)
+    for data in TextConfig.DATA_CHOICES:  # what the bonus recipes' config declares
+        assert _data_outcome(data, text_rung) == data
+    refused = _data_outcome("cifar10", text_rung)
     assert "--data: invalid choice: 'cifar10'" in refused and "imdb" in refused
 
 
 def test_help_overrides_replace_the_image_help():
-    from common import text
-
-    image = cli.build_parser("d", {}).format_help()
+    image = cli.build_parser(RunConfig()).format_help()
     assert "CIFAR-10" in image and "vit_l_16" in image and "{auto,cifar10,digits,synthetic}" in image
-    bonus = cli.build_parser("d", {}, data_choices=text.DATA_CHOICES, help_overrides=text.HELP).format_help()
+    bonus = cli.build_parser(TextConfig()).format_help()
     assert "CIFAR-10" not in bonus and "vit_l_16" not in bonus and "{auto,imdb,synthetic}" in bonus
-    assert all(" ".join(h.split()) in " ".join(bonus.split()) for h in text.HELP.values())
-    with pytest.raises(ValueError, match="lr"):  # only the flags in cli.HELP can be reworded
-        cli.build_parser("d", {}, help_overrides={"lr": "x"})
+    assert all(" ".join(h.split()) in " ".join(bonus.split()) for h in TextConfig.HELP.values())
+    assert set(TextConfig.HELP) <= {f.name for f in RunConfig.flag_fields()}  # only existing flags reworded
 
 
 # ---------------------------------------------------------------------- the LLM recipe's precision toggles
-def _llm_outcome(*flags: str, accelerator: str = "cpu") -> str:
+def _llm_outcome(*flags: str, accelerator: str = "cpu", hardware: Hardware | None = None) -> str:
     """bonus_llm_finetune's final precision after its toggles are resolved, or its UsageError."""
-    mod = load_recipe_module("bonus_llm_finetune")
+    rung = load_recipe_module("bonus_llm_finetune").RUNG
     argv = ["--accelerator", accelerator, "--model", "qwen2-tiny", *flags]
-    args = cli.parse_args(mod.__doc__, mod.DEFAULTS, argv, extra=mod.add_flags, model_choices=mod.MODELS)
+    ns = cli.build_parser(rung).parse_args(argv)
     try:
-        mod.resolve_toggles(args)
-    except cli.UsageError as e:
+        return rung.with_flags(**vars(ns)).checked(hardware or Hardware(0, os.cpu_count() or 1)).precision
+    except UsageError as e:
         return f"error: {e}"
-    return args.precision
 
 
 @pytest.mark.parametrize("toggle", ["--half", "--mixed", "--all"])
@@ -334,44 +332,43 @@ def test_llm_precision_without_toggles_is_the_flag_or_fp32():
 
 
 @pytest.mark.parametrize("toggle", ["--half", "--all"])
-def test_llm_toggle_precision_is_validated(toggle, monkeypatch):
+def test_llm_toggle_precision_is_validated(toggle):
     """The precision a toggle sets is checked like a --precision flag: a GPU without bf16 refuses it."""
-    import torch
-
-    monkeypatch.setattr(cli, "_cuda_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
-    assert _llm_outcome(accelerator="cuda") == "32-true"
-    assert "does not support bfloat16" in _llm_outcome(toggle, accelerator="cuda")
+    no_bf16 = Hardware(cuda_devices=1, cpu_cores=2, bf16_supported=lambda: False)
+    assert _llm_outcome(accelerator="cuda", hardware=no_bf16) == "32-true"
+    assert "does not support bfloat16" in _llm_outcome(toggle, accelerator="cuda", hardware=no_bf16)
 
 
 # ------------------------------------------------------------------------------------------- fast mode
 def test_mode_defaults_fast_on_cuda_and_eager_on_cpu(monkeypatch):
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
-    cpu = cli.parse_args("d", {}, ["--accelerator", "cpu"])
+    cpu = cli.parse(RunConfig(), ["--accelerator", "cpu"])
     assert (cpu.mode, cpu.compile, cpu.cuda_graphs) == ("eager", False, False)
     assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
     _pretend_gpus(monkeypatch)
-    gpu = cli.parse_args("d", {}, ["--accelerator", "cuda"])
+    gpu = cli.parse(RunConfig(), ["--accelerator", "cuda"])
     assert (gpu.mode, gpu.compile, gpu.cuda_graphs) == ("fast", True, True)
     # the graphs' allocator setting is in place before anything starts CUDA
-    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == cli.FAST_ALLOCATOR
-    eager = cli.parse_args("d", {}, ["--accelerator", "cuda", "--mode", "eager"])
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == FAST_ALLOCATOR
+    eager = cli.parse(RunConfig(), ["--accelerator", "cuda", "--mode", "eager"])
     assert (eager.compile, eager.cuda_graphs) == (False, False)
     # one flag overrides its part of the mode
-    mixed = cli.parse_args("d", {}, ["--accelerator", "cuda", "--no-compile"])
+    mixed = cli.parse(RunConfig(), ["--accelerator", "cuda", "--no-compile"])
     assert (mixed.mode, mixed.compile, mixed.cuda_graphs) == ("fast", False, True)
 
 
 def test_cuda_graphs_only_where_they_can_run(monkeypatch):
     _pretend_gpus(monkeypatch)
-    several = cli.parse_args("d", {}, ["--accelerator", "cuda", "--devices", "2"])
+    several = cli.parse(RunConfig(), ["--accelerator", "cuda", "--devices", "2"])
     assert several.cuda_graphs is False  # fast mode with several devices: compiled, no graphs
-    profiled = cli.parse_args("d", {}, ["--accelerator", "cuda", "--memory-timeline"])
+    profiled = cli.parse(RunConfig(), ["--accelerator", "cuda", "--memory-timeline"])
     assert profiled.cuda_graphs is False  # the profiler records the eager steps
+    gpus = Hardware(cuda_devices=8, cpu_cores=2)
     for argv, word in (
         (["--accelerator", "cpu", "--cuda-graphs"], "CUDA"),
         (["--accelerator", "cuda", "--devices", "2", "--cuda-graphs"], "one device"),
         (["--accelerator", "cuda", "--snapshot", "--cuda-graphs"], "--no-cuda-graphs"),
     ):
-        with pytest.raises(cli.UsageError, match=word):
-            cli.validate(cli.build_parser("d", {}).parse_args(argv))
+        ns = cli.build_parser(RunConfig()).parse_args(argv)
+        with pytest.raises(UsageError, match=word):
+            RunConfig().with_flags(**vars(ns)).checked(gpus)

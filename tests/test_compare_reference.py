@@ -20,9 +20,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import _ZYGOTE, COLD, REPO, describe, result, run_process, session_dir, submit, subprocess_env
+from conftest import REPO, describe, result, run_process, session_dir, submit, subprocess_env
 
-from common import report
+from common import comparison, report
 from tools import compare_reference as cmp
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -124,11 +124,7 @@ def _runner_job():
     argv = [str(REPO / "tools" / "reference_runner.py"), str(ref / "05_fake.py"), "--steps", "6"]
     argv += ["--out", str(out)]
     env = subprocess_env(tmp / "logs", REFERENCE_RUNNER_VIT_ARCH=TINY_VIT)
-    if COLD:
-        proc = run_process([sys.executable, *argv], env)
-    else:
-        proc = _ZYGOTE.run(argv, env)  # a forked warm interpreter runs the file as __main__
-    return proc, out
+    return run_process([sys.executable, *argv], env), out  # its own process: it changes the working folder
 
 
 def start_background_jobs() -> None:
@@ -141,7 +137,7 @@ def test_runner_runs_the_script_offline_and_stops_it_after_n_steps():
     assert "the runner did not stop the script" not in proc.stdout + proc.stderr
     run = json.loads(out.read_text())
     assert run["status"] == "ok" and run["error"] is None, run
-    # 6 optimizer steps -> 5 intervals; the first 3 are warm-up (common.metrics.WARMUP_STEPS)
+    # 6 optimizer steps -> 5 intervals; the first 3 are warm-up (common.results_file.WARMUP_STEPS)
     assert run["steps"] == 6 and len(run["step_intervals_s"]) == 5
     assert run["warmup_steps"] == 3 and run["timed_intervals"] == 2
     # 2 micro-batches of 4 between steps; the eval-mode forwards are not counted
@@ -354,7 +350,7 @@ def test_fsdp_references_run_under_torchrun_and_are_not_compared(tmp_path):
     ]
     row = {"rung": "08", "like_for_like": False, "reference": {"status": "ok", "images_per_s": 1.0}}
     row["fast"] = {"status": "ok", "images_per_s": 2.0, "peak_reserved_gb": 1.0}
-    assert report.comparison_ratios(row)["speed_fast_vs_reference"] is None
+    assert comparison.comparison_ratios(row)["speed_fast_vs_reference"] is None
 
 
 # ---------------------------------------------------------------- the whole tool with a fake interpreter

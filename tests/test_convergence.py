@@ -7,7 +7,6 @@ collected (see conftest): it is the test of both the recipe's accuracy and the b
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -17,7 +16,8 @@ import torch
 from conftest import REPO, describe, result, run_process, session_dir, submit, subprocess_env
 
 from common import data, loop, models
-from common.metrics import MetricsLogger
+from common.config import RunConfig
+from common.results import RunResults
 from tools import convergence
 
 BACKGROUND_PRIORITY = 15
@@ -65,13 +65,13 @@ def test_shuffled_labels_score_chance_through_the_same_pipeline():
     labels = np.random.default_rng(0).permutation(splits.train[1])
     splits.train = (splits.train[0], labels)
     fabric = L.Fabric(accelerator="cpu", devices=1, precision="32-true")
-    train, _, test = data.loaders(splits, micro_batch_size=64, eval_batch_size=256)
+    train, _, test = data.build_loaders(splits.datasets(), micro_batch_size=64, eval_batch_size=256)
     model = models.build_model("vit_tiny", None)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     model, opt = fabric.setup(model, opt)
-    fn = loop.image_classification(model.image_size)
-    log = MetricsLogger("control", argparse.Namespace(tag=None, batch_size=64, micro_batch_size=64))
-    loop.fit(fabric, model, opt, train, log, fn, epochs=EPOCHS, log_every=50)
+    fn = data.image_classification(model.image_size)
+    cfg = RunConfig(recipe="control", batch_size=64, epochs=EPOCHS, log_every=50)
+    loop.fit(fabric, model, opt, train, fn, cfg, RunResults(cfg))
     assert loop.evaluate(fabric, model, test, fn) < 0.3
 
 

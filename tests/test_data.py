@@ -256,7 +256,7 @@ def test_to_model_input_makes_three_channels_of_a_one_channel_batch():
 # --------------------------------------------------------------------------------------------- loaders
 def test_loaders_drop_last_only_on_train():
     s = data.synthetic(sizes=(100, 50, 45), seed=0)
-    train, val, test = data.loaders(s, micro_batch_size=32, eval_batch_size=20)
+    train, val, test = data.build_loaders(s.datasets(), micro_batch_size=32, eval_batch_size=20)
     assert len(train) == 3 and train.drop_last
     sizes = [len(b[0]) for b in train]
     assert sizes == [32, 32, 32]
@@ -282,7 +282,7 @@ def test_loaders_shard_across_ranks():
     s = data.synthetic(sizes=(103, 41, 40), seed=0)
     s.train = (s.train[0], np.arange(103, dtype=np.int64))  # labels as sample ids, to follow each sample
     s.val = (s.val[0], np.arange(41, dtype=np.int64))
-    per_rank = [data.loaders(s, 8, 10, world_size=2, rank=r, seed=1) for r in (0, 1)]
+    per_rank = [data.build_loaders(s.datasets(), 8, 10, world_size=2, rank=r, seed=1) for r in (0, 1)]
     train_ids = [torch.cat([b[1] for b in loaders[0]]).tolist() for loaders in per_rank]
     assert all(len(b[1]) == 8 for loaders in per_rank for b in loaders[0]), "whole micro-batches only"
     assert len(per_rank[0][0]) == len(per_rank[1][0]) == 103 // 2 // 8

@@ -6,7 +6,6 @@ the FSDP2 variant (fully_shard through ModelParallelStrategy) really runs here w
 
 from __future__ import annotations
 
-import argparse
 import os
 import socket
 
@@ -15,7 +14,8 @@ import pytest
 import torch
 from conftest import describe, load_recipe_module, result, submit_recipe
 
-from common import data
+from common import cli, data
+from common.config import RunConfig
 
 FSDP2_ARGS = (
     "--accelerator", "cpu", "--devices", "2", "--model", "vit_tiny", "--data", "synthetic",
@@ -55,7 +55,7 @@ def _indices(loader) -> list[int]:
 
 def test_distributed_sampler_gives_disjoint_train_shards_and_full_eval_coverage():
     splits = data.synthetic(sizes=(103, 21, 40))
-    shards = [data.loaders(splits, 4, 8, world_size=3, rank=r, seed=7) for r in range(3)]
+    shards = [data.build_loaders(splits.datasets(), 4, 8, world_size=3, rank=r, seed=7) for r in range(3)]
     train = [_indices(s[0]) for s in shards]
     for a in range(3):
         for b in range(a + 1, 3):
@@ -81,14 +81,14 @@ def test_fsdp1_configuration_reaches_the_strategy(name, offload):
     from torchvision.models.vision_transformer import EncoderBlock
 
     module = load_recipe_module(name)
-    strategy = module.make_strategy(argparse.Namespace(devices=4, num_nodes=1))
+    strategy = module.make_strategy(module.RUNG)
     wrap = strategy._fsdp_kwargs["auto_wrap_policy"]
     checkpointing = strategy._activation_checkpointing_kwargs["auto_wrap_policy"]
     assert set(wrap._module_classes) == {EncoderBlock}
     assert set(checkpointing._module_classes) == {EncoderBlock}
     assert (strategy.cpu_offload is not None and strategy.cpu_offload.offload_params) == offload
-    assert module.DEFAULTS["devices"] == 4 and module.DEFAULTS["precision"] == "32-true"
-    assert module.DEFAULTS["batch_size"] == 64
+    assert module.RUNG.devices == 4 and module.RUNG.precision == "32-true" and module.RUNG.batch_size == 64
+    assert module.RUNG.cpu_offload == offload  # what the estimate is told matches the strategy
 
 
 def test_fsdp2_parallelize_shards_every_block_with_checkpointing():
@@ -101,8 +101,6 @@ def test_fsdp2_parallelize_shards_every_block_with_checkpointing():
     from common import models
 
     module = load_recipe_module("08_fsdp2")
-    strategy = module.make_strategy(argparse.Namespace(devices=2, num_nodes=1, compile=False))
-    assert strategy._data_parallel_size == 2 and strategy._tensor_parallel_size == 1
     started = not dist.is_initialized()
     if started:
         with socket.socket() as probe:  # a free port: another suite on this machine may hold a fixed one
@@ -124,6 +122,7 @@ def test_fsdp2_parallelize_shards_every_block_with_checkpointing():
 
 @pytest.mark.parametrize("name", ["08_fsdp", "09_cpu_offload", "08_fsdp2"])
 def test_bad_device_counts_exit_2_with_one_line(run_recipe, name):
+    """In this interpreter: a refusal at parse time is SystemExit(2) and one line, as in a process."""
     # cores + 1, not a huge number: if the check ever broke, Fabric would launch that many processes
     too_many = str((os.cpu_count() or 1) + 1)
     proc, payload = run_recipe(name, "--accelerator", "cpu", "--devices", too_many, "--model", "vit_tiny")
@@ -134,8 +133,6 @@ def test_bad_device_counts_exit_2_with_one_line(run_recipe, name):
 
 
 def test_fabric_run_settings_become_the_defaults_and_are_consumed(monkeypatch):
-    from common import cli
-
     env = {
         "LT_CLI_USED": "1",
         "LT_ACCELERATOR": "cpu",
@@ -145,8 +142,8 @@ def test_fabric_run_settings_become_the_defaults_and_are_consumed(monkeypatch):
     }
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    args = cli.parse_args("x", {"devices": 4}, ["--model", "vit_tiny"])
-    assert (args.accelerator, args.devices, args.num_nodes, args.precision) == ("cpu", 2, 1, "bf16-true")
+    cfg = cli.parse(RunConfig(devices=4), ["--model", "vit_tiny"])
+    assert (cfg.accelerator, cfg.devices, cfg.num_nodes, cfg.precision) == ("cpu", 2, 1, "bf16-true")
     # consumed: Fabric must neither compare them with the recipe's values nor refuse launch()
     assert not any(key in os.environ for key in env)
 
@@ -159,14 +156,12 @@ def test_fabric_run_settings_become_the_defaults_and_are_consumed(monkeypatch):
     ],
 )
 def test_fabric_run_conflicts_exit_2(monkeypatch, capsys, env, argv, message):
-    from common import cli
-
     monkeypatch.setenv("LT_CLI_USED", "1")
     monkeypatch.setenv("LT_ACCELERATOR", "cpu")
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     with pytest.raises(SystemExit) as exit_info:
-        cli.parse_args("x", {}, ["--model", "vit_tiny", *argv])
+        cli.parse(RunConfig(), ["--model", "vit_tiny", *argv])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0]

@@ -12,7 +12,9 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torchvision.models.vision_transformer import VisionTransformer
 
-from common import estimate, loop, models, report
+from common import data, estimate, models, report
+from common.config import RunConfig
+from common.estimate.__main__ import main as estimate_main
 
 GB = 1e9
 
@@ -61,7 +63,7 @@ def image_batch(model, batch: int = 8):
     g = torch.Generator().manual_seed(0)
     images = torch.randint(0, 256, (batch, 32, 32, 3), dtype=torch.uint8, generator=g)
     labels = torch.randint(0, 10, (batch,), generator=g)
-    return (images, labels), loop.image_classification(model.image_size)
+    return (images, labels), data.image_classification(model.image_size)
 
 
 def simulate(model, batch_fns=None, **plan):
@@ -101,7 +103,7 @@ def test_fused_adam_keeps_one_step_counter_per_parameter_on_the_device():
 
 
 def test_peft_weights_k_plus_n_grads_n_adam_2n():
-    """Seed 004: with K frozen and N trainable parameters: weights K+N, gradients N, Adam 2N."""
+    """With K frozen and N trainable parameters: weights K+N, gradients N, Adam 2N."""
     model = TwoLinear()
     model.a.requires_grad_(False)
     k, n = numel(model.a), numel(model.b)
@@ -138,8 +140,23 @@ def test_plan_rejects_what_it_cannot_model():
         estimate.Plan(optimizer="lion")
     with pytest.raises(ValueError, match="cpu_offload"):
         estimate.Plan(cpu_offload=True)
-    with pytest.raises(ValueError, match="accumulation"):
-        estimate.Plan(optimizer_in_backward=True, accumulation_steps=2)
+
+
+def test_a_rungs_plan_comes_from_its_config():
+    """The plan is the rung's flags and its declared technique, nothing else (no second declaration)."""
+    rung = RunConfig(recipe="x", precision="bf16-true", batch_size=16, accumulation_steps=4, devices=4,
+                     optimizer="sgd", sharding="fsdp2", shard_units=("EncoderBlock",), checkpoint=("EncoderBlock",))  # fmt: skip
+    plan = estimate.plan_for(rung)
+    assert (plan.precision, plan.micro_batch_size, plan.accumulation_steps) == ("bf16-true", 4, 4)
+    assert (plan.optimizer, plan.sharding, plan.world_size, plan.checkpoint) == (
+        "sgd",
+        "fsdp2",
+        4,
+        ("EncoderBlock",),
+    )
+    assert plan.device == "cuda"  # 'auto' predicts for a GPU
+    replicated = estimate.plan_for(RunConfig(devices=4, accelerator="cpu"))
+    assert replicated.world_size == 1 and replicated.device == "cpu"  # replicas: per device as for one
 
 
 # -------------------------------------------------------------------------- activations vs a real run
@@ -337,15 +354,14 @@ def test_for_run_records_a_failure_instead_of_raising():
         def forward(self, x):
             raise RuntimeError("no forward today")
 
-    args = type("A", (), dict(precision="32-true", batch_size=4, accumulation_steps=1, devices=1))()
-    est = estimate.for_run(Broken(), args, optimizer="adam")
+    est = estimate.for_run(Broken(), RunConfig(batch_size=4, model="broken"))
     assert est.peak_gb is None and "no forward today" in est.error
     assert est.to_dict()["error"] == est.error
 
 
 # -------------------------------------------------------------------------------------- CLI and report
 def test_cli_predicts_a_ladder_rung_in_seconds(capsys):
-    assert estimate.main(["--recipe", "05", "--json"]) == 0
+    assert estimate_main(["--recipe", "05", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["recipe"] == "05_gradient_accumulation"
     assert out["assumptions"]["attention_kernel"] == "fused"
@@ -353,7 +369,7 @@ def test_cli_predicts_a_ladder_rung_in_seconds(capsys):
     # ViT-L/16, bf16, fused Adam: 0.61 weights + 0.61 grads + 1.21 Adam + activations of a micro-batch of 4
     assert 2.9 < out["peak_allocated_gb"] < 3.4
     assert out["seconds"] < 60
-    assert estimate.main(["--recipe", "06_sgd", "--model", "vit_tiny", "--batch-size", "8"]) == 0
+    assert estimate_main(["--recipe", "06_sgd", "--model", "vit_tiny", "--batch-size", "8"]) == 0
     table = capsys.readouterr().out
     assert "predicted peak" in table and "optimizer sgd" in table
 
@@ -364,7 +380,7 @@ def test_check_and_report_compare_prediction_with_measurement(tmp_path, capsys):
         "recipe": "05_gradient_accumulation",
         "status": "ok",
         "config": {"precision": "bf16-true", "batch_size": 16, "accumulation_steps": 4, "micro_batch_size": 4,
-                   "devices": 1, "num_nodes": 1, "compile": False, "model": "vit_tiny"},
+                   "devices": 1, "num_nodes": 1, "compile": False, "model": "vit_tiny", "accelerator": "cuda"},
         "provenance": {"gpu_name": "NVIDIA H100 80GB HBM3", "world_size": 1},
         "memory": {"kind": "cuda", "peak_allocated_gb": 0.08},
     }  # fmt: skip
@@ -378,7 +394,7 @@ def test_check_and_report_compare_prediction_with_measurement(tmp_path, capsys):
     assert "+5.0%" in report.render_estimates([result])
     # a run that recorded its own prediction is compared with that one, not re-simulated
     (tmp_path / "05_gradient_accumulation.json").write_text(json.dumps(result))
-    # a recipe without an ESTIMATE (the Hugging Face bonus models) is left out, not a crash
+    # a recipe the estimator does not model (the Hugging Face bonus models) is left out, not a crash
     bonus = {
         **result,
         "recipe": "bonus_bigbird_after",

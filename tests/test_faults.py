@@ -5,10 +5,10 @@ traceback), and that earlier results and checkpoints are still there byte for by
 ``python tools/fault_drill.py`` runs this module (the multi-node test included) and prints the table:
 every test records its row, what is expected and what was observed (``record_property``).
 
-Speed. The recipe runs start in the background as soon as the tests are collected, as forked children
-of the warm interpreter (tests/_zygote.py: real processes, real signals, real exit codes, without ~6 s
-of imports each), on a small CIFAR-10 written in the real file format instead of 60,000 synthetic
-images. run_all.sh and the second rank of 08_fsdp2 start plain interpreters. The multi-node test
+Speed. The runs that receive signals are real processes (real handlers, real exit codes), started in
+the background as soon as the tests are collected; the runs that need no signal (refusals at start,
+resuming) run in this interpreter (conftest.run_recipe_inprocess). All of them train on a small
+CIFAR-10 written in the real file format instead of 60,000 synthetic images. The multi-node test
 (two torchrun launches) runs only with FMR_TEST_MULTINODE=1, as the drill sets it.
 """
 
@@ -30,20 +30,22 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import (
-    COLD,
     RECIPES_DIR,
     REPO,
+    Started,
     describe,
     load_recipe_module,
     result,
+    run_recipe_inprocess,
     session_dir,
-    start_warm,
     submit,
     subprocess_env,
 )
 from test_data import write_cifar
 
-from common import checkpoints, cli, data, faults, loop, report
+from common import checkpoints, cli, data, faults, lifecycle, loop, report
+from common.config import Hardware, RunConfig
+from common.results import RunResults
 
 pytestmark = pytest.mark.faults
 BACKGROUND_PRIORITY = 5  # the chains here wait for signals: start them first
@@ -135,43 +137,13 @@ def tiny_cifar(folder: Path, files: int = 2, per_file: int = 60) -> list[str]:
     return ["--data", "cifar10", "--data-dir", str(folder)]
 
 
-class Running:
+class Running(Started):
     """A recipe process started now: watched through its output, signalled, waited for."""
 
-    def __init__(self, name: str, args, log_dir: Path, cold: bool = False) -> None:
-        argv = [str(RECIPES_DIR / f"{name}.py"), *map(str, args)]
-        env = subprocess_env(log_dir)
-        self._warm = None
-        if cold or COLD:
-            self._files = (log_dir.parent / f"{name}-{time.monotonic_ns()}.out", None)
-            self._files = (self._files[0], self._files[0].with_suffix(".err"))
-            with open(self._files[0], "w") as out, open(self._files[1], "w") as err:
-                self._proc = subprocess.Popen(
-                    [sys.executable, *argv], cwd=REPO, env=env, stdout=out, stderr=err, start_new_session=True
-                )
-            self.argv = self._proc.args
-        else:
-            self._warm = start_warm(argv, env)
-            self.argv = [sys.executable, *argv]
-
-    @property
-    def pid(self) -> int:
-        if self._warm is None:
-            return self._proc.pid
-        deadline = time.monotonic() + TIMEOUT
-        while self._warm.pid is None and time.monotonic() < deadline:
-            time.sleep(0.02)
-        return self._warm.pid
-
-    def read(self) -> tuple[str, str]:
-        if self._warm is not None:
-            return self._warm.read()
-        return tuple(p.read_text(errors="replace") for p in self._files)
-
-    def running(self) -> bool:
-        if self._warm is not None:
-            return self._warm._job is not None and not self._warm._job["done"].is_set()
-        return self._proc.poll() is None
+    def __init__(self, name: str, args, log_dir: Path) -> None:
+        super().__init__(
+            [RECIPES_DIR / f"{name}.py", *args], subprocess_env(log_dir), log_dir.parent / "runs"
+        )
 
     def wait_until(self, ready, timeout: float = TIMEOUT) -> bool:
         """Poll ``ready(stdout, stderr)`` until it holds (True) or the process ends or time is up."""
@@ -184,21 +156,6 @@ class Running:
 
     def send(self, sig: int) -> None:
         os.kill(self.pid, sig)
-
-    def wait(self, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
-        if self._warm is not None:
-            return self._warm.wait(timeout)
-        try:
-            self._proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            pass
-        finally:
-            try:
-                os.killpg(self._proc.pid, signal.SIGKILL)  # what it left behind goes with it
-            except (ProcessLookupError, PermissionError):
-                pass
-        out, err = self.read()
-        return subprocess.CompletedProcess(self.argv, self._proc.wait(), out, err)
 
 
 def started(out: str, err: str) -> bool:
@@ -245,25 +202,35 @@ def _sigusr1_prune_resume_and_truncated() -> dict:
     step = json.loads(payload.read_text())["extra"]["stopped"]["step"]
     copy = tmp / "ckpt-copy"
     shutil.copytree(ckpt, copy)
+    return dict(out, step=step, tmp=tmp, results=results, common=common, cifar=cifar, copy=copy)
+
+
+_USR1_AFTER: dict = {}
+
+
+def _usr1_resumed() -> dict:
+    """After the SIGUSR1 job: resume its run (in this interpreter; no signal is needed), then, on a
+    copy of the checkpoints whose newest is truncated, --resume auto. Once for the tests that read it."""
+    job = result("faults:usr1")
+    if "step" not in job or _USR1_AFTER:
+        return {**job, **_USR1_AFTER}
+    tmp, step, ckpt, copy = job["tmp"], job["step"], job["ckpt"], job["copy"]
     before = snapshot(ckpt)
-    resumed = Running(
-        "01_baseline",
-        [*common, "--max-steps", step + 2, "--resume", "auto", "--results-dir", results],
-        tmp / "logs",
-    ).wait()
+    resumed, _ = run_recipe_inprocess(
+        "01_baseline", [*job["common"], "--max-steps", step + 2, "--resume", "auto"], job["results"]
+    )
     newest = copy / checkpoints.file_name(step)
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # a save cut short
     copy_before = snapshot(copy)
-    fallback = Running(
+    fallback, _ = run_recipe_inprocess(
         "01_baseline",
-        [*QUICK, *cifar, "--batch-size", "8", "--epochs", "100000", "--max-steps", step + 2, "--checkpoint-dir",
-         copy, "--resume", "auto", "--no-checkpoint-on-stop", "--results-dir", tmp / "results-fallback"],
-        tmp / "logs",
-    ).wait()  # fmt: skip
-    return dict(
-        out, step=step, resumed=resumed, before=before, results=results, fallback=fallback,
-        copy_before=copy_before, fallback_results=tmp / "results-fallback", truncated=newest,
+        [*QUICK, *job["cifar"], "--batch-size", "8", "--epochs", "100000", "--max-steps", step + 2,
+         "--checkpoint-dir", copy, "--resume", "auto", "--no-checkpoint-on-stop"],
+        tmp / "results-fallback",
     )  # fmt: skip
+    _USR1_AFTER.update(resumed=resumed, before=before, fallback=fallback, copy_before=copy_before,
+                       fallback_results=tmp / "results-fallback", truncated=newest)  # fmt: skip
+    return {**job, **_USR1_AFTER}
 
 
 def _second_ctrl_c() -> dict:
@@ -305,9 +272,14 @@ def _sigterm_to_rank_0_of_two() -> dict:
     return dict(proc=run.wait(), results=results, ckpt=ckpt)
 
 
+_REFUSED: dict = {}
+
+
 def _quick_refusals() -> dict:
-    """Runs refused before anything is built: garbage --resume, an unwritable --results-dir, a
-    truncated CIFAR-10 batch file."""
+    """Runs refused before anything is built (in this interpreter, once): garbage --resume, an
+    unwritable --results-dir, a truncated CIFAR-10 batch file."""
+    if _REFUSED:
+        return _REFUSED
     tmp = session_dir("faults-refused")
     results = tmp / "results"
     earlier_result(results, "01_baseline")
@@ -325,21 +297,20 @@ def _quick_refusals() -> dict:
         "unwritable": [*base, "--data", "synthetic", "--results-dir", blocker / "results"],
         "corrupt": [*base, *cifar, "--results-dir", results],
     }
-    return dict(
-        {k: Running("01_baseline", v, tmp / "logs").wait() for k, v in runs.items()},
-        before=before, garbage_file=garbage, blocker=blocker, batch=batch,
-    )  # fmt: skip
+    _REFUSED.update({k: run_recipe_inprocess("01_baseline", v, results)[0] for k, v in runs.items()},
+                    before=before, garbage_file=garbage, blocker=blocker, batch=batch)  # fmt: skip
+    return _REFUSED
 
 
 def _no_gpu() -> dict:
-    """Rung 05 started bare on a machine without a GPU; then the command its refusal suggests."""
+    """Rung 05 started bare on a machine without a GPU; then the command its refusal suggests (in
+    this interpreter: the refusal comes from the flags, before anything is built)."""
     tmp = session_dir("faults-nogpu")
-    refused = Running("05_gradient_accumulation", ["--results-dir", tmp / "refused"], tmp / "logs").wait()
+    refused, _ = run_recipe_inprocess("05_gradient_accumulation", [], tmp / "refused")
     suggested = re.search(r"python recipes/05_gradient_accumulation\.py( [^(]*?) \(", refused.stderr)
     ran = None
     if suggested:
-        flags = suggested.group(1).split() + ["--results-dir", str(tmp / "results")]
-        ran = Running("05_gradient_accumulation", flags, tmp / "logs").wait()
+        ran, _ = run_recipe_inprocess("05_gradient_accumulation", suggested.group(1).split(), tmp / "results")
     return dict(refused=refused, ran=ran, tmp=tmp)
 
 
@@ -394,8 +365,6 @@ JOBS = {
     "faults:fsdp2": _sigterm_to_rank_0_of_two,
     "faults:twice": _second_ctrl_c,
     "faults:run_all": _run_all_ctrl_c,
-    "faults:refused": _quick_refusals,
-    "faults:nogpu": _no_gpu,
 }
 BACKGROUND_TESTS = {
     "test_sigint_stops_at_a_step_and_keeps_the_earlier_result",
@@ -407,10 +376,6 @@ BACKGROUND_TESTS = {
     "test_truncated_newest_checkpoint_falls_back_to_the_intact_one",
     "test_a_second_ctrl_c_exits_at_once",
     "test_run_all_ctrl_c_prints_the_summary_and_renders_the_report",
-    "test_garbage_resume_file_is_one_line",
-    "test_unwritable_results_dir_is_refused_before_training",
-    "test_truncated_cifar_batch_file_is_one_line_naming_it",
-    "test_full_size_recipe_without_gpu_refuses_with_a_working_cpu_command",
 }
 NEEDS = {  # test -> the job it waits for
     "test_sigint_stops_at_a_step_and_keeps_the_earlier_result": "faults:sigint",
@@ -422,10 +387,6 @@ NEEDS = {  # test -> the job it waits for
     "test_truncated_newest_checkpoint_falls_back_to_the_intact_one": "faults:usr1",
     "test_a_second_ctrl_c_exits_at_once": "faults:twice",
     "test_run_all_ctrl_c_prints_the_summary_and_renders_the_report": "faults:run_all",
-    "test_garbage_resume_file_is_one_line": "faults:refused",
-    "test_unwritable_results_dir_is_refused_before_training": "faults:refused",
-    "test_truncated_cifar_batch_file_is_one_line_naming_it": "faults:refused",
-    "test_full_size_recipe_without_gpu_refuses_with_a_working_cpu_command": "faults:nogpu",
 }
 assert set(NEEDS) == BACKGROUND_TESTS
 
@@ -540,7 +501,7 @@ def test_a_resumed_run_says_where_it_resumed(drill):
     row = drill(
         "a successful resume (--resume auto)", "one line '[resume] resuming at step N'; counts the whole run"
     )
-    job = result("faults:usr1")
+    job = _usr1_resumed()
     assert "resumed" in job, describe(job["stopped"])
     proc, step = job["resumed"], job["step"]
     said = [ln for ln in proc.stdout.splitlines() if ln.startswith("[resume]")]
@@ -560,7 +521,7 @@ def test_truncated_newest_checkpoint_falls_back_to_the_intact_one(drill):
         "newest checkpoint truncated, --resume auto",
         "a line skipping it; resumes from the newest intact one; checkpoints untouched",
     )
-    job = result("faults:usr1")
+    job = _usr1_resumed()
     assert "fallback" in job, describe(job["stopped"])
     proc = job["fallback"]
     said = [ln for ln in proc.stdout.splitlines() if ln.startswith("[resume]")]
@@ -622,7 +583,7 @@ def test_run_all_ctrl_c_prints_the_summary_and_renders_the_report(drill):
 # ---------------------------------------------------------------------------------- refused at start
 def test_garbage_resume_file_is_one_line(drill):
     row = drill("garbage file given to --resume", "exit 2; one line naming the file; no weights_only advice")
-    job = result("faults:refused")
+    job = _quick_refusals()
     proc = job["garbage"]
     row.saw(proc)
     assert proc.returncode == 2, describe(proc)
@@ -635,7 +596,7 @@ def test_garbage_resume_file_is_one_line(drill):
 
 def test_unwritable_results_dir_is_refused_before_training(drill):
     row = drill("--results-dir unwritable", "exit 2 before the model is built; one line naming the folder")
-    job = result("faults:refused")
+    job = _quick_refusals()
     proc = job["unwritable"]
     row.saw(proc)
     assert proc.returncode == 2, describe(proc)
@@ -649,7 +610,7 @@ def test_truncated_cifar_batch_file_is_one_line_naming_it(drill):
         "corrupt or truncated extracted CIFAR-10 batch file",
         "exit 2; one line naming the file; earlier results untouched (no error JSON over them)",
     )
-    job = result("faults:refused")
+    job = _quick_refusals()
     proc = job["corrupt"]
     row.saw(proc)
     assert proc.returncode == 2, describe(proc)
@@ -664,7 +625,7 @@ def test_full_size_recipe_without_gpu_refuses_with_a_working_cpu_command(drill):
         "full-size recipe started on a machine without a GPU",
         "exit 2; one line with a CPU command; that command runs (exit 0)",
     )
-    job = result("faults:nogpu")
+    job = _no_gpu()
     proc, ran = job["refused"], job["ran"]
     row.observed(
         f"exit {proc.returncode}, then the suggested command: exit {ran.returncode if ran else None}"
@@ -684,25 +645,19 @@ def test_every_rung_suggests_flags_that_a_cpu_accepts(name, monkeypatch):
     """The suggested flags pass the recipe's own validation on a CPU (rung 02's fp16 becomes bf16-mixed;
     the FSDP1 rungs point at 08_fsdp2), and the CPU rungs' are really run above (rung 05) and by
     test_recipes (the same flags)."""
-    monkeypatch.setattr(cli, "_cuda_count", lambda: 0)
-    module = load_recipe_module(name)
-    defaults = {**cli.BASE_DEFAULTS, **module.DEFAULTS}
-    args = cli.argparse.Namespace(**defaults)
-    variant = "08_fsdp2" if name in ("08_fsdp", "09_cpu_offload") else None
-    line = faults.wrong_machine(name, args, ("vit_l_16", "vit_b_16", "vit_tiny"), variant)
+    no_gpu = Hardware(cuda_devices=0, cpu_cores=os.cpu_count() or 1)
+    line = faults.wrong_machine(load_recipe_module(name).RUNG)
     command = re.search(r"python recipes/(\w+)\.py (.*?)(?: \(|$)", line)
     target, flags = command.group(1), command.group(2).split()
-    parsed = cli.parse_args(
-        "d", {**cli.BASE_DEFAULTS, **load_recipe_module(target).DEFAULTS}, flags, recipe=target
-    )
+    parsed = cli.parse(load_recipe_module(target).RUNG, flags, hardware=no_gpu)
     assert parsed.accelerator == "cpu" and parsed.model == "vit_tiny"
     assert parsed.precision != "16-mixed"
 
 
-def test_explicit_accelerator_cpu_runs_a_full_size_model(monkeypatch):
-    monkeypatch.setattr(cli, "_cuda_count", lambda: 0)
-    args = cli.parse_args("d", {}, ["--accelerator", "cpu"], recipe="01_baseline")
-    assert args.model == "vit_l_16" and args.accelerator == "cpu"
+def test_explicit_accelerator_cpu_runs_a_full_size_model():
+    no_gpu = Hardware(cuda_devices=0, cpu_cores=os.cpu_count() or 1)
+    cfg = cli.parse(load_recipe_module("01_baseline").RUNG, ["--accelerator", "cpu"], hardware=no_gpu)
+    assert cfg.model == "vit_l_16" and cfg.accelerator == "cpu"
 
 
 # ----------------------------------------------------------------------------------- the CIFAR archive
@@ -717,15 +672,6 @@ def _archive(tmp_path: Path) -> tuple[Path, Path]:
     return data_dir, source
 
 
-def _run_baseline(argv: list[str], monkeypatch) -> int:
-    """Rung 01 through its own cli.run, in this process (the messages name it as its script would)."""
-    monkeypatch.setattr(sys, "argv", ["recipes/01_baseline.py", *argv])
-    module = load_recipe_module("01_baseline")
-    return cli.run(
-        module.main, recipe=module.RECIPE, description=module.__doc__, defaults=module.DEFAULTS, argv=argv
-    )
-
-
 def test_archive_placed_by_hand_is_verified_and_extracted(tmp_path, monkeypatch, drill):
     row = drill(
         "valid cifar-10-python.tar.gz placed in --data-dir offline",
@@ -736,11 +682,15 @@ def test_archive_placed_by_hand_is_verified_and_extracted(tmp_path, monkeypatch,
     md5 = hashlib.md5((data_dir / data.CIFAR_ARCHIVE).read_bytes()).hexdigest()
     monkeypatch.setattr(data, "CIFAR_MD5", md5)  # the test's archive stands in for the published one
     results = tmp_path / "results"
-    code = _run_baseline([*QUICK, "--data", "cifar10", "--data-dir", str(data_dir), "--batch-size", "8",
-                          "--max-steps", "2", "--results-dir", str(results)], monkeypatch)  # fmt: skip
-    payload = json.loads((results / "01_baseline.json").read_text())
-    row.observed(f"exit {code}; data_source {payload['provenance']['data_source']}")
-    assert code == 0 and payload["status"] == "ok" and payload["provenance"]["data_source"] == "cifar10"
+    argv = [*QUICK, "--data", "cifar10", "--data-dir", str(data_dir), "--batch-size", "8", "--max-steps", "2"]
+    proc, payload = run_recipe_inprocess("01_baseline", argv, results)
+    assert payload is not None, describe(proc)
+    row.observed(f"exit {proc.returncode}; data_source {payload['provenance']['data_source']}")
+    assert (
+        proc.returncode == 0
+        and payload["status"] == "ok"
+        and payload["provenance"]["data_source"] == "cifar10"
+    )
     for name in (*data.CIFAR_TRAIN_FILES[:2], data.CIFAR_TEST_FILE):
         extracted = data_dir / data.CIFAR_FOLDER / name
         assert extracted.read_bytes() == (source / data.CIFAR_FOLDER / name).read_bytes()
@@ -749,7 +699,7 @@ def test_archive_placed_by_hand_is_verified_and_extracted(tmp_path, monkeypatch,
     )
 
 
-def test_archive_with_the_wrong_md5_is_one_line(tmp_path, monkeypatch, capsys, drill):
+def test_archive_with_the_wrong_md5_is_one_line(tmp_path, monkeypatch, drill):
     row = drill(
         "cifar-10-python.tar.gz that is not the published archive", "exit 2; one line naming it and the MD5"
     )
@@ -757,14 +707,12 @@ def test_archive_with_the_wrong_md5_is_one_line(tmp_path, monkeypatch, capsys, d
     data_dir, _ = _archive(tmp_path)  # its MD5 is not the published c58f30108f718f92721af3b95e74349a
     results = tmp_path / "results"
     before = snapshot(earlier_result(results, "01_baseline").parent)
-    with pytest.raises(SystemExit) as exc:
-        _run_baseline(
-            [*QUICK, "--data", "cifar10", "--data-dir", str(data_dir), "--results-dir", str(results)],
-            monkeypatch,
-        )
-    err = message_lines(capsys.readouterr().err)
-    row.observed(f"exit {exc.value.code}; {' | '.join(err)}")
-    assert exc.value.code == 2 and len(err) == 1 and err[0].startswith("01_baseline.py: error: "), err
+    proc, _ = run_recipe_inprocess(
+        "01_baseline", [*QUICK, "--data", "cifar10", "--data-dir", str(data_dir)], results
+    )
+    err = message_lines(proc.stderr)
+    row.observed(f"exit {proc.returncode}; {' | '.join(err)}")
+    assert proc.returncode == 2 and len(err) == 1 and err[0].startswith("01_baseline.py: error: "), err
     assert (
         str(data_dir / data.CIFAR_ARCHIVE) in err[0]
         and "is not the published c58f30108f718f92721af3b95e74349a" in err[0]
@@ -867,21 +815,18 @@ def test_a_new_run_refuses_to_write_among_an_earlier_runs_checkpoints(tmp_path, 
     torch.save({"step": 4}, tmp_path / "step-000004.ckpt")
     argv = ["--accelerator", "cpu", "--model", "vit_tiny", "--checkpoint-every", "2",
             "--checkpoint-dir", str(tmp_path)]  # fmt: skip
-    args = cli.parse_args("d", {}, argv)
+    rung = RunConfig(recipe="01_baseline")
     with pytest.raises(SystemExit) as exc:
-        cli._resolve_checkpoints(args, "01_baseline")
+        lifecycle.resolve_checkpoints(cli.parse(rung, argv))
     assert exc.value.code == 2
     assert "holds an earlier run's checkpoints (newest step-000004.ckpt)" in capsys.readouterr().err
-    args = cli.parse_args("d", {}, [*argv, "--resume", "auto"])
-    cli._resolve_checkpoints(args, "01_baseline")  # continuing it is fine
-    assert args.resume == str(tmp_path / "step-000004.ckpt") and args.checkpoint_on_stop is True
+    cfg = lifecycle.resolve_checkpoints(cli.parse(rung, [*argv, "--resume", "auto"]))  # continuing it is fine
+    assert cfg.resume == str(tmp_path / "step-000004.ckpt") and cfg.checkpoint_on_stop is True
 
 
 # ---------------------------------------------------------------------------------- stop in the loop
 def _train(fabric, tmp_path, stop_at: int | None, **kwargs):
     from torch.utils.data import DataLoader, TensorDataset
-
-    from common.metrics import MetricsLogger
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 10))
@@ -889,7 +834,7 @@ def _train(fabric, tmp_path, stop_at: int | None, **kwargs):
     model, optimizer = fabric.setup(model, optimizer)
     ds = TensorDataset(torch.randn(40, 12), torch.randint(0, 10, (40,)))
     train = fabric.setup_dataloaders(DataLoader(ds, batch_size=4, shuffle=True, drop_last=True))
-    log = MetricsLogger("t", cli.argparse.Namespace(batch_size=4, micro_batch_size=4))
+    log = RunResults(RunConfig(recipe="t", batch_size=4))
     log.attach(fabric)
     original = log.step_done
 
@@ -906,9 +851,8 @@ def _train(fabric, tmp_path, stop_at: int | None, **kwargs):
         return torch.nn.functional.cross_entropy(logits, y), logits, y
 
     try:
-        loop.fit(
-            fabric, model, optimizer, train, log, batch_fn, epochs=3, checkpoint_dir=str(tmp_path), **kwargs
-        )
+        cfg = RunConfig(recipe="t", batch_size=4, epochs=3, checkpoint_dir=str(tmp_path), **kwargs)
+        loop.fit(fabric, model, optimizer, train, batch_fn, cfg, log)
     finally:
         faults.request_stop(None)
     return log
@@ -1105,7 +1049,7 @@ def test_two_nodes_on_localhost_match_one_node(tmp_path, drill):
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5, msg=key)
 
 
-def test_the_slurm_script_parses(monkeypatch):
+def test_the_slurm_script_parses():
     """docs/slurm_requeue.sbatch: valid shell, and the recipe accepts the flags it passes (as on a node
     with 4 GPUs: SLURM is not here, so its real run is not tested)."""
     script = REPO / "docs" / "slurm_requeue.sbatch"
@@ -1113,7 +1057,7 @@ def test_the_slurm_script_parses(monkeypatch):
     text = script.read_text()
     command = re.search(r"srun python recipes/(\w+)\.py (.*?)\n(?!\s)", text.replace("\\\n", " "))
     flags = command.group(2).replace('"$CKPT"', "checkpoints/x").split()
-    monkeypatch.setattr(cli, "_cuda_count", lambda: 4)
-    args = cli.parse_args("d", load_recipe_module(command.group(1)).DEFAULTS, flags, recipe=command.group(1))
-    assert (args.devices, args.num_nodes, args.resume, args.accelerator) == (4, 2, "auto", "cuda")
+    gpus = Hardware(cuda_devices=4, cpu_cores=os.cpu_count() or 1)
+    cfg = cli.parse(load_recipe_module(command.group(1)).RUNG, flags, hardware=gpus)
+    assert (cfg.devices, cfg.num_nodes, cfg.resume, cfg.accelerator) == (4, 2, "auto", "cuda")
     assert "--signal=USR1@" in text and "scontrol requeue" in text and "138|143)" in text

@@ -14,9 +14,9 @@ import copy
 
 import pytest
 import torch
-from test_loop import batch_fn, fabric, loader, make_log, tiny_data, tiny_model  # noqa: F401
+from test_loop import batch_fn, fabric, loader, make_log, settings, tiny_data, tiny_model  # noqa: F401
 
-from common import graphs, loop
+from common import graphs, loop, loop_plumbing
 
 
 class FakeGraph:
@@ -58,9 +58,9 @@ def _train(fab, model, opt_fn, sched_fn, dl, k, epochs, graphed, monkeypatch, ma
     scheduler = sched_fn(optimizer) if sched_fn else None
     log = make_log()
     if graphed:
-        monkeypatch.setattr(loop, "StepGraph", FakeStepGraph)
-    loop.fit(fab, model, optimizer, dl, log, batch_fn, accumulation_steps=k, epochs=epochs,
-             scheduler=scheduler, log_every=1, max_steps=max_steps, cuda_graphs=graphed)  # fmt: skip
+        monkeypatch.setattr(loop_plumbing, "StepGraph", FakeStepGraph)
+    cfg = settings(accumulation_steps=k, epochs=epochs, log_every=1, max_steps=max_steps, cuda_graphs=graphed)
+    loop.fit(fab, model, optimizer, dl, batch_fn, cfg, log, scheduler=scheduler)
     monkeypatch.undo()
     return model, log, optimizer
 

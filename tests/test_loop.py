@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import copy
 import types
 
@@ -13,14 +12,19 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from common import data, loop, models
-from common.metrics import MetricsLogger
+from common.config import RunConfig
+from common.results import RunResults
 
 IN, OUT = 12, 10
 
 
-def make_log(**args) -> MetricsLogger:
-    ns = argparse.Namespace(tag=None, batch_size=8, micro_batch_size=4, results_dir="unused", **args)
-    return MetricsLogger("test_loop", ns)
+def make_log() -> RunResults:
+    return RunResults(RunConfig(recipe="test_loop", batch_size=8, accumulation_steps=2, results_dir="unused"))
+
+
+def settings(**flags) -> RunConfig:
+    """What the loop reads from a run's configuration: accumulation, epochs, max steps, logging, ..."""
+    return RunConfig(recipe="test_loop", **flags)
 
 
 @pytest.fixture
@@ -58,10 +62,10 @@ def make_optimizer(kind: str, params, lr: float):
     return torch.optim.Adam(params, lr=lr)
 
 
-def fit_with_fabric(fabric, model, optimizer, dl, log=None, **kw):
+def fit_with_fabric(fabric, model, optimizer, dl, log=None, **flags):
     model, optimizer = fabric.setup(model, optimizer)
     log = log or make_log()
-    loop.fit(fabric, model, optimizer, dl, log, batch_fn, **kw)
+    loop.fit(fabric, model, optimizer, dl, batch_fn, settings(**flags), log)
     return model, optimizer, log
 
 
@@ -188,7 +192,7 @@ def test_without_optimizer_the_loop_only_counts_steps(fabric):
     model = fabric.setup(tiny_model())
     before = [p.detach().clone() for p in model.parameters()]
     log = make_log()
-    loop.fit(fabric, model, None, loader(x, y, 2), log, batch_fn, accumulation_steps=4)
+    loop.fit(fabric, model, None, loader(x, y, 2), batch_fn, settings(accumulation_steps=4), log)
     assert log.optimizer_steps == 3 and log.micro_batches == 10
     for p, q in zip(model.parameters(), before, strict=True):
         assert torch.equal(p.detach(), q)
@@ -201,7 +205,7 @@ def test_empty_loader_is_an_error(fabric):
     model, opt = fabric.setup(model, opt)
     empty = DataLoader(TensorDataset(x, y), batch_size=4, drop_last=True)
     with pytest.raises(ValueError, match="empty"):
-        loop.fit(fabric, model, opt, empty, make_log(), batch_fn)
+        loop.fit(fabric, model, opt, empty, batch_fn, settings(), make_log())
 
 
 def test_loss_and_train_accuracy_are_logged(fabric):
@@ -246,15 +250,15 @@ def test_planned_steps(num_batches, k, epochs, max_steps, expected):
 def test_vit_tiny_learns_synthetic_data(fabric):
     torch.manual_seed(0)
     splits = data.synthetic(sizes=(2000, 500, 500), seed=0)
-    train, val, _ = data.loaders(splits, micro_batch_size=16, eval_batch_size=250)
+    train, val, _ = data.build_loaders(splits.datasets(), micro_batch_size=16, eval_batch_size=250)
     model = models.build_model("vit_tiny", None, num_classes=data.NUM_CLASSES)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     model, opt = fabric.setup(model, opt)
-    fn = loop.image_classification(model.image_size)
+    fn = data.image_classification(model.image_size)
 
     chance_before = loop.evaluate(fabric, model, val, fn)
     log = make_log()
-    loop.fit(fabric, model, opt, train, log, fn, accumulation_steps=2, epochs=3, log_every=20)
+    loop.fit(fabric, model, opt, train, fn, settings(accumulation_steps=2, epochs=3, log_every=20), log)
     assert log.micro_batches == 3 * (2000 // 16)  # 375 micro-batches
     assert log.optimizer_steps == 3 * 63
     acc = loop.evaluate(fabric, model, val, fn)
@@ -277,18 +281,8 @@ def test_scheduler_steps_once_per_optimizer_step(fabric, num_micro, k, epochs, m
     counter = StepCounter(opt, log)  # before the scheduler, which wraps optimizer.step itself
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 1.0 / (epoch + 1))
     model, opt = fabric.setup(model, opt)
-    loop.fit(
-        fabric,
-        model,
-        opt,
-        loader(x, y, 2),
-        log,
-        batch_fn,
-        accumulation_steps=k,
-        epochs=epochs,
-        max_steps=max_steps,
-        scheduler=sched,
-    )
+    cfg = settings(accumulation_steps=k, epochs=epochs, max_steps=max_steps)
+    loop.fit(fabric, model, opt, loader(x, y, 2), batch_fn, cfg, log, scheduler=sched)
     n = loop.planned_steps(num_micro, k, epochs, max_steps)
     assert counter.calls == n
     assert sched.last_epoch == n  # one scheduler step per optimizer step

@@ -1,4 +1,4 @@
-"""--memory-timeline and --snapshot (common/profiling.py) and the seed-000 experiments, tiny, on a CPU."""
+"""--memory-timeline and --snapshot (common/profiling.py) and the experiments in experiments/, tiny, on a CPU."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import describe, run_recipe_inprocess
 
 REPO = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -29,13 +30,9 @@ def run(*args: str, cwd: Path = REPO, timeout: int = 300) -> subprocess.Complete
 
 def test_memory_timeline_writes_html_png_json_and_records_them(tmp_path):
     out = tmp_path / "results"
-    proc = run(
-        str(REPO / "recipes" / "05_gradient_accumulation.py"), *TINY, "--max-steps", "3",
-        "--eval-batches", "1", "--memory-timeline", "--profile-steps", "2", "--results-dir", str(out),
-        cwd=tmp_path,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    payload = json.loads((out / "05_gradient_accumulation.json").read_text())
+    argv = [*TINY, "--max-steps", "3", "--eval-batches", "1", "--memory-timeline", "--profile-steps", "2"]
+    proc, payload = run_recipe_inprocess("05_gradient_accumulation", argv, out)
+    assert proc.returncode == 0, describe(proc)
     files = payload["memory"]["timeline"]
     assert files and "error" not in files, files
     assert Path(files["png"]).read_bytes().startswith(PNG_MAGIC)
@@ -56,9 +53,10 @@ def test_memory_timeline_writes_html_png_json_and_records_them(tmp_path):
 
 def test_snapshot_needs_cuda_and_says_so(capsys):
     from common import cli
+    from common.config import RunConfig
 
     with pytest.raises(SystemExit) as exit_info:
-        cli.parse_args("test", {}, argv=[*TINY, "--snapshot"])
+        cli.parse(RunConfig(), [*TINY, "--snapshot"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "--snapshot needs CUDA" in err and len(err.strip().splitlines()) == 1
@@ -120,7 +118,7 @@ def test_phase_times_are_gpu_side_and_follow_launches_from_other_threads(tmp_pat
     Backward's kernels are launched by autograd's own thread, so a span read off the main thread alone
     would be empty; this trace has that shape and the backward time must come from its kernels.
     """
-    from common.profiling import phase_ms_from_trace
+    from common.timeline import phase_ms_from_trace
 
     def x(name, cat, ts, dur, tid=1, corr=None):
         e = {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "tid": tid}

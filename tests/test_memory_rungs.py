@@ -4,23 +4,22 @@
 - checkpointed blocks (reentrant or not) give the gradients of plain blocks;
 - offloaded activations give the gradients of the plain run, and the weights are never offloaded;
 - a run interrupted and resumed from its checkpoint ends with the uninterrupted run's parameters;
-- the new rungs run tiny on CPU and learn (subprocesses, started in the background).
+- the new rungs run tiny on CPU and learn (in this interpreter: conftest.run_recipe_inprocess).
 """
 
 from __future__ import annotations
-
-import argparse
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import describe, result, submit_recipe
+from conftest import describe, run_recipe_inprocess
 from torch.utils.data import DataLoader, TensorDataset
 
 from common import checkpoints, loop, models
-from common.metrics import MetricsLogger
+from common.config import RunConfig
 from common.offload import offload_activations
+from common.results import RunResults
 
 TINY = ("--accelerator", "cpu", "--model", "vit_tiny", "--data", "synthetic", "--weights", "none")
 LEARN = {
@@ -31,17 +30,11 @@ LEARN = {
     "14_memory_floor": ("--batch-size", "16", "--lr", "0.05", "--max-steps", "60", "--eval-batches", "20"),
     "15_speed": ("--batch-size", "32", "--lr", "3e-3", "--max-steps", "40", "--eval-batches", "20"),
 }  # fmt: skip
-BACKGROUND_PRIORITY = 20
-
-
-def start_background_jobs() -> None:
-    for name, args in LEARN.items():
-        submit_recipe(f"learn-{name}", name, (*TINY, *args))
 
 
 @pytest.mark.parametrize("name", sorted(LEARN))
-def test_new_rungs_learn_on_cpu(name):
-    proc, payload, _ = result(f"learn-{name}")
+def test_new_rungs_learn_on_cpu(name, tmp_path):
+    proc, payload = run_recipe_inprocess(name, (*TINY, *LEARN[name]), tmp_path)
     assert proc.returncode == 0, describe(proc)
     assert payload["status"] == "ok"
     assert payload["loss"]["last"] < payload["loss"]["first"], payload["loss"]
@@ -49,9 +42,8 @@ def test_new_rungs_learn_on_cpu(name):
 
 
 # ------------------------------------------------------------------------------------------ in-process
-def make_log() -> MetricsLogger:
-    ns = argparse.Namespace(tag=None, batch_size=8, micro_batch_size=8, results_dir="unused")
-    return MetricsLogger("test", ns)
+def make_log() -> RunResults:
+    return RunResults(RunConfig(recipe="test", batch_size=8, results_dir="unused"))
 
 
 @pytest.fixture
@@ -82,9 +74,8 @@ def test_optimizer_in_backward_equals_the_ordinary_step(fabric):
     plain, fused = tiny_mlp(), tiny_mlp()
     optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
     m1, optimizer = fabric.setup(plain, optimizer)
-    loop.fit(
-        fabric, m1, optimizer, fabric.setup_dataloaders(data_loader()), make_log(), batch_fn, max_steps=6
-    )
+    six = RunConfig(recipe="test", max_steps=6)
+    loop.fit(fabric, m1, optimizer, fabric.setup_dataloaders(data_loader()), batch_fn, six, make_log())
 
     m2 = fabric.setup(fused)
     optimizers = {p: torch.optim.SGD([p], lr=0.1) for p in m2.parameters()}
@@ -98,7 +89,7 @@ def test_optimizer_in_backward_equals_the_ordinary_step(fabric):
     for p in m2.parameters():
         p.register_post_accumulate_grad_hook(step_in_backward)
     log = make_log()
-    loop.fit(fabric, m2, None, fabric.setup_dataloaders(data_loader()), log, batch_fn, max_steps=6)
+    loop.fit(fabric, m2, None, fabric.setup_dataloaders(data_loader()), batch_fn, six, log)
 
     assert log.optimizer_steps == 6
     assert max(seen_grads) <= 1, "gradients must be freed as soon as they are used"
@@ -233,11 +224,9 @@ def test_resume_reproduces_the_uninterrupted_run(
 
             log.step_done = step_done
         try:
-            loop.fit(
-                fabric, model, optimizer, train, log, batch_fn, accumulation_steps=2, epochs=2,
-                scheduler=scheduler, checkpoint_every=checkpoint_every, checkpoint_dir=str(tmp_path),
-                resume=resume,
-            )  # fmt: skip
+            cfg = RunConfig(recipe="test", accumulation_steps=2, epochs=2, checkpoint_every=checkpoint_every,
+                            checkpoint_dir=str(tmp_path), resume=resume)  # fmt: skip
+            loop.fit(fabric, model, optimizer, train, batch_fn, cfg, log, scheduler=scheduler)
         except KeyboardInterrupt:
             pass
         return model, log
@@ -259,6 +248,7 @@ def test_resume_reproduces_the_uninterrupted_run(
 
 
 def test_speed_rung_counts_model_flops():
-    # ViT-L/16 on the meta device: ~370 GFLOP per image for forward + backward (TARGETS.md: 370.9)
+    # ViT-L/16 on the meta device: ~370 GFLOP per image for forward + backward (3 x the forward's
+    # 123.6 GFLOP, 2 per multiply-add: docs/15_speed.md)
     assert models.training_flops("vit_l_16", 1) == pytest.approx(370e9, rel=0.01)
     assert models.training_flops("vit_tiny", 4) == 4 * models.training_flops("vit_tiny", 1)

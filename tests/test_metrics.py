@@ -1,9 +1,9 @@
-"""common.metrics and cli.run's outcome handling: an OOM is recorded (not fatal), results are written
-atomically, timings are computed from the step marks as documented, the summary is one block."""
+"""common.results (the measurements), common.results_file (the file) and lifecycle.run_recipe's outcome
+handling: an OOM is recorded (not fatal), results are written atomically, timings are computed from the
+step marks as documented, the summary is one block."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import stat
@@ -11,8 +11,10 @@ import stat
 import pytest
 import torch
 
-from common import cli, metrics
-from common.metrics import MetricsLogger, results_path, summary, write_json_atomic
+from common import lifecycle, results, results_file
+from common.config import RunConfig
+from common.results import RunResults
+from common.results_file import results_path, summary, write_json_atomic
 
 OOM_MESSAGE = "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.1 GiB"
 
@@ -28,8 +30,8 @@ def test_injected_oom_is_recorded_not_fatal(tmp_path, capsys):
     results = tmp_path / "results"
     reached = []
 
-    def main(args, log):
-        fabric = L.Fabric(accelerator="cpu", devices=1, precision=args.precision)
+    def main(cfg, log):
+        fabric = L.Fabric(accelerator="cpu", devices=1, precision=cfg.precision)
         log.attach(fabric)
         log.set(data_source="synthetic", weights="random")
         with log.phase("model_load"):
@@ -42,7 +44,7 @@ def test_injected_oom_is_recorded_not_fatal(tmp_path, capsys):
 
     argv = ["--accelerator", "cpu", "--model", "vit_tiny", "--precision", "bf16-true", "--batch-size", "32",
             "--accumulation-steps", "4", "--results-dir", str(results), "--tag", "oom"]  # fmt: skip
-    code = cli.run(main, recipe="99_oom_probe", description="OOM probe\nmore", defaults={}, argv=argv)
+    code = lifecycle.run_recipe(main, RunConfig(recipe="99_oom_probe"), "OOM probe\nmore", argv=argv)
     assert reached and code == 3
 
     path = results / "99_oom_probe-oom.json"
@@ -62,15 +64,15 @@ def test_injected_oom_is_recorded_not_fatal(tmp_path, capsys):
     assert "== 99_oom_probe-oom: OOM (CUDA out of memory. Tried to allocate 2.00 GiB" in out
 
 
-def test_ok_run_through_cli_run(tmp_path):
+def test_ok_run_through_run_recipe(tmp_path):
     import lightning as L
 
-    def main(args, log):
+    def main(cfg, log):
         log.attach(L.Fabric(accelerator="cpu", devices=1))
         log.step_done()
 
-    code = cli.run(main, recipe="r", description="d", defaults={},
-                   argv=["--accelerator", "cpu", "--results-dir", str(tmp_path)])  # fmt: skip
+    code = lifecycle.run_recipe(main, RunConfig(recipe="r"), "d",
+                                argv=["--accelerator", "cpu", "--results-dir", str(tmp_path)])  # fmt: skip
     assert code == 0
     p = json.loads((tmp_path / "r.json").read_text())
     assert p["status"] == "ok" and p["error"] is None and p["timing"]["optimizer_steps"] == 1
@@ -79,14 +81,14 @@ def test_ok_run_through_cli_run(tmp_path):
 def test_a_crash_is_recorded_as_error_and_still_raises(tmp_path):
     import lightning as L
 
-    def main(args, log):
+    def main(cfg, log):
         log.attach(L.Fabric(accelerator="cpu", devices=1))
         with log.phase("train"):
             raise RuntimeError("loss is NaN\nat step 3")
 
     with pytest.raises(RuntimeError, match="loss is NaN"):
-        cli.run(main, recipe="r", description="d", defaults={},
-                argv=["--accelerator", "cpu", "--results-dir", str(tmp_path)])  # fmt: skip
+        lifecycle.run_recipe(main, RunConfig(recipe="r"), "d",
+                             argv=["--accelerator", "cpu", "--results-dir", str(tmp_path)])  # fmt: skip
     p = json.loads((tmp_path / "r.json").read_text())
     assert p["status"] == "error" and p["error"] == "RuntimeError: loss is NaN"
     assert "train" in p["memory"]["phases"]
@@ -109,7 +111,7 @@ def test_write_json_atomic_failure_leaves_old_file_and_no_temp(tmp_path, monkeyp
         f.write('{"half": ')  # a partial write, then the process "dies"
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(metrics.json, "dump", broken_dump)
+    monkeypatch.setattr(results_file.json, "dump", broken_dump)
     with pytest.raises(KeyboardInterrupt):
         write_json_atomic(str(path), {"new": True})
     assert json.loads(path.read_text()) == {"old": True}, "readers never see a half-written file"
@@ -126,7 +128,7 @@ def test_write_json_atomic_uses_rename_in_the_same_folder(tmp_path, monkeypatch)
         assert json.loads(open(src).read()) == {"k": 1}, "complete before the rename"
         return real(src, dst)
 
-    monkeypatch.setattr(metrics.os, "replace", spy)
+    monkeypatch.setattr(results_file.os, "replace", spy)
     write_json_atomic(str(tmp_path / "y.json"), {"k": 1})
     assert len(renames) == 1
     assert os.path.dirname(renames[0][0]) == str(tmp_path) and renames[0][1] == str(tmp_path / "y.json")
@@ -150,10 +152,11 @@ def test_results_path():
 
 
 # ------------------------------------------------------------------------------------------- timing
-def _args(**kw) -> argparse.Namespace:
-    base = dict(batch_size=16, micro_batch_size=4, tag=None, results_dir="unused", num_nodes=1, precision="32-true",
-                model="vit_tiny")  # fmt: skip
-    return argparse.Namespace(**{**base, **kw})
+def _cfg(recipe: str, **flags) -> RunConfig:
+    base = dict(
+        batch_size=16, accumulation_steps=4, results_dir="unused", precision="32-true", model="vit_tiny"
+    )
+    return RunConfig(recipe=recipe, **{**base, **flags})
 
 
 class FakeClock:
@@ -167,15 +170,15 @@ class FakeClock:
 def test_step_timing_from_fake_clock(monkeypatch):
     marks = [100.0, 110.0, 115.0, 116.0, 117.0, 118.5, 119.5, 121.0]  # 7 intervals
     # phase("train") reads the clock on entry and exit around the steps
-    monkeypatch.setattr(metrics.time, "perf_counter", FakeClock([99.0, *marks, 130.0]))
-    log = MetricsLogger("t", _args())
+    monkeypatch.setattr(results.time, "perf_counter", FakeClock([99.0, *marks, 130.0]))
+    log = RunResults(_cfg("t"))
     with log.phase("train"):
         for _ in marks:
             log.step_done()
             log.micro_batches += 4
     assert log.step_intervals() == pytest.approx([10, 5, 1, 1, 1.5, 1, 1.5])
     t = log.payload(gather=False)["timing"]
-    assert t["warmup_steps"] == metrics.WARMUP_STEPS == 3
+    assert t["warmup_steps"] == results_file.WARMUP_STEPS == 3
     assert t["timed_intervals"] == 4
     assert t["median_step_s"] == pytest.approx(1.25)  # median of [1, 1.5, 1, 1.5]: warm-up left out
     assert t["images_per_s"] == pytest.approx(16 / 1.25)  # effective batch x world / median step
@@ -195,7 +198,7 @@ def test_step_timing_from_fake_clock(monkeypatch):
     ],
 )
 def test_step_timing_few_steps(marks, warmup, median):
-    log = MetricsLogger("t", _args())
+    log = RunResults(_cfg("t"))
     log.step_marks = list(marks)
     log.optimizer_steps = len(marks)
     t = log.payload(gather=False)["timing"]
@@ -210,7 +213,7 @@ def test_images_per_s_counts_all_ranks():
         global_rank = 0
         world_size = 4
 
-    log = MetricsLogger("t", _args(batch_size=8, micro_batch_size=2))
+    log = RunResults(_cfg("t", batch_size=8, accumulation_steps=4))
     log.attach(FakeFabric())
     log.step_marks = [0.0, 1.0, 3.0]
     log.micro_batches = 10
@@ -221,7 +224,7 @@ def test_images_per_s_counts_all_ranks():
 
 
 def test_cpu_phases_are_rss_in_gb(monkeypatch):
-    log = MetricsLogger("t", _args())
+    log = RunResults(_cfg("t"))
     with log.phase("model_load"):
         pass
     with log.phase("train"):
@@ -243,8 +246,8 @@ def test_time_spent_predicting_memory_is_not_load_time(monkeypatch):
     import types
 
     clock = iter([100.0, 103.5, 200.0, 201.0])  # model_load: 3.5 s, of which 2.25 s estimating
-    monkeypatch.setattr(metrics.time, "perf_counter", lambda: next(clock))
-    log = MetricsLogger("t", _args())
+    monkeypatch.setattr(results.time, "perf_counter", lambda: next(clock))
+    log = RunResults(_cfg("t"))
     with log.phase("model_load"):
         log.estimate = types.SimpleNamespace(seconds=2.25)
     with log.phase("train"):  # a later phase is not charged for it again
@@ -257,9 +260,9 @@ def test_time_spent_predicting_memory_is_not_load_time(monkeypatch):
 # ------------------------------------------------------------------------------------------ summary
 def test_finish_prints_one_consistent_block(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(
-        metrics.time, "perf_counter", FakeClock([0.0, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 9.0])
+        results.time, "perf_counter", FakeClock([0.0, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 9.0])
     )
-    log = MetricsLogger("05_x", _args(results_dir=str(tmp_path), tag="t1", precision="bf16-true"))
+    log = RunResults(_cfg("05_x", results_dir=str(tmp_path), tag="t1", precision="bf16-true"))
     log.set(data_source="synthetic", weights="random")
     with log.phase("train"):
         for _ in range(7):
@@ -288,7 +291,7 @@ def test_finish_prints_one_consistent_block(tmp_path, capsys, monkeypatch):
 
 
 def test_summary_of_an_oom_without_timings():
-    log = MetricsLogger("02_y", _args())
+    log = RunResults(_cfg("02_y"))
     p = log.payload(status="oom", error="CUDA out of memory.", gather=False)
     lines = summary(p).splitlines()
     assert len(lines) == 5  # no path given, no results line

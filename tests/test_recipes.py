@@ -1,10 +1,11 @@
 """Every numbered recipe runs end to end on CPU and writes a results JSON with the documented keys.
 
 The recipes are discovered from recipes/[0-9][0-9]_*.py, so a new rung is covered without editing this
-file. The runs start in the background as soon as the tests are collected (each pays ~6 s of imports).
-The first recipe runs with ``--tag`` (one run checks both its results and the file-name suffix).
-Rungs that shard across devices (default --devices > 1) run with 2 CPU processes (gloo); the rungs
-built on Fabric's FSDPStrategy cannot run on CPU and must say so clearly (exit 2, one line).
+file. One-process runs run in this interpreter (conftest.run_recipe_inprocess); rungs that shard across
+devices (default --devices > 1) run as a process with 2 CPU ranks (gloo), started in the background as
+soon as the tests are collected. The first recipe runs with ``--tag`` (one run checks both its
+results and the file-name suffix). The rungs built on Fabric's FSDPStrategy cannot run on CPU and must
+say so clearly (exit 2, one line).
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ from conftest import (
     recipe_files,
     recipe_names,
     result,
+    run_recipe_inprocess,
+    session_dir,
     submit_recipe,
 )
-
-from common.cli import BASE_DEFAULTS
 
 RECIPES = recipe_names()
 CPU_RECIPES = [n for n in RECIPES if n not in CUDA_ONLY_RECIPES]
@@ -35,10 +36,8 @@ CUDA_ONLY = [n for n in RECIPES if n in CUDA_ONLY_RECIPES]
 TAG = "smoke"
 TAGGED = RECIPES[0] if RECIPES else None
 BACKGROUND_PRIORITY = 20
-BACKGROUND_TESTS = {
-    "test_recipe_runs_on_cpu_and_writes_results",
-    "test_tag_suffixes_the_results_file",
-}  # the tests that wait for the jobs
+BACKGROUND_TESTS = {"test_recipe_runs_on_cpu_and_writes_results"}  # the sharded rungs' processes
+_RUNS: dict = {}
 
 
 def test_recipes_are_discovered():
@@ -46,18 +45,18 @@ def test_recipes_are_discovered():
     assert RECIPES[0].startswith("01_")
 
 
-def _defaults(name: str) -> dict:
-    return {**BASE_DEFAULTS, **load_recipe_module(name).DEFAULTS}
+def _rung(name: str):
+    return load_recipe_module(name).RUNG
 
 
 def _cpu_precision(name: str) -> str | None:
     """fp16 autocast needs CUDA; on CPU the analogue is bf16 autocast (as run_all.sh's CPU path does)."""
-    return "bf16-mixed" if _defaults(name)["precision"] == "16-mixed" else None
+    return "bf16-mixed" if _rung(name).precision == "16-mixed" else None
 
 
 def _cpu_devices(name: str) -> int:
     """A sharding rung keeps its multi-process path on CPU: 2 processes (when there are 2 cores)."""
-    return min(2, os.cpu_count() or 1) if _defaults(name)["devices"] > 1 else 1
+    return min(2, os.cpu_count() or 1) if _rung(name).devices > 1 else 1
 
 
 def _args(name: str) -> list[str]:
@@ -65,7 +64,7 @@ def _args(name: str) -> list[str]:
     precision = _cpu_precision(name)
     if precision:
         args += ["--precision", precision]
-    if _defaults(name)["devices"] > 1:
+    if _rung(name).devices > 1:
         args += ["--devices", str(_cpu_devices(name))]
     if name == TAGGED:
         args += ["--tag", TAG]
@@ -73,24 +72,32 @@ def _args(name: str) -> list[str]:
 
 
 def start_background_jobs(selected: list[str]) -> None:
-    """Start the runs the selected tests need (all of them in a full run)."""
+    """The sharded rungs' runs (several processes) that the selected tests need."""
     for name in CPU_RECIPES:
-        wanted = f"test_recipe_runs_on_cpu_and_writes_results[{name}]" in selected or (
-            name == TAGGED and "test_tag_suffixes_the_results_file" in selected
-        )
-        if wanted:
-            submit_recipe(f"recipes:{name}", name, lambda name=name: _args(name))
+        if _cpu_devices(name) > 1 and f"test_recipe_runs_on_cpu_and_writes_results[{name}]" in selected:
+            submit_recipe(f"recipes:{name}", name, _args(name))
+
+
+def _run(name: str):
+    """The recipe's CPU run: a process in the background for the sharded rungs, in-process otherwise
+    (once per session: two tests read the tagged one)."""
+    if _cpu_devices(name) > 1:
+        return result(f"recipes:{name}")
+    if name not in _RUNS:
+        results_dir = session_dir(f"results-{name}")
+        _RUNS[name] = (*run_recipe_inprocess(name, _args(name), results_dir), results_dir)
+    return _RUNS[name]
 
 
 @pytest.mark.parametrize("name", CPU_RECIPES)
 def test_recipe_runs_on_cpu_and_writes_results(name):
-    proc, p, results_dir = result(f"recipes:{name}")
+    proc, p, results_dir = _run(name)
     tag = TAG if name == TAGGED else None
     file_name = f"{name}-{tag}.json" if tag else f"{name}.json"
     assert proc.returncode == 0, describe(proc)
     assert p is not None, f"no {file_name} in {results_dir}" + describe(proc)
     assert [f.name for f in results_dir.iterdir()] == [file_name], "only the JSON, no temp/rank files"
-    defaults = _defaults(name)
+    rung = _rung(name)
     world = _cpu_devices(name)
 
     assert p["schema_version"] == 1
@@ -99,10 +106,10 @@ def test_recipe_runs_on_cpu_and_writes_results(name):
     assert p["status"] == "ok" and p["error"] is None
 
     cfg = p["config"]
-    assert cfg["precision"] == (_cpu_precision(name) or defaults["precision"])
-    assert cfg["batch_size"] == defaults["batch_size"]
-    assert cfg["accumulation_steps"] == defaults["accumulation_steps"]
-    assert cfg["micro_batch_size"] == defaults["batch_size"] // defaults["accumulation_steps"]
+    assert cfg["precision"] == (_cpu_precision(name) or rung.precision)
+    assert cfg["batch_size"] == rung.batch_size
+    assert cfg["accumulation_steps"] == rung.accumulation_steps
+    assert cfg["micro_batch_size"] == rung.batch_size // rung.accumulation_steps
     assert cfg["max_steps"] == 3 and cfg["model"] == "vit_tiny" and cfg["accelerator"] == "cpu"
     assert cfg["devices"] == world
 
@@ -126,13 +133,13 @@ def test_recipe_runs_on_cpu_and_writes_results(name):
     assert sorted(r["rank"] for r in mem["phases"]["train"]["per_rank"]) == list(range(world))
 
     t = p["timing"]
-    k = defaults["accumulation_steps"]
+    k = rung.accumulation_steps
     assert t["optimizer_steps"] == 3
     assert t["micro_batches"] == 3 * k, "each optimizer step should consume accumulation_steps micro-batches"
     assert t["images_seen"] == 3 * k * cfg["micro_batch_size"] * world
     assert t["train_wall_s"] > 0
     assert t["median_step_s"] is not None and t["median_step_s"] > 0
-    assert t["images_per_s"] == pytest.approx(defaults["batch_size"] * world / t["median_step_s"])
+    assert t["images_per_s"] == pytest.approx(rung.batch_size * world / t["median_step_s"])
     assert t["warmup_steps"] + t["timed_intervals"] == 2  # 3 steps -> 2 intervals between them
 
     assert set(p["accuracy"]) >= {"train", "val", "test"}
@@ -147,7 +154,7 @@ def test_recipe_runs_on_cpu_and_writes_results(name):
 
 
 def test_tag_suffixes_the_results_file():
-    proc, p, results_dir = result(f"recipes:{TAGGED}")
+    proc, p, results_dir = _run(TAGGED)
     assert proc.returncode == 0, describe(proc)
     assert sorted(f.name for f in results_dir.iterdir()) == [f"{TAGGED}-{TAG}.json"]
     assert p["tag"] == TAG and p["config"]["tag"] == TAG

@@ -39,9 +39,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.cli import at_least, fail
-from common.metrics import WARMUP_STEPS, write_json_atomic
-from common.report import comparison_ratios, write_comparison
+from common.comparison import comparison_ratios, write_comparison
+from common.config import at_least
+from common.console import fail
+from common.results_file import WARMUP_STEPS, write_json_atomic
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -159,7 +160,7 @@ def reference_json(runs_dir: Path, script: str) -> Path:
 
 
 def project_json(runs_dir: Path, recipe: str, mode: str) -> Path:
-    return runs_dir / f"{recipe}-{mode}.json"  # common.metrics.results_path with --tag <mode>
+    return runs_dir / f"{recipe}-{mode}.json"  # common.results_file.results_path with --tag <mode>
 
 
 def plan_runs(

@@ -52,9 +52,10 @@ from pathlib import Path
 from typing import Any
 
 from common import digits
-from common.estimate import read_recipe
-from common.metrics import write_atomic, write_json_atomic
-from common.report import DASH, load_results, update_block
+from common.config import declared_rung
+from common.report import load_results
+from common.report_format import DASH, update_block
+from common.results_file import write_atomic, write_json_atomic
 
 REPO = Path(__file__).resolve().parents[1]
 BASELINE = "01_baseline"
@@ -115,12 +116,12 @@ class Job:
 def single_gpu_rungs() -> list[str]:
     """The numbered recipes that train on one device (08/09 default to several GPUs)."""
     names = sorted(p.stem for p in (REPO / "recipes").glob("[0-9][0-9]_*.py"))
-    return [n for n in names if read_recipe(n).defaults.get("devices", 1) == 1]
+    return [n for n in names if declared_rung(n)[0].devices == 1]
 
 
 def optimizer_kind(recipe: str) -> str:
-    """'adam' or 'sgd', from the recipe's ESTIMATE (what common.estimate is told about its optimizer)."""
-    name = str(read_recipe(recipe).estimate.get("optimizer", "adam"))
+    """'adam' or 'sgd', from the recipe's declared rung (the optimizer its code builds)."""
+    name = declared_rung(recipe)[0].optimizer
     return "sgd" if name.startswith("sgd") else "adam"
 
 
@@ -130,11 +131,9 @@ def plan(args: argparse.Namespace, cuda: bool) -> list[Job]:
     jobs: list[Job] = []
     for seed in args.seed_list:
         for recipe in rungs:
-            info = read_recipe(recipe)
-            d = {"batch_size": 64, "accumulation_steps": 1, **info.defaults}
-            micro = d["batch_size"] // d["accumulation_steps"]
-            per_epoch = n_train // micro
-            steps = math.ceil(per_epoch / d["accumulation_steps"]) * args.epochs
+            rung, _ = declared_rung(recipe)
+            per_epoch = n_train // rung.micro_batch_size
+            steps = math.ceil(per_epoch / rung.accumulation_steps) * args.epochs
             lr = args.adam_lr if optimizer_kind(recipe) == "adam" else args.sgd_lr
             base = [
                 "--data", "digits", "--model", args.model, "--weights", "none", "--seed", str(seed),
@@ -143,7 +142,7 @@ def plan(args: argparse.Namespace, cuda: bool) -> list[Job]:
             ]  # fmt: skip
             if args.mode == "eager":  # the measurement reads weights between steps: not under CUDA graphs
                 base += ["--lost-updates", str(max(1, steps // LOST_POINTS))]
-            if not cuda and d.get("precision") == "16-mixed":
+            if not cuda and rung.precision == "16-mixed":
                 base += ["--precision", "bf16-mixed"]  # fp16 autocast needs CUDA
             variants = [("default", [], None)]
             if args.variants:

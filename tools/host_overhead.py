@@ -85,7 +85,7 @@ def main() -> None:
 
     splits = data.synthetic()
     for pin in (False, True):
-        train, _, _ = data.loaders(splits, 4, 4, 0, pin)
+        train, _, _ = data.build_loaders(splits.datasets(), 4, 4, 0, pin)
         it = iter(fabric.setup_dataloaders(train))
         next(it)
         torch.cuda.synchronize()

@@ -21,7 +21,7 @@ Timing. A global optimizer step post-hook (``torch.optim.optimizer.register_opti
 records a CUDA event after every optimizer step (``time.perf_counter`` when CUDA is not in use): no
 synchronisation, no change to the work. After ``--steps`` steps it reads the peak memory and stops the
 script by raising a private exception that this runner catches. Like the project's metrics logger
-(``common.metrics``), the first ``WARMUP_STEPS`` intervals between steps are left out and
+(``common.results``), the first ``WARMUP_STEPS`` intervals between steps are left out and
 ``images_per_s = effective batch x world size / median interval``.
 
 Batch size. A forward pre-hook on the model counts the images that go through it in training mode
@@ -73,8 +73,10 @@ import torchvision.models.vision_transformer as vision_transformer
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torchvision.models._utils import _ovewrite_named_param
 
-from common.cli import at_least, fail
-from common.metrics import GB, WARMUP_STEPS, environment, write_json_atomic
+from common.config import at_least
+from common.console import fail
+from common.results import environment
+from common.results_file import GB, WARMUP_STEPS, write_json_atomic
 
 SCHEMA = "reference_run/1"
 CIFAR10_SIZES = {True: 50_000, False: 10_000}  # train, test
@@ -213,7 +215,7 @@ class StepRecorder:
         """Timing and memory as the results JSON records them."""
         rank, world = _world()
         intervals = self.intervals()
-        skip = min(self.warmup, max(0, len(intervals) - 1))  # as common.metrics.steady_intervals
+        skip = min(self.warmup, max(0, len(intervals) - 1))  # as common.results.RunResults.steady_intervals
         steady = intervals[skip:]
         per_interval = self.images[1:]  # images[k + 1] went through the model during interval k
         timed_images = per_interval[skip:]

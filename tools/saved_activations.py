@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = hf_models.SPECS[args.model]
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     torch.set_default_dtype(dtype)
-    model = hf_models.build(spec, False, attn_implementation=args.attn)
+    model = hf_models.build_model(spec, False, attn_implementation=args.attn)
     torch.set_default_dtype(torch.float32)
     model.train()
     splits = text.synthetic(args.max_length, spec.ids, task=spec.task)

@@ -1,0 +1,34 @@
+"""What a run says on the terminal outside its results: rank-0 notices, and the one-line refusal.
+
+Both follow the project's contract for messages: a notice is one line, printed once per run (by
+global rank 0 when several processes run the recipe); a refusal is one line on stderr naming the
+script, and exit code 2, no traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import NoReturn
+
+# Lightning's own rank-zero switch (the same object: Lightning sets its ``rank`` when it launches or
+# joins processes), from the small package that defines it, so that printing a notice does not need
+# Lightning itself imported (the estimator's command line does not import it).
+from lightning_utilities.core.rank_zero import rank_zero_only
+
+
+def notice(message: str) -> None:
+    """Print a one-line notice (rank 0 only when several processes run the recipe)."""
+    if getattr(rank_zero_only, "rank", 0) == 0:
+        print(message, flush=True)
+
+
+def program() -> str:
+    """The script's name as the user typed it (``01_baseline.py``), for messages."""
+    return os.path.basename(sys.argv[0]) or "recipe"
+
+
+def fail(message: str) -> NoReturn:
+    """Print ``<script>: error: <message>`` on stderr and exit with code 2 (the contract for bad input)."""
+    print(f"{program()}: error: {message}", file=sys.stderr)
+    raise SystemExit(2)

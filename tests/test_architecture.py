@@ -1,0 +1,209 @@
+"""The shape of the code, read from the source: what a reader of the repository is promised.
+
+- ``common/`` imports form a DAG: the graph is built from the import statements of every module and a
+  cycle fails the test, naming it;
+- imports sit at the top of a module; an import inside a function is allowed only for the optional or
+  deliberately lazy dependencies listed in LAZY, each with its reason;
+- ``common/config.py`` imports nothing else from ``common``;
+- no file in ``common/`` is over 400 lines; recipes 01-15 are at most 80 lines, the bonus ones 120;
+- the loop's teaching core (``common.loop.fit``) is at most 60 lines;
+- every numbered recipe declares its rung (``RUNG``) and marks its own technique with ``# rung NN``;
+- nothing cites the team's notes, which a reader of the repository does not have.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+COMMON = REPO / "common"
+RECIPES = REPO / "recipes"
+
+# Imports that may stay inside a function in common/, and why.
+LAZY = {
+    "torchao": "optional (extra 'lowbit'/'bf16'): only rung 13 and --bf16-update stochastic need it",
+    "optimi": "optional (extra 'bf16'): only --bf16-update kahan needs it",
+    "datasets": "optional: IMDb through the hub only; the GPU machines behind the results lack it",
+    "matplotlib": "figures only; importing pyplot picks a backend, which a library must not do on import,"
+    " and costs every recipe process that draws nothing",
+    "sklearn": "only --data digits reads scikit-learn's bundled set; ~0.5 s per process otherwise",
+}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def common_modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(COMMON.rglob("*.py"))}
+
+
+def imported_common(node: ast.AST, modules: set[str]) -> set[str]:
+    """The ``common`` modules an import statement imports (``from common import x`` names module x)."""
+    found = set()
+    if isinstance(node, ast.Import):
+        for alias in node.names:
+            if alias.name.startswith("common"):
+                found.add(alias.name)
+    elif (
+        isinstance(node, ast.ImportFrom)
+        and node.module
+        and node.module.startswith("common")
+        and not node.level
+    ):
+        for alias in node.names:
+            sub = f"{node.module}.{alias.name}"
+            found.add(sub if sub in modules else node.module)
+    return {m for m in found if m in modules}
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = common_modules()
+    graph = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text())
+        edges = set()
+        for node in ast.walk(tree):
+            edges |= imported_common(node, set(modules))
+        graph[name] = edges - {name, "common"}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` as a path that ends where it starts, or None."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt) :] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+# ------------------------------------------------------------------------------------------ imports
+def test_the_cycle_finder_finds_a_cycle():
+    """Guard for the test below: a graph with a cycle is reported, one without is not."""
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_common_imports_form_a_dag():
+    graph = import_graph()
+    assert {"common.config", "common.loop", "common.estimate.simulate"} <= set(graph)  # it read them
+    assert "common.data" in graph["common.loop"]
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle in common/: " + " -> ".join(cycle)
+
+
+def test_config_imports_nothing_else_from_common():
+    assert import_graph()["common.config"] == set()
+
+
+def test_imports_are_at_the_top_and_lazy_ones_are_listed():
+    late, inside = [], []
+    for name, path in common_modules().items():
+        tree = ast.parse(path.read_text())
+        body = tree.body
+        # the leading block: docstring, imports (and `if TYPE_CHECKING` / try-imports would go here)
+        first_other = next(
+            (i for i, n in enumerate(body) if not isinstance(n, ast.Import | ast.ImportFrom)
+             and not (i == 0 and isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))),
+            len(body),
+        )  # fmt: skip
+        for node in body[first_other:]:
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                late.append(f"{name}:{node.lineno}")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                for inner in ast.walk(node):
+                    if isinstance(inner, ast.Import | ast.ImportFrom):
+                        top = (
+                            inner.module if isinstance(inner, ast.ImportFrom) else inner.names[0].name
+                        ) or ""
+                        if top.split(".")[0] not in LAZY:
+                            inside.append(f"{name}:{inner.lineno} {top}")
+    assert not late, f"imports after the first statement: {late}"
+    assert not inside, f"imports inside functions (allowed only for {sorted(LAZY)}): {inside}"
+
+
+# ------------------------------------------------------------------------------------------- sizes
+def test_no_file_in_common_is_over_400_lines():
+    sizes = {str(p.relative_to(REPO)): len(p.read_text().splitlines()) for p in COMMON.rglob("*.py")}
+    assert len(sizes) > 20
+    assert {p: n for p, n in sizes.items() if n > 400} == {}
+
+
+def test_recipes_are_short_enough_to_read_in_one_sitting():
+    sizes = {p.stem: len(p.read_text().splitlines()) for p in RECIPES.glob("*.py")}
+    numbered = {k: n for k, n in sizes.items() if re.match(r"\d\d_", k)}
+    assert len(numbered) >= 16
+    assert {k: n for k, n in numbered.items() if n > 80} == {}
+    assert {k: n for k, n in sizes.items() if k.startswith("bonus_") and n > 120} == {}
+
+
+def test_the_loop_core_is_at_most_60_lines_and_marks_its_rungs():
+    tree = ast.parse((COMMON / "loop.py").read_text())
+    fit = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "fit")
+    assert fit.end_lineno - fit.lineno + 1 <= 60
+    source = ast.get_source_segment((COMMON / "loop.py").read_text(), fit)
+    for rung in ("05", "06", "12"):  # accumulation, the schedule, the step inside backward
+        assert f"# rung {rung}" in source, rung
+    assert "fabric.no_backward_sync" in source and "fabric.backward" in source
+
+
+# ------------------------------------------------------------------------------------------ recipes
+@pytest.mark.parametrize("path", sorted(RECIPES.glob("[0-9][0-9]_*.py")), ids=lambda p: p.stem)
+def test_a_recipe_declares_its_rung_and_marks_its_technique(path):
+    from common.config import declared_rung
+
+    rung, description = declared_rung(path.stem)
+    assert rung.recipe == path.stem and description.startswith("Rung ")
+    number = path.stem[:2]
+    assert f"# rung {number}" in path.read_text(), f"{path.name} marks no line with its rung"
+
+
+def test_recipes_name_the_loop_block_their_lesson_lives_in():
+    """Where the technique is in the shared loop, the recipe says so and the loop marks the block."""
+    loop = (COMMON / "loop.py").read_text()
+    for rung, name in (
+        ("05", "05_gradient_accumulation"),
+        ("06", "06_sgd_cosine"),
+        ("12", "12_optimizer_in_backward"),
+    ):
+        assert f"# rung {rung}" in loop
+        assert f'"rung {rung}"' in (RECIPES / f"{name}.py").read_text(), name
+
+
+# -------------------------------------------------------------------------------------------- text
+CITATIONS = re.compile(r"DESIGN\.md|TARGETS\.md|(?i:\bseed[ -]0\d\d\b|\bseed \d{3}\b|seed article)")
+
+
+def test_nothing_cites_notes_the_repository_does_not_hold():
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    found = []
+    for rel in tracked.splitlines():
+        path = REPO / rel
+        if path.suffix not in (".py", ".md", ".sh", ".toml", ".sbatch") or not path.exists():
+            continue
+        for i, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if CITATIONS.search(line) and path.name != "test_architecture.py":
+                found.append(f"{rel}:{i}: {line.strip()[:100]}")
+    assert not found, "\n".join(found)

@@ -1,0 +1,54 @@
+"""The docs quote the code as it is: a rung page's diff is what ``diff`` of the two recipes gives
+(tools/docs_diff.py renders it), and every line of a Python excerpt on a page is a line of the
+repository's code (the rung's recipe or common/), so a change that is not carried to its page fails."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from tools import docs_diff
+
+REPO = Path(__file__).resolve().parents[1]
+DOCS = REPO / "docs"
+PYTHON_BLOCK = re.compile(r"^( *)```python\n(.*?)^\1```", re.M | re.S)
+
+
+def test_every_rung_page_with_a_diff_section_is_found():
+    pages = {page.stem for page, _, _ in docs_diff.pages()}
+    assert {"02_mixed_precision", "05_gradient_accumulation", "12_optimizer_in_backward", "15_speed"} <= pages
+
+
+@pytest.mark.parametrize(("page", "old", "new"), docs_diff.pages(), ids=lambda x: getattr(x, "stem", x))
+def test_a_pages_diff_is_the_diff_of_the_recipes(page, old, new):
+    start, end = docs_diff.block(page)
+    quoted = page.read_text()[start:end]
+    assert quoted == docs_diff.render(old, new), f"run: python -m tools.docs_diff --write ({page.name})"
+
+
+def _code_lines() -> set[str]:
+    files = [*REPO.joinpath("common").rglob("*.py"), *REPO.joinpath("recipes").glob("*.py")]
+    return {line.strip() for f in files for line in f.read_text().splitlines() if line.strip()}
+
+
+@pytest.mark.parametrize("page", sorted(DOCS.glob("*.md")), ids=lambda p: p.stem)
+def test_python_excerpts_are_lines_of_the_code(page):
+    code = _code_lines()
+    missing = []
+    for match in PYTHON_BLOCK.finditer(page.read_text()):
+        for line in match.group(2).splitlines():
+            text = line.strip()
+            if text and text != "..." and text not in code:
+                missing.append(text)
+    assert not missing, f"{page.name} quotes lines that are not in common/ or recipes/: {missing}"
+
+
+def test_the_excerpt_check_can_fail():
+    """Guard for the test above: a line that is not in the code is reported."""
+    code = _code_lines()
+    assert "optimizer.zero_grad(set_to_none=run.frees_gradients)" in code
+    assert (
+        "optimizer.zero_grad(set_to_none=True)  # frees gradient memory before the next forward" not in code
+    )

@@ -1,0 +1,134 @@
+"""Two versions of the code over the single-GPU ladder, in one call: do the numbers move?
+
+    python -m tools.ab_ladder --base build/ab-base --new . --out OUT -- --data synthetic --weights none \\
+        --max-steps 20 --eval-batches 1
+
+``--base`` and ``--new`` are checkouts (the ``common/`` and ``recipes/`` of each). Every single-GPU rung
+(01-07, 10-15) runs in each, one process at a time, with the same flags plus ``--mode MODE``, in the
+order base, new for one rung and new, base for the next (so that drift over the call favours neither).
+Each run gets its own checkout's ``common`` on ``PYTHONPATH`` and writes ``OUT/<side>/<mode>/``. Then
+``OUT/ab.md`` and ``OUT/ab.json`` compare, per rung and mode, the train-phase peak memory (reserved and
+allocated) and the throughput: within ``--memory-tolerance`` (default 3 %) and ``--speed-tolerance``
+(default 5 %) is a pass. ``--budget`` seconds: no new pair is started after it (the table says which
+rungs were not reached), so the call ends inside the device's time limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+LADDER = ("01", "02", "03", "04", "05", "06", "07", "10", "11", "12", "13", "14", "15")
+
+
+def script(checkout: Path, rung: str) -> Path:
+    return sorted((checkout / "recipes").glob(f"{rung}_*.py"), key=lambda p: len(p.name))[0]
+
+
+def run(checkout: Path, rung: str, mode: str, flags: list[str], out: Path, cwd: Path) -> dict:
+    """One recipe run; returns its results JSON (or what is known when it wrote none)."""
+    path = script(checkout, rung)
+    results = out / mode
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(checkout.resolve()),
+        "FMR_OFFLINE": "1",
+        "FMR_LOG_DIR": str(out / "logs"),
+    }
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, str(path.resolve()), *flags, "--mode", mode, "--results-dir", str(results)],
+        cwd=cwd, env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    (out / "logs" / f"{path.stem}-{mode}.log").write_text(proc.stdout + proc.stderr)
+    found = results / f"{path.stem}.json"
+    payload = json.loads(found.read_text()) if found.exists() else {"status": f"exit {proc.returncode}"}
+    payload["_seconds"] = time.monotonic() - start
+    return payload
+
+
+def numbers(payload: dict) -> dict:
+    memory, timing = payload.get("memory") or {}, payload.get("timing") or {}
+    return {
+        "status": payload.get("status"),
+        "reserved_gb": memory.get("peak_reserved_gb"),
+        "allocated_gb": memory.get("peak_allocated_gb"),
+        "images_per_s": timing.get("images_per_s"),
+        "seconds": round(payload.get("_seconds", 0.0), 1),
+    }
+
+
+def cell(row: dict, key: str, fmt: str) -> str:
+    """'base → new (+x.x%)' of one number of a compared row."""
+    x, y, q = row["base"][key], row["new"][key], row[f"{key}_ratio"]
+    show = lambda v: format(v, fmt) if isinstance(v, int | float) else str(v)  # noqa: E731
+    return f"{show(x)} → {show(y)}" + (f" ({100 * (q - 1):+.1f}%)" if q else "")
+
+
+def ratio(new: float | None, base: float | None) -> float | None:
+    return new / base if isinstance(new, int | float) and isinstance(base, int | float) and base else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tools.ab_ladder", description=__doc__.splitlines()[0])
+    p.add_argument("--base", required=True, type=Path, help="the earlier checkout")
+    p.add_argument("--new", default=".", type=Path, help="the checkout under test (default: this one)")
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--modes", nargs="+", default=["eager", "fast"], choices=("eager", "fast"))
+    p.add_argument("--rungs", nargs="+", default=list(LADDER))
+    p.add_argument("--budget", type=float, default=540.0, help="seconds after which no new pair starts")
+    p.add_argument("--memory-tolerance", type=float, default=0.03)
+    p.add_argument("--speed-tolerance", type=float, default=0.05)
+    p.add_argument("flags", nargs="*", help="the recipes' flags (after --)")
+    args = p.parse_args(argv)
+    start, rows, n = time.monotonic(), [], 0
+    for mode in args.modes:
+        for rung in args.rungs:
+            if time.monotonic() - start > args.budget:
+                rows.append({"rung": rung, "mode": mode, "status": "not reached (budget)"})
+                continue
+            sides = [("base", args.base), ("new", args.new)]
+            if n % 2:
+                sides.reverse()
+            n += 1
+            got = {
+                side: numbers(run(path, rung, mode, args.flags, args.out / side, args.new))
+                for side, path in sides
+            }
+            b, a = got["base"], got["new"]
+            row = {"rung": rung, "mode": mode, "base": b, "new": a}
+            for key in ("reserved_gb", "allocated_gb", "images_per_s"):
+                row[f"{key}_ratio"] = ratio(a[key], b[key])
+            mem = [row["reserved_gb_ratio"], row["allocated_gb_ratio"]]
+            speed = row["images_per_s_ratio"]
+            row["pass"] = (
+                a["status"] == b["status"] == "ok"
+                and all(r is not None and abs(r - 1) <= args.memory_tolerance for r in mem)
+                and speed is not None and abs(speed - 1) <= args.speed_tolerance
+            )  # fmt: skip
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    lines = ["| rung | mode | reserved GB base → new | allocated GB base → new | img/s base → new | pass |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        if "base" not in r:
+            lines.append(f"| {r['rung']} | {r['mode']} | {r['status']} | | | |")
+            continue
+        lines.append(f"| {r['rung']} | {r['mode']} | {cell(r, 'reserved_gb', '.3f')} | {cell(r, 'allocated_gb', '.3f')}"
+                     f" | {cell(r, 'images_per_s', '.1f')} | {'yes' if r['pass'] else 'NO'} |")  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "ab.md").write_text("\n".join(lines) + "\n")
+    (args.out / "ab.json").write_text(json.dumps(rows, indent=2) + "\n")
+    print("\n".join(lines))
+    compared = [r for r in rows if "base" in r]
+    return 0 if compared and all(r["pass"] for r in compared) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
