@@ -90,6 +90,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import statistics
 import tempfile
 from typing import Any
@@ -108,6 +109,14 @@ def peak_bf16_flops(gpu_name: str | None) -> float | None:
         if gpu_name and key in gpu_name:
             return flops
     return None
+
+
+def gpu_slug(name: str | None) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'h100'; no GPU -> 'cpu' (results folders and the planner's GPU kinds)."""
+    if not name:
+        return "cpu"
+    match = re.search(r"\b([A-Z]+\d{2,4}[A-Z]?)\b", name.upper().replace("NVIDIA", ""))
+    return (match.group(1) if match else re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")).lower()
 
 
 def results_path(results_dir: str, recipe: str, tag: str | None = None) -> str:
