@@ -1,5 +1,6 @@
-"""``python -m common.estimate``: the component table (or JSON) of a rung's predicted peak, or
-``--check DIR...``: predicted against measured for every results JSON there."""
+"""``python -m common.estimate``: the component table (or JSON) of a rung's predicted peak,
+``--check DIR...``: predicted against measured for every results JSON there, or ``--fit 6GB``: which
+configurations of the ladder fit a GPU memory budget, fastest first (``fit_cli``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 from common import cli
 from common.config import Hardware, RunConfig, UsageError, declared_rung
 from common.console import fail
+from common.estimate import fit_cli
 from common.estimate.check import check_results, meta_model, render_check
 from common.estimate.plan import ATTENTION_CHOICES, OPTIMIZERS, plan_for
 from common.estimate.plots import plot_check, plot_timeline
@@ -67,7 +69,10 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, RunConfig, dict[
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m common.estimate``: print the component table (or JSON) for a recipe's configuration."""
+    """``python -m common.estimate``: print the component table (or JSON) for a recipe's configuration;
+    with ``--fit SIZE``, the planner (common/estimate/fit_cli.py)."""
+    if any(a == "--fit" or a.startswith("--fit=") for a in (sys.argv[1:] if argv is None else argv)):
+        return fit_cli.main(argv)
     args, cfg, overrides, label = _parse(argv)
     if args.check:
         rows = check_results(args.check)
