@@ -81,7 +81,8 @@ updates.lost                     --lost-updates N: {every, columns ["step", "los
 extra                            recipe-specific measurements (e.g. rung 07's two ways of loading);
                                  set by the loop: resumed_from {path, step} (a resumed run), stopped
                                  {signal, step, planned_steps, checkpoint (to resume from, or null)}
-                                 (an interrupted run)
+                                 (an interrupted run); with --memory-budget-gb, memory_budget {budget_gb,
+                                 device_total_gb, fraction, how} (common.lifecycle.apply_memory_budget)
 ===============================  ===========================================================================
 """
 

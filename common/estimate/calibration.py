@@ -97,6 +97,8 @@ def _read(path: Path, root: Path) -> Measured | None:
         return None
     if config.get("memory_timeline") or config.get("snapshot") or config.get("lost_updates"):
         return None  # profiled or instrumented: its time is not the rung's
+    if config.get("memory_budget_gb"):
+        return None  # capped (tools.planner_proof): its peak shows the cap, and it tests the planner
     if rung.sharding != "none" or config.get("model") not in VIT_MODELS or not memory.get("peak_reserved_gb"):
         return None
     reserved = max(memory.get("run_peak_reserved_gb") or 0.0, memory["peak_reserved_gb"])
