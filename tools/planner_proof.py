@@ -113,6 +113,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--replan", action="store_true", help="plan again even if DIR/plan.json has these arguments"
     )
     args = p.parse_args(argv)  # fmt: skip
+    args.out = args.out.resolve()  # the runs start in the repository's root
     bad = [o for o in args.optimizers if o not in OPTIMIZERS]
     if bad or not args.optimizers:
         fail(f"--optimizers: expected some of {', '.join(OPTIMIZERS)}")
