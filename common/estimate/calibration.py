@@ -76,7 +76,8 @@ def run_mode(config: dict[str, Any]) -> str:
 
 
 @functools.cache
-def _rung(recipe: str) -> RunConfig | None:
+def rung_of(recipe: str) -> RunConfig | None:
+    """The rung ``recipes/<recipe>.py`` declares (read once), or None if there is none."""
     try:
         return declared_rung(recipe)[0]
     except (FileNotFoundError, ValueError, SyntaxError):
@@ -92,7 +93,7 @@ def _read(path: Path, root: Path) -> Measured | None:
         return None
     config, memory = d.get("config") or {}, d.get("memory") or {}
     prov, timing = d.get("provenance") or {}, d.get("timing") or {}
-    rung = _rung(str(d.get("recipe")))
+    rung = rung_of(str(d.get("recipe")))
     if memory.get("kind") != "cuda" or prov.get("world_size", 1) != 1 or rung is None:
         return None
     if config.get("memory_timeline") or config.get("snapshot") or config.get("lost_updates"):

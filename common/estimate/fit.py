@@ -95,7 +95,7 @@ class Candidate:
 
     def argv(self) -> list[str]:
         """The recipe's flags that differ from its rung's defaults, and the mode."""
-        base = declared_rung(self.rung.recipe)[0]
+        base = calibration.rung_of(self.rung.recipe)
         argv = []
         for name in ("precision", "batch_size", "accumulation_steps", "model"):
             if getattr(self.rung, name) != getattr(base, name):
