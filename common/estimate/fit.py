@@ -238,7 +238,6 @@ class Fit:
     cache: SimulationCache
     ratios: dict[str, calibration.ReservedRatio]
     speed: speed_mod.SpeedModel
-    gpu_runs: int  # committed runs of this GPU kind (0: its throughput is modelled on the reference kind's)
 
 
 class Planner:
@@ -307,8 +306,7 @@ class Planner:
         rejected = self._fastest(too_big)
         smallest = None if fits else self.smallest()
         return Fit(budget_gb, self.batch_size, self.model, self.gpu, fits[:top], rejected, smallest,
-                   len(self.candidates), bounded, self.cache, self.ratios, self.speed,
-                   sum(r.gpu == self.gpu for r in self.runs))  # fmt: skip
+                   len(self.candidates), bounded, self.cache, self.ratios, self.speed)  # fmt: skip
 
     def _fastest(self, candidates: list[Candidate]) -> Candidate | None:
         """The fastest of ``candidates`` (sorted by the bound), simulating only what could be it."""

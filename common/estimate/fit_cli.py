@@ -147,9 +147,12 @@ def render(fit: Fit) -> str:
         *(f"  {r.line()}" for r in fit.ratios.values()),
         f"img/s: 'measured' = median of committed {fit.gpu} runs of that command; 'model' = "
         + (
-            f"calibrated on the {fit.gpu_runs} committed {fit.gpu} runs"
-            if fit.gpu_runs
-            else f"no committed {fit.gpu} runs: {calibration.REFERENCE_GPU}'s calibration"
+            f"calibrated on the committed {fit.gpu} runs ({fit.speed.own} constants; the rest from"
+            f" {calibration.REFERENCE_GPU}'s, as listed)"
+            if fit.gpu != calibration.REFERENCE_GPU and fit.speed.own
+            else f"calibrated on the committed {fit.gpu} runs"
+            if fit.speed.own
+            else f"no committed {fit.gpu} run determines it: {calibration.REFERENCE_GPU}'s calibration"
         )
         + ":",
         *(f"  {line}" for line in fit.speed.lines()),

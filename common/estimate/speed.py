@@ -54,6 +54,7 @@ class SpeedModel:
     host_ms: dict[tuple, float]
     sources: dict[str, str]
     flops_scale: float = 1.0  # another model's FLOPs per image over ViT-L/16's
+    own: int = 0  # constants determined by this kind's own runs (the rest: the reference kind's)
 
     def micro_s(self, precision: str, sig: tuple, micro: int) -> float:
         ms = self.precision_factor.get(precision, 1.0) * (self.fixed_ms + self.per_image_ms * micro)
@@ -233,4 +234,5 @@ def speed_model(gpu: str, model: str, parameters: int, runs: tuple[Measured, ...
         host_ms=host,
         sources=sources,
         flops_scale=flops,
+        own=len(mine) + bool(mine_host),
     )
