@@ -1,6 +1,8 @@
-"""``python -m common.estimate``: the component table (or JSON) of a rung's predicted peak,
-``--check DIR...``: predicted against measured for every results JSON there, or ``--fit 6GB``: which
-configurations of the ladder fit a GPU memory budget, fastest first (``fit_cli``)."""
+"""``python -m common.estimate``: a rung's predicted peak memory, --check against measured runs, --fit a budget.
+
+Without ``--check`` or ``--fit``: the component table (or JSON) of a rung's predicted peak. ``--check
+DIR...``: predicted against measured for every results JSON there. ``--fit 6GB``: which configurations
+of the ladder fit a GPU memory budget, fastest first (``fit_cli``)."""
 
 from __future__ import annotations
 
@@ -38,6 +40,11 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, RunConfig, dict[
     g.add_argument("--attention", choices=ATTENTION_CHOICES, default="auto", help="attention kernel to model")
     g.add_argument("--optimizer", choices=OPTIMIZERS, help="override the recipe's optimizer")
     g.add_argument("--checkpoint", help="comma-separated module classes to checkpoint (e.g. EncoderBlock)")
+    g.add_argument(
+        "--fit",
+        metavar="SIZE",
+        help="which configurations of the ladder fit SIZE (e.g. 6GB), fastest first: see --fit 1GB --help",
+    )
     g.add_argument("--json", action="store_true", help="print the estimate as JSON")
     g.add_argument(
         "--plot",
