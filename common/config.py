@@ -119,6 +119,12 @@ class RunConfig:
         " one CUDA device only)",
         action=BOOL,
     )  # fmt: skip
+    memory_budget_gb: float | None = flag(
+        None, "hardware",
+        "one CUDA device: cap this process's GPU memory at GB (1e9 bytes) with torch.cuda."
+        "set_per_process_memory_fraction before the model is built, to act as a smaller card",
+        type=positive_float, metavar="GB",
+    )  # fmt: skip
     # training
     batch_size: int = flag(
         64, "training", "effective batch size per device and optimizer step", type=at_least(1)
@@ -312,6 +318,9 @@ class RunConfig:
             raise UsageError(
                 "--lost-updates reads the weights between steps: use it with --no-cuda-graphs or --mode eager"
             )
+        if c.memory_budget_gb is not None and (c.accelerator != "cuda" or c.world_size > 1):
+            raise UsageError("--memory-budget-gb caps one CUDA device's memory: use it with one GPU, not "
+                             + ("on a CPU" if c.accelerator != "cuda" else f"{c.world_size} devices"))  # fmt: skip
         return c
 
     def _choose_mode(self) -> None:

@@ -92,9 +92,44 @@ def _prepare_outputs(cfg: RunConfig) -> faults.RunLock:
     return lock
 
 
+def apply_memory_budget(cfg: RunConfig) -> dict | None:
+    """``--memory-budget-gb``: cap the CUDA caching allocator of this process at the budget, so that the
+    run behaves as on a card with that much memory (``tools.planner_proof`` emulates 1-8 GB cards this
+    way). What it caps is what the results' peak reserved counts; the CUDA context is outside it, as it
+    is outside the peaks. Returns what the results JSON records (``extra.memory_budget``)."""
+    if cfg.memory_budget_gb is None:
+        return None
+    total = torch.cuda.get_device_properties(0).total_memory
+    budget = cfg.memory_budget_gb * 1e9
+    if budget > total:
+        raise UsageError(f"--memory-budget-gb {cfg.memory_budget_gb:g}: this GPU has {total / 1e9:.1f} GB")
+    torch.cuda.set_per_process_memory_fraction(budget / total, 0)
+    return {
+        "budget_gb": cfg.memory_budget_gb,
+        "device_total_gb": total / 1e9,
+        "fraction": budget / total,
+        "how": "torch.cuda.set_per_process_memory_fraction, before the model is built",
+    }
+
+
+def caused_by_oom(error: BaseException) -> bool:
+    """A CUDA out-of-memory error, or one raised while handling it (torch.compile and CUDA graph
+    capture wrap the allocator's error in their own)."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, torch.cuda.OutOfMemoryError):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
+
+
 def _run_main(main: Main, cfg: RunConfig, description: str) -> int:
     results = RunResults(cfg, description=description.strip().splitlines()[0] if description.strip() else "")
     try:
+        budget = apply_memory_budget(cfg)
+        if budget is not None:
+            results.extra["memory_budget"] = budget
         main(cfg, results)
     except faults.Interrupted as stop:
         # Every process stopped after the same step (the loop agrees on it): gathering is safe.
@@ -110,6 +145,9 @@ def _run_main(main: Main, cfg: RunConfig, description: str) -> int:
     except (UsageError, faults.BadInput) as e:
         fail(str(e))
     except Exception as e:
+        if caused_by_oom(e):  # e.g. torch.compile's or a graph capture's error around an OOM
+            results.finish(status="oom", error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            return 3
         # Record what ran and how it ended, then let the traceback through (exit code 1).
         if results.fabric is not None:
             results.finish(

@@ -81,7 +81,8 @@ updates.lost                     --lost-updates N: {every, columns ["step", "los
 extra                            recipe-specific measurements (e.g. rung 07's two ways of loading);
                                  set by the loop: resumed_from {path, step} (a resumed run), stopped
                                  {signal, step, planned_steps, checkpoint (to resume from, or null)}
-                                 (an interrupted run)
+                                 (an interrupted run); with --memory-budget-gb, memory_budget {budget_gb,
+                                 device_total_gb, fraction, how} (common.lifecycle.apply_memory_budget)
 ===============================  ===========================================================================
 """
 
@@ -90,6 +91,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import statistics
 import tempfile
 from typing import Any
@@ -108,6 +110,14 @@ def peak_bf16_flops(gpu_name: str | None) -> float | None:
         if gpu_name and key in gpu_name:
             return flops
     return None
+
+
+def gpu_slug(name: str | None) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'h100'; no GPU -> 'cpu' (results folders and the planner's GPU kinds)."""
+    if not name:
+        return "cpu"
+    match = re.search(r"\b([A-Z]+\d{2,4}[A-Z]?)\b", name.upper().replace("NVIDIA", ""))
+    return (match.group(1) if match else re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")).lower()
 
 
 def results_path(results_dir: str, recipe: str, tag: str | None = None) -> str:

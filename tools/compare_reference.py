@@ -27,7 +27,6 @@ import argparse
 import datetime as _dt
 import json
 import os
-import re
 import shlex
 import shutil
 import signal
@@ -42,7 +41,7 @@ from typing import Any
 from common.comparison import comparison_ratios, write_comparison
 from common.config import at_least
 from common.console import fail
-from common.results_file import WARMUP_STEPS, write_json_atomic
+from common.results_file import WARMUP_STEPS, gpu_slug, write_json_atomic
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -427,14 +426,6 @@ def gpu_probe(python: str) -> tuple[int, str | None]:
         return int(count), name or None
     except (OSError, subprocess.SubprocessError, ValueError):
         return 0, None
-
-
-def gpu_slug(name: str | None) -> str:
-    """'NVIDIA H100 80GB HBM3' -> 'h100'; no GPU -> 'cpu'."""
-    if not name:
-        return "cpu"
-    match = re.search(r"\b([A-Z]+\d{2,4}[A-Z]?)\b", name.upper().replace("NVIDIA", ""))
-    return (match.group(1) if match else re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")).lower()
 
 
 # -------------------------------------------------------------------------------------------- main

@@ -1,5 +1,8 @@
-"""``python -m common.estimate``: the component table (or JSON) of a rung's predicted peak, or
-``--check DIR...``: predicted against measured for every results JSON there."""
+"""``python -m common.estimate``: a rung's predicted peak memory, --check against measured runs, --fit a budget.
+
+Without ``--check`` or ``--fit``: the component table (or JSON) of a rung's predicted peak. ``--check
+DIR...``: predicted against measured for every results JSON there. ``--fit 6GB``: which configurations
+of the ladder fit a GPU memory budget, fastest first (``fit_cli``)."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from typing import Any
 from common import cli
 from common.config import Hardware, RunConfig, UsageError, declared_rung
 from common.console import fail
+from common.estimate import fit_cli
 from common.estimate.check import check_results, meta_model, render_check
 from common.estimate.plan import ATTENTION_CHOICES, OPTIMIZERS, plan_for
 from common.estimate.plots import plot_check, plot_timeline
@@ -36,6 +40,11 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, RunConfig, dict[
     g.add_argument("--attention", choices=ATTENTION_CHOICES, default="auto", help="attention kernel to model")
     g.add_argument("--optimizer", choices=OPTIMIZERS, help="override the recipe's optimizer")
     g.add_argument("--checkpoint", help="comma-separated module classes to checkpoint (e.g. EncoderBlock)")
+    g.add_argument(
+        "--fit",
+        metavar="SIZE",
+        help="which configurations of the ladder fit SIZE (e.g. 6GB), fastest first: see --fit 1GB --help",
+    )
     g.add_argument("--json", action="store_true", help="print the estimate as JSON")
     g.add_argument(
         "--plot",
@@ -67,7 +76,10 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, RunConfig, dict[
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m common.estimate``: print the component table (or JSON) for a recipe's configuration."""
+    """``python -m common.estimate``: print the component table (or JSON) for a recipe's configuration;
+    with ``--fit SIZE``, the planner (common/estimate/fit_cli.py)."""
+    if any(a == "--fit" or a.startswith("--fit=") for a in (sys.argv[1:] if argv is None else argv)):
+        return fit_cli.main(argv)
     args, cfg, overrides, label = _parse(argv)
     if args.check:
         rows = check_results(args.check)
