@@ -84,6 +84,15 @@ def rung_of(recipe: str) -> RunConfig | None:
         return None
 
 
+# Folders whose runs shared the GPU with other runs (their NOTES.md say so): each run's memory is its
+# own process's, but its speed is not the rung's, so they calibrate memory only.
+SHARED_GPU_FOLDERS = ("convergence", "estimate-h100")
+
+
+def shared_gpu(path: Path, root: Path) -> bool:
+    return path.relative_to(root).parts[0] in SHARED_GPU_FOLDERS
+
+
 def _read(path: Path, root: Path) -> Measured | None:
     try:
         d = json.loads(path.read_text())
@@ -100,6 +109,8 @@ def _read(path: Path, root: Path) -> Measured | None:
         return None  # profiled or instrumented: its time is not the rung's
     if config.get("memory_budget_gb"):
         return None  # capped (tools.planner_proof): its peak shows the cap, and it tests the planner
+    if config.get("bf16_update") not in (None, "plain"):
+        return None  # another optimizer implementation (common/bf16.py) than the rung's
     if rung.sharding != "none" or config.get("model") not in VIT_MODELS or not memory.get("peak_reserved_gb"):
         return None
     reserved = max(memory.get("run_peak_reserved_gb") or 0.0, memory["peak_reserved_gb"])
@@ -113,7 +124,7 @@ def _read(path: Path, root: Path) -> Measured | None:
         accumulation_steps=int(config.get("accumulation_steps") or 1),
         mode=run_mode(config),
         signature=signature(rung),
-        images_per_s=timing.get("images_per_s"),
+        images_per_s=None if shared_gpu(path, root) else timing.get("images_per_s"),
         reserved_gb=reserved,
         estimate_gb=(d.get("estimate") or {}).get("peak_allocated_gb"),
         offloaded_gb=(d.get("extra") or {}).get("offloaded_gb_per_micro_batch"),
