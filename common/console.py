@@ -7,6 +7,7 @@ script, and exit code 2, no traceback.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from typing import NoReturn
@@ -32,3 +33,23 @@ def fail(message: str) -> NoReturn:
     """Print ``<script>: error: <message>`` on stderr and exit with code 2 (the contract for bad input)."""
     print(f"{program()}: error: {message}", file=sys.stderr)
     raise SystemExit(2)
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """``--help`` with every flag's default: ``(default: X)`` after its help, unless the help already
+    says what the default is, or there is none to show (a default of None means "not set"; its help
+    says what happens then). The description keeps its own line breaks."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        says_it = "default" in text
+        nothing = default is None or default is argparse.SUPPRESS
+        switch = action.nargs == 0 and not isinstance(action, argparse.BooleanOptionalAction)  # store_true
+        required = not action.option_strings and action.nargs not in (
+            argparse.OPTIONAL,
+            argparse.ZERO_OR_MORE,
+        )
+        if says_it or nothing or switch or required:
+            return text
+        return f"{text} (default: %(default)s)"
