@@ -36,20 +36,17 @@ def fail(message: str) -> NoReturn:
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """``--help`` with every flag's default: ``(default: X)`` after its help, unless the help already
-    says what the default is, or there is none to show (a default of None means "not set"; its help
-    says what happens then). The description keeps its own line breaks."""
+    """``--help`` with every flag's default: ``(default: X)`` after its help, ``(default: not set)`` for
+    a flag that is off unless given a value, nothing where the help already says what the default is
+    (or for a plain on/off switch). The description keeps its own line breaks."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        default = action.default
-        says_it = "default" in text
-        nothing = default is None or default is argparse.SUPPRESS
         switch = action.nargs == 0 and not isinstance(action, argparse.BooleanOptionalAction)  # store_true
-        required = not action.option_strings and action.nargs not in (
+        positional = not action.option_strings and action.nargs not in (
             argparse.OPTIONAL,
             argparse.ZERO_OR_MORE,
         )
-        if says_it or nothing or switch or required:
+        if "default" in text or action.default is argparse.SUPPRESS or switch or positional:
             return text
-        return f"{text} (default: %(default)s)"
+        return f"{text} (default: {'not set' if action.default is None else '%(default)s'})"
