@@ -424,3 +424,17 @@ def test_check_and_report_compare_prediction_with_measurement(tmp_path, capsys):
     rows = estimate.check_results([str(tmp_path)])
     assert [r["recipe"] for r in rows] == ["05_gradient_accumulation"]
     assert rows[0]["predicted_gb"] == 0.084 and rows[0]["error_pct"] == pytest.approx(5.0)
+
+
+def test_ladder_of_a_folder_without_results_is_every_rung(tmp_path, monkeypatch):
+    from common.estimate import ladder
+
+    monkeypatch.setattr(ladder, "predict", lambda recipe: {"recipe": recipe, "peak_allocated_gb": 1.0, "error": None,
+                                                            "config": {"model": "vit_l_16", "precision": "x",
+                                                                       "batch_size": 1, "devices": 1},
+                                                            "seconds": 0.0})  # fmt: skip
+    payload = ladder.predict_ladder(tmp_path / "new", say=lambda line: None)
+    names = [r["recipe"] for r in payload["rows"]]
+    assert names[0] == "01_baseline" and "09_cpu_offload" in names and names[-1] == "15_speed"
+    assert len(names) == len(list((ladder.RECIPES_DIR).glob("[0-9][0-9]_*.py")))
+    assert json.loads((tmp_path / "new" / "predicted.json").read_text()) == payload

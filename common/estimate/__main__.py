@@ -54,8 +54,8 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, RunConfig, dict[
     g.add_argument(
         "--ladder",
         metavar="DIR",
-        help="predict every rung with a results JSON in DIR at full size (ViT-L/16, GPU config) and"
-        " write DIR/predicted.json for the report",
+        help="predict every rung with a results JSON in DIR (none there: every rung) at full size"
+        " (ViT-L/16, GPU config) and write DIR/predicted.json for the report",
     )
     args = parser.parse_args(argv)
     flags = {f.name: getattr(args, f.name) for f in RunConfig.flag_fields()}

@@ -2,6 +2,7 @@
 on a CPU, written as ``predicted.json`` beside a results folder for the report to show.
 
     python -m common.estimate --ladder results/cpu        # the rungs that have a results JSON there
+    python -m common.estimate --ladder results/predicted  # a folder without results: every numbered rung
 
 Why: on a machine without a GPU the CPU track runs each rung with a tiny ViT, and its measured memory is
 the process's RSS (the same ~1 GB for every rung). What a rung does to memory is still visible there:
@@ -19,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common.config import Hardware, declared_rung
+from common.config import RECIPES_DIR, Hardware, declared_rung
 from common.estimate.check import meta_model
 from common.estimate.plan import plan_for
 from common.estimate.simulate import simulate
@@ -77,11 +78,18 @@ def recipes_in(results_dir: Path) -> list[str]:
     return sorted(names)
 
 
+def every_rung() -> list[str]:
+    """The numbered recipes (01-15, both 08s): the whole ladder."""
+    return sorted(p.stem for p in RECIPES_DIR.glob("[0-9][0-9]_*.py"))
+
+
 def predict_ladder(results_dir: str | Path, recipes: list[str] | None = None, say=print) -> dict:
-    """Predict ``recipes`` (default: those with results in ``results_dir``) and write
-    ``results_dir/predicted.json``; returns what was written."""
+    """Predict ``recipes`` (default: those with results in ``results_dir``, or every rung when it has
+    none) and write ``results_dir/predicted.json``; returns what was written."""
     results_dir = Path(results_dir)
-    recipes = recipes if recipes is not None else recipes_in(results_dir)
+    if recipes is None:
+        recipes = recipes_in(results_dir) if results_dir.is_dir() else []
+        recipes = recipes or every_rung()
     rows = []
     for recipe in recipes:
         row = predict(recipe)
