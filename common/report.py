@@ -315,7 +315,8 @@ def render_markdown(
             f"{CPU_MARK} CPU run: the memory cells hold the process peak resident set size (RSS), not GPU "
             "memory; it includes Python and the libraries and cannot be reset between phases.",
         ]
-    phased = [r for r in results if set(get(r, "memory.phases", {})) - STANDARD_PHASES]
+    # On the CPU track a phase's "peak" is the process RSS so far (never reset): no per-phase story.
+    phased = [r for r in results if set(get(r, "memory.phases", {})) - STANDARD_PHASES and not cpu]
     if phased:
         out += ["", "## Per-phase peaks", "", "| run | phase | peak allocated GB | peak reserved GB |"]
         out.append("|---|---|---:|---:|")
