@@ -28,6 +28,7 @@ from common.report_format import (
     get,
     is_text,
     label,
+    mode_label,
     num,
     sort_key,
     write_into_block,
@@ -111,16 +112,6 @@ def _data_note(results: list[dict]) -> str:
     )
 
 
-def _mode(result: dict) -> str:
-    """How the steps ran: "eager", "compiled" (torch.compile) and/or "graphs" (one CUDA graph per step)."""
-    parts = [
-        name
-        for name, key in (("compiled", "config.compile"), ("graphs", "config.cuda_graphs"))
-        if get(result, key)
-    ]
-    return " + ".join(parts) if parts else "eager"
-
-
 def _speed_columns(results: list[dict]) -> list[tuple[str, str, int]]:
     """(header, timing key, decimals): img/s for images; samples/s and tokens/s when there is text."""
     text = [is_text(r) for r in results]
@@ -174,7 +165,7 @@ def render_table(results: list[dict]) -> str:
         row = [
             label(r),
             str(r.get("status") or DASH),
-            _mode(r),
+            mode_label(r),
             str(get(r, "config.precision", DASH)),
             _batch(r),
             str(get(r, "provenance.world_size", DASH)),
