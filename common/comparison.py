@@ -244,7 +244,50 @@ def write_comparison(rows: list[dict], folder: str | os.PathLike, figure: bool =
     return drawn
 
 
-def comparison_main(path: str, readme: str | None) -> int:
+DOCS_BLOCK = "modes"  # the block of a rung's docs page that shows its row
+
+
+def render_rung_block(row: dict, source: str) -> str:
+    """A rung page's view of its row: each run's peak reserved memory and throughput, and the ratios."""
+    ratios = comparison_ratios(row)
+    ref = row.get("reference") if row.get("like_for_like", True) else None
+    lines = ["| run | peak reserved GB | img/s |", "|---|---:|---:|"]
+    for name, side in (("the article's script", ref), ("eager (`--mode eager`)", row.get("eager")),
+                       ("fast (default on CUDA)", row.get("fast"))):  # fmt: skip
+        if side is None:
+            continue
+        if _ok(side):
+            lines.append(f"| {name} | {num(side.get('peak_reserved_gb'), 2)} | {num(side.get('images_per_s'), 1)} |")
+        else:
+            lines.append(f"| {name} | {side.get('status')} | {side.get('status')} |")
+    said = [f"{'img/s' if what == 'speed' else 'peak reserved'}: " + ", ".join(
+        f"fast ÷ {k.split('_vs_')[1]} {_times(v)}" for k, v in ratios.items() if k.startswith(what) and v)
+        for what in ("speed", "reserved") if any(ratios[f"{what}_fast_vs_{b}"] for b in ("reference", "eager"))]  # fmt: skip
+    call = row.get("call") or {}
+    out = ["\n".join(lines), ""]
+    if said:
+        out += ["; ".join(said) + ".", ""]
+    out.append(
+        f"{call.get('gpu_name') or 'GPU not recorded'}, {call.get('steps') or '?'} optimizer steps per run, "
+        f"each run its own process, all of this table's runs in one call. Generated from `{source}` by "
+        f"`python -m common.report --comparison {source} --docs docs`."
+    )
+    return "\n".join(out)
+
+
+def write_docs_blocks(rows: list[dict], docs: str | os.PathLike, source: str) -> int:
+    """``--docs DIR``: each rung's page DIR/<recipe>.md gets its row in its ``modes`` block; 0, or 2 with
+    one line per page that has no page or no block."""
+    code = 0
+    for row in rows:
+        page = Path(docs) / f"{row.get('recipe') or row['rung']}.md"
+        block = render_rung_block(row, source)
+        if write_into_block(f"{page}:{DOCS_BLOCK}", block, f"rung {row['rung']}") != 0:
+            code = 2
+    return code
+
+
+def comparison_main(path: str, readme: str | None, docs: str | None = None) -> int:
     """``--comparison PATH``: PATH's folder gets comparison.md and comparison.png; ``--readme PATH:BLOCK``
     also gets the table, the notes and the figure (linked relative to that file)."""
     try:
@@ -256,6 +299,8 @@ def comparison_main(path: str, readme: str | None) -> int:
     image = folder / "comparison.png"
     drawn = write_comparison(rows, folder)
     print(f"report: {len(rows)} rungs -> {folder / 'comparison.md'}" + (f", {image}" if drawn else ""))
+    if docs and write_docs_blocks(rows, docs, Path(path).as_posix()) != 0:
+        return 2
     if readme:
         target = readme.rpartition(":")[0]
         link = os.path.relpath(image, Path(target).resolve().parent) if drawn else None

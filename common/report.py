@@ -340,9 +340,16 @@ def main(argv: list[str] | None = None) -> int:
         metavar="JSON",
         help="render a comparison.json of tools.compare_reference instead (table + figure beside it)",
     )
+    parser.add_argument(
+        "--docs",
+        metavar="DIR",
+        help="with --comparison: also write each rung's row into the 'modes' block of DIR/<recipe>.md",
+    )
     args = parser.parse_args(argv)
+    if args.docs and not args.comparison:
+        parser.error("--docs goes with --comparison")
     if args.comparison:
-        return comparison_main(args.comparison, args.readme)
+        return comparison_main(args.comparison, args.readme, args.docs)
     results_dir = Path(args.results_dir)
     if not results_dir.is_dir():
         print(f"report: {results_dir} is not a directory", file=sys.stderr)

@@ -549,3 +549,41 @@ def test_readme_has_the_comparison_block():
     text = (REPO / "README.md").read_text()
     start, end = "<!-- results:comparison:start -->", "<!-- results:comparison:end -->"
     assert text.count(start) == 1 and text.count(end) == 1 and text.index(start) < text.index(end)
+
+
+# ------------------------------------------------------------------------------------ rung docs pages
+COMMITTED = REPO / "results" / "compare-h100" / "comparison.json"
+
+
+def test_rung_pages_show_the_committed_comparison_exactly():
+    """Every rung page's 'modes' block is what the renderer makes of the committed comparison.json, so a
+    number on a page cannot drift from the run that measured it."""
+    rows = comparison.load_comparison(COMMITTED)
+    source = COMMITTED.relative_to(REPO).as_posix()
+    assert {r["rung"] for r in rows} == {"01", "02", "03", "04", "05", "06", "07", "10", "11", "12", "13", "14", "15"}
+    for row in rows:
+        page = (REPO / "docs" / f"{row['recipe']}.md").read_text()
+        block = page.split("<!-- results:modes:start -->\n")[1].split("<!-- results:modes:end -->")[0]
+        assert block.strip() == comparison.render_rung_block(row, source).strip(), row["recipe"]
+
+
+def test_docs_blocks_written_and_a_page_without_the_block_is_one_line(tmp_path, capsys):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    row = {
+        "rung": "05", "recipe": "05_gradient_accumulation",
+        "reference": {"status": "ok", "peak_reserved_gb": 3.33, "images_per_s": 84.3},
+        "eager": {"status": "ok", "peak_reserved_gb": 3.24, "images_per_s": 86.0},
+        "fast": {"status": "timeout"},
+    }  # fmt: skip
+    page = docs / "05_gradient_accumulation.md"
+    page.write_text("# 05\n<!-- results:modes:start -->\nold\n<!-- results:modes:end -->\ntail\n")
+    assert comparison.write_docs_blocks([row], docs, "c.json") == 0
+    text = page.read_text()
+    assert "| the article's script | 3.33 | 84.3 |" in text and "| fast (default on CUDA) | timeout |" in text
+    assert "old" not in text and text.endswith("tail\n") and "fast ÷" not in text  # no ratio without fast
+    (docs / "06_sgd_cosine.md").write_text("# 06, no block\n")
+    capsys.readouterr()
+    assert comparison.write_docs_blocks([dict(row, rung="06", recipe="06_sgd_cosine")], docs, "c.json") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "06_sgd_cosine.md" in err[0]

@@ -78,9 +78,9 @@ def _run_recipe(path: Path, argv: list[str], results_dir: str) -> dict:
     original_fit = loop.fit
 
     def fit(fabric, model, *args, **kwargs):
-        seen["before"] = {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
+        seen["before"] = parameters_by_name(model)
         original_fit(fabric, model, *args, **kwargs)
-        seen["after"] = {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
+        seen["after"] = parameters_by_name(model)
 
     loop.fit = fit
     sys.argv = [str(path), *argv, "--results-dir", results_dir]
@@ -98,12 +98,27 @@ def _run_recipe(path: Path, argv: list[str], results_dir: str) -> dict:
     return seen
 
 
+def parameter_name(name: str) -> str:
+    """A parameter's name without the wrappers' segments: Fabric's ``_forward_module.`` and
+    torch.compile's ``_orig_mod.`` (a rung that compiles the whole model in fast mode, like 15, names
+    its parameters through both; the eager run through Fabric's only)."""
+    return ".".join(part for part in name.split(".") if part not in ("_forward_module", "_orig_mod"))
+
+
+def parameters_by_name(model) -> dict:
+    """fp32 CPU copies of the model's parameters, keyed by :func:`parameter_name`."""
+    return {parameter_name(n): p.detach().float().cpu().clone() for n, p in model.named_parameters()}
+
+
 def compare(eager: dict, fast: dict) -> dict:
     """The numbers of one row: largest element difference, the eager change it is measured against."""
     import torch
 
     diff = change = 0.0
     diff_sq = change_sq = 0.0
+    if set(eager["after"]) != set(fast["after"]):
+        missing = sorted(set(eager["after"]) ^ set(fast["after"]))[:3]
+        raise RuntimeError(f"the two runs have different parameters ({', '.join(missing)})")
     for name, after in eager["after"].items():
         d = (fast["after"][name] - after).abs()
         c = (after - eager["before"][name]).abs()
