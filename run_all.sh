@@ -2,10 +2,14 @@
 # Run the recipe ladder, each recipe in its own process, then render the report.
 #
 #   ./run_all.sh                         every numbered recipe (GPU: full size; no GPU: quick CPU path)
+#   ./run_all.sh --quick                 GPU: the single-GPU ladder (01-07, 10-15), 20 steps each, synthetic
+#                                        data, into results/quick (aimed at <= 5 minutes on one H100); no GPU:
+#                                        the CPU path (it is already quick)
 #   ./run_all.sh --only 01,03            recipes whose name starts with 01 or 03
 #   ./run_all.sh -- --max-steps 50       everything after -- is passed to every recipe
 #   ./run_all.sh -- --data synthetic     the memory/speed ladder as committed: CIFAR-sized splits offline
-#   ./run_all.sh --cpu                   force the quick CPU path (tiny model, real digits, few steps)
+#   ./run_all.sh --cpu                   force the quick CPU path (tiny model, real digits, 15 steps), then
+#                                        predict every rung at full size (python -m common.estimate --ladder)
 #   ./run_all.sh --results-dir DIR       where the JSON and the report go
 #   ./run_all.sh --bonus                 the bonus cases instead (results/bonus): DistilBERT and BigBird on
 #                                        IMDb before/after, and the LLM fine-tuning toggles table
@@ -23,12 +27,15 @@ PYTHON=${PYTHON:-python3}
 # Recipes import `common`; make that work from a plain checkout too (pip install -e . is still the way).
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 only=""
+quick=0
+QUICK_STEPS=20  # GPU --quick: 19 step intervals, 3 of them warm-up: 16 timed (the speed's median and range)
+CPU_STEPS=15    # CPU path: a digits epoch at batch 64 is 20 steps (rung 15's batch 256: 5)
 force_cpu=0
 bonus=0
 results_dir=""
 extra=()
 
-usage() { sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; }
 # A signal while a recipe runs reaches the recipe too (one process group); bash acts on the trap once
 # the recipe has stopped. Between recipes it stops the ladder before the next one starts.
 stopped=0
@@ -40,6 +47,7 @@ while [ $# -gt 0 ]; do
     --only) only="${2:-}"; shift 2 || { echo "run_all.sh: --only needs a value" >&2; exit 2; } ;;
     --only=*) only="${1#--only=}"; shift ;;
     --cpu) force_cpu=1; shift ;;
+    --quick) quick=1; shift ;;
     --bonus) bonus=1; shift ;;
     --results-dir) results_dir="${2:-}"; shift 2 || { echo "run_all.sh: --results-dir needs a value" >&2; exit 2; } ;;
     --results-dir=*) results_dir="${1#--results-dir=}"; shift ;;
@@ -61,12 +69,12 @@ if [ "$gpus" = 0 ]; then
     echo "No CUDA GPU found: running the quick CPU path of the bonus cases (tiny configs, synthetic data, 5 steps)."
     echo "Its numbers show that every case runs end to end (tests/test_bonus.py checks that they learn); memory and speed figures need a GPU."
   else
-    echo "No CUDA GPU found: running the quick CPU path (vit_tiny, scikit-learn's digits, random init, 5 steps)."
-    echo "Its numbers show that every rung runs end to end; 5 steps do not train a model (accuracy: python -m tools.convergence), and memory and speed figures need a GPU."
+    echo "No CUDA GPU found: running the quick CPU path (vit_tiny, scikit-learn's digits, random init, $CPU_STEPS steps)."
+    echo "It shows that every rung runs end to end; its memory columns are predicted for ViT-L/16 at each rung's GPU configuration (common.estimate), not measured: on a CPU only the process's RSS can be. $CPU_STEPS steps do not train a model (accuracy: python -m tools.convergence)."
   fi
   mode=cpu
   # digits: real, bundled with scikit-learn, and quicker to load than the 60,000 synthetic images
-  base=(--accelerator cpu --model vit_tiny --data digits --weights none --max-steps 5)
+  base=(--accelerator cpu --model vit_tiny --data digits --weights none --max-steps "$CPU_STEPS")
   if [ "$bonus" = 1 ]; then
     results_dir=${results_dir:-results/cpu/bonus}
     base=(--accelerator cpu --data synthetic --weights none --max-steps 5 --eval-batches 2)
@@ -75,6 +83,11 @@ if [ "$gpus" = 0 ]; then
   # No compilation on the CPU path (recipes already default to --no-compile there); this also keeps
   # torchao's 8-bit Adam (rung 13) from compiling its update step, which takes minutes on a CPU.
   export TORCHDYNAMO_DISABLE=${TORCHDYNAMO_DISABLE:-1}
+elif [ "$quick" = 1 ] && [ "$bonus" = 0 ]; then
+  echo "Found $gpus CUDA GPU(s): running the quick single-GPU ladder (01-07, 10-15) at full size, $QUICK_STEPS steps each, synthetic data, random init."
+  mode=quick
+  results_dir=${results_dir:-results/quick}
+  base=(--data synthetic --weights none --max-steps "$QUICK_STEPS" --eval-batches 1)
 else
   if [ "$bonus" = 1 ]; then what="bonus cases"; else what=ladder; fi
   echo "Found $gpus CUDA GPU(s): running the $what at full size."
@@ -103,14 +116,14 @@ cpu_overrides() {
 }
 
 # The LLM fine-tuning table: one run of bonus_llm_finetune per row, tagged with the row name.
-LLM_TABLE="vanilla half mixed checkpointing lora flash all"
+LLM_TABLE="vanilla half mixed checkpointing lora sdpa all"
 llm_flags() {
   case "$1" in
     half) echo "--half" ;;
     mixed) echo "--mixed" ;;
     checkpointing) echo "--grad-checkpointing" ;;
     lora) echo "--lora" ;;
-    flash) echo "--half --attn sdpa" ;;  # sdpa = flash kernels on CUDA; compared with the half row
+    sdpa) echo "--half --attn sdpa" ;;  # torch's fused attention (flash or memory-efficient kernel); vs half
     all) echo "--all" ;;
   esac
 }
@@ -141,6 +154,7 @@ if [ ${#recipes[@]} -eq 0 ]; then
 fi
 
 mkdir -p "$results_dir"
+ladder_start=$(date +%s)
 summary=()
 failed=0
 not_run=()
@@ -156,7 +170,12 @@ for entry in "${recipes[@]}"; do
     args+=("${ov[@]}" --tag "$row")
   fi
   if is_multi_gpu "$name"; then
-    if [ "$mode" = cpu ] && shards_on_cpu "$name"; then
+    if [ "$mode" = quick ]; then
+      echo
+      echo ">>> $name skipped: --quick runs the single-GPU ladder"
+      summary+=("$(printf '%-34s %-26s' "$name" "skipped (--quick: one GPU)")")
+      continue
+    elif [ "$mode" = cpu ] && shards_on_cpu "$name"; then
       args+=(--devices 2)
     elif [ "$gpus" -lt 2 ]; then
       echo
@@ -187,6 +206,15 @@ for entry in "${recipes[@]}"; do
   summary+=("$(printf '%-34s %-26s %5ss' "$label" "$status" "$secs")")
 done
 
+if [ "$mode" = cpu ] && [ "$bonus" = 0 ] && [ "$stopped" = 0 ]; then
+  # On a CPU the measured memory is the process's RSS; the report shows each rung's full-size prediction.
+  echo
+  echo ">>> predicting each rung at full size: $PYTHON -m common.estimate --ladder $results_dir"
+  start=$(date +%s)
+  if "$PYTHON" -m common.estimate --ladder "$results_dir"; then status=ok; else status=failed; failed=1; fi
+  summary+=("$(printf '%-34s %-26s %5ss' "predicted ladder (ViT-L/16)" "$status" "$(( $(date +%s) - start ))")")
+fi
+
 echo
 echo "Rendering the report from $results_dir ..."
 if ! "$PYTHON" -m common.report "$results_dir"; then
@@ -197,6 +225,7 @@ fi
 echo
 echo "Summary ($mode path, results in $results_dir):"
 printf '  %s\n' "${summary[@]}"
+echo "  total: $(( $(date +%s) - ladder_start )) s"
 if [ "$stopped" != 0 ]; then
   [ ${#not_run[@]} -gt 0 ] && echo "  stopped before: ${not_run[*]}"
   exit "$stopped"

@@ -17,7 +17,7 @@ import torch
 
 from common import faults
 from common.config import Hardware, RunConfig, UsageError
-from common.console import fail
+from common.console import HelpFormatter, fail
 
 
 class _Parser(argparse.ArgumentParser):
@@ -31,7 +31,7 @@ def build_parser(rung: RunConfig, description: str = "") -> argparse.ArgumentPar
     A config class of another data and model family (the text recipes') replaces the ``--data``
     choices (``DATA_CHOICES``) and the help of ``--data``, ``--data-dir`` and ``--model`` (``HELP``)."""
     cls = type(rung)
-    p = _Parser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(description=description, formatter_class=HelpFormatter)
     groups = {key: p.add_argument_group(title) for key, title in cls.GROUPS.items()}
     for f in cls.flag_fields():
         options = {k: v for k, v in f.metadata.items() if k not in ("group", "help")}

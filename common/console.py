@@ -7,6 +7,7 @@ script, and exit code 2, no traceback.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from typing import NoReturn
@@ -32,3 +33,20 @@ def fail(message: str) -> NoReturn:
     """Print ``<script>: error: <message>`` on stderr and exit with code 2 (the contract for bad input)."""
     print(f"{program()}: error: {message}", file=sys.stderr)
     raise SystemExit(2)
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """``--help`` with every flag's default: ``(default: X)`` after its help, ``(default: not set)`` for
+    a flag that is off unless given a value, nothing where the help already says what the default is
+    (or for a plain on/off switch). The description keeps its own line breaks."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        switch = action.nargs == 0 and not isinstance(action, argparse.BooleanOptionalAction)  # store_true
+        positional = not action.option_strings and action.nargs not in (
+            argparse.OPTIONAL,
+            argparse.ZERO_OR_MORE,
+        )
+        if "default" in text or action.default is argparse.SUPPRESS or switch or positional:
+            return text
+        return f"{text} (default: {'not set' if action.default is None else '%(default)s'})"

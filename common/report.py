@@ -20,21 +20,27 @@ from pathlib import Path
 from typing import Any
 
 from common.comparison import comparison_main
+from common.console import HelpFormatter
+from common.report_cpu import CPU_NOTE, load_predicted, render_cpu_table, render_predicted_figure
 from common.report_figure import render_figure
 from common.report_format import (
     DASH,
     get,
     is_text,
     label,
+    mode_label,
     num,
     sort_key,
     write_into_block,
     write_text,
 )
-from common.results_file import SCHEMA_VERSION, estimate_error_pct
+from common.results_file import PREDICTED_FILE, SCHEMA_VERSION, estimate_error_pct
 
 STANDARD_PHASES = {"train", "eval", "model_load"}
 RANK_FILE = re.compile(r"\.rank\d+\.json$")
+MIN_RANGE = (
+    5  # timed step intervals needed before a speed cell shows a range (p10 and p90 of fewer say little)
+)
 CPU_MARK = "¹"  # footnote marker on memory cells that hold process RSS, not GPU memory
 
 
@@ -46,7 +52,7 @@ def load_results(results_dir: str | os.PathLike) -> list[dict]:
     """
     results = []
     for path in sorted(Path(results_dir).glob("*.json")):
-        if RANK_FILE.search(path.name) or not path.is_file():
+        if RANK_FILE.search(path.name) or path.name == PREDICTED_FILE or not path.is_file():
             continue
         try:
             payload = json.loads(path.read_text(encoding="utf-8"))
@@ -106,16 +112,6 @@ def _data_note(results: list[dict]) -> str:
     )
 
 
-def _mode(result: dict) -> str:
-    """How the steps ran: "eager", "compiled" (torch.compile) and/or "graphs" (one CUDA graph per step)."""
-    parts = [
-        name
-        for name, key in (("compiled", "config.compile"), ("graphs", "config.cuda_graphs"))
-        if get(result, key)
-    ]
-    return " + ".join(parts) if parts else "eager"
-
-
 def _speed_columns(results: list[dict]) -> list[tuple[str, str, int]]:
     """(header, timing key, decimals): img/s for images; samples/s and tokens/s when there is text."""
     text = [is_text(r) for r in results]
@@ -123,6 +119,34 @@ def _speed_columns(results: list[dict]) -> list[tuple[str, str, int]]:
     if any(text):
         columns += [("samples/s", "timing.samples_per_s", 1), ("tokens/s", "timing.tokens_per_s", 0)]
     return columns
+
+
+def speed_cell(result: dict, key: str, decimals: int) -> str:
+    """A rate at the median step, with its range over the timed steps: ``906 (880–915)``.
+
+    The range is the rate at the p90 and at the p10 step interval (``timing.step_s``): the spread from
+    step to step within the run. It is left out where the JSON has no ``timing.step_s`` (older runs)."""
+    rate, median = get(result, key), get(result, "timing.median_step_s")
+    cell = num(rate, decimals)
+    slow, fast = get(result, "timing.step_s.p90"), get(result, "timing.step_s.p10")
+    if (
+        cell == DASH
+        or not median
+        or not slow
+        or not fast
+        or get(result, "timing.timed_intervals", 0) < MIN_RANGE
+    ):
+        return cell
+    low, high = rate * median / slow, rate * median / fast
+    return f"{cell} ({low:.{decimals}f}–{high:.{decimals}f})"
+
+
+SPEED_NOTE = (
+    "Speed: at the median interval between optimizer steps after 3 warm-up steps; in brackets the range"
+    " over the timed steps (the rate at the p90 and the p10 step interval, `timing.step_s`): the spread"
+    f" within one run, not between runs. Rows without brackets: fewer than {MIN_RANGE} timed steps, or a JSON"
+    " that predates the spread."
+)
 
 
 def render_table(results: list[dict]) -> str:
@@ -141,13 +165,16 @@ def render_table(results: list[dict]) -> str:
         row = [
             label(r),
             str(r.get("status") or DASH),
-            _mode(r),
+            mode_label(r),
             str(get(r, "config.precision", DASH)),
             _batch(r),
             str(get(r, "provenance.world_size", DASH)),
             reserved,
             allocated,
-            *(num(get(r, key), decimals) for _, key, decimals in speed),
+            *(
+                speed_cell(r, key, decimals) if i == 0 else num(get(r, key), decimals)
+                for i, (_, key, decimals) in enumerate(speed)
+            ),
             str(get(r, "timing.optimizer_steps", DASH)),
             _accuracy(r, "train"),
             _accuracy(r, "val"),
@@ -217,31 +244,51 @@ def _format_extra(value: Any) -> str:
         return " · ".join(f"{k} {_format_extra(v)}" for k, v in value.items())
     if isinstance(value, float):
         return f"{value:.2f}" if abs(value) >= 0.01 or value == 0 else f"{value:.3g}"
-    return str(value)
+    return "n/a" if value is None else str(value)
 
 
-def render_markdown(results: list[dict], image_name: str = "ladder.png") -> str:
-    """The whole README.md: title, provenance, figure, table, per-phase peaks and recipe extras."""
+def cpu_track(results: list[dict], predicted: dict[str, dict] | None) -> bool:
+    """Every run is a CPU run and the folder has the predicted ladder: the report's CPU track."""
+    return bool(results) and predicted is not None and all(_is_cpu(r) for r in results)
+
+
+def render_markdown(
+    results: list[dict], image_name: str | None = "ladder.png", predicted: dict[str, dict] | None = None
+) -> str:
+    """The whole README.md: title, provenance, figure, table, per-phase peaks and recipe extras. With
+    ``predicted`` (``predicted.json``) and only CPU runs: the CPU track's table (common.report_cpu)."""
+    cpu = cpu_track(results, predicted)
+    table = render_table(results) if not cpu else render_cpu_table(results, predicted, speed_cell)
     out = [
-        "# Results: the memory ladder",
+        "# Results: "
+        + (
+            "the memory ladder, CPU track"
+            if cpu
+            else "the bonus cases"
+            if results and all(map(is_text, results))
+            else "the memory ladder"
+        ),
         "",
         "Generated by `python -m common.report` from the JSON files beside it — do not edit by hand.",
         "",
-        f"![ladder]({image_name})",
-        "",
+        *([f"![ladder]({image_name})", ""] if image_name else []),
         "Produced on:",
         "",
         *_provenance_lines(results),
         "",
-        render_table(results),
+        table,
         "",
-        "Memory is the peak of the training phase, in GB (1e9 bytes): `allocated` by tensors and "
+        CPU_NOTE
+        if cpu
+        else "Memory is the peak of the training phase, in GB (1e9 bytes): `allocated` by tensors and "
         "`reserved` by the caching allocator. Throughput counts all ranks together"
         + ("; tokens/s counts padded tokens." if any(is_text(r) for r in results) else "."),
         "",
+        SPEED_NOTE,
+        "",
         _data_note(results),
     ]
-    estimates = render_estimates(results)
+    estimates = None if cpu else render_estimates(results)  # the CPU track: its RSS is no GPU peak
     if estimates:
         out += [
             "",
@@ -253,13 +300,14 @@ def render_markdown(results: list[dict], image_name: str = "ladder.png") -> str:
             "",
             estimates,
         ]
-    if any(_is_cpu(r) for r in results):
+    if any(_is_cpu(r) for r in results) and not cpu:
         out += [
             "",
             f"{CPU_MARK} CPU run: the memory cells hold the process peak resident set size (RSS), not GPU "
             "memory; it includes Python and the libraries and cannot be reset between phases.",
         ]
-    phased = [r for r in results if set(get(r, "memory.phases", {})) - STANDARD_PHASES]
+    # On the CPU track a phase's "peak" is the process RSS so far (never reset): no per-phase story.
+    phased = [r for r in results if set(get(r, "memory.phases", {})) - STANDARD_PHASES and not cpu]
     if phased:
         out += ["", "## Per-phase peaks", "", "| run | phase | peak allocated GB | peak reserved GB |"]
         out.append("|---|---|---:|---:|")
@@ -278,7 +326,9 @@ def render_markdown(results: list[dict], image_name: str = "ladder.png") -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Render RESULTS_DIR/README.md and RESULTS_DIR/ladder.png; exit 2 if there is nothing to render."""
-    parser = argparse.ArgumentParser(prog="python -m common.report", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m common.report", description=__doc__.splitlines()[0], formatter_class=HelpFormatter
+    )
     parser.add_argument("results_dir", nargs="?", default="results", help="directory of results JSON")
     parser.add_argument(
         "--readme",
@@ -308,9 +358,18 @@ def main(argv: list[str] | None = None) -> int:
     if not results:
         print(f"report: no schema-{SCHEMA_VERSION} results JSON in {results_dir}", file=sys.stderr)
         return 2
-    write_text(results_dir / "README.md", render_markdown(results, "ladder.png"))
-    render_figure(results, results_dir / "ladder.png")
-    print(f"report: {len(results)} runs -> {results_dir / 'README.md'}, {results_dir / 'ladder.png'}")
+    predicted = load_predicted(results_dir)
+    figure = results_dir / "ladder.png"
+    try:
+        if cpu_track(results, predicted):
+            render_predicted_figure(results, predicted, figure)
+        else:
+            render_figure(results, figure)
+    except ImportError:  # matplotlib is optional for the table: the figure is skipped with one line
+        print("report: matplotlib is not installed: table written, figure skipped", file=sys.stderr)
+        figure = None
+    write_text(results_dir / "README.md", render_markdown(results, figure and figure.name, predicted))
+    print(f"report: {len(results)} runs -> {results_dir / 'README.md'}" + (f", {figure}" if figure else ""))
     if args.readme:
         return write_into_block(args.readme, render_table(results), "table")
     return 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from common.report_format import get, is_text, label, sort_key
+from common.report_format import get, is_text, label, mode_label, sort_key
 from common.results_file import estimate_error_pct, write_atomic
 
 
@@ -17,7 +17,10 @@ def render_figure(results: list[dict], path: str | os.PathLike) -> None:
     import matplotlib.pyplot as plt
 
     results = sorted(results, key=sort_key)
-    labels = [label(r) + ("" if r.get("status") == "ok" else f" [{r.get('status')}]") for r in results]
+    labels = [  # the mode too: a ladder may mix compiled and eager rows, and their speeds differ
+        label(r) + ("" if r.get("status") == "ok" else f" [{r.get('status')}]") + f"\n{mode_label(r)}"
+        for r in results
+    ]
     xs = range(len(results))
     oom = [r.get("status") == "oom" for r in results]
 

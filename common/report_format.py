@@ -53,6 +53,16 @@ def label(result: dict) -> str:
     return f"{result.get('recipe')} ({tag})" if tag else str(result.get("recipe"))
 
 
+def mode_label(result: dict) -> str:
+    """How the steps ran: "eager", "compiled" (torch.compile) and/or "graphs" (one CUDA graph per step)."""
+    parts = [
+        name
+        for name, key in (("compiled", "config.compile"), ("graphs", "config.cuda_graphs"))
+        if get(result, key)
+    ]
+    return " + ".join(parts) if parts else "eager"
+
+
 def is_text(result: dict) -> bool:
     """Text runs (the bonus recipes) record their padded sequence length; images do not."""
     return get(result, "provenance.tokens_per_sample") is not None

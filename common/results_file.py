@@ -99,6 +99,12 @@ from typing import Any
 SCHEMA_VERSION = 1
 GB = 1e9
 WARMUP_STEPS = 3  # step intervals left out of the median: the first steps pay for allocation/autotuning
+# The predicted ladder beside a results folder (common/estimate/ladder.py writes it, the report reads it):
+# {schema_version, what, method, rows: [{recipe, peak_allocated_gb, peak_phase, components_gb, static_gb,
+# config {model, precision, batch_size, accumulation_steps, micro_batch_size, devices, optimizer,
+# sharding}, seconds, error}]}
+PREDICTED_FILE = "predicted.json"
+PREDICTED_LABEL = "predicted (ViT-L/16, GPU config)"
 
 # Dense bf16 tensor-core peaks from the vendors' datasheets (FLOP/s), for model FLOPs utilisation.
 PEAK_BF16_FLOPS = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12, "L4": 121e12, "A10G": 70e12}

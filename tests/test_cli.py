@@ -3,14 +3,22 @@ interpreter: conftest.run_recipe_inprocess), and good flags reach Fabric unchang
 
 from __future__ import annotations
 
+import ast
 import os
 import sys
 
 import pytest
-from conftest import CUDA_ONLY_RECIPES, describe, load_recipe_module, recipe_names, run_recipe_inprocess
+from conftest import (
+    CUDA_ONLY_RECIPES,
+    REPO,
+    describe,
+    load_recipe_module,
+    recipe_names,
+    run_recipe_inprocess,
+)
 
 from common import cli, lifecycle
-from common.config import FAST_ALLOCATOR, Hardware, RunConfig, UsageError
+from common.config import FAST_ALLOCATOR, Hardware, RunConfig, UsageError, declared_rung
 from common.text import TextConfig
 
 RECIPE = "01_baseline"
@@ -293,7 +301,7 @@ def test_data_choices_replace_the_image_choices():
 def test_help_overrides_replace_the_image_help():
     image = cli.build_parser(RunConfig()).format_help()
     assert "CIFAR-10" in image and "vit_l_16" in image and "{auto,cifar10,digits,synthetic}" in image
-    bonus = cli.build_parser(TextConfig()).format_help()
+    bonus = cli.build_parser(TextConfig(model="distilbert-base-uncased")).format_help()  # as a bonus RUNG
     assert "CIFAR-10" not in bonus and "vit_l_16" not in bonus and "{auto,imdb,synthetic}" in bonus
     assert all(" ".join(h.split()) in " ".join(bonus.split()) for h in TextConfig.HELP.values())
     assert set(TextConfig.HELP) <= {f.name for f in RunConfig.flag_fields()}  # only existing flags reworded
@@ -372,3 +380,40 @@ def test_cuda_graphs_only_where_they_can_run(monkeypatch):
         ns = cli.build_parser(RunConfig()).parse_args(argv)
         with pytest.raises(UsageError, match=word):
             RunConfig().with_flags(**vars(ns)).checked(gpus)
+
+
+# ------------------------------------------------------------------------------------------ --help
+def test_help_shows_every_flags_default():
+    """--help states each flag's default: the rung's value, 'not set' for an optional value, or the
+    help's own words (--mode)."""
+    text = " ".join(cli.build_parser(declared_rung("05_gradient_accumulation")[0]).format_help().split())
+    for expected in (
+        "(default: 16)",  # --batch-size, the rung's own value
+        "(default: 4)",  # --accumulation-steps
+        "(default: bf16-true)",
+        "(default: results)",
+        "stop after this many optimizer steps (default: not set)",
+        "(default: fast with CUDA, eager on CPU)",  # said by the help itself, not repeated
+    ):
+        assert expected in text, expected
+    assert "(default: None)" not in text and "default: fast with CUDA, eager on CPU) (default" not in text
+
+
+def test_every_command_line_parser_uses_the_formatter_that_shows_defaults():
+    constructions, missing = [], []
+    for folder in ("common", "tools", "experiments"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                name = getattr(getattr(node, "func", None), "attr", None) or getattr(
+                    getattr(node, "func", None), "id", None
+                )
+                if not isinstance(node, ast.Call) or name not in ("ArgumentParser", "_Parser"):
+                    continue
+                keywords = {k.arg: k.value for k in node.keywords}
+                if "add_help" in keywords:  # a pre-parser that never prints help
+                    continue
+                constructions.append(f"{path.name}:{node.lineno}")
+                if getattr(keywords.get("formatter_class"), "id", None) != "HelpFormatter":
+                    missing.append(f"{path.name}:{node.lineno}")
+    assert len(constructions) >= 10
+    assert not missing, missing

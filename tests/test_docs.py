@@ -52,3 +52,52 @@ def test_the_excerpt_check_can_fail():
     assert (
         "optimizer.zero_grad(set_to_none=True)  # frees gradient memory before the next forward" not in code
     )
+
+
+# ------------------------------------------------------------------------------- cited files exist
+PATH_CITATION = re.compile(
+    r"`((?:results|docs|common|tools|recipes|tests|experiments)/[^`\s*<>]*)`"  # a repository path
+    r"|\]\((?!https?:|mailto:)([^)#\s]+)\)"  # a relative markdown link
+)
+# Paths a page names as what a command writes (the reader makes them), or results pending a GPU run.
+MADE_BY_A_COMMAND = (
+    "results/cpu/",  # ./run_all.sh --cpu (ignored by git)
+    "results/quick/",  # ./run_all.sh --quick on a GPU
+    "results/compare-h100/",  # pending: python -m tools.compare_reference on the GPU
+    "results/convergence/",  # pending: python -m tools.convergence on the GPU
+)
+
+
+def cited_paths(page: Path) -> list[tuple[int, str, Path]]:
+    """(line, as written, resolved path) of every repository file or folder the page cites."""
+    found = []
+    for i, line in enumerate(page.read_text().splitlines(), 1):
+        for m in PATH_CITATION.finditer(line):
+            text = (m.group(1) or m.group(2)).rstrip(".,;")
+            text = re.sub(
+                r":[\w.:]*$", "", text
+            )  # common/loop.py:fit, tests/x.py::test_y name a part of the file
+            base = REPO if m.group(1) else page.parent
+            found.append((i, text, base / text))
+    return found
+
+
+def _pages() -> list[Path]:
+    return [REPO / "README.md", *sorted(DOCS.glob("*.md")), *sorted((REPO / "results").glob("*/README.md"))]
+
+
+@pytest.mark.parametrize("page", _pages(), ids=lambda p: str(p.relative_to(REPO)))
+def test_every_file_a_page_cites_is_in_the_repository(page):
+    missing = [
+        f"{page.name}:{i}: {text}"
+        for i, text, path in cited_paths(page)
+        if not path.exists() and not text.startswith(MADE_BY_A_COMMAND)
+    ]
+    assert not missing, missing
+
+
+def test_the_citation_check_can_fail(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("See `results/no-such-run.json` and [a page](missing.md) and `common/loop.py:fit`.\n")
+    cited = {text: path.exists() for _, text, path in cited_paths(page)}
+    assert cited == {"results/no-such-run.json": False, "missing.md": False, "common/loop.py": True}

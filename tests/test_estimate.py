@@ -374,6 +374,24 @@ def test_cli_predicts_a_ladder_rung_in_seconds(capsys):
     assert "predicted peak" in table and "optimizer sgd" in table
 
 
+def test_ladder_predicts_the_rungs_of_a_cpu_folder_at_full_size(tmp_path, capsys):
+    """--ladder DIR: the rungs with results in DIR (tiny CPU runs), each predicted as ViT-L/16 in its
+    GPU configuration, written to DIR/predicted.json (the CPU track's memory columns). One sharded rung
+    here (per GPU of its declared 4); tests/test_run_all.py and the notebook's test predict the rest."""
+    (tmp_path / "08_fsdp2.json").write_text(json.dumps({"schema_version": 1, "recipe": "08_fsdp2"}))
+    (tmp_path / "notes.json").write_text("[]")
+    assert estimate_main(["--ladder", str(tmp_path)]) == 0
+    assert "predicted.json" in capsys.readouterr().out
+    payload = json.loads((tmp_path / "predicted.json").read_text())
+    assert payload["what"] == "predicted (ViT-L/16, GPU config)"
+    (row,) = payload["rows"]
+    assert row["recipe"] == "08_fsdp2" and row["error"] is None
+    assert row["config"] == {**row["config"], "model": "vit_l_16", "precision": "32-true", "devices": 4}
+    # 1.21 GB of sharded state per GPU, plus a batch of 64's checkpointed block inputs and one block at a time
+    assert row["static_gb"]["weights"] == pytest.approx(1.2132 / 4, abs=1e-3)
+    assert 3.0 < row["peak_allocated_gb"] < 4.0
+
+
 def test_check_and_report_compare_prediction_with_measurement(tmp_path, capsys):
     result = {
         "schema_version": 1,
@@ -405,3 +423,17 @@ def test_check_and_report_compare_prediction_with_measurement(tmp_path, capsys):
     rows = estimate.check_results([str(tmp_path)])
     assert [r["recipe"] for r in rows] == ["05_gradient_accumulation"]
     assert rows[0]["predicted_gb"] == 0.084 and rows[0]["error_pct"] == pytest.approx(5.0)
+
+
+def test_ladder_of_a_folder_without_results_is_every_rung(tmp_path, monkeypatch):
+    from common.estimate import ladder
+
+    monkeypatch.setattr(ladder, "predict", lambda recipe: {"recipe": recipe, "peak_allocated_gb": 1.0, "error": None,
+                                                            "config": {"model": "vit_l_16", "precision": "x",
+                                                                       "batch_size": 1, "devices": 1},
+                                                            "seconds": 0.0})  # fmt: skip
+    payload = ladder.predict_ladder(tmp_path / "new", say=lambda line: None)
+    names = [r["recipe"] for r in payload["rows"]]
+    assert names[0] == "01_baseline" and "09_cpu_offload" in names and names[-1] == "15_speed"
+    assert len(names) == len(list((ladder.RECIPES_DIR).glob("[0-9][0-9]_*.py")))
+    assert json.loads((tmp_path / "new" / "predicted.json").read_text()) == payload

@@ -298,3 +298,95 @@ def test_end_to_end_with_a_real_run(tmp_path):
     assert row[8] == "3"
     assert row[7] != "—"
     assert_png(tmp_path / "ladder.png")
+
+
+# ------------------------------------------------------------------------------- speed range, CPU track
+def with_steps(result: dict, p10: float, median: float, p90: float, timed: int = 17) -> dict:
+    result["timing"].update(
+        median_step_s=median,
+        images_per_s=result["config"]["batch_size"] / median,
+        timed_intervals=timed,
+        step_s={"min": p10 * 0.9, "p10": p10, "median": median, "p90": p90, "max": p90 * 1.2},
+    )
+    return result
+
+
+def test_speed_shows_its_median_and_the_range_over_the_timed_steps():
+    fast = with_steps(make_result("01_baseline", batch=64), p10=0.100, median=0.125, p90=0.160)
+    few = with_steps(make_result("02_mixed_precision", batch=64), 0.1, 0.125, 0.16, timed=2)
+    old = make_result("03_true_half_precision")  # no timing.step_s: a JSON older than the spread
+    rows = table_rows(report.render_table([fast, few, old]))
+    assert rows["01_baseline"][7] == "512 (400–640)"  # 64 images / 0.125 s; at p90 0.16 s and p10 0.1 s
+    assert rows["02_mixed_precision"][7] == "512"  # 2 timed intervals: no range
+    assert rows["03_true_half_precision"][7] == "123"
+    markdown = report.render_markdown([fast, old])
+    assert "p90 and the p10 step interval" in markdown
+
+
+def cpu_run(recipe: str, batch: int = 64) -> dict:
+    r = make_result(recipe, kind="cpu_rss", batch=batch, allocated=0.98, reserved=0.98)
+    r["provenance"]["data_source"] = "digits"
+    return with_steps(r, 0.008, 0.01, 0.02)
+
+
+def predicted_file(directory: Path, rows: dict[str, float | None]) -> None:
+    payload = {
+        "schema_version": 1,
+        "what": "predicted (ViT-L/16, GPU config)",
+        "rows": [
+            {
+                "recipe": name,
+                "peak_allocated_gb": gb,
+                "error": None if gb is not None else "RuntimeError: boom",
+                "config": {"precision": "bf16-true", "batch_size": 16, "accumulation_steps": 4,
+                           "micro_batch_size": 4, "devices": 1, "model": "vit_l_16"},
+            }
+            for name, gb in rows.items()
+        ],
+    }  # fmt: skip
+    (directory / "predicted.json").write_text(json.dumps(payload))
+
+
+def test_cpu_track_shows_the_predicted_full_size_memory_labelled_beside_the_tiny_run(tmp_path, capsys):
+    runs = {"01_baseline": 64, "05_gradient_accumulation": 16, "14_memory_floor": 4}
+    fixtures = {f"{name}.json": cpu_run(name, batch) for name, batch in runs.items()}
+    fixtures["15_speed.json"] = cpu_run("15_speed", 256)
+    fixtures["15_speed.json"]["extra"] = {"mfu": None, "achieved_tflops": 0.05}
+    write_fixtures(tmp_path, fixtures)
+    predicted_file(tmp_path, {"01_baseline": 25.118, "05_gradient_accumulation": 3.133, "15_speed": None})
+    assert report.main([str(tmp_path)]) == 0
+    assert "predicted.json" not in capsys.readouterr().err  # not taken for a results file
+    markdown = (tmp_path / "README.md").read_text()
+    header = next(line for line in markdown.splitlines() if line.startswith("| recipe |"))
+    assert "predicted (ViT-L/16, GPU config): peak allocated GB" in header
+    assert "peak RSS GB (process)" in header and "peak reserved GB" not in header
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")]
+            for line in markdown.splitlines() if line.startswith("| 0") or line.startswith("| 1")}  # fmt: skip
+    assert rows["01_baseline"][1:3] == ["25.12", "bf16-true, batch 16 (4×4)"]
+    assert rows["05_gradient_accumulation"][1] == "3.13"
+    assert rows["14_memory_floor"][1:3] == ["—", "not predicted"]
+    assert rows["15_speed"][1] == "—" and "prediction failed" in rows["15_speed"][2]
+    assert rows["01_baseline"][6] == "0.98" and rows["01_baseline"][7] == "6400 (3200–8000)"
+    assert "not measured here" in markdown and "Predicted vs measured peak" not in markdown
+    assert "None" not in markdown and "`mfu`: n/a" in markdown
+    assert_png(tmp_path / "ladder.png")
+
+
+def test_a_cpu_folder_without_predictions_keeps_the_measured_columns(tmp_path):
+    write_fixtures(tmp_path, {"01_baseline.json": cpu_run("01_baseline")})
+    assert report.main([str(tmp_path)]) == 0
+    markdown = (tmp_path / "README.md").read_text()
+    assert "peak reserved GB" in markdown and "predicted (ViT-L/16" not in markdown
+
+
+def test_the_table_is_written_without_matplotlib(tmp_path, monkeypatch, capsys):
+    write_fixtures(tmp_path)
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    assert report.main([str(tmp_path)]) == 0
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert err == ["report: matplotlib is not installed: table written, figure skipped"]
+    markdown = (tmp_path / "README.md").read_text()
+    assert "26.89" in markdown and "![ladder]" not in markdown
+    assert not (tmp_path / "ladder.png").exists()

@@ -57,10 +57,15 @@ def test_cpu_path_runs_the_selected_recipes(cpu_ladder):
         assert path.exists(), describe(proc)
         p = json.loads(path.read_text())
         assert p["status"] == "ok" and p["provenance"]["device"] == "cpu"
-        assert p["config"]["max_steps"] == 5 and p["timing"]["optimizer_steps"] == 5
+        assert p["config"]["max_steps"] == 15 and p["timing"]["optimizer_steps"] == 15
+        assert p["timing"]["step_s"]["p10"] <= p["timing"]["median_step_s"] <= p["timing"]["step_s"]["p90"]
         assert p["provenance"]["data_source"] == "digits" and p["provenance"]["weights"] == "random"
-    # --only selects: nothing else ran
-    assert sorted(f.name for f in results.glob("*.json")) == ["01_baseline.json", "04_lower_batch_size.json"]
+    # --only selects: nothing else ran; the predicted ladder covers what ran
+    assert sorted(f.name for f in results.glob("*.json")) == [
+        "01_baseline.json", "04_lower_batch_size.json", "predicted.json"
+    ]  # fmt: skip
+    predicted = json.loads((results / "predicted.json").read_text())
+    assert [r["recipe"] for r in predicted["rows"]] == ["01_baseline", "04_lower_batch_size"]
     assert not list(results.glob(".tmp-*"))
     summary = proc.stdout[proc.stdout.index("Summary (cpu path") :]
     assert "01_baseline" in summary and "04_lower_batch_size" in summary
@@ -75,6 +80,8 @@ def test_cpu_path_exits_0_and_renders_the_report(cpu_ladder):
     assert figure.exists() and figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", describe(proc)
     text = readme.read_text()
     assert "01_baseline" in text and "04_lower_batch_size" in text
+    assert "predicted (ViT-L/16, GPU config)" in text and "None" not in text
+    assert "predicted ladder (ViT-L/16)" in proc.stdout and "total:" in proc.stdout
 
 
 def test_only_without_match_exits_2(tmp_path):
@@ -108,8 +115,8 @@ def test_failing_recipe_makes_the_exit_code_non_zero():
 
 FAKE_PYTHON = """#!/usr/bin/env bash
 # Stands in for python: records each recipe call, exits with the code the test chose for it.
-if [ "$1" = -c ]; then echo 0; exit 0; fi              # run_all's "how many GPUs?" probe
-if [ "$1" = -m ]; then echo "report $*" >> "$CALLS"; exit 0; fi
+if [ "$1" = -c ]; then echo "${FAKE_GPUS:-0}"; exit 0; fi   # run_all's "how many GPUs?" probe
+if [ "$1" = -m ]; then echo "module $*" >> "$CALLS"; exit 0; fi
 echo "$*" >> "$CALLS"
 case "$1" in
   recipes/01_*) exit 3 ;;   # out of memory (recorded)
@@ -139,8 +146,9 @@ def test_failures_do_not_stop_the_ladder(tmp_path):
     recipes = [ln.split()[0] for ln in lines if ln.startswith("recipes/")]
     assert [Path(r).stem for r in recipes][-1] == "08_fsdp2", lines
     assert [Path(r).stem[:2] for r in recipes] == ["01", "02", "04", "05", "08"], lines
-    assert lines[-1].startswith("report -m common.report") and str(results) in lines[-1]
-    for ln in lines[:-1]:
+    assert lines[-2] == f"module -m common.estimate --ladder {results}"  # the CPU track's predictions
+    assert lines[-1].startswith("module -m common.report") and str(results) in lines[-1]
+    for ln in lines[:-2]:
         args = ln.split()
         for flag in ("--accelerator cpu", "--model vit_tiny", "--data digits", "--weights none"):
             assert flag in ln, (flag, ln)
@@ -161,3 +169,33 @@ def test_failures_do_not_stop_the_ladder(tmp_path):
     assert " ok " in status("08_fsdp2") + " "
     assert "--devices 2" in next(ln for ln in lines if ln.startswith("recipes/08_fsdp2.py"))
     assert os.path.isdir(results)
+
+
+def test_quick_runs_the_single_gpu_ladder_with_few_steps_into_results_quick(tmp_path):
+    """--quick on a (stand-in) 1-GPU machine: rungs 01-07 and 10-15 at full size with the quick flags,
+    every multi-GPU rung skipped, no predicted ladder (the GPU measures), the report rendered."""
+    fake = tmp_path / "fakepython"
+    fake.write_text(FAKE_PYTHON.replace("exit 3 ;;", "exit 0 ;;").replace("exit 1 ;;", "exit 0 ;;"))
+    fake.chmod(0o755)
+    calls = tmp_path / "calls.txt"
+    results = tmp_path / "quick"
+    proc = run_process(
+        [SCRIPT, "--quick", "--results-dir", results],
+        subprocess_env(tmp_path / "logs", PYTHON=str(fake), CALLS=str(calls), FAKE_GPUS="1"),
+        timeout=60,
+    )
+    assert proc.returncode == 0, describe(proc)
+    assert "quick single-GPU ladder" in proc.stdout.splitlines()[0]
+    lines = calls.read_text().splitlines()
+    ran = [Path(ln.split()[0]).stem[:2] for ln in lines if ln.startswith("recipes/")]
+    assert ran == "01 02 03 04 05 06 07 10 11 12 13 14 15".split(), lines
+    for ln in lines:
+        if ln.startswith("recipes/"):
+            for flag in ("--data synthetic", "--weights none", "--max-steps 20", "--eval-batches 1"):
+                assert flag in ln, (flag, ln)
+            assert "--accelerator cpu" not in ln and ln.endswith(f"--results-dir {results}")
+    assert [ln for ln in lines if ln.startswith("module")] == [f"module -m common.report {results}"]
+    summary = proc.stdout[proc.stdout.index("Summary (quick path") :]
+    for name in ("08_fsdp ", "08_fsdp2", "09_cpu_offload"):
+        assert "skipped (--quick: one GPU)" in next(ln for ln in summary.splitlines() if name in ln + " ")
+    assert "total:" in summary

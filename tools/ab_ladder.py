@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+from common.console import HelpFormatter
+
 LADDER = ("01", "02", "03", "04", "05", "06", "07", "10", "11", "12", "13", "14", "15")
 
 
@@ -76,7 +78,9 @@ def ratio(new: float | None, base: float | None) -> float | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tools.ab_ladder", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m tools.ab_ladder", description=__doc__.splitlines()[0], formatter_class=HelpFormatter
+    )
     p.add_argument("--base", required=True, type=Path, help="the earlier checkout")
     p.add_argument("--new", default=".", type=Path, help="the checkout under test (default: this one)")
     p.add_argument("--out", required=True, type=Path)

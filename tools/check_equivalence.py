@@ -49,6 +49,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from common.console import HelpFormatter
+
 REPO = Path(__file__).resolve().parents[1]
 RUNGS = ("01", "02", "03", "04", "05", "06", "07", "10", "11", "12", "13", "14", "15")
 OWN_PRECISION = ("02", "03", "05")  # graphs-only checks in the rung's own precision
@@ -211,7 +213,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument(
         "--rungs", default=",".join(RUNGS), help="comma-separated rung numbers (default: %(default)s)"
     )

@@ -40,7 +40,7 @@ from typing import Any
 
 from common.comparison import comparison_ratios, write_comparison
 from common.config import at_least
-from common.console import fail
+from common.console import HelpFormatter, fail
 from common.results_file import WARMUP_STEPS, gpu_slug, write_json_atomic
 
 REPO = Path(__file__).resolve().parents[1]
@@ -439,7 +439,11 @@ def _csv(text: str) -> list[str]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = _Parser(prog="python -m tools.compare_reference", description=__doc__.splitlines()[0])
+    p = _Parser(
+        prog="python -m tools.compare_reference",
+        description=__doc__.splitlines()[0],
+        formatter_class=HelpFormatter,
+    )
     p.add_argument("--reference", required=True, help="a checkout of rasbt/pytorch-memory-optim")
     p.add_argument(
         "--rungs", default=",".join(DEFAULT_RUNGS), help="comma-separated rungs (default: one GPU's)"

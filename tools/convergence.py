@@ -53,6 +53,7 @@ from typing import Any
 
 from common import digits
 from common.config import declared_rung
+from common.console import HelpFormatter
 from common.report import load_results
 from common.report_format import DASH, update_block
 from common.results_file import write_atomic, write_json_atomic
@@ -600,7 +601,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if "--" in argv:
         i = argv.index("--")
         argv, extra = argv[:i], argv[i + 1 :]
-    p = argparse.ArgumentParser(prog="python -m tools.convergence", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m tools.convergence", description=__doc__.splitlines()[0], formatter_class=HelpFormatter
+    )
     p.add_argument("--out", default="results/convergence", help="results folder (runs/, report)")
     p.add_argument("--logs", help="log folder (default: OUT/logs)")
     p.add_argument("--report", metavar="DIR", help="only render DIR's report from its JSON, run nothing")

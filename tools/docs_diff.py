@@ -18,6 +18,8 @@ import re
 import sys
 from pathlib import Path
 
+from common.console import HelpFormatter
+
 REPO = Path(__file__).resolve().parents[1]
 RECIPES, DOCS = REPO / "recipes", REPO / "docs"
 HEADING = re.compile(r"^## The diff from rung (\d\d\w*)\s*$", re.M)  # a rung page: against rung NN
@@ -80,7 +82,9 @@ def block(page: Path) -> tuple[int, int] | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tools.docs_diff", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m tools.docs_diff", description=__doc__.splitlines()[0], formatter_class=HelpFormatter
+    )
     p.add_argument("rungs", nargs="*", help="two rungs, e.g. 04 05")
     p.add_argument("--write", action="store_true", help="rewrite the diff block of every rung page")
     args = p.parse_args(argv)

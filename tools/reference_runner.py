@@ -74,7 +74,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torchvision.models._utils import _ovewrite_named_param
 
 from common.config import at_least
-from common.console import fail
+from common.console import HelpFormatter, fail
 from common.results import environment
 from common.results_file import GB, WARMUP_STEPS, write_json_atomic
 
@@ -378,7 +378,11 @@ def rank_path(out: str, rank: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(prog="python -m tools.reference_runner", description=__doc__.splitlines()[0])
+    parser = _Parser(
+        prog="python -m tools.reference_runner",
+        description=__doc__.splitlines()[0],
+        formatter_class=HelpFormatter,
+    )
     parser.add_argument("script", help="one of the article's training scripts (e.g. 05_gradient-accum.py)")
     parser.add_argument("--steps", type=at_least(2), default=25, help="optimizer steps before stopping")
     parser.add_argument("--out", required=True, help="where the JSON goes")

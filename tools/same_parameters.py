@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from common.console import HelpFormatter
+
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_FLAGS = [
     "--accelerator", "cpu", "--devices", "2", "--model", "vit_tiny", "--data", "synthetic",
@@ -55,7 +57,11 @@ def run(checkout: Path, recipe: str, flags: list[str], out: Path, step: int, dat
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tools.same_parameters", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m tools.same_parameters",
+        description=__doc__.splitlines()[0],
+        formatter_class=HelpFormatter,
+    )
     p.add_argument("--base", required=True, help="the commit to compare this checkout with")
     p.add_argument("--recipe", default="08_fsdp2", help="a recipe name or its rung prefix (default 08_fsdp2)")
     p.add_argument("--step", type=int, default=3, help="compare the parameters after this many steps")

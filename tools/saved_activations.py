@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+from common.console import HelpFormatter
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 GB = 1e9
@@ -43,7 +45,7 @@ def saved_bytes(model, batch: dict) -> int:
 def main(argv: list[str] | None = None) -> int:
     from common import hf_models, text
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
     p.add_argument("--model", default="distilbert-base-uncased", choices=sorted(hf_models.SPECS))
     p.add_argument("--max-length", type=int, default=512)
     p.add_argument("--batch-size", type=int, default=1)

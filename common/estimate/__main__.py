@@ -1,14 +1,17 @@
-"""``python -m common.estimate``: a rung's predicted peak memory, --check against measured runs, --fit a budget.
+"""``python -m common.estimate``: a rung's predicted peak memory, --check against measured runs, --fit a
+budget, --ladder a folder.
 
-Without ``--check`` or ``--fit``: the component table (or JSON) of a rung's predicted peak. ``--check
-DIR...``: predicted against measured for every results JSON there. ``--fit 6GB``: which configurations
-of the ladder fit a GPU memory budget, fastest first (``fit_cli``)."""
+Without ``--check``, ``--fit`` or ``--ladder``: the component table (or JSON) of a rung's predicted peak.
+``--check DIR...``: predicted against measured for every results JSON there. ``--fit 6GB``: which
+configurations of the ladder fit a GPU memory budget, fastest first (``fit_cli``). ``--ladder DIR``: every
+rung with a results JSON in DIR predicted at full size (DIR/predicted.json, shown by the report)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import time
 from typing import Any
 
 from common import cli
@@ -16,6 +19,7 @@ from common.config import Hardware, RunConfig, UsageError, declared_rung
 from common.console import fail
 from common.estimate import fit_cli
 from common.estimate.check import check_results, meta_model, render_check
+from common.estimate.ladder import predict_ladder
 from common.estimate.plan import ATTENTION_CHOICES, OPTIMIZERS, plan_for
 from common.estimate.plots import plot_check, plot_timeline
 from common.estimate.simulate import simulate
@@ -57,6 +61,12 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, RunConfig, dict[
         metavar="DIR",
         help="predict every results JSON in DIR from its config and compare with its measured peak",
     )
+    g.add_argument(
+        "--ladder",
+        metavar="DIR",
+        help="predict every rung with a results JSON in DIR (none there: every rung) at full size"
+        " (ViT-L/16, GPU config) and write DIR/predicted.json for the report",
+    )
     args = parser.parse_args(argv)
     flags = {f.name: getattr(args, f.name) for f in RunConfig.flag_fields()}
     overrides: dict[str, Any] = {"attention": args.attention}
@@ -64,7 +74,7 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, RunConfig, dict[
         overrides["optimizer"] = args.optimizer
     if args.checkpoint:
         overrides["checkpoint"] = tuple(c for c in args.checkpoint.split(",") if c)
-    if args.check:
+    if args.check or args.ladder:
         return args, rung, overrides, label
     if flags["model"] not in rung.model_choices:
         fail(f"--model {flags['model']!r} is not one of: {', '.join(rung.model_choices)}")
@@ -81,6 +91,12 @@ def main(argv: list[str] | None = None) -> int:
     if any(a == "--fit" or a.startswith("--fit=") for a in (sys.argv[1:] if argv is None else argv)):
         return fit_cli.main(argv)
     args, cfg, overrides, label = _parse(argv)
+    if args.ladder:
+        start = time.perf_counter()
+        print(f"Predicting each rung at full size (ViT-L/16, GPU config) for {args.ladder}:")
+        payload = predict_ladder(args.ladder)
+        print(f"  -> {args.ladder}/predicted.json ({time.perf_counter() - start:.0f} s)")
+        return 0 if payload["rows"] and all(r["error"] is None for r in payload["rows"]) else 2
     if args.check:
         rows = check_results(args.check)
         if args.json:
