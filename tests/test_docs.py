@@ -63,8 +63,7 @@ PATH_CITATION = re.compile(
 MADE_BY_A_COMMAND = (
     "results/cpu/",  # ./run_all.sh --cpu (ignored by git)
     "results/quick/",  # ./run_all.sh --quick on a GPU
-    "results/compare-h100/",  # pending: python -m tools.compare_reference on the GPU
-    "results/convergence/",  # pending: python -m tools.convergence on the GPU
+    "results/planner-h100/fit.json",  # pending: python -m tools.planner_proof on the GPU
 )
 
 

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from common.config import VIT_MODELS, at_least
-from common.console import fail
+from common.console import HelpFormatter, fail
 from common.estimate.fit import MODES, OPTIMIZERS, PRECISIONS, Candidate, Planner, SimulationCache
 from common.estimate.fit_cli import parse_size
 from common.results_file import write_json_atomic
@@ -77,7 +77,7 @@ def _csv(text: str) -> tuple[str, ...]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     lowbit = importlib.util.find_spec("torchao") is not None
     p = _Parser(prog="python -m tools.planner_proof", description=__doc__.split("\n\n")[0],
-                epilog=__doc__.split("\n\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+                epilog=__doc__.split("\n\n", 2)[2], formatter_class=HelpFormatter)  # fmt: skip
     p.add_argument("--out", required=True, type=Path, help="output folder (e.g. results/planner-h100)")
     p.add_argument(
         "--budgets", type=_budgets, default=[1.0, 2.0, 4.0, 8.0], help="GB, comma-separated (default 1,2,4,8)"

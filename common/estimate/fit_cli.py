@@ -14,7 +14,7 @@ import sys
 from typing import Any
 
 from common.config import VIT_MODELS, at_least
-from common.console import fail
+from common.console import HelpFormatter, fail
 from common.estimate import calibration
 from common.estimate.fit import MODES, OPTIMIZERS, PRECISIONS, Fit, Planner, SimulationCache
 from common.estimate.plan import GB
@@ -53,7 +53,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description="Which rungs does my GPU need? The fastest configurations of the ladder's techniques"
         " whose predicted peak reserved memory fits the budget, each with the recipe command that runs it"
         " (prediction only: runs on a CPU in seconds; simulations are cached).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument(
         "--fit", required=True, metavar="SIZE", help="the GPU memory budget: 6GB, 6.5GB, 512MB, 8GiB"
