@@ -10,7 +10,9 @@ Each run gets its own checkout's ``common`` on ``PYTHONPATH`` and writes ``OUT/<
 ``OUT/ab.md`` and ``OUT/ab.json`` compare, per rung and mode, the train-phase peak memory (reserved and
 allocated) and the throughput: within ``--memory-tolerance`` (default 3 %) and ``--speed-tolerance``
 (default 5 %) is a pass. ``--budget`` seconds: no new pair is started after it (the table says which
-rungs were not reached), so the call ends inside the device's time limit.
+rungs were not reached), and each run is killed after ``--timeout`` seconds or when the budget is
+spent; the table is written after every pair, so the call ends inside the device's time limit with
+what it measured.
 """
 
 from __future__ import annotations
@@ -18,12 +20,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from common.console import HelpFormatter
+from tools.compare_reference import Run, execute
+
+Runner = Callable[[Run, dict, float], dict]  # tools.compare_reference.execute, or a test's stand-in
 
 LADDER = ("01", "02", "03", "04", "05", "06", "07", "10", "11", "12", "13", "14", "15")
 
@@ -32,26 +37,19 @@ def script(checkout: Path, rung: str) -> Path:
     return sorted((checkout / "recipes").glob(f"{rung}_*.py"), key=lambda p: len(p.name))[0]
 
 
-def run(checkout: Path, rung: str, mode: str, flags: list[str], out: Path, cwd: Path) -> dict:
-    """One recipe run; returns its results JSON (or what is known when it wrote none)."""
+def run(checkout: Path, rung: str, mode: str, flags: list[str], out: Path, timeout: float,
+        runner: Runner = execute) -> dict:  # fmt: skip
+    """One recipe run in its own process group, killed after ``timeout`` seconds (tools.compare_reference's
+    ``execute``); returns its results JSON, or what is known when it wrote none."""
     path = script(checkout, rung)
     results = out / mode
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(checkout.resolve()),
-        "FMR_OFFLINE": "1",
-        "FMR_LOG_DIR": str(out / "logs"),
-    }
-    start = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, str(path.resolve()), *flags, "--mode", mode, "--results-dir", str(results)],
-        cwd=cwd, env=env, capture_output=True, text=True,
-    )  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(checkout.resolve()), "FMR_OFFLINE": "1", "FMR_LOG_DIR": str(out / "logs")}
     (out / "logs").mkdir(parents=True, exist_ok=True)
-    (out / "logs" / f"{path.stem}-{mode}.log").write_text(proc.stdout + proc.stderr)
     found = results / f"{path.stem}.json"
-    payload = json.loads(found.read_text()) if found.exists() else {"status": f"exit {proc.returncode}"}
-    payload["_seconds"] = time.monotonic() - start
+    cmd = [sys.executable, str(path.resolve()), *flags, "--mode", mode, "--results-dir", str(results)]
+    proc = runner(Run("project", rung, mode, cmd, found, out / "logs" / f"{path.stem}-{mode}.log"), env, timeout)
+    payload = json.loads(found.read_text()) if found.exists() else {"status": proc["status"]}
+    payload["_seconds"] = proc["wall_s"]
     return payload
 
 
@@ -77,7 +75,23 @@ def ratio(new: float | None, base: float | None) -> float | None:
     return new / base if isinstance(new, int | float) and isinstance(base, int | float) and base else None
 
 
-def main(argv: list[str] | None = None) -> int:
+def write(out: Path, rows: list[dict]) -> list[str]:
+    """OUT/ab.md and OUT/ab.json from the rows so far (after every pair: a killed call keeps them)."""
+    lines = ["| rung | mode | reserved GB base → new | allocated GB base → new | img/s base → new | pass |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        if "base" not in r:
+            lines.append(f"| {r['rung']} | {r['mode']} | {r['status']} | | | |")
+            continue
+        lines.append(f"| {r['rung']} | {r['mode']} | {cell(r, 'reserved_gb', '.3f')} | {cell(r, 'allocated_gb', '.3f')}"
+                     f" | {cell(r, 'images_per_s', '.1f')} | {'yes' if r['pass'] else 'NO'} |")  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "ab.md").write_text("\n".join(lines) + "\n")
+    (out / "ab.json").write_text(json.dumps(rows, indent=2) + "\n")
+    return lines
+
+
+def main(argv: list[str] | None = None, runner: Runner = execute) -> int:
     p = argparse.ArgumentParser(
         prog="python -m tools.ab_ladder", description=__doc__.splitlines()[0], formatter_class=HelpFormatter
     )
@@ -87,8 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", nargs="+", default=["eager", "fast"], choices=("eager", "fast"))
     p.add_argument("--rungs", nargs="+", default=list(LADDER))
     p.add_argument("--budget", type=float, default=540.0, help="seconds after which no new pair starts")
-    p.add_argument("--memory-tolerance", type=float, default=0.03)
-    p.add_argument("--speed-tolerance", type=float, default=0.05)
+    p.add_argument("--timeout", type=float, default=180.0, help="seconds per run before it is killed")
+    p.add_argument("--memory-tolerance", type=float, default=0.03, help="largest relative change of peak memory")
+    p.add_argument("--speed-tolerance", type=float, default=0.05, help="largest relative change of img/s")
     p.add_argument("flags", nargs="*", help="the recipes' flags (after --)")
     args = p.parse_args(argv)
     start, rows, n = time.monotonic(), [], 0
@@ -101,8 +116,10 @@ def main(argv: list[str] | None = None) -> int:
             if n % 2:
                 sides.reverse()
             n += 1
+            left = args.budget - (time.monotonic() - start)
             got = {
-                side: numbers(run(path, rung, mode, args.flags, args.out / side, args.new))
+                side: numbers(run(path, rung, mode, args.flags, args.out / side, max(1.0, min(args.timeout, left)),
+                                  runner))  # fmt: skip
                 for side, path in sides
             }
             b, a = got["base"], got["new"]
@@ -117,18 +134,9 @@ def main(argv: list[str] | None = None) -> int:
                 and speed is not None and abs(speed - 1) <= args.speed_tolerance
             )  # fmt: skip
             rows.append(row)
+            write(args.out, rows)
             print(json.dumps(row), flush=True)
-    lines = ["| rung | mode | reserved GB base → new | allocated GB base → new | img/s base → new | pass |",
-             "|---|---|---|---|---|---|"]  # fmt: skip
-    for r in rows:
-        if "base" not in r:
-            lines.append(f"| {r['rung']} | {r['mode']} | {r['status']} | | | |")
-            continue
-        lines.append(f"| {r['rung']} | {r['mode']} | {cell(r, 'reserved_gb', '.3f')} | {cell(r, 'allocated_gb', '.3f')}"
-                     f" | {cell(r, 'images_per_s', '.1f')} | {'yes' if r['pass'] else 'NO'} |")  # fmt: skip
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "ab.md").write_text("\n".join(lines) + "\n")
-    (args.out / "ab.json").write_text(json.dumps(rows, indent=2) + "\n")
+    lines = write(args.out, rows)
     print("\n".join(lines))
     compared = [r for r in rows if "base" in r]
     return 0 if compared and all(r["pass"] for r in compared) else 1
