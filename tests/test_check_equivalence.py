@@ -40,3 +40,35 @@ def test_different_parameter_sets_are_an_error_not_a_pass():
     fast["after"]["extra"] = torch.zeros(1)
     with pytest.raises(RuntimeError, match="different parameters"):
         eq.compare(_run(start, 0.01), fast)
+
+
+def test_the_file_holds_every_finished_rung_in_order_and_a_failed_child_is_a_row(tmp_path, monkeypatch):
+    """Each rung's child writes its rows; equivalence.json is rewritten after each one finishes (a call
+    killed at its time limit keeps the rungs it checked) and is in the order asked for."""
+    import json
+    import subprocess
+
+    written = []
+
+    seen_before = []
+
+    def fake_run(cmd, **kwargs):
+        rung, out = cmd[cmd.index("--child") + 1], cmd[cmd.index("--child-out") + 1]
+        file = tmp_path / "equivalence.json"
+        seen_before.append([r["rung"] for r in json.loads(file.read_text())] if file.exists() else [])
+        if rung == "13":
+            return subprocess.CompletedProcess(cmd, 1)  # the child crashed: no rows of its own
+        row = {"rung": rung, "check": "compile+graphs, fp32", "steps": 10, "max_abs_diff": 0.0,
+               "tolerance": 1e-3, "ok": True, "max_change": 2e-3, "rel_l2": 0.0, "expected_ok": True}  # fmt: skip
+        with open(out, "w") as f:
+            json.dump([row], f)
+        written.append(rung)
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(eq.subprocess, "run", fake_run)
+    code = eq.main(["--rungs", "14,13,05", "--steps", "10", "--out", str(tmp_path), "--parallel", "1"])
+    rows = json.loads((tmp_path / "equivalence.json").read_text())
+    assert code == 1 and written == ["14", "05"]
+    assert seen_before == [[], ["14"], ["14", "13"]]  # written after each rung, before the next starts
+    assert [(r["rung"], r["ok"]) for r in rows] == [("14", True), ("13", False), ("05", True)]
+    assert rows[1]["check"] == "failed to run" and not list(tmp_path.glob(".equivalence-*.json"))

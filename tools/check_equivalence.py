@@ -46,7 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 from common.console import HelpFormatter
@@ -273,10 +273,14 @@ def main(argv: list[str] | None = None) -> int:
                   f" ({time.time() - start:.0f} s)", flush=True)  # fmt: skip
         return rows
 
-    with ThreadPoolExecutor(max(1, args.parallel)) as pool:
-        rows = [r for rs in pool.map(run, rungs) for r in rs]
     path = out_dir / "equivalence.json"
-    path.write_text(json.dumps(rows, indent=2) + "\n")
+    done: dict[str, list[dict]] = {}
+    with ThreadPoolExecutor(max(1, args.parallel)) as pool:
+        futures = {pool.submit(run, rung): rung for rung in rungs}
+        for future in as_completed(futures):  # the file after every rung: a killed call keeps what it checked
+            done[futures[future]] = future.result()
+            rows = [r for rung in rungs for r in done.get(rung, [])]
+            path.write_text(json.dumps(rows, indent=2) + "\n")
     print(table(rows))
     bad = [r for r in rows if r["ok"] != r.get("expected_ok", True)]
     print(f"{len(rows) - len(bad)} of {len(rows)} rows as expected; {path} ({time.time() - start:.0f} s)")
