@@ -43,19 +43,15 @@ def test_different_parameter_sets_are_an_error_not_a_pass():
 
 
 def test_the_file_holds_every_finished_rung_in_order_and_a_failed_child_is_a_row(tmp_path, monkeypatch):
-    """Each rung's child writes its rows; equivalence.json is rewritten after each one finishes (a call
-    killed at its time limit keeps the rungs it checked) and is in the order asked for."""
+    """Each rung's child writes its rows; equivalence.json is rewritten (atomically) after each one
+    finishes, so a call killed at its time limit keeps the rungs it checked, in the order asked for."""
     import json
     import subprocess
 
     written = []
 
-    seen_before = []
-
     def fake_run(cmd, **kwargs):
         rung, out = cmd[cmd.index("--child") + 1], cmd[cmd.index("--child-out") + 1]
-        file = tmp_path / "equivalence.json"
-        seen_before.append([r["rung"] for r in json.loads(file.read_text())] if file.exists() else [])
         if rung == "13":
             return subprocess.CompletedProcess(cmd, 1)  # the child crashed: no rows of its own
         row = {"rung": rung, "check": "compile+graphs, fp32", "steps": 10, "max_abs_diff": 0.0,
@@ -65,10 +61,18 @@ def test_the_file_holds_every_finished_rung_in_order_and_a_failed_child_is_a_row
         written.append(rung)
         return subprocess.CompletedProcess(cmd, 0)
 
+    writes = []
+    original_write = eq.write_json_atomic
+
+    def recording_write(path, rows):
+        writes.append([r["rung"] for r in rows])
+        original_write(path, rows)
+
     monkeypatch.setattr(eq.subprocess, "run", fake_run)
+    monkeypatch.setattr(eq, "write_json_atomic", recording_write)
     code = eq.main(["--rungs", "14,13,05", "--steps", "10", "--out", str(tmp_path), "--parallel", "1"])
     rows = json.loads((tmp_path / "equivalence.json").read_text())
     assert code == 1 and written == ["14", "05"]
-    assert seen_before == [[], ["14"], ["14", "13"]]  # written after each rung, before the next starts
+    assert writes == [["14"], ["14", "13"], ["14", "13", "05"]]  # the file after every finished rung
     assert [(r["rung"], r["ok"]) for r in rows] == [("14", True), ("13", False), ("05", True)]
     assert rows[1]["check"] == "failed to run" and not list(tmp_path.glob(".equivalence-*.json"))

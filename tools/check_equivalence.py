@@ -50,6 +50,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 from common.console import HelpFormatter
+from common.results_file import write_json_atomic
 
 REPO = Path(__file__).resolve().parents[1]
 RUNGS = ("01", "02", "03", "04", "05", "06", "07", "10", "11", "12", "13", "14", "15")
@@ -280,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         for future in as_completed(futures):  # the file after every rung: a killed call keeps what it checked
             done[futures[future]] = future.result()
             rows = [r for rung in rungs for r in done.get(rung, [])]
-            path.write_text(json.dumps(rows, indent=2) + "\n")
+            write_json_atomic(str(path), rows)  # type: ignore[arg-type]  # a reader never sees half a file
     print(table(rows))
     bad = [r for r in rows if r["ok"] != r.get("expected_ok", True)]
     print(f"{len(rows) - len(bad)} of {len(rows)} rows as expected; {path} ({time.time() - start:.0f} s)")
