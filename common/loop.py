@@ -86,10 +86,13 @@ class SchedulerGroup:
 
 
 @torch.no_grad()
+@torch.compiler.set_stance("force_eager")  # eval mode and no_grad would recompile every compiled graph
 def evaluate(
     fabric, model, loader, batch_fn: BatchFn, max_batches: int | None = None, num_classes: int = NUM_CLASSES
 ) -> float:
-    """Accuracy over ``loader`` (all ranks' shards together), at most ``max_batches`` batches."""
+    """Accuracy over ``loader`` (all ranks' shards together), at most ``max_batches`` batches. Compiled
+    models run their original code here: compiling the evaluation's graphs (another mode, no gradients)
+    would cost more start-up time than a few eager batches."""
     model.eval()
     acc = accuracy_metric(fabric.device, num_classes)
     for i, batch in enumerate(loader):

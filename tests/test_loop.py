@@ -288,3 +288,30 @@ def test_scheduler_steps_once_per_optimizer_step(fabric, num_micro, k, epochs, m
     assert sched.last_epoch == n  # one scheduler step per optimizer step
     # the optimizer step j (0-based) used the lr after j scheduler steps: scheduler after optimizer
     assert counter.lrs == pytest.approx([1.0 / (j + 1) for j in range(n)])
+
+
+def test_evaluation_does_not_compile_a_compiled_model(monkeypatch):
+    """evaluate() runs a compiled model's original code (eval mode + no_grad would compile new graphs)."""
+    from torch._dynamo.utils import counters
+
+    from common import loop
+
+    monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)  # the suite turns dynamo off (conftest)
+    monkeypatch.setattr(torch._dynamo.config, "disable", False)
+    class _Fabric:
+        device = torch.device("cpu")
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = torch.compile(torch.nn.Linear(4, 3))
+    batches = [(torch.randn(5, 4), torch.randint(0, 3, (5,))) for _ in range(2)]
+
+    def batch_fn(m, batch):
+        x, y = batch
+        logits = m(x)
+        return torch.nn.functional.cross_entropy(logits, y), logits, y
+
+    acc = loop.evaluate(_Fabric(), model, batches, batch_fn, num_classes=3)
+    assert 0.0 <= acc <= 1.0 and counters["stats"]["unique_graphs"] == 0
+    model(torch.randn(2, 4))  # outside evaluate the same model does compile
+    assert counters["stats"]["unique_graphs"] == 1
