@@ -362,6 +362,7 @@ def execute(run: Run, env: dict[str, str], timeout: float) -> dict[str, Any]:
     """Run one process (its own process group, output to its log); kill the group on timeout."""
     for stale in (run.json, *run.json.parent.glob(f"{run.json.stem}.rank*.json")):
         stale.unlink(missing_ok=True)  # a failed run must not be read as an older file
+    run.log.parent.mkdir(parents=True, exist_ok=True)  # planner_proof's logs sit beside not-yet-made run folders
     start = time.perf_counter()
     with open(run.log, "w", encoding="utf-8") as log:
         log.write("$ " + shlex.join(run.cmd) + "\n")
