@@ -28,7 +28,8 @@ def _fake(speeds: dict[str, float], calls: list):
     return runner
 
 
-def test_pairs_run_each_checkout_with_its_own_code_and_compare(tmp_path):
+def test_pairs_run_each_checkout_with_its_own_code_and_compare(tmp_path, monkeypatch):
+    monkeypatch.delenv("PYTHONPATH", raising=False)
     calls: list = []
     base = tmp_path / "base"
     (base / "recipes").mkdir(parents=True)
@@ -56,3 +57,18 @@ def test_a_run_killed_at_its_timeout_fails_the_row_and_the_table_is_written(tmp_
     row = json.loads((tmp_path / "out" / "ab.json").read_text())[0]
     assert row["new"]["status"] == "timeout" and row["pass"] is False
     assert "| 14 | eager |" in (tmp_path / "out" / "ab.md").read_text()
+
+
+def test_the_callers_pythonpath_stays_after_the_checkout(tmp_path, monkeypatch):
+    """Optional packages installed on PYTHONPATH (torchao for rung 13) must stay importable in the runs."""
+    monkeypatch.setenv("PYTHONPATH", "/opt/extra-site")
+    calls: list = []
+    base = tmp_path / "base"
+    (base / "recipes").mkdir(parents=True)
+    (base / "recipes" / "13_lowbit_optimizer.py").write_text("")
+    argv = ["--base", str(base), "--new", str(REPO), "--out", str(tmp_path / "out"), "--modes", "eager",
+            "--rungs", "13"]  # fmt: skip
+    assert ab_ladder.main(argv, runner=_fake({"base": 30.0, "new": 30.0}, calls)) == 0
+    assert sorted(c[1] for c in calls) == sorted(
+        f"{checkout.resolve()}:/opt/extra-site" for checkout in (base, REPO)
+    )

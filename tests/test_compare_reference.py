@@ -587,3 +587,12 @@ def test_docs_blocks_written_and_a_page_without_the_block_is_one_line(tmp_path, 
     assert comparison.write_docs_blocks([dict(row, rung="06", recipe="06_sgd_cosine")], docs, "c.json") == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "06_sgd_cosine.md" in err[0]
+
+
+def test_execute_makes_the_logs_folder_and_records_the_exit(tmp_path):
+    """A run whose log sits in a folder nobody made yet (planner_proof's layout) still runs."""
+    log = tmp_path / "not" / "yet" / "made.log"
+    cmd = [sys.executable, "-c", "print('hello from the run')"]
+    proc = cmp.execute(cmp.Run("project", "05", "eager", cmd, tmp_path / "none.json", log), dict(os.environ), 60)
+    assert proc["exit_code"] == 0 and proc["status"] != "timeout"
+    assert "hello from the run" in log.read_text()

@@ -63,7 +63,6 @@ PATH_CITATION = re.compile(
 MADE_BY_A_COMMAND = (
     "results/cpu/",  # ./run_all.sh --cpu (ignored by git)
     "results/quick/",  # ./run_all.sh --quick on a GPU
-    "results/planner-h100/fit.json",  # pending: python -m tools.planner_proof on the GPU
 )
 
 

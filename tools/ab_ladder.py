@@ -6,7 +6,7 @@
 ``--base`` and ``--new`` are checkouts (the ``common/`` and ``recipes/`` of each). Every single-GPU rung
 (01-07, 10-15) runs in each, one process at a time, with the same flags plus ``--mode MODE``, in the
 order base, new for one rung and new, base for the next (so that drift over the call favours neither).
-Each run gets its own checkout's ``common`` on ``PYTHONPATH`` and writes ``OUT/<side>/<mode>/``. Then
+Each run gets its own checkout's ``common`` first on ``PYTHONPATH`` and writes ``OUT/<side>/<mode>/``. Then
 ``OUT/ab.md`` and ``OUT/ab.json`` compare, per rung and mode, the train-phase peak memory (reserved and
 allocated) and the throughput: within ``--memory-tolerance`` (default 3 %) and ``--speed-tolerance``
 (default 5 %) is a pass. ``--budget`` seconds: no new pair is started after it (the table says which
@@ -43,7 +43,10 @@ def run(checkout: Path, rung: str, mode: str, flags: list[str], out: Path, timeo
     ``execute``); returns its results JSON, or what is known when it wrote none."""
     path = script(checkout, rung)
     results = out / mode
-    env = {**os.environ, "PYTHONPATH": str(checkout.resolve()), "FMR_OFFLINE": "1", "FMR_LOG_DIR": str(out / "logs")}
+    # the checkout's code first; the caller's PYTHONPATH after it (optional packages such as torchao may
+    # be installed there: a GPU call that replaced it lost rung 13 on both sides)
+    pythonpath = os.pathsep.join(p for p in (str(checkout.resolve()), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": pythonpath, "FMR_OFFLINE": "1", "FMR_LOG_DIR": str(out / "logs")}
     (out / "logs").mkdir(parents=True, exist_ok=True)
     found = results / f"{path.stem}.json"
     cmd = [sys.executable, str(path.resolve()), *flags, "--mode", mode, "--results-dir", str(results)]

@@ -93,7 +93,16 @@ def shared_gpu(path: Path, root: Path) -> bool:
     return path.relative_to(root).parts[0] in SHARED_GPU_FOLDERS
 
 
+# tools.ab_ladder's folders (results/ab-<gpu>/) repeat committed configurations on two versions of the
+# code to show that the numbers did not move: counted, they would weigh those configurations two or
+# three times, so they calibrate nothing.
+def code_comparison(path: Path, root: Path) -> bool:
+    return path.relative_to(root).parts[0].startswith("ab-")
+
+
 def _read(path: Path, root: Path) -> Measured | None:
+    if code_comparison(path, root):
+        return None
     try:
         d = json.loads(path.read_text())
     except (OSError, ValueError):
