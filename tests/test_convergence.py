@@ -149,3 +149,16 @@ def test_tool_plans_every_single_gpu_rung_with_its_kind_of_learning_rate():
     assert not [j for j in jobs if j.seed is None], "no ViT-L/16 memory runs without CUDA"
     assert [j for j in convergence.plan(args, cuda=True) if j.seed is None]
     assert REPO.joinpath("tools", "convergence.py").exists()
+
+
+def test_a_later_call_that_added_runs_is_named_in_the_report():
+    results = [_result("01_baseline", seed, 0.9 + seed / 100, 0.05, 380) for seed in range(3)]
+    later = {"timestamp": "2026-11-23T16:00:00+00:00", "command": "convergence.py --seed-list 2",
+             "wall_s": 176.4, "runs": [{"returncode": 0}, {"returncode": 0}, {"returncode": 1}],
+             "note": "seed 2 of the rungs the first call's deadline skipped"}  # fmt: skip
+    text = convergence.render_markdown(results, {"wall_s": 306.6, "later_calls": [later]}, None)
+    assert "- the first call took 307 s (wall)" in text
+    assert (
+        "- a later call (2026-11-23T16:00:00+00:00) added 2 runs in 176 s: `convergence.py --seed-list 2`;"
+        " seed 2 of the rungs the first call's deadline skipped" in text
+    )

@@ -475,6 +475,18 @@ def _provenance(results: list[dict], settings: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _later_call(call: dict[str, Any]) -> str:
+    """A provenance line for a call that added runs the first one did not finish (benchmark.json's
+    ``later_calls``: each a later call's own summary)."""
+    ran = [r for r in call.get("runs") or [] if r.get("returncode") == 0]
+    wall = call.get("wall_s")
+    took = f" in {wall:.0f} s" if isinstance(wall, int | float) else ""
+    return (
+        f"- a later call ({call.get('timestamp')}) added {len(ran)} runs{took}:"
+        f" `{call.get('command')}`{'; ' + call['note'] if call.get('note') else ''}"
+    )
+
+
 def render_markdown(results: list[dict], summary: dict[str, Any], figure: str | None) -> str:
     settings = summary.get("settings") or {}
     wall = summary.get("wall_s")
@@ -491,7 +503,12 @@ def render_markdown(results: list[dict], summary: dict[str, Any], figure: str | 
         "Produced on:",
         "",
         *_provenance(results, settings),
-        *([f"- the whole benchmark took {wall:.0f} s (wall)"] if isinstance(wall, int | float) else []),
+        *(
+            [f"- {'the first call' if summary.get('later_calls') else 'the whole benchmark'} took {wall:.0f} s (wall)"]
+            if isinstance(wall, int | float)
+            else []
+        ),
+        *[_later_call(call) for call in summary.get("later_calls") or []],
         "",
         "## Test accuracy per rung",
         "",
