@@ -72,3 +72,15 @@ def test_the_callers_pythonpath_stays_after_the_checkout(tmp_path, monkeypatch):
     assert sorted(c[1] for c in calls) == sorted(
         f"{checkout.resolve()}:/opt/extra-site" for checkout in (base, REPO)
     )
+
+
+def test_project_env_puts_the_code_first_and_keeps_the_callers_path(monkeypatch, tmp_path):
+    """Every tool's child processes: this checkout's (or a given one's) code first, then PYTHONPATH."""
+    from tools.project_env import REPO as TOOLS_REPO
+    from tools.project_env import project_env
+
+    monkeypatch.setenv("PYTHONPATH", "/opt/extra-site")
+    env = project_env(tmp_path, FMR_OFFLINE="1")
+    assert env["PYTHONPATH"] == f"{tmp_path}:/opt/extra-site" and env["FMR_OFFLINE"] == "1"
+    monkeypatch.delenv("PYTHONPATH")
+    assert project_env()["PYTHONPATH"] == str(TOOLS_REPO) == str(REPO)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -27,6 +26,7 @@ from pathlib import Path
 
 from common.console import HelpFormatter
 from tools.compare_reference import Run, execute
+from tools.project_env import project_env
 
 Runner = Callable[[Run, dict, float], dict]  # tools.compare_reference.execute, or a test's stand-in
 
@@ -43,10 +43,8 @@ def run(checkout: Path, rung: str, mode: str, flags: list[str], out: Path, timeo
     ``execute``); returns its results JSON, or what is known when it wrote none."""
     path = script(checkout, rung)
     results = out / mode
-    # the checkout's code first; the caller's PYTHONPATH after it (optional packages such as torchao may
-    # be installed there: a GPU call that replaced it lost rung 13 on both sides)
-    pythonpath = os.pathsep.join(p for p in (str(checkout.resolve()), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "PYTHONPATH": pythonpath, "FMR_OFFLINE": "1", "FMR_LOG_DIR": str(out / "logs")}
+    # the caller's PYTHONPATH stays after the checkout: a GPU call that replaced it lost torchao (rung 13)
+    env = project_env(checkout.resolve(), FMR_OFFLINE="1", FMR_LOG_DIR=str(out / "logs"))
     (out / "logs").mkdir(parents=True, exist_ok=True)
     found = results / f"{path.stem}.json"
     cmd = [sys.executable, str(path.resolve()), *flags, "--mode", mode, "--results-dir", str(results)]

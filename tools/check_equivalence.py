@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import runpy
 import subprocess
 import sys
@@ -51,6 +50,7 @@ from pathlib import Path
 
 from common.console import HelpFormatter
 from common.results_file import write_json_atomic
+from tools.project_env import project_env
 
 REPO = Path(__file__).resolve().parents[1]
 RUNGS = ("01", "02", "03", "04", "05", "06", "07", "10", "11", "12", "13", "14", "15")
@@ -249,10 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-    }
+    env = project_env()
     start = time.time()
 
     def run(rung: str) -> list[dict]:

@@ -42,6 +42,7 @@ from common.comparison import comparison_ratios, write_comparison
 from common.config import at_least
 from common.console import HelpFormatter, fail
 from common.results_file import WARMUP_STEPS, gpu_slug, write_json_atomic
+from tools.project_env import project_env
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -527,10 +528,9 @@ def _earlier_rows(out_dir: Path, rungs: list[str]) -> list[dict]:
     return kept
 
 
-def _run_env(log_dir: str) -> dict[str, str]:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", FMR_OFFLINE="1", FMR_LOG_DIR=log_dir)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    return env
+def run_env(log_dir: str) -> dict[str, str]:
+    """The project runs' environment: this checkout first on PYTHONPATH, offline, logs in ``log_dir``."""
+    return project_env(PYTHONUNBUFFERED="1", FMR_OFFLINE="1", FMR_LOG_DIR=log_dir)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -568,7 +568,7 @@ def main(argv: list[str] | None = None) -> int:
 
     started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     log_dir = tempfile.mkdtemp(prefix="compare-logs-")  # Fabric's CSV logs of the project runs
-    env = _run_env(log_dir)
+    env = run_env(log_dir)
     t0 = time.perf_counter()
     for i, run in enumerate(runs, 1):
         devices = max(RUNGS[run.rows[0]].devices if run.kind == "project" else 1, _devices_of(run))

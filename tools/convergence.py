@@ -57,6 +57,7 @@ from common.console import HelpFormatter
 from common.report import load_results
 from common.report_format import DASH, update_block
 from common.results_file import write_atomic, write_json_atomic
+from tools.project_env import project_env
 
 REPO = Path(__file__).resolve().parents[1]
 BASELINE = "01_baseline"
@@ -162,9 +163,7 @@ def plan(args: argparse.Namespace, cuda: bool) -> list[Job]:
 
 # -------------------------------------------------------------------------------------------- running
 def child_env(args: argparse.Namespace, logs: Path) -> dict[str, str]:
-    env = os.environ.copy()
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    env["FMR_LOG_DIR"] = str(logs / "fabric")
+    env = project_env(FMR_LOG_DIR=str(logs / "fabric"))
     env.setdefault("OMP_NUM_THREADS", "1")  # several runs at once: one intra-op thread each
     env.setdefault("TQDM_MININTERVAL", "30")  # a progress line every 30 s in the logs, not every 0.1 s
     env["PYTHONUNBUFFERED"] = "1"

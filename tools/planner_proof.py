@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import shlex
 import sys
 import tempfile
@@ -47,7 +46,7 @@ from common.console import HelpFormatter, fail
 from common.estimate.fit import MODES, OPTIMIZERS, PRECISIONS, Candidate, Planner, SimulationCache
 from common.estimate.fit_cli import parse_size
 from common.results_file import write_json_atomic
-from tools.compare_reference import Run, execute, summarize_project
+from tools.compare_reference import Run, execute, run_env, summarize_project
 
 REPO = Path(__file__).resolve().parents[1]
 RUN_ARGS = ("--data", "synthetic", "--weights", "none", "--eval-batches", "1")
@@ -302,8 +301,7 @@ def main(argv: list[str] | None = None, runner: Runner | None = None, planner: P
         return 0
     runner = runner or execute
     log_dir = tempfile.mkdtemp(prefix="planner-proof-logs-")
-    env = dict(os.environ, PYTHONUNBUFFERED="1", FMR_OFFLINE="1", FMR_LOG_DIR=log_dir)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    env = run_env(log_dir)
     t0 = time.perf_counter()
     for i, run in enumerate(runs, 1):
         elapsed = time.perf_counter() - t0

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -27,6 +26,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from common.console import HelpFormatter
+from tools.project_env import project_env
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_FLAGS = [
@@ -41,7 +41,7 @@ def run(checkout: Path, recipe: str, flags: list[str], out: Path, step: int, dat
     argv = [sys.executable, str(script), *flags, "--data-dir", str(data_dir), "--max-steps", str(step + 1),
             "--checkpoint-every", str(step), "--checkpoint-dir", str(out / "ckpt"),
             "--results-dir", str(out / "results")]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(checkout), "FMR_OFFLINE": "1", "FMR_LOG_DIR": str(out / "logs")}
+    env = project_env(checkout, FMR_OFFLINE="1", FMR_LOG_DIR=str(out / "logs"))
     env.setdefault("TORCHDYNAMO_DISABLE", "1")
     proc = subprocess.run(argv, cwd=checkout, env=env, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
