@@ -3,8 +3,8 @@
 #
 #   ./run_all.sh                         every numbered recipe (GPU: full size; no GPU: quick CPU path)
 #   ./run_all.sh --quick                 GPU: the single-GPU ladder (01-07, 10-15), 20 steps each, synthetic
-#                                        data, into results/quick (about 10 minutes on one H100: its rungs'
-#                                        processes took 607 s there); no GPU: the CPU path (already quick)
+#                                        data, into results/quick (7 min 37 s on one H100, a machine's first
+#                                        run about 9-10 (estimated): results/quick-h100); no GPU: the CPU path
 #   ./run_all.sh --only 01,03            recipes whose name starts with 01 or 03
 #   ./run_all.sh -- --max-steps 50       everything after -- is passed to every recipe
 #   ./run_all.sh -- --data synthetic     the memory/speed ladder as committed: CIFAR-sized splits offline

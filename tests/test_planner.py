@@ -216,16 +216,17 @@ def test_reserved_ratio_is_the_largest_per_mode_read_from_any_folder(tmp_path):
                                       16, 4, "fast")[0] == 500  # fmt: skip
 
 
-def test_ab_ladder_runs_calibrate_nothing(tmp_path):
-    """tools.ab_ladder repeats committed configurations (results/ab-<gpu>/): counting them would weigh
-    those configurations two or three times."""
-    for folder in ("compare-h100/runs", "ab-h100/base/fast", "ab-h100/new/fast"):
+def test_runs_that_repeat_committed_ones_calibrate_nothing(tmp_path):
+    """tools.ab_ladder's folders (results/ab-<gpu>/) and the committed --quick sample repeat committed
+    configurations: counting them would weigh those configurations two or three times. A user's own
+    results/quick/ counts."""
+    for folder in ("compare-h100/runs", "ab-h100/base/fast", "ab-h100/new/fast", "quick-h100", "quick"):
         (tmp_path / folder).mkdir(parents=True)
         (tmp_path / folder / "06_sgd_cosine.json").write_text(
             json.dumps(_result("06_sgd_cosine", "fast", 2.2, 2.0, 500))
         )
     loaded = calibration.load_runs((str(tmp_path),))
-    assert [r.path for r in loaded] == ["compare-h100/runs/06_sgd_cosine.json"]
+    assert [r.path for r in loaded] == ["compare-h100/runs/06_sgd_cosine.json", "quick/06_sgd_cosine.json"]
 
 
 def test_the_speed_model_reproduces_the_committed_fast_runs():

@@ -93,15 +93,20 @@ def shared_gpu(path: Path, root: Path) -> bool:
     return path.relative_to(root).parts[0] in SHARED_GPU_FOLDERS
 
 
-# tools.ab_ladder's folders (results/ab-<gpu>/) repeat committed configurations on two versions of the
-# code to show that the numbers did not move: counted, they would weigh those configurations two or
-# three times, so they calibrate nothing.
-def code_comparison(path: Path, root: Path) -> bool:
-    return path.relative_to(root).parts[0].startswith("ab-")
+# Folders that repeat committed configurations calibrate nothing: counted, they would weigh those
+# configurations two or three times. tools.ab_ladder's (results/ab-<gpu>/) run them on two versions of
+# the code to show that the numbers did not move; results/quick-<gpu>/ is a committed sample of
+# ./run_all.sh --quick. A user's own results/quick/ does calibrate (their GPU's runs).
+REPEAT_SAMPLES = ("quick-h100",)
+
+
+def repeats_committed(path: Path, root: Path) -> bool:
+    top = path.relative_to(root).parts[0]
+    return top.startswith("ab-") or top in REPEAT_SAMPLES
 
 
 def _read(path: Path, root: Path) -> Measured | None:
-    if code_comparison(path, root):
+    if repeats_committed(path, root):
         return None
     try:
         d = json.loads(path.read_text())
