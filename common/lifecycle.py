@@ -139,20 +139,17 @@ def _run_main(main: Main, cfg: RunConfig, description: str) -> int:
             print(faults.interrupted_line(stop), file=sys.stderr, flush=True)
         outlive_launcher(results.fabric)
         return stop.exit_code
-    except torch.cuda.OutOfMemoryError as e:
-        results.finish(status="oom", error=str(e).splitlines()[0])
-        return 3
     except (UsageError, faults.BadInput) as e:
         fail(str(e))
     except Exception as e:
-        if caused_by_oom(e):  # e.g. torch.compile's or a graph capture's error around an OOM
-            results.finish(status="oom", error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        first_line = str(e).splitlines()[0] if str(e) else ""
+        if caused_by_oom(e):  # the allocator's error, or torch.compile's / a graph capture's around it
+            oom = isinstance(e, torch.cuda.OutOfMemoryError)
+            results.finish(status="oom", error=first_line if oom else f"{type(e).__name__}: {first_line}")
             return 3
         # Record what ran and how it ended, then let the traceback through (exit code 1).
         if results.fabric is not None:
-            results.finish(
-                status="error", error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            )
+            results.finish(status="error", error=f"{type(e).__name__}: {first_line}")
         raise
     results.finish(status="ok")
     return 0

@@ -102,6 +102,13 @@ def test_benchmark_records_curves_lost_updates_and_renders_the_report():
     (out / "README.md").unlink()
     assert convergence.main(["--report", str(out)]) == 0
     assert (out / "README.md").read_text() == readme
+    # --readme PATH:BLOCK puts the table and the figure into a marked block; a missing block is one line
+    doc = out.parent / "doc.md"
+    doc.write_text("before\n<!-- results:convergence:start -->\nold\n<!-- results:convergence:end -->\nafter\n")
+    assert convergence.render(out, readme=f"{doc}:convergence") == 0
+    text = doc.read_text()
+    assert "old" not in text and "| 01_baseline | default |" in text and "](" in text and text.endswith("after\n")
+    assert convergence.render(out, readme=f"{doc}:nothing") == 2
 
 
 def _result(recipe, seed, test, loss, steps, precision="32-true", lost=0.0):

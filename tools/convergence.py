@@ -55,7 +55,7 @@ from common import digits
 from common.config import declared_rung
 from common.console import HelpFormatter
 from common.report import load_results
-from common.report_format import DASH, update_block
+from common.report_format import DASH, write_into_block
 from common.results_file import write_atomic, write_json_atomic
 from tools.project_env import project_env
 
@@ -601,12 +601,9 @@ def render(out: Path, readme: str | None = None) -> int:
     write_atomic(out / "README.md", lambda f: f.write(render_markdown(results, summary, "loss_curves.png")))
     print(f"[convergence] report: {out / 'README.md'}, {out / 'loss_curves.png'}")
     if readme:  # the table and the figure, into a marked block of another markdown file
-        path, _, block = readme.rpartition(":")
-        figure = os.path.relpath(out / "loss_curves.png", Path(path).resolve().parent)
+        figure = os.path.relpath(out / "loss_curves.png", Path(readme.rpartition(":")[0]).resolve().parent)
         content = f"{render_table(results)}\n\n{TABLE_NOTE}\n\n![loss curves]({figure})"
-        text = update_block(Path(path).read_text(), block, content)
-        write_atomic(path, lambda f: f.write(text))
-        print(f"[convergence] table and figure -> {path} (block {block})")
+        return write_into_block(readme, content, "convergence table and figure")
     return 0
 
 
