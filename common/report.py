@@ -38,9 +38,8 @@ from common.results_file import PREDICTED_FILE, SCHEMA_VERSION, estimate_error_p
 
 STANDARD_PHASES = {"train", "eval", "model_load"}
 RANK_FILE = re.compile(r"\.rank\d+\.json$")
-MIN_RANGE = (
-    5  # timed step intervals needed before a speed cell shows a range (p10 and p90 of fewer say little)
-)
+# timed step intervals needed before a speed cell shows a range (p10 and p90 of fewer say little)
+MIN_RANGE = 5
 CPU_MARK = "¹"  # footnote marker on memory cells that hold process RSS, not GPU memory
 
 

@@ -190,7 +190,8 @@ def test_the_ladder_model_fits_6gb_with_its_own_commands(capsys, cache_file, mon
 def _result(recipe, mode, reserved, estimate, ips, batch=16, k=4, precision="bf16-true", extra=None):
     return {
         "schema_version": 1, "recipe": recipe, "status": "ok", "mode": mode,
-        "config": {"precision": precision, "batch_size": batch, "accumulation_steps": k, "devices": 1,
+        "config": {"precision": precision, "batch_size": batch, "accumulation_steps": k,
+                   "micro_batch_size": batch // k, "devices": 1,
                    "model": "vit_l_16", "compile": mode == "fast", "cuda_graphs": mode == "fast"},
         "provenance": {"gpu_name": "NVIDIA H100 80GB HBM3", "world_size": 1},
         "memory": {"kind": "cuda", "peak_reserved_gb": reserved, "run_peak_reserved_gb": reserved},
@@ -214,6 +215,15 @@ def test_reserved_ratio_is_the_largest_per_mode_read_from_any_folder(tmp_path):
     assert ratios["eager"].ratio == pytest.approx(1.02)
     assert calibration.measured_speed(loaded, "h100", "vit_l_16", ("sgd", False, False, False), "bf16-true",
                                       16, 4, "fast")[0] == 500  # fmt: skip
+
+
+def test_the_micro_batch_is_read_from_the_json_and_older_jsons_without_it_are_skipped(tmp_path):
+    (tmp_path / "06_sgd_cosine.json").write_text(json.dumps(_result("06_sgd_cosine", "fast", 2.2, 2.0, 500)))
+    old = _result("06_sgd_cosine", "fast", 2.2, 2.0, 500)
+    del old["config"]["micro_batch_size"]
+    (tmp_path / "06_sgd_cosine-old.json").write_text(json.dumps(old))
+    loaded = calibration.load_runs((str(tmp_path),))
+    assert [(r.path, r.micro) for r in loaded] == [("06_sgd_cosine.json", 4)]
 
 
 def test_runs_that_repeat_committed_ones_calibrate_nothing(tmp_path):

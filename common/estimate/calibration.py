@@ -52,16 +52,13 @@ class Measured:
     precision: str
     batch_size: int
     accumulation_steps: int
+    micro: int  # config.micro_batch_size: RunConfig works it out, the JSON records it
     mode: str  # fast (compiled + graphs) | eager | compiled | graphs
     signature: tuple[str, bool, bool, bool]
     images_per_s: float | None
     reserved_gb: float  # the whole run's peak (model load, training with its warm-up, evaluation)
     estimate_gb: float | None  # the simulated peak allocated the run recorded
     offloaded_gb: float | None  # rungs 11 and 14: bytes one micro-batch sent to the host
-
-    @property
-    def micro(self) -> int:
-        return self.batch_size // self.accumulation_steps
 
     @property
     def step_s(self) -> float:
@@ -95,14 +92,13 @@ def shared_gpu(path: Path, root: Path) -> bool:
 
 # Folders that repeat committed configurations calibrate nothing: counted, they would weigh those
 # configurations two or three times. tools.ab_ladder's (results/ab-<gpu>/) run them on two versions of
-# the code to show that the numbers did not move; results/quick-<gpu>/ is a committed sample of
+# the code to show that the numbers did not move; results/quick-<gpu>/ are committed samples of
 # ./run_all.sh --quick. A user's own results/quick/ does calibrate (their GPU's runs).
-REPEAT_SAMPLES = ("quick-h100",)
+REPEAT_PREFIXES = ("ab-", "quick-")
 
 
 def repeats_committed(path: Path, root: Path) -> bool:
-    top = path.relative_to(root).parts[0]
-    return top.startswith("ab-") or top in REPEAT_SAMPLES
+    return path.relative_to(root).parts[0].startswith(REPEAT_PREFIXES)
 
 
 def _read(path: Path, root: Path) -> Measured | None:
@@ -127,6 +123,8 @@ def _read(path: Path, root: Path) -> Measured | None:
         return None  # another optimizer implementation (common/bf16.py) than the rung's
     if rung.sharding != "none" or config.get("model") not in VIT_MODELS or not memory.get("peak_reserved_gb"):
         return None
+    if not config.get("micro_batch_size"):
+        return None  # a JSON from before the micro-batch was recorded
     reserved = max(memory.get("run_peak_reserved_gb") or 0.0, memory["peak_reserved_gb"])
     return Measured(
         path=str(path.relative_to(root)),
@@ -136,6 +134,7 @@ def _read(path: Path, root: Path) -> Measured | None:
         precision="32-true" if config.get("precision") == "32" else config.get("precision"),
         batch_size=int(config["batch_size"]),
         accumulation_steps=int(config.get("accumulation_steps") or 1),
+        micro=int(config["micro_batch_size"]),
         mode=run_mode(config),
         signature=signature(rung),
         images_per_s=None if shared_gpu(path, root) else timing.get("images_per_s"),
