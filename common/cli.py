@@ -17,12 +17,7 @@ import torch
 
 from common import faults
 from common.config import Hardware, RunConfig, UsageError
-from common.console import HelpFormatter, fail
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # argparse prints usage + message; we keep it to one line
-        fail(message)
+from common.console import Parser, fail
 
 
 def build_parser(rung: RunConfig, description: str = "") -> argparse.ArgumentParser:
@@ -31,7 +26,7 @@ def build_parser(rung: RunConfig, description: str = "") -> argparse.ArgumentPar
     A config class of another data and model family (the text recipes') replaces the ``--data``
     choices (``DATA_CHOICES``) and the help of ``--data``, ``--data-dir`` and ``--model`` (``HELP``)."""
     cls = type(rung)
-    p = _Parser(description=description, formatter_class=HelpFormatter)
+    p = Parser(description=description)
     groups = {key: p.add_argument_group(title) for key, title in cls.GROUPS.items()}
     for f in cls.flag_fields():
         options = {k: v for k, v in f.metadata.items() if k not in ("group", "help")}

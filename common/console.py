@@ -50,3 +50,27 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         if "default" in text or action.default is argparse.SUPPRESS or switch or positional:
             return text
         return f"{text} (default: {'not set' if action.default is None else '%(default)s'})"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse for the project's commands: a bad flag is one line and exit 2 (:func:`fail`), and
+    ``--help`` shows every default (:class:`HelpFormatter`)."""
+
+    def __init__(self, *args, formatter_class: type = HelpFormatter, **kwargs) -> None:
+        super().__init__(*args, formatter_class=formatter_class, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        fail(message)
+
+
+def comma_list(choices: tuple[str, ...] | None = None):
+    """An argparse ``type``: ``"a,b"`` -> ``("a", "b")``; with ``choices``, anything else is refused."""
+
+    def parse(text: str) -> tuple[str, ...]:
+        items = tuple(x.strip() for x in text.split(",") if x.strip())
+        if not items or (choices is not None and any(x not in choices for x in items)):
+            expected = f"of {', '.join(choices)}" if choices is not None else "of values"
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list {expected}")
+        return items
+
+    return parse

@@ -11,7 +11,6 @@ cannot be read is skipped with one line on stderr: one bad file must not hide th
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -20,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from common.comparison import comparison_main
-from common.console import HelpFormatter
+from common.console import Parser
 from common.report_cpu import CPU_NOTE, load_predicted, render_cpu_table, render_predicted_figure
 from common.report_figure import render_figure
 from common.report_format import (
@@ -325,9 +324,7 @@ def render_markdown(
 
 def main(argv: list[str] | None = None) -> int:
     """Render RESULTS_DIR/README.md and RESULTS_DIR/ladder.png; exit 2 if there is nothing to render."""
-    parser = argparse.ArgumentParser(
-        prog="python -m common.report", description=__doc__.splitlines()[0], formatter_class=HelpFormatter
-    )
+    parser = Parser(prog="python -m common.report", description=__doc__.splitlines()[0])
     parser.add_argument("results_dir", nargs="?", default="results", help="directory of results JSON")
     parser.add_argument(
         "--readme",

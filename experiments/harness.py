@@ -34,7 +34,7 @@ if str(REPO) not in sys.path:  # `python experiments/x.py` from a plain checkout
     sys.path.insert(0, str(REPO))
 
 from common import config, data, estimate, models, results, results_file  # noqa: E402, F401 (results_file: for the experiments)
-from common.console import HelpFormatter  # noqa: E402
+from common.console import Parser  # noqa: E402
 from common.profiling import Recorder  # noqa: E402
 
 GB = 1e9
@@ -42,7 +42,7 @@ GB = 1e9
 
 def parser(description: str, defaults: dict[str, Any]) -> argparse.ArgumentParser:
     """The flags both experiments take; ``defaults`` are the full-size GPU configuration."""
-    p = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
+    p = Parser(description=description)
     p.add_argument("--accelerator", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--model", choices=models.MODEL_NAMES, default=defaults.get("model", "vit_l_16"))
     p.add_argument("--precision", choices=config.PRECISIONS, default=defaults.get("precision", "bf16-true"))

@@ -407,13 +407,15 @@ def test_every_command_line_parser_uses_the_formatter_that_shows_defaults():
                 name = getattr(getattr(node, "func", None), "attr", None) or getattr(
                     getattr(node, "func", None), "id", None
                 )
-                if not isinstance(node, ast.Call) or name not in ("ArgumentParser", "_Parser"):
+                if not isinstance(node, ast.Call) or name not in ("ArgumentParser", "Parser"):
                     continue
                 keywords = {k.arg: k.value for k in node.keywords}
                 if "add_help" in keywords:  # a pre-parser that never prints help
                     continue
                 constructions.append(f"{path.name}:{node.lineno}")
-                if getattr(keywords.get("formatter_class"), "id", None) != "HelpFormatter":
+                formatter = getattr(keywords.get("formatter_class"), "id", None)
+                # common.console.Parser uses HelpFormatter unless told otherwise
+                if formatter != "HelpFormatter" and not (name == "Parser" and formatter is None):
                     missing.append(f"{path.name}:{node.lineno}")
     assert len(constructions) >= 10
     assert not missing, missing

@@ -17,14 +17,13 @@ what it measured.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from common.console import HelpFormatter
+from common.console import Parser
 from tools.compare_reference import Run, execute
 from tools.project_env import project_env
 
@@ -48,7 +47,9 @@ def run(checkout: Path, rung: str, mode: str, flags: list[str], out: Path, timeo
     (out / "logs").mkdir(parents=True, exist_ok=True)
     found = results / f"{path.stem}.json"
     cmd = [sys.executable, str(path.resolve()), *flags, "--mode", mode, "--results-dir", str(results)]
-    proc = runner(Run("project", rung, mode, cmd, found, out / "logs" / f"{path.stem}-{mode}.log"), env, timeout)
+    proc = runner(
+        Run("project", rung, mode, cmd, found, out / "logs" / f"{path.stem}-{mode}.log"), env, timeout
+    )
     payload = json.loads(found.read_text()) if found.exists() else {"status": proc["status"]}
     payload["_seconds"] = proc["wall_s"]
     return payload
@@ -93,9 +94,7 @@ def write(out: Path, rows: list[dict]) -> list[str]:
 
 
 def main(argv: list[str] | None = None, runner: Runner = execute) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m tools.ab_ladder", description=__doc__.splitlines()[0], formatter_class=HelpFormatter
-    )
+    p = Parser(prog="python -m tools.ab_ladder", description=__doc__.splitlines()[0])
     p.add_argument("--base", required=True, type=Path, help="the earlier checkout")
     p.add_argument("--new", default=".", type=Path, help="the checkout under test (default: this one)")
     p.add_argument("--out", required=True, type=Path)
@@ -103,7 +102,9 @@ def main(argv: list[str] | None = None, runner: Runner = execute) -> int:
     p.add_argument("--rungs", nargs="+", default=list(LADDER))
     p.add_argument("--budget", type=float, default=540.0, help="seconds after which no new pair starts")
     p.add_argument("--timeout", type=float, default=180.0, help="seconds per run before it is killed")
-    p.add_argument("--memory-tolerance", type=float, default=0.03, help="largest relative change of peak memory")
+    p.add_argument(
+        "--memory-tolerance", type=float, default=0.03, help="largest relative change of peak memory"
+    )
     p.add_argument("--speed-tolerance", type=float, default=0.05, help="largest relative change of img/s")
     p.add_argument("flags", nargs="*", help="the recipes' flags (after --)")
     args = p.parse_args(argv)
@@ -117,12 +118,9 @@ def main(argv: list[str] | None = None, runner: Runner = execute) -> int:
             if n % 2:
                 sides.reverse()
             n += 1
-            left = args.budget - (time.monotonic() - start)
-            got = {
-                side: numbers(run(path, rung, mode, args.flags, args.out / side, max(1.0, min(args.timeout, left)),
-                                  runner))  # fmt: skip
-                for side, path in sides
-            }
+            timeout = max(1.0, min(args.timeout, args.budget - (time.monotonic() - start)))
+            got = {side: numbers(run(path, rung, mode, args.flags, args.out / side, timeout, runner))
+                   for side, path in sides}  # fmt: skip
             b, a = got["base"], got["new"]
             row = {"rung": rung, "mode": mode, "base": b, "new": a}
             for key in ("reserved_gb", "allocated_gb", "images_per_s"):

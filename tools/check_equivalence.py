@@ -48,7 +48,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
-from common.console import HelpFormatter
+from common.console import Parser
 from common.results_file import write_json_atomic
 from tools.project_env import project_env
 
@@ -214,7 +214,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p = Parser(description=__doc__)
     p.add_argument(
         "--rungs", default=",".join(RUNGS), help="comma-separated rung numbers (default: %(default)s)"
     )

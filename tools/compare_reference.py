@@ -40,7 +40,7 @@ from typing import Any
 
 from common.comparison import comparison_ratios, write_comparison
 from common.config import at_least
-from common.console import HelpFormatter, fail
+from common.console import Parser, fail
 from common.results_file import WARMUP_STEPS, gpu_slug, write_json_atomic
 from tools.project_env import project_env
 
@@ -363,7 +363,9 @@ def execute(run: Run, env: dict[str, str], timeout: float) -> dict[str, Any]:
     """Run one process (its own process group, output to its log); kill the group on timeout."""
     for stale in (run.json, *run.json.parent.glob(f"{run.json.stem}.rank*.json")):
         stale.unlink(missing_ok=True)  # a failed run must not be read as an older file
-    run.log.parent.mkdir(parents=True, exist_ok=True)  # planner_proof's logs sit beside not-yet-made run folders
+    run.log.parent.mkdir(
+        parents=True, exist_ok=True
+    )  # planner_proof's logs sit beside not-yet-made run folders
     start = time.perf_counter()
     with open(run.log, "w", encoding="utf-8") as log:
         log.write("$ " + shlex.join(run.cmd) + "\n")
@@ -431,20 +433,14 @@ def gpu_probe(python: str) -> tuple[int, str | None]:
 
 
 # -------------------------------------------------------------------------------------------- main
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2
-        fail(message)
-
-
 def _csv(text: str) -> list[str]:
     return [item.strip() for item in text.split(",") if item.strip()]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = _Parser(
+    p = Parser(
         prog="python -m tools.compare_reference",
         description=__doc__.splitlines()[0],
-        formatter_class=HelpFormatter,
     )
     p.add_argument("--reference", required=True, help="a checkout of rasbt/pytorch-memory-optim")
     p.add_argument(

@@ -53,7 +53,7 @@ from typing import Any
 
 from common import digits
 from common.config import declared_rung
-from common.console import HelpFormatter
+from common.console import Parser
 from common.report import load_results
 from common.report_format import DASH, write_into_block
 from common.results_file import write_atomic, write_json_atomic
@@ -614,8 +614,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if "--" in argv:
         i = argv.index("--")
         argv, extra = argv[:i], argv[i + 1 :]
-    p = argparse.ArgumentParser(
-        prog="python -m tools.convergence", description=__doc__.splitlines()[0], formatter_class=HelpFormatter
+    p = Parser(
+        prog="python -m tools.convergence", description=__doc__.splitlines()[0]
     )
     p.add_argument("--out", default="results/convergence", help="results folder (runs/, report)")
     p.add_argument("--logs", help="log folder (default: OUT/logs)")

@@ -12,13 +12,12 @@ what this prints, so a recipe change that is not carried to its page fails the s
 
 from __future__ import annotations
 
-import argparse
 import difflib
 import re
 import sys
 from pathlib import Path
 
-from common.console import HelpFormatter
+from common.console import Parser
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES, DOCS = REPO / "recipes", REPO / "docs"
@@ -82,9 +81,7 @@ def block(page: Path) -> tuple[int, int] | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m tools.docs_diff", description=__doc__.splitlines()[0], formatter_class=HelpFormatter
-    )
+    p = Parser(prog="python -m tools.docs_diff", description=__doc__.splitlines()[0])
     p.add_argument("rungs", nargs="*", help="two rungs, e.g. 04 05")
     p.add_argument("--write", action="store_true", help="rewrite the diff block of every rung page")
     args = p.parse_args(argv)

@@ -10,7 +10,6 @@ a time limit per cell, and fails (exit 1, the cell's error on stderr) if any cel
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -19,7 +18,7 @@ import nbformat
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
-from common.console import HelpFormatter
+from common.console import Parser
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -37,10 +36,9 @@ def execute(path: str | Path, out: str | Path | None = None, timeout: int = 300)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="python -m tools.execute_notebook",
         description=__doc__.splitlines()[0],
-        formatter_class=HelpFormatter,
     )
     p.add_argument("notebook", help="the .ipynb to run")
     p.add_argument("--out", help="where the executed notebook goes (default: over the input)")

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from common.config import VIT_MODELS, at_least
-from common.console import HelpFormatter, fail
+from common.console import Parser, comma_list
 from common.estimate.fit import MODES, OPTIMIZERS, PRECISIONS, Candidate, Planner, SimulationCache
 from common.estimate.fit_cli import parse_size
 from common.results_file import write_json_atomic
@@ -52,11 +52,6 @@ REPO = Path(__file__).resolve().parents[1]
 RUN_ARGS = ("--data", "synthetic", "--weights", "none", "--eval-batches", "1")
 ROLES = ("pick", "rejected", "candidate")  # the order the runs go in
 Runner = Callable[[Run, dict, float], dict]
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2
-        fail(message)
 
 
 def _budgets(text: str) -> list[float]:
@@ -69,14 +64,10 @@ def _budgets(text: str) -> list[float]:
     return values
 
 
-def _csv(text: str) -> tuple[str, ...]:
-    return tuple(x.strip() for x in text.split(",") if x.strip())
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     lowbit = importlib.util.find_spec("torchao") is not None
-    p = _Parser(prog="python -m tools.planner_proof", description=__doc__.split("\n\n")[0],
-                epilog=__doc__.split("\n\n", 2)[2], formatter_class=HelpFormatter)  # fmt: skip
+    p = Parser(prog="python -m tools.planner_proof", description=__doc__.split("\n\n")[0],
+                epilog=__doc__.split("\n\n", 2)[2])  # fmt: skip
     p.add_argument("--out", required=True, type=Path, help="output folder (e.g. results/planner-h100)")
     p.add_argument(
         "--budgets", type=_budgets, default=[1.0, 2.0, 4.0, 8.0], help="GB, comma-separated (default 1,2,4,8)"
@@ -92,7 +83,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--optimizers",
-        type=_csv,
+        type=comma_list(OPTIMIZERS),
         default=OPTIMIZERS if lowbit else ("adam", "sgd"),
         help="optimizers to plan with (default: adam,sgd,adamw8bit; without torchao installed, adam,sgd)",
     )
@@ -113,9 +104,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     args = p.parse_args(argv)  # fmt: skip
     args.out = args.out.resolve()  # the runs start in the repository's root
-    bad = [o for o in args.optimizers if o not in OPTIMIZERS]
-    if bad or not args.optimizers:
-        fail(f"--optimizers: expected some of {', '.join(OPTIMIZERS)}")
     return args
 
 

@@ -47,7 +47,6 @@ memory. The JSON is written in every case but 2.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import hashlib
 import importlib.util
@@ -74,7 +73,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torchvision.models._utils import _ovewrite_named_param
 
 from common.config import at_least
-from common.console import HelpFormatter, fail
+from common.console import Parser, fail
 from common.results import environment
 from common.results_file import GB, WARMUP_STEPS, write_json_atomic
 
@@ -363,11 +362,6 @@ def run_script(script: Path, cwd: str) -> None:
 
 
 # -------------------------------------------------------------------------------------------- main
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2
-        fail(message)
-
-
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
@@ -378,10 +372,9 @@ def rank_path(out: str, rank: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(
+    parser = Parser(
         prog="python -m tools.reference_runner",
         description=__doc__.splitlines()[0],
-        formatter_class=HelpFormatter,
     )
     parser.add_argument("script", help="one of the article's training scripts (e.g. 05_gradient-accum.py)")
     parser.add_argument("--steps", type=at_least(2), default=25, help="optimizer steps before stopping")

@@ -14,7 +14,6 @@ what a rung computes is checked this way on a CPU, several ranks included.
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import subprocess
@@ -25,7 +24,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from common.console import HelpFormatter
+from common.console import Parser
 from tools.project_env import project_env
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,10 +56,9 @@ def run(checkout: Path, recipe: str, flags: list[str], out: Path, step: int, dat
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="python -m tools.same_parameters",
         description=__doc__.splitlines()[0],
-        formatter_class=HelpFormatter,
     )
     p.add_argument("--base", required=True, help="the commit to compare this checkout with")
     p.add_argument("--recipe", default="08_fsdp2", help="a recipe name or its rung prefix (default 08_fsdp2)")

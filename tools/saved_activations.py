@@ -18,12 +18,11 @@ saved activations. The measured GPU numbers are in results/bonus/*.json.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
 
-from common.console import HelpFormatter
+from common.console import Parser
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -45,7 +44,7 @@ def saved_bytes(model, batch: dict) -> int:
 def main(argv: list[str] | None = None) -> int:
     from common import hf_models, text
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
+    p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="distilbert-base-uncased", choices=sorted(hf_models.SPECS))
     p.add_argument("--max-length", type=int, default=512)
     p.add_argument("--batch-size", type=int, default=1)

@@ -14,7 +14,7 @@ import sys
 from typing import Any
 
 from common.config import VIT_MODELS, at_least
-from common.console import HelpFormatter, fail
+from common.console import Parser, comma_list, fail
 from common.estimate import calibration
 from common.estimate.fit import MODES, OPTIMIZERS, PRECISIONS, Fit, Planner, SimulationCache
 from common.estimate.plan import GB
@@ -31,29 +31,12 @@ def parse_size(text: str) -> float:
     return float(match.group(1)) * UNITS[(match.group(2) or "gb").lower()]
 
 
-def _csv(choices: tuple[str, ...]):
-    def parse(text: str) -> tuple[str, ...]:
-        items = tuple(x.strip() for x in text.split(",") if x.strip())
-        bad = [x for x in items if x not in choices]
-        if bad or not items:
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {', '.join(choices)}")
-        return items
-
-    return parse
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2
-        fail(message)
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = _Parser(
+    p = Parser(
         prog="python -m common.estimate --fit",
         description="Which rungs does my GPU need? The fastest configurations of the ladder's techniques"
         " whose predicted peak reserved memory fits the budget, each with the recipe command that runs it"
         " (prediction only: runs on a CPU in seconds; simulations are cached).",
-        formatter_class=HelpFormatter,
     )
     p.add_argument(
         "--fit", required=True, metavar="SIZE", help="the GPU memory budget: 6GB, 6.5GB, 512MB, 8GiB"
@@ -71,11 +54,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="GPU kind whose committed runs give the throughput (h100, h200, ...)",
     )
     p.add_argument("--top", type=at_least(1), default=5, help="how many fitting configurations to print")
-    p.add_argument("--precisions", type=_csv(PRECISIONS), default=PRECISIONS, help="precisions to combine")
-    p.add_argument("--modes", type=_csv(MODES), default=MODES, help="modes to combine")
+    p.add_argument(
+        "--precisions", type=comma_list(PRECISIONS), default=PRECISIONS, help="precisions to combine"
+    )
+    p.add_argument("--modes", type=comma_list(MODES), default=MODES, help="modes to combine")
     p.add_argument(
         "--optimizers",
-        type=_csv(OPTIMIZERS),
+        type=comma_list(OPTIMIZERS),
         default=OPTIMIZERS,
         help="optimizers to combine (SGD and 8-bit Adam change the training: docs/06, docs/13)",
     )
