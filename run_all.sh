@@ -4,14 +4,14 @@
 #   ./run_all.sh                         every numbered recipe (GPU: full size; no GPU: quick CPU path)
 #   ./run_all.sh --quick                 GPU: the single-GPU ladder (01-07, 10-15), 20 steps each, synthetic
 #                                        data, into results/quick (7 min 37 s on one H100, a machine's first
-#                                        run about 9-10 (estimated): results/quick-h100); no GPU: the CPU path
+#                                        run about 9-10 (estimated): results/published/h100/quick); no GPU: the CPU path
 #   ./run_all.sh --only 01,03            recipes whose name starts with 01 or 03
 #   ./run_all.sh -- --max-steps 50       everything after -- is passed to every recipe
 #   ./run_all.sh -- --data synthetic     the memory/speed ladder as committed: CIFAR-sized splits offline
 #   ./run_all.sh --cpu                   force the quick CPU path (tiny model, real digits, 15 steps), then
-#                                        predict every rung at full size (python -m common.estimate --ladder)
+#                                        predict every rung at full size (python -m fabric_memory_recipes.planning --ladder)
 #   ./run_all.sh --results-dir DIR       where the JSON and the report go
-#   ./run_all.sh --bonus                 the bonus cases instead (results/bonus): DistilBERT and BigBird on
+#   ./run_all.sh --bonus                 the bonus cases instead (results/published/h100/bonus): DistilBERT and BigBird on
 #                                        IMDb before/after, and the LLM fine-tuning toggles table
 #
 # A recipe that fails or runs out of memory does not stop the ladder; the script exits non-zero at the
@@ -24,7 +24,7 @@ set -u
 cd "$(dirname "$0")"
 
 PYTHON=${PYTHON:-python3}
-# Recipes import `common`; make that work from a plain checkout too (pip install -e . is still the way).
+# Recipes import `fabric_memory_recipes`; make that work from a plain checkout too (pip install -e . is still the way).
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 only=""
 quick=0
@@ -70,7 +70,7 @@ if [ "$gpus" = 0 ]; then
     echo "Its numbers show that every case runs end to end (tests/test_bonus.py checks that they learn); memory and speed figures need a GPU."
   else
     echo "No CUDA GPU found: running the quick CPU path (vit_tiny, scikit-learn's digits, random init, $CPU_STEPS steps)."
-    echo "It shows that every rung runs end to end; its memory columns are predicted for ViT-L/16 at each rung's GPU configuration (common.estimate), not measured: on a CPU only the process's RSS can be. $CPU_STEPS steps do not train a model (accuracy: python -m tools.convergence)."
+    echo "It shows that every rung runs end to end; its memory columns are predicted for ViT-L/16 at each rung's GPU configuration (fabric_memory_recipes.planning), not measured: on a CPU only the process's RSS can be. $CPU_STEPS steps do not train a model (accuracy: python -m fabric_memory_recipes.tools.convergence)."
   fi
   mode=cpu
   # digits: real, bundled with scikit-learn, and quicker to load than the 60,000 synthetic images
@@ -209,15 +209,15 @@ done
 if [ "$mode" = cpu ] && [ "$bonus" = 0 ] && [ "$stopped" = 0 ]; then
   # On a CPU the measured memory is the process's RSS; the report shows each rung's full-size prediction.
   echo
-  echo ">>> predicting each rung at full size: $PYTHON -m common.estimate --ladder $results_dir"
+  echo ">>> predicting each rung at full size: $PYTHON -m fabric_memory_recipes.planning --ladder $results_dir"
   start=$(date +%s)
-  if "$PYTHON" -m common.estimate --ladder "$results_dir"; then status=ok; else status=failed; failed=1; fi
+  if "$PYTHON" -m fabric_memory_recipes.planning --ladder "$results_dir"; then status=ok; else status=failed; failed=1; fi
   summary+=("$(printf '%-34s %-26s %5ss' "predicted ladder (ViT-L/16)" "$status" "$(( $(date +%s) - start ))")")
 fi
 
 echo
 echo "Rendering the report from $results_dir ..."
-if ! "$PYTHON" -m common.report "$results_dir"; then
+if ! "$PYTHON" -m fabric_memory_recipes.measurement.report "$results_dir"; then
   summary+=("$(printf '%-34s %s' report 'failed')")
   failed=1
 fi

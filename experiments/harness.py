@@ -11,8 +11,8 @@ Adam over the trainable parameters only, ``zero_grad(set_to_none=True)``). Measu
 * ``phase_ms``: median milliseconds of forward, backward and optimizer per step, read from a
   torch.profiler trace (on CUDA, the GPU-side span of the kernels each ``## phase ##`` range launched;
   host-side on a CPU), and on CUDA ``phase_kernel_ms``: the sum of those kernels' own durations
-  (``common.timeline.phase_ranges``, the recipes' ``--memory-timeline`` timer too);
-* optionally the memory timeline by category (``--timelines``, ``common.profiling.Recorder``).
+  (``fabric_memory_recipes.measurement.timeline.phase_ranges``, the recipes' ``--memory-timeline`` timer too);
+* optionally the memory timeline by category (``--timelines``, ``fabric_memory_recipes.measurement.profiling.Recorder``).
 
 Experiments run eager (no torch.compile): the estimator models the eager graph.
 """
@@ -30,12 +30,14 @@ from typing import Any
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # `python experiments/x.py` from a plain checkout finds `common`
+if str(REPO) not in sys.path:  # `python experiments/x.py` from a plain checkout finds the package
     sys.path.insert(0, str(REPO))
 
-from common import config, data, estimate, models, results, results_file  # noqa: E402, F401 (results_file: for the experiments)
-from common.console import Parser  # noqa: E402
-from common.profiling import Recorder  # noqa: E402
+from fabric_memory_recipes import config, planning  # noqa: E402
+from fabric_memory_recipes.console import Parser  # noqa: E402
+from fabric_memory_recipes.measurement import results, results_file  # noqa: E402, F401 (results_file: for the experiments)
+from fabric_memory_recipes.measurement.profiling import Recorder  # noqa: E402
+from fabric_memory_recipes.training import data, models  # noqa: E402
 
 GB = 1e9
 
@@ -55,7 +57,7 @@ def parser(description: str, defaults: dict[str, Any]) -> argparse.ArgumentParse
         default=True,
         help="also record a memory timeline (PNG/HTML) of each variant (slower)",
     )
-    p.add_argument("--out", default="results/experiments", help="folder for the JSON and the plots")
+    p.add_argument("--out", default="results/published/h100/experiments", help="folder for the JSON and the plots")
     p.add_argument("--seed", type=int, default=123)
     return p
 
@@ -97,14 +99,14 @@ def train_variant(
     with fabric.init_module(empty_init=False):
         model = build()
     trainable = [p for p in model.parameters() if p.requires_grad]
-    plan = estimate.Plan(
+    plan = planning.Plan(
         precision=args.precision,
         micro_batch_size=args.batch_size,
         optimizer="adam",
         optimizer_impl="fused" if cuda else "for-loop",
         device=fabric.device.type,
     )
-    predicted = estimate.simulate(model, plan, model_name=f"{args.model} ({name})")
+    predicted = planning.simulate(model, plan, model_name=f"{args.model} ({name})")
     optimizer = torch.optim.Adam(trainable, lr=1e-4, fused=cuda)
     model, optimizer = fabric.setup(model, optimizer)
     batch_fn = data.image_classification(model.image_size)
@@ -131,7 +133,7 @@ def train_variant(
         torch.cuda.reset_peak_memory_stats()
         baseline = torch.cuda.memory_allocated() / GB  # weights (+ batch): a leak from a variant shows here
     # one real forward pass with the estimator's hooks: the bytes autograd saves
-    with estimate.SavedTensorCounter([*model.parameters(), *model.buffers()]) as saved:
+    with planning.SavedTensorCounter([*model.parameters(), *model.buffers()]) as saved:
         loss = batch_fn(model, batch)[0]
     saved_bytes = saved.rounded_nbytes
     fabric.backward(loss)
@@ -208,7 +210,7 @@ def plot_rows(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     xs = range(len(rows))
     fig, (ax_m, ax_t) = plt.subplots(1, 2, figsize=(13, 5))
     bottoms = [0.0] * len(rows)
-    for comp in estimate.COMPONENTS:
+    for comp in planning.COMPONENTS:
         vals = [r["predicted"]["components_gb"].get(comp, 0.0) for r in rows]
         if not any(vals):
             continue
@@ -217,7 +219,7 @@ def plot_rows(rows: list[dict[str, Any]], path: Path, title: str) -> None:
             vals,
             0.4,
             bottom=bottoms,
-            color=estimate.COMPONENT_COLORS[comp],
+            color=planning.COMPONENT_COLORS[comp],
             label=f"predicted: {comp}",
         )
         bottoms = [b + v for b, v in zip(bottoms, vals, strict=True)]

@@ -8,8 +8,8 @@ scaler keeps small fp16 gradients from underflowing. --precision bf16-mixed need
 import lightning as L
 import torch
 
-from common import bf16, data, estimate, lifecycle, loop, models
-from common.config import RunConfig
+from fabric_memory_recipes import RunConfig, planning
+from fabric_memory_recipes.training import bf16, data, lifecycle, loop, models
 
 RUNG = RunConfig(
     recipe="02_mixed_precision",
@@ -39,8 +39,8 @@ def main(cfg: RunConfig, results) -> None:
         models.compile_blocks(model, cfg.compile)  # fast mode: one compiled graph shared by every block
         # fused: the whole update in one kernel, no temporary copies of the parameters
         optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr, fused=True)
-        results.estimate = estimate.for_run(model, cfg)  # the predicted peak
-        optimizer = bf16.updates(optimizer, cfg, results)  # --bf16-update, --lost-updates (common/bf16.py)
+        results.estimate = planning.for_run(model, cfg)  # the predicted peak
+        optimizer = bf16.updates(optimizer, cfg, results)  # --bf16-update, --lost-updates (training/bf16.py)
         model, optimizer = fabric.setup(model, optimizer)
     results.set(parameters=models.count_parameters(model))
 

@@ -3,15 +3,15 @@
 Only a micro-batch's activations are alive at once; gradients of the 4 micro-batches add up in the
 .grad buffers (each loss divided by 4) and the optimizer steps once per group, after the 4th
 micro-batch. The update equals one step on the batch of 16. The shared loop does the grouping: its
-blocks marked "rung 05" in common/loop.py (fit); this recipe sets --accumulation-steps 4
+blocks marked "rung 05" in fabric_memory_recipes/training/loop.py (fit); this recipe sets --accumulation-steps 4
 (micro-batch = batch-size / accumulation-steps).
 """
 
 import lightning as L
 import torch
 
-from common import bf16, data, estimate, lifecycle, loop, models
-from common.config import RunConfig
+from fabric_memory_recipes import RunConfig, planning
+from fabric_memory_recipes.training import bf16, data, lifecycle, loop, models
 
 RUNG = RunConfig(
     recipe="05_gradient_accumulation",
@@ -41,8 +41,8 @@ def main(cfg: RunConfig, results) -> None:
         models.compile_blocks(model, cfg.compile)  # fast mode: one compiled graph shared by every block
         # fused: the whole update in one kernel, no temporary copies of the parameters
         optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr, fused=True)
-        results.estimate = estimate.for_run(model, cfg)  # the predicted peak
-        optimizer = bf16.updates(optimizer, cfg, results)  # --bf16-update, --lost-updates (common/bf16.py)
+        results.estimate = planning.for_run(model, cfg)  # the predicted peak
+        optimizer = bf16.updates(optimizer, cfg, results)  # --bf16-update, --lost-updates (training/bf16.py)
         model, optimizer = fabric.setup(model, optimizer)
     results.set(parameters=models.count_parameters(model))
 

@@ -14,8 +14,8 @@ from lightning.fabric.strategies import ModelParallelStrategy
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.fsdp import fully_shard
 
-from common import data, estimate, lifecycle, loop, models
-from common.config import RunConfig
+from fabric_memory_recipes import RunConfig, planning
+from fabric_memory_recipes.training import data, lifecycle, loop, models
 
 RUNG = RunConfig(
     recipe="08_fsdp2",
@@ -61,7 +61,7 @@ def main(cfg: RunConfig, results) -> None:
 
     with results.phase("model_load"):
         model = models.build_model(cfg.model, weights, num_classes=data.NUM_CLASSES)
-        results.estimate = estimate.for_run(model, cfg)  # the predicted peak
+        results.estimate = planning.for_run(model, cfg)  # the predicted peak
         image_size, parameters = model.image_size, models.count_parameters(model)
         model = fabric.setup_module(model)  # rung 08: shard first, then build the optimizer over the shards
         optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=cfg.lr, fused=True))

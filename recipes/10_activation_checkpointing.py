@@ -13,8 +13,9 @@ from dataclasses import dataclass
 import lightning as L
 import torch
 
-from common import bf16, data, estimate, lifecycle, loop, models
-from common.config import RunConfig, flag
+from fabric_memory_recipes import planning
+from fabric_memory_recipes.config import RunConfig, flag
+from fabric_memory_recipes.training import bf16, data, lifecycle, loop, models
 
 
 @dataclass
@@ -54,8 +55,8 @@ def main(cfg: CheckpointingConfig, results) -> None:
             model.encoder.layers[i] = models.CheckpointedBlock(block, use_reentrant=cfg.reentrant)
         # rung 06: plain SGD keeps no state (Adam kept two extra tensors per parameter); fused: one kernel
         optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, fused=True)
-        results.estimate = estimate.for_run(model, cfg)  # the predicted peak
-        optimizer = bf16.updates(optimizer, cfg, results)  # --bf16-update, --lost-updates (common/bf16.py)
+        results.estimate = planning.for_run(model, cfg)  # the predicted peak
+        optimizer = bf16.updates(optimizer, cfg, results)  # --bf16-update, --lost-updates (training/bf16.py)
         model, optimizer = fabric.setup(model, optimizer)
     results.set(parameters=models.count_parameters(model))
     train_loader, val_loader, test_loader = fabric.setup_dataloaders(*data.loaders(splits, cfg, fabric))

@@ -1,6 +1,6 @@
 """Rung 11 - activation offloading: rung 07 with the tensors saved for backward kept in host memory.
 
-Inside common.offload.offload_activations(), every activation autograd saves during the forward pass
+Inside fabric_memory_recipes.training.offload.offload_activations(), every activation autograd saves during the forward pass
 is copied into pinned CPU memory (non-blocking, on the compute stream) and its GPU copy is released;
 the backward pass copies each one back just before it is needed. Weights are not copied: they stay on
 the GPU anyway. GPU memory for activations drops to what is in flight; the price is PCIe traffic of
@@ -10,8 +10,8 @@ every saved activation, twice.
 import lightning as L
 import torch
 
-from common import bf16, data, estimate, lifecycle, loop, models, offload
-from common.config import RunConfig
+from fabric_memory_recipes import RunConfig, planning
+from fabric_memory_recipes.training import bf16, data, lifecycle, loop, models, offload
 
 RUNG = RunConfig(
     recipe="11_activation_offload",
@@ -43,8 +43,8 @@ def main(cfg: RunConfig, results) -> None:
         models.compile_blocks(model, cfg.compile)  # fast mode: one compiled graph shared by every block
         # rung 06: plain SGD keeps no state (Adam kept two extra tensors per parameter); fused: one kernel
         optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, fused=True)
-        results.estimate = estimate.for_run(model, cfg)  # the predicted peak
-        optimizer = bf16.updates(optimizer, cfg, results)  # --bf16-update, --lost-updates (common/bf16.py)
+        results.estimate = planning.for_run(model, cfg)  # the predicted peak
+        optimizer = bf16.updates(optimizer, cfg, results)  # --bf16-update, --lost-updates (training/bf16.py)
         model, optimizer = fabric.setup(model, optimizer)
     results.set(parameters=models.count_parameters(model))
 

@@ -11,8 +11,8 @@ no accumulation (--accumulation-steps > 1 is refused).
 import lightning as L
 import torch
 
-from common import bf16, data, estimate, lifecycle, loop, models
-from common.config import RunConfig
+from fabric_memory_recipes import RunConfig, planning
+from fabric_memory_recipes.training import bf16, data, lifecycle, loop, models
 
 RUNG = RunConfig(
     recipe="12_optimizer_in_backward",
@@ -42,7 +42,7 @@ def main(cfg: RunConfig, results) -> None:
         with fabric.init_module(empty_init=False):  # rung 07: on the device, in the target dtype
             model = models.build_model(cfg.model, weights, num_classes=data.NUM_CLASSES)
         models.compile_blocks(model, cfg.compile)  # fast mode: one compiled graph shared by every block
-        results.estimate = estimate.for_run(model, cfg)  # the predicted peak
+        results.estimate = planning.for_run(model, cfg)  # the predicted peak
         model = fabric.setup(model)
         # rung 12: one SGD per parameter, stepped by a hook as soon as that parameter's gradient is ready
         optimizers = {p: torch.optim.SGD([p], lr=cfg.lr, fused=True) for p in model.parameters()}
@@ -51,7 +51,7 @@ def main(cfg: RunConfig, results) -> None:
             optimizers[param].step()
             optimizers[param].zero_grad(set_to_none=True)  # rung 12: the gradient is freed right away
 
-        optimizers = bf16.updates(optimizers, cfg, results)  # --bf16-update, --lost-updates (common/bf16.py)
+        optimizers = bf16.updates(optimizers, cfg, results)  # --bf16-update, --lost-updates
         for p in model.parameters():
             p.register_post_accumulate_grad_hook(step_in_backward)
     results.set(parameters=models.count_parameters(model))

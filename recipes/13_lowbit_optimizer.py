@@ -9,8 +9,9 @@ convergence, at 0.61 GB of state. Needs torchao (`pip install -e ".[lowbit]"`).
 import lightning as L
 import torch
 
-from common import bf16, data, estimate, lifecycle, loop, models
-from common.config import RunConfig, UsageError
+from fabric_memory_recipes import planning
+from fabric_memory_recipes.config import RunConfig, UsageError
+from fabric_memory_recipes.training import bf16, data, lifecycle, loop, models
 
 RUNG = RunConfig(
     recipe="13_lowbit_optimizer",
@@ -44,8 +45,8 @@ def main(cfg: RunConfig, results) -> None:
             model = models.build_model(cfg.model, weights, num_classes=data.NUM_CLASSES)
         models.compile_blocks(model, cfg.compile)  # fast mode: one compiled graph shared by every block
         optimizer = AdamW8bit(model.parameters(), lr=cfg.lr)  # rung 13: 8-bit moments, scaled per block
-        results.estimate = estimate.for_run(model, cfg)  # the predicted peak
-        optimizer = bf16.updates(optimizer, cfg, results)  # --bf16-update, --lost-updates (common/bf16.py)
+        results.estimate = planning.for_run(model, cfg)  # the predicted peak
+        optimizer = bf16.updates(optimizer, cfg, results)  # --bf16-update, --lost-updates (training/bf16.py)
         model, optimizer = fabric.setup(model, optimizer)
     results.set(parameters=models.count_parameters(model))
 

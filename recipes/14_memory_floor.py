@@ -13,8 +13,8 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # 
 import lightning as L
 import torch
 
-from common import bf16, data, estimate, lifecycle, loop, models, offload
-from common.config import RunConfig
+from fabric_memory_recipes import RunConfig, planning
+from fabric_memory_recipes.training import bf16, data, lifecycle, loop, models, offload
 
 RUNG = RunConfig(
     recipe="14_memory_floor",
@@ -45,7 +45,7 @@ def main(cfg: RunConfig, results) -> None:
         models.compile_blocks(model, cfg.compile)  # fast mode: one compiled graph shared by every block
         for i, block in enumerate(models.blocks(model)):  # rung 10: each block keeps its input only
             model.encoder.layers[i] = models.CheckpointedBlock(block)
-        results.estimate = estimate.for_run(model, cfg)  # the predicted peak
+        results.estimate = planning.for_run(model, cfg)  # the predicted peak
         model = fabric.setup(model)
         # rung 12: one SGD per parameter, stepped by a hook as soon as that parameter's gradient is ready
         optimizers = {p: torch.optim.SGD([p], lr=cfg.lr, fused=True) for p in model.parameters()}
@@ -54,7 +54,7 @@ def main(cfg: RunConfig, results) -> None:
             optimizers[param].step()
             optimizers[param].zero_grad(set_to_none=True)  # rung 12: the gradient is freed right away
 
-        optimizers = bf16.updates(optimizers, cfg, results)  # --bf16-update, --lost-updates (common/bf16.py)
+        optimizers = bf16.updates(optimizers, cfg, results)  # --bf16-update, --lost-updates
         for p in model.parameters():
             p.register_post_accumulate_grad_hook(step_in_backward)
     results.set(parameters=models.count_parameters(model))

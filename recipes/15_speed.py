@@ -6,7 +6,7 @@ Memory is not the goal here; throughput is, with the same model, data and update
 - fused Adam: the whole update in one kernel;
 - torch.compile of the whole model: fused elementwise kernels around the matrix products, far fewer
   launches;
-- uint8 images resized on the GPU (common/data.py), so the input pipeline never waits on the CPU;
+- uint8 images resized on the GPU (fabric_memory_recipes/training/data.py), so the input pipeline never waits on the CPU;
 - a large batch (256): bigger matrix products keep the tensor cores busier and the optimizer step is
   paid once per 256 images. Try --batch-size 64/128 to see what it buys.
 The recipe reports model FLOPs utilisation (MFU): the model's FLOPs per step, counted by
@@ -16,8 +16,9 @@ torch.utils.flop_counter, over the measured step time, against the GPU's datashe
 import lightning as L
 import torch
 
-from common import bf16, data, estimate, lifecycle, loop, models, results_file
-from common.config import RunConfig
+from fabric_memory_recipes import RunConfig, planning
+from fabric_memory_recipes.measurement import results_file
+from fabric_memory_recipes.training import bf16, data, lifecycle, loop, models
 
 RUNG = RunConfig(
     recipe="15_speed",
@@ -45,13 +46,13 @@ def main(cfg: RunConfig, results) -> None:
     with results.phase("model_load"):
         with fabric.init_module(empty_init=False):  # rung 07: allocated on the device, in bf16
             model = models.build_model(cfg.model, weights, num_classes=data.NUM_CLASSES)
-            results.estimate = estimate.for_run(model, cfg)  # the predicted peak
+            results.estimate = planning.for_run(model, cfg)  # the predicted peak
         image_size = model.image_size
         if cfg.compile:  # rung 15: the whole model as one graph (forward and backward each)
             model = torch.compile(model)
         # fused: the whole update in one kernel, no temporary copies of the parameters
         optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr, fused=True)
-        optimizer = bf16.updates(optimizer, cfg, results)  # --bf16-update, --lost-updates (common/bf16.py)
+        optimizer = bf16.updates(optimizer, cfg, results)  # --bf16-update, --lost-updates (training/bf16.py)
         model, optimizer = fabric.setup(model, optimizer)
     results.set(parameters=models.count_parameters(model))
 

@@ -20,9 +20,9 @@ import torch
 from lightning.fabric.strategies import FSDPStrategy
 from transformers.models.big_bird.modeling_big_bird import BigBirdLayer
 
-from common import data, hf_models, lifecycle, loop, text
-from common.config import UsageError
-from common.text import TextConfig
+from fabric_memory_recipes.config import UsageError
+from fabric_memory_recipes.training import data, hf_models, lifecycle, loop, text
+from fabric_memory_recipes.training.text import TextConfig
 
 RUNG = TextConfig(
     recipe="bonus_bigbird_after",

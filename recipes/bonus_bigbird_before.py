@@ -14,9 +14,9 @@ done about memory here; bonus_bigbird_after.py applies the ladder's techniques. 
 import lightning as L
 import torch
 
-from common import data, hf_models, lifecycle, loop, text
-from common.config import UsageError
-from common.text import TextConfig
+from fabric_memory_recipes.config import UsageError
+from fabric_memory_recipes.training import data, hf_models, lifecycle, loop, text
+from fabric_memory_recipes.training.text import TextConfig
 
 RUNG = TextConfig(
     recipe="bonus_bigbird_before",

@@ -13,9 +13,9 @@ and measured 3.99 GB; this one is the single-GPU fp32 baseline the ladder starts
 import lightning as L
 import torch
 
-from common import data, hf_models, lifecycle, loop, text
-from common.config import UsageError
-from common.text import TextConfig
+from fabric_memory_recipes.config import UsageError
+from fabric_memory_recipes.training import data, hf_models, lifecycle, loop, text
+from fabric_memory_recipes.training.text import TextConfig
 
 RUNG = TextConfig(
     recipe="bonus_distilbert_before",

@@ -24,9 +24,11 @@ the prompt and on padding). Batch 12 as 2 x 6 accumulation steps, AdamW (lr 5e-5
 import lightning as L
 import torch
 
-from common import data, hf_models, lifecycle, loop, text
-from common.config import UsageError
-from common.llm_toggles import ToggleConfig  # --half, --mixed, --grad-checkpointing, --lora, --attn, --all
+from fabric_memory_recipes.config import UsageError
+from fabric_memory_recipes.training import data, hf_models, lifecycle, loop, text
+from fabric_memory_recipes.training.llm_toggles import (
+    ToggleConfig,  # --half, --mixed, --grad-checkpointing, --lora, --attn, --all
+)
 
 LORA_TARGETS = ["q_proj", "v_proj"]
 

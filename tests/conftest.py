@@ -45,8 +45,8 @@ RECIPES_DIR = REPO / "recipes"
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-# In-process code (common.results reads FMR_LOG_DIR at import time; common.net reads FMR_OFFLINE)
-# must see these before anything imports common.*: set them while conftest is imported.
+# In-process code (fabric_memory_recipes.measurement.results reads FMR_LOG_DIR at import time; fabric_memory_recipes.training.net reads FMR_OFFLINE)
+# must see these before anything imports fabric_memory_recipes.*: set them while conftest is imported.
 _TMP_ROOT = Path(tempfile.mkdtemp(prefix="fmr-tests-"))
 _LOG_DIR = _TMP_ROOT / "logs"
 os.environ["FMR_OFFLINE"] = "1"
@@ -92,7 +92,7 @@ def subprocess_env(log_dir: str | os.PathLike | None = None, **extra: str) -> di
     env["FMR_OFFLINE"] = "1"
     env["FMR_LOG_DIR"] = str(log_dir or _LOG_DIR)
     env["PYTHONUNBUFFERED"] = "1"
-    # `common` importable from a plain checkout too (as run_all.sh does), not only after pip install -e .
+    # `fabric_memory_recipes` importable from a plain checkout too (as run_all.sh does), not only after pip install -e .
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     # Several recipe processes run at once on few cores: one intra-op thread each avoids thrashing.
     env.setdefault("OMP_NUM_THREADS", "1")

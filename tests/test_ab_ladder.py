@@ -1,11 +1,11 @@
-"""tools.ab_ladder on a CPU, with a stand-in for the recipe processes (the GPU call is what it is for)."""
+"""fabric_memory_recipes.tools.ab_ladder on a CPU, with a stand-in for the recipe processes (the GPU call is what it is for)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from tools import ab_ladder
+from fabric_memory_recipes.tools import ab_ladder
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -76,8 +76,8 @@ def test_the_callers_pythonpath_stays_after_the_checkout(tmp_path, monkeypatch):
 
 def test_project_env_puts_the_code_first_and_keeps_the_callers_path(monkeypatch, tmp_path):
     """Every tool's child processes: this checkout's (or a given one's) code first, then PYTHONPATH."""
-    from tools.project_env import REPO as TOOLS_REPO
-    from tools.project_env import project_env
+    from fabric_memory_recipes.tools.project_env import REPO as TOOLS_REPO
+    from fabric_memory_recipes.tools.project_env import project_env
 
     monkeypatch.setenv("PYTHONPATH", "/opt/extra-site")
     env = project_env(tmp_path, FMR_OFFLINE="1")

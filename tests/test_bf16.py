@@ -1,4 +1,4 @@
-"""common.bf16: plain bf16 weights lose small updates, the fixes keep them, and the measurement counts right."""
+"""fabric_memory_recipes.training.bf16: plain bf16 weights lose small updates, the fixes keep them, and the measurement counts right."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import types
 import pytest
 import torch
 
-from common import bf16, cli
-from common.config import RunConfig, UsageError
+from fabric_memory_recipes.config import RunConfig, UsageError
+from fabric_memory_recipes.training import bf16, cli
 
 HAVE_OPTIMI = importlib.util.find_spec("optimi") is not None
 HAVE_TORCHAO = importlib.util.find_spec("torchao") is not None

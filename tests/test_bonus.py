@@ -28,8 +28,9 @@ from conftest import (
     subprocess_env,
 )
 
-from common import hf_models, report, results, text, text_samples
-from common.config import UsageError
+from fabric_memory_recipes.config import UsageError
+from fabric_memory_recipes.measurement import report, results
+from fabric_memory_recipes.training import hf_models, text, text_samples
 
 BACKGROUND_PRIORITY = 20  # run_all.sh --bonus: one recipe process and the report
 BACKGROUND_TESTS = {"test_run_all_bonus_runs_a_row_of_the_llm_table"}
@@ -370,7 +371,7 @@ def test_run_all_bonus_runs_a_row_of_the_llm_table():
 
 def test_saved_activations_tool_counts_bytes(capsys):
     spec = importlib.util.spec_from_file_location(
-        "saved_activations", REPO / "tools" / "saved_activations.py"
+        "saved_activations", REPO / "fabric_memory_recipes" / "tools" / "saved_activations.py"
     )
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)

@@ -1,11 +1,11 @@
-"""tools.check_equivalence's comparison, on CPU tensors (the GPU runs it compares cannot run here)."""
+"""fabric_memory_recipes.tools.check_equivalence's comparison, on CPU tensors (the GPU runs it compares cannot run here)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tools import check_equivalence as eq
+from fabric_memory_recipes.tools import check_equivalence as eq
 
 
 def _run(before: dict, step: float, prefix: str = "") -> dict:
@@ -17,7 +17,9 @@ def _run(before: dict, step: float, prefix: str = "") -> dict:
 
 def test_parameter_names_drop_the_fabric_and_compile_wrappers():
     assert eq.parameter_name("_forward_module._orig_mod.class_token") == "class_token"
-    assert eq.parameter_name("_forward_module.encoder.layers.0.mlp.0.weight") == "encoder.layers.0.mlp.0.weight"
+    assert (
+        eq.parameter_name("_forward_module.encoder.layers.0.mlp.0.weight") == "encoder.layers.0.mlp.0.weight"
+    )
     model = torch.compile(torch.nn.Linear(2, 2))  # wrapping only: nothing is compiled until called
     assert set(eq.parameters_by_name(model)) == {"weight", "bias"}
 

@@ -17,9 +17,9 @@ from conftest import (
     run_recipe_inprocess,
 )
 
-from common import cli, lifecycle
-from common.config import FAST_ALLOCATOR, Hardware, RunConfig, UsageError, declared_rung
-from common.text import TextConfig
+from fabric_memory_recipes.config import FAST_ALLOCATOR, Hardware, RunConfig, UsageError, declared_rung
+from fabric_memory_recipes.training import cli, lifecycle
+from fabric_memory_recipes.training.text import TextConfig
 
 RECIPE = "01_baseline"
 QUICK = ["--accelerator", "cpu", "--model", "vit_tiny", "--data", "synthetic", "--weights", "none",
@@ -48,7 +48,7 @@ RAISED_IN_MAIN = {"cifar10-offline-empty-dir"}
 
 
 def _vit_b_16_weights_cached() -> bool:
-    """Mirrors common.models._weights_available: with the file cached the run would really train."""
+    """Mirrors fabric_memory_recipes.training.models._weights_available: with the file cached the run would really train."""
     import torch
     import torchvision.models as tvm
 
@@ -246,14 +246,14 @@ def test_pretrained_weights_offline_is_exit_2(monkeypatch, capsys, tmp_path):
     """--weights pretrained with no cached file and no network: refused inside main (in-process run)."""
     if _vit_b_16_weights_cached():
         pytest.skip("ViT-B/16 weights are cached here: --weights pretrained would succeed")
-    from common import net
+    from fabric_memory_recipes.training import net
 
     net.reachable.cache_clear()
     monkeypatch.setenv("FMR_OFFLINE", "1")
     monkeypatch.setattr(sys, "argv", [f"{RECIPE}.py"])
     mod = load_recipe_module(RECIPE)
     # the data are not what is tested: skip generating 60k synthetic images
-    from common import data
+    from fabric_memory_recipes.training import data
 
     small = data.synthetic(sizes=(64, 16, 16))
     monkeypatch.setattr(data, "synthetic", lambda *a, **k: small)
@@ -401,7 +401,7 @@ def test_help_shows_every_flags_default():
 
 def test_every_command_line_parser_uses_the_formatter_that_shows_defaults():
     constructions, missing = [], []
-    for folder in ("common", "tools", "experiments"):
+    for folder in ("fabric_memory_recipes", "experiments"):
         for path in sorted((REPO / folder).rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text())):
                 name = getattr(getattr(node, "func", None), "attr", None) or getattr(
@@ -414,7 +414,7 @@ def test_every_command_line_parser_uses_the_formatter_that_shows_defaults():
                     continue
                 constructions.append(f"{path.name}:{node.lineno}")
                 formatter = getattr(keywords.get("formatter_class"), "id", None)
-                # common.console.Parser uses HelpFormatter unless told otherwise
+                # fabric_memory_recipes.console.Parser uses HelpFormatter unless told otherwise
                 if formatter != "HelpFormatter" and not (name == "Parser" and formatter is None):
                     missing.append(f"{path.name}:{node.lineno}")
     assert len(constructions) >= 10

@@ -1,6 +1,6 @@
-"""tools.compare_reference and tools.reference_runner: the article's scripts run offline with only the data
+"""fabric_memory_recipes.tools.compare_reference and fabric_memory_recipes.tools.reference_runner: the article's scripts run offline with only the data
 and weights swapped, stopped after N optimizer steps; comparison.json assembled from per-run JSON; the
-comparison table and figure (common.report); bad input.
+comparison table and figure (fabric_memory_recipes.measurement.report); bad input.
 
 No checkout of the article's repository is needed: the tests write small scripts with the same imports
 and calls (``from local_utilities import get_dataloaders_cifar10``, ``from watermark import watermark``,
@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO, describe, result, run_process, session_dir, submit, subprocess_env
 
-from common import comparison, report
-from tools import compare_reference as cmp
+from fabric_memory_recipes.measurement import comparison, report
+from fabric_memory_recipes.tools import compare_reference as cmp
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 TINY_VIT = "image_size=32,patch_size=8,num_layers=1,num_heads=2,mlp_dim=64"
@@ -121,7 +121,12 @@ def _runner_job():
     tmp = session_dir("reference-runner")
     ref = write_reference(tmp / "ref", {"05_fake.py": FAKE_SCRIPT})
     out = tmp / "run.json"
-    argv = [str(REPO / "tools" / "reference_runner.py"), str(ref / "05_fake.py"), "--steps", "6"]
+    argv = [
+        str(REPO / "fabric_memory_recipes" / "tools" / "reference_runner.py"),
+        str(ref / "05_fake.py"),
+        "--steps",
+        "6",
+    ]
     argv += ["--out", str(out)]
     env = subprocess_env(tmp / "logs", REFERENCE_RUNNER_VIT_ARCH=TINY_VIT)
     return run_process([sys.executable, *argv], env), out  # its own process: it changes the working folder
@@ -137,7 +142,7 @@ def test_runner_runs_the_script_offline_and_stops_it_after_n_steps():
     assert "the runner did not stop the script" not in proc.stdout + proc.stderr
     run = json.loads(out.read_text())
     assert run["status"] == "ok" and run["error"] is None, run
-    # 6 optimizer steps -> 5 intervals; the first 3 are warm-up (common.results_file.WARMUP_STEPS)
+    # 6 optimizer steps -> 5 intervals; the first 3 are warm-up (fabric_memory_recipes.measurement.results_file.WARMUP_STEPS)
     assert run["steps"] == 6 and len(run["step_intervals_s"]) == 5
     assert run["warmup_steps"] == 3 and run["timed_intervals"] == 2
     # 2 micro-batches of 4 between steps; the eval-mode forwards are not counted
@@ -171,7 +176,7 @@ def test_pretrained_builders_give_random_models_of_the_same_architecture(monkeyp
     import torchvision.models.vision_transformer as vt
     from torchvision.models import ViT_H_14_Weights, ViT_L_16_Weights, vit_h_14, vit_l_16
 
-    from tools import reference_runner as rr
+    from fabric_memory_recipes.tools import reference_runner as rr
 
     def no_download(*args, **kwargs):
         raise AssertionError("pretrained weights must not be loaded")
@@ -195,7 +200,7 @@ def test_recorder_counts_one_step_per_iteration_with_one_optimizer_per_parameter
     """Per-parameter optimizers all step in one iteration: one mark, not one per optimizer."""
     import torch
 
-    from tools import reference_runner as rr
+    from fabric_memory_recipes.tools import reference_runner as rr
 
     recorder = rr.StepRecorder(Path("script.py"), steps=100)
     recorder.counting = True
@@ -208,7 +213,7 @@ def test_recorder_counts_one_step_per_iteration_with_one_optimizer_per_parameter
 
 
 def test_runner_reports_a_script_that_ends_before_n_steps(tmp_path, capsys):
-    from tools import reference_runner as rr
+    from fabric_memory_recipes.tools import reference_runner as rr
 
     script = tmp_path / "no_training.py"
     script.write_text("print('no optimizer here')\n")
@@ -301,7 +306,9 @@ def test_comparison_rows_from_per_run_json(tmp_path):
     six_fast = next(r for r in runs if r.name == "06" and r.mode == "fast")
     six_fast.result = {"status": "timeout", "exit_code": None, "wall_s": 300.0, "error": "killed after 300 s"}
 
-    call = cmp.call_info(runs, "2025-01-01T00:00:00+00:00", 25, "python -m tools.compare_reference ...")
+    call = cmp.call_info(
+        runs, "2025-01-01T00:00:00+00:00", 25, "python -m fabric_memory_recipes.tools.compare_reference ..."
+    )
     rows = [cmp.build_row(r, runs, out, modes, call) for r in rungs]
     cmp.write_outputs(out, rows)
     saved = json.loads((out / "comparison.json").read_text())
@@ -346,7 +353,7 @@ def test_fsdp_references_run_under_torchrun_and_are_not_compared(tmp_path):
         "4",
     ] + [
         "-m",
-        "tools.reference_runner",
+        "fabric_memory_recipes.tools.reference_runner",
     ]
     row = {"rung": "08", "like_for_like": False, "reference": {"status": "ok", "images_per_s": 1.0}}
     row["fast"] = {"status": "ok", "images_per_s": 2.0, "peak_reserved_gb": 1.0}
@@ -362,7 +369,7 @@ argv = sys.argv[1:]
 def opt(flag):
     return argv[argv.index(flag) + 1]
 
-if argv[:2] == ["-m", "tools.reference_runner"]:
+if argv[:2] == ["-m", "fabric_memory_recipes.tools.reference_runner"]:
     script = os.path.basename(argv[2])
     payload = {{"status": "ok", "steps": int(opt("--steps")), "peak_reserved_gb": 2.0, "images_per_s": 80.0,
                "peak_allocated_gb": 1.9, "provenance": {{"gpu_name": "Fake GPU", "torch": "0.0"}}}}
@@ -385,7 +392,9 @@ json.dump(payload, open(os.path.join(opt("--results-dir"), recipe + "-" + mode +
 
 def _tool(*args: str) -> subprocess.CompletedProcess:
     return run_process(
-        [sys.executable, "-m", "tools.compare_reference", *args], subprocess_env(), timeout=120
+        [sys.executable, "-m", "fabric_memory_recipes.tools.compare_reference", *args],
+        subprocess_env(),
+        timeout=120,
     )
 
 
@@ -452,7 +461,9 @@ def test_dry_run_prints_the_commands(tmp_path, capsys):
     ref = write_reference(tmp_path / "ref", {"05_gradient-accum.py": ""})
     assert cmp.main(["--reference", str(ref), "--rungs", "05", "--out", str(tmp_path), "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "tools.reference_runner" in out and "recipes/05_gradient_accumulation.py" in out
+    assert (
+        "fabric_memory_recipes.tools.reference_runner" in out and "recipes/05_gradient_accumulation.py" in out
+    )
     assert not (tmp_path / "runs").exists()
 
 
@@ -462,7 +473,7 @@ def _rows() -> list[dict]:
         return {"status": status, "peak_reserved_gb": gb, "images_per_s": speed}
 
     call = {"gpu_name": "NVIDIA H100 80GB HBM3", "torch": "2.11.0", "steps": 25, "started": "t",
-            "command": "python -m tools.compare_reference --reference .ref/pytorch-memory-optim",
+            "command": "python -m fabric_memory_recipes.tools.compare_reference --reference .ref/pytorch-memory-optim",
             "substitution_note": "data and weights swapped"}  # fmt: skip
     return [
         {"rung": "04", "recipe": "04_lower_batch_size", "reference": {**side(5.45, 236.8), "script": "04.py"},
@@ -476,7 +487,7 @@ def _rows() -> list[dict]:
 
 
 def test_report_renders_the_comparison_into_the_readme(tmp_path):
-    folder = tmp_path / "results" / "compare-h100"
+    folder = tmp_path / "results" / "published" / "h100" / "compare"
     folder.mkdir(parents=True)
     (folder / "comparison.json").write_text(json.dumps(_rows()))
     readme = tmp_path / "README.md"
@@ -485,7 +496,7 @@ def test_report_renders_the_comparison_into_the_readme(tmp_path):
     assert code == 0
     text = readme.read_text()
     assert "old" not in text and text.startswith("intro\n") and text.endswith("end\n")
-    assert "](results/compare-h100/comparison.png)" in text
+    assert "](results/published/h100/compare/comparison.png)" in text
     row = next(line for line in text.splitlines() if line.startswith("| 04_lower_batch_size"))
     assert "5.45 / 236.8" in row and "845.0" in row and f"{845.0 / 236.8:.2f}×" in row
     assert f"{845.0 / 311.8:.2f}×" in row and f"{4.70 / 5.45:.2f}×" in row
@@ -545,14 +556,14 @@ def test_checkout_matches_the_mapping(rung):
 
 
 def test_readme_has_the_comparison_block():
-    """`python -m common.report --comparison ... --readme README.md:comparison` has a block to fill."""
+    """`python -m fabric_memory_recipes.measurement.report --comparison ... --readme README.md:comparison` has a block to fill."""
     text = (REPO / "README.md").read_text()
     start, end = "<!-- results:comparison:start -->", "<!-- results:comparison:end -->"
     assert text.count(start) == 1 and text.count(end) == 1 and text.index(start) < text.index(end)
 
 
 # ------------------------------------------------------------------------------------ rung docs pages
-COMMITTED = REPO / "results" / "compare-h100" / "comparison.json"
+COMMITTED = REPO / "results" / "published" / "h100" / "compare" / "comparison.json"
 
 
 def test_rung_pages_show_the_committed_comparison_exactly():
@@ -560,7 +571,21 @@ def test_rung_pages_show_the_committed_comparison_exactly():
     number on a page cannot drift from the run that measured it."""
     rows = comparison.load_comparison(COMMITTED)
     source = COMMITTED.relative_to(REPO).as_posix()
-    assert {r["rung"] for r in rows} == {"01", "02", "03", "04", "05", "06", "07", "10", "11", "12", "13", "14", "15"}
+    assert {r["rung"] for r in rows} == {
+        "01",
+        "02",
+        "03",
+        "04",
+        "05",
+        "06",
+        "07",
+        "10",
+        "11",
+        "12",
+        "13",
+        "14",
+        "15",
+    }
     for row in rows:
         page = (REPO / "docs" / f"{row['recipe']}.md").read_text()
         block = page.split("<!-- results:modes:start -->\n")[1].split("<!-- results:modes:end -->")[0]
@@ -593,6 +618,8 @@ def test_execute_makes_the_logs_folder_and_records_the_exit(tmp_path):
     """A run whose log sits in a folder nobody made yet (planner_proof's layout) still runs."""
     log = tmp_path / "not" / "yet" / "made.log"
     cmd = [sys.executable, "-c", "print('hello from the run')"]
-    proc = cmp.execute(cmp.Run("project", "05", "eager", cmd, tmp_path / "none.json", log), dict(os.environ), 60)
+    proc = cmp.execute(
+        cmp.Run("project", "05", "eager", cmd, tmp_path / "none.json", log), dict(os.environ), 60
+    )
     assert proc["exit_code"] == 0 and proc["status"] != "timeout"
     assert "hello from the run" in log.read_text()

@@ -1,5 +1,5 @@
 """Real learning on real data: a tiny ViT trained by rung 01 on digits scores >= 0.80 on the held-out test
-split, the same pipeline with shuffled labels does not, and tools.convergence runs, records and reports.
+split, the same pipeline with shuffled labels does not, and fabric_memory_recipes.tools.convergence runs, records and reports.
 
 The tool's run (rung 01 and rung 03, one seed, 10 epochs) starts in the background when the tests are
 collected (see conftest): it is the test of both the recipe's accuracy and the benchmark's plumbing.
@@ -15,10 +15,10 @@ import numpy as np
 import torch
 from conftest import REPO, describe, result, run_process, session_dir, submit, subprocess_env
 
-from common import data, loop, models
-from common.config import RunConfig
-from common.results import RunResults
-from tools import convergence
+from fabric_memory_recipes.config import RunConfig
+from fabric_memory_recipes.measurement.results import RunResults
+from fabric_memory_recipes.tools import convergence
+from fabric_memory_recipes.training import data, loop, models
 
 BACKGROUND_PRIORITY = 15
 BACKGROUND_TESTS = {
@@ -31,7 +31,7 @@ EPOCHS = 10
 def _benchmark():
     out = session_dir("convergence")
     cmd = [
-        sys.executable, "-m", "tools.convergence", "--out", str(out), "--rungs", "01,03", "--seed-list", "0",
+        sys.executable, "-m", "fabric_memory_recipes.tools.convergence", "--out", str(out), "--rungs", "01,03", "--seed-list", "0",
         "--epochs", str(EPOCHS), "--parallel", "2", "--no-variants",
     ]  # fmt: skip
     return run_process(cmd, subprocess_env(out / "fabric-logs")), out
@@ -104,10 +104,17 @@ def test_benchmark_records_curves_lost_updates_and_renders_the_report():
     assert (out / "README.md").read_text() == readme
     # --readme PATH:BLOCK puts the table and the figure into a marked block; a missing block is one line
     doc = out.parent / "doc.md"
-    doc.write_text("before\n<!-- results:convergence:start -->\nold\n<!-- results:convergence:end -->\nafter\n")
+    doc.write_text(
+        "before\n<!-- results:convergence:start -->\nold\n<!-- results:convergence:end -->\nafter\n"
+    )
     assert convergence.render(out, readme=f"{doc}:convergence") == 0
     text = doc.read_text()
-    assert "old" not in text and "| 01_baseline | default |" in text and "](" in text and text.endswith("after\n")
+    assert (
+        "old" not in text
+        and "| 01_baseline | default |" in text
+        and "](" in text
+        and text.endswith("after\n")
+    )
     assert convergence.render(out, readme=f"{doc}:nothing") == 2
 
 
@@ -155,7 +162,7 @@ def test_tool_plans_every_single_gpu_rung_with_its_kind_of_learning_rate():
     assert {j.variant for j in jobs if j.recipe == "06_sgd_cosine"} == {"default", "stochastic", "kahan", "mixed"}  # fmt: skip
     assert not [j for j in jobs if j.seed is None], "no ViT-L/16 memory runs without CUDA"
     assert [j for j in convergence.plan(args, cuda=True) if j.seed is None]
-    assert REPO.joinpath("tools", "convergence.py").exists()
+    assert REPO.joinpath("fabric_memory_recipes", "tools", "convergence.py").exists()
 
 
 def test_a_later_call_that_added_runs_is_named_in_the_report():

@@ -1,4 +1,4 @@
-"""common.data: the CIFAR-10 reader against files in CIFAR-10's on-disk format, the digits splits, the
+"""fabric_memory_recipes.training.data: the CIFAR-10 reader against files in CIFAR-10's on-disk format, the digits splits, the
 offline fallback, the synthetic stand-in, the device-side input transform and the loaders."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from common import data, digits, net
-from common.cli import UsageError
+from fabric_memory_recipes.training import data, digits, net
+from fabric_memory_recipes.training.cli import UsageError
 
 PER_BATCH = 60
 N_TRAIN_FILES = 2
@@ -134,7 +134,7 @@ def test_load_auto_offline_falls_back_to_digits_with_one_line(tmp_path, offline,
 
 
 # ---------------------------------------------------------------------------------------------- digits
-DIGITS_SPLIT = "c94204e8f281"  # common.digits.split_fingerprint of the fixed split: a change shows here
+DIGITS_SPLIT = "c94204e8f281"  # fabric_memory_recipes.training.digits.split_fingerprint of the fixed split: a change shows here
 
 
 def test_digits_splits_are_stratified_fixed_and_disjoint():

@@ -14,8 +14,8 @@ import pytest
 import torch
 from conftest import describe, load_recipe_module, result, submit_recipe
 
-from common import cli, data
-from common.config import RunConfig
+from fabric_memory_recipes.config import RunConfig
+from fabric_memory_recipes.training import cli, data
 
 FSDP2_ARGS = (
     "--accelerator", "cpu", "--devices", "2", "--model", "vit_tiny", "--data", "synthetic",
@@ -98,7 +98,7 @@ def test_fsdp2_parallelize_shards_every_block_with_checkpointing():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from common import models
+    from fabric_memory_recipes.training import models
 
     module = load_recipe_module("08_fsdp2")
     started = not dist.is_initialized()

@@ -1,6 +1,6 @@
 """The docs quote the code as it is: a rung page's diff is what ``diff`` of the two recipes gives
-(tools/docs_diff.py renders it), and every line of a Python excerpt on a page is a line of the
-repository's code (the rung's recipe or common/), so a change that is not carried to its page fails."""
+(fabric_memory_recipes/tools/docs_diff.py renders it), and every line of a Python excerpt on a page is a line of the
+repository's code (the rung's recipe or fabric_memory_recipes/), so a change that is not carried to its page fails."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tools import docs_diff
+from fabric_memory_recipes.tools import docs_diff
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"
@@ -25,11 +25,13 @@ def test_every_rung_page_with_a_diff_section_is_found():
 def test_a_pages_diff_is_the_diff_of_the_recipes(page, old, new):
     start, end = docs_diff.block(page)
     quoted = page.read_text()[start:end]
-    assert quoted == docs_diff.render(old, new), f"run: python -m tools.docs_diff --write ({page.name})"
+    assert quoted == docs_diff.render(old, new), (
+        f"run: python -m fabric_memory_recipes.tools.docs_diff --write ({page.name})"
+    )
 
 
 def _code_lines() -> set[str]:
-    files = [*REPO.joinpath("common").rglob("*.py"), *REPO.joinpath("recipes").glob("*.py")]
+    files = [*REPO.joinpath("fabric_memory_recipes").rglob("*.py"), *REPO.joinpath("recipes").glob("*.py")]
     return {line.strip() for f in files for line in f.read_text().splitlines() if line.strip()}
 
 
@@ -42,7 +44,9 @@ def test_python_excerpts_are_lines_of_the_code(page):
             text = line.strip()
             if text and text != "..." and text not in code:
                 missing.append(text)
-    assert not missing, f"{page.name} quotes lines that are not in common/ or recipes/: {missing}"
+    assert not missing, (
+        f"{page.name} quotes lines that are not in fabric_memory_recipes/ or recipes/: {missing}"
+    )
 
 
 def test_the_excerpt_check_can_fail():
@@ -56,7 +60,7 @@ def test_the_excerpt_check_can_fail():
 
 # ------------------------------------------------------------------------------- cited files exist
 PATH_CITATION = re.compile(
-    r"`((?:results|docs|common|tools|recipes|tests|experiments)/[^`\s*<>]*)`"  # a repository path
+    r"`((?:results|docs|fabric_memory_recipes|recipes|tests|experiments)/[^`\s*<>]*)`"  # a repository path
     r"|\]\((?!https?:|mailto:)([^)#\s]+)\)"  # a relative markdown link
 )
 # Paths a page names as what a command writes (the reader makes them), or results pending a GPU run.
@@ -74,7 +78,7 @@ def cited_paths(page: Path) -> list[tuple[int, str, Path]]:
             text = (m.group(1) or m.group(2)).rstrip(".,;")
             text = re.sub(
                 r":[\w.:]*$", "", text
-            )  # common/loop.py:fit, tests/x.py::test_y name a part of the file
+            )  # fabric_memory_recipes/training/loop.py:fit, tests/x.py::test_y name a part of the file
             base = REPO if m.group(1) else page.parent
             found.append((i, text, base / text))
     return found
@@ -96,6 +100,12 @@ def test_every_file_a_page_cites_is_in_the_repository(page):
 
 def test_the_citation_check_can_fail(tmp_path):
     page = tmp_path / "page.md"
-    page.write_text("See `results/no-such-run.json` and [a page](missing.md) and `common/loop.py:fit`.\n")
+    page.write_text(
+        "See `results/no-such-run.json` and [a page](missing.md) and `fabric_memory_recipes/training/loop.py:fit`.\n"
+    )
     cited = {text: path.exists() for _, text, path in cited_paths(page)}
-    assert cited == {"results/no-such-run.json": False, "missing.md": False, "common/loop.py": True}
+    assert cited == {
+        "results/no-such-run.json": False,
+        "missing.md": False,
+        "fabric_memory_recipes/training/loop.py": True,
+    }

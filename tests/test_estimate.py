@@ -1,4 +1,4 @@
-"""common.estimate: exact static bytes, the PEFT and FSDP arithmetic, simulated activations against a
+"""fabric_memory_recipes.planning: exact static bytes, the PEFT and FSDP arithmetic, simulated activations against a
 real run's saved tensors, and the simulated peak against a real CPU step's allocations (torch.profiler)."""
 
 from __future__ import annotations
@@ -12,9 +12,11 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torchvision.models.vision_transformer import VisionTransformer
 
-from common import data, estimate, models, report
-from common.config import RunConfig
-from common.estimate.__main__ import main as estimate_main
+from fabric_memory_recipes import planning
+from fabric_memory_recipes.config import RunConfig
+from fabric_memory_recipes.measurement import report
+from fabric_memory_recipes.planning.__main__ import main as estimate_main
+from fabric_memory_recipes.training import data, models
 
 GB = 1e9
 
@@ -70,7 +72,7 @@ def simulate(model, batch_fns=None, **plan):
     plan.setdefault("device", "cpu")
     plan.setdefault("optimizer_impl", "foreach")  # no per-parameter step counters in the sums
     make, fn = batch_fns or linear_batch()
-    return estimate.simulate(model, estimate.Plan(**plan), make_batch=make, batch_fn=fn)
+    return planning.simulate(model, planning.Plan(**plan), make_batch=make, batch_fn=fn)
 
 
 # -------------------------------------------------------------------------------- static arithmetic
@@ -96,7 +98,7 @@ def test_weights_grads_optimizer_state_are_exact(optimizer, state_factor, precis
 def test_fused_adam_keeps_one_step_counter_per_parameter_on_the_device():
     model = TwoLinear()
     est = simulate(model, micro_batch_size=16, accumulation_steps=2, optimizer="adam", optimizer_impl="fused")
-    counters = 4 * estimate.ALLOCATOR_ROUND  # 4 parameter tensors, one 512-byte block each
+    counters = 4 * planning.ALLOCATOR_ROUND  # 4 parameter tensors, one 512-byte block each
     assert est.components_gb["optimizer_state"] == pytest.approx(
         (2 * numel(model) * 4 + counters) / GB, abs=1e-9
     )
@@ -137,16 +139,16 @@ def test_fsdp_divides_sharded_state_by_world_size_and_offload_removes_it():
 
 def test_plan_rejects_what_it_cannot_model():
     with pytest.raises(ValueError, match="optimizer"):
-        estimate.Plan(optimizer="lion")
+        planning.Plan(optimizer="lion")
     with pytest.raises(ValueError, match="cpu_offload"):
-        estimate.Plan(cpu_offload=True)
+        planning.Plan(cpu_offload=True)
 
 
 def test_a_rungs_plan_comes_from_its_config():
     """The plan is the rung's flags and its declared technique, nothing else (no second declaration)."""
     rung = RunConfig(recipe="x", precision="bf16-true", batch_size=16, accumulation_steps=4, devices=4,
                      optimizer="sgd", sharding="fsdp2", shard_units=("EncoderBlock",), checkpoint=("EncoderBlock",))  # fmt: skip
-    plan = estimate.plan_for(rung)
+    plan = planning.plan_for(rung)
     assert (plan.precision, plan.micro_batch_size, plan.accumulation_steps) == ("bf16-true", 4, 4)
     assert (plan.optimizer, plan.sharding, plan.world_size, plan.checkpoint) == (
         "sgd",
@@ -155,7 +157,7 @@ def test_a_rungs_plan_comes_from_its_config():
         ("EncoderBlock",),
     )
     assert plan.device == "cuda"  # 'auto' predicts for a GPU
-    replicated = estimate.plan_for(RunConfig(devices=4, accelerator="cpu"))
+    replicated = planning.plan_for(RunConfig(devices=4, accelerator="cpu"))
     assert replicated.world_size == 1 and replicated.device == "cpu"  # replicas: per device as for one
 
 
@@ -164,7 +166,7 @@ def real_saved(model, batch, fn, wrap=lambda m: m, backend=None) -> tuple[int, i
     """(exact, allocator-rounded) bytes a real forward pass saves, counted while its graph is alive."""
     wrapped = wrap(model)
     with contextlib.ExitStack() as stack:
-        saved = stack.enter_context(estimate.SavedTensorCounter([*wrapped.parameters(), *wrapped.buffers()]))
+        saved = stack.enter_context(planning.SavedTensorCounter([*wrapped.parameters(), *wrapped.buffers()]))
         if backend is not None:
             stack.enter_context(sdpa_kernel(backend))
         out = fn(wrapped, batch)  # noqa: F841 - keeps the graph (and what it saved) alive until counted
@@ -172,8 +174,8 @@ def real_saved(model, batch, fn, wrap=lambda m: m, backend=None) -> tuple[int, i
 
 
 def simulated_saved(model, batch, fn, **plan) -> tuple[int, int]:
-    """(exact, allocator-rounded) bytes that estimate.simulate counts as saved by one forward pass."""
-    est = estimate.simulate(model, estimate.Plan(device="cpu", **plan), make_batch=lambda: batch, batch_fn=fn)
+    """(exact, allocator-rounded) bytes that planning.simulate counts as saved by one forward pass."""
+    est = planning.simulate(model, planning.Plan(device="cpu", **plan), make_batch=lambda: batch, batch_fn=fn)
     return est.activations_saved_bytes, round(est.activations_saved_gb * GB)
 
 
@@ -269,7 +271,7 @@ def test_simulated_peak_matches_a_real_cpu_step(k, optimizer, checkpoint):
         image_size=64, patch_size=8, num_layers=2, num_heads=4, hidden_dim=256, mlp_dim=1024, num_classes=10
     )
     batch, fn = image_batch(model, batch=4)
-    plan = estimate.Plan(
+    plan = planning.Plan(
         device="cpu",
         micro_batch_size=4,
         accumulation_steps=k,
@@ -277,7 +279,7 @@ def test_simulated_peak_matches_a_real_cpu_step(k, optimizer, checkpoint):
         optimizer_impl="for-loop",
         checkpoint=("EncoderBlock",) if checkpoint else (),
     )
-    predicted = estimate.simulate(model, plan, make_batch=lambda: batch, batch_fn=fn).peak_gb * GB
+    predicted = planning.simulate(model, plan, make_batch=lambda: batch, batch_fn=fn).peak_gb * GB
     if checkpoint:
         for i, block in enumerate(models.blocks(model)):
             model.encoder.layers[i] = models.CheckpointedBlock(block)
@@ -315,8 +317,8 @@ def test_simulation_leaves_no_trace_behind():
     model = small_vit()
     params = dict(model.named_parameters())
     sdpa = F.scaled_dot_product_attention
-    estimate.simulate(model, estimate.Plan(precision="16-mixed", device="cuda", micro_batch_size=4))
-    estimate.simulate(model, estimate.Plan(precision="bf16-true", micro_batch_size=4))
+    planning.simulate(model, planning.Plan(precision="16-mixed", device="cuda", micro_batch_size=4))
+    planning.simulate(model, planning.Plan(precision="bf16-true", micro_batch_size=4))
     assert F.scaled_dot_product_attention is sdpa
     assert torch.get_default_dtype() == torch.float32
     assert all(p is params[n] for n, p in model.named_parameters())
@@ -330,13 +332,13 @@ def test_simulation_leaves_no_trace_behind():
 def test_estimate_inside_init_module_like_defaults_is_unchanged():
     """Recipes may call for_run inside fabric.init_module(): another default device and dtype."""
     model = small_vit()
-    plan = estimate.Plan(precision="bf16-true", micro_batch_size=4, device="cpu")
-    plain = estimate.simulate(model, plan).peak_gb
+    plan = planning.Plan(precision="bf16-true", micro_batch_size=4, device="cpu")
+    plain = planning.simulate(model, plan).peak_gb
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device("meta"):
-            inside = estimate.simulate(model, plan).peak_gb
+            inside = planning.simulate(model, plan).peak_gb
         assert torch.get_default_dtype() == torch.bfloat16
     finally:
         torch.set_default_dtype(previous)
@@ -354,7 +356,7 @@ def test_for_run_records_a_failure_instead_of_raising():
         def forward(self, x):
             raise RuntimeError("no forward today")
 
-    est = estimate.for_run(Broken(), RunConfig(batch_size=4, model="broken"))
+    est = planning.for_run(Broken(), RunConfig(batch_size=4, model="broken"))
     assert est.peak_gb is None and "no forward today" in est.error
     assert est.to_dict()["error"] == est.error
 
@@ -403,7 +405,7 @@ def test_check_and_report_compare_prediction_with_measurement(tmp_path, capsys):
         "memory": {"kind": "cuda", "peak_allocated_gb": 0.08},
     }  # fmt: skip
     (tmp_path / "05_gradient_accumulation.json").write_text(json.dumps(result))
-    rows = estimate.check_results([str(tmp_path)])
+    rows = planning.check_results([str(tmp_path)])
     assert len(rows) == 1
     row = rows[0]
     assert row["error_pct"] == pytest.approx(100 * (row["predicted_gb"] - 0.08) / 0.08)
@@ -420,13 +422,13 @@ def test_check_and_report_compare_prediction_with_measurement(tmp_path, capsys):
     }
     bonus.pop("estimate")
     (tmp_path / "bonus_bigbird_after.json").write_text(json.dumps(bonus))
-    rows = estimate.check_results([str(tmp_path)])
+    rows = planning.check_results([str(tmp_path)])
     assert [r["recipe"] for r in rows] == ["05_gradient_accumulation"]
     assert rows[0]["predicted_gb"] == 0.084 and rows[0]["error_pct"] == pytest.approx(5.0)
 
 
 def test_ladder_of_a_folder_without_results_is_every_rung(tmp_path, monkeypatch):
-    from common.estimate import ladder
+    from fabric_memory_recipes.planning import ladder
 
     monkeypatch.setattr(ladder, "predict", lambda recipe: {"recipe": recipe, "peak_allocated_gb": 1.0, "error": None,
                                                             "config": {"model": "vit_l_16", "precision": "x",

@@ -2,7 +2,7 @@
 signals sent to real recipe processes. Each asserts the exit code, the one line that explains it (no
 traceback), and that earlier results and checkpoints are still there byte for byte.
 
-``python tools/fault_drill.py`` runs this module (the multi-node test included) and prints the table:
+``python fabric_memory_recipes/tools/fault_drill.py`` runs this module (the multi-node test included) and prints the table:
 every test records its row, what is expected and what was observed (``record_property``).
 
 Speed. The runs that receive signals are real processes (real handlers, real exit codes), started in
@@ -43,9 +43,11 @@ from conftest import (
 )
 from test_data import write_cifar
 
-from common import checkpoints, cli, data, faults, lifecycle, loop, report
-from common.config import Hardware, RunConfig
-from common.results import RunResults
+from fabric_memory_recipes import faults
+from fabric_memory_recipes.config import Hardware, RunConfig
+from fabric_memory_recipes.measurement import report
+from fabric_memory_recipes.measurement.results import RunResults
+from fabric_memory_recipes.training import checkpoints, cli, data, lifecycle, loop
 
 pytestmark = pytest.mark.faults
 BACKGROUND_PRIORITY = 5  # the chains here wait for signals: start them first
@@ -60,7 +62,7 @@ STEPS_DONE = re.compile(r"\| *([1-9]\d*)/\d+ \[")  # the bar after at least one 
 
 # ------------------------------------------------------------------------------------------- helpers
 class Drill:
-    """The row of the fault table a test checks, for tools/fault_drill.py (junit XML properties)."""
+    """The row of the fault table a test checks, for fabric_memory_recipes/tools/fault_drill.py (junit XML properties)."""
 
     def __init__(self, record_property, row: str, expected: str) -> None:
         self._record = record_property

@@ -1,6 +1,6 @@
-"""Fast mode's bookkeeping (common/graphs.py) on a CPU, with a stand-in for the CUDA graph.
+"""Fast mode's bookkeeping (fabric_memory_recipes/training/graphs.py) on a CPU, with a stand-in for the CUDA graph.
 
-A CUDA graph cannot be captured without a GPU; ``tools.check_equivalence`` compares real captures with
+A CUDA graph cannot be captured without a GPU; ``fabric_memory_recipes.tools.check_equivalence`` compares real captures with
 eager steps on one. What a CPU can check is everything around the capture: the warm-up, the static
 input buffers filled slot by slot, one graph per group size (a short last group of an epoch), the
 learning rates read from device tensors that follow the schedule, step counters moved off the host,
@@ -16,7 +16,7 @@ import pytest
 import torch
 from test_loop import batch_fn, fabric, loader, make_log, settings, tiny_data, tiny_model  # noqa: F401
 
-from common import graphs, loop, loop_plumbing
+from fabric_memory_recipes.training import graphs, loop, loop_plumbing
 
 
 class FakeGraph:

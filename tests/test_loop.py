@@ -1,4 +1,4 @@
-"""common.loop in-process on a CPU Fabric: accumulation is exact, steps are counted right, it learns."""
+"""fabric_memory_recipes.training.loop in-process on a CPU Fabric: accumulation is exact, steps are counted right, it learns."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from common import data, loop, models
-from common.config import RunConfig
-from common.results import RunResults
+from fabric_memory_recipes.config import RunConfig
+from fabric_memory_recipes.measurement.results import RunResults
+from fabric_memory_recipes.training import data, loop, models
 
 IN, OUT = 12, 10
 
@@ -294,10 +294,11 @@ def test_evaluation_does_not_compile_a_compiled_model(monkeypatch):
     """evaluate() runs a compiled model's original code (eval mode + no_grad would compile new graphs)."""
     from torch._dynamo.utils import counters
 
-    from common import loop
+    from fabric_memory_recipes.training import loop
 
     monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)  # the suite turns dynamo off (conftest)
     monkeypatch.setattr(torch._dynamo.config, "disable", False)
+
     class _Fabric:
         device = torch.device("cpu")
 

@@ -1,4 +1,4 @@
-"""--memory-timeline and --snapshot (common/profiling.py) and the experiments in experiments/, tiny, on a CPU."""
+"""--memory-timeline and --snapshot (fabric_memory_recipes/measurement/profiling.py) and the experiments in experiments/, tiny, on a CPU."""
 
 from __future__ import annotations
 
@@ -52,8 +52,8 @@ def test_memory_timeline_writes_html_png_json_and_records_them(tmp_path):
 
 
 def test_snapshot_needs_cuda_and_says_so(capsys):
-    from common import cli
-    from common.config import RunConfig
+    from fabric_memory_recipes.config import RunConfig
+    from fabric_memory_recipes.training import cli
 
     with pytest.raises(SystemExit) as exit_info:
         cli.parse(RunConfig(), [*TINY, "--snapshot"])
@@ -118,7 +118,7 @@ def test_phase_times_are_gpu_side_and_follow_launches_from_other_threads(tmp_pat
     Backward's kernels are launched by autograd's own thread, so a span read off the main thread alone
     would be empty; this trace has that shape and the backward time must come from its kernels.
     """
-    from common.timeline import phase_ms_from_trace
+    from fabric_memory_recipes.measurement.timeline import phase_ms_from_trace
 
     def x(name, cat, ts, dur, tid=1, corr=None):
         e = {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "tid": tid}

@@ -16,10 +16,10 @@ import torch.nn.functional as F
 from conftest import describe, run_recipe_inprocess
 from torch.utils.data import DataLoader, TensorDataset
 
-from common import checkpoints, loop, models
-from common.config import RunConfig
-from common.offload import offload_activations
-from common.results import RunResults
+from fabric_memory_recipes.config import RunConfig
+from fabric_memory_recipes.measurement.results import RunResults
+from fabric_memory_recipes.training import checkpoints, loop, models
+from fabric_memory_recipes.training.offload import offload_activations
 
 TINY = ("--accelerator", "cpu", "--model", "vit_tiny", "--data", "synthetic", "--weights", "none")
 LEARN = {

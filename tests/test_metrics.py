@@ -1,4 +1,4 @@
-"""common.results (the measurements), common.results_file (the file) and lifecycle.run_recipe's outcome
+"""fabric_memory_recipes.measurement.results (the measurements), fabric_memory_recipes.measurement.results_file (the file) and lifecycle.run_recipe's outcome
 handling: an OOM is recorded (not fatal), results are written atomically, timings are computed from the
 step marks as documented, the summary is one block."""
 
@@ -11,10 +11,11 @@ import stat
 import pytest
 import torch
 
-from common import lifecycle, results, results_file
-from common.config import RunConfig
-from common.results import RunResults
-from common.results_file import results_path, summary, write_json_atomic
+from fabric_memory_recipes.config import RunConfig
+from fabric_memory_recipes.measurement import results, results_file
+from fabric_memory_recipes.measurement.results import RunResults
+from fabric_memory_recipes.measurement.results_file import results_path, summary, write_json_atomic
+from fabric_memory_recipes.training import lifecycle
 
 OOM_MESSAGE = "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.1 GiB"
 

@@ -1,5 +1,5 @@
-"""The planner (``python -m common.estimate --fit``), its calibration, ``--memory-budget-gb`` and
-``tools.planner_proof``, on a CPU: enumeration, fit and nothing-fits, bad input, that every printed
+"""The planner (``python -m fabric_memory_recipes.planning --fit``), its calibration, ``--memory-budget-gb`` and
+``fabric_memory_recipes.tools.planner_proof``, on a CPU: enumeration, fit and nothing-fits, bad input, that every printed
 command is the recipe's own flags, and fit.json from fake recipe outputs.
 
 Simulations use the tiny ViT or come from a cache file in the test's folder; the one full-size
@@ -16,12 +16,19 @@ import pytest
 import torch
 from conftest import load_recipe_module
 
-from common import cli, lifecycle
-from common.config import Hardware, RunConfig, UsageError
-from common.estimate import calibration, fit_cli, speed
-from common.estimate.__main__ import main as estimate_main
-from common.estimate.fit import Candidate, Planner, SimulationCache, enumerate_candidates, families, order
-from tools import planner_proof
+from fabric_memory_recipes.config import Hardware, RunConfig, UsageError
+from fabric_memory_recipes.planning import calibration, fit_cli, speed
+from fabric_memory_recipes.planning.__main__ import main as estimate_main
+from fabric_memory_recipes.planning.fit import (
+    Candidate,
+    Planner,
+    SimulationCache,
+    enumerate_candidates,
+    families,
+    order,
+)
+from fabric_memory_recipes.tools import planner_proof
+from fabric_memory_recipes.training import cli, lifecycle
 
 GPU_MACHINE = Hardware(cuda_devices=8, cpu_cores=4)
 TINY = dict(model="vit_tiny", precisions=("bf16-true",), modes=("fast", "eager"))
@@ -227,16 +234,20 @@ def test_the_micro_batch_is_read_from_the_json_and_older_jsons_without_it_are_sk
 
 
 def test_runs_that_repeat_committed_ones_calibrate_nothing(tmp_path):
-    """tools.ab_ladder's folders (results/ab-<gpu>/) and the committed --quick sample repeat committed
-    configurations: counting them would weigh those configurations two or three times. A user's own
-    results/quick/ counts."""
-    for folder in ("compare-h100/runs", "ab-h100/base/fast", "ab-h100/new/fast", "quick-h100", "quick"):
+    """fabric_memory_recipes.tools.ab_ladder's folders (results/published/<gpu>/ab/) and the committed --quick
+    sample repeat committed configurations: counting them would weigh those configurations two or three
+    times. A user's own runs/quick/ counts."""
+    for folder in ("published/h100/compare/runs", "published/h100/ab/base/fast", "published/h100/ab/new/fast",
+                   "published/h100/quick", "runs/quick"):  # fmt: skip
         (tmp_path / folder).mkdir(parents=True)
         (tmp_path / folder / "06_sgd_cosine.json").write_text(
             json.dumps(_result("06_sgd_cosine", "fast", 2.2, 2.0, 500))
         )
     loaded = calibration.load_runs((str(tmp_path),))
-    assert [r.path for r in loaded] == ["compare-h100/runs/06_sgd_cosine.json", "quick/06_sgd_cosine.json"]
+    assert [r.path for r in loaded] == [
+        "published/h100/compare/runs/06_sgd_cosine.json",
+        "runs/quick/06_sgd_cosine.json",
+    ]
 
 
 def test_the_speed_model_reproduces_the_committed_fast_runs():

@@ -1,4 +1,4 @@
-"""common.report: results JSON -> README.md table + ladder.png, on fixtures and on a real CPU run."""
+"""fabric_memory_recipes.measurement.report: results JSON -> README.md table + ladder.png, on fixtures and on a real CPU run."""
 
 import json
 import os
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from common import report
+from fabric_memory_recipes.measurement import report
 
 REPO = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -29,7 +29,7 @@ def make_result(
     extra_phases: dict | None = None,
     extra: dict | None = None,
 ) -> dict:
-    """A valid schema-1 payload with the keys documented in common/metrics.py."""
+    """A valid schema-1 payload with the keys documented in fabric_memory_recipes/measurement/results.py."""
     gpu = kind == "cuda"
 
     def phase(a, r):
@@ -164,7 +164,7 @@ def test_mode_column_says_how_each_row_ran(tmp_path):
 def run_module(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     return subprocess.run(
-        [sys.executable, "-m", "common.report", *args],
+        [sys.executable, "-m", "fabric_memory_recipes.measurement.report", *args],
         cwd=cwd,
         env=env,
         capture_output=True,
@@ -186,7 +186,7 @@ def test_main_renders_table_and_figure(tmp_path):
     markdown = (tmp_path / "README.md").read_text()
     assert_png(tmp_path / "ladder.png")
     assert "![ladder](ladder.png)" in markdown
-    assert "python -m common.report" in markdown
+    assert "python -m fabric_memory_recipes.measurement.report" in markdown
     assert "NVIDIA H100 80GB HBM3" in markdown and "**CPU**" in markdown
 
     rows = table_rows(markdown)

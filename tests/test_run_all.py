@@ -13,7 +13,7 @@ import pytest
 from conftest import REPO, describe, result, run_process, session_dir, submit, subprocess_env
 
 SCRIPT = REPO / "run_all.sh"
-HAVE_REPORT = (REPO / "common" / "report.py").exists()
+HAVE_REPORT = (REPO / "fabric_memory_recipes" / "measurement" / "report.py").exists()
 
 
 def run_all(*args: str, tmp: Path, **env: str) -> subprocess.CompletedProcess:
@@ -71,7 +71,9 @@ def test_cpu_path_runs_the_selected_recipes(cpu_ladder):
     assert "01_baseline" in summary and "04_lower_batch_size" in summary
 
 
-@pytest.mark.skipif(not HAVE_REPORT, reason="common/report.py is being written in parallel")
+@pytest.mark.skipif(
+    not HAVE_REPORT, reason="fabric_memory_recipes/measurement/report.py is being written in parallel"
+)
 def test_cpu_path_exits_0_and_renders_the_report(cpu_ladder):
     proc, results = cpu_ladder
     assert proc.returncode == 0, describe(proc)
@@ -146,8 +148,13 @@ def test_failures_do_not_stop_the_ladder(tmp_path):
     recipes = [ln.split()[0] for ln in lines if ln.startswith("recipes/")]
     assert [Path(r).stem for r in recipes][-1] == "08_fsdp2", lines
     assert [Path(r).stem[:2] for r in recipes] == ["01", "02", "04", "05", "08"], lines
-    assert lines[-2] == f"module -m common.estimate --ladder {results}"  # the CPU track's predictions
-    assert lines[-1].startswith("module -m common.report") and str(results) in lines[-1]
+    assert (
+        lines[-2] == f"module -m fabric_memory_recipes.planning --ladder {results}"
+    )  # the CPU track's predictions
+    assert (
+        lines[-1].startswith("module -m fabric_memory_recipes.measurement.report")
+        and str(results) in lines[-1]
+    )
     for ln in lines[:-2]:
         args = ln.split()
         for flag in ("--accelerator cpu", "--model vit_tiny", "--data digits", "--weights none"):
@@ -194,7 +201,9 @@ def test_quick_runs_the_single_gpu_ladder_with_few_steps_into_results_quick(tmp_
             for flag in ("--data synthetic", "--weights none", "--max-steps 20", "--eval-batches 1"):
                 assert flag in ln, (flag, ln)
             assert "--accelerator cpu" not in ln and ln.endswith(f"--results-dir {results}")
-    assert [ln for ln in lines if ln.startswith("module")] == [f"module -m common.report {results}"]
+    assert [ln for ln in lines if ln.startswith("module")] == [
+        f"module -m fabric_memory_recipes.measurement.report {results}"
+    ]
     summary = proc.stdout[proc.stdout.index("Summary (quick path") :]
     for name in ("08_fsdp ", "08_fsdp2", "09_cpu_offload"):
         assert "skipped (--quick: one GPU)" in next(ln for ln in summary.splitlines() if name in ln + " ")

@@ -1,1 +1,0 @@
-"""Shared parts of the Fabric memory recipes: flags, data, models, the training loop, metrics, report."""

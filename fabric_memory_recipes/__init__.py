@@ -1,0 +1,14 @@
+"""Fabric memory recipes: the shared parts of the numbered recipes, by layer.
+
+- ``config``, ``console``, ``faults``: a run's configuration, its one-line messages, and what stops it;
+- ``measurement``: what a run records (results JSON, memory peaks, step times) and the report;
+- ``training``: flags, data, models, the one training loop and its fast path;
+- ``planning``: the memory estimate of a configuration and the planner (``--fit``);
+- ``tools``: command-line tools (comparison with the article's scripts, equivalence, convergence, ...).
+
+Each layer imports only the layers listed above it.
+"""
+
+from fabric_memory_recipes.config import RunConfig
+
+__all__ = ["RunConfig"]

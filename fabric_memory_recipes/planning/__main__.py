@@ -1,0 +1,127 @@
+"""``python -m fabric_memory_recipes.planning``: a rung's predicted peak memory, --check against measured runs, --fit a
+budget, --ladder a folder.
+
+Without ``--check``, ``--fit`` or ``--ladder``: the component table (or JSON) of a rung's predicted peak.
+``--check DIR...``: predicted against measured for every results JSON there. ``--fit 6GB``: which
+configurations of the ladder fit a GPU memory budget, fastest first (``fit_cli``). ``--ladder DIR``: every
+rung with a results JSON in DIR predicted at full size (DIR/predicted.json, shown by the report)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from fabric_memory_recipes.config import Hardware, RunConfig, UsageError, declared_rung
+from fabric_memory_recipes.console import fail
+from fabric_memory_recipes.planning import fit_cli
+from fabric_memory_recipes.planning.check import check_results, meta_model, render_check
+from fabric_memory_recipes.planning.ladder import predict_ladder
+from fabric_memory_recipes.planning.plan import ATTENTION_CHOICES, OPTIMIZERS, plan_for
+from fabric_memory_recipes.planning.plots import plot_check, plot_timeline
+from fabric_memory_recipes.planning.simulate import simulate
+from fabric_memory_recipes.training import cli
+
+
+def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, RunConfig, dict[str, Any], str]:
+    """The estimator's flags: a recipe's (its rung's values as defaults, checked as a run's flags are,
+    for a GPU machine unless --accelerator cpu) and its own."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--recipe")
+    known, _ = pre.parse_known_args(argv)
+    rung, label = RunConfig(), "custom"
+    if known.recipe:
+        try:
+            rung, _ = declared_rung(known.recipe)
+        except (FileNotFoundError, ValueError, SyntaxError) as e:
+            fail(str(e))
+        label = rung.recipe
+    parser = cli.build_parser(rung, __doc__.splitlines()[0])
+    g = parser.add_argument_group("estimate")
+    g.add_argument("--recipe", help="take the configuration declared in recipes/<NAME>.py (its RUNG)")
+    g.add_argument("--attention", choices=ATTENTION_CHOICES, default="auto", help="attention kernel to model")
+    g.add_argument("--optimizer", choices=OPTIMIZERS, help="override the recipe's optimizer")
+    g.add_argument("--checkpoint", help="comma-separated module classes to checkpoint (e.g. EncoderBlock)")
+    g.add_argument(
+        "--fit",
+        metavar="SIZE",
+        help="which configurations of the ladder fit SIZE (e.g. 6GB), fastest first: see --fit 1GB --help",
+    )
+    g.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    g.add_argument(
+        "--plot",
+        metavar="PNG",
+        help="write the simulated timeline (with --check: predicted vs measured) as a PNG",
+    )
+    g.add_argument(
+        "--check",
+        nargs="+",
+        metavar="DIR",
+        help="predict every results JSON in DIR from its config and compare with its measured peak",
+    )
+    g.add_argument(
+        "--ladder",
+        metavar="DIR",
+        help="predict every rung with a results JSON in DIR (none there: every rung) at full size"
+        " (ViT-L/16, GPU config) and write DIR/predicted.json for the report",
+    )
+    args = parser.parse_args(argv)
+    flags = {f.name: getattr(args, f.name) for f in RunConfig.flag_fields()}
+    overrides: dict[str, Any] = {"attention": args.attention}
+    if args.optimizer:
+        overrides["optimizer"] = args.optimizer
+    if args.checkpoint:
+        overrides["checkpoint"] = tuple(c for c in args.checkpoint.split(",") if c)
+    if args.check or args.ladder:
+        return args, rung, overrides, label
+    if flags["model"] not in rung.model_choices:
+        fail(f"--model {flags['model']!r} is not one of: {', '.join(rung.model_choices)}")
+    try:
+        cfg = rung.with_flags(**flags).checked(Hardware.planned())  # 'auto': predict for a GPU
+    except UsageError as e:
+        fail(str(e))
+    return args, cfg, overrides, label
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m fabric_memory_recipes.planning``: print the component table (or JSON) for a recipe's configuration;
+    with ``--fit SIZE``, the planner (fabric_memory_recipes/planning/fit_cli.py)."""
+    if any(a == "--fit" or a.startswith("--fit=") for a in (sys.argv[1:] if argv is None else argv)):
+        return fit_cli.main(argv)
+    args, cfg, overrides, label = _parse(argv)
+    if args.ladder:
+        start = time.perf_counter()
+        print(f"Predicting each rung at full size (ViT-L/16, GPU config) for {args.ladder}:")
+        payload = predict_ladder(args.ladder)
+        print(f"  -> {args.ladder}/predicted.json ({time.perf_counter() - start:.0f} s)")
+        return 0 if payload["rows"] and all(r["error"] is None for r in payload["rows"]) else 2
+    if args.check:
+        rows = check_results(args.check)
+        if args.json:
+            print(json.dumps(rows, indent=2))
+        else:
+            print(render_check(rows))
+        if args.plot and rows:
+            plot_check(rows, args.plot)
+        return 0 if rows else 2
+    try:
+        plan = plan_for(cfg, **overrides)
+    except ValueError as e:
+        fail(str(e))
+    est = simulate(meta_model(cfg.model), plan, record_timeline=bool(args.plot), model_name=cfg.model)
+    if args.json:
+        print(json.dumps({"recipe": label, **est.to_dict()}, indent=2))
+    else:
+        print(f"[{label}]")
+        print(est.table())
+    if args.plot:
+        plot_timeline(est, args.plot, title=f"{label}: predicted memory timeline, peak {est.peak_gb:.2f} GB")
+        if not args.json:
+            print(f"  timeline plot: {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

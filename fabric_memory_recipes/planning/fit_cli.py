@@ -1,0 +1,160 @@
+"""``python -m fabric_memory_recipes.planning --fit 6GB``: the planner's command line and what it prints.
+
+Exit code: 0 something fits, 1 nothing fits (the smallest predicted peak and its command are printed),
+2 bad input (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from typing import Any
+
+from fabric_memory_recipes.config import VIT_MODELS, at_least
+from fabric_memory_recipes.console import Parser, comma_list, fail
+from fabric_memory_recipes.planning import calibration
+from fabric_memory_recipes.planning.fit import MODES, OPTIMIZERS, PRECISIONS, Fit, Planner, SimulationCache
+from fabric_memory_recipes.planning.plan import GB
+
+SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(gb|g|gib|mb|m|mib)?\s*$", re.IGNORECASE)
+UNITS = {"gb": 1.0, "g": 1.0, "gib": 2**30 / GB, "mb": 1e-3, "m": 1e-3, "mib": 2**20 / GB}
+
+
+def parse_size(text: str) -> float:
+    """'6GB', '6', '6.5 GB', '512MB', '8GiB' -> GB (1e9 bytes); ValueError otherwise."""
+    match = SIZE.match(text)
+    if not match or float(match.group(1)) <= 0:
+        raise ValueError(f"--fit {text!r}: expected a memory size such as 6GB, 6.5GB, 512MB, 8GiB or 6 (GB)")
+    return float(match.group(1)) * UNITS[(match.group(2) or "gb").lower()]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = Parser(
+        prog="python -m fabric_memory_recipes.planning --fit",
+        description="Which rungs does my GPU need? The fastest configurations of the ladder's techniques"
+        " whose predicted peak reserved memory fits the budget, each with the recipe command that runs it"
+        " (prediction only: runs on a CPU in seconds; simulations are cached).",
+    )
+    p.add_argument(
+        "--fit", required=True, metavar="SIZE", help="the GPU memory budget: 6GB, 6.5GB, 512MB, 8GiB"
+    )
+    p.add_argument("--batch-size", type=at_least(1), default=16, help="effective batch per optimizer step")
+    p.add_argument(
+        "--model",
+        choices=VIT_MODELS,
+        default="vit_l_16",
+        help="a model the simulator builds (the Hugging Face bonus models are not simulated)",
+    )
+    p.add_argument(
+        "--gpu",
+        default=calibration.REFERENCE_GPU,
+        help="GPU kind whose committed runs give the throughput (h100, h200, ...)",
+    )
+    p.add_argument("--top", type=at_least(1), default=5, help="how many fitting configurations to print")
+    p.add_argument(
+        "--precisions", type=comma_list(PRECISIONS), default=PRECISIONS, help="precisions to combine"
+    )
+    p.add_argument("--modes", type=comma_list(MODES), default=MODES, help="modes to combine")
+    p.add_argument(
+        "--optimizers",
+        type=comma_list(OPTIMIZERS),
+        default=OPTIMIZERS,
+        help="optimizers to combine (SGD and 8-bit Adam change the training: docs/06, docs/13)",
+    )
+    p.add_argument(
+        "--results",
+        nargs="+",
+        default=[str(calibration.RESULTS_DIR)],
+        metavar="DIR",
+        help="folders of committed results JSON to calibrate on (read recursively)",
+    )
+    p.add_argument("--json", action="store_true", help="print the answer as JSON")
+    p.add_argument("--no-cache", action="store_true", help="simulate again instead of reading the cache")
+    args = p.parse_args(argv)
+    try:
+        args.budget_gb = parse_size(args.fit)
+    except ValueError as e:
+        fail(str(e))
+    args.gpu = args.gpu.lower()
+    return args
+
+
+def to_json(fit: Fit) -> dict[str, Any]:
+    return {
+        "budget_gb": fit.budget_gb, "batch_size": fit.batch_size, "model": fit.model, "gpu": fit.gpu,
+        "fits": [c.to_dict() for c in fit.fits],
+        "rejected": fit.rejected.to_dict() if fit.rejected else None,
+        "smallest": fit.smallest.to_dict() if fit.smallest else None,
+        "reserved_ratio": {m: r.ratio for m, r in fit.ratios.items()},
+        "searched": {"candidates": fit.considered, "simulated": fit.cache.simulated, "ruled_out_unsimulated": fit.bounded},
+    }  # fmt: skip
+
+
+def _row(i: Any, c) -> str:
+    source = "measured" if c.speed_source.startswith("measured") else "model"
+    return (
+        f"  {i!s:>2} {c.images_per_s:7.0f} {source:<9}{c.predicted_gb:7.2f}   {c.label()}\n       {c.command}"
+    )
+
+
+def render(fit: Fit) -> str:
+    lines = [
+        f"Which configurations fit {fit.budget_gb:g} GB? {fit.model}, effective batch {fit.batch_size},"
+        f" throughput on {fit.gpu}",
+        "  (the budget is what PyTorch's caching allocator may reserve, what torch.cuda."
+        "set_per_process_memory_fraction caps; a card's CUDA context comes on top)",
+        "",
+    ]
+    header = "   # img/s   source    peak GB   configuration\n       command"
+    if fit.fits:
+        lines += [f"Fastest that fit (predicted peak reserved <= {fit.budget_gb:g} GB):", header]
+        lines += [_row(i, c) for i, c in enumerate(fit.fits, 1)]
+    else:
+        s = fit.smallest
+        lines += [
+            f"Nothing fits in {fit.budget_gb:g} GB. The smallest predicted peak is {s.predicted_gb:.2f} GB"
+            f" (simulated {s.simulated_gb:.2f} GB allocated x {fit.ratios[s.mode].ratio:.3f}):",
+            header, _row("-", s),
+        ]  # fmt: skip
+    if fit.rejected:
+        lines += ["", "Fastest rejected as too big:", _row("x", fit.rejected)]
+    elif fit.fits:
+        lines += ["", "Nothing faster than these was predicted too big."]
+    lines += [
+        "",
+        f"Searched {fit.considered} configurations; simulated {fit.cache.simulated} in this call"
+        f" ({fit.cache.seconds:.1f} s), the rest from the cache, ruled out by arithmetic (weights +"
+        " gradients + optimizer state over the budget) or slower than the picks.",
+        "Peak reserved = simulated peak allocated x the largest reserved/simulated ratio of committed runs:",
+        *(f"  {r.line()}" for r in fit.ratios.values()),
+        f"img/s: 'measured' = median of committed {fit.gpu} runs of that command; 'model' = "
+        + (
+            f"calibrated on the committed {fit.gpu} runs ({fit.speed.own} constants; the rest from"
+            f" {calibration.REFERENCE_GPU}'s, as listed)"
+            if fit.gpu != calibration.REFERENCE_GPU and fit.speed.own
+            else f"calibrated on the committed {fit.gpu} runs"
+            if fit.speed.own
+            else f"no committed {fit.gpu} run determines it: {calibration.REFERENCE_GPU}'s calibration"
+        )
+        + ":",
+        *(f"  {line}" for line in fit.speed.lines()),
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        planner = Planner(args.batch_size, args.model, args.gpu, precisions=args.precisions, modes=args.modes, optimizers=args.optimizers,
+                          folders=tuple(args.results), cache=SimulationCache(use_disk=not args.no_cache))  # fmt: skip
+    except LookupError as e:
+        fail(str(e))
+    fit = planner.fit(args.budget_gb, args.top)
+    try:
+        print(json.dumps(to_json(fit), indent=2) if args.json else render(fit), flush=True)
+    except BrokenPipeError:  # the reader (head, a pager) stopped early: not an error of the planner
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0 if fit.fits else 1

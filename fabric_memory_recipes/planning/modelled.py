@@ -1,0 +1,207 @@
+"""What fake tensors on a CPU cannot show by themselves, modelled for the simulation: CUDA autocast's
+op policy, the attention kernel the target device runs, activation checkpointing of named blocks, and
+Fabric's precision plugins."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch._C import DispatchKey, DispatchKeySet
+from torch.utils._pytree import tree_map
+from torch.utils.checkpoint import checkpoint
+
+from fabric_memory_recipes.planning.plan import CHECKPOINT_WRAPPERS, LOW_PRECISION
+
+
+@contextlib.contextmanager
+def cuda_autocast_policy(enabled: bool) -> Iterator[None]:
+    """Give CPU autocast CUDA autocast's choices for the ops where the two differ.
+
+    CUDA runs these in fp32 under autocast; CPU autocast runs them in low precision. The kernels are
+    registered for the AutocastCPU key only while the simulation runs and removed afterwards.
+    """
+    if not enabled:
+        yield
+        return
+
+    def fp32(op):
+        def kernel(*args, **kwargs):
+            def up(t):
+                if isinstance(t, torch.Tensor) and t.dtype in (torch.float16, torch.bfloat16):
+                    return t.float()
+                return t
+
+            args, kwargs = tree_map(up, (args, kwargs))
+            with torch._C._ExcludeDispatchKeyGuard(DispatchKeySet(DispatchKey.AutocastCPU)):
+                return op(*args, **kwargs)
+
+        return kernel
+
+    lib = torch.library.Library("aten", "IMPL")  # noqa: TOR901 - a temporary override, removed below
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for name, overload in (
+                ("layer_norm", "default"),
+                ("native_layer_norm", "default"),
+                ("group_norm", "default"),
+                ("softmax", "int"),
+                ("log_softmax", "int"),
+                ("nll_loss", "default"),
+                ("mse_loss", "default"),
+            ):
+                op = getattr(getattr(torch.ops.aten, name), overload)
+                lib.impl(name if overload == "default" else f"{name}.{overload}", fp32(op), "AutocastCPU")
+        yield
+    finally:
+        lib._destroy()
+
+
+@contextlib.contextmanager
+def attention_kernel(kind: str, device: str, used: set[str]) -> Iterator[None]:
+    """Make ``F.scaled_dot_product_attention`` run the kernel the target device would run.
+
+    'fused' on CUDA mimics its dispatcher: flash attention for fp16/bf16 without a mask, the
+    memory-efficient kernel otherwise; on a CPU the CPU flash kernel. All of them save q, k, v, the
+    output and a log-sum-exp, no score matrix. 'math' runs the reference implementation, which saves the
+    attention weights (batch x heads x seq x seq): what the meta device runs, and what CUDA falls back to
+    when no fused kernel fits. ``used`` collects the kernels that ran.
+    """
+    original = F.scaled_dot_product_attention
+
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):
+        if torch.is_autocast_enabled("cpu"):  # autocast lists SDPA as a low-precision op
+            dtype = torch.get_autocast_dtype("cpu")
+            query, key, value = (t.to(dtype) for t in (query, key, value))
+        if kind == "math" or kw.get("enable_gqa"):
+            used.add("math")
+            return torch.ops.aten._scaled_dot_product_attention_math(
+                query, key, value, attn_mask, dropout_p, is_causal, scale=scale
+            )[0]
+        if device == "cpu":
+            used.add("flash (CPU)")
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
+            )[0]
+        head_dim = query.shape[-1]
+        if (
+            attn_mask is None
+            and query.dtype in (torch.float16, torch.bfloat16)
+            and head_dim % 8 == 0
+            and head_dim <= 256
+        ):
+            used.add("flash")
+            return torch.ops.aten._scaled_dot_product_flash_attention(
+                query, key, value, dropout_p, is_causal, False, scale=scale
+            )[0]
+        used.add("efficient")
+        return torch.ops.aten._scaled_dot_product_efficient_attention(
+            query, key, value, attn_mask, True, dropout_p, is_causal, scale=scale
+        )[0]
+
+    F.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
+
+
+@contextlib.contextmanager
+def checkpointed(model, class_names: tuple[str, ...], keep: Callable[[torch.Tensor], None]) -> Iterator[int]:
+    """Wrap the forward of every module whose class is named in ``class_names`` in non-reentrant
+    activation checkpointing (what Fabric's ``activation_checkpointing_policy`` and ``checkpoint_wrapper``
+    do), for the duration of the simulation. ``keep`` is told about each block input: checkpointing
+    keeps it for the recompute, so it counts as saved."""
+    wrapped = []
+    already = {  # blocks the model checkpoints itself (rung 10's CheckpointedBlock, checkpoint_wrapper)
+        id(child)
+        for module in model.modules()
+        if type(module).__name__ in CHECKPOINT_WRAPPERS
+        for child in module.children()
+    }
+    for module in model.modules():
+        if class_names and type(module).__name__ in class_names and id(module) not in already:
+            original = module.forward
+
+            def forward(*args, _original=original, **kwargs):
+                for a in args:
+                    if isinstance(a, torch.Tensor):
+                        keep(a)
+                return checkpoint(_original, *args, use_reentrant=False, **kwargs)
+
+            module.forward = forward
+            wrapped.append(module)
+    try:
+        yield len(wrapped)
+    finally:
+        for module in wrapped:
+            del module.forward  # back to the class's forward
+
+
+class Precision:
+    """What Fabric's precision plugin does to the module, its inputs and its forward (see
+    lightning.fabric.plugins.precision: HalfPrecision, MixedPrecision), replayed on fake tensors."""
+
+    def __init__(self, precision: str, cuda_policy: bool) -> None:
+        self.cuda_policy = cuda_policy
+        low = getattr(torch, LOW_PRECISION[precision]) if precision in LOW_PRECISION else None
+        self.mixed = precision.endswith("-mixed")
+        self.low = low
+        if precision == "64-true":
+            self.param_dtype = torch.float64
+        elif low is not None and not self.mixed:
+            self.param_dtype = low
+        else:
+            self.param_dtype = torch.float32
+        self.input_dtype = low if low is not None else self.param_dtype
+
+    def convert(self, data):
+        def cast(t):
+            return t.to(self.input_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+        return tree_map(cast, data)
+
+    def convert_output(self, data):
+        def cast(t):
+            return t.to(torch.float32) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+        return tree_map(cast, data) if self.input_dtype != torch.float32 else data
+
+    @contextlib.contextmanager
+    def forward_context(self) -> Iterator[None]:
+
+        if self.mixed:
+            with torch.autocast("cpu", dtype=self.low), cuda_autocast_policy(self.cuda_policy):
+                yield
+        elif self.input_dtype != torch.float32:
+            previous = torch.get_default_dtype()
+            torch.set_default_dtype(self.input_dtype)
+            try:
+                yield
+            finally:
+                torch.set_default_dtype(previous)
+        else:
+            yield
+
+
+class Wrapped:
+    """Calls the model as Fabric's ``_FabricModule`` does: convert inputs, forward in the precision
+    context, convert outputs."""
+
+    def __init__(self, model, precision: Precision) -> None:
+        self.model = model
+        self.precision = precision
+
+    def __getattr__(self, name: str):  # batch functions may read model attributes (image_size)
+        return getattr(self.model, name)
+
+    def __call__(self, *args, **kwargs):
+
+        args, kwargs = self.precision.convert((args, kwargs))
+        with self.precision.forward_context():
+            out = self.model(*args, **kwargs)
+        return self.precision.convert_output(out)

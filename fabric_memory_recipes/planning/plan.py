@@ -1,0 +1,254 @@
+"""The estimator's inputs and output: :class:`Plan` (what besides the model decides a run's memory,
+derived from a rung's :class:`~fabric_memory_recipes.config.RunConfig` by :func:`plan_for`) and :class:`Estimate`."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from fabric_memory_recipes.config import RunConfig
+
+GB = 1e9
+ALLOCATOR_ROUND = 512  # the CUDA caching allocator rounds every block up to a multiple of 512 bytes
+# cuBLAS keeps a 32 MiB workspace per (thread, stream) on Hopper, taken from the caching allocator: one for
+# the thread that runs the forward pass, one for autograd's device thread that runs the backward pass.
+CUDA_WORKSPACE_BYTES = 2 * 32 * 2**20
+
+# Component names, in table order. Each simulated storage belongs to exactly one of them.
+COMPONENTS = (
+    "parameters",
+    "gathered_parameters",
+    "weight_copies",
+    "gradients",
+    "optimizer_state",
+    "activations",
+    "temporaries",
+    "inputs",
+    "workspace",
+)
+COMPONENT_HELP = {
+    "parameters": "model weights (trainable and frozen), in the run's parameter dtype",
+    "gathered_parameters": "FSDP: full (all-gathered) weights of the units in use, unsharded gradients",
+    "weight_copies": "low-precision copies of fp32 weights made by autocast, alive while saved",
+    "gradients": ".grad of the trainable parameters",
+    "optimizer_state": "Adam exp_avg + exp_avg_sq (2x trainable), SGD momentum (1x), none for SGD",
+    "activations": "tensors saved by the forward pass for backward (one count per storage)",
+    "temporaries": "working memory: gradients w.r.t. activations, recomputed blocks, kernel outputs",
+    "inputs": "the micro-batch on the device",
+    "workspace": "CUDA library workspace (cuBLAS) handed out by the caching allocator",
+}
+COMPONENT_COLORS = {
+    "parameters": "darkgreen",
+    "gathered_parameters": "yellowgreen",
+    "weight_copies": "lightseagreen",
+    "gradients": "mediumblue",
+    "optimizer_state": "goldenrod",
+    "activations": "red",
+    "temporaries": "mediumpurple",
+    "inputs": "black",
+    "workspace": "grey",
+}
+OPTIMIZERS = ("adam", "adamw", "adamw8bit", "sgd", "sgd-momentum", "none")
+OPTIMIZER_STATE_FACTOR = {"adam": 2, "adamw": 2, "adamw8bit": 2, "sgd": 0, "sgd-momentum": 1, "none": 0}
+LOWBIT_BLOCK = 256  # torchao's 8-bit optimizer: one fp32 scale per block of 256 values
+LOWBIT_MIN_NUMEL = 4096  # ...and smaller tensors keep full-precision state
+OPTIMIZER_IMPLS = ("fused", "foreach", "for-loop")
+ATTENTION_CHOICES = ("auto", "fused", "math")
+SHARDING_CHOICES = ("none", "fsdp", "fsdp2")
+CHECKPOINT_WRAPPERS = ("CheckpointedBlock", "CheckpointWrapper")  # modules that checkpoint their child
+LOW_PRECISION = {
+    "16-mixed": "float16",
+    "bf16-mixed": "bfloat16",
+    "16-true": "float16",
+    "bf16-true": "bfloat16",
+}
+
+
+def round_bytes(nbytes: int) -> int:
+    """Bytes as the CUDA caching allocator hands them out (blocks of 512)."""
+    return max(ALLOCATOR_ROUND, -(-nbytes // ALLOCATOR_ROUND) * ALLOCATOR_ROUND) if nbytes else 0
+
+
+# ------------------------------------------------------------------------------------------------ plan
+@dataclasses.dataclass
+class Plan:
+    """Everything besides the model that decides a run's memory (a recipe's comes from its rung:
+    :func:`plan_for`).
+
+    ``checkpoint`` and ``shard_units`` name module classes (``"EncoderBlock"``): every module of that
+    class is activation-checkpointed / is one FSDP unit (a model that checkpoints inside its own
+    forward, like rung 10's, needs no ``checkpoint``: the simulation runs it). ``world_size`` only
+    matters when sharding. ``activation_offload`` models fabric_memory_recipes.training.offload.offload_activations (saved
+    tensors of at least ``offload_min_bytes`` live in host memory); ``optimizer_in_backward`` models a
+    per-parameter step in a post-accumulate-grad hook that frees each gradient at once (rung 12).
+    """
+
+    precision: str = "32-true"
+    micro_batch_size: int = 1
+    accumulation_steps: int = 1
+    optimizer: str = "adam"
+    optimizer_impl: str = "fused"
+    checkpoint: tuple[str, ...] = ()
+    sharding: str = "none"
+    shard_units: tuple[str, ...] = ()
+    world_size: int = 1
+    cpu_offload: bool = False
+    attention: str = "auto"
+    device: str = "cuda"
+    compile: bool = False
+    prefetch_units: int = 2
+    activation_offload: bool = False
+    offload_min_bytes: int = 1 << 16
+    optimizer_in_backward: bool = False
+
+    def __post_init__(self) -> None:
+        if self.precision == "32":
+            self.precision = "32-true"
+        if self.precision not in ("32-true", "64-true", *LOW_PRECISION):
+            raise ValueError(f"precision {self.precision!r} is not supported by the estimator")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer {self.optimizer!r}: expected one of {', '.join(OPTIMIZERS)}")
+        if self.optimizer_impl not in OPTIMIZER_IMPLS:
+            raise ValueError(f"optimizer_impl {self.optimizer_impl!r}: expected one of {OPTIMIZER_IMPLS}")
+        if self.attention not in ATTENTION_CHOICES:
+            raise ValueError(f"attention {self.attention!r}: expected one of {ATTENTION_CHOICES}")
+        if self.sharding not in SHARDING_CHOICES:
+            raise ValueError(f"sharding {self.sharding!r}: expected one of {SHARDING_CHOICES}")
+        if self.cpu_offload and self.sharding == "none":
+            raise ValueError("cpu_offload is modelled for FSDP only (sharding='fsdp')")
+        self.checkpoint = tuple(self.checkpoint)
+        self.shard_units = tuple(self.shard_units)
+
+    @property
+    def attention_kernel(self) -> str:
+        """'fused' or 'math': what scaled_dot_product_attention will run (both CUDA and CPU have fused
+        kernels for the ViT's attention; 'math' is the meta device's path and the fallback)."""
+        return "fused" if self.attention == "auto" else self.attention
+
+
+def plan_for(cfg: RunConfig, **overrides: Any) -> Plan:
+    """The plan of a rung's configuration: its flags (precision, micro-batch, accumulation, devices,
+    compile) and its technique (optimizer, checkpointing, sharding, offload); ``overrides`` replace
+    any field (the estimator's command line: --optimizer, --checkpoint, --attention)."""
+    fields = dict(
+        precision=cfg.precision,
+        micro_batch_size=cfg.micro_batch_size,
+        accumulation_steps=cfg.accumulation_steps,
+        world_size=cfg.world_size if cfg.sharding != "none" else 1,  # replicas: per-GPU memory as for one
+        device="cpu" if cfg.accelerator == "cpu" else "cuda",
+        compile=bool(cfg.compile),
+        optimizer=cfg.optimizer,
+        optimizer_impl=cfg.optimizer_impl,
+        checkpoint=cfg.checkpoint,
+        sharding=cfg.sharding,
+        shard_units=cfg.shard_units,
+        cpu_offload=cfg.cpu_offload,
+        activation_offload=cfg.activation_offload,
+        optimizer_in_backward=cfg.optimizer_in_backward,
+    )
+    fields.update(overrides)
+    return Plan(**fields)
+
+
+# -------------------------------------------------------------------------------------------- estimate
+@dataclasses.dataclass
+class Estimate:
+    """The prediction: components at the predicted peak (GB), the peak, and what it assumed."""
+
+    peak_gb: float | None
+    components_gb: dict[str, float]
+    peak_phase: str
+    static_gb: dict[str, float]
+    activations_saved_gb: float | None
+    parameters: dict[str, int]
+    plan: Plan
+    model: str
+    seconds: float
+    kernels: list[str] = dataclasses.field(default_factory=list)
+    activations_host_gb: float = 0.0
+    # the storages behind activations_saved_gb, unrounded: SavedTensorCounter.nbytes of a real forward pass
+    activations_saved_bytes: int | None = None
+    timeline: list[tuple[str, dict[str, float]]] = dataclasses.field(default_factory=list, repr=False)
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``estimate`` key of the results JSON (documented in fabric_memory_recipes/measurement/results_file.py)."""
+        p = self.plan
+
+        def r(x: float | None) -> float | None:
+            return None if x is None else round(x, 6)
+
+        return {
+            "peak_allocated_gb": r(self.peak_gb),
+            "components_gb": {k: r(v) for k, v in self.components_gb.items()},
+            "peak_phase": self.peak_phase,
+            "static_gb": {k: r(v) for k, v in self.static_gb.items()},
+            "activations_saved_gb": r(self.activations_saved_gb),
+            "activations_host_gb": r(self.activations_host_gb),
+            "parameters": self.parameters,
+            "assumptions": {
+                "method": "one training step on fake tensors (eager graph), storages tracked",
+                "device": p.device,
+                "attention_kernel": p.attention_kernel,
+                "compile": p.compile,
+                "compile_modelled": False,
+                "precision": p.precision,
+                "micro_batch_size": p.micro_batch_size,
+                "accumulation_steps": p.accumulation_steps,
+                "optimizer": p.optimizer,
+                "optimizer_impl": p.optimizer_impl,
+                "checkpoint": list(p.checkpoint),
+                "sharding": p.sharding,
+                "shard_units": list(p.shard_units),
+                "world_size": p.world_size,
+                "cpu_offload": p.cpu_offload,
+                "activation_offload": p.activation_offload,
+                "optimizer_in_backward": p.optimizer_in_backward,
+                "workspace_gb": (CUDA_WORKSPACE_BYTES / GB) if p.device == "cuda" else 0.0,
+            },
+            "kernels": self.kernels,
+            "model": self.model,
+            "seconds": round(self.seconds, 2),
+            "error": self.error,
+        }
+
+    def table(self) -> str:
+        """A component table for the terminal."""
+        if self.error:
+            return f"estimate failed: {self.error}"
+        p = self.plan
+        lines = [
+            f"Memory estimate: {self.model} | precision {p.precision} | micro-batch {p.micro_batch_size}"
+            f" x {p.accumulation_steps} | optimizer {p.optimizer} ({p.optimizer_impl})"
+            + (f" | checkpoint {','.join(p.checkpoint)}" if p.checkpoint else "")
+            + (f" | {p.sharding} over {p.world_size}" if p.sharding != "none" else "")
+            + (" + cpu offload" if p.cpu_offload else ""),
+            f"  device {p.device}, attention kernel {p.attention_kernel}, "
+            f"compile {'on (eager graph traced)' if p.compile else 'off'}",
+            "",
+            f"  {'component':<22}{'GB at peak':>11}   what",
+        ]
+        for name in COMPONENTS:
+            value = self.components_gb.get(name, 0.0)
+            if value or name in ("parameters", "gradients", "optimizer_state", "activations"):
+                lines.append(f"  {name:<22}{value:>11.3f}   {COMPONENT_HELP[name]}")
+        lines.append(f"  {'-' * 22}{'-' * 11}")
+        lines.append(f"  {'predicted peak':<22}{self.peak_gb:>11.3f}   during: {self.peak_phase}")
+        lines.append("")
+        s = self.static_gb
+        lines.append(
+            "  Static (arithmetic, per GPU): "
+            + ", ".join(f"{k} {v:.3f}" for k, v in s.items())
+            + f" GB | trainable {self.parameters['trainable']:,} of {self.parameters['total']:,} parameters"
+        )
+        if self.activations_saved_gb is not None:
+            lines.append(
+                f"  Activations saved by one micro-batch's forward pass: {self.activations_saved_gb:.3f} GB"
+                + (
+                    f" ({self.activations_host_gb:.3f} GB of it offloaded to host memory)"
+                    if p.activation_offload
+                    else ""
+                )
+            )
+        lines.append(f"  ({self.seconds:.1f} s on CPU, no GPU memory used)")
+        return "\n".join(lines)

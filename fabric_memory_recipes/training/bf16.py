@@ -1,0 +1,290 @@
+"""bf16-true weights lose small updates: measure how many (``--lost-updates N``), and fix it (``--bf16-update``).
+
+Why updates are lost. A bfloat16 number has 8 significant bits, so the gap between a weight ``w`` and its
+neighbour is about ``|w| / 128``. An optimizer computes ``w + u`` in fp32 and stores the result in bf16,
+rounding to the nearest value: when ``|u|`` is below half that gap the stored weight does not move at
+all. With Adam ``|u|`` is about the learning rate, so at lr 1e-3 every weight above ~0.26 in magnitude
+(LayerNorm gains start at 1.0) keeps its value however long it trains, and at lr 5e-5 almost every
+weight does. 16-mixed (rung 02) avoids this by keeping fp32 master weights, at 4 bytes more per
+parameter (plus fp32 gradients and optimizer state).
+
+The fixes, selected with ``--bf16-update`` on the bf16-true rungs (``plain`` keeps the rung's optimizer):
+
+``stochastic``  round ``w + u`` up or down at random, with probabilities that make the stored value
+                right on average (unbiased): a small update moves the weight by one step with probability
+                ``|u| / gap``. No extra memory. Adam: torchao's AdamW with ``bf16_stochastic_round=True``
+                (weight decay 0, so it is Adam); 8-bit Adam (rung 13): torchao's ``AdamW8bit`` with the
+                same option; SGD: :class:`StochasticRoundSGD` below (torchao has no SGD).
+``kahan``       Kahan-compensated summation: a bf16 buffer per parameter keeps what rounding dropped
+                and adds it back at the next step, so nothing is lost beyond the buffer's own 8 bits.
+                +2 bytes per parameter. Adam and SGD: the torch-optimi package (``kahan_sum=True``).
+                8-bit Adam has no Kahan variant: refused.
+
+What the measurement counts. Every ``N``-th optimizer step, hooks on the optimizer copy
+the weights before the step and compare after it. A parameter *should* change when its gradient is not
+zero and an update of the size the optimizer intends would move it in fp32 (plain SGD: ``lr * grad``
+exactly; Adam-like: about ``lr``), so that a learning rate decayed to ~0 does not count. It *did* change
+when its effective value moved: the stored weight, plus the Kahan buffer for ``kahan``. Recorded per
+sampled step: ``lost`` = should and did not / should, and ``unchanged`` = stored bf16 weights that did not
+move / all (what a plain comparison of the weights shows). Stochastic rounding leaves many weights
+unchanged in a step by design (each moves with a probability): its ``lost`` stays high and its effect
+shows in the loss curve instead. The copy costs one set of weights while a sampled step runs, and a
+synchronisation: leave the flag off for memory and speed runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fabric_memory_recipes.config import (
+    UsageError,  # a --bf16-update the optimizer cannot honour: one line, exit 2
+)
+
+UPDATES = ("plain", "stochastic", "kahan")
+
+
+# ------------------------------------------------------------------------------------------- rounding
+def round_stochastic(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> bf16, rounding up or down at random so that the expected result is ``x``.
+
+    bf16 is the upper 16 bits of an fp32 number. Adding a random 16-bit integer to the lower 16 bits and
+    truncating rounds away from zero with probability (lower bits) / 2^16, i.e. in proportion to how
+    close ``x`` is to the next bf16 value. Non-finite values are passed through unchanged.
+    """
+    bits = x.float().contiguous().view(torch.int32)
+    noise = torch.randint(0, 1 << 16, bits.shape, device=bits.device, dtype=torch.int32)
+    rounded = ((bits + noise) & -65536).view(torch.float32)  # -65536 == 0xFFFF0000 as int32
+    return torch.where(torch.isfinite(x), rounded, x.float()).to(torch.bfloat16)
+
+
+class StochasticRoundSGD(torch.optim.Optimizer):
+    """Plain SGD (no momentum, no weight decay: what the ladder's SGD rungs use) whose bf16 weights are
+    updated in fp32 and stored with :func:`round_stochastic`; fp32 weights are updated as usual."""
+
+    def __init__(self, params, lr: float) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.dtype == torch.bfloat16:
+                    p.copy_(round_stochastic(p.float() - group["lr"] * p.grad.float()))
+                else:
+                    p.add_(p.grad, alpha=-group["lr"])
+        return loss
+
+
+# ---------------------------------------------------------------------------------- choosing the rule
+def _hyper(optimizer: torch.optim.Optimizer) -> tuple[list, dict[str, Any]]:
+    if len(optimizer.param_groups) != 1:
+        raise UsageError("--bf16-update supports one parameter group")
+    group = optimizer.param_groups[0]
+    return list(group["params"]), group
+
+
+def replace(optimizer: torch.optim.Optimizer, update: str) -> torch.optim.Optimizer:
+    """The same update rule as ``optimizer`` (same parameters and hyperparameters), with ``update``'s
+    way of storing bf16 weights. ``plain`` returns ``optimizer`` itself."""
+    if update == "plain":
+        return optimizer
+    if update not in UPDATES:
+        raise UsageError(f"--bf16-update {update!r}: expected one of {', '.join(UPDATES)}")
+    params, g = _hyper(optimizer)
+    lr = float(g["lr"])
+    kind = type(optimizer).__name__
+    if isinstance(optimizer, torch.optim.SGD):
+        if g.get("momentum", 0) or g.get("weight_decay", 0) or g.get("nesterov", False):
+            raise UsageError("--bf16-update: only plain SGD (no momentum, no weight decay) is supported")
+        if update == "stochastic":
+            return StochasticRoundSGD(params, lr=lr)
+        return _optimi("SGD", params, lr=lr, kahan_sum=True)
+    if type(optimizer) in (torch.optim.Adam, torch.optim.AdamW) and not g.get("amsgrad", False):
+        decoupled = isinstance(optimizer, torch.optim.AdamW)
+        if not decoupled and g.get("weight_decay", 0):
+            raise UsageError("--bf16-update: Adam with (coupled) weight decay is not supported")
+        hyper = dict(lr=lr, betas=tuple(g["betas"]), eps=g["eps"], weight_decay=g.get("weight_decay", 0))
+        if update == "stochastic":
+            return _torchao_adamw(params, **hyper, bf16_stochastic_round=True)
+        if decoupled:
+            return _optimi("AdamW", params, **hyper, decouple_lr=False, kahan_sum=True)
+        return _optimi("Adam", params, **hyper, kahan_sum=True)
+    if kind == "AdamW8bit":
+        if update == "kahan":
+            raise UsageError("--bf16-update kahan: 8-bit Adam has no Kahan variant; use stochastic")
+        return type(optimizer)(
+            params,
+            lr=lr,
+            betas=tuple(g["betas"]),
+            eps=g["eps"],
+            weight_decay=g["weight_decay"],
+            amsgrad=g.get("amsgrad", False),
+            block_size=getattr(optimizer, "block_size", 256),
+            bf16_stochastic_round=True,
+        )
+    raise UsageError(f"--bf16-update {update}: not available for {kind}")
+
+
+def _torchao_adamw(params, **kwargs) -> torch.optim.Optimizer:
+    """torchao's fp32-state AdamW; its class is ``_AdamW`` in torchao 0.17-0.18 (``AdamW`` before)."""
+    try:
+        import torchao.optim as tao
+    except ImportError:
+        raise UsageError(
+            '--bf16-update stochastic needs torchao: python3 -m pip install -e ".[lowbit]"'
+        ) from None
+    cls = getattr(tao, "AdamW", None) or getattr(tao, "_AdamW", None)
+    if cls is None:
+        raise UsageError(f"--bf16-update stochastic: torchao {getattr(tao, '__version__', '?')} has no AdamW")
+    return cls(params, **kwargs)
+
+
+def _optimi(name: str, params, **kwargs) -> torch.optim.Optimizer:
+    try:
+        import optimi
+    except ImportError:
+        raise UsageError(
+            '--bf16-update kahan needs torch-optimi: python3 -m pip install -e ".[bf16]"'
+        ) from None
+    return getattr(optimi, name)(params, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------- measurement
+class LostUpdates:
+    """Counts lost updates at sampled steps through optimizer step hooks (see the module docstring).
+
+    Several optimizers may report into one probe (rungs 12 and 14: one optimizer per parameter, stepped
+    inside backward); the loop's step counter (``results.optimizer_steps``, increased after each step)
+    tells which step a hook belongs to, so their counts add up per step.
+    """
+
+    def __init__(self, results, every: int) -> None:
+        self.results, self.every = results, every
+        self.record: dict[str, Any] = {"every": every, "steps": []}
+        self._current: list | None = None  # [step, lost, should, unchanged, total] being summed
+        self._before: dict[int, tuple] = {}
+
+    def _sampled(self, step: int) -> bool:
+        return step % self.every == 0
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.register_step_pre_hook(self._pre)
+        optimizer.register_step_post_hook(self._post)
+
+    @staticmethod
+    def _kahan(optimizer, p) -> torch.Tensor | None:
+        """torch-optimi's compensation buffer of ``p`` (what rounding dropped so far), if it has one."""
+        comp = optimizer.state[p].get("kahan_comp") if p in optimizer.state else None
+        return comp if isinstance(comp, torch.Tensor) and comp.shape == p.shape else None
+
+    @torch.no_grad()
+    def _pre(self, optimizer, args, kwargs) -> None:
+        step = self.results.optimizer_steps + 1
+        if not self._sampled(step):
+            return
+        sgd = type(optimizer).__name__ in ("SGD", "StochasticRoundSGD")  # update = lr * grad exactly
+        for group in optimizer.param_groups:
+            lr = float(group["lr"])
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                comp = self._kahan(optimizer, p)
+                self._before[id(p)] = (
+                    p.detach().clone(),
+                    self._should_change(p, lr, sgd),  # now: some optimizers reuse .grad as a buffer
+                    None if comp is None else comp.detach().clone(),
+                )
+
+    @staticmethod
+    def _should_change(p: torch.Tensor, lr: float, sgd: bool) -> torch.Tensor:
+        """Parameters whose update would move them in fp32: a non-zero gradient, and an update of the
+        size the optimizer intends (SGD: ``lr * grad``; Adam-like: about ``lr``) that fp32 does not
+        round away. The second part keeps a learning rate decayed to ~0 (cosine) from counting as loss."""
+        g = p.grad.detach().float()
+        w = p.detach().float()
+        update = g * lr if sgd else torch.sign(g) * lr
+        return (g != 0) & ((w - update) != w)
+
+    @torch.no_grad()
+    def _post(self, optimizer, args, kwargs) -> None:
+        step = self.results.optimizer_steps + 1
+        if not self._before:
+            return
+        counts = torch.zeros(4, dtype=torch.int64, device=next(iter(self._before.values()))[0].device)
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                saved = self._before.pop(id(p), None)
+                if saved is None:
+                    continue
+                old, should, old_comp = saved
+                stored_same = p.detach() == old
+                same = stored_same
+                comp = self._kahan(optimizer, p)
+                if comp is not None:  # the effective weight is the stored one plus the compensation
+                    before = old.float() + (old_comp.float() if old_comp is not None else 0.0)
+                    same = (p.detach().float() + comp.float()) == before
+                counts += torch.stack(
+                    [
+                        (should & same).sum(),
+                        should.sum(),
+                        stored_same.sum(),
+                        torch.tensor(p.numel(), device=counts.device),
+                    ]
+                ).to(counts.device)
+        self._before.clear()
+        lost, should, unchanged, total = (int(v) for v in counts.tolist())
+        if self._current is not None and self._current[0] == step:  # one optimizer per parameter
+            for i, v in enumerate((lost, should, unchanged, total), start=1):
+                self._current[i] += v
+        else:
+            self._current = [step, lost, should, unchanged, total]
+            self.record["steps"].append(self._current)
+        self._summarise()
+
+    def _summarise(self) -> None:
+        """Keep ``record`` in its JSON form: rows [step, lost, unchanged] and their means."""
+        rows = [
+            [s, lost / should if should else 0.0, unchanged / total if total else 0.0]
+            for s, lost, should, unchanged, total in self.record["steps"]
+        ]
+        self.results.updates["lost"] = {
+            "every": self.every,
+            "columns": ["step", "lost", "unchanged"],
+            "steps": rows,
+            "mean_lost": sum(r[1] for r in rows) / len(rows),
+            "mean_unchanged": sum(r[2] for r in rows) / len(rows),
+            "last_lost": rows[-1][1],
+        }
+
+
+# --------------------------------------------------------------------------------------------- recipes
+def updates(optimizer, cfg, results):
+    """What a bf16 rung calls on its optimizer (or its dict of per-parameter optimizers): applies
+    ``cfg.bf16_update`` (``--bf16-update``) and, with ``--lost-updates N``, attaches the measurement.
+    ``results`` is the run's ``RunResults``: recorded in the results JSON under ``updates``. Returns the
+    optimizer (or dict) to use."""
+    rule = cfg.bf16_update or "plain"
+    every = cfg.lost_updates
+    probe = LostUpdates(results, every) if every else None
+    if isinstance(optimizer, dict):
+        out = {key: replace(o, rule) for key, o in optimizer.items()}
+        chosen = list(out.values())
+    else:
+        out = replace(optimizer, rule)
+        chosen = [out]
+    if probe is not None:
+        for o in chosen:
+            probe.attach(o)
+    name = type(chosen[0]).__name__ if chosen else None
+    results.updates.update(rule=rule, optimizer=f"{type(chosen[0]).__module__}.{name}" if chosen else None)
+    if probe is not None:
+        results.updates["lost"] = {"every": every, "columns": ["step", "lost", "unchanged"], "steps": []}
+    return out

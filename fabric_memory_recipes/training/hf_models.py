@@ -1,0 +1,257 @@
+"""Hugging Face models for the bonus recipes: DistilBERT, BigBird (IMDb classifiers) and a Qwen2 causal LM.
+
+Each ``--model`` name maps to a :class:`Spec`: the model type that ``AutoConfig.for_model`` knows, the
+hub id that holds pretrained weights and the tokenizer, and the config fields that make the size.
+``--weights auto`` loads the hub weights when they are cached or huggingface.co is reachable and
+otherwise builds the same architecture from its config with random initialisation, printing one line
+(real first, offline always). Memory and speed do not depend on the weights' values.
+
+The ``*-tiny`` names are a few layers of width 64: the CPU path of ``run_all.sh`` and the tests use them.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from huggingface_hub import try_to_load_from_cache
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    BertTokenizerFast,
+)
+
+from fabric_memory_recipes.config import UsageError
+from fabric_memory_recipes.console import notice
+from fabric_memory_recipes.training.net import reachable
+
+
+@dataclass(frozen=True)
+class TokenIds:
+    """The special token ids a synthetic stand-in needs, and where ordinary tokens start."""
+
+    pad: int
+    cls: int | None  # prepended to a classifier's input (None: a causal LM has no [CLS])
+    sep: int | None  # appended to a classifier's input
+    first_regular: int  # ids below this are special, unused or single characters
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What ``--model NAME`` builds."""
+
+    name: str
+    task: str  # "classification" (AutoModelForSequenceClassification) or "causal_lm"
+    model_type: str  # the key of AutoConfig.for_model
+    hub_id: str | None  # pretrained weights and tokenizer (None: random init only)
+    ids: TokenIds
+    overrides: dict[str, Any] = field(default_factory=dict)  # config fields on top of the type's defaults
+
+
+# Qwen2-0.5B-Instruct's shape (config.json of the hub repository); Qwen2Config's defaults are a 7B model.
+QWEN2_0_5B = dict(
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    vocab_size=151936,
+    max_position_embeddings=32768,
+    rope_theta=1_000_000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    bos_token_id=151643,
+    eos_token_id=151645,
+    pad_token_id=151643,
+)
+TINY_IDS = TokenIds(pad=0, cls=1, sep=2, first_regular=8, vocab_size=1024)
+
+SPECS: dict[str, Spec] = {
+    spec.name: spec
+    for spec in (
+        # AutoConfig.for_model("distilbert") defaults *are* distilbert-base-uncased (6 layers, dim 768).
+        Spec(
+            "distilbert-base-uncased",
+            "classification",
+            "distilbert",
+            "distilbert-base-uncased",
+            TokenIds(pad=0, cls=101, sep=102, first_regular=1996, vocab_size=30522),
+        ),
+        Spec(
+            "distilbert-tiny",
+            "classification",
+            "distilbert",
+            None,
+            TINY_IDS,
+            dict(dim=64, hidden_dim=128, n_layers=2, n_heads=2, vocab_size=1024),
+        ),
+        # BigBirdConfig's defaults are bigbird-roberta-base: 12 layers, block-sparse attention, 4096 positions.
+        Spec(
+            "google/bigbird-roberta-base",
+            "classification",
+            "big_bird",
+            "google/bigbird-roberta-base",
+            TokenIds(pad=0, cls=65, sep=66, first_regular=1000, vocab_size=50358),
+        ),
+        # Block-sparse attention needs sequences longer than (5 + 2 * num_random_blocks) * block_size = 72.
+        Spec(
+            "bigbird-tiny",
+            "classification",
+            "big_bird",
+            None,
+            TINY_IDS,
+            dict(
+                hidden_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                intermediate_size=128,
+                vocab_size=1024,
+                max_position_embeddings=1024,
+                block_size=8,
+                num_random_blocks=2,
+            ),
+        ),
+        Spec(
+            "Qwen/Qwen2-0.5B-Instruct",
+            "causal_lm",
+            "qwen2",
+            "Qwen/Qwen2-0.5B-Instruct",
+            TokenIds(pad=151643, cls=None, sep=None, first_regular=1000, vocab_size=151936),
+            QWEN2_0_5B,
+        ),
+        Spec(
+            "qwen2-tiny",
+            "causal_lm",
+            "qwen2",
+            None,
+            TokenIds(pad=0, cls=None, sep=None, first_regular=8, vocab_size=1024),
+            dict(
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                vocab_size=1024,
+                max_position_embeddings=1024,
+                tie_word_embeddings=True,
+                pad_token_id=0,
+            ),
+        ),
+    )
+}
+DISTILBERT = ("distilbert-base-uncased", "distilbert-tiny")
+BIGBIRD = ("google/bigbird-roberta-base", "bigbird-tiny")
+QWEN2 = ("Qwen/Qwen2-0.5B-Instruct", "qwen2-tiny")
+
+
+def config(spec: Spec, **fields: Any):
+    """``AutoConfig.for_model(model_type, **overrides, **fields)``: the architecture without any download."""
+    return AutoConfig.for_model(spec.model_type, **{**spec.overrides, **fields})
+
+
+def _cached(hub_id: str) -> bool:
+    """True if the hub repository's config is in the local Hugging Face cache (usable offline)."""
+    return isinstance(try_to_load_from_cache(hub_id, "config.json"), str)
+
+
+def hub_online() -> bool:
+    """Whether the Hugging Face hub may be used: HF_HUB_OFFLINE is unset (or 0) and huggingface.co
+    answers. The weights, the tokenizer and IMDb through ``datasets`` all take this one decision."""
+    return os.environ.get("HF_HUB_OFFLINE", "") in ("", "0") and reachable("huggingface.co")
+
+
+def resolve_weights(spec: Spec, weights: str) -> bool:
+    """Map --weights auto|pretrained|none to True (load the hub weights) or False (random init).
+
+    ``auto`` falls back to random init with one printed line; ``pretrained`` without the weights is a
+    UsageError (exit 2).
+    """
+    if weights == "none":
+        return False
+    if spec.hub_id is None:
+        if weights == "pretrained":
+            raise UsageError(f"--weights pretrained: no pretrained weights exist for --model {spec.name}")
+        notice(f"[weights] {spec.name} has no pretrained weights: random init from its config")
+        return False
+    if _cached(spec.hub_id) or hub_online():
+        return True
+    if weights == "pretrained":
+        raise UsageError(
+            f"--weights pretrained: {spec.hub_id} is not cached and huggingface.co is unreachable"
+        )
+    notice(
+        f"[weights] {spec.hub_id} unreachable (offline): random init of the same architecture"
+        f" (AutoConfig.for_model({spec.model_type!r}, ...))"
+    )
+    return False
+
+
+def build_model(
+    spec: Spec,
+    pretrained: bool,
+    *,
+    num_labels: int = 2,
+    attn_implementation: str | None = None,
+    vocab_size: int | None = None,
+):
+    """The model of ``spec``: hub weights if ``pretrained``, else random init from its config.
+
+    Tensors are allocated on the current default device and dtype, so inside ``fabric.init_module()``
+    the model is created on the accelerator in the precision's dtype. ``from_pretrained`` may keep the
+    checkpoint's dtype (Qwen2's is bf16), so it is cast to the default dtype: the precision flag alone
+    decides the weights' dtype. ``vocab_size`` widens a random-init embedding to fit a tokenizer.
+    """
+    auto = AutoModelForSequenceClassification if spec.task == "classification" else AutoModelForCausalLM
+    kwargs: dict[str, Any] = {}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    fields: dict[str, Any] = {"num_labels": num_labels} if spec.task == "classification" else {}
+    if pretrained:
+        local = not hub_online()
+        model = auto.from_pretrained(spec.hub_id, local_files_only=local, **fields, **kwargs)
+        return model.to(torch.get_default_dtype())
+    if vocab_size is not None and vocab_size > spec.ids.vocab_size:
+        fields["vocab_size"] = vocab_size
+    return auto.from_config(config(spec, **fields), **kwargs)
+
+
+def load_tokenizer(spec: Spec, path: str | None = None):
+    """The tokenizer for real text: ``path`` (a directory, or a WordPiece ``vocab.txt``) if given, else the
+    model's own from the hub when cached or reachable; None when there is none to be had offline."""
+    if path:
+        if os.path.isdir(path):
+            return AutoTokenizer.from_pretrained(path)
+        if os.path.isfile(path):
+            # transformers 5 takes the vocabulary as `vocab` (and ignores `vocab_file`); 4.x as `vocab_file`.
+            params = inspect.signature(BertTokenizerFast.__init__).parameters
+            return BertTokenizerFast(
+                **{"vocab" if "vocab" in params else "vocab_file": path}, do_lower_case=True
+            )
+        raise UsageError(f"--tokenizer {path}: no such file or directory")
+    if spec.hub_id is None or not (_cached(spec.hub_id) or hub_online()):
+        return None
+    tokenizer = AutoTokenizer.from_pretrained(spec.hub_id, local_files_only=not hub_online())
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def count_parameters(model, trainable_only: bool = False) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
+
+
+def weights_dtype(model) -> str:
+    """The dtype of the (first) parameter, e.g. 'torch.bfloat16': what --half changes."""
+    return str(next(model.parameters()).dtype)
+
+
+def checkpointing_enabled(model) -> bool:
+    """True if any layer will recompute its activations: Hugging Face marks such modules with
+    ``gradient_checkpointing = True`` (read from the model, not from the flag that asked for it)."""
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
