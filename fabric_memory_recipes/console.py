@@ -24,9 +24,21 @@ def notice(message: str) -> None:
         print(message, flush=True)
 
 
-def program() -> str:
-    """The script's name as the user typed it (``01_baseline.py``), for messages."""
-    return os.path.basename(sys.argv[0]) or "recipe"
+PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+SCRIPT_PREFIX = "fmr-"  # the console scripts that pyproject.toml installs: fmr-ladder, fmr-estimate, ...
+
+
+def program(argv0: str | None = None) -> str:
+    """The command as the user typed it, for messages and ``--help``: ``01_baseline.py`` for a recipe,
+    ``fmr-report`` for an installed console script, ``python -m fabric_memory_recipes.measurement.report``
+    for a module of this package run with ``-m`` (whose ``sys.argv[0]`` is the module's file path)."""
+    argv0 = sys.argv[0] if argv0 is None else argv0
+    name = os.path.basename(argv0)
+    path = os.path.abspath(argv0)
+    if name.endswith(".py") and path.startswith(PACKAGE_DIR + os.sep):
+        parts = os.path.relpath(path, os.path.dirname(PACKAGE_DIR))[: -len(".py")].split(os.sep)
+        return "python -m " + ".".join(parts[:-1] if parts[-1] == "__main__" else parts)
+    return name or "recipe"
 
 
 def fail(message: str) -> NoReturn:
@@ -57,6 +69,14 @@ class Parser(argparse.ArgumentParser):
     ``--help`` shows every default (:class:`HelpFormatter`)."""
 
     def __init__(self, *args, formatter_class: type = HelpFormatter, **kwargs) -> None:
+        prog = kwargs.get("prog")
+        typed = os.path.basename(sys.argv[0])
+        if prog is None:
+            kwargs["prog"] = program()
+        elif prog.startswith("python -m ") and typed.startswith(SCRIPT_PREFIX):
+            # run as an installed console script: its name, then what follows the module (e.g. "--fit")
+            rest = prog[len("python -m ") :].partition(" ")[2]
+            kwargs["prog"] = f"{typed} {rest}".strip()
         super().__init__(*args, formatter_class=formatter_class, **kwargs)
 
     def error(self, message: str) -> NoReturn:
