@@ -85,7 +85,7 @@ def cited_paths(page: Path) -> list[tuple[int, str, Path]]:
 
 
 def _pages() -> list[Path]:
-    return [REPO / "README.md", *sorted(DOCS.glob("*.md")), *sorted((REPO / "results").glob("*/README.md"))]
+    return [REPO / "README.md", *sorted(DOCS.glob("*.md")), *sorted((REPO / "results").rglob("README.md"))]
 
 
 @pytest.mark.parametrize("page", _pages(), ids=lambda p: str(p.relative_to(REPO)))
