@@ -155,9 +155,11 @@ SPEED_NOTE = (
 def render_table(results: list[dict]) -> str:
     """The ladder as a markdown table, one row per run (sorted by recipe, then tag)."""
     speed = _speed_columns(results)
+    device = any(get(r, "memory.device_peak_gb") is not None for r in results)  # whole-device peaks
     header = [
         "recipe", "status", "mode", "precision", "batch", "devices", "peak reserved GB", "peak allocated GB",
-        *(h for h, _, _ in speed), "optimizer steps", "train acc", "val acc",
+        *(["device peak GB"] if device else []), *(h for h, _, _ in speed), "optimizer steps", "train acc",
+        "val acc",
     ]  # fmt: skip
     lines = [
         "| " + " | ".join(header) + " |",
@@ -174,6 +176,7 @@ def render_table(results: list[dict]) -> str:
             str(get(r, "provenance.world_size", DASH)),
             reserved,
             allocated,
+            *([num(get(r, "memory.device_peak_gb"), 2)] if device else []),
             *(
                 speed_cell(r, key, decimals) if i == 0 else num(get(r, key), decimals)
                 for i, (_, key, decimals) in enumerate(speed)
@@ -284,7 +287,14 @@ def render_markdown(
         CPU_NOTE
         if cpu
         else "Memory is the peak of the training phase, in GB (1e9 bytes): `allocated` by tensors and "
-        "`reserved` by the caching allocator. Throughput counts all ranks together"
+        "`reserved` by the caching allocator"
+        + (
+            "; `device peak` is the whole run's peak of the whole device as the process used it (CUDA"
+            " context and libraries included: what a card must hold; `memory.device_method` says how)"
+            if any(get(r, "memory.device_peak_gb") is not None for r in results)
+            else ""
+        )
+        + ". Throughput counts all ranks together"
         + ("; tokens/s counts padded tokens." if any(is_text(r) for r in results) else "."),
         "",
         SPEED_NOTE,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import importlib.util
+import math
 import os
 import platform
 import resource
@@ -23,6 +24,7 @@ from lightning.fabric.loggers import CSVLogger, TensorBoardLogger
 
 from fabric_memory_recipes import faults
 from fabric_memory_recipes.config import RunConfig
+from fabric_memory_recipes.measurement.device_memory import DeviceSampler, device_fields
 from fabric_memory_recipes.measurement.results_file import (
     GB,
     SCHEMA_VERSION,
@@ -60,8 +62,10 @@ class RunResults:
     after every optimizer step. ``cfg`` is the run's checked configuration (the JSON's ``config``).
     """
 
-    def __init__(self, cfg: RunConfig, description: str = "") -> None:
+    def __init__(self, cfg: RunConfig, description: str = "", device: DeviceSampler | None = None) -> None:
         self.cfg = cfg
+        # whole-device memory of this process (started by the lifecycle before CUDA is touched)
+        self.device = device
         self.recipe = cfg.recipe
         self.description = description
         self.fabric = None
@@ -137,12 +141,17 @@ class RunResults:
         if cuda:
             torch.cuda.synchronize(self.fabric.device)
             torch.cuda.reset_peak_memory_stats(self.fabric.device)
+        if self.device is not None:
+            self.device.phase_start(name)
         start, estimate_s = time.perf_counter(), self._estimate_s
         try:
             yield
         finally:
             if cuda:
                 torch.cuda.synchronize(self.fabric.device)
+            if self.device is not None:
+                self.device.phase_end(name)
+            if cuda:
                 alloc = torch.cuda.max_memory_allocated(self.fabric.device)
                 reserved = torch.cuda.max_memory_reserved(self.fabric.device)
             else:
@@ -216,32 +225,54 @@ class RunResults:
             return 0, 1
         return self.fabric.global_rank, self.fabric.world_size
 
-    def _gather_phases(self, gather: bool = True) -> dict[str, dict]:
-        """Per-rank peaks, gathered to every rank when there are several processes."""
+    def _device_peak(self, name: str | None = None) -> float:
+        """This process's whole-device peak in bytes (of phase ``name``, else of the run); NaN if none."""
+        if self.device is None or not self._cuda:
+            return math.nan
+        value = self.device.phase_peak(name) if name else self.device.peak_bytes()
+        return math.nan if value is None else value
+
+    def _gather(self, rows: list[list[float]], gather: bool) -> list[tuple[int, list[list[float]]]]:
+        """(rank, ``rows``) of every rank when gathering over several processes, else of this one."""
         rank, world = self._world()
+        if gather and world > 1:
+            local = torch.tensor(rows, dtype=torch.float64, device=self.fabric.device)
+            return list(enumerate(self.fabric.all_gather(local).cpu().tolist()))  # (world, rows, columns)
+        return [(rank, rows)]
+
+    def _gather_phases(self, gather: bool = True) -> tuple[dict[str, dict], list[dict]]:
+        """Per-rank peaks per phase, and per-rank whole-device peaks of the run, gathered to every
+        rank when there are several processes."""
         names = sorted(self.phases)
-        rows = {n: [(rank, self.phases[n]["allocated"], self.phases[n]["reserved"])] for n in names}
-        if gather and world > 1 and names:
-            local = torch.tensor(
-                [[self.phases[n]["allocated"], self.phases[n]["reserved"]] for n in names],
-                dtype=torch.float64,
-                device=self.fabric.device,
-            )
-            gathered = self.fabric.all_gather(local).cpu()  # (world, phases, 2)
-            rows = {
-                n: [(r, float(gathered[r, i, 0]), float(gathered[r, i, 1])) for r in range(world)]
-                for i, n in enumerate(names)
-            }
+        rows = [
+            [self.phases[n]["allocated"], self.phases[n]["reserved"], self._device_peak(n)] for n in names
+        ]
+        baseline = (
+            self.device.summary()["device_baseline_gb"] if self.device is not None else None
+        ) or math.nan
+        per_rank = self._gather(rows + [[self._device_peak(), baseline * GB, 0.0]], gather)
         out = {}
-        for n in names:
-            per_rank = [{"rank": r, "allocated_gb": a / GB, "reserved_gb": res / GB} for r, a, res in rows[n]]
+        for i, n in enumerate(names):
+            entries = [
+                {"rank": r, "allocated_gb": v[i][0] / GB, "reserved_gb": v[i][1] / GB}
+                | ({} if math.isnan(v[i][2]) else {"device_gb": v[i][2] / GB})
+                for r, v in per_rank
+            ]
+            devices = [p["device_gb"] for p in entries if "device_gb" in p]
             out[n] = {
-                "peak_allocated_gb": max(p["allocated_gb"] for p in per_rank),
-                "peak_reserved_gb": max(p["reserved_gb"] for p in per_rank),
+                "peak_allocated_gb": max(p["allocated_gb"] for p in entries),
+                "peak_reserved_gb": max(p["reserved_gb"] for p in entries),
+                "device_peak_gb": max(devices) if devices else None,
                 "wall_s": self.phases[n]["wall_s"],
-                "per_rank": per_rank,
+                "per_rank": entries,
             }
-        return out
+        device = [
+            {"rank": r, "device_peak_gb": v[-1][0] / GB}
+            | ({} if math.isnan(v[-1][1]) else {"device_baseline_gb": v[-1][1] / GB})
+            for r, v in per_rank
+            if not math.isnan(v[-1][0])
+        ]
+        return out, device
 
     def _provenance(self) -> dict[str, Any]:
         rank, world = self._world()
@@ -290,7 +321,9 @@ class RunResults:
         }
 
     def payload(self, status: str = "ok", error: str | None = None, gather: bool = True) -> dict[str, Any]:
-        phases = self._gather_phases(gather)
+        if self.device is not None:
+            self.device.stop()  # one last reading; the run is over
+        phases, device_ranks = self._gather_phases(gather)
         main = phases.get("train", {})
         warmup, steady = self._warmup_payload()
         return {
@@ -311,6 +344,7 @@ class RunResults:
                 "phases": phases,
                 "run_peak_allocated_gb": max((p["peak_allocated_gb"] for p in phases.values()), default=None),
                 "run_peak_reserved_gb": max((p["peak_reserved_gb"] for p in phases.values()), default=None),
+                **device_fields(self.device if self._cuda else None, phases, device_ranks),
                 "warmup": warmup,
                 "steady": steady,
                 "timeline": self.memory_files.get("timeline"),

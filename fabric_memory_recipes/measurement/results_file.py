@@ -36,6 +36,23 @@ memory.peak_allocated_gb         the "train" phase peak (max over ranks): the nu
 memory.peak_reserved_gb          likewise, reserved by the caching allocator
 memory.run_peak_allocated_gb     the largest phase peak: the whole run (model load, training, evaluation)
 memory.run_peak_reserved_gb      likewise, reserved
+memory.device_peak_gb            CUDA: this process's whole-device peak (max over ranks), sampled every
+                                 device_interval_s from before the device is touched to the end of the run:
+                                 what a card must hold (fabric_memory_recipes/measurement/device_memory.py);
+                                 null with device_note saying why when nothing could measure it
+memory.device_method             "nvml-process" (NVML's entry for this process) | "nvml-device" (NVML's
+                                 device-wide used less device_baseline_gb) | "mem_get_info" (total - free
+                                 of the whole GPU: this process's only on a GPU of its own) | null
+memory.device_baseline_gb        device memory in use when the sampler started, before this process made
+                                 its CUDA context (nvml methods; subtracted by nvml-device), else null
+memory.device_overhead_gb        device_peak_gb - run_peak_reserved_gb: what the process holds outside the
+                                 caching allocator (CUDA context, library handles, kernels); the planner's
+                                 card overhead is measured from it (fabric_memory_recipes/planning/overhead.py)
+memory.device_note               the method's caveat, or why there is no reading
+memory.device_samples            readings taken; device_interval_s the polling interval (s)
+memory.device_per_rank           several ranks: [{rank, device_peak_gb, device_baseline_gb}], else null
+memory.phases.<name>.device_peak_gb
+                                 the phase's whole-device peak (max over ranks; per_rank[].device_gb)
 memory.warmup                    CUDA: {steps, peak_allocated_gb, peak_reserved_gb} over the first ``steps``
                                  optimizer steps of training (compilation, CUDA-graph capture, optimizer
                                  state created); null without it. The "train" phase peak is the larger of
@@ -214,7 +231,13 @@ def summary(p: dict[str, Any], path: str | None = None) -> str:
         f"   device        {where} | precision {p['config'].get('precision')} | model {prov.get('model')}"
         f" ({prov.get('weights')}) | data {prov.get('data_source')}",
         f"   {mem_label:<13} allocated {_fmt(mem['peak_allocated_gb'], '.2f')} GB,"
-        f" reserved {_fmt(mem['peak_reserved_gb'], '.2f')} GB",
+        f" reserved {_fmt(mem['peak_reserved_gb'], '.2f')} GB"
+        + (
+            f" | whole device {mem['device_peak_gb']:.2f} GB ({mem.get('device_method')},"
+            f" {_fmt(mem.get('device_overhead_gb'), '.2f')} GB outside the allocator)"
+            if mem.get("device_peak_gb") is not None
+            else ""
+        ),
         f"   speed         {_speed(t)} (median step {_fmt(t['median_step_s'], '.4f')} s,"
         f" {t['optimizer_steps']} steps, loop {_fmt(t['train_wall_s'], '.1f')} s)",
         f"   accuracy      train {_fmt(acc.get('train'), '.3f')} | val {_fmt(acc.get('val'), '.3f')}"

@@ -42,6 +42,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
+from fabric_memory_recipes.measurement import device_memory
+
 # Eager optimizer steps before the capture: the first compiles and creates state; the second runs with
 # device-side step counters (an optimizer that compiles its update recompiles for them here, not in
 # the capture).
@@ -242,7 +244,8 @@ class StepGraph:
         # made the parameters' gradient-accumulation nodes there, and a gradient arriving from another
         # stream is a cross-stream use, whose memory the allocator cannot reuse until the capture ends
         # (measured on an H100: the pool grew by one set of gradients per micro-batch).
-        with torch.cuda.graph(graph, pool=self.pool, stream=self.side):
+        # quiet: a whole-device sampler reading through the CUDA runtime would break a global-mode capture
+        with device_memory.quiet(), torch.cuda.graph(graph, pool=self.pool, stream=self.side):
             outputs = body()
         self.pool = graph.pool()
         return outputs

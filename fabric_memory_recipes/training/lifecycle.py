@@ -24,6 +24,7 @@ from lightning.fabric.plugins.environments import LightningEnvironment
 from fabric_memory_recipes import faults
 from fabric_memory_recipes.config import RunConfig, UsageError
 from fabric_memory_recipes.console import fail, notice
+from fabric_memory_recipes.measurement import device_memory
 from fabric_memory_recipes.measurement import results as results_module
 from fabric_memory_recipes.measurement.results import RunResults
 from fabric_memory_recipes.training import checkpoints, cli
@@ -126,7 +127,17 @@ def caused_by_oom(error: BaseException) -> bool:
 
 
 def _run_main(main: Main, cfg: RunConfig, description: str) -> int:
-    results = RunResults(cfg, description=description.strip().splitlines()[0] if description.strip() else "")
+    # Whole-device memory is sampled from here, before the budget or the model touch the device.
+    sampler = None if cfg.accelerator == "cpu" else device_memory.start_for_run()
+    first_line = description.strip().splitlines()[0] if description.strip() else ""
+    try:
+        return _run_measured(main, cfg, RunResults(cfg, description=first_line, device=sampler))
+    finally:
+        if sampler is not None:
+            sampler.stop()
+
+
+def _run_measured(main: Main, cfg: RunConfig, results: RunResults) -> int:
     try:
         budget = apply_memory_budget(cfg)
         if budget is not None:
