@@ -161,9 +161,8 @@ class DeviceSampler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.stopped_reason: str | None = None
-        self.cuda_was_initialised = (
-            False  # CUDA started here before the sampler: the baseline may hold some of it
-        )
+        # CUDA started here before the sampler: the baseline may hold some of this process's memory
+        self.cuda_was_initialised = False
 
     # ------------------------------------------------------------------------------ lifecycle
     def start(self) -> DeviceSampler:
@@ -229,6 +228,7 @@ class DeviceSampler:
                     if self.samples == 0:
                         self._next_reader()  # nothing measured yet: the next method may work
                     else:
+                        reader.close()
                         self.reader = None  # a partial peak would look whole: record why instead
                         self.stopped_reason = f"{reader.method} failed during the run: {recent[-1]}"
                         self.peak = self.process_peak = None

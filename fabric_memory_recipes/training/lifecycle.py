@@ -44,12 +44,22 @@ def run_recipe(main: Main, rung: RunConfig, description: str, argv: Sequence[str
     process exits 130, 143 or 138. A bad input file (data, checkpoint) is one line and exit code 2.
     """
     with faults.handling_signals():  # from here on, a signal stops the run at an optimizer-step boundary
-        cfg = resolve_checkpoints(cli.parse(rung, argv, description))
-        lock = _prepare_outputs(cfg)
+        # Whole-device memory is sampled from here, before anything (a flag check, the budget, the
+        # model) may start CUDA in this process: the baseline is the device without it.
+        sampler = device_memory.start_for_run()
         try:
-            return _run_main(main, cfg, description)
+            cfg = resolve_checkpoints(cli.parse(rung, argv, description))
+            if cfg.accelerator == "cpu" and sampler is not None:
+                sampler.stop(reason="not a CUDA run")
+                sampler = None
+            lock = _prepare_outputs(cfg)
+            try:
+                return _run_main(main, cfg, description, sampler)
+            finally:
+                lock.release()
         finally:
-            lock.release()
+            if sampler is not None:
+                sampler.stop()
 
 
 def resolve_checkpoints(cfg: RunConfig) -> RunConfig:
@@ -142,18 +152,11 @@ def caused_by_oom(error: BaseException) -> bool:
     return False
 
 
-def _run_main(main: Main, cfg: RunConfig, description: str) -> int:
-    # Whole-device memory is sampled from here, before the budget or the model touch the device.
-    sampler = None if cfg.accelerator == "cpu" else device_memory.start_for_run()
+def _run_main(
+    main: Main, cfg: RunConfig, description: str, sampler: device_memory.DeviceSampler | None = None
+) -> int:
     first_line = description.strip().splitlines()[0] if description.strip() else ""
-    try:
-        return _run_measured(main, cfg, RunResults(cfg, description=first_line, device=sampler))
-    finally:
-        if sampler is not None:
-            sampler.stop()
-
-
-def _run_measured(main: Main, cfg: RunConfig, results: RunResults) -> int:
+    results = RunResults(cfg, description=first_line, device=sampler)
     try:
         budget = apply_memory_budget(cfg)
         if budget is not None:
