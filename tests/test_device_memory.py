@@ -243,3 +243,32 @@ def test_the_report_shows_a_device_peak_column_when_a_row_has_it():
     cells = [line.split(" | ")[column] for line in table.splitlines()[2:]]
     assert cells == ["1.83", "—"]
     assert "device peak GB" not in report.render_table([_row("01_baseline", None)])
+
+
+# --------------------------------------------------------------------------------------- lifecycle
+def test_the_lifecycle_hands_its_sampler_to_the_results_and_stops_it(tmp_path, monkeypatch):
+    """Started before the flags are parsed (a flag check may start CUDA), discarded for a CPU run,
+    else handed to the run's results and stopped when the run ends."""
+    from fabric_memory_recipes.training import lifecycle
+
+    started = []
+
+    def start():
+        started.append(manual(Scripted([1 * GB])))
+        return started[-1]
+
+    monkeypatch.setattr(device_memory, "start_for_run", start)
+    seen = []
+    argv = ["--results-dir", str(tmp_path), "--accelerator", "cpu"]
+    assert (
+        lifecycle.run_recipe(
+            lambda cfg, results: seen.append(results.device), RunConfig(recipe="x"), "d", argv
+        )
+        == 0
+    )
+    assert seen == [None] and started[0].summary()["device_note"] == "not a CUDA run"
+    assert not started[0]._thread.is_alive()
+    sampler = manual(Scripted([1 * GB]))
+    cfg = RunConfig(recipe="y", results_dir=str(tmp_path))
+    assert lifecycle._run_main(lambda cfg, results: seen.append(results.device), cfg, "d", sampler) == 0
+    assert seen[-1] is sampler and not sampler._thread.is_alive()

@@ -17,7 +17,7 @@ import torch
 from conftest import load_recipe_module
 
 from fabric_memory_recipes.config import Hardware, RunConfig, UsageError
-from fabric_memory_recipes.planning import calibration, fit_cli, speed
+from fabric_memory_recipes.planning import calibration, fit_cli, overhead, speed
 from fabric_memory_recipes.planning.__main__ import main as estimate_main
 from fabric_memory_recipes.planning.fit import (
     Candidate,
@@ -132,23 +132,23 @@ def test_every_command_parses_as_the_recipes_own_flags(tiny, monkeypatch):
 # ------------------------------------------------------------------------------------- the search
 def test_the_picks_are_the_fastest_that_fit_as_an_exhaustive_search_finds(tiny):
     everything = [tiny.predict(c) for c in tiny.candidates]
-    budget = sorted(c.predicted_gb for c in everything)[len(everything) // 2]  # half of them fit
+    budget = sorted(c.card_gb for c in everything)[len(everything) // 2]  # half of them fit the card
     fit = tiny.fit(budget, top=4)
-    expected = sorted((c for c in everything if c.predicted_gb <= budget), key=order)[:4]
+    expected = sorted((c for c in everything if c.card_gb <= budget), key=order)[:4]
     assert [c.command for c in fit.fits] == [c.command for c in expected]
-    assert all(c.predicted_gb <= budget for c in fit.fits)
-    too_big = [c for c in everything if c.predicted_gb > budget]
+    assert all(c.card_gb <= budget for c in fit.fits)
+    too_big = [c for c in everything if c.card_gb > budget]
     fastest = max(too_big, key=lambda c: c.images_per_s)
     assert tiny.fastest_rejected(budget).images_per_s == fastest.images_per_s
     if fit.rejected is not None:
-        assert fit.rejected.predicted_gb > budget and fit.rejected.images_per_s > fit.fits[-1].images_per_s
+        assert fit.rejected.card_gb > budget and fit.rejected.images_per_s > fit.fits[-1].images_per_s
 
 
 def test_nothing_fits_names_the_smallest_peak(tiny):
     fit = tiny.fit(1e-6)
     assert fit.fits == []
-    smallest = min(tiny.predict(c).predicted_gb for c in tiny.candidates)
-    assert fit.smallest.predicted_gb == smallest
+    smallest = min(tiny.predict(c).card_gb for c in tiny.candidates)
+    assert fit.smallest.card_gb == smallest
     text = fit_cli.render(fit)
     assert f"The smallest predicted peak is {smallest:.2f} GB" in text and fit.smallest.command in text
 
@@ -180,17 +180,27 @@ def test_cli_nothing_fits_exit_1_and_json(capsys, cache_file, monkeypatch):
 
 
 def test_the_ladder_model_fits_6gb_with_its_own_commands(capsys, cache_file, monkeypatch):
-    """ViT-L/16 at 6 GB and 1 GB (seconds: a few simulations, then the cache)."""
+    """ViT-L/16 on 6 GB, 2 GB and 1 GB cards (seconds: a few simulations, then the cache). A card holds
+    the measured overhead beside the allocator: its predicted whole-device peak must fit."""
     monkeypatch.setenv("FMR_PLAN_CACHE", cache_file)
     assert estimate_main(["--fit", "6GB", "--json"]) == 0
     answer = json.loads(capsys.readouterr().out)
     assert answer["model"] == "vit_l_16" and answer["batch_size"] == 16 and len(answer["fits"]) == 5
-    assert all(f["predicted_peak_gb"] <= 6 for f in answer["fits"])
+    assert answer["answers_for"] == "a card"
+    for f in answer["fits"]:
+        assert f["predicted_device_peak_gb"] == pytest.approx(f["predicted_peak_gb"] + f["overhead_gb"])
+        assert f["predicted_device_peak_gb"] <= 6 and f["overhead_gb"] > 0.5
+    assert answer["overhead"]["fast"]["overhead_gb"] == answer["fits"][0]["overhead_gb"]
     assert answer["fits"][0]["mode"] == "fast"
-    assert estimate_main(["--fit", "1GB", "--json"]) == 0
+    assert estimate_main(["--fit", "2GB", "--json"]) == 0
+    two = json.loads(capsys.readouterr().out)
+    assert "14_memory_floor" in {f["recipe"] for f in two["fits"]}
+    assert two["rejected"]["predicted_device_peak_gb"] > 2
+    # the floor's 0.7-0.8 GB reserved fit a 1 GB allocator, not a 1 GB card
+    assert estimate_main(["--fit", "1GB", "--json"]) == 1
     one = json.loads(capsys.readouterr().out)
-    assert {f["recipe"] for f in one["fits"]} == {"14_memory_floor"}  # only the floor fits 1 GB
-    assert one["rejected"]["predicted_peak_gb"] > 1
+    assert one["fits"] == [] and one["smallest"]["recipe"] == "14_memory_floor"
+    assert one["smallest"]["predicted_peak_gb"] < 1 < one["smallest"]["predicted_device_peak_gb"]
 
 
 # ------------------------------------------------------------------------------------- calibration
@@ -286,13 +296,17 @@ def test_memory_budget_caps_the_allocator_and_is_recorded(monkeypatch, tmp_path)
         total_memory = 80e9
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: Props())
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=None: "NVIDIA H100 80GB HBM3")
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d: calls.append((f, d)))
     cfg = RunConfig(recipe="budgeted", memory_budget_gb=2.0, results_dir=str(tmp_path))
     assert lifecycle._run_main(lambda cfg, results: None, cfg, "d") == 0
-    assert calls == [(2e9 / 80e9, 0)]
+    over = overhead.card_overhead("h100", overhead.overhead_mode(cfg.flags())).gb or 0.0
+    assert calls == [((2.0 - over) * 1e9 / 80e9, 0)]  # the allocator gets the card less the overhead
     written = json.loads((tmp_path / "budgeted.json").read_text())
     assert written["config"]["memory_budget_gb"] == 2.0
-    assert written["extra"]["memory_budget"]["fraction"] == pytest.approx(0.025)
+    budget = written["extra"]["memory_budget"]
+    assert budget["fraction"] == pytest.approx((2.0 - over) / 80) and budget["overhead_gb"] == (over or None)
+    assert budget["budget_gb"] == 2.0 and budget["allocator_gb"] == pytest.approx(2.0 - over)
     with pytest.raises(UsageError, match="this GPU has 80.0 GB"):
         lifecycle.apply_memory_budget(RunConfig(memory_budget_gb=100.0))
 
@@ -309,9 +323,10 @@ def test_an_oom_wrapped_by_another_error_is_still_an_oom():
 
 
 # ----------------------------------------------------------------------------------- planner_proof
-def fake_runner(peaks: dict[tuple, float], seen: list):
-    """Writes what a recipe would in --results-dir: a results JSON, "oom" when the command's peak
-    (``peaks``: (recipe, its flags) -> GB) is over its --memory-budget-gb, else "ok"."""
+def fake_runner(peaks: dict[tuple, float], seen: list, overhead_gb: float = 0.0):
+    """Writes what a recipe would in --results-dir: a results JSON, "oom" when the command's
+    whole-device peak (``peaks``: (recipe, its flags) -> GB) is over its --memory-budget-gb (the card),
+    else "ok"; ``overhead_gb`` of it is outside the allocator."""
 
     def run(r, env, timeout):
         cmd = r.cmd
@@ -322,7 +337,8 @@ def fake_runner(peaks: dict[tuple, float], seen: list):
         status = "oom" if peak > budget else "ok"
         r.json.parent.mkdir(parents=True, exist_ok=True)
         payload = {"status": status, "error": None if status == "ok" else "CUDA out of memory",
-                   "memory": {"peak_reserved_gb": min(peak, budget), "peak_allocated_gb": min(peak, budget) * 0.9},
+                   "memory": {"peak_reserved_gb": min(peak, budget) - overhead_gb, "device_peak_gb": min(peak, budget),
+                              "peak_allocated_gb": (min(peak, budget) - overhead_gb) * 0.9},
                    "timing": {"images_per_s": 100.0 if status == "ok" else None}}  # fmt: skip
         r.json.write_text(json.dumps(payload))
         return {"status": status, "wall_s": 1.0}
@@ -331,17 +347,20 @@ def fake_runner(peaks: dict[tuple, float], seen: list):
 
 
 def test_proof_writes_fit_json_rows_from_the_recipes_results(tmp_path, tiny, capsys):
-    peaks = sorted(tiny.predict(c).predicted_gb for c in tiny.candidates)
+    peaks = sorted(tiny.predict(c).card_gb for c in tiny.candidates)
     budgets = f"{peaks[0] * 1.001:.6f},{peaks[len(peaks) // 2]:.6f}"
     argv = ["--out", str(tmp_path), "--budgets", budgets, "--model", "vit_tiny", "--batch-size", "4"]
     assert planner_proof.main([*argv, "--dry-run"], planner=tiny) == 0
     plan = json.loads((tmp_path / "plan.json").read_text())
-    truth = {(r["recipe"], tuple(r["argv"])): r["predicted_peak_gb"] for r in plan["rows"]}
+    truth = {(r["recipe"], tuple(r["argv"])): r["predicted_device_gb"] for r in plan["rows"]}
+    over = {r["overhead_gb"] for r in plan["rows"]}
+    assert len(over) == 1 and plan["arguments"]["card_overhead_gb"]["fast"] == next(iter(over))
     seen: list = []
-    assert planner_proof.main(argv, runner=fake_runner(truth, seen)) == 0  # every run as planned
+    assert planner_proof.main(argv, runner=fake_runner(truth, seen, next(iter(over)))) == 0  # as planned
     rows = json.loads((tmp_path / "fit.json").read_text())
-    keys = {"budget_gb", "command", "predicted_peak_gb", "measured_peak_reserved_gb",
-            "predicted_images_per_s", "measured_images_per_s", "status", "role", "measured_at_budget_gb"}  # fmt: skip
+    keys = {"budget_gb", "command", "predicted_peak_gb", "measured_peak_reserved_gb", "predicted_device_gb",
+            "measured_device_peak_gb", "predicted_images_per_s", "measured_images_per_s", "status", "role",
+            "measured_at_budget_gb"}  # fmt: skip
     assert rows and all(keys <= set(r) for r in rows)
     assert {r["role"] for r in rows} == {"pick", "candidate", "rejected"}
     assert sorted(r["budget_gb"] for r in rows if r["role"] == "pick") == sorted(plan["arguments"]["budgets"])
@@ -356,6 +375,8 @@ def test_proof_writes_fit_json_rows_from_the_recipes_results(tmp_path, tiny, cap
     assert all("--max-steps" in c and c[c.index("--max-steps") + 1] == "15" for c in seen)
     out = capsys.readouterr().out
     assert "fit.json" in out and "pick ok" in out and (tmp_path / "fit.md").exists()
+    assert "over its cap" not in out and "over the card" not in out and "whole device +0.0%" in out
+    assert "measured device GB" in (tmp_path / "fit.md").read_text()
     # a pick that runs out of memory is a failed proof (exit 1), and fit.json says so
     truth = {k: v * 100 for k, v in truth.items()}
     assert planner_proof.main(argv, runner=fake_runner(truth, [])) == 1
@@ -403,4 +424,4 @@ def test_proof_help_says_how_long_it_takes(capsys):
         planner_proof.parse_args(["--help"])
     out = capsys.readouterr().out
     assert exc.value.code == 0
-    assert "minutes" in out and "default 15" in out and "default 1,2,4,8" in out and "--budget" in out
+    assert "minutes" in out and "default 15" in out and "default 2,4,8" in out and "--budget" in out

@@ -36,6 +36,7 @@ import torch
 GB = 1e9
 INTERVAL_S = 0.005  # a step of a small rung lasts ~20 ms: a 5 ms poll sees its peak
 MAX_FAILURES = 3  # consecutive failed reads before a method is given up
+PROCESS_MISSES = 100  # readings with CUDA started but this PID unlisted: the process list is given up
 METHODS = ("nvml-process", "nvml-device", "mem_get_info")
 _ACTIVE: set[DeviceSampler] = set()
 _ACTIVE_LOCK = threading.Lock()
@@ -66,7 +67,7 @@ class NvmlReader(Reader):
         nvml.nvmlInit()
         self.handle = nvml.nvmlDeviceGetHandleByIndex(index)
         self.baseline = float(nvml.nvmlDeviceGetMemoryInfo(self.handle).used)
-        self.process_seen = False
+        self.process_seen, self.misses = False, 0
         self.method = "nvml-device"
         self.note = (
             "NVML device-wide used memory less the baseline read before this process created its CUDA"
@@ -160,9 +161,8 @@ class DeviceSampler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.stopped_reason: str | None = None
-        self.cuda_was_initialised = (
-            False  # CUDA started here before the sampler: the baseline may hold some of it
-        )
+        # CUDA started here before the sampler: the baseline may hold some of this process's memory
+        self.cuda_was_initialised = False
 
     # ------------------------------------------------------------------------------ lifecycle
     def start(self) -> DeviceSampler:
@@ -228,6 +228,7 @@ class DeviceSampler:
                     if self.samples == 0:
                         self._next_reader()  # nothing measured yet: the next method may work
                     else:
+                        reader.close()
                         self.reader = None  # a partial peak would look whole: record why instead
                         self.stopped_reason = f"{reader.method} failed during the run: {recent[-1]}"
                         self.peak = self.process_peak = None

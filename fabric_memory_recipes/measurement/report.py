@@ -94,6 +94,11 @@ def _memory_cells(result: dict) -> tuple[str, str]:
     return tuple(c + mark if c != DASH else c for c in cells)  # type: ignore[return-value]
 
 
+def _device_cell(result: dict) -> str:
+    """The whole-device peak (``memory.device_peak_gb``); OOM like the other memory cells."""
+    return "OOM" if result.get("status") == "oom" else num(get(result, "memory.device_peak_gb"), 2)
+
+
 def _real_data(result: dict) -> bool:
     """Accuracy is a score only on real data (CIFAR-10, digits, IMDb); the synthetic stand-ins are
     learnable by construction, so their accuracy only shows that a run learns."""
@@ -176,7 +181,7 @@ def render_table(results: list[dict]) -> str:
             str(get(r, "provenance.world_size", DASH)),
             reserved,
             allocated,
-            *([num(get(r, "memory.device_peak_gb"), 2)] if device else []),
+            *([_device_cell(r)] if device else []),
             *(
                 speed_cell(r, key, decimals) if i == 0 else num(get(r, key), decimals)
                 for i, (_, key, decimals) in enumerate(speed)

@@ -98,8 +98,10 @@ updates.lost                     --lost-updates N: {every, columns ["step", "los
 extra                            recipe-specific measurements (e.g. rung 07's two ways of loading);
                                  set by the loop: resumed_from {path, step} (a resumed run), stopped
                                  {signal, step, planned_steps, checkpoint (to resume from, or null)}
-                                 (an interrupted run); with --memory-budget-gb, memory_budget {budget_gb,
-                                 device_total_gb, fraction, how} (fabric_memory_recipes.training.lifecycle.apply_memory_budget)
+                                 (an interrupted run); with --memory-budget-gb, memory_budget {budget_gb
+                                 (the emulated card), allocator_gb (the allocator's cap: budget less
+                                 overhead_gb, the card overhead, from overhead_source), device_total_gb,
+                                 fraction, how} (fabric_memory_recipes.training.lifecycle.apply_memory_budget)
 ===============================  ===========================================================================
 """
 

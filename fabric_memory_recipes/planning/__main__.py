@@ -16,9 +16,10 @@ from typing import Any
 
 from fabric_memory_recipes.config import Hardware, RunConfig, UsageError, declared_rung
 from fabric_memory_recipes.console import fail
-from fabric_memory_recipes.planning import fit_cli
+from fabric_memory_recipes.planning import calibration, fit_cli
 from fabric_memory_recipes.planning.check import check_results, meta_model, render_check
 from fabric_memory_recipes.planning.ladder import predict_ladder
+from fabric_memory_recipes.planning.overhead import card_prediction
 from fabric_memory_recipes.planning.plan import ATTENTION_CHOICES, OPTIMIZERS, plan_for
 from fabric_memory_recipes.planning.plots import plot_check, plot_timeline
 from fabric_memory_recipes.planning.simulate import simulate
@@ -48,6 +49,11 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, RunConfig, dict[
         "--fit",
         metavar="SIZE",
         help="which configurations of the ladder fit SIZE (e.g. 6GB), fastest first: see --fit 1GB --help",
+    )
+    g.add_argument(
+        "--gpu",
+        default=calibration.REFERENCE_GPU,
+        help="GPU kind whose measured card overhead gives the whole-device peak (h100, h200, ...)",
     )
     g.add_argument("--json", action="store_true", help="print the estimate as JSON")
     g.add_argument(
@@ -85,6 +91,19 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, RunConfig, dict[
     return args, cfg, overrides, label
 
 
+def card_lines(card: dict[str, Any]) -> str:
+    """The card below the component table: peak reserved and whole-device peak, with their sources."""
+    device = card["device_peak_gb"]
+    return "\n".join([
+        f"  {'peak reserved':<22}{card['peak_reserved_gb']:>11.3f}   x {card['reserved_ratio']:.3f}:"
+        f" {card['reserved_ratio_source']}",
+        f"  {'whole-device peak':<22}{device:>11.3f}   + {card['overhead_gb']:.3f} GB outside the allocator"
+        f" ({card['overhead_source']})"
+        if device is not None
+        else f"  {'whole-device peak':<22}{'unknown':>11}   {card['overhead_source']}",
+    ])  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m fabric_memory_recipes.planning``: print the component table (or JSON) for a recipe's configuration;
     with ``--fit SIZE``, the planner (fabric_memory_recipes/planning/fit_cli.py)."""
@@ -111,11 +130,15 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         fail(str(e))
     est = simulate(meta_model(cfg.model), plan, record_timeline=bool(args.plot), model_name=cfg.model)
+    card = card_prediction(est.peak_gb, graphs=bool(cfg.cuda_graphs), compiled=bool(cfg.compile),
+                           gpu=args.gpu.lower())  # fmt: skip
     if args.json:
-        print(json.dumps({"recipe": label, **est.to_dict()}, indent=2))
+        print(json.dumps({"recipe": label, **est.to_dict(), **card}, indent=2))
     else:
         print(f"[{label}]")
         print(est.table())
+        if not est.error:
+            print(card_lines(card))
     if args.plot:
         plot_timeline(est, args.plot, title=f"{label}: predicted memory timeline, peak {est.peak_gb:.2f} GB")
         if not args.json:

@@ -10,7 +10,8 @@ from typing import Any
 import torch
 
 from fabric_memory_recipes.config import VIT_MODELS, RunConfig, declared_rung
-from fabric_memory_recipes.measurement.results_file import SCHEMA_VERSION, estimate_error_pct
+from fabric_memory_recipes.measurement.results_file import SCHEMA_VERSION, estimate_error_pct, gpu_slug
+from fabric_memory_recipes.planning.overhead import card_prediction
 from fabric_memory_recipes.planning.plan import plan_for
 from fabric_memory_recipes.planning.simulate import simulate
 from fabric_memory_recipes.training import models
@@ -53,6 +54,7 @@ def check_results(dirs: list[str]) -> list[dict[str, Any]]:
                 recorded = simulate(model, plan, model_name=config.get("model")).to_dict()
             rows.append(
                 {
+                    **device_check(result, recorded["peak_allocated_gb"]),
                     "file": str(path),
                     "recipe": result["recipe"],
                     "gpu": (result.get("provenance") or {}).get("gpu_name"),
@@ -68,18 +70,89 @@ def check_results(dirs: list[str]) -> list[dict[str, Any]]:
     return rows
 
 
-def render_check(rows: list[dict[str, Any]]) -> str:
-    """Predicted vs measured as a markdown table."""
+def _pct(predicted: float | None, measured: float | None) -> float | None:
+    return None if predicted is None or not measured else 100.0 * (predicted - measured) / measured
+
+
+def device_check(result: dict[str, Any], allocated_gb: float | None) -> dict[str, Any]:
+    """The card-level check of one run: predicted peak reserved and whole-device peak
+    (fabric_memory_recipes.planning.overhead.card_prediction) against what the run measured. One-GPU
+    runs only: with several ranks NCCL's buffers sit outside the allocator too."""
+    memory, config = result.get("memory") or {}, result.get("config") or {}
+    prov = result.get("provenance") or {}
+    if prov.get("world_size", 1) != 1:
+        return {"predicted_device_gb": None, "measured_device_gb": None, "device_error_pct": None}
+    card = card_prediction(allocated_gb, graphs=bool(config.get("cuda_graphs")), compiled=bool(config.get("compile")),
+                           gpu=gpu_slug(prov.get("gpu_name")))  # fmt: skip
+    reserved = memory.get("run_peak_reserved_gb")
+    measured = memory.get("device_peak_gb")
+    return {
+        "predicted_reserved_gb": card["peak_reserved_gb"],
+        "measured_reserved_gb": reserved,
+        "reserved_error_pct": _pct(card["peak_reserved_gb"], reserved),
+        "predicted_device_gb": card["device_peak_gb"],
+        "measured_device_gb": measured,
+        "device_error_pct": _pct(card["device_peak_gb"], measured),
+        "overhead_gb": card["overhead_gb"],
+        "measured_overhead_gb": memory.get("device_overhead_gb"),
+        "overhead_source": card["overhead_source"],
+        "device_method": memory.get("device_method"),
+    }
+
+
+def _cell(value: float | None, spec: str) -> str:
+    return "—" if value is None else format(value, spec)
+
+
+def render_check(rows: list[dict[str, Any]], tolerance_pct: float = 10.0) -> str:
+    """Predicted vs measured as a markdown table: peak allocated, and where the runs measured it, the
+    whole-device peak (predicted reserved + the card overhead) with the overheads, and a summary."""
+    device = any(r.get("measured_device_gb") is not None for r in rows)
+    extra = " predicted reserved GB | measured reserved GB | predicted device GB | measured device GB | device error | overhead used / measured GB |"
     lines = [
-        "| run | GPU | compile | predicted GB | measured GB | error |",
-        "|---|---|---|---:|---:|---:|",
+        "| run | GPU | compile | predicted GB | measured GB | error |" + (extra if device else ""),
+        "|---|---|---|---:|---:|---:|" + ("---:|" * 6 if device else ""),
     ]
     for r in rows:
         gpu = (r["gpu"] or "?").replace("NVIDIA ", "")
         if r["world_size"] and r["world_size"] > 1:
             gpu = f"{r['world_size']}× {gpu} (per GPU)"
-        lines.append(
+        line = (
             f"| `{r['file']}` | {gpu} | {'on' if r['compile'] else 'off'} | {r['predicted_gb']:.3f} |"
-            f" {r['measured_gb']:.3f} | {r['error_pct']:+.1f}% |"
+            f" {r['measured_gb']:.3f} | {_cell(r['error_pct'], '+.1f')}% |"
         )
+        if device:
+            line += (
+                f" {_cell(r.get('predicted_reserved_gb'), '.3f')} | {_cell(r.get('measured_reserved_gb'), '.3f')} |"
+                f" {_cell(r.get('predicted_device_gb'), '.3f')} | {_cell(r.get('measured_device_gb'), '.3f')} |"
+                f" {_cell(r.get('device_error_pct'), '+.1f')}% |"
+                f" {_cell(r.get('overhead_gb'), '.3f')} / {_cell(r.get('measured_overhead_gb'), '.3f')} |"
+            )
+        lines.append(line)
+    if device:
+        lines += ["", *device_summary(rows, tolerance_pct)]
     return "\n".join(lines)
+
+
+def device_summary(rows: list[dict[str, Any]], tolerance_pct: float = 10.0) -> list[str]:
+    """How far the predicted whole-device peaks are from the measured ones, and the overheads used."""
+    errors = [r["device_error_pct"] for r in rows if r.get("device_error_pct") is not None]
+    out = []
+    if errors:
+        within = sum(abs(e) <= tolerance_pct for e in errors)
+        out.append(
+            f"Whole-device peak: {len(errors)} runs, error {min(errors):+.1f}% to {max(errors):+.1f}%;"
+            f" {within} of {len(errors)} within ±{tolerance_pct:g}%"
+        )
+    missing = [
+        r["file"]
+        for r in rows
+        if r.get("measured_device_gb") is not None and r.get("predicted_device_gb") is None
+    ]
+    if missing:
+        out.append(
+            f"No whole-device prediction for {len(missing)} runs (no measured overhead for their GPU kind)"
+        )
+    for source in sorted({r["overhead_source"] for r in rows if r.get("overhead_source")}):
+        out.append(f"- overhead: {source}")
+    return out

@@ -8,7 +8,10 @@ For each combination it predicts
 * the peak *reserved* memory: the simulated peak allocated (:func:`~fabric_memory_recipes.planning.simulate.simulate`)
   times the largest reserved/simulated ratio of the committed runs of that mode
   (:func:`~fabric_memory_recipes.planning.calibration.reserved_ratios`; in fast mode the runs' peaks include the
-  warm-up, compilation and the CUDA graph's pool), and
+  warm-up, compilation and the CUDA graph's pool),
+* the whole-device peak a card must hold: that plus the measured card overhead of the GPU kind and
+  mode (CUDA context, libraries, kernels: :mod:`~fabric_memory_recipes.planning.overhead`); a
+  budget is a card's memory, and a configuration fits when this is within it, and
 * the throughput on the chosen GPU kind: the committed runs of exactly that command where they exist,
   else :class:`~fabric_memory_recipes.planning.calibration.SpeedModel`.
 
@@ -34,7 +37,7 @@ import torch
 
 from fabric_memory_recipes.config import RECIPES_DIR, RunConfig, declared_rung
 from fabric_memory_recipes.measurement.results_file import write_json_atomic
-from fabric_memory_recipes.planning import calibration
+from fabric_memory_recipes.planning import calibration, overhead
 from fabric_memory_recipes.planning import speed as speed_mod
 from fabric_memory_recipes.planning.check import meta_model
 from fabric_memory_recipes.planning.plan import CUDA_WORKSPACE_BYTES, GB, plan_for
@@ -86,13 +89,19 @@ class Candidate:
     rung: RunConfig  # the family's recipe, with this candidate's flags
     mode: str
     signature: tuple
-    lower_bound_gb: float  # predicted reserved from weights + gradients + optimizer state alone
+    lower_bound_gb: float  # predicted card peak from weights + gradients + optimizer state alone
     speed_bound: float  # img/s with nothing offloaded: no more than this
     images_per_s: float | None = None  # the prediction, once known
     speed_source: str = "model"
     simulated_gb: float | None = None
     offloaded_gb: float | None = None
     predicted_gb: float | None = None  # peak reserved
+    overhead_gb: float = 0.0  # the card overhead of the GPU kind and mode (0 when none is measured)
+
+    @property
+    def card_gb(self) -> float | None:
+        """The predicted whole-device peak: peak reserved + the card overhead."""
+        return None if self.predicted_gb is None else self.predicted_gb + self.overhead_gb
 
     @property
     def key(self) -> tuple:
@@ -126,6 +135,7 @@ class Candidate:
             "precision": self.rung.precision, "batch_size": self.rung.batch_size,
             "accumulation_steps": self.rung.accumulation_steps, "technique": describe(self.signature),
             "predicted_peak_gb": self.predicted_gb, "simulated_peak_allocated_gb": self.simulated_gb,
+            "overhead_gb": self.overhead_gb, "predicted_device_peak_gb": self.card_gb,
             "lower_bound_gb": self.lower_bound_gb, "predicted_images_per_s": self.images_per_s,
             "speed_source": self.speed_source,
         }  # fmt: skip
@@ -154,7 +164,7 @@ def techniques(c: Candidate) -> int:
 
 def order(c: Candidate) -> tuple:
     """Fastest first; on a tie, fewer techniques, then less memory."""
-    return (-c.images_per_s, techniques(c), c.predicted_gb)
+    return (-c.images_per_s, techniques(c), c.card_gb)
 
 
 def divisors(n: int) -> list[int]:
@@ -245,6 +255,7 @@ class Fit:
     cache: SimulationCache
     ratios: dict[str, calibration.ReservedRatio]
     speed: speed_mod.SpeedModel
+    overheads: dict[str, overhead.Overhead]  # by mode: what a card holds beside the allocator
 
 
 class Planner:
@@ -253,8 +264,10 @@ class Planner:
 
     def __init__(self, batch_size: int, model: str = "vit_l_16", gpu: str = calibration.REFERENCE_GPU, *,
                  precisions=PRECISIONS, modes=MODES, optimizers=OPTIMIZERS, folders: tuple[str, ...] | None = None,
-                 cache: SimulationCache | None = None, recipes: Path = RECIPES_DIR) -> None:  # fmt: skip
+                 cache: SimulationCache | None = None, recipes: Path = RECIPES_DIR,
+                 overhead_table: dict | None = None) -> None:  # fmt: skip
         self.batch_size, self.model, self.gpu = batch_size, model, gpu
+        self.overheads = {m: overhead.card_overhead(gpu, m, overhead_table) for m in MODES}
         self.runs = calibration.load_runs(folders or (str(calibration.RESULTS_DIR),))
         self.ratios = calibration.reserved_ratios(self.runs)
         self.parameters = sum(p.numel() for p in meta_model(model).parameters())
@@ -264,8 +277,9 @@ class Planner:
         for rung, sig, mode in enumerate_candidates(
             batch_size, model, precisions, modes, optimizers, recipes
         ):
-            ratio = self.ratios[mode].ratio
-            c = Candidate(rung, mode, sig, ratio * static_bytes(rung, sig, self.parameters) / GB, 0.0)
+            ratio, over = self.ratios[mode].ratio, self.overheads[mode].gb or 0.0
+            c = Candidate(rung, mode, sig, ratio * static_bytes(rung, sig, self.parameters) / GB + over, 0.0,
+                          overhead_gb=over)  # fmt: skip
             measured = calibration.measured_speed(self.runs, gpu, model, sig, rung.precision, batch_size,
                                                   rung.accumulation_steps, mode)  # fmt: skip
             if measured:
@@ -308,12 +322,12 @@ class Planner:
                 too_big.append(c)
                 continue
             self.predict(c)
-            (fits if c.predicted_gb <= budget_gb else too_big).append(c)
+            (fits if c.card_gb <= budget_gb else too_big).append(c)
             fits.sort(key=order)
         rejected = self._fastest(too_big)
         smallest = None if fits else self.smallest()
         return Fit(budget_gb, self.batch_size, self.model, self.gpu, fits[:top], rejected, smallest,
-                   len(self.candidates), bounded, self.cache, self.ratios, self.speed)  # fmt: skip
+                   len(self.candidates), bounded, self.cache, self.ratios, self.speed, self.overheads)  # fmt: skip
 
     def _fastest(self, candidates: list[Candidate]) -> Candidate | None:
         """The fastest of ``candidates`` (sorted by the bound), simulating only what could be it."""
@@ -342,7 +356,7 @@ class Planner:
             ):
                 continue
             self.predict(c)
-            (fitting if c.predicted_gb <= budget_gb else found).append(c)
+            (fitting if c.card_gb <= budget_gb else found).append(c)
         return self._fastest(found)
 
     @staticmethod
@@ -351,12 +365,12 @@ class Planner:
         return same and min(c.rung.accumulation_steps, d.rung.accumulation_steps) >= 2
 
     def smallest(self) -> Candidate:
-        """The candidate with the smallest predicted peak (visited from the smallest lower bound)."""
+        """The candidate with the smallest predicted whole-device peak (visited from the smallest lower bound)."""
         best = None
         for c in sorted(self.candidates, key=lambda x: x.lower_bound_gb):
-            if best is not None and best.predicted_gb <= c.lower_bound_gb:
+            if best is not None and best.card_gb <= c.lower_bound_gb:
                 break
             self.predict(c)
-            if best is None or (c.predicted_gb, -c.images_per_s) < (best.predicted_gb, -best.images_per_s):
+            if best is None or (c.card_gb, -c.images_per_s) < (best.card_gb, -best.images_per_s):
                 best = c
         return best

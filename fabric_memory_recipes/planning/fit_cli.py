@@ -35,12 +35,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = Parser(
         prog="python -m fabric_memory_recipes.planning --fit",
         description="Which rungs does my GPU need? The fastest configurations of the ladder's techniques"
-        " whose predicted peak reserved memory fits the budget, each with the recipe command that runs it"
-        " (prediction only: runs on a CPU in seconds; simulations are cached).",
+        " whose predicted whole-device peak (peak reserved + the measured card overhead of the GPU kind)"
+        " fits a card of SIZE, each with the recipe command that runs it (prediction only: runs on a CPU"
+        " in seconds; simulations are cached).",
     )
-    p.add_argument(
-        "--fit", required=True, metavar="SIZE", help="the GPU memory budget: 6GB, 6.5GB, 512MB, 8GiB"
-    )
+    p.add_argument("--fit", required=True, metavar="SIZE", help="the card's memory: 6GB, 6.5GB, 512MB, 8GiB")
     p.add_argument("--batch-size", type=at_least(1), default=16, help="effective batch per optimizer step")
     p.add_argument(
         "--model",
@@ -51,7 +50,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--gpu",
         default=calibration.REFERENCE_GPU,
-        help="GPU kind whose committed runs give the throughput (h100, h200, ...)",
+        help="GPU kind whose committed runs give the throughput and the card overhead (h100, h200, ...)",
     )
     p.add_argument("--top", type=at_least(1), default=5, help="how many fitting configurations to print")
     p.add_argument(
@@ -89,34 +88,50 @@ def to_json(fit: Fit) -> dict[str, Any]:
         "rejected": fit.rejected.to_dict() if fit.rejected else None,
         "smallest": fit.smallest.to_dict() if fit.smallest else None,
         "reserved_ratio": {m: r.ratio for m, r in fit.ratios.items()},
+        "overhead": {m: o.to_dict() for m, o in fit.overheads.items()},
+        "answers_for": "a card" if all(o.gb is not None for o in fit.overheads.values()) else "the allocator",
         "searched": {"candidates": fit.considered, "simulated": fit.cache.simulated, "ruled_out_unsimulated": fit.bounded},
     }  # fmt: skip
 
 
 def _row(i: Any, c) -> str:
     source = "measured" if c.speed_source.startswith("measured") else "model"
-    return (
-        f"  {i!s:>2} {c.images_per_s:7.0f} {source:<9}{c.predicted_gb:7.2f}   {c.label()}\n       {c.command}"
-    )
+    return f"  {i!s:>2} {c.images_per_s:7.0f} {source:<9}{c.card_gb:7.2f}   {c.label()}\n       {c.command}"
+
+
+def _budget_lines(fit: Fit) -> list[str]:
+    """What the budget means: a card (peak reserved + the measured overhead), or, where nothing
+    measured the overhead, only what the allocator may reserve."""
+    if all(o.gb is not None for o in fit.overheads.values()):
+        return [
+            "  (a card of that size: card GB = predicted peak reserved + what the process holds outside"
+            " PyTorch's caching allocator, CUDA context, libraries and kernels, as measured:",
+            *(f"   {m}: {o.source}" for m, o in fit.overheads.items()),
+            "  )",
+        ]
+    return [
+        "  (no measured card overhead: the budget is what PyTorch's caching allocator may reserve; a card"
+        " also holds the CUDA context, libraries and kernels on top, which nothing measured here gives)",
+    ]
 
 
 def render(fit: Fit) -> str:
     lines = [
         f"Which configurations fit {fit.budget_gb:g} GB? {fit.model}, effective batch {fit.batch_size},"
         f" throughput on {fit.gpu}",
-        "  (the budget is what PyTorch's caching allocator may reserve, what torch.cuda."
-        "set_per_process_memory_fraction caps; a card's CUDA context comes on top)",
+        *_budget_lines(fit),
         "",
     ]
-    header = "   # img/s   source    peak GB   configuration\n       command"
+    header = "   # img/s   source    card GB   configuration\n       command"
     if fit.fits:
-        lines += [f"Fastest that fit (predicted peak reserved <= {fit.budget_gb:g} GB):", header]
+        lines += [f"Fastest that fit (predicted whole-device peak <= {fit.budget_gb:g} GB):", header]
         lines += [_row(i, c) for i, c in enumerate(fit.fits, 1)]
     else:
         s = fit.smallest
         lines += [
-            f"Nothing fits in {fit.budget_gb:g} GB. The smallest predicted peak is {s.predicted_gb:.2f} GB"
-            f" (simulated {s.simulated_gb:.2f} GB allocated x {fit.ratios[s.mode].ratio:.3f}):",
+            f"Nothing fits in {fit.budget_gb:g} GB. The smallest predicted peak is {s.card_gb:.2f} GB"
+            f" (simulated {s.simulated_gb:.2f} GB allocated x {fit.ratios[s.mode].ratio:.3f}"
+            f" + {s.overhead_gb:.2f} GB outside the allocator):",
             header, _row("-", s),
         ]  # fmt: skip
     if fit.rejected:

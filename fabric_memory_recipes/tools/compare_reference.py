@@ -273,6 +273,9 @@ def summarize_project(path: Path) -> dict[str, Any] | None:
         "images_per_s": timing.get("images_per_s"),
         "peak_allocated_gb": peak("peak_allocated_gb"),
         "train_peak_reserved_gb": memory.get("peak_reserved_gb"),
+        "device_peak_gb": memory.get(
+            "device_peak_gb"
+        ),  # the whole device (fabric_memory_recipes.measurement.device_memory)
         "steps": timing.get("optimizer_steps"),
         "median_step_s": timing.get("median_step_s"),
         "warmup": memory.get("warmup"),

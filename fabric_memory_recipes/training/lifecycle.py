@@ -27,6 +27,8 @@ from fabric_memory_recipes.console import fail, notice
 from fabric_memory_recipes.measurement import device_memory
 from fabric_memory_recipes.measurement import results as results_module
 from fabric_memory_recipes.measurement.results import RunResults
+from fabric_memory_recipes.measurement.results_file import gpu_slug
+from fabric_memory_recipes.planning import overhead
 from fabric_memory_recipes.training import checkpoints, cli
 
 Main = Callable[[RunConfig, RunResults], None]
@@ -42,12 +44,22 @@ def run_recipe(main: Main, rung: RunConfig, description: str, argv: Sequence[str
     process exits 130, 143 or 138. A bad input file (data, checkpoint) is one line and exit code 2.
     """
     with faults.handling_signals():  # from here on, a signal stops the run at an optimizer-step boundary
-        cfg = resolve_checkpoints(cli.parse(rung, argv, description))
-        lock = _prepare_outputs(cfg)
+        # Whole-device memory is sampled from here, before anything (a flag check, the budget, the
+        # model) may start CUDA in this process: the baseline is the device without it.
+        sampler = device_memory.start_for_run()
         try:
-            return _run_main(main, cfg, description)
+            cfg = resolve_checkpoints(cli.parse(rung, argv, description))
+            if cfg.accelerator == "cpu" and sampler is not None:
+                sampler.stop(reason="not a CUDA run")
+                sampler = None
+            lock = _prepare_outputs(cfg)
+            try:
+                return _run_main(main, cfg, description, sampler)
+            finally:
+                lock.release()
         finally:
-            lock.release()
+            if sampler is not None:
+                sampler.stop()
 
 
 def resolve_checkpoints(cfg: RunConfig) -> RunConfig:
@@ -95,22 +107,36 @@ def _prepare_outputs(cfg: RunConfig) -> faults.RunLock:
 
 
 def apply_memory_budget(cfg: RunConfig) -> dict | None:
-    """``--memory-budget-gb``: cap the CUDA caching allocator of this process at the budget, so that the
-    run behaves as on a card with that much memory (``fabric_memory_recipes.tools.planner_proof`` emulates 1-8 GB cards this
-    way). What it caps is what the results' peak reserved counts; the CUDA context is outside it, as it
-    is outside the peaks. Returns what the results JSON records (``extra.memory_budget``)."""
+    """``--memory-budget-gb X``: make the run behave as on a card of X GB (``fabric_memory_recipes.tools.planner_proof``
+    emulates 1-8 GB cards this way). A card holds the process's CUDA context, library handles and
+    kernels besides PyTorch's caching allocator, so the allocator is capped
+    (``torch.cuda.set_per_process_memory_fraction``) at X less the card overhead measured for this GPU
+    kind and mode (``fabric_memory_recipes.planning.overhead``; where none is measured, at X, and the
+    record says so). Returns what the results JSON records (``extra.memory_budget``)."""
     if cfg.memory_budget_gb is None:
         return None
     total = torch.cuda.get_device_properties(0).total_memory
     budget = cfg.memory_budget_gb * 1e9
     if budget > total:
         raise UsageError(f"--memory-budget-gb {cfg.memory_budget_gb:g}: this GPU has {total / 1e9:.1f} GB")
-    torch.cuda.set_per_process_memory_fraction(budget / total, 0)
+    over = overhead.card_overhead(
+        gpu_slug(torch.cuda.get_device_name(0)), overhead.overhead_mode(cfg.flags())
+    )
+    allocator = budget - (over.gb or 0.0) * 1e9
+    if allocator <= 0:
+        raise UsageError(
+            f"--memory-budget-gb {cfg.memory_budget_gb:g}: a card this small cannot even hold the"
+            f" {over.gb:.2f} GB a CUDA process needs outside the allocator ({over.source})"
+        )
+    torch.cuda.set_per_process_memory_fraction(allocator / total, 0)
     return {
         "budget_gb": cfg.memory_budget_gb,
+        "allocator_gb": allocator / 1e9,
+        "overhead_gb": over.gb,
+        "overhead_source": over.source,
         "device_total_gb": total / 1e9,
-        "fraction": budget / total,
-        "how": "torch.cuda.set_per_process_memory_fraction, before the model is built",
+        "fraction": allocator / total,
+        "how": "torch.cuda.set_per_process_memory_fraction(budget - card overhead), before the model is built",
     }
 
 
@@ -126,18 +152,11 @@ def caused_by_oom(error: BaseException) -> bool:
     return False
 
 
-def _run_main(main: Main, cfg: RunConfig, description: str) -> int:
-    # Whole-device memory is sampled from here, before the budget or the model touch the device.
-    sampler = None if cfg.accelerator == "cpu" else device_memory.start_for_run()
+def _run_main(
+    main: Main, cfg: RunConfig, description: str, sampler: device_memory.DeviceSampler | None = None
+) -> int:
     first_line = description.strip().splitlines()[0] if description.strip() else ""
-    try:
-        return _run_measured(main, cfg, RunResults(cfg, description=first_line, device=sampler))
-    finally:
-        if sampler is not None:
-            sampler.stop()
-
-
-def _run_measured(main: Main, cfg: RunConfig, results: RunResults) -> int:
+    results = RunResults(cfg, description=first_line, device=sampler)
     try:
         budget = apply_memory_budget(cfg)
         if budget is not None:

@@ -1,0 +1,223 @@
+"""The card overhead: device memory a CUDA process holds outside PyTorch's caching allocator.
+
+A card must hold the run's peak *reserved* memory plus what the process holds beside the allocator:
+the CUDA context, library handles (cuBLAS, cuDNN) and loaded kernels. The planner predicts the
+whole-device peak as predicted peak reserved + this overhead, for the GPU kind and mode, so that
+``--fit 8GB`` answers for an 8 GB card and ``--memory-budget-gb 8`` emulates one.
+
+The overhead is measured, never assumed. :func:`measure` reads results JSONs (recursively) and takes,
+per GPU kind (``h100``, ``h200``: :func:`~fabric_memory_recipes.measurement.results_file.gpu_slug`)
+and mode (``eager``; ``compiled``: torch.compile and/or CUDA graphs), the largest overhead seen in
+
+* ``memory.device_overhead_gb`` of a successful one-GPU run (the whole-device sampler,
+  fabric_memory_recipes/measurement/device_memory.py), and
+* the allocator's out-of-memory message of a one-GPU run, which states what the process had in use
+  and what PyTorch held: ``this process has 4.51 GiB memory in use ... 3.66 GiB is allocated by
+  PyTorch, and 45.70 MiB is reserved by PyTorch but unallocated`` (in use - allocated - reserved
+  unallocated, to the message's 0.01 GiB, at the moment of the error).
+
+``python -m fabric_memory_recipes.planning.overhead results --write`` stores the table, with the
+files it came from, in ``device_overhead.json`` beside this module (committed); the planner reads
+that file. A kind or mode it lacks falls back to the largest overhead it holds, and says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from fabric_memory_recipes.console import Parser
+from fabric_memory_recipes.measurement.results_file import GB, SCHEMA_VERSION, gpu_slug, write_json_atomic
+from fabric_memory_recipes.planning import calibration
+
+TABLE_FILE = Path(__file__).with_name("device_overhead.json")
+REPO = Path(__file__).resolve().parents[2]
+OVERHEAD_MODES = ("eager", "compiled")
+_SIZE = r"([\d.]+) (GiB|MiB|KiB|B)\b"
+OOM_MESSAGE = re.compile(
+    rf"this process has {_SIZE} memory in use.*?allocated memory {_SIZE} is allocated by PyTorch,"
+    rf" and {_SIZE} is reserved by PyTorch but unallocated",
+    re.DOTALL,
+)
+UNITS = {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10, "B": 1}
+
+
+def overhead_mode(mode_or_config: str | dict[str, Any]) -> str:
+    """'eager' or 'compiled' for a planner mode ('fast', 'eager') or a results JSON's config."""
+    if isinstance(mode_or_config, dict):
+        c = mode_or_config
+        return "compiled" if c.get("compile") or c.get("cuda_graphs") else "eager"
+    return "eager" if mode_or_config == "eager" else "compiled"
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    """One run's overhead: GB outside the caching allocator, and how it was read."""
+
+    gpu: str
+    mode: str
+    overhead_gb: float
+    path: str
+    how: str  # the sampler's method (nvml-process, ...) or 'oom-message'
+
+
+def oom_overhead_gb(message: str) -> float | None:
+    """In use - allocated - reserved-but-unallocated, from an allocator OOM message (GB), or None."""
+    match = OOM_MESSAGE.search(message or "")
+    if not match:
+        return None
+    v = [float(match.group(i)) * UNITS[match.group(i + 1)] for i in (1, 3, 5)]
+    return (v[0] - v[1] - v[2]) / GB
+
+
+def sample_of(result: dict[str, Any], path: str) -> Sample | None:
+    """The overhead a results payload measured (one CUDA device), or None."""
+    if not isinstance(result, dict) or result.get("schema_version") != SCHEMA_VERSION:
+        return None
+    memory, prov = result.get("memory") or {}, result.get("provenance") or {}
+    if memory.get("kind") != "cuda" or prov.get("world_size", 1) != 1:
+        return None  # several ranks: NCCL's buffers are outside the allocator too, another overhead
+    gpu, mode = gpu_slug(prov.get("gpu_name")), overhead_mode(result.get("config") or {})
+    if result.get("status") == "ok" and memory.get("device_overhead_gb") is not None:
+        return Sample(gpu, mode, float(memory["device_overhead_gb"]), path, str(memory.get("device_method")))
+    if result.get("status") == "oom":
+        value = oom_overhead_gb(result.get("error") or "")
+        if value is not None:
+            return Sample(gpu, mode, value, path, "oom-message")
+    return None
+
+
+def measure(folders: list[str | Path]) -> dict[str, Any]:
+    """The table: per kind and mode, the largest overhead of the runs below ``folders``, their count,
+    the smallest, and every source file (relative to the repository when inside it)."""
+    samples: list[Sample] = []
+    for folder in folders:
+        for path in sorted(Path(folder).rglob("*.json")):
+            try:
+                payload = json.loads(path.read_text())
+            except (OSError, ValueError, UnicodeDecodeError):
+                continue
+            resolved = path.resolve()
+            shown = resolved.relative_to(REPO) if resolved.is_relative_to(REPO) else resolved
+            sample = sample_of(payload, str(shown))
+            if sample is not None:
+                samples.append(sample)
+    kinds: dict[str, dict[str, Any]] = {}
+    for gpu, mode in sorted({(s.gpu, s.mode) for s in samples}):
+        mine = sorted((s for s in samples if (s.gpu, s.mode) == (gpu, mode)), key=lambda s: -s.overhead_gb)
+        kinds.setdefault(gpu, {})[mode] = {
+            "overhead_gb": round(mine[0].overhead_gb, 4),
+            "runs": len(mine),
+            "smallest_gb": round(mine[-1].overhead_gb, 4),
+            "largest_from": mine[0].path,
+            "methods": sorted({s.how for s in mine}),
+            "sources": sorted(s.path for s in mine),
+        }
+    return {
+        "what": "GB a CUDA process held outside PyTorch's caching allocator (CUDA context, library handles,"
+        " kernels): whole-device peak - peak reserved; the largest per GPU kind and mode",
+        "how": "python -m fabric_memory_recipes.planning.overhead "
+        + " ".join(map(str, folders))
+        + " --write",
+        "kinds": kinds,
+    }
+
+
+@functools.cache
+def load_table(path: str = str(TABLE_FILE)) -> dict[str, Any]:
+    """The committed table (an empty one when the file is missing or unreadable)."""
+    try:
+        table = json.loads(Path(path).read_text())
+        return table if isinstance(table.get("kinds"), dict) else {"kinds": {}}
+    except (OSError, ValueError, AttributeError):
+        return {"kinds": {}}
+
+
+@dataclasses.dataclass(frozen=True)
+class Overhead:
+    """The overhead the planner adds for a GPU kind and mode, and where it comes from."""
+
+    gpu: str
+    mode: str
+    gb: float | None  # None: nothing measured anywhere
+    source: str  # one line: the measurement, or the fallback and why
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"gpu": self.gpu, "mode": self.mode, "overhead_gb": self.gb, "source": self.source}
+
+
+def card_overhead(gpu: str, mode: str, table: dict[str, Any] | None = None) -> Overhead:
+    """The measured overhead of ``gpu`` in ``mode`` ('fast'/'eager' or 'compiled'/'eager'); a kind or
+    mode without a measurement takes the largest measured one (said in ``source``)."""
+    table = load_table() if table is None else table
+    mode = overhead_mode(mode)
+    kinds = table.get("kinds") or {}
+    entry = (kinds.get(gpu) or {}).get(mode)
+    where = f"{TABLE_FILE.name}" if table is load_table() else "the table"
+    if entry:
+        return Overhead(gpu, mode, entry["overhead_gb"],
+                        f"{gpu} {mode}: {entry['overhead_gb']:.2f} GB, the largest of {entry['runs']} measured"
+                        f" run(s) ({', '.join(entry['methods'])}; largest: {entry['largest_from']}; {where})")  # fmt: skip
+    known = [(e["overhead_gb"], g, m) for g, modes in kinds.items() for m, e in modes.items()]
+    if not known:
+        return Overhead(gpu, mode, None, f"no measured overhead in {where}: the whole-device peak is unknown")
+    value, g, m = max(known)
+    return Overhead(gpu, mode, value, f"no {gpu} {mode} measurement: the largest measured overhead is assumed"
+                    f" ({g} {m}, {value:.2f} GB; {where})")  # fmt: skip
+
+
+@functools.cache
+def committed_ratios() -> dict[str, calibration.ReservedRatio]:
+    """The planner's reserved/simulated ratios, from the committed runs only (a run being checked
+    must not calibrate its own prediction)."""
+    return calibration.reserved_ratios(calibration.load_runs((str(calibration.RESULTS_DIR),)))
+
+
+def card_prediction(allocated_gb: float | None, *, graphs: bool, compiled: bool, gpu: str,
+                    ratios: dict[str, calibration.ReservedRatio] | None = None,
+                    table: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+    """A simulated peak allocated taken to the card: peak reserved (x the largest measured
+    reserved/simulated ratio of the mode, as the planner does) and whole-device peak (+ the card
+    overhead of ``gpu`` in that mode), each with its source."""
+    ratio = (ratios or committed_ratios())["fast" if graphs else "eager"]
+    over = card_overhead(gpu, "compiled" if compiled or graphs else "eager", table)
+    reserved = None if allocated_gb is None else allocated_gb * ratio.ratio
+    return {
+        "gpu": gpu,
+        "peak_allocated_gb": allocated_gb,
+        "peak_reserved_gb": reserved,
+        "device_peak_gb": None if reserved is None or over.gb is None else reserved + over.gb,
+        "reserved_ratio": ratio.ratio,
+        "reserved_ratio_source": ratio.line(),
+        "overhead_gb": over.gb,
+        "overhead_source": over.source,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = Parser(prog="python -m fabric_memory_recipes.planning.overhead", description=__doc__.splitlines()[0])
+    p.add_argument("folders", nargs="*", default=["results"], help="results folders, read recursively")
+    p.add_argument("--write", action="store_true", help=f"store the table in {TABLE_FILE.relative_to(REPO)}")
+    args = p.parse_args(argv)
+    table = measure(args.folders)
+    for gpu, modes in table["kinds"].items():
+        for mode, e in modes.items():
+            print(f"{gpu} {mode}: {e['overhead_gb']:.3f} GB (largest of {e['runs']}, smallest"
+                  f" {e['smallest_gb']:.3f}; {', '.join(e['methods'])}; {e['largest_from']})")  # fmt: skip
+    if not table["kinds"]:
+        print("no run with a measured overhead in " + ", ".join(args.folders), file=sys.stderr)
+        return 2
+    if args.write:
+        write_json_atomic(str(TABLE_FILE), table)
+        load_table.cache_clear()
+        print(f"-> {TABLE_FILE.relative_to(REPO)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

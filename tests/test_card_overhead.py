@@ -1,0 +1,177 @@
+"""The card overhead (fabric_memory_recipes/planning/overhead.py): measured from results JSONs (the
+whole-device sampler's device_overhead_gb, the allocator's OOM message), stored with its sources,
+used by the estimator (peak reserved, whole-device peak), --check and --memory-budget-gb."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fabric_memory_recipes.config import RunConfig, UsageError
+from fabric_memory_recipes.planning import overhead
+from fabric_memory_recipes.planning.__main__ import main as estimate_main
+from fabric_memory_recipes.planning.check import check_results, render_check
+from fabric_memory_recipes.training import lifecycle
+
+OOM = (
+    "CUDA out of memory. Tried to allocate 26.00 MiB. GPU 0 has a total capacity of 79.18 GiB of which"
+    " 74.66 GiB is free. Including non-PyTorch memory, this process has 4.51 GiB memory in use. 3.73 GiB"
+    " allowed; Of the allocated memory 3.66 GiB is allocated by PyTorch, and 45.70 MiB is reserved by"
+    " PyTorch but unallocated. If reserved but unallocated memory is large try setting ..."
+)
+TABLE = {"kinds": {"h100": {
+    "eager": {"overhead_gb": 0.80, "runs": 3, "smallest_gb": 0.79, "largest_from": "a.json", "methods": ["nvml-device"]},
+    "compiled": {"overhead_gb": 0.87, "runs": 2, "smallest_gb": 0.86, "largest_from": "b.json", "methods": ["oom-message"]},
+}}}  # fmt: skip
+
+
+def run_json(status="ok", compiled=True, gpu="NVIDIA H100 80GB HBM3", world=1, **memory) -> dict:
+    return {
+        "schema_version": 1, "recipe": "14_memory_floor", "status": status,
+        "error": OOM if status == "oom" else None,
+        "config": {"compile": compiled, "cuda_graphs": compiled, "model": "vit_tiny", "precision": "bf16-true",
+                   "batch_size": 4, "accumulation_steps": 1, "micro_batch_size": 4, "devices": 1,
+                   "accelerator": "cuda"},
+        "provenance": {"gpu_name": gpu, "world_size": world},
+        "memory": {"kind": "cuda", **memory},
+    }  # fmt: skip
+
+
+def test_the_overhead_is_read_from_an_oom_message():
+    # 4.51 GiB in use - 3.66 GiB allocated - 45.70 MiB reserved but unallocated
+    expected = (4.51 * 2**30 - 3.66 * 2**30 - 45.70 * 2**20) / 1e9
+    assert overhead.oom_overhead_gb(OOM) == pytest.approx(expected)
+    assert overhead.oom_overhead_gb("CUDA out of memory. Tried to allocate 2 GiB") is None
+
+
+def test_the_table_is_the_largest_per_kind_and_mode_with_its_sources(tmp_path):
+    runs = tmp_path / "published" / "h100" / "ladder"
+    runs.mkdir(parents=True)
+    (runs / "a.json").write_text(
+        json.dumps(run_json(compiled=False, device_overhead_gb=0.79, device_method="nvml-device"))
+    )
+    (runs / "b.json").write_text(
+        json.dumps(run_json(compiled=False, device_overhead_gb=0.81, device_method="nvml-device"))
+    )
+    (runs / "c.json").write_text(json.dumps(run_json(status="oom")))  # the message: 0.865 GB, compiled
+    (runs / "d.json").write_text(
+        json.dumps(run_json(world=2, device_overhead_gb=2.0))
+    )  # NCCL too: not counted
+    (runs / "e.json").write_text(json.dumps(run_json(gpu="NVIDIA H200", device_overhead_gb=0.9)))
+    (runs / "f.json").write_text(
+        json.dumps(run_json(device_overhead_gb=None))
+    )  # a run from before the sampler
+    (runs / "notes.json").write_text("[1, 2]")
+    table = overhead.measure([tmp_path])
+    eager, compiled = table["kinds"]["h100"]["eager"], table["kinds"]["h100"]["compiled"]
+    assert (eager["overhead_gb"], eager["runs"], eager["smallest_gb"]) == (0.81, 2, 0.79)
+    assert eager["largest_from"].endswith("b.json") and len(eager["sources"]) == 2
+    assert compiled["methods"] == ["oom-message"] and compiled["overhead_gb"] == pytest.approx(
+        0.8648, abs=1e-4
+    )
+    assert table["kinds"]["h200"]["compiled"]["overhead_gb"] == 0.9
+    assert set(table["kinds"]) == {"h100", "h200"}
+
+
+def test_the_committed_table_names_the_files_it_came_from():
+    table = overhead.load_table()
+    for modes in table["kinds"].values():
+        for entry in modes.values():
+            assert entry["sources"] and entry["runs"] == len(entry["sources"])
+            for source in entry["sources"]:
+                assert (overhead.REPO / source).is_file(), source
+    assert overhead.measure([overhead.REPO / "results"])["kinds"] == table["kinds"]  # reproducible
+
+
+def test_an_unknown_kind_or_mode_takes_the_largest_measured_and_says_so():
+    known = overhead.card_overhead("h100", "fast", TABLE)
+    assert known.gb == 0.87 and known.mode == "compiled" and "largest of 2" in known.source
+    assert overhead.card_overhead("h100", "eager", TABLE).gb == 0.80
+    other = overhead.card_overhead("a100", "eager", TABLE)
+    assert other.gb == 0.87 and "no a100 eager measurement" in other.source
+    nothing = overhead.card_overhead("h100", "eager", {"kinds": {}})
+    assert nothing.gb is None and "no measured overhead" in nothing.source
+
+
+def test_the_card_prediction_adds_the_ratio_and_the_overhead():
+    ratios = {
+        m: overhead.calibration.ReservedRatio(m, r, 3, 1.0, "x.json")
+        for m, r in (("fast", 1.1), ("eager", 1.2))
+    }
+    card = overhead.card_prediction(1.0, graphs=True, compiled=True, gpu="h100", ratios=ratios, table=TABLE)
+    assert card["peak_reserved_gb"] == pytest.approx(1.1) and card["device_peak_gb"] == pytest.approx(1.97)
+    eager = overhead.card_prediction(
+        1.0, graphs=False, compiled=False, gpu="h100", ratios=ratios, table=TABLE
+    )
+    assert eager["peak_reserved_gb"] == pytest.approx(1.2) and eager["device_peak_gb"] == pytest.approx(2.0)
+    none = overhead.card_prediction(
+        1.0, graphs=False, compiled=False, gpu="h100", ratios=ratios, table={"kinds": {}}
+    )
+    assert none["device_peak_gb"] is None and none["peak_reserved_gb"] == pytest.approx(1.2)
+
+
+def test_the_estimator_prints_reserved_and_whole_device_peaks(capsys):
+    argv = ["--recipe", "14_memory_floor", "--model", "vit_tiny"]
+    assert estimate_main([*argv, "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["peak_reserved_gb"] == pytest.approx(d["peak_allocated_gb"] * d["reserved_ratio"])
+    over = overhead.card_overhead("h100", "fast")
+    assert d["overhead_gb"] == over.gb and d["overhead_source"] == over.source
+    assert d["device_peak_gb"] == pytest.approx(d["peak_reserved_gb"] + over.gb)
+    assert "components_gb" in d
+    assert estimate_main(argv) == 0
+    out = capsys.readouterr().out
+    assert "peak reserved" in out and "whole-device peak" in out and "outside the allocator" in out
+
+
+def test_check_compares_the_whole_device_peak(tmp_path, monkeypatch):
+    monkeypatch.setattr(overhead, "load_table", lambda path=None: TABLE)
+    estimate = {"peak_allocated_gb": 1.0, "peak_phase": "backward"}
+    measured = {"peak_allocated_gb": 1.0, "run_peak_reserved_gb": 1.05, "device_peak_gb": 1.9,
+                "device_overhead_gb": 0.85, "device_method": "nvml-device"}  # fmt: skip
+    (tmp_path / "a.json").write_text(json.dumps({**run_json(**measured), "estimate": estimate}))
+    (tmp_path / "b.json").write_text(json.dumps({**run_json(peak_allocated_gb=1.0), "estimate": estimate}))
+    rows = check_results([str(tmp_path)])
+    ratio = overhead.committed_ratios()["fast"].ratio
+    assert rows[0]["predicted_device_gb"] == pytest.approx(ratio + 0.87)
+    assert rows[0]["device_error_pct"] == pytest.approx(100 * ((ratio + 0.87) / 1.9 - 1))
+    assert rows[1]["measured_device_gb"] is None and rows[1]["device_error_pct"] is None
+    text = render_check(rows)
+    assert "measured device GB" in text and "Whole-device peak: 1 runs" in text and "h100 compiled" in text
+
+
+@pytest.fixture
+def h100(monkeypatch):
+    calls = []
+
+    class Props:
+        total_memory = 80e9
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: Props())
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d: calls.append(f))
+    monkeypatch.setattr(overhead, "load_table", lambda path=None: TABLE)
+    return calls
+
+
+def test_a_memory_budget_stands_for_a_card(h100):
+    eager = lifecycle.apply_memory_budget(
+        RunConfig(memory_budget_gb=4.0, mode="eager", compile=False, cuda_graphs=False)
+    )
+    assert eager["allocator_gb"] == pytest.approx(3.2) and eager["overhead_gb"] == 0.80
+    assert h100 == [pytest.approx(3.2 / 80)] and "h100 eager" in eager["overhead_source"]
+    fast = lifecycle.apply_memory_budget(
+        RunConfig(memory_budget_gb=4.0, mode="fast", compile=True, cuda_graphs=True)
+    )
+    assert fast["allocator_gb"] == pytest.approx(3.13) and fast["budget_gb"] == 4.0
+    with pytest.raises(UsageError, match="cannot even hold the 0.87 GB"):
+        lifecycle.apply_memory_budget(RunConfig(memory_budget_gb=0.5, compile=True))
+
+
+def test_a_memory_budget_without_a_measured_overhead_caps_the_allocator_and_says_so(h100, monkeypatch):
+    monkeypatch.setattr(overhead, "load_table", lambda path=None: {"kinds": {}})
+    record = lifecycle.apply_memory_budget(RunConfig(memory_budget_gb=2.0))
+    assert record["allocator_gb"] == 2.0 and record["overhead_gb"] is None
+    assert "no measured overhead" in record["overhead_source"]
