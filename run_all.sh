@@ -216,14 +216,14 @@ for entry in "${recipes[@]}"; do
     if [ "$mode" = quick ]; then
       echo
       echo ">>> $name skipped: --quick runs the single-GPU ladder"
-      summary+=("$(printf '%-34s %-26s' "$name" "skipped (--quick: one GPU)")")
+      summary+=("$(printf '%-34s %-30s' "$name" "skipped (--quick: one GPU)")")
       continue
     elif [ "$mode" = cpu ] && shards_on_cpu "$name"; then
       args+=(--devices 2)
     elif [ "$gpus" -lt 2 ]; then
       echo
       echo ">>> $name skipped: it shards across GPUs and this machine has $gpus (needs at least 2)"
-      summary+=("$(printf '%-34s %-26s' "$name" "skipped (needs >= 2 GPUs)")")
+      summary+=("$(printf '%-34s %-30s' "$name" "skipped (needs >= 2 GPUs)")")
       continue
     else
       args+=(--devices "$(( gpus < MULTI_GPU_DEFAULT_DEVICES ? gpus : MULTI_GPU_DEFAULT_DEVICES ))")
@@ -256,7 +256,7 @@ for entry in "${recipes[@]}"; do
     *:130|*:138|*:143) status="interrupted (exit $rc)"; failed=1 ;;
     *) status="failed (exit $rc)"; failed=1 ;;
   esac
-  summary+=("$(printf '%-34s %-26s %5ss' "$label" "$status" "$secs")")
+  summary+=("$(printf '%-34s %-30s %5ss' "$label" "$status" "$secs")")
 done
 
 if [ "$mode" = cpu ] && [ "$bonus" = 0 ] && [ "$stopped" = 0 ]; then
@@ -265,7 +265,7 @@ if [ "$mode" = cpu ] && [ "$bonus" = 0 ] && [ "$stopped" = 0 ]; then
   echo ">>> predicting each rung at full size: $PYTHON -m fabric_memory_recipes.planning --ladder $results_dir"
   start=$(date +%s)
   if "$PYTHON" -m fabric_memory_recipes.planning --ladder "$results_dir"; then status=ok; else status=failed; failed=1; fi
-  summary+=("$(printf '%-34s %-26s %5ss' "predicted ladder (ViT-L/16)" "$status" "$(( $(date +%s) - start ))")")
+  summary+=("$(printf '%-34s %-30s %5ss' "predicted ladder (ViT-L/16)" "$status" "$(( $(date +%s) - start ))")")
 fi
 
 if [ "$stopped" != 0 ]; then write_manifest stopped; else write_manifest finished; fi
