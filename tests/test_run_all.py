@@ -289,3 +289,23 @@ def test_a_report_of_only_earlier_runs_says_so(tmp_path):
     (tmp_path / "run_all.json").unlink()  # without the manifest: every row, no note
     assert report.main([str(tmp_path)]) == 0
     assert "No run of" not in (tmp_path / "README.md").read_text()
+
+
+def test_results_dir_inside_published_is_refused_unless_publishing(tmp_path):
+    fake = tmp_path / "fakepython"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    target = tmp_path / "results" / "published" / "cpu" / "ladder"
+    env = subprocess_env(tmp_path / "logs", PYTHON=str(fake), CALLS=str(tmp_path / "calls.txt"))
+    proc = run_process([SCRIPT, "--cpu", "--only", "02", "--results-dir", target], env, timeout=60)
+    assert proc.returncode == 2, describe(proc)
+    assert proc.stderr.strip() == (
+        f"run_all.sh: --results-dir {target}: inside results/published/, the committed evidence; write to runs/"
+        " instead, or set FMR_PUBLISH=1 to publish there on purpose"
+    )
+    assert not target.exists() and not (tmp_path / "calls.txt").exists()  # nothing ran
+    proc = run_process(
+        [SCRIPT, "--cpu", "--only", "02", "--results-dir", target], {**env, "FMR_PUBLISH": "1"}, timeout=60
+    )
+    assert proc.returncode == 0, describe(proc)
+    assert (tmp_path / "calls.txt").read_text().startswith("recipes/02_mixed_precision.py ")
