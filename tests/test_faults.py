@@ -602,7 +602,10 @@ def test_unwritable_results_dir_is_refused_before_training(drill):
     proc = job["unwritable"]
     row.saw(proc)
     assert proc.returncode == 2, describe(proc)
-    one_line(proc, f"01_baseline.py: error: --results-dir {job['blocker'] / 'results'}: cannot write there (")
+    one_line(
+        proc,
+        f"01_baseline.py: error: --results-dir {job['blocker'] / 'results'}: {job['blocker']} is a file, not a folder",
+    )
     assert "[estimate]" not in proc.stdout and "%|" not in proc.stderr, "nothing was built or trained"
     assert job["blocker"].read_text() == "not a folder\n"
 

@@ -66,8 +66,10 @@ def test_cpu_path_runs_the_selected_recipes(cpu_ladder):
         assert p["provenance"]["data_source"] == "digits" and p["provenance"]["weights"] == "random"
     # --only selects: nothing else ran; the predicted ladder covers what ran
     assert sorted(f.name for f in results.glob("*.json")) == [
-        "01_baseline.json", "04_lower_batch_size.json", "predicted.json"
+        "01_baseline.json", "04_lower_batch_size.json", "predicted.json", "run_all.json"
     ]  # fmt: skip
+    manifest = json.loads((results / "run_all.json").read_text())
+    assert manifest["recipes"] == ["01_baseline", "04_lower_batch_size"] and manifest["state"] == "finished"
     predicted = json.loads((results / "predicted.json").read_text())
     assert [r["recipe"] for r in predicted["rows"]] == ["01_baseline", "04_lower_batch_size"]
     assert not list(results.glob(".tmp-*"))
