@@ -1,25 +1,31 @@
 #!/usr/bin/env bash
 # Run the recipe ladder, each recipe in its own process, then render the report.
 #
-#   ./run_all.sh                         every numbered recipe (GPU: full size; no GPU: quick CPU path)
+#   ./run_all.sh                         every numbered recipe (GPU: full size, into runs/ladder; no GPU: the
+#                                        quick CPU path, into runs/cpu)
 #   ./run_all.sh --quick                 GPU: the single-GPU ladder (01-07, 10-15), 20 steps each, synthetic
-#                                        data, into results/quick (7 min 37 s on one H100, a machine's first
+#                                        data, into runs/quick (7 min 37 s on one H100, a machine's first
 #                                        run about 9-10 (estimated): results/published/h100/quick); no GPU: the CPU path
 #   ./run_all.sh --only 01,03            recipes whose name starts with 01 or 03
 #   ./run_all.sh -- --max-steps 50       everything after -- is passed to every recipe
 #   ./run_all.sh -- --data synthetic     the memory/speed ladder as committed: CIFAR-sized splits offline
 #   ./run_all.sh --cpu                   force the quick CPU path (tiny model, real digits, 15 steps), then
 #                                        predict every rung at full size (python -m fabric_memory_recipes.planning --ladder)
-#   ./run_all.sh --results-dir DIR       where the JSON and the report go
-#   ./run_all.sh --bonus                 the bonus cases instead (results/published/h100/bonus): DistilBERT and BigBird on
-#                                        IMDb before/after, and the LLM fine-tuning toggles table
+#   ./run_all.sh --results-dir DIR       where the JSON and the report go (default: a folder under runs/,
+#                                        ignored by git; results/published/ only with FMR_PUBLISH=1)
+#   ./run_all.sh --bonus                 the bonus cases instead, into runs/bonus (CPU: runs/cpu/bonus;
+#                                        committed: results/published/h100/bonus): DistilBERT and BigBird
+#                                        on IMDb before/after, and the LLM fine-tuning toggles table
 #
 # A recipe that fails or runs out of memory does not stop the ladder; the script exits non-zero at the
-# end with a one-line-per-recipe summary. Exit codes of a recipe: 0 ok, 2 bad flags, 3 out of memory,
-# 130/143/138 stopped by SIGINT/SIGTERM/SIGUSR1 (recorded as "interrupted"). Ctrl-C (or SIGTERM to the
-# process group) stops the ladder: the running recipe stops at its next optimizer step and records
-# what it measured, then the summary is printed, the report of what exists is rendered, and the script
-# exits 130 (143 for SIGTERM).
+# end with a one-line-per-recipe summary. A recipe's status is the one its results JSON of this run
+# records (ok, oom, interrupted, error); without one, its exit code: 0 ok, 2 bad flags, 3 out of memory,
+# 130/143/138 stopped by SIGINT/SIGTERM/SIGUSR1. Ctrl-C (or SIGTERM to the process group) stops the
+# ladder: the running recipe stops at its next optimizer step and records what it measured, then the
+# summary is printed, the report of what exists is rendered, and the script exits 130 (143 for SIGTERM).
+# DIR/run_all.json records this invocation (its start, the recipes it started): the report shows the
+# results this invocation wrote in its table and figure, and any others in DIR, left by earlier runs,
+# in a section of their own, "Earlier runs".
 set -u
 cd "$(dirname "$0")"
 
@@ -35,7 +41,7 @@ bonus=0
 results_dir=""
 extra=()
 
-usage() { sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//'; }
 # A signal while a recipe runs reaches the recipe too (one process group); bash acts on the trap once
 # the recipe has stopped. Between recipes it stops the ladder before the next one starts.
 stopped=0
@@ -76,24 +82,24 @@ if [ "$gpus" = 0 ]; then
   # digits: real, bundled with scikit-learn, and quicker to load than the 60,000 synthetic images
   base=(--accelerator cpu --model vit_tiny --data digits --weights none --max-steps "$CPU_STEPS")
   if [ "$bonus" = 1 ]; then
-    results_dir=${results_dir:-results/cpu/bonus}
+    results_dir=${results_dir:-runs/cpu/bonus}
     base=(--accelerator cpu --data synthetic --weights none --max-steps 5 --eval-batches 2)
   fi
-  results_dir=${results_dir:-results/cpu}
+  results_dir=${results_dir:-runs/cpu}
   # No compilation on the CPU path (recipes already default to --no-compile there); this also keeps
   # torchao's 8-bit Adam (rung 13) from compiling its update step, which takes minutes on a CPU.
   export TORCHDYNAMO_DISABLE=${TORCHDYNAMO_DISABLE:-1}
 elif [ "$quick" = 1 ] && [ "$bonus" = 0 ]; then
   echo "Found $gpus CUDA GPU(s): running the quick single-GPU ladder (01-07, 10-15) at full size, $QUICK_STEPS steps each, synthetic data, random init."
   mode=quick
-  results_dir=${results_dir:-results/quick}
+  results_dir=${results_dir:-runs/quick}
   base=(--data synthetic --weights none --max-steps "$QUICK_STEPS" --eval-batches 1)
 else
   if [ "$bonus" = 1 ]; then what="bonus cases"; else what=ladder; fi
   echo "Found $gpus CUDA GPU(s): running the $what at full size."
   mode=gpu
-  [ "$bonus" = 1 ] && results_dir=${results_dir:-results/bonus}
-  results_dir=${results_dir:-results}
+  [ "$bonus" = 1 ] && results_dir=${results_dir:-runs/bonus}
+  results_dir=${results_dir:-runs/ladder}
   base=()
 fi
 
@@ -153,8 +159,45 @@ if [ ${#recipes[@]} -eq 0 ]; then
   exit 2
 fi
 
-mkdir -p "$results_dir"
+# Committed evidence is written on purpose only (fabric_memory_recipes/paths.py; each recipe checks again).
+case "$results_dir" in /*) abs_dir=$results_dir ;; *) abs_dir=$PWD/$results_dir ;; esac
+case "$abs_dir/" in
+  */results/published/*)
+    if [ "${FMR_PUBLISH:-}" != 1 ]; then
+      echo "run_all.sh: --results-dir $results_dir: inside results/published/, the committed evidence; write to runs/ instead, or set FMR_PUBLISH=1 to publish there on purpose" >&2
+      exit 2
+    fi ;;
+esac
+if [ -e "$results_dir" ] && [ ! -d "$results_dir" ]; then
+  echo "run_all.sh: --results-dir $results_dir: is a file, not a folder" >&2
+  exit 2
+fi
+mkdir -p "$results_dir" || { echo "run_all.sh: --results-dir $results_dir: cannot be created" >&2; exit 2; }
 ladder_start=$(date +%s)
+
+# DIR/run_all.json: this invocation's start and the recipes it started (the report tells this run's
+# results from earlier ones by it). Rewritten as each recipe starts, so its modification time is that
+# recipe's start: a results JSON newer than it was written by that recipe.
+manifest="$results_dir/run_all.json"
+started=()
+write_manifest() {
+  local list="" r tmp="$manifest.tmp.$$"
+  for r in ${started[@]+"${started[@]}"}; do list+="${list:+, }\"$r\""; done
+  printf '{\n  "what": "./run_all.sh: the recipes this invocation started into this folder",\n  "started": %s,\n  "mode": "%s",\n  "state": "%s",\n  "recipes": [%s]\n}\n' \
+    "$ladder_start" "$mode" "$1" "$list" > "$tmp" && mv -f "$tmp" "$manifest"
+}
+# The status recorded by the results JSON that recipe $1 wrote during this run (<run>.json, or beside it
+# <run>.<status>.json); empty when it wrote none (then its exit code tells).
+recorded_status() {
+  local f
+  for f in "$results_dir/$1.json" "$results_dir/$1".*.json; do
+    if [ -f "$f" ] && [ "$f" -nt "$manifest" ]; then
+      sed -n 's/^  "status": "\([a-z_]*\)".*/\1/p' "$f" | head -n 1
+      return
+    fi
+  done
+}
+write_manifest running
 summary=()
 failed=0
 not_run=()
@@ -173,14 +216,14 @@ for entry in "${recipes[@]}"; do
     if [ "$mode" = quick ]; then
       echo
       echo ">>> $name skipped: --quick runs the single-GPU ladder"
-      summary+=("$(printf '%-34s %-26s' "$name" "skipped (--quick: one GPU)")")
+      summary+=("$(printf '%-34s %-30s' "$name" "skipped (--quick: one GPU)")")
       continue
     elif [ "$mode" = cpu ] && shards_on_cpu "$name"; then
       args+=(--devices 2)
     elif [ "$gpus" -lt 2 ]; then
       echo
       echo ">>> $name skipped: it shards across GPUs and this machine has $gpus (needs at least 2)"
-      summary+=("$(printf '%-34s %-26s' "$name" "skipped (needs >= 2 GPUs)")")
+      summary+=("$(printf '%-34s %-30s' "$name" "skipped (needs >= 2 GPUs)")")
       continue
     else
       args+=(--devices "$(( gpus < MULTI_GPU_DEFAULT_DEVICES ? gpus : MULTI_GPU_DEFAULT_DEVICES ))")
@@ -192,18 +235,28 @@ for entry in "${recipes[@]}"; do
   fi
   echo
   echo ">>> $label ${args[*]} ${extra[*]:-} --results-dir $results_dir"
+  started+=("$label")
+  write_manifest running
   start=$(date +%s)
   "$PYTHON" "recipes/$name.py" "${args[@]}" "${extra[@]}" --results-dir "$results_dir"
   rc=$?
   secs=$(( $(date +%s) - start ))
-  case $rc in
-    0) status=ok ;;
-    2) status="bad flags (exit 2)"; failed=1 ;;
-    3) status="out of memory (recorded)"; failed=1 ;;
-    130|138|143) status="interrupted (exit $rc)"; failed=1; [ "$stopped" = 0 ] && stopped=$rc ;;
+  case $rc in 130|138|143) [ "$stopped" = 0 ] && stopped=$rc ;; esac
+  recorded=$(recorded_status "$label")
+  case "$recorded:$rc" in
+    ok:0) status=ok ;;
+    ok:130|ok:138|ok:143) status="ok (stopped after: exit $rc)" ;;  # the signal came after its results
+    ok:*) status="ok (recorded; then exit $rc)"; failed=1 ;;
+    oom:*) status="out of memory (recorded)"; failed=1 ;;
+    interrupted:*) status="interrupted (exit $rc)"; failed=1 ;;
+    error:*) status="failed (recorded; exit $rc)"; failed=1 ;;
+    *:0) status=ok ;;
+    *:2) status="bad flags (exit 2)"; failed=1 ;;
+    *:3) status="out of memory (recorded)"; failed=1 ;;
+    *:130|*:138|*:143) status="interrupted (exit $rc)"; failed=1 ;;
     *) status="failed (exit $rc)"; failed=1 ;;
   esac
-  summary+=("$(printf '%-34s %-26s %5ss' "$label" "$status" "$secs")")
+  summary+=("$(printf '%-34s %-30s %5ss' "$label" "$status" "$secs")")
 done
 
 if [ "$mode" = cpu ] && [ "$bonus" = 0 ] && [ "$stopped" = 0 ]; then
@@ -212,9 +265,10 @@ if [ "$mode" = cpu ] && [ "$bonus" = 0 ] && [ "$stopped" = 0 ]; then
   echo ">>> predicting each rung at full size: $PYTHON -m fabric_memory_recipes.planning --ladder $results_dir"
   start=$(date +%s)
   if "$PYTHON" -m fabric_memory_recipes.planning --ladder "$results_dir"; then status=ok; else status=failed; failed=1; fi
-  summary+=("$(printf '%-34s %-26s %5ss' "predicted ladder (ViT-L/16)" "$status" "$(( $(date +%s) - start ))")")
+  summary+=("$(printf '%-34s %-30s %5ss' "predicted ladder (ViT-L/16)" "$status" "$(( $(date +%s) - start ))")")
 fi
 
+if [ "$stopped" != 0 ]; then write_manifest stopped; else write_manifest finished; fi
 echo
 echo "Rendering the report from $results_dir ..."
 if ! "$PYTHON" -m fabric_memory_recipes.measurement.report "$results_dir"; then

@@ -37,6 +37,7 @@ from fabric_memory_recipes import config, planning  # noqa: E402
 from fabric_memory_recipes.console import Parser  # noqa: E402
 from fabric_memory_recipes.measurement import results, results_file  # noqa: E402, F401 (results_file: for the experiments)
 from fabric_memory_recipes.measurement.profiling import Recorder  # noqa: E402
+from fabric_memory_recipes.paths import output_folder  # noqa: E402
 from fabric_memory_recipes.training import data, models  # noqa: E402
 
 GB = 1e9
@@ -57,7 +58,12 @@ def parser(description: str, defaults: dict[str, Any]) -> argparse.ArgumentParse
         default=True,
         help="also record a memory timeline (PNG/HTML) of each variant (slower)",
     )
-    p.add_argument("--out", default="results/published/h100/experiments", help="folder for the JSON and the plots")
+    p.add_argument(
+        "--out",
+        default="runs/experiments",
+        type=output_folder("--out"),
+        help="folder for the JSON and the plots",
+    )
     p.add_argument("--seed", type=int, default=123)
     return p
 

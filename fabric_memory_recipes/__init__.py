@@ -1,6 +1,7 @@
 """Fabric memory recipes: the shared parts of the numbered recipes, by layer.
 
-- ``config``, ``console``, ``faults``: a run's configuration, its one-line messages, and what stops it;
+- ``config``, ``console``, ``faults``, ``paths``: a run's configuration, its one-line messages, what
+  stops it, and where it may write (a user's runs under runs/; results/published/ only on purpose);
 - ``measurement``: what a run records (results JSON, memory peaks, step times) and the report;
 - ``training``: flags, data, models, the one training loop and its fast path;
 - ``planning``: the memory estimate of a configuration and the planner (``--fit``);

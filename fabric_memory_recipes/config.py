@@ -93,7 +93,7 @@ class Hardware:
 class RunConfig:
     """A rung: the flags (with this rung's defaults) and the technique (fields without a flag)."""
 
-    recipe: str = ""  # the results file's name: results/<recipe>[-<tag>].json
+    recipe: str = ""  # the results file's name: <results_dir>/<recipe>[-<tag>].json
     # hardware
     accelerator: str = flag(
         "auto", "hardware", "cpu, cuda/gpu, or auto (cuda if present)", choices=ACCELERATORS
@@ -166,7 +166,7 @@ class RunConfig:
         None, "checkpoints", "save a Fabric checkpoint every N optimizer steps", type=at_least(1)
     )
     checkpoint_dir: str | None = flag(
-        None, "checkpoints", "where checkpoints go (default: checkpoints/<recipe>[-<tag>])"
+        None, "checkpoints", "where checkpoints go (default: runs/checkpoints/<recipe>[-<tag>])"
     )
     resume: str | None = flag(
         None,
@@ -182,8 +182,10 @@ class RunConfig:
         2, "checkpoints", "keep the newest N checkpoints (0: all; default 2)", type=at_least(0)
     )
     # output
-    results_dir: str = flag("results", "output", "where results/<recipe>.json is written")
-    tag: str | None = flag(None, "output", "suffix for the results file: <recipe>-<tag>.json")
+    results_dir: str = flag(
+        "runs", "output", "folder of <recipe>.json (not inside results/published/ unless FMR_PUBLISH=1)"
+    )
+    tag: str | None = flag(None, "output", "suffix for the results file: <recipe>-<tag>.json (a plain name)")
     log_every: int = flag(10, "output", "optimizer steps between logged losses", type=at_least(1))
     # memory anatomy
     memory_timeline: bool = flag(

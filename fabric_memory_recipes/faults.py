@@ -33,6 +33,8 @@ import sys
 import tempfile
 from collections.abc import Iterator, Sequence
 
+from fabric_memory_recipes import paths
+from fabric_memory_recipes.config import UsageError
 from fabric_memory_recipes.console import program
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
@@ -194,7 +196,12 @@ def results_file(path: str, status: str) -> str:
 
 def check_writable(directory: str, flag: str) -> None:
     """Create ``directory`` and write (then remove) a file in it, before anything is trained: a run
-    must not find out at its end that its results cannot be written."""
+    must not find out at its end that its results cannot be written. A folder inside
+    ``results/published/`` is refused unless publishing (``fabric_memory_recipes.paths``)."""
+    try:
+        paths.check_output_folder(directory, flag)
+    except UsageError as e:
+        raise BadInput(str(e)) from None
     try:
         os.makedirs(directory, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=directory)

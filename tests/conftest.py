@@ -104,11 +104,14 @@ _LIVE: set[subprocess.Popen] = set()
 _LIVE_LOCK = threading.Lock()
 
 
-def run_process(cmd: Sequence[str], env: dict[str, str], timeout: float = SUBPROCESS_TIMEOUT):
-    """subprocess.run, in its own process group, remembered so that an aborted session can end it."""
+def run_process(
+    cmd: Sequence[str], env: dict[str, str], timeout: float = SUBPROCESS_TIMEOUT, cwd: Path = REPO
+):
+    """subprocess.run (in ``cwd``, the repository unless said), in its own process group, remembered so
+    that an aborted session can end it."""
     proc = subprocess.Popen(
         [str(c) for c in cmd],
-        cwd=REPO,
+        cwd=cwd,
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

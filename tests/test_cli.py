@@ -391,7 +391,7 @@ def test_help_shows_every_flags_default():
         "(default: 16)",  # --batch-size, the rung's own value
         "(default: 4)",  # --accumulation-steps
         "(default: bf16-true)",
-        "(default: results)",
+        "(default: runs)",  # --results-dir: a run folder, ignored by git
         "stop after this many optimizer steps (default: not set)",
         "(default: fast with CUDA, eager on CPU)",  # said by the help itself, not repeated
     ):

@@ -486,7 +486,8 @@ def _rows() -> list[dict]:
     ]  # fmt: skip
 
 
-def test_report_renders_the_comparison_into_the_readme(tmp_path):
+def test_report_renders_the_comparison_into_the_readme(tmp_path, monkeypatch):
+    monkeypatch.setenv("FMR_PUBLISH", "1")  # rendering committed evidence is publishing (paths.py)
     folder = tmp_path / "results" / "published" / "h100" / "compare"
     folder.mkdir(parents=True)
     (folder / "comparison.json").write_text(json.dumps(_rows()))

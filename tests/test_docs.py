@@ -64,9 +64,10 @@ PATH_CITATION = re.compile(
     r"|\]\((?!https?:|mailto:)([^)#\s]+)\)"  # a relative markdown link
 )
 # Paths a page names as what a command writes (the reader makes them), or results pending a GPU run.
+# run_all.sh writes to runs/ now (not checked: not a repository path); README.md still names these two.
 MADE_BY_A_COMMAND = (
-    "results/cpu/",  # ./run_all.sh --cpu (ignored by git)
-    "results/quick/",  # ./run_all.sh --quick on a GPU
+    "results/cpu/",  # ./run_all.sh --cpu, before it wrote runs/cpu/
+    "results/quick/",  # ./run_all.sh --quick on a GPU, before it wrote runs/quick/
 )
 
 

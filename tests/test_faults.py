@@ -602,7 +602,10 @@ def test_unwritable_results_dir_is_refused_before_training(drill):
     proc = job["unwritable"]
     row.saw(proc)
     assert proc.returncode == 2, describe(proc)
-    one_line(proc, f"01_baseline.py: error: --results-dir {job['blocker'] / 'results'}: cannot write there (")
+    one_line(
+        proc,
+        f"01_baseline.py: error: --results-dir {job['blocker'] / 'results'}: {job['blocker']} is a file, not a folder",
+    )
     assert "[estimate]" not in proc.stdout and "%|" not in proc.stderr, "nothing was built or trained"
     assert job["blocker"].read_text() == "not a folder\n"
 
@@ -803,7 +806,19 @@ def test_problem_names_what_is_wrong(tmp_path):
     assert "no data.pkl" in checkpoints.problem(str(tmp_path / "other.zip"))
     (tmp_path / "folder.ckpt").mkdir()
     assert "incomplete sharded checkpoint" in checkpoints.problem(str(tmp_path / "folder.ckpt"))
-    assert checkpoints.problem(str(tmp_path / "missing")) == "no such checkpoint"
+    assert checkpoints.problem(str(tmp_path / "missing")) == (
+        f"no such file; {tmp_path} holds folder.ckpt, good.ckpt"  # what its folder holds instead
+    )
+    assert (
+        checkpoints.problem(str(tmp_path / "no" / "x.ckpt"))
+        == f"no such file; {tmp_path / 'no'}: no such folder"
+    )
+    (tmp_path / "run").mkdir()
+    torch.save({"step": 2}, tmp_path / "run" / "step-000002.ckpt")
+    assert checkpoints.problem(str(tmp_path / "run")) == (
+        f"a folder of checkpoints, not one (newest step-000002.ckpt): pass a file, or --resume auto"
+        f" --checkpoint-dir {tmp_path / 'run'}"
+    )
 
 
 def test_a_checkpoint_of_another_model_is_one_line(tmp_path):

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from conftest import REPO, describe, result, run_process, session_dir, submit, subprocess_env
+
+from fabric_memory_recipes.measurement import report
 
 SCRIPT = REPO / "run_all.sh"
 HAVE_REPORT = (REPO / "fabric_memory_recipes" / "measurement" / "report.py").exists()
@@ -62,8 +66,10 @@ def test_cpu_path_runs_the_selected_recipes(cpu_ladder):
         assert p["provenance"]["data_source"] == "digits" and p["provenance"]["weights"] == "random"
     # --only selects: nothing else ran; the predicted ladder covers what ran
     assert sorted(f.name for f in results.glob("*.json")) == [
-        "01_baseline.json", "04_lower_batch_size.json", "predicted.json"
+        "01_baseline.json", "04_lower_batch_size.json", "predicted.json", "run_all.json"
     ]  # fmt: skip
+    manifest = json.loads((results / "run_all.json").read_text())
+    assert manifest["recipes"] == ["01_baseline", "04_lower_batch_size"] and manifest["state"] == "finished"
     predicted = json.loads((results / "predicted.json").read_text())
     assert [r["recipe"] for r in predicted["rows"]] == ["01_baseline", "04_lower_batch_size"]
     assert not list(results.glob(".tmp-*"))
@@ -208,3 +214,100 @@ def test_quick_runs_the_single_gpu_ladder_with_few_steps_into_results_quick(tmp_
     for name in ("08_fsdp ", "08_fsdp2", "09_cpu_offload"):
         assert "skipped (--quick: one GPU)" in next(ln for ln in summary.splitlines() if name in ln + " ")
     assert "total:" in summary
+
+
+STOPPING_PYTHON = """#!/usr/bin/env bash
+# Stands in for python: 01 writes an ok result; 04 crashes without writing (an earlier ok JSON of it is
+# in the folder); 05 writes an ok result and then Ctrl-C reaches the process group, as it did when a
+# signal came after a recipe had written its JSON; the report is the real one.
+if [ "$1" = -c ]; then echo 0; exit 0; fi   # run_all's "how many GPUs?" probe
+if [ "$1" = -m ]; then exec "$REAL_PYTHON" "$@"; fi
+case "$1" in
+  recipes/01_*) cp "$FRESH/01_baseline.json" "$RESULTS/"; exit 0 ;;
+  recipes/04_*) exit 1 ;;
+  recipes/05_*) cp "$FRESH/05_gradient_accumulation.json" "$RESULTS/"; kill -INT 0; exit 130 ;;
+  *) exit 0 ;;
+esac
+"""
+
+
+def _result_json(folder: Path, recipe: str, age_s: float = 0.0) -> Path:
+    """A minimal ok results JSON of ``recipe`` in ``folder``, its file ``age_s`` seconds old."""
+    folder.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "schema_version": 1, "recipe": recipe, "tag": None, "status": "ok", "error": None,
+        "config": {"precision": "32-true", "batch_size": 8}, "provenance": {"device": "cpu", "world_size": 1},
+        "memory": {"kind": "cpu_rss", "phases": {}}, "timing": {"optimizer_steps": 5}, "extra": {},
+    }  # fmt: skip
+    path = folder / f"{recipe}.json"
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    if age_s:
+        os.utime(path, (time.time() - age_s, time.time() - age_s))
+    return path
+
+
+def test_ctrl_c_summary_and_report_tell_this_run_from_earlier_ones(tmp_path):
+    """The summary takes a recipe's status from the JSON it wrote in this run (05: ok, though Ctrl-C came
+    after it), not from an earlier JSON (04 crashed: its earlier ok JSON does not count); the report
+    shows this run's rows in its table and the earlier ones (04, and 06 that never started) apart."""
+    fake = tmp_path / "fakepython"
+    fake.write_text(STOPPING_PYTHON)
+    fake.chmod(0o755)
+    results, fresh = tmp_path / "results", tmp_path / "fresh"
+    for recipe in ("01_baseline", "05_gradient_accumulation"):
+        _result_json(fresh, recipe)
+    for recipe in ("04_lower_batch_size", "06_sgd_cosine"):  # a previous ladder's results
+        _result_json(results, recipe, age_s=3600)
+    env = subprocess_env(tmp_path / "logs", PYTHON=str(fake), REAL_PYTHON=sys.executable,
+                         FRESH=str(fresh), RESULTS=str(results))  # fmt: skip
+    proc = run_process([SCRIPT, "--cpu", "--only", "01,04,05,06", "--results-dir", results], env, timeout=120)
+    assert proc.returncode == 130, describe(proc)
+    summary = proc.stdout[proc.stdout.index("Summary (cpu path") :]
+    assert re.search(r"01_baseline +ok ", summary), summary
+    assert re.search(r"04_lower_batch_size +failed \(exit 1\)", summary), summary
+    assert re.search(r"05_gradient_accumulation +ok \(stopped after: exit 130\)", summary), summary
+    assert "stopped before: 06_sgd_cosine" in summary and "interrupted" not in summary, summary
+    manifest = json.loads((results / "run_all.json").read_text())
+    assert manifest["state"] == "stopped" and manifest["mode"] == "cpu"
+    assert manifest["recipes"] == ["01_baseline", "04_lower_batch_size", "05_gradient_accumulation"]
+    readme = (results / "README.md").read_text()
+    table, _, earlier = readme.partition("## Earlier runs")
+    rows = lambda text: re.findall(r"^\| (\d\d_\w+) \| ok \|", text, re.M)  # noqa: E731
+    assert rows(table) == ["01_baseline", "05_gradient_accumulation"], readme
+    assert rows(earlier) == ["04_lower_batch_size", "06_sgd_cosine"], readme
+    assert "did not write" in earlier
+    assert "report: 2 runs (and 2 earlier, apart)" in proc.stdout
+
+
+def test_a_report_of_only_earlier_runs_says_so(tmp_path):
+    """A ./run_all.sh stopped before any recipe wrote: every row is an earlier run, and the page says so."""
+    _result_json(tmp_path, "01_baseline", age_s=3600)
+    manifest = {"started": time.time() - 60, "mode": "cpu", "state": "stopped", "recipes": ["01_baseline"]}
+    (tmp_path / "run_all.json").write_text(json.dumps(manifest))
+    assert report.main([str(tmp_path)]) == 0
+    readme = (tmp_path / "README.md").read_text()
+    assert readme.splitlines()[2].startswith("> No run of the `./run_all.sh` of ")
+    assert "| 01_baseline | ok |" in readme and "## Earlier runs" not in readme
+    (tmp_path / "run_all.json").unlink()  # without the manifest: every row, no note
+    assert report.main([str(tmp_path)]) == 0
+    assert "No run of" not in (tmp_path / "README.md").read_text()
+
+
+def test_results_dir_inside_published_is_refused_unless_publishing(tmp_path):
+    fake = tmp_path / "fakepython"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    target = tmp_path / "results" / "published" / "cpu" / "ladder"
+    env = subprocess_env(tmp_path / "logs", PYTHON=str(fake), CALLS=str(tmp_path / "calls.txt"))
+    proc = run_process([SCRIPT, "--cpu", "--only", "02", "--results-dir", target], env, timeout=60)
+    assert proc.returncode == 2, describe(proc)
+    assert proc.stderr.strip() == (
+        f"run_all.sh: --results-dir {target}: inside results/published/, the committed evidence; write to runs/"
+        " instead, or set FMR_PUBLISH=1 to publish there on purpose"
+    )
+    assert not target.exists() and not (tmp_path / "calls.txt").exists()  # nothing ran
+    proc = run_process(
+        [SCRIPT, "--cpu", "--only", "02", "--results-dir", target], {**env, "FMR_PUBLISH": "1"}, timeout=60
+    )
+    assert proc.returncode == 0, describe(proc)
+    assert (tmp_path / "calls.txt").read_text().startswith("recipes/02_mixed_precision.py ")

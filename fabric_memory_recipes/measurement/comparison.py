@@ -272,7 +272,8 @@ def render_rung_block(row: dict, source: str) -> str:
     out.append(
         f"{call.get('gpu_name') or 'GPU not recorded'}, {call.get('steps') or '?'} optimizer steps per run, "
         f"each run its own process, all of this table's runs in one call. Generated from `{source}` by "
-        f"`python -m fabric_memory_recipes.measurement.report --comparison {source} --docs docs`."
+        f"`{'FMR_PUBLISH=1 ' if 'results/published/' in source else ''}python -m"
+        f" fabric_memory_recipes.measurement.report --comparison {source} --docs docs`."
     )
     return "\n".join(out)
 

@@ -1,12 +1,15 @@
 """The report: every results JSON in a directory -> a markdown table (README.md) and a figure (ladder.png).
 
-    python -m fabric_memory_recipes.measurement.report [RESULTS_DIR]        # default: results
+    python -m fabric_memory_recipes.measurement.report [RESULTS_DIR]        # default: runs
     python -m fabric_memory_recipes.measurement.report --comparison results/published/h100/compare/comparison.json --readme README.md:comparison
 
 Why a separate step: each recipe runs in its own process and writes only its own JSON, so the ladder is
 assembled afterwards from what the runs recorded. Only the schema-1 keys documented in `fabric_memory_recipes.measurement.results_file`
 are read, and every number shown comes from those files (principle 3: measure, never claim). A file that
 cannot be read is skipped with one line on stderr: one bad file must not hide the rest of the ladder.
+Where ``./run_all.sh`` left a ``run_all.json`` (``measurement.run_manifest``), the table and figure show
+its last invocation's runs, and results of earlier runs follow apart ("Earlier runs"). Writing into
+``results/published/`` needs ``FMR_PUBLISH=1`` (``fabric_memory_recipes.paths``).
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from fabric_memory_recipes import paths
 from fabric_memory_recipes.console import Parser
+from fabric_memory_recipes.measurement import run_manifest
 from fabric_memory_recipes.measurement.comparison import comparison_main
 from fabric_memory_recipes.measurement.report_cpu import (
     CPU_NOTE,
@@ -47,8 +52,9 @@ MIN_RANGE = 5
 CPU_MARK = "¹"  # footnote marker on memory cells that hold process RSS, not GPU memory
 
 
-def load_results(results_dir: str | os.PathLike) -> list[dict]:
-    """Read the schema-1 results JSON files directly inside `results_dir`, sorted by recipe then tag.
+def load_results(results_dir: str | os.PathLike, select=None) -> list[dict]:
+    """Read the schema-1 results JSON files directly inside `results_dir` (those ``select(path)`` keeps,
+    when given), sorted by recipe then tag.
 
     Per-rank side files (`*.rankN.json`) and JSON that is not a results file are skipped silently;
     unreadable files and other schema versions are skipped with a one-line warning on stderr.
@@ -56,6 +62,8 @@ def load_results(results_dir: str | os.PathLike) -> list[dict]:
     results = []
     for path in sorted(Path(results_dir).glob("*.json")):
         if RANK_FILE.search(path.name) or path.name == PREDICTED_FILE or not path.is_file():
+            continue
+        if select is not None and not select(path):
             continue
         try:
             payload = json.loads(path.read_text(encoding="utf-8"))
@@ -137,13 +145,7 @@ def speed_cell(result: dict, key: str, decimals: int) -> str:
     rate, median = get(result, key), get(result, "timing.median_step_s")
     cell = num(rate, decimals)
     slow, fast = get(result, "timing.step_s.p90"), get(result, "timing.step_s.p10")
-    if (
-        cell == DASH
-        or not median
-        or not slow
-        or not fast
-        or get(result, "timing.timed_intervals", 0) < MIN_RANGE
-    ):
+    if cell == DASH or not (median and slow and fast) or get(result, "timing.timed_intervals", 0) < MIN_RANGE:
         return cell
     low, high = rate * median / slow, rate * median / fast
     return f"{cell} ({low:.{decimals}f}–{high:.{decimals}f})"
@@ -234,20 +236,14 @@ def _provenance_lines(results: list[dict]) -> list[str]:
         p = r.get("provenance") or {}
         key = (
             p.get("gpu_name") or "CPU",
-            p.get("world_size"),
-            p.get("torch"),
-            p.get("lightning"),
-            p.get("data_source"),
-            p.get("weights"),
+            *(p.get(k) for k in ("world_size", "torch", "lightning", "data_source", "weights")),
         )
         groups.setdefault(key, []).append(label(r))
-    lines = []
-    for (device, world, torch_v, lightning_v, data, weights), labels in groups.items():
-        lines.append(
-            f"- **{device}** · world size {world if world is not None else '?'} · torch {torch_v} · lightning {lightning_v}"
-            f" · data: {data} · weights: {weights} — {', '.join(labels)}"
-        )
-    return lines
+    return [
+        f"- **{device}** · world size {world if world is not None else '?'} · torch {torch_v} · lightning {lightning_v}"
+        f" · data: {data} · weights: {weights} — {', '.join(labels)}"
+        for (device, world, torch_v, lightning_v, data, weights), labels in groups.items()
+    ]
 
 
 def _format_extra(value: Any) -> str:
@@ -264,10 +260,14 @@ def cpu_track(results: list[dict], predicted: dict[str, dict] | None) -> bool:
 
 
 def render_markdown(
-    results: list[dict], image_name: str | None = "ladder.png", predicted: dict[str, dict] | None = None
+    results: list[dict],
+    image_name: str | None = "ladder.png",
+    predicted: dict[str, dict] | None = None,
+    earlier: tuple[str, list[dict]] | None = None,
 ) -> str:
     """The whole README.md: title, provenance, figure, table, per-phase peaks and recipe extras. With
-    ``predicted`` (``predicted.json``) and only CPU runs: the CPU track's table (fabric_memory_recipes.measurement.report_cpu)."""
+    ``predicted`` (``predicted.json``) and only CPU runs: the CPU track's table (fabric_memory_recipes.measurement.report_cpu).
+    ``earlier``: (a sentence, the runs) that earlier invocations left in the folder, in their own section."""
     cpu = cpu_track(results, predicted)
     table = render_table(results) if not cpu else render_cpu_table(results, predicted, speed_cell)
     out = [
@@ -339,6 +339,10 @@ def render_markdown(
         for r in with_extra:
             for key, value in r["extra"].items():
                 out.append(f"- **{label(r)}** `{key}`: {_format_extra(value)}")
+    if earlier and earlier[1]:
+        out += ["", "## Earlier runs", "", earlier[0], "", render_table(earlier[1])]
+    elif earlier and earlier[0]:  # every row is an earlier run: said under the title
+        out[1:1] = ["", f"> {earlier[0]}"]
     return "\n".join(out) + "\n"
 
 
@@ -347,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = Parser(
         prog="python -m fabric_memory_recipes.measurement.report", description=__doc__.splitlines()[0]
     )
-    parser.add_argument("results_dir", nargs="?", default="results", help="directory of results JSON")
+    parser.add_argument("results_dir", nargs="?", default=paths.RUNS, help="directory of results JSON")
     parser.add_argument(
         "--readme",
         metavar="PATH:BLOCK",
@@ -366,13 +370,22 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.docs and not args.comparison:
         parser.error("--docs goes with --comparison")
+    results_dir = Path(args.comparison).parent if args.comparison else Path(args.results_dir)
+    if refusal := paths.refusal(results_dir, "report: cannot render into"):  # committed evidence
+        print(refusal, file=sys.stderr)
+        return 2
     if args.comparison:
         return comparison_main(args.comparison, args.readme, args.docs)
-    results_dir = Path(args.results_dir)
     if not results_dir.is_dir():
         print(f"report: {results_dir} is not a directory", file=sys.stderr)
         return 2
-    results = load_results(results_dir)
+    last = run_manifest.load(results_dir)  # the last ./run_all.sh here: its runs apart from earlier ones
+    results = load_results(results_dir, last and last.wrote)
+    earlier = load_results(results_dir, last.did_not_write) if last else []
+    note = last.earlier_note(only_earlier=not results) if last else ""
+    if not results and earlier:  # it wrote nothing: the earlier runs are all there is, and say so
+        results, earlier = earlier, []
+        print(f"report: {note}", file=sys.stderr)
     if not results:
         print(f"report: no schema-{SCHEMA_VERSION} results JSON in {results_dir}", file=sys.stderr)
         return 2
@@ -386,8 +399,10 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:  # matplotlib is optional for the table: the figure is skipped with one line
         print("report: matplotlib is not installed: table written, figure skipped", file=sys.stderr)
         figure = None
-    write_text(results_dir / "README.md", render_markdown(results, figure and figure.name, predicted))
-    print(f"report: {len(results)} runs -> {results_dir / 'README.md'}" + (f", {figure}" if figure else ""))
+    markdown = render_markdown(results, figure and figure.name, predicted, (note, earlier))
+    write_text(results_dir / "README.md", markdown)
+    also, where = f" (and {len(earlier)} earlier, apart)" if earlier else "", results_dir / "README.md"
+    print(f"report: {len(results)} runs{also} -> {where}" + (f", {figure}" if figure else ""))
     if args.readme:
         return write_into_block(args.readme, render_table(results), "table")
     return 0

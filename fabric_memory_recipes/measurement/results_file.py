@@ -1,6 +1,6 @@
 """The results file: one JSON per run, what every run measured about itself (written by ``RunResults``).
 
-Results JSON (``results/<recipe>[-<tag>].json``), schema version 1. The report reads these keys only.
+Results JSON (``runs/<recipe>[-<tag>].json`` by default: ``--results-dir``), schema version 1. The report reads these keys only.
 A run that did not succeed never replaces a successful result: it is written beside it as
 ``<recipe>[-<tag>].<status>.json`` (e.g. ``01_baseline.interrupted.json``; ``fabric_memory_recipes.faults.results_file``).
 
@@ -115,6 +115,8 @@ import statistics
 import tempfile
 from typing import Any
 
+from fabric_memory_recipes import paths
+
 SCHEMA_VERSION = 1
 GB = 1e9
 WARMUP_STEPS = 3  # step intervals left out of the median: the first steps pay for allocation/autotuning
@@ -151,7 +153,9 @@ def results_path(results_dir: str, recipe: str, tag: str | None = None) -> str:
 
 def write_atomic(path: str | os.PathLike, write: Any, binary: bool = False) -> None:
     """``write(f)`` into a temporary file in the same folder, then rename: a reader never sees half a
-    file (results JSON, the rendered README, the figure)."""
+    file (results JSON, the rendered README, the figure). Inside ``results/published/`` only with
+    ``FMR_PUBLISH=1`` (``fabric_memory_recipes.paths``; commands check their outputs at their start)."""
+    paths.check_not_published(path, "cannot write")
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.splitext(str(path))[1], dir=folder)

@@ -14,6 +14,7 @@ import sys
 import time
 from typing import Any
 
+from fabric_memory_recipes import paths
 from fabric_memory_recipes.config import Hardware, RunConfig, UsageError, declared_rung
 from fabric_memory_recipes.console import fail
 from fabric_memory_recipes.planning import calibration, fit_cli
@@ -33,10 +34,10 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, RunConfig, dict[
     pre.add_argument("--recipe")
     known, _ = pre.parse_known_args(argv)
     rung, label = RunConfig(), "custom"
-    if known.recipe:
+    if known.recipe is not None:
         try:
-            rung, _ = declared_rung(known.recipe)
-        except (FileNotFoundError, ValueError, SyntaxError) as e:
+            rung, _ = declared_rung(paths.plain_name(known.recipe, "--recipe"))  # a name, not a path
+        except (FileNotFoundError, ValueError, SyntaxError, UsageError) as e:
             fail(str(e))
         label = rung.recipe
     parser = cli.build_parser(rung, __doc__.splitlines()[0])
@@ -74,6 +75,8 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, RunConfig, dict[
         " (ViT-L/16, GPU config) and write DIR/predicted.json for the report",
     )
     args = parser.parse_args(argv)
+    if args.ladder and (refusal := paths.refusal(args.ladder, "--ladder")):  # it writes predicted.json there
+        fail(refusal)
     flags = {f.name: getattr(args, f.name) for f in RunConfig.flag_fields()}
     overrides: dict[str, Any] = {"attention": args.attention}
     if args.optimizer:

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from fabric_memory_recipes.console import Parser
+from fabric_memory_recipes.paths import output_folder
 from fabric_memory_recipes.tools.compare_reference import Run, execute
 from fabric_memory_recipes.tools.project_env import project_env
 
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None, runner: Runner = execute) -> int:
     p = Parser(prog="python -m fabric_memory_recipes.tools.ab_ladder", description=__doc__.splitlines()[0])
     p.add_argument("--base", required=True, type=Path, help="the earlier checkout")
     p.add_argument("--new", default=".", type=Path, help="the checkout under test (default: this one)")
-    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--out", required=True, type=output_folder("--out"), help="output folder (e.g. runs/ab)")
     p.add_argument("--modes", nargs="+", default=["eager", "fast"], choices=("eager", "fast"))
     p.add_argument("--rungs", nargs="+", default=list(LADDER))
     p.add_argument("--budget", type=float, default=540.0, help="seconds after which no new pair starts")

@@ -1,7 +1,7 @@
 """Is fast mode correct? Each rung's fast and eager modes from the same start, parameters compared.
 
     python -m fabric_memory_recipes.tools.check_equivalence                      # every single-GPU rung, on the GPU
-    python -m fabric_memory_recipes.tools.check_equivalence --rungs 05,14 --steps 12 --out results/published/h100/compare
+    FMR_PUBLISH=1 python -m fabric_memory_recipes.tools.check_equivalence --rungs 05,14 --steps 12 --out results/published/h100/compare
 
 For every rung, one child process runs the recipe twice with the same seed, weights and batches: in
 eager mode, then in fast mode (compiled blocks, one CUDA graph per optimizer step), each for ``--steps``
@@ -50,6 +50,7 @@ from pathlib import Path
 
 from fabric_memory_recipes.console import Parser
 from fabric_memory_recipes.measurement.results_file import write_json_atomic
+from fabric_memory_recipes.paths import output_folder
 from fabric_memory_recipes.tools.project_env import project_env
 
 REPO = Path(__file__).resolve().parents[2]
@@ -221,7 +222,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--steps", type=int, default=12, help="optimizer steps per run, >= 10 (default: %(default)s)"
     )
-    p.add_argument("--out", default="results", help="folder for equivalence.json (default: %(default)s)")
+    p.add_argument(
+        "--out", default="runs/equivalence", type=output_folder("--out"),
+        help="folder for equivalence.json (default: %(default)s)",
+    )  # fmt: skip
     p.add_argument(
         "--parallel", type=int, default=3, help="rungs checked at once on the GPU (default: %(default)s)"
     )

@@ -1,7 +1,7 @@
 """Run the article's scripts and this project's matching rungs (eager and fast) in one call, and compare.
 
     python -m fabric_memory_recipes.tools.compare_reference --reference DIR [--rungs 01,02,...] [--steps 25]
-        [--out results/compare-<gpu>] [--modes eager,fast] [--timeout 300] [--budget SECONDS]
+        [--out runs/compare-<gpu>] [--modes eager,fast] [--timeout 300] [--budget SECONDS]
 
 DIR is a checkout of the article's repository, rasbt/pytorch-memory-optim (Apache-2.0): its training
 scripts (``01-2_pytorch-fabric.py`` ... ``06_sgd-with-scheduler.py``, ``09_fsdp-act-checkp.py``, ...)
@@ -42,6 +42,7 @@ from fabric_memory_recipes.config import at_least
 from fabric_memory_recipes.console import Parser, fail
 from fabric_memory_recipes.measurement.comparison import comparison_ratios, write_comparison
 from fabric_memory_recipes.measurement.results_file import WARMUP_STEPS, gpu_slug, write_json_atomic
+from fabric_memory_recipes.paths import RUNS, output_folder
 from fabric_memory_recipes.tools.project_env import project_env
 
 REPO = Path(__file__).resolve().parents[2]
@@ -456,7 +457,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--rungs", default=",".join(DEFAULT_RUNGS), help="comma-separated rungs (default: one GPU's)"
     )
     p.add_argument("--steps", type=at_least(MIN_STEPS), default=25, help="optimizer steps per run")
-    p.add_argument("--out", help="output folder (default: results/compare-<gpu>)")
+    p.add_argument("--out", type=output_folder("--out"), help="output folder (default: runs/compare-<gpu>)")
     p.add_argument("--modes", default=",".join(MODES), help="project modes to run: eager,fast")
     p.add_argument("--timeout", type=at_least(1), default=300, help="seconds per run before it is killed")
     p.add_argument(
@@ -546,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
     references = [args.mapping.get(r, RUNGS[r].reference) for r in args.rungs]
     needs = max([RUNGS[r].devices for r in args.rungs] + [ref.devices for ref in references if ref])
     gpus, gpu_name = gpu_probe(args.python) if args.out is None or needs > 1 else (None, None)
-    out_dir = Path(args.out or REPO / "results" / f"compare-{gpu_slug(gpu_name)}")
+    out_dir = Path(args.out or Path(RUNS) / f"compare-{gpu_slug(gpu_name)}")
     runs_dir = out_dir / "runs"
     runs = plan_runs(
         args.rungs,

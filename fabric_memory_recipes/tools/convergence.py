@@ -1,7 +1,7 @@
 """Convergence benchmark: every single-GPU rung trained on the real digits, same start, several seeds.
 
-    python -m fabric_memory_recipes.tools.convergence --out results/published/h100/convergence --seeds 3 --parallel 8 [-- RECIPE FLAGS]
-    python -m fabric_memory_recipes.tools.convergence --report results/published/h100/convergence [--readme README.md:convergence]
+    python -m fabric_memory_recipes.tools.convergence --seeds 3 --parallel 8 [-- RECIPE FLAGS]   # into runs/convergence
+    FMR_PUBLISH=1 python -m fabric_memory_recipes.tools.convergence --report results/published/h100/convergence [--readme README.md:convergence]
 
 Why. The memory ladder's accuracy columns cannot tell rungs apart on the synthetic stand-in (every rung
 learns it perfectly). Here each rung (01-07, 10-15; 08/09 need several GPUs) trains on scikit-learn's
@@ -56,6 +56,7 @@ from fabric_memory_recipes.console import Parser
 from fabric_memory_recipes.measurement.report import load_results
 from fabric_memory_recipes.measurement.report_format import DASH, write_into_block
 from fabric_memory_recipes.measurement.results_file import write_atomic, write_json_atomic
+from fabric_memory_recipes.paths import output_folder
 from fabric_memory_recipes.tools.project_env import project_env
 from fabric_memory_recipes.training import digits
 
@@ -618,10 +619,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         argv, extra = argv[:i], argv[i + 1 :]
     p = Parser(prog="python -m fabric_memory_recipes.tools.convergence", description=__doc__.splitlines()[0])
     p.add_argument(
-        "--out", default="results/published/h100/convergence", help="results folder (runs/, report)"
+        "--out",
+        default="runs/convergence",
+        type=output_folder("--out"),
+        help="results folder (runs/, report)",
     )
     p.add_argument("--logs", help="log folder (default: OUT/logs)")
-    p.add_argument("--report", metavar="DIR", help="only render DIR's report from its JSON, run nothing")
+    p.add_argument(
+        "--report",
+        metavar="DIR",
+        type=output_folder("--report"),
+        help="only render DIR's report, run nothing",
+    )
     p.add_argument("--readme", metavar="PATH:BLOCK", help="also write the table into a marked README block")
     p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 (default 3)")
     p.add_argument("--seed-list", help="comma-separated seeds instead of --seeds")

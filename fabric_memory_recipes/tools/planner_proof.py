@@ -50,6 +50,7 @@ import torch
 from fabric_memory_recipes.config import VIT_MODELS, at_least
 from fabric_memory_recipes.console import Parser, comma_list
 from fabric_memory_recipes.measurement.results_file import write_json_atomic
+from fabric_memory_recipes.paths import output_folder
 from fabric_memory_recipes.planning import overhead
 from fabric_memory_recipes.planning.fit import (
     MODES,
@@ -83,7 +84,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = Parser(prog="python -m fabric_memory_recipes.tools.planner_proof", description=__doc__.split("\n\n")[0],
                 epilog=__doc__.split("\n\n", 2)[2])  # fmt: skip
     p.add_argument(
-        "--out", required=True, type=Path, help="output folder (e.g. results/published/h100/planner)"
+        "--out",
+        required=True,
+        type=output_folder("--out"),
+        help="output folder (e.g. runs/planner; results/published/<gpu>/planner with FMR_PUBLISH=1)",
     )
     p.add_argument(
         "--budgets",

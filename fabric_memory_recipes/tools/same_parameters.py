@@ -24,7 +24,9 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from fabric_memory_recipes.config import UsageError
 from fabric_memory_recipes.console import Parser
+from fabric_memory_recipes.paths import check_output_folder, name_type
 from fabric_memory_recipes.tools.project_env import project_env
 
 REPO = Path(__file__).resolve().parents[2]
@@ -61,14 +63,22 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__.splitlines()[0],
     )
     p.add_argument("--base", required=True, help="the commit to compare this checkout with")
-    p.add_argument("--recipe", default="08_fsdp2", help="a recipe name or its rung prefix (default 08_fsdp2)")
+    p.add_argument(
+        "--recipe", default="08_fsdp2", type=name_type("--recipe"), help="a recipe name or its rung prefix"
+    )
     p.add_argument("--step", type=int, default=3, help="compare the parameters after this many steps")
     p.add_argument(
         "--atol", type=float, default=0.0, help="largest difference allowed (default: bit for bit)"
     )
-    p.add_argument("--out", default="same_parameters.json", help="where the comparison is written")
+    p.add_argument(
+        "--out", default="runs/same_parameters.json", type=Path, help="where the comparison is written"
+    )
     p.add_argument("flags", nargs="*", help="the recipe's flags (after --); default: 2 CPU ranks, vit_tiny")
     args = p.parse_args(argv)
+    try:
+        check_output_folder(args.out.parent, "--out")
+    except UsageError as e:
+        p.error(str(e))
     flags = args.flags or DEFAULT_FLAGS
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
     tmp = Path(tempfile.mkdtemp(prefix="same-parameters-"))
@@ -99,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         "head": head.stdout.strip(), "tensors": len(set(a) | set(b)), "largest_difference": worst,
         "differing": rows, "same_loss_curve": same_loss, "loss_curve": after["loss"],
     }  # fmt: skip
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
     for row in rows:
         print(f"differs: {row['tensor']}: {row['difference']}")
     verdict = "the same" if not rows and same_loss else "NOT the same"

@@ -61,15 +61,37 @@ def _zip_problem(path: str) -> str | None:
     return None
 
 
+def contents(directory: str, most: int = 4) -> str:
+    """What a folder of checkpoints holds, for a message: ``none``, ``no such folder``, or the names of
+    its ``*.ckpt`` (the newest ``most``)."""
+    if not os.path.isdir(directory):
+        return "a file, not a folder" if os.path.exists(directory) else "no such folder"
+    names = sorted(n for n in os.listdir(directory) if n.endswith(".ckpt") and not n.startswith("."))
+    if not names:
+        return "none"
+    shown = ", ".join(names[-most:])
+    return shown if len(names) <= most else f"{shown} (newest {most} of {len(names)})"
+
+
 def problem(path: str) -> str | None:
-    """Why ``path`` is not a usable checkpoint, or None when it looks complete."""
+    """Why ``path`` is not a usable checkpoint, or None when it looks complete. A path that does not
+    exist is told with what its folder holds; a folder of checkpoints with its newest one."""
     if os.path.isdir(path):
+        if not path.rstrip(os.sep).endswith(".ckpt") and (newest := latest(path)) is not None:
+            return (
+                f"a folder of checkpoints, not one (newest {os.path.basename(newest)}): pass a file, or"
+                f" --resume auto --checkpoint-dir {path}"
+            )
         missing = [n for n in SHARDED_METADATA if not os.path.isfile(os.path.join(path, n))]
         if missing:
             return f"an incomplete sharded checkpoint (no {', '.join(missing)})"
         return _zip_problem(os.path.join(path, "meta.pt"))
     if not os.path.exists(path):
-        return "no such checkpoint"
+        folder = os.path.dirname(path) or "."
+        found = contents(folder)
+        if found in ("no such folder", "a file, not a folder"):
+            return f"no such file; {folder}: {found}"
+        return f"no such file; {folder} holds " + ("no checkpoint (*.ckpt)" if found == "none" else found)
     return _zip_problem(path)
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from fabric_memory_recipes import faults
+from fabric_memory_recipes import faults, paths
 from fabric_memory_recipes.config import Hardware, RunConfig, UsageError
 from fabric_memory_recipes.console import Parser, fail
 
@@ -117,6 +117,8 @@ def parse(
     cfg = rung.with_flags(**vars(_adopt_fabric_run(parser, argv)))
     if cfg.model not in cfg.model_choices:
         fail(f"--model {cfg.model!r} is not one of: {', '.join(cfg.model_choices)}")
+    if cfg.tag is not None and (reason := paths.name_problem(cfg.tag)):  # it names files and folders
+        fail(f"--tag {cfg.tag!r}: {reason}")
     hardware = hardware or detect_hardware()
     if refuse_wrong_machine and cfg.accelerator == "auto" and hardware.cuda_devices == 0:
         refusal = faults.wrong_machine(cfg)

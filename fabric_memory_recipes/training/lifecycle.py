@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 import torch
 from lightning.fabric.plugins.environments import LightningEnvironment
 
-from fabric_memory_recipes import faults
+from fabric_memory_recipes import faults, paths
 from fabric_memory_recipes.config import RunConfig, UsageError
 from fabric_memory_recipes.console import fail, notice
 from fabric_memory_recipes.measurement import device_memory
@@ -68,13 +68,17 @@ def resolve_checkpoints(cfg: RunConfig) -> RunConfig:
     that would write its checkpoints among an earlier run's, is refused here, before anything is built."""
     cfg = dataclasses.replace(cfg)
     if cfg.checkpoint_dir is None:
-        cfg.checkpoint_dir = os.path.join("checkpoints", cfg.run_name)
+        cfg.checkpoint_dir = os.path.join(paths.RUNS, "checkpoints", cfg.run_name)
     if cfg.checkpoint_on_stop is None:
         cfg.checkpoint_on_stop = cfg.checkpoint_every is not None or cfg.resume is not None
     if cfg.resume == "auto":
         cfg.resume = checkpoints.latest_intact(cfg.checkpoint_dir, say=notice)
         if cfg.resume is None:
-            notice(f"[resume] no usable checkpoint in {cfg.checkpoint_dir}: starting from the beginning")
+            found = checkpoints.contents(cfg.checkpoint_dir)
+            notice(
+                f"[resume] --resume auto: no usable checkpoint of {cfg.run_name} in {cfg.checkpoint_dir}"
+                f" (found: {found}): starting from the beginning"
+            )
     elif cfg.resume is not None:
         reason = checkpoints.problem(cfg.resume)
         if reason is not None:
