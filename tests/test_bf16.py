@@ -179,3 +179,31 @@ def test_the_replacements_follow_the_rungs_optimizer_on_fp32_weights(optimizer, 
     reference = final("plain")
     moved = (reference - start).abs().max()
     assert (final(update) - reference).abs().max() <= 1e-4 * moved
+
+
+# ------------------------------------------------------------------ a fused kernel that applies no update
+def test_a_fused_sgd_over_bf16_cpu_weights_moves_them_after_updates():
+    """What the SGD rungs build (fused SGD) steps bf16 CPU weights by lr x grad after ``bf16.updates``,
+    whatever this torch's fused CPU kernel does (torch 2.11's applies no update: it is then replaced)."""
+    log, args = _log()
+    w = torch.zeros(256, dtype=torch.bfloat16, requires_grad=True)
+    opt = bf16.updates(torch.optim.SGD([w], lr=0.05, fused=True), args, log)
+    w.grad = torch.full_like(w, 1e-2)
+    opt.step()
+    assert torch.equal(w.detach(), torch.full_like(w, -5e-4)), w[:4]  # -5e-4 rounded to bf16, every weight
+    replaced = bf16.fused_cpu_sgd_drops_bf16_updates()
+    assert ("fused_cpu_sgd" in log.updates) == replaced
+    assert opt.param_groups[0]["fused"] is (not replaced)
+
+
+def test_the_plain_kernel_replaces_only_a_fused_sgd_over_bf16_cpu_weights(monkeypatch):
+    monkeypatch.setattr(bf16, "fused_cpu_sgd_drops_bf16_updates", lambda: True)
+    bf = torch.zeros(4, dtype=torch.bfloat16, requires_grad=True)
+    fp = torch.zeros(4, requires_grad=True)
+    fused_bf16 = torch.optim.SGD([bf], lr=0.1, fused=True)
+    assert bf16.unfuse_where_updates_drop(fused_bf16) and fused_bf16.param_groups[0]["fused"] is False
+    assert not bf16.unfuse_where_updates_drop(torch.optim.SGD([fp], lr=0.1, fused=True))  # fp32: kept
+    assert not bf16.unfuse_where_updates_drop(torch.optim.SGD([bf], lr=0.1))  # not fused: nothing to do
+    assert not bf16.unfuse_where_updates_drop(torch.optim.Adam([bf], lr=0.1, fused=True))  # only SGD's
+    monkeypatch.setattr(bf16, "fused_cpu_sgd_drops_bf16_updates", lambda: False)
+    assert not bf16.unfuse_where_updates_drop(torch.optim.SGD([bf], lr=0.1, fused=True))

@@ -34,6 +34,7 @@ synchronisation: leave the flag off for memory and speed runs.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -41,6 +42,7 @@ import torch
 from fabric_memory_recipes.config import (
     UsageError,  # a --bf16-update the optimizer cannot honour: one line, exit 2
 )
+from fabric_memory_recipes.console import notice
 
 UPDATES = ("plain", "stochastic", "kahan")
 
@@ -89,6 +91,38 @@ def _hyper(optimizer: torch.optim.Optimizer) -> tuple[list, dict[str, Any]]:
         raise UsageError("--bf16-update supports one parameter group")
     group = optimizer.param_groups[0]
     return list(group["params"]), group
+
+
+# ------------------------------------------------------------------- a kernel that applies no update
+@functools.cache
+def fused_cpu_sgd_drops_bf16_updates() -> bool:
+    """Whether this torch's fused SGD kernel on the CPU leaves bf16 weights where they were, where the
+    plain kernel moves them. torch 2.11's does: from zero weights, with lr 0.05 and gradients of ~1e-2
+    (updates of ~5e-4, far above bf16's resolution there) it moved none of them, and the tiny SGD rungs
+    stopped learning on a CPU (tests/test_memory_rungs.py); torch 2.14.1's moves all of them. A probe of
+    the kernel, not a version check: one step each, from the same start, counted against fp32."""
+    grad = (torch.randn(256, generator=torch.Generator().manual_seed(0)) * 1e-2).to(torch.bfloat16)
+    moved = {}
+    for fused in (False, True):
+        w = torch.zeros(256, dtype=torch.bfloat16, requires_grad=True)
+        w.grad = grad.clone()
+        torch.optim.SGD([w], lr=0.05, fused=fused).step()
+        moved[fused] = int((w.detach() != 0).sum())
+    return moved[True] < moved[False] // 2
+
+
+def unfuse_where_updates_drop(optimizer: torch.optim.Optimizer) -> bool:
+    """Switch a fused SGD over bf16 CPU weights to the plain kernel when :func:`fused_cpu_sgd_drops_bf16_updates`
+    (same update rule; ``fused`` is read at every step). Returns whether it switched."""
+    if not isinstance(optimizer, torch.optim.SGD):
+        return False
+    switched = False
+    for group in optimizer.param_groups:
+        on_cpu = any(p.device.type == "cpu" and p.dtype == torch.bfloat16 for p in group["params"])
+        if group.get("fused") and on_cpu and fused_cpu_sgd_drops_bf16_updates():
+            group["fused"] = False
+            switched = True
+    return switched
 
 
 def replace(optimizer: torch.optim.Optimizer, update: str) -> torch.optim.Optimizer:
@@ -280,6 +314,11 @@ def updates(optimizer, cfg, results):
     else:
         out = replace(optimizer, rule)
         chosen = [out]
+    if [o for o in chosen if unfuse_where_updates_drop(o)]:  # every one is checked: no short cut
+        notice(
+            f"[bf16] torch {torch.__version__}'s fused SGD on the CPU applies no bf16 update: the plain kernel steps instead"
+        )
+        results.updates["fused_cpu_sgd"] = "replaced by the plain kernel (it applied no bf16 update)"
     if probe is not None:
         for o in chosen:
             probe.attach(o)
