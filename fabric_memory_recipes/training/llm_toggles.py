@@ -58,5 +58,5 @@ class ToggleConfig(TextConfig):
             if c.accelerator != "cuda" or c.precision not in SIXTEEN_BIT:
                 raise UsageError("--attn flash_attention_2 needs a CUDA GPU and 16-bit precision")
         if c.lora and importlib.util.find_spec("peft") is None:
-            raise UsageError("--lora needs peft: python3 -m pip install peft")
+            raise UsageError('--lora needs peft: python3 -m pip install -e ".[bonus]"')
         return c
