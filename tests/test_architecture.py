@@ -31,7 +31,7 @@ LAZY = {
     "datasets": "optional: IMDb through the hub only; the GPU machines behind the results lack it",
     "matplotlib": "figures only; importing pyplot picks a backend, which a library must not do on import,"
     " and costs every recipe process that draws nothing",
-    "pynvml": "the whole-device sampler's first method; nvidia-ml-py is on GPU machines, not a dependency"
+    "pynvml": "the whole-device sampler's first method; NVML needs a driver, so it is loaded only for a CUDA run"
     " (without it the sampler falls back to torch.cuda.mem_get_info)",
     "sklearn": "only --data digits reads scikit-learn's bundled set; ~0.5 s per process otherwise",
 }
