@@ -323,13 +323,16 @@ def test_an_oom_wrapped_by_another_error_is_still_an_oom():
 
 
 # ----------------------------------------------------------------------------------- planner_proof
-def fake_runner(peaks: dict[tuple, float], seen: list, overhead_gb: float = 0.0):
+def fake_runner(peaks: dict[tuple, float], seen: list, overhead_gb: float | dict[str, float] = 0.0):
     """Writes what a recipe would in --results-dir: a results JSON, "oom" when the command's
     whole-device peak (``peaks``: (recipe, its flags) -> GB) is over its --memory-budget-gb (the card),
-    else "ok"; ``overhead_gb`` of it is outside the allocator."""
+    else "ok"; ``overhead_gb`` of it (a number, or one per ``--mode``) is outside the allocator."""
 
     def run(r, env, timeout):
         cmd = r.cmd
+        overhead = (
+            overhead_gb if isinstance(overhead_gb, float) else overhead_gb[cmd[cmd.index("--mode") + 1]]
+        )
         seen.append(cmd)
         budget = float(cmd[cmd.index("--memory-budget-gb") + 1])
         peak = next(v for (recipe, argv), v in peaks.items()
@@ -337,8 +340,8 @@ def fake_runner(peaks: dict[tuple, float], seen: list, overhead_gb: float = 0.0)
         status = "oom" if peak > budget else "ok"
         r.json.parent.mkdir(parents=True, exist_ok=True)
         payload = {"status": status, "error": None if status == "ok" else "CUDA out of memory",
-                   "memory": {"peak_reserved_gb": min(peak, budget) - overhead_gb, "device_peak_gb": min(peak, budget),
-                              "peak_allocated_gb": (min(peak, budget) - overhead_gb) * 0.9},
+                   "memory": {"peak_reserved_gb": min(peak, budget) - overhead, "device_peak_gb": min(peak, budget),
+                              "peak_allocated_gb": (min(peak, budget) - overhead) * 0.9},
                    "timing": {"images_per_s": 100.0 if status == "ok" else None}}  # fmt: skip
         r.json.write_text(json.dumps(payload))
         return {"status": status, "wall_s": 1.0}
@@ -353,10 +356,11 @@ def test_proof_writes_fit_json_rows_from_the_recipes_results(tmp_path, tiny, cap
     assert planner_proof.main([*argv, "--dry-run"], planner=tiny) == 0
     plan = json.loads((tmp_path / "plan.json").read_text())
     truth = {(r["recipe"], tuple(r["argv"])): r["predicted_device_gb"] for r in plan["rows"]}
-    over = {r["overhead_gb"] for r in plan["rows"]}
-    assert len(over) == 1 and plan["arguments"]["card_overhead_gb"]["fast"] == next(iter(over))
+    per_mode = plan["arguments"]["card_overhead_gb"]  # the measured overhead of each mode, as planned with
+    assert set(per_mode) == {"fast", "eager"}
+    assert {r["overhead_gb"] for r in plan["rows"]} <= set(per_mode.values())
     seen: list = []
-    assert planner_proof.main(argv, runner=fake_runner(truth, seen, next(iter(over)))) == 0  # as planned
+    assert planner_proof.main(argv, runner=fake_runner(truth, seen, per_mode)) == 0  # as planned
     rows = json.loads((tmp_path / "fit.json").read_text())
     keys = {"budget_gb", "command", "predicted_peak_gb", "measured_peak_reserved_gb", "predicted_device_gb",
             "measured_device_peak_gb", "predicted_images_per_s", "measured_images_per_s", "status", "role",

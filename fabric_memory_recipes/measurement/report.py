@@ -19,7 +19,6 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Any
 
 from fabric_memory_recipes import paths
 from fabric_memory_recipes.console import Parser
@@ -34,11 +33,13 @@ from fabric_memory_recipes.measurement.report_cpu import (
 from fabric_memory_recipes.measurement.report_figure import render_figure
 from fabric_memory_recipes.measurement.report_format import (
     DASH,
+    format_extra,
     get,
     is_text,
     label,
     mode_label,
     num,
+    provenance_lines,
     sort_key,
     write_into_block,
     write_text,
@@ -229,31 +230,6 @@ def render_estimates(results: list[dict]) -> str | None:
     return "\n".join(lines)
 
 
-def _provenance_lines(results: list[dict]) -> list[str]:
-    """One line per distinct (device, world size, versions, data, weights): what produced the numbers."""
-    groups: dict[tuple, list[str]] = {}
-    for r in results:
-        p = r.get("provenance") or {}
-        key = (
-            p.get("gpu_name") or "CPU",
-            *(p.get(k) for k in ("world_size", "torch", "lightning", "data_source", "weights")),
-        )
-        groups.setdefault(key, []).append(label(r))
-    return [
-        f"- **{device}** · world size {world if world is not None else '?'} · torch {torch_v} · lightning {lightning_v}"
-        f" · data: {data} · weights: {weights} — {', '.join(labels)}"
-        for (device, world, torch_v, lightning_v, data, weights), labels in groups.items()
-    ]
-
-
-def _format_extra(value: Any) -> str:
-    if isinstance(value, dict):
-        return " · ".join(f"{k} {_format_extra(v)}" for k, v in value.items())
-    if isinstance(value, float):
-        return f"{value:.2f}" if abs(value) >= 0.01 or value == 0 else f"{value:.3g}"
-    return "n/a" if value is None else str(value)
-
-
 def cpu_track(results: list[dict], predicted: dict[str, dict] | None) -> bool:
     """Every run is a CPU run and the folder has the predicted ladder: the report's CPU track."""
     return bool(results) and predicted is not None and all(_is_cpu(r) for r in results)
@@ -285,7 +261,7 @@ def render_markdown(
         *([f"![ladder]({image_name})", ""] if image_name else []),
         "Produced on:",
         "",
-        *_provenance_lines(results),
+        *provenance_lines(results),
         "",
         table,
         "",
@@ -338,7 +314,7 @@ def render_markdown(
         out += ["", "## Recipe-specific measurements", ""]
         for r in with_extra:
             for key, value in r["extra"].items():
-                out.append(f"- **{label(r)}** `{key}`: {_format_extra(value)}")
+                out.append(f"- **{label(r)}** `{key}`: {format_extra(value)}")
     if earlier and earlier[1]:
         out += ["", "## Earlier runs", "", earlier[0], "", render_table(earlier[1])]
     elif earlier and earlier[0]:  # every row is an earlier run: said under the title

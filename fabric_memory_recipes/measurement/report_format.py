@@ -80,3 +80,28 @@ def write_into_block(readme: str, content: str, what: str) -> int:
     write_text(Path(path), text)
     print(f"report: {what} -> {path} (block {block})")
     return 0
+
+
+def provenance_lines(results: list[dict]) -> list[str]:
+    """One line per distinct (device, world size, versions, data, weights): what produced the numbers."""
+    groups: dict[tuple, list[str]] = {}
+    for r in results:
+        p = r.get("provenance") or {}
+        key = (
+            p.get("gpu_name") or "CPU",
+            *(p.get(k) for k in ("world_size", "torch", "lightning", "data_source", "weights")),
+        )
+        groups.setdefault(key, []).append(label(r))
+    return [
+        f"- **{device}** · world size {world if world is not None else '?'} · torch {torch_v} · lightning {lightning_v}"
+        f" · data: {data} · weights: {weights} — {', '.join(labels)}"
+        for (device, world, torch_v, lightning_v, data, weights), labels in groups.items()
+    ]
+
+
+def format_extra(value: Any) -> str:
+    if isinstance(value, dict):
+        return " · ".join(f"{k} {format_extra(v)}" for k, v in value.items())
+    if isinstance(value, float):
+        return f"{value:.2f}" if abs(value) >= 0.01 or value == 0 else f"{value:.3g}"
+    return "n/a" if value is None else str(value)
