@@ -121,8 +121,8 @@ class RunConfig:
     )  # fmt: skip
     memory_budget_gb: float | None = flag(
         None, "hardware",
-        "one CUDA device: cap this process's GPU memory at GB (1e9 bytes) with torch.cuda."
-        "set_per_process_memory_fraction before the model is built, to act as a smaller card",
+        "one CUDA device: act as a card of GB (1e9 bytes): the caching allocator is capped at GB less the"
+        " measured card overhead (torch.cuda.set_per_process_memory_fraction, before the model is built)",
         type=positive_float, metavar="GB",
     )  # fmt: skip
     # training

@@ -125,6 +125,22 @@ def test_common_imports_form_a_dag():
     assert cycle is None, "import cycle in fabric_memory_recipes/: " + " -> ".join(cycle)
 
 
+LAYERS = ("measurement", "training", "planning", "tools")  # each may import only those before it
+
+
+def test_each_layer_imports_only_the_layers_above_it():
+    def layer(module: str) -> int:
+        part = module.split(".")[1] if "." in module else ""
+        return LAYERS.index(part) if part in LAYERS else -1  # the top: config, console, faults, paths
+
+    graph = import_graph()
+    assert (
+        "fabric_memory_recipes.measurement.card_overhead" in graph["fabric_memory_recipes.training.lifecycle"]
+    )
+    upward = [f"{m} -> {d}" for m, deps in graph.items() for d in deps if layer(d) > layer(m)]
+    assert not upward, upward
+
+
 def test_config_imports_nothing_else_from_common():
     assert import_graph()["fabric_memory_recipes.config"] == set()
 

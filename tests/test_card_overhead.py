@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from fabric_memory_recipes.config import RunConfig, UsageError
-from fabric_memory_recipes.planning import overhead
+from fabric_memory_recipes.measurement import card_overhead
+from fabric_memory_recipes.planning import calibration, overhead
 from fabric_memory_recipes.planning.__main__ import main as estimate_main
 from fabric_memory_recipes.planning.check import check_results, render_check
 from fabric_memory_recipes.training import lifecycle
@@ -97,8 +98,7 @@ def test_an_unknown_kind_or_mode_takes_the_largest_measured_and_says_so():
 
 def test_the_card_prediction_adds_the_ratio_and_the_overhead():
     ratios = {
-        m: overhead.calibration.ReservedRatio(m, r, 3, 1.0, "x.json")
-        for m, r in (("fast", 1.1), ("eager", 1.2))
+        m: calibration.ReservedRatio(m, r, 3, 1.0, "x.json") for m, r in (("fast", 1.1), ("eager", 1.2))
     }
     card = overhead.card_prediction(1.0, graphs=True, compiled=True, gpu="h100", ratios=ratios, table=TABLE)
     assert card["peak_reserved_gb"] == pytest.approx(1.1) and card["device_peak_gb"] == pytest.approx(1.97)
@@ -127,7 +127,7 @@ def test_the_estimator_prints_reserved_and_whole_device_peaks(capsys):
 
 
 def test_check_compares_the_whole_device_peak(tmp_path, monkeypatch):
-    monkeypatch.setattr(overhead, "load_table", lambda path=None: TABLE)
+    monkeypatch.setattr(card_overhead, "load_table", lambda path=None: TABLE)
     estimate = {"peak_allocated_gb": 1.0, "peak_phase": "backward"}
     measured = {"peak_allocated_gb": 1.0, "run_peak_reserved_gb": 1.05, "device_peak_gb": 1.9,
                 "device_overhead_gb": 0.85, "device_method": "nvml-device"}  # fmt: skip
@@ -152,7 +152,7 @@ def h100(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: Props())
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=None: "NVIDIA H100 80GB HBM3")
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d: calls.append(f))
-    monkeypatch.setattr(overhead, "load_table", lambda path=None: TABLE)
+    monkeypatch.setattr(card_overhead, "load_table", lambda path=None: TABLE)
     return calls
 
 
@@ -171,7 +171,7 @@ def test_a_memory_budget_stands_for_a_card(h100):
 
 
 def test_a_memory_budget_without_a_measured_overhead_caps_the_allocator_and_says_so(h100, monkeypatch):
-    monkeypatch.setattr(overhead, "load_table", lambda path=None: {"kinds": {}})
+    monkeypatch.setattr(card_overhead, "load_table", lambda path=None: {"kinds": {}})
     record = lifecycle.apply_memory_budget(RunConfig(memory_budget_gb=2.0))
     assert record["allocator_gb"] == 2.0 and record["overhead_gb"] is None
     assert "no measured overhead" in record["overhead_source"]

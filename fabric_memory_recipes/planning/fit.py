@@ -36,8 +36,9 @@ from typing import Any
 import torch
 
 from fabric_memory_recipes.config import RECIPES_DIR, RunConfig, declared_rung
+from fabric_memory_recipes.measurement.card_overhead import Overhead, card_overhead
 from fabric_memory_recipes.measurement.results_file import write_json_atomic
-from fabric_memory_recipes.planning import calibration, overhead
+from fabric_memory_recipes.planning import calibration
 from fabric_memory_recipes.planning import speed as speed_mod
 from fabric_memory_recipes.planning.check import meta_model
 from fabric_memory_recipes.planning.plan import CUDA_WORKSPACE_BYTES, GB, plan_for
@@ -255,7 +256,7 @@ class Fit:
     cache: SimulationCache
     ratios: dict[str, calibration.ReservedRatio]
     speed: speed_mod.SpeedModel
-    overheads: dict[str, overhead.Overhead]  # by mode: what a card holds beside the allocator
+    overheads: dict[str, Overhead]  # by mode: what a card holds beside the allocator
 
 
 class Planner:
@@ -267,7 +268,7 @@ class Planner:
                  cache: SimulationCache | None = None, recipes: Path = RECIPES_DIR,
                  overhead_table: dict | None = None) -> None:  # fmt: skip
         self.batch_size, self.model, self.gpu = batch_size, model, gpu
-        self.overheads = {m: overhead.card_overhead(gpu, m, overhead_table) for m in MODES}
+        self.overheads = {m: card_overhead(gpu, m, overhead_table) for m in MODES}
         self.runs = calibration.load_runs(folders or (str(calibration.RESULTS_DIR),))
         self.ratios = calibration.reserved_ratios(self.runs)
         self.parameters = sum(p.numel() for p in meta_model(model).parameters())

@@ -17,8 +17,8 @@ and mode (``eager``; ``compiled``: torch.compile and/or CUDA graphs), the larges
   unallocated, to the message's 0.01 GiB, at the moment of the error).
 
 ``python -m fabric_memory_recipes.planning.overhead results --write`` stores the table, with the
-files it came from, in ``device_overhead.json`` beside this module (committed); the planner reads
-that file. A kind or mode it lacks falls back to the largest overhead it holds, and says so.
+files it came from, in ``fabric_memory_recipes/measurement/device_overhead.json`` (committed); the
+planner and ``--memory-budget-gb`` read it through ``measurement.card_overhead``. A kind or mode it lacks falls back to the largest overhead it holds, and says so.
 """
 
 from __future__ import annotations
@@ -32,12 +32,16 @@ from pathlib import Path
 from typing import Any
 
 from fabric_memory_recipes.console import Parser
+from fabric_memory_recipes.measurement.card_overhead import (
+    TABLE_FILE,
+    card_overhead,
+    load_table,
+    overhead_mode,
+)
 from fabric_memory_recipes.measurement.results_file import GB, SCHEMA_VERSION, gpu_slug, write_json_atomic
-from fabric_memory_recipes.planning import calibration
+from fabric_memory_recipes.planning.calibration import RESULTS_DIR, ReservedRatio, load_runs, reserved_ratios
 
-TABLE_FILE = Path(__file__).with_name("device_overhead.json")
 REPO = Path(__file__).resolve().parents[2]
-OVERHEAD_MODES = ("eager", "compiled")
 _SIZE = r"([\d.]+) (GiB|MiB|KiB|B)\b"
 OOM_MESSAGE = re.compile(
     rf"this process has {_SIZE} memory in use.*?allocated memory {_SIZE} is allocated by PyTorch,"
@@ -45,14 +49,6 @@ OOM_MESSAGE = re.compile(
     re.DOTALL,
 )
 UNITS = {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10, "B": 1}
-
-
-def overhead_mode(mode_or_config: str | dict[str, Any]) -> str:
-    """'eager' or 'compiled' for a planner mode ('fast', 'eager') or a results JSON's config."""
-    if isinstance(mode_or_config, dict):
-        c = mode_or_config
-        return "compiled" if c.get("compile") or c.get("cuda_graphs") else "eager"
-    return "eager" if mode_or_config == "eager" else "compiled"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,57 +125,14 @@ def measure(folders: list[str | Path]) -> dict[str, Any]:
 
 
 @functools.cache
-def load_table(path: str = str(TABLE_FILE)) -> dict[str, Any]:
-    """The committed table (an empty one when the file is missing or unreadable)."""
-    try:
-        table = json.loads(Path(path).read_text())
-        return table if isinstance(table.get("kinds"), dict) else {"kinds": {}}
-    except (OSError, ValueError, AttributeError):
-        return {"kinds": {}}
-
-
-@dataclasses.dataclass(frozen=True)
-class Overhead:
-    """The overhead the planner adds for a GPU kind and mode, and where it comes from."""
-
-    gpu: str
-    mode: str
-    gb: float | None  # None: nothing measured anywhere
-    source: str  # one line: the measurement, or the fallback and why
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"gpu": self.gpu, "mode": self.mode, "overhead_gb": self.gb, "source": self.source}
-
-
-def card_overhead(gpu: str, mode: str, table: dict[str, Any] | None = None) -> Overhead:
-    """The measured overhead of ``gpu`` in ``mode`` ('fast'/'eager' or 'compiled'/'eager'); a kind or
-    mode without a measurement takes the largest measured one (said in ``source``)."""
-    table = load_table() if table is None else table
-    mode = overhead_mode(mode)
-    kinds = table.get("kinds") or {}
-    entry = (kinds.get(gpu) or {}).get(mode)
-    where = f"{TABLE_FILE.name}" if table is load_table() else "the table"
-    if entry:
-        return Overhead(gpu, mode, entry["overhead_gb"],
-                        f"{gpu} {mode}: {entry['overhead_gb']:.2f} GB, the largest of {entry['runs']} measured"
-                        f" run(s) ({', '.join(entry['methods'])}; largest: {entry['largest_from']}; {where})")  # fmt: skip
-    known = [(e["overhead_gb"], g, m) for g, modes in kinds.items() for m, e in modes.items()]
-    if not known:
-        return Overhead(gpu, mode, None, f"no measured overhead in {where}: the whole-device peak is unknown")
-    value, g, m = max(known)
-    return Overhead(gpu, mode, value, f"no {gpu} {mode} measurement: the largest measured overhead is assumed"
-                    f" ({g} {m}, {value:.2f} GB; {where})")  # fmt: skip
-
-
-@functools.cache
-def committed_ratios() -> dict[str, calibration.ReservedRatio]:
+def committed_ratios() -> dict[str, ReservedRatio]:
     """The planner's reserved/simulated ratios, from the committed runs only (a run being checked
     must not calibrate its own prediction)."""
-    return calibration.reserved_ratios(calibration.load_runs((str(calibration.RESULTS_DIR),)))
+    return reserved_ratios(load_runs((str(RESULTS_DIR),)))
 
 
 def card_prediction(allocated_gb: float | None, *, graphs: bool, compiled: bool, gpu: str,
-                    ratios: dict[str, calibration.ReservedRatio] | None = None,
+                    ratios: dict[str, ReservedRatio] | None = None,
                     table: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
     """A simulated peak allocated taken to the card: peak reserved (x the largest measured
     reserved/simulated ratio of the mode, as the planner does) and whole-device peak (+ the card

@@ -49,9 +49,9 @@ import torch
 
 from fabric_memory_recipes.config import VIT_MODELS, at_least
 from fabric_memory_recipes.console import Parser, comma_list
+from fabric_memory_recipes.measurement.card_overhead import card_overhead
 from fabric_memory_recipes.measurement.results_file import write_json_atomic
 from fabric_memory_recipes.paths import output_folder
-from fabric_memory_recipes.planning import overhead
 from fabric_memory_recipes.planning.fit import (
     MODES,
     OPTIMIZERS,
@@ -179,7 +179,7 @@ def make_plan(args: argparse.Namespace, planner: Planner | None = None) -> dict[
 def plan_key(args: argparse.Namespace) -> dict[str, Any]:
     """The arguments a stored plan answers, and the card overheads it added (a plan made before the
     overhead table changed is made again)."""
-    overheads = {m: overhead.card_overhead(args.gpu, m).gb for m in MODES}
+    overheads = {m: card_overhead(args.gpu, m).gb for m in MODES}
     return {"budgets": args.budgets, "gpu": args.gpu, "batch_size": args.batch_size, "model": args.model,
             "candidates": args.candidates, "optimizers": list(args.optimizers), "card_overhead_gb": overheads}  # fmt: skip
 

@@ -24,11 +24,10 @@ from lightning.fabric.plugins.environments import LightningEnvironment
 from fabric_memory_recipes import faults, paths
 from fabric_memory_recipes.config import RunConfig, UsageError
 from fabric_memory_recipes.console import fail, notice
-from fabric_memory_recipes.measurement import device_memory
+from fabric_memory_recipes.measurement import card_overhead, device_memory
 from fabric_memory_recipes.measurement import results as results_module
 from fabric_memory_recipes.measurement.results import RunResults
 from fabric_memory_recipes.measurement.results_file import gpu_slug
-from fabric_memory_recipes.planning import overhead
 from fabric_memory_recipes.training import checkpoints, cli
 
 Main = Callable[[RunConfig, RunResults], None]
@@ -115,7 +114,7 @@ def apply_memory_budget(cfg: RunConfig) -> dict | None:
     emulates 1-8 GB cards this way). A card holds the process's CUDA context, library handles and
     kernels besides PyTorch's caching allocator, so the allocator is capped
     (``torch.cuda.set_per_process_memory_fraction``) at X less the card overhead measured for this GPU
-    kind and mode (``fabric_memory_recipes.planning.overhead``; where none is measured, at X, and the
+    kind and mode (``fabric_memory_recipes.measurement.card_overhead``; where none is measured, at X, and the
     record says so). Returns what the results JSON records (``extra.memory_budget``)."""
     if cfg.memory_budget_gb is None:
         return None
@@ -123,8 +122,8 @@ def apply_memory_budget(cfg: RunConfig) -> dict | None:
     budget = cfg.memory_budget_gb * 1e9
     if budget > total:
         raise UsageError(f"--memory-budget-gb {cfg.memory_budget_gb:g}: this GPU has {total / 1e9:.1f} GB")
-    over = overhead.card_overhead(
-        gpu_slug(torch.cuda.get_device_name(0)), overhead.overhead_mode(cfg.flags())
+    over = card_overhead.card_overhead(
+        gpu_slug(torch.cuda.get_device_name(0)), card_overhead.overhead_mode(cfg.flags())
     )
     allocator = budget - (over.gb or 0.0) * 1e9
     if allocator <= 0:

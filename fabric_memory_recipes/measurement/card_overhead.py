@@ -1,0 +1,71 @@
+"""The card overhead as measured: device memory a CUDA process holds outside PyTorch's caching
+allocator (CUDA context, library handles, loaded kernels), per GPU kind and mode, read from the committed
+table ``device_overhead.json`` beside this module.
+
+The measurement layer owns it because a run needs it: ``--memory-budget-gb X`` caps the allocator at X
+less this overhead (training/lifecycle.py), so that a capped run stands for an X GB card. The planner adds
+it to a predicted peak reserved to answer for a card. How the table is made from results JSONs, and
+rewritten: ``python -m fabric_memory_recipes.planning.overhead``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+TABLE_FILE = Path(__file__).with_name("device_overhead.json")
+OVERHEAD_MODES = ("eager", "compiled")
+
+
+def overhead_mode(mode_or_config: str | dict[str, Any]) -> str:
+    """'eager' or 'compiled' for a planner mode ('fast', 'eager') or a results JSON's config."""
+    if isinstance(mode_or_config, dict):
+        c = mode_or_config
+        return "compiled" if c.get("compile") or c.get("cuda_graphs") else "eager"
+    return "eager" if mode_or_config == "eager" else "compiled"
+
+
+@functools.cache
+def load_table(path: str = str(TABLE_FILE)) -> dict[str, Any]:
+    """The committed table (an empty one when the file is missing or unreadable)."""
+    try:
+        table = json.loads(Path(path).read_text())
+        return table if isinstance(table.get("kinds"), dict) else {"kinds": {}}
+    except (OSError, ValueError, AttributeError):
+        return {"kinds": {}}
+
+
+@dataclasses.dataclass(frozen=True)
+class Overhead:
+    """The overhead the planner adds for a GPU kind and mode, and where it comes from."""
+
+    gpu: str
+    mode: str
+    gb: float | None  # None: nothing measured anywhere
+    source: str  # one line: the measurement, or the fallback and why
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"gpu": self.gpu, "mode": self.mode, "overhead_gb": self.gb, "source": self.source}
+
+
+def card_overhead(gpu: str, mode: str, table: dict[str, Any] | None = None) -> Overhead:
+    """The measured overhead of ``gpu`` in ``mode`` ('fast'/'eager' or 'compiled'/'eager'); a kind or
+    mode without a measurement takes the largest measured one (said in ``source``)."""
+    table = load_table() if table is None else table
+    mode = overhead_mode(mode)
+    kinds = table.get("kinds") or {}
+    entry = (kinds.get(gpu) or {}).get(mode)
+    where = f"{TABLE_FILE.name}" if table is load_table() else "the table"
+    if entry:
+        return Overhead(gpu, mode, entry["overhead_gb"],
+                        f"{gpu} {mode}: {entry['overhead_gb']:.2f} GB, the largest of {entry['runs']} measured"
+                        f" run(s) ({', '.join(entry['methods'])}; largest: {entry['largest_from']}; {where})")  # fmt: skip
+    known = [(e["overhead_gb"], g, m) for g, modes in kinds.items() for m, e in modes.items()]
+    if not known:
+        return Overhead(gpu, mode, None, f"no measured overhead in {where}: the whole-device peak is unknown")
+    value, g, m = max(known)
+    return Overhead(gpu, mode, value, f"no {gpu} {mode} measurement: the largest measured overhead is assumed"
+                    f" ({g} {m}, {value:.2f} GB; {where})")  # fmt: skip
