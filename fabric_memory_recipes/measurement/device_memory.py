@@ -33,7 +33,8 @@ from typing import Any
 
 import torch
 
-GB = 1e9
+from fabric_memory_recipes.measurement.results_file import GB
+
 INTERVAL_S = 0.005  # a step of a small rung lasts ~20 ms: a 5 ms poll sees its peak
 MAX_FAILURES = 3  # consecutive failed reads before a method is given up
 PROCESS_MISSES = 100  # readings with CUDA started but this PID unlisted: the process list is given up
