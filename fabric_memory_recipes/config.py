@@ -136,6 +136,8 @@ class RunConfig:
     epochs: int = flag(1, "training", "passes over the training split", type=at_least(1))
     max_steps: int | None = flag(None, "training", "stop after this many optimizer steps", type=at_least(1))
     lr: float = flag(5e-5, "training", "learning rate", type=positive_float)
+    warmup_steps: int = flag(0, "training", "linear learning-rate warm-up over the first N optimizer steps, times"
+                             " the rung's own schedule", type=at_least(0), metavar="N")  # fmt: skip
     seed: int = flag(123, "training", "random seed", type=int)
     # bf16 weight updates
     bf16_update: str = flag(
@@ -157,7 +159,9 @@ class RunConfig:
         "auto", "data", "auto falls back to random init when offline", choices=WEIGHTS_CHOICES
     )
     model: str = flag("vit_l_16", "data", "model")
-    num_workers: int = flag(0, "data", "DataLoader worker processes", type=int)
+    image_size: int | None = flag(None, "data", "input side in pixels (default: the model's; ViT-L/16: 224, other"
+                                  " sizes need --weights none)", type=at_least(16), metavar="PX")  # fmt: skip
+    num_workers: int = flag(0, "data", "DataLoader worker processes", type=at_least(0))
     eval_batches: int | None = flag(
         None, "data", "limit validation/test to this many batches", type=at_least(1)
     )
@@ -282,8 +286,6 @@ class RunConfig:
                 "--accumulation-steps must be 1: stepping in backward frees each gradient at once, "
                 "and accumulation needs every gradient kept until the last micro-batch"
             )
-        if c.num_workers < 0:
-            raise UsageError(f"--num-workers must be >= 0, got {c.num_workers}")
         if c.precision == "32":
             c.precision = "32-true"
         if c.accelerator == "auto":

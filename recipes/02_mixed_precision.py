@@ -35,7 +35,7 @@ def main(cfg: RunConfig, results) -> None:
     results.set(data_source=splits.source, weights="pretrained" if weights else "random")
 
     with results.phase("model_load"):
-        model = models.build_model(cfg.model, weights, num_classes=data.NUM_CLASSES)
+        model = models.build_model(cfg.model, weights, data.NUM_CLASSES, cfg.image_size)
         models.compile_blocks(model, cfg.compile)  # fast mode: one compiled graph shared by every block
         # fused: the whole update in one kernel, no temporary copies of the parameters
         optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr, fused=True)

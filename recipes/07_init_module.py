@@ -40,7 +40,7 @@ def main(cfg: RunConfig, results) -> None:
     # rung 07, for comparison, the usual way: build in fp32 on the CPU, move to the device, then cast.
     dtype = {"bf16-true": torch.bfloat16, "16-true": torch.float16}.get(cfg.precision, torch.float32)
     with results.phase("load_cpu_then_move"):
-        usual = models.build_model(cfg.model, weights, num_classes=data.NUM_CLASSES)  # fp32, on the CPU
+        usual = models.build_model(cfg.model, weights, data.NUM_CLASSES, cfg.image_size)  # fp32, on the CPU
         usual = usual.to(fabric.device).to(dtype)  # moved (in place) and cast
     del usual
     if fabric.device.type == "cuda":
@@ -48,7 +48,7 @@ def main(cfg: RunConfig, results) -> None:
 
     with results.phase("model_load"):
         with fabric.init_module(empty_init=False):  # rung 07: on the device, in the target dtype
-            model = models.build_model(cfg.model, weights, num_classes=data.NUM_CLASSES)
+            model = models.build_model(cfg.model, weights, data.NUM_CLASSES, cfg.image_size)
         models.compile_blocks(model, cfg.compile)  # fast mode: one compiled graph shared by every block
         # rung 06: plain SGD keeps no state (Adam kept two extra tensors per parameter); fused: one kernel
         optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, fused=True)

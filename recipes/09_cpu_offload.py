@@ -59,7 +59,7 @@ def main(cfg: RunConfig, results) -> None:
     results.set(data_source=splits.source, weights="pretrained" if weights else "random")
 
     with results.phase("model_load"):
-        model = models.build_model(cfg.model, weights, num_classes=data.NUM_CLASSES)
+        model = models.build_model(cfg.model, weights, data.NUM_CLASSES, cfg.image_size)
         results.estimate = planning.for_run(model, cfg)  # the predicted peak
         image_size, parameters = model.image_size, models.count_parameters(model)
         model = fabric.setup_module(model)  # rung 08: shard first, then build the optimizer over the shards

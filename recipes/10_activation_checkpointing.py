@@ -49,7 +49,7 @@ def main(cfg: CheckpointingConfig, results) -> None:
 
     with results.phase("model_load"):
         with fabric.init_module(empty_init=False):  # rung 07: on the device, in the target dtype
-            model = models.build_model(cfg.model, weights, num_classes=data.NUM_CLASSES)
+            model = models.build_model(cfg.model, weights, data.NUM_CLASSES, cfg.image_size)
         models.compile_blocks(model, cfg.compile)  # fast mode: one compiled graph shared by every block
         for i, block in enumerate(models.blocks(model)):  # rung 10: each block keeps its input only
             model.encoder.layers[i] = models.CheckpointedBlock(block, use_reentrant=cfg.reentrant)

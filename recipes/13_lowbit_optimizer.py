@@ -42,7 +42,7 @@ def main(cfg: RunConfig, results) -> None:
 
     with results.phase("model_load"):
         with fabric.init_module(empty_init=False):  # rung 07: on the device, in the target dtype
-            model = models.build_model(cfg.model, weights, num_classes=data.NUM_CLASSES)
+            model = models.build_model(cfg.model, weights, data.NUM_CLASSES, cfg.image_size)
         models.compile_blocks(model, cfg.compile)  # fast mode: one compiled graph shared by every block
         optimizer = AdamW8bit(model.parameters(), lr=cfg.lr)  # rung 13: 8-bit moments, scaled per block
         results.estimate = planning.for_run(model, cfg)  # the predicted peak

@@ -45,7 +45,7 @@ def main(cfg: RunConfig, results) -> None:
 
     with results.phase("model_load"):
         with fabric.init_module(empty_init=False):  # rung 07: allocated on the device, in bf16
-            model = models.build_model(cfg.model, weights, num_classes=data.NUM_CLASSES)
+            model = models.build_model(cfg.model, weights, data.NUM_CLASSES, cfg.image_size)
             results.estimate = planning.for_run(model, cfg)  # the predicted peak
         image_size = model.image_size
         if cfg.compile:  # rung 15: the whole model as one graph (forward and backward each)

@@ -15,10 +15,10 @@ import numpy as np
 import torch
 from conftest import REPO, describe, result, run_process, session_dir, submit, subprocess_env
 
-from fabric_memory_recipes.config import RunConfig
+from fabric_memory_recipes.config import RunConfig, declared_rung
 from fabric_memory_recipes.measurement.results import RunResults
 from fabric_memory_recipes.tools import convergence
-from fabric_memory_recipes.training import data, loop, models
+from fabric_memory_recipes.training import data, digits, loop, models
 
 BACKGROUND_PRIORITY = 15
 BACKGROUND_TESTS = {
@@ -31,7 +31,7 @@ EPOCHS = 10
 def _benchmark():
     out = session_dir("convergence")
     cmd = [
-        sys.executable, "-m", "fabric_memory_recipes.tools.convergence", "--out", str(out), "--rungs", "01,03", "--seed-list", "0",
+        sys.executable, "-m", "fabric_memory_recipes.tools.convergence", "--out", str(out), "--rungs", "01,03", "--seed-list", "0", "--model", "vit_tiny",
         "--epochs", str(EPOCHS), "--parallel", "2", "--no-variants",
     ]  # fmt: skip
     return run_process(cmd, subprocess_env(out / "fabric-logs")), out
@@ -145,16 +145,15 @@ def test_flags_and_causes_from_measured_differences():
 
 
 def test_tool_plans_every_single_gpu_rung_with_its_kind_of_learning_rate():
-    args = convergence.parse_args(["--seeds", "2"])
+    args = convergence.parse_args(["--seeds", "2", "--model", "vit_tiny"])
     jobs = convergence.plan(args, cuda=False)
     rungs = sorted({j.recipe for j in jobs})
     assert [r[:2] for r in rungs] == "01 02 03 04 05 06 07 10 11 12 13 14 15".split()
     assert {j.seed for j in jobs} == {0, 1}
     lr = {j.recipe: j.args[j.args.index("--lr") + 1] for j in jobs}
-    assert lr["01_baseline"] == str(convergence.ADAM_LR) and lr["13_lowbit_optimizer"] == str(
-        convergence.ADAM_LR
-    )
-    assert lr["06_sgd_cosine"] == str(convergence.SGD_LR) and lr["14_memory_floor"] == str(convergence.SGD_LR)
+    preset = convergence.PRESETS["vit_tiny"]
+    assert lr["01_baseline"] == lr["13_lowbit_optimizer"] == str(preset["adam_lr"])
+    assert lr["06_sgd_cosine"] == lr["14_memory_floor"] == str(preset["sgd_lr"])
     for j in jobs:
         assert j.args[j.args.index("--data") + 1] == "digits" and "--eval-batches" not in j.args
     mixed = [j for j in jobs if j.recipe == "02_mixed_precision"][0]
@@ -176,3 +175,65 @@ def test_a_later_call_that_added_runs_is_named_in_the_report():
         "- a later call (2026-11-23T16:00:00+00:00) added 2 runs in 176 s: `convergence.py --seed-list 2`;"
         " seed 2 of the rungs the first call's deadline skipped" in text
     )
+
+
+def test_gpu_plan_trains_vit_l_16_at_one_budget_and_measures_lost_updates_where_it_compares_precisions():
+    args = convergence.parse_args(["--seeds", "3", "--model", "vit_l_16", "--no-memory"])
+    preset = convergence.PRESETS["vit_l_16"]
+    jobs = convergence.plan(args, cuda=True)
+    assert args.mode == "fast" and len({j.recipe for j in jobs}) == 13
+    assert len([j for j in jobs if j.variant == "default"]) == 13 * 3, "every rung, 3 seeds"
+    n_train = len(digits.split_indices(digits.raw()[1])[0])
+    for j in jobs:
+        value = {flag: nxt for flag, nxt in zip(j.args, [*j.args[1:], ""], strict=True) if flag.startswith("--")}
+        assert value["--model"] == "vit_l_16" and value["--image-size"] == str(preset["image_size"])
+        assert value["--epochs"] == str(preset["epochs"]) and value["--mode"] == "fast"
+        rung, _ = declared_rung(j.recipe)
+        per_epoch = -(-(n_train // rung.micro_batch_size) // rung.accumulation_steps)  # optimizer steps
+        assert value["--warmup-steps"] == str(round(preset["warmup_epochs"] * per_epoch)), j.recipe
+        measured = "--lost-updates" in j.args
+        assert measured == (j.recipe in convergence.LOST_RUNGS), j.recipe
+        assert ("--no-cuda-graphs" in j.args) == measured, "lost updates read weights between steps"
+    assert {j.variant for j in jobs if j.recipe == "03_true_half_precision"} == {"default", "stochastic", "kahan"}
+
+
+def test_a_later_call_runs_only_what_is_missing_and_is_recorded(tmp_path, monkeypatch):
+    out = tmp_path / "bench"
+    (out / "runs").mkdir(parents=True)
+    ran: list[str] = []
+
+    def fake_run(job, out_, logs, env, extra, deadline):  # a recipe run: writes its JSON
+        ran.append(job.tag)
+        job.returncode, job.wall_s = 0, 1.0
+        (out_ / "runs" / f"{job.recipe}-{job.tag}.json").write_text(json.dumps({"status": "ok"}))
+        return job
+
+    monkeypatch.setattr(convergence, "run_job", fake_run)
+    monkeypatch.setattr(convergence, "render", lambda out, readme=None: 0)
+    argv = ["--out", str(out), "--model", "vit_tiny", "--rungs", "01", "--no-variants", "--", "--accelerator", "cpu"]
+    assert convergence.main([*argv[:4], "--seed-list", "0", *argv[4:]]) == 0
+    assert ran == ["default-s0"]
+    assert convergence.main([*argv[:4], "--seed-list", "0,1", *argv[4:]]) == 0
+    assert ran == ["default-s0", "default-s1"], "seed 0 finished in the first call"
+    bench = json.loads((out / "benchmark.json").read_text())
+    assert [r["tag"] for r in bench["runs"]] == ["default-s0"]
+    assert [r["tag"] for r in bench["later_calls"][0]["runs"]] == ["default-s1"]
+    text = convergence.render_markdown([], bench, None)
+    assert "GPU time of the whole benchmark" in text
+
+
+def test_image_size_keeps_the_blocks_and_shortens_the_position_embedding():
+    import pytest
+
+    from fabric_memory_recipes.config import UsageError
+
+    own, small = models.build_model("vit_tiny", None), models.build_model("vit_tiny", None, 10, 64)
+    assert (own.image_size, small.image_size) == (32, 64)
+    assert small.encoder.pos_embedding.shape[1] == (64 // 8) ** 2 + 1
+    blocks = [sum(p.numel() for p in m.encoder.layers.parameters()) for m in (own, small)]
+    assert blocks[0] == blocks[1]
+    assert small(torch.zeros(2, 3, 64, 64)).shape == (2, 10)
+    with pytest.raises(UsageError, match="multiple of its patch size, 8"):
+        models.build_model("vit_tiny", None, 10, 60)
+    with pytest.raises(UsageError, match="pretrained vit_l_16 weights are for 224 px"):
+        models.build_model("vit_l_16", object(), 10, 64)

@@ -290,6 +290,34 @@ def test_scheduler_steps_once_per_optimizer_step(fabric, num_micro, k, epochs, m
     assert counter.lrs == pytest.approx([1.0 / (j + 1) for j in range(n)])
 
 
+@pytest.mark.parametrize("own", ["none", "cosine", "per-parameter"])
+def test_warmup_multiplies_the_rungs_own_schedule(fabric, own):
+    """--warmup-steps N: lr rises linearly from base/N to base over N steps, times the rung's schedule
+    (none: Adam rungs; cosine: rung 06; one cosine per optimizer: rungs 12 and 14)."""
+    import math
+
+    x, y = tiny_data(24)
+    model, warm, n, base = tiny_model(), 4, 12, 0.1
+    opt = torch.optim.SGD(model.parameters(), lr=base)
+    log = make_log()
+    counter = StepCounter(opt, log)
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=n) if own != "none" else None
+    sched = loop.SchedulerGroup([cosine]) if own == "per-parameter" else cosine
+    model, opt = fabric.setup(model, opt)
+    loop.fit(fabric, model, opt, loader(x, y, 2), batch_fn, settings(warmup_steps=warm), log, scheduler=sched)
+    assert counter.calls == n
+    ramp = [min(1.0, 1 / warm + (1 - 1 / warm) * j / warm) for j in range(n)]
+    shape = [1.0 if cosine is None else (1 + math.cos(math.pi * j / n)) / 2 for j in range(n)]
+    assert counter.lrs == pytest.approx([base * r * c for r, c in zip(ramp, shape, strict=True)], rel=1e-6)
+    assert counter.lrs[0] == pytest.approx(base / warm)
+
+
+def test_no_warmup_leaves_the_scheduler_alone():
+    opt = torch.optim.SGD(tiny_model().parameters(), lr=0.1)
+    assert loop.with_warmup(opt, None, 0) is None
+    assert opt.param_groups[0]["lr"] == 0.1
+
+
 def test_evaluation_does_not_compile_a_compiled_model(monkeypatch):
     """evaluate() runs a compiled model's original code (eval mode + no_grad would compile new graphs)."""
     from torch._dynamo.utils import counters

@@ -18,10 +18,10 @@ from fabric_memory_recipes.training import models
 
 
 @functools.cache
-def meta_model(name: str, num_classes: int = 10) -> Any:
+def meta_model(name: str, num_classes: int = 10, image_size: int | None = None) -> Any:
     """The model built on the meta device: shapes only, no memory, no initialisation cost."""
     with torch.device("meta"):
-        return models.build_model(name, None, num_classes=num_classes)
+        return models.build_model(name, None, num_classes, image_size)
 
 
 def check_results(dirs: list[str]) -> list[dict[str, Any]]:
@@ -50,7 +50,7 @@ def check_results(dirs: list[str]) -> list[dict[str, Any]]:
                 recorded_flags = {k: v for k, v in config.items() if k in flags}
                 cfg = rung.with_flags(**{**recorded_flags, "accelerator": "cuda"})
                 plan = plan_for(cfg)
-                model = meta_model(config.get("model", "vit_l_16"))
+                model = meta_model(config.get("model", "vit_l_16"), image_size=config.get("image_size"))
                 recorded = simulate(model, plan, model_name=config.get("model")).to_dict()
             rows.append(
                 {

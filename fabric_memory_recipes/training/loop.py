@@ -21,9 +21,10 @@ import torch
 from fabric_memory_recipes.config import RunConfig
 from fabric_memory_recipes.measurement.results import RunResults
 from fabric_memory_recipes.training.data import NUM_CLASSES, BatchFn
+from fabric_memory_recipes.training.graphs import base_optimizers
 from fabric_memory_recipes.training.loop_plumbing import TrainingRun, accuracy_metric, planned_steps
 
-__all__ = ["SchedulerGroup", "evaluate", "evaluate_splits", "fit", "planned_steps"]
+__all__ = ["SchedulerGroup", "evaluate", "evaluate_splits", "fit", "planned_steps", "with_warmup"]
 
 
 def fit(fabric, model, optimizer, train_loader, batch_fn: BatchFn, cfg: RunConfig, results: RunResults,
@@ -32,6 +33,7 @@ def fit(fabric, model, optimizer, train_loader, batch_fn: BatchFn, cfg: RunConfi
     ``train_loader`` grouped by ``cfg.accumulation_steps``; ``batch_fn(model, batch)`` returns (loss,
     logits, targets). ``optimizer`` is None when the update happens inside backward (rung 12)."""
     k, num_batches = cfg.accumulation_steps, len(train_loader)
+    scheduler = with_warmup(optimizer, scheduler, cfg.warmup_steps)  # --warmup-steps (0: none)
     model.train()
     run = TrainingRun(fabric, model, optimizer, scheduler, train_loader, batch_fn, cfg, results, num_classes)
     for epoch, i, batch in run.micro_batches():  # a resumed run skips what it trained on already
@@ -83,6 +85,19 @@ class SchedulerGroup:
     def load_state_dict(self, state: dict) -> None:
         for scheduler, saved in zip(self.schedulers, state["schedulers"], strict=True):
             scheduler.load_state_dict(saved)
+
+
+def with_warmup(optimizer, scheduler, steps: int):
+    """``--warmup-steps N``: every optimizer's learning rate rises linearly from 1/N of its value to
+    all of it over the first N optimizer steps (torch's ``LinearLR``), multiplied with the rung's own
+    schedule, if any: both are chainable schedulers stepped together, so rung 06's cosine still ends at
+    zero. Returns ``scheduler`` unchanged when N is 0."""
+    optimizers = base_optimizers(optimizer, scheduler)
+    if not steps or not optimizers:
+        return scheduler
+    warm = [torch.optim.lr_scheduler.LinearLR(o, start_factor=1 / steps, total_iters=steps) for o in optimizers]
+    own = getattr(scheduler, "schedulers", [] if scheduler is None else [scheduler])  # one flat group
+    return SchedulerGroup([*own, *warm])
 
 
 @torch.no_grad()

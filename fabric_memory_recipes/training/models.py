@@ -53,18 +53,28 @@ def resolve_weights(name: str, weights: str) -> object | None:
     return enum
 
 
-def build_model(name: str, weights: object | None, num_classes: int = 10):
+def build_model(name: str, weights: object | None, num_classes: int = 10, image_size: int | None = None):
     """Build ``name`` with the given torchvision weights enum (None = random init) and a new head.
+
+    ``image_size`` (``--image-size``): the input side in pixels, None for the model's own (224 for
+    ViT-L/16, 32 for ``vit_tiny``). The blocks and their parameters do not depend on it; only the
+    position embedding has one row per patch (and the class token). Pretrained weights are for 224 px.
 
     Allocation happens on the current default device/dtype, so calling this inside
     ``fabric.init_module()`` creates the model directly on the GPU in the target precision (rung 07).
     The small CPU/benchmark model (``vit_tiny``) is the exception, see :func:`_same_start`.
     """
+    if image_size is not None:
+        patch = 8 if name == "vit_tiny" else int(name.rsplit("_", 1)[-1])
+        if image_size % patch:
+            raise UsageError(f"--image-size {image_size}: {name} needs a multiple of its patch size, {patch}")
+        if weights is not None and image_size != 224:
+            raise UsageError(f"--image-size {image_size}: pretrained {name} weights are for 224 px (use --weights none)")
     if name == "vit_tiny":
         # 32x32 input, 8x8 patches -> 16 tokens + class token; a few thousand parameters per block.
         return _same_start(
             lambda: VisionTransformer(
-                image_size=32,
+                image_size=image_size or 32,
                 patch_size=8,
                 num_layers=2,
                 num_heads=2,
@@ -74,7 +84,7 @@ def build_model(name: str, weights: object | None, num_classes: int = 10):
             )
         )
     builder = getattr(tvm, name)
-    model = builder(weights=weights)
+    model = builder(weights=weights, **({"image_size": image_size} if image_size else {}))
     model.heads.head = nn.Linear(model.heads.head.in_features, num_classes)
     return model
 
