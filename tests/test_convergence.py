@@ -192,7 +192,7 @@ def test_gpu_plan_trains_vit_l_16_at_one_budget_and_measures_lost_updates_where_
         per_epoch = -(-(n_train // rung.micro_batch_size) // rung.accumulation_steps)  # optimizer steps
         assert value["--warmup-steps"] == str(round(preset["warmup_epochs"] * per_epoch)), j.recipe
         measured = "--lost-updates" in j.args
-        assert measured == (j.recipe in convergence.LOST_RUNGS), j.recipe
+        assert measured == (j.recipe in convergence.LOST_RUNGS and j.seed == 0), (j.recipe, j.seed)
         assert ("--no-cuda-graphs" in j.args) == measured, "lost updates read weights between steps"
     assert {j.variant for j in jobs if j.recipe == "03_true_half_precision"} == {"default", "stochastic", "kahan"}
 

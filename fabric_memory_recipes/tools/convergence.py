@@ -23,8 +23,9 @@ in bf16 inside ``fabric.init_module()``), so initial weights are drawn per rung 
 ``--model vit_tiny`` (2 blocks of width 64) is the CPU test of the same code path.
 
 Runs use the recipes' default mode (fast on a GPU). The lost-update fraction (``--lost-updates``) reads
-the weights between steps, so the rungs that compare precisions (``LOST_RUNGS``) run without CUDA graphs
-(compiled blocks still) and measure it; in eager mode every run does. The bf16 fixes
+the weights between steps, so the rungs that compare precisions (``LOST_RUNGS``) measure it on the seeds
+of ``--lost-seeds`` (the first, by default) without CUDA graphs (compiled blocks still: about a third of
+the speed at micro-batch 4); their other seeds run in full fast mode. In eager mode every run measures it. The bf16 fixes
 (``--bf16-update``, fabric_memory_recipes/training/bf16.py) run as variants of rung 03 (Adam) and rung 06
 (SGD), against 16-mixed (fp32 master weights: rung 02, and rung 06 with --precision 16-mixed); with
 ``--memory``, ViT-L/16's peak memory of each (224 px, 10 steps on synthetic data) is measured too.
@@ -111,7 +112,7 @@ class Job:
     variant: str
     seed: int | None  # None: a memory run
     args: list[str]
-    micro_batches: int = 0  # planned forward+backward passes: the longest jobs start first
+    micro_batches: int = 0  # planned forward+backward passes (x3 without CUDA graphs): the longest start first
     returncode: int | None = None
     wall_s: float | None = None
     log: str | None = None
@@ -155,7 +156,8 @@ def plan(args: argparse.Namespace, cuda: bool) -> list[Job]:
             ]  # fmt: skip
             if args.image_size:
                 base += ["--image-size", str(args.image_size)]
-            if args.mode == "eager" or not cuda or recipe in LOST_RUNGS:  # reads weights between steps
+            measure = args.mode == "eager" or not cuda or (recipe in LOST_RUNGS and seed in args.lost_seeds)
+            if measure:  # --lost-updates reads the weights between steps: no CUDA graphs
                 base += ["--lost-updates", str(max(1, steps // LOST_POINTS))]
                 base += ["--no-cuda-graphs"] if cuda and args.mode == "fast" else []
             if not cuda and rung.precision == "16-mixed":
@@ -165,7 +167,8 @@ def plan(args: argparse.Namespace, cuda: bool) -> list[Job]:
                 variants += VARIANTS.get(recipe, [])
             for variant, flags, cpu_flags in variants:
                 flags = cpu_flags if (cpu_flags is not None and not cuda) else flags
-                jobs.append(Job(recipe, variant, seed, [*base, *flags], per_epoch * args.epochs))
+                slower = 3 if "--no-cuda-graphs" in base else 1  # each step launched from the host
+                jobs.append(Job(recipe, variant, seed, [*base, *flags], per_epoch * args.epochs * slower))
     if cuda and args.memory:
         for recipe, variant, flags in MEMORY_RUNS:
             if args.rungs and recipe not in args.rungs:
@@ -223,7 +226,7 @@ def call_summary(args: argparse.Namespace, jobs: list[Job], wall: float, cuda: b
         "settings": {
             "model": args.model, "image_size": args.image_size, "epochs": args.epochs,
             "warmup_epochs": args.warmup_epochs, "adam_lr": args.adam_lr, "sgd_lr": args.sgd_lr,
-            "seeds": args.seed_list, "parallel": args.parallel, "mode": args.mode, "extra_flags": args.extra,
+            "seeds": args.seed_list, "lost_seeds": args.lost_seeds, "parallel": args.parallel, "mode": args.mode, "extra_flags": args.extra,
             "device": "cuda" if cuda else "cpu", "gpu_name": gpu, "data": digits.splits()[1],
         },  # fmt: skip
         "wall_s": wall,
@@ -342,6 +345,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--deadline-s", type=float, help="start no run after this many seconds")
     p.add_argument("--rerun", action="store_true", help="run again what an earlier call finished in --out")
     p.add_argument(
+        "--lost-seeds", default="0",
+        help="seeds on which the LOST_RUNGS measure lost updates, without CUDA graphs (default 0: the"
+        " first; the other seeds run in full fast mode); in eager mode every run measures them",
+    )  # fmt: skip
+    p.add_argument(
         "--mode",
         choices=("eager", "fast"),
         help="the recipes' --mode (default: theirs, fast on a GPU; the rungs in LOST_RUNGS then run"
@@ -358,6 +366,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for key, value in PRESETS[args.model].items():  # what the flags leave out: the model's preset
         if getattr(args, key) is None:
             setattr(args, key, value)
+    args.lost_seeds = [int(s) for s in args.lost_seeds.split(",") if s.strip()]
     if args.seed_list:
         args.seed_list = [int(s) for s in args.seed_list.split(",") if s.strip()]
     else:
