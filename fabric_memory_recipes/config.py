@@ -339,20 +339,19 @@ class RunConfig:
         one_device = self.devices == 1 and self.num_nodes == 1
         profiling = self.memory_timeline or self.snapshot
         if self.cuda_graphs is None:
-            self.cuda_graphs = (
-                self.mode == "fast" and self.accelerator == "cuda" and one_device and not profiling
-            )
+            # torch-optimi's Kahan step uses the lr as a Python scalar (alpha=-lr): not capturable
+            self.cuda_graphs = (self.mode == "fast" and self.accelerator == "cuda" and one_device
+                                and not profiling and self.bf16_update != "kahan")  # fmt: skip
         elif self.cuda_graphs:
             if self.accelerator != "cuda":
                 raise UsageError("--cuda-graphs needs CUDA (on a CPU the fast mode is the eager mode)")
             if not one_device:
-                raise UsageError(
-                    "--cuda-graphs works on one device; with several, leave it out (DDP/FSDP run eagerly)"
-                )
+                raise UsageError("--cuda-graphs works on one device; with several, leave it out (DDP/FSDP run eagerly)")
+            if self.bf16_update == "kahan":
+                raise UsageError("--cuda-graphs with --bf16-update kahan: torch-optimi's Kahan step reads"
+                                 " the learning rate as a Python number, which a graph cannot replay")  # fmt: skip
             if profiling:
-                raise UsageError(
-                    "--cuda-graphs with --memory-timeline/--snapshot: profile the eager steps (--no-cuda-graphs)"
-                )
+                raise UsageError("--cuda-graphs with --memory-timeline/--snapshot: profile the eager steps (--no-cuda-graphs)")
         if self.cuda_graphs and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
             os.environ["PYTORCH_CUDA_ALLOC_CONF"] = FAST_ALLOCATOR
 

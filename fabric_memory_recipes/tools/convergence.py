@@ -163,11 +163,11 @@ def plan(args: argparse.Namespace, cuda: bool) -> list[Job]:
             if not cuda and rung.precision == "16-mixed":
                 base += ["--precision", "bf16-mixed"]  # fp16 autocast needs CUDA
             variants = [("default", [], None)]
-            if args.variants:
+            if recipe in args.variants:
                 variants += VARIANTS.get(recipe, [])
             for variant, flags, cpu_flags in variants:
                 flags = cpu_flags if (cpu_flags is not None and not cuda) else flags
-                slower = 3 if "--no-cuda-graphs" in base else 1  # each step launched from the host
+                slower = 3 if "--no-cuda-graphs" in base or "kahan" in flags else 1  # steps launched from the host
                 jobs.append(Job(recipe, variant, seed, [*base, *flags], per_epoch * args.epochs * slower))
     if cuda and args.memory:
         for recipe, variant, flags in MEMORY_RUNS:
@@ -355,7 +355,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the recipes' --mode (default: theirs, fast on a GPU; the rungs in LOST_RUNGS then run"
         " without CUDA graphs, to measure lost updates)",
     )
-    p.add_argument("--no-variants", dest="variants", action="store_false", help="skip the bf16 fix variants")
+    p.add_argument("--variants", default="03,06", help="rungs (prefixes) that run the bf16 fix variants (default 03,06)")
+    p.add_argument("--no-variants", dest="variants", action="store_const", const="", help="no bf16 fix variants")
     p.add_argument("--no-memory", dest="memory", action="store_false", help="skip the ViT-L/16 memory runs")
     args = p.parse_args(argv)
     args.extra = extra
@@ -366,6 +367,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for key, value in PRESETS[args.model].items():  # what the flags leave out: the model's preset
         if getattr(args, key) is None:
             setattr(args, key, value)
+    args.variants = [r for r in VARIANTS if any(r.startswith(w.strip()) for w in args.variants.split(",") if w.strip())]
     args.lost_seeds = [int(s) for s in args.lost_seeds.split(",") if s.strip()]
     if args.seed_list:
         args.seed_list = [int(s) for s in args.seed_list.split(",") if s.strip()]
