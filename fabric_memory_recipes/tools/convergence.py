@@ -4,38 +4,31 @@
     fmr-convergence --model vit_tiny --seed-list 0 --parallel 2             # the same code path on a CPU
     FMR_PUBLISH=1 fmr-convergence --report results/published/h100/convergence --readme README.md:convergence
 
-Why. The memory ladder's accuracy columns cannot tell rungs apart on the synthetic stand-in. Here each
-rung (01-07, 10-15; 08/09 need several GPUs) trains the ladder's own model, torchvision's ViT-L/16 from
-random initial weights, on scikit-learn's digits (fabric_memory_recipes/training/digits.py) for the same
-number of epochs, i.e. the same samples, and is scored on the whole held-out test split. The fp32
-baseline (rung 01) with its spread over seeds is the yardstick: a rung whose mean test accuracy falls
-outside the baseline's mean +- 2 sd is flagged, next to what it measurably does differently (precision
-and its lost-update fraction, optimizer, batch and so optimizer steps, final training loss).
+Why. The ladder's accuracy columns cannot tell rungs apart on synthetic data. Here each single-GPU rung
+(01-07, 10-15) trains the ladder's own model, torchvision's ViT-L/16 from random weights, on
+scikit-learn's digits (training/digits.py) for the same epochs (the same samples) and is scored on the
+whole test split. A rung whose mean falls outside the fp32 baseline's mean +- 2 sd is flagged with
+what it measurably does differently (convergence_report.py renders it from the JSON files alone).
 
-What the benchmark fixes, the same for every rung (``PRESETS``, each overridable by its flag): the
-number of epochs, a linear learning-rate warm-up over the first epoch(s) (``--warmup-steps``, times the
-rung's own schedule), one learning rate for the Adam rungs and one for the SGD rungs, and the input
-size. The digits are 8x8 pixels, so ViT-L/16 reads them at 64 px (``--image-size 64``: 16 patches and
-the class token instead of 196 + 1); its 24 blocks and 303 M parameters are the ladder's, only the
-position embedding is shorter. Rungs keep their own precision, batch, accumulation, optimizer,
-schedule and memory technique, and build their model their own way (on the CPU in fp32, or on the GPU
-in bf16 inside ``fabric.init_module()``), so initial weights are drawn per rung and seed.
-``--model vit_tiny`` (2 blocks of width 64) is the CPU test of the same code path.
+Fixed for every rung (``PRESETS``, each overridable by its flag): the epochs, a linear warm-up over the
+first epoch(s) (``--warmup-steps``, times the rung's own schedule), one Adam and one SGD learning rate,
+and the input size: the digits are 8x8 pixels, so ViT-L/16 reads them at 64 px (16 patches + the class
+token); its 24 blocks and 303 M parameters are the ladder's, only the position embedding is shorter.
+Rungs keep their precision, batch, accumulation, optimizer, schedule, memory technique and way of
+building the model, so initial weights are drawn per rung and seed. ``--model vit_tiny`` is the CPU
+test of the same code path.
 
-Runs use the recipes' default mode (fast on a GPU). The lost-update fraction (``--lost-updates``) reads
-the weights between steps, so the rungs that compare precisions (``LOST_RUNGS``) measure it on the seeds
-of ``--lost-seeds`` (the first, by default) without CUDA graphs (compiled blocks still: about a third of
-the speed at micro-batch 4); their other seeds run in full fast mode. In eager mode every run measures it. The bf16 fixes
-(``--bf16-update``, fabric_memory_recipes/training/bf16.py) run as variants of rung 03 (Adam) and rung 06
-(SGD), against 16-mixed (fp32 master weights: rung 02, and rung 06 with --precision 16-mixed); with
-``--memory``, ViT-L/16's peak memory of each (224 px, 10 steps on synthetic data) is measured too.
+Runs use the recipes' default mode (fast on a GPU). ``--lost-updates`` reads the weights between steps:
+the rungs that compare precisions (``LOST_RUNGS``) measure it on the ``--lost-seeds`` without CUDA graphs
+(about a third of the speed at micro-batch 4), their other seeds run in full fast mode. The bf16 fixes
+(``--bf16-update``, training/bf16.py) run as variants of rungs 03 (Adam) and 06 (SGD), against 16-mixed;
+``--memory`` adds their ViT-L/16 peak memory (224 px, 10 steps on synthetic data).
 
-Several runs share the GPU at once (``--parallel``). A call stopped by ``--deadline-s`` keeps what
-finished: each run writes its own JSON, ``benchmark.json`` is rewritten after every run, and a later
-call with the same ``--out`` runs only what is missing (``--rerun`` runs everything again), recorded
-under ``later_calls``. Output: ``OUT/runs/<recipe>-<variant>-s<seed>.json``, ``OUT/benchmark.json``,
-logs under ``--logs``, and the report ``OUT/README.md`` + ``OUT/loss_curves.png``
-(fabric_memory_recipes/tools/convergence_report.py, rendered from those files alone).
+Runs share the GPU (``--parallel``). A call stopped by ``--deadline-s`` keeps what finished: each run
+writes its JSON, ``benchmark.json`` is rewritten after every run, and a later call with the same
+``--out`` runs only what is missing (``--rerun``: everything), recorded under ``later_calls``. Output:
+``OUT/runs/<recipe>-<variant>-s<seed>.json``, ``OUT/benchmark.json``, ``OUT/logs/``, ``OUT/README.md``
+and ``OUT/loss_curves.png``.
 """
 
 from __future__ import annotations
@@ -75,6 +68,17 @@ PRESETS: dict[str, dict[str, Any]] = {
     "vit_b_16": {"image_size": 64, "epochs": 30, "warmup_epochs": 2, "adam_lr": 1e-4, "sgd_lr": 0.03},
     "vit_tiny": {"image_size": None, "epochs": 20, "warmup_epochs": 0, "adam_lr": 1e-3, "sgd_lr": 0.05},
 }
+SETTINGS = (
+    "model",
+    "image_size",
+    "epochs",
+    "warmup_epochs",
+    "adam_lr",
+    "sgd_lr",
+    "lost_seeds",
+    "parallel",
+    "mode",
+)
 CURVE_POINTS = 60  # loss points per run: --log-every is chosen per rung to give about this many
 LOST_POINTS = 20  # sampled steps for --lost-updates per run
 LOST_RUNGS = ("01_baseline", "02_mixed_precision", "03_true_half_precision", "06_sgd_cosine")
@@ -112,7 +116,9 @@ class Job:
     variant: str
     seed: int | None  # None: a memory run
     args: list[str]
-    micro_batches: int = 0  # planned forward+backward passes (x3 without CUDA graphs): the longest start first
+    micro_batches: int = (
+        0  # planned forward+backward passes (x3 without CUDA graphs): the longest start first
+    )
     returncode: int | None = None
     wall_s: float | None = None
     log: str | None = None
@@ -167,7 +173,9 @@ def plan(args: argparse.Namespace, cuda: bool) -> list[Job]:
                 variants += VARIANTS.get(recipe, [])
             for variant, flags, cpu_flags in variants:
                 flags = cpu_flags if (cpu_flags is not None and not cuda) else flags
-                slower = 3 if "--no-cuda-graphs" in base or "kahan" in flags else 1  # steps launched from the host
+                slower = (
+                    3 if "--no-cuda-graphs" in base or "kahan" in flags else 1
+                )  # steps launched from the host
                 jobs.append(Job(recipe, variant, seed, [*base, *flags], per_epoch * args.epochs * slower))
     if cuda and args.memory:
         for recipe, variant, flags in MEMORY_RUNS:
@@ -223,15 +231,13 @@ def call_summary(args: argparse.Namespace, jobs: list[Job], wall: float, cuda: b
         "tool": "fabric_memory_recipes.tools.convergence",
         "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]),
-        "settings": {
-            "model": args.model, "image_size": args.image_size, "epochs": args.epochs,
-            "warmup_epochs": args.warmup_epochs, "adam_lr": args.adam_lr, "sgd_lr": args.sgd_lr,
-            "seeds": args.seed_list, "lost_seeds": args.lost_seeds, "parallel": args.parallel, "mode": args.mode, "extra_flags": args.extra,
-            "device": "cuda" if cuda else "cpu", "gpu_name": gpu, "data": digits.splits()[1],
-        },  # fmt: skip
+        "settings": {k: getattr(args, k) for k in SETTINGS}
+        | {"seeds": args.seed_list, "extra_flags": args.extra, "device": "cuda" if cuda else "cpu"}
+        | {"gpu_name": gpu, "data": digits.splits()[1]},
         "wall_s": wall,
         "runs": [
-            {k: v for k, v in asdict(j).items() if k not in ("args", "extra")} | {"tag": j.tag, "args": j.args}
+            {k: v for k, v in asdict(j).items() if k not in ("args", "extra")}
+            | {"tag": j.tag, "args": j.args}
             for j in jobs
         ],
     }
@@ -330,7 +336,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--rungs", help="comma-separated recipe names or prefixes (default: every single-GPU rung)"
     )
-    p.add_argument("--model", choices=sorted(PRESETS), help=f"default: {MODEL} on a GPU, {CPU_MODEL} on a CPU")
+    p.add_argument(
+        "--model", choices=sorted(PRESETS), help=f"default: {MODEL} on a GPU, {CPU_MODEL} on a CPU"
+    )
     p.add_argument("--image-size", type=int, metavar="PX", help="input side (default: the model's preset)")
     p.add_argument("--epochs", type=int, help="epochs of every run (default: the model's preset)")
     p.add_argument("--warmup-epochs", type=float, help="linear warm-up, in epochs (default: the preset)")
@@ -355,8 +363,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the recipes' --mode (default: theirs, fast on a GPU; the rungs in LOST_RUNGS then run"
         " without CUDA graphs, to measure lost updates)",
     )
-    p.add_argument("--variants", default="03,06", help="rungs (prefixes) that run the bf16 fix variants (default 03,06)")
-    p.add_argument("--no-variants", dest="variants", action="store_const", const="", help="no bf16 fix variants")
+    p.add_argument(
+        "--variants", default="03,06", help="rungs (prefixes) that run the bf16 fix variants (default 03,06)"
+    )
+    p.add_argument(
+        "--no-variants", dest="variants", action="store_const", const="", help="no bf16 fix variants"
+    )
     p.add_argument("--no-memory", dest="memory", action="store_false", help="skip the ViT-L/16 memory runs")
     args = p.parse_args(argv)
     args.extra = extra
@@ -367,7 +379,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for key, value in PRESETS[args.model].items():  # what the flags leave out: the model's preset
         if getattr(args, key) is None:
             setattr(args, key, value)
-    args.variants = [r for r in VARIANTS if any(r.startswith(w.strip()) for w in args.variants.split(",") if w.strip())]
+    args.variants = [
+        r for r in VARIANTS if any(r.startswith(w.strip()) for w in args.variants.split(",") if w.strip())
+    ]
     args.lost_seeds = [int(s) for s in args.lost_seeds.split(",") if s.strip()]
     if args.seed_list:
         args.seed_list = [int(s) for s in args.seed_list.split(",") if s.strip()]

@@ -19,6 +19,7 @@ from typing import Any
 from fabric_memory_recipes.measurement.report import load_results
 from fabric_memory_recipes.measurement.report_format import DASH, write_into_block
 from fabric_memory_recipes.measurement.results_file import write_atomic
+from fabric_memory_recipes.tools.convergence_figure import render_figure
 
 BASELINE = "01_baseline"
 TAG = re.compile(r"^(?P<variant>.+)-s(?P<seed>\d+)$")
@@ -90,6 +91,9 @@ def _stats(runs: list[dict]) -> dict[str, Any]:
     return {
         "runs": len(runs),
         "ok": len(ok),
+        "not_ok": sorted(
+            f"s{TAG.match(r.get('tag') or '-s?')['seed']} {r.get('status')}" for r in runs if r not in ok
+        ),
         "test": values(lambda r: (r.get("accuracy") or {}).get("test")),
         "loss": values(final_loss),
         "lost": values(lambda r: ((r.get("updates") or {}).get("lost") or {}).get("mean_lost")),
@@ -103,14 +107,17 @@ def _stats(runs: list[dict]) -> dict[str, Any]:
     }
 
 
-def differences(s: dict[str, Any], base: dict[str, Any]) -> list[str]:
-    """What a group measurably does differently from the baseline: the candidate causes of a gap."""
+def differences(s: dict[str, Any], base: dict[str, Any], isolated: dict[str, str] | None = None) -> list[str]:
+    """What a group measurably does differently from the baseline: the candidate causes of a gap.
+    ``isolated``: per precision, what the rung that differs from the baseline in precision alone measured."""
     out = []
     if s["precision"] != base["precision"]:
         lost, base_lost = _mean_sd(s["lost"])[0], _mean_sd(base["lost"])[0]
         text = f"precision {s['precision']}"
         if lost is not None:
             text += f" (lost updates {_pct(lost)} of parameters per step vs {_pct(base_lost)})"
+        elif (isolated or {}).get(s["precision"]) and s["rule"] in (None, "plain"):
+            text += f" ({isolated[s['precision']]})"
         out.append(text)
     if s["rule"] not in (None, "plain"):
         out.append(f"--bf16-update {s['rule']}")
@@ -134,11 +141,43 @@ def differences(s: dict[str, Any], base: dict[str, Any]) -> list[str]:
     return out
 
 
+def isolated_precision(acc: dict, base: dict[str, Any]) -> dict[str, str]:
+    """Per precision, what the rung that changes nothing but the precision measured against the baseline
+    (same batch, optimizer and learning rate: rung 03 for bf16-true), with its Kahan fix when it ran:
+    the measured part of the gap of every later rung that keeps that precision."""
+    base_mean = _mean_sd(base["test"])[0]
+    found: dict[str, str] = {}
+    for (recipe, variant), runs in sorted(acc.items()):
+        s = _stats(runs)
+        same = (s["batch"], s["micro"], _short(s["optimizer"]), s["lr"])
+        if variant != "default" or recipe == BASELINE or base_mean is None or s["precision"] in found:
+            continue
+        if s["precision"] == base["precision"] or same != (
+            base["batch"],
+            base["micro"],
+            _short(base["optimizer"]),
+            base["lr"],
+        ):
+            continue
+        mean, lost = _mean_sd(s["test"])[0], _mean_sd(s["lost"])[0]
+        if mean is None:
+            continue
+        text = f"{recipe[:2]} changes only that: {mean - base_mean:+.3f}" + (
+            f", {_pct(lost)} of updates lost" if lost is not None else ""
+        )
+        kahan = _mean_sd(_stats(acc.get((recipe, "kahan"), []))["test"])[0]
+        found[s["precision"]] = text + (
+            f"; with --bf16-update kahan {kahan - base_mean:+.3f}" if kahan is not None else ""
+        )
+    return found
+
+
 def render_table(results: list[dict]) -> str:
     """Mean ± sd of held-out test accuracy per rung (and bf16 variant), flagged against the baseline."""
     acc, _ = groups(results)
     base = _stats(acc.get((BASELINE, "default"), []))
     base_mean, base_sd = _mean_sd(base["test"])
+    isolated = isolated_precision(acc, base)
     lines = [
         "| rung | variant | precision | optimizer | batch | optimizer steps | test accuracy | final train loss¹"
         " | lost updates / step | vs baseline |",
@@ -152,11 +191,13 @@ def render_table(results: list[dict]) -> str:
         elif mean is None or base_mean is None or base_sd is None:
             verdict = DASH
         elif abs(mean - base_mean) > 2 * base_sd:
-            verdict = f"**outside ± 2 sd** ({mean - base_mean:+.3f}): " + "; ".join(differences(s, base))
+            verdict = f"**outside ± 2 sd** ({mean - base_mean:+.3f}): " + "; ".join(
+                differences(s, base, isolated)
+            )
         else:
             verdict = f"within ({mean - base_mean:+.3f})"
         if s["ok"] < s["runs"]:
-            verdict += f" — {s['runs'] - s['ok']} run(s) failed"
+            verdict += f" — {s['runs'] - s['ok']} run(s) not finished: {', '.join(s['not_ok'])}"
         steps = _mean_sd(s["steps"])[0]
         row = [
             recipe,
@@ -181,7 +222,8 @@ def render_table(results: list[dict]) -> str:
 TABLE_NOTE = (
     "¹ Final training loss: the mean of the loss curve's last tenth (about the last 10% of the steps),"
     " averaged over seeds. Lost updates / step: the mean over sampled steps of the fraction of parameters"
-    " whose update would move them in fp32 but whose effective weight did not move (fabric_memory_recipes/training/bf16.py)."
+    " whose update would move them in fp32 but whose effective weight did not move (fabric_memory_recipes/training/bf16.py),"
+    " measured where shown (`--lost-seeds`: on those seeds, without CUDA graphs)."
 )
 
 
@@ -198,16 +240,17 @@ def render_fixes(results: list[dict]) -> str | None:
     rows = [row for row in pairs if row[:2] in acc or row[:2] in mem]
     if not rows:
         return None
+    with_memory = any(row[:2] in mem for row in rows)
     lines = [
-        "| run | final train loss¹ | vs 16-mixed | test accuracy | lost updates / step | ViT-L/16 peak allocated GB"
-        " | ViT-L/16 peak reserved GB |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| run | final train loss¹ | test accuracy | vs 16-mixed | lost updates / step"
+        + (" | ViT-L/16 peak allocated GB | ViT-L/16 peak reserved GB |" if with_memory else " |"),
+        "|---|---:|---:|---:|---:|" + ("---:|---:|" if with_memory else ""),
     ]
     for recipe, variant, label, reference in rows:
         s = _stats(acc.get((recipe, variant), []))
-        ref_loss = _mean_sd(_stats(acc.get(reference, []))["loss"])[0] if reference else None
-        loss = _mean_sd(s["loss"])[0]
-        gap = DASH if loss is None or not ref_loss else f"{100 * (loss - ref_loss) / ref_loss:+.0f}%"
+        ref = _mean_sd(_stats(acc.get(reference, []))["test"])[0] if reference else None
+        mean = _mean_sd(s["test"])[0]
+        gap = DASH if mean is None or ref is None else f"{mean - ref:+.3f}"
         m = mem.get((recipe, variant)) or {}
         memory = m.get("memory") or {}
         cells = [
@@ -215,9 +258,8 @@ def render_fixes(results: list[dict]) -> str | None:
             for k in ("peak_allocated_gb", "peak_reserved_gb")
         ]
         lines.append(
-            f"| {label} | {_pm(s['loss'])} | {gap} | {_pm(s['test'])} | {_pct(_mean_sd(s['lost'])[0])} | "
-            + " | ".join(cells)
-            + " |"
+            f"| {label} | {_pm(s['loss'])} | {_pm(s['test'])} | {gap} | {_pct(_mean_sd(s['lost'])[0])} |"
+            + ("".join(f" {c} |" for c in cells) if with_memory else "")
         )
     return "\n".join(lines)
 
@@ -279,7 +321,9 @@ def render_markdown(results: list[dict], summary: dict[str, Any], figure: str | 
         " random initial weights, for the same number of epochs (the same samples) with the same"
         " learning-rate policy; accuracy is over the whole held-out test split. Each rung keeps its own"
         " precision, batch, accumulation, optimizer, schedule and memory technique."
-        f" The model: `{settings.get('model')}`" + (f" at {settings['image_size']} px" if settings.get("image_size") else "") + ".",
+        f" The model: `{settings.get('model')}`"
+        + (f" at {settings['image_size']} px" if settings.get("image_size") else "")
+        + ".",
         "",
         "Produced on:",
         "",
@@ -324,59 +368,6 @@ def render_markdown(results: list[dict], summary: dict[str, Any], figure: str | 
     return "\n".join(out) + "\n"
 
 
-def render_figure(results: list[dict], path: Path) -> None:
-    """One panel per rung/variant: its training-loss curves (one per seed) over the baseline's (grey),
-    against epochs (samples seen / training-set size), so rungs with different batches line up."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    acc, _ = groups(results)
-    n_train = None
-
-    def curve(r: dict) -> tuple[list[float], list[float]]:
-        nonlocal n_train
-        points = (r.get("loss") or {}).get("curve") or []
-        batch = (r.get("config") or {}).get("batch_size") or 1
-        epochs = (r.get("config") or {}).get("epochs") or 1
-        seen = (r.get("timing") or {}).get("images_seen") or 0
-        per_epoch = seen / epochs if seen else None
-        xs = [s * batch / per_epoch if per_epoch else s for s, _ in points]
-        return xs, [v for _, v in points]
-
-    keys = sorted(acc)
-    cols = 4
-    rows = max(1, math.ceil(len(keys) / cols))
-    fig, axes = plt.subplots(
-        rows, cols, figsize=(4 * cols, 2.8 * rows), sharex=True, sharey=True, squeeze=False
-    )
-    base = acc.get((BASELINE, "default"), [])
-    for ax, key in zip(axes.flat, keys, strict=False):
-        for r in base:
-            ax.plot(*curve(r), color="#999999", lw=1)
-        if key != (BASELINE, "default"):
-            for r in acc[key]:
-                ax.plot(*curve(r), color="#d62728", lw=1)
-        ax.set_title(f"{key[0]}" + ("" if key[1] == "default" else f" [{key[1]}]"), fontsize=8)
-        ax.set_yscale("log")
-        ax.grid(alpha=0.3)
-    for ax in axes.flat[len(keys) :]:
-        ax.axis("off")
-    for ax in axes[-1]:
-        ax.set_xlabel("epochs (samples seen / training split)", fontsize=8)
-    for ax in axes[:, 0]:
-        ax.set_ylabel("training loss", fontsize=8)
-    from matplotlib.lines import Line2D
-
-    handles = [Line2D([], [], color="#999999", lw=1), Line2D([], [], color="#d62728", lw=1)]
-    fig.legend(handles, ["01 fp32 baseline", "the rung / variant"], loc="upper right", fontsize=8)
-    fig.suptitle("Training loss per rung (one line per seed) against the fp32 baseline", fontsize=10)
-    fig.tight_layout(rect=(0, 0, 0.93, 1))
-    write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=110), binary=True)
-    plt.close(fig)
-
-
 def render(out: Path, readme: str | None = None) -> int:
     """Render OUT/README.md and OUT/loss_curves.png from OUT/runs/*.json (and OUT/benchmark.json)."""
     out = Path(out)
@@ -386,7 +377,7 @@ def render(out: Path, readme: str | None = None) -> int:
         return 2
     summary_path = out / "benchmark.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    render_figure(results, out / "loss_curves.png")
+    render_figure(groups(results)[0], out / "loss_curves.png")
     write_atomic(out / "README.md", lambda f: f.write(render_markdown(results, summary, "loss_curves.png")))
     print(f"[convergence] report: {out / 'README.md'}, {out / 'loss_curves.png'}")
     if readme:  # the table and the figure, into a marked block of another markdown file
