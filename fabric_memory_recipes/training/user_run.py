@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import torch
 
 from fabric_memory_recipes.config import BOOL, RunConfig, UsageError, at_least, flag
-from fabric_memory_recipes.training import data, text, user_models
+from fabric_memory_recipes.training import data, user_models
 from fabric_memory_recipes.training.user_models import UserModel
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "adamw8bit")
@@ -81,6 +81,8 @@ def load_data(cfg: YourModelConfig, um: UserModel):
     if not um.is_text:
         splits = data.load("synthetic" if cfg.data == "synthetic" else "digits", cfg.data_dir)
         return splits, None, data.NUM_CLASSES  # batch_fn: data.image_classification(model.image_size)
+    from fabric_memory_recipes.training import text  # transformers: imported by text models only
+
     ids = user_models.token_ids(um)
     choice = "synthetic" if cfg.data == "synthetic" else ("imdb" if cfg.data == "imdb" else "auto")
     splits = text.load(choice, cfg.data_dir, cfg.seq_len, ids, lambda: _tokenizer(cfg, um), task=um.task,
