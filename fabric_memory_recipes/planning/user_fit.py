@@ -83,9 +83,9 @@ def command(c: Choice, ref: str, seq_len: int | None) -> str:
 def flops_per_sample(model: Any, um: Any, seq_len: int) -> float:
     """Training FLOPs (forward + backward) of one sample, counted on the meta device."""
     with torch.device("meta"), FlopCounterMode(display=False) as counter:
-        if um.is_text:
-            make, batch_fn = text_batch(um, 1, seq_len)
-            loss = batch_fn(model, make())[0]
+        if um.is_text:  # no attention mask: building it reads values, which meta tensors have not
+            ids, _, labels = text_batch(um, 1, seq_len)[0]()
+            loss = model(input_ids=ids, labels=labels).loss
         else:
             size = getattr(model, "image_size", 224)
             loss = model(torch.empty(1, 3, size, size)).float().sum()
