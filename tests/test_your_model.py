@@ -168,3 +168,29 @@ def test_runner_refuses_what_cannot_run(run_recipe, bert):
     assert proc.returncode == 2 and "does not fit" in proc.stderr
     proc, _ = run_recipe("your_model", "--accelerator", "cpu", "--model", "torchvision:resnet18", "--fsdp")
     assert proc.returncode == 2 and "--fsdp" in proc.stderr
+
+
+def test_model_proof_rows_and_table_with_a_stand_in_runner(tmp_path, monkeypatch):
+    """The GPU proof's bookkeeping on a CPU: each run's own prediction against its measurement, in rows
+    and a table; a run that does not end as expected makes the exit code 1."""
+    from fabric_memory_recipes.tools import model_proof
+
+    monkeypatch.setattr(model_proof, "MODELS", [("timm:test_vit", ["--batch-size", "4"], [["--precision", "bf16-true"],
+                                                                                          ["--checkpoint-blocks"]])])
+    measured = iter([(2.0, 2.8, "ok"), (1.0, None, "oom")])
+
+    def stand_in(run, env, timeout):
+        reserved, device, status = next(measured)
+        run.json.parent.mkdir(parents=True, exist_ok=True)
+        run.json.write_text(json.dumps({"status": status, "memory": {"peak_reserved_gb": reserved, "device_peak_gb": device},
+                                        "timing": {"images_per_s": 10.0}, "config": {},
+                                        "extra": {"predicted_card": {"peak_reserved_gb": 2.1, "device_peak_gb": 2.9}}}))
+        return {"status": status, "wall_s": 1.0}
+
+    out = tmp_path / "proof"
+    assert model_proof.main(["--out", str(out), "--parts", "estimate"], runner=stand_in) == 1  # the 2nd ran out of memory
+    rows = json.loads((out / "rows.json").read_text())
+    assert [r["status"] for r in rows] == ["ok", "oom"]
+    assert rows[0]["predicted_peak_gb"] == 2.1 and rows[0]["measured_peak_reserved_gb"] == 2.0
+    table = (out / "table.md").read_text()
+    assert "+5.0%" in table and "+3.6%" in table  # 2.1 vs 2.0 reserved, 2.9 vs 2.8 whole device
