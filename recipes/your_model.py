@@ -25,8 +25,10 @@ def main(cfg: user_run.YourModelConfig, results) -> None:
     torch.set_float32_matmul_precision("high" if cfg.tf32 else "highest")
     um = user_run.resolve(cfg)
     with torch.device("meta"):  # the repeated blocks: FSDP's units, what --checkpoint-blocks wraps
-        blocks, found_by = user_models.repeated_blocks(user_models.build(um))
-    strategy = FSDPStrategy(auto_wrap_policy=lambda m, recurse, nonwrapped_numel: recurse or type(m).__name__ in blocks) if cfg.fsdp else "auto"  # noqa: E501
+        meta = user_models.build(um)
+    blocks, found_by = user_models.repeated_blocks(meta)
+    units = {type(m) for m in meta.modules() if type(m).__name__ in blocks}
+    strategy = FSDPStrategy(auto_wrap_policy=units) if cfg.fsdp else "auto"  # one FSDP unit per block
     fabric = L.Fabric(accelerator=cfg.accelerator, devices=cfg.devices, num_nodes=cfg.num_nodes, strategy=strategy,
                       precision=cfg.precision, loggers=results.fabric_loggers())  # fmt: skip
     fabric.launch()
@@ -52,7 +54,9 @@ def main(cfg: user_run.YourModelConfig, results) -> None:
             optimizer = fabric.setup_optimizers(user_run.make_optimizer(cfg, list(model.parameters())))
     results.set(parameters=sum(p.numel() for p in model.parameters()))
 
-    train_loader, val_loader, test_loader = fabric.setup_dataloaders(*data.loaders(splits, cfg, fabric, shard=cfg.fsdp))
+    train_loader, val_loader, test_loader = fabric.setup_dataloaders(
+        *data.loaders(splits, cfg, fabric, shard=cfg.fsdp)
+    )
     task_batch = batch_fn or data.image_classification(model.image_size)
     offloaded = offload.offload_activations() if cfg.activation_offload else None
 
@@ -67,7 +71,9 @@ def main(cfg: user_run.YourModelConfig, results) -> None:
     if offloaded is not None:
         results.extra["offloaded_gb_per_micro_batch"] = offloaded.host_bytes() / 1e9
     with results.phase("eval"):
-        loop.evaluate_splits(fabric, model, val_loader, test_loader, step_batch, results, cfg.eval_batches, num_classes)
+        loop.evaluate_splits(
+            fabric, model, val_loader, test_loader, step_batch, results, cfg.eval_batches, num_classes
+        )
 
 
 if __name__ == "__main__":

@@ -72,7 +72,7 @@ def test_unknown_models_are_refused_in_one_line(ref, says):
 def test_malformed_configs_and_offline_hub(tmp_path, monkeypatch):
     (tmp_path / "broken.json").write_text('{"model_type": "qwen2", "hidden_size": ')
     (tmp_path / "untyped.json").write_text('{"hidden_size": 64}')
-    for name, says in (("broken.json", "not a readable JSON config"), ("untyped.json", "no \"model_type\"")):
+    for name, says in (("broken.json", "not a readable JSON config"), ("untyped.json", 'no "model_type"')):
         with pytest.raises(UsageError, match=says):
             user_models.resolve(f"hf:{tmp_path / name}")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -109,7 +109,9 @@ def test_large_vocabulary_estimate(qwen, capsys):
     assert plain["repeated_blocks"] == ["Qwen2DecoderLayer"]
     assert ckpt["activations_saved_gb"] < plain["activations_saved_gb"]
     assert ckpt["assumptions"]["checkpoint"] == ["Qwen2DecoderLayer"]
-    assert fsdp["components_gb"]["parameters"] == pytest.approx(plain["components_gb"]["parameters"] / 4, rel=1e-3)
+    assert fsdp["components_gb"]["parameters"] == pytest.approx(
+        plain["components_gb"]["parameters"] / 4, rel=1e-3
+    )
 
 
 def test_simulated_activations_match_a_real_forward(bert):
@@ -142,7 +144,9 @@ def test_fit_lists_commands_the_runner_accepts(bert, capsys):
         assert parsed.model == bert and parsed.batch_size == 4
     assert user_cli.main([*argv, "--fit", "1MB"]) == 1  # nothing fits: one line, the smallest peak
     out = capsys.readouterr().out.strip()
-    assert len(out.splitlines()) == 1 and out.startswith("Nothing fits in 0.001 GB: the smallest predicted peak is")
+    assert len(out.splitlines()) == 1 and out.startswith(
+        "Nothing fits in 0.001 GB: the smallest predicted peak is"
+    )
 
 
 @pytest.mark.parametrize(
@@ -156,7 +160,10 @@ def test_runner_trains_on_cpu_with_the_estimate(run_recipe, request, model, extr
                               "--max-steps", "2", "--eval-batches", "1", *extra)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert result["status"] == "ok" and result["config"]["model"] == model
-    assert result["estimate"]["peak_allocated_gb"] > 0 and result["extra"]["predicted_card"]["peak_reserved_gb"] > 0
+    assert (
+        result["estimate"]["peak_allocated_gb"] > 0
+        and result["extra"]["predicted_card"]["peak_reserved_gb"] > 0
+    )
     assert result["timing"] and result["memory"]["peak_allocated_gb"] is not None
     if "--checkpoint-blocks" in extra:
         assert result["extra"]["checkpointed_blocks"] >= 2 and result["estimate"]["assumptions"]["checkpoint"]
@@ -164,7 +171,9 @@ def test_runner_trains_on_cpu_with_the_estimate(run_recipe, request, model, extr
 
 
 def test_runner_refuses_what_cannot_run(run_recipe, bert):
-    proc, _ = run_recipe("your_model", "--accelerator", "cpu", "--model", bert, "--data", "digits", "--max-steps", "1")
+    proc, _ = run_recipe(
+        "your_model", "--accelerator", "cpu", "--model", bert, "--data", "digits", "--max-steps", "1"
+    )
     assert proc.returncode == 2 and "does not fit" in proc.stderr
     proc, _ = run_recipe("your_model", "--accelerator", "cpu", "--model", "torchvision:resnet18", "--fsdp")
     assert proc.returncode == 2 and "--fsdp" in proc.stderr
@@ -175,20 +184,33 @@ def test_model_proof_rows_and_table_with_a_stand_in_runner(tmp_path, monkeypatch
     and a table; a run that does not end as expected makes the exit code 1."""
     from fabric_memory_recipes.tools import model_proof
 
-    monkeypatch.setattr(model_proof, "MODELS", [("timm:test_vit", ["--batch-size", "4"], [["--precision", "bf16-true"],
-                                                                                          ["--checkpoint-blocks"]])])
+    monkeypatch.setattr(
+        model_proof,
+        "MODELS",
+        [("timm:test_vit", ["--batch-size", "4"], [["--precision", "bf16-true"], ["--checkpoint-blocks"]])],
+    )
     measured = iter([(2.0, 2.8, "ok"), (1.0, None, "oom")])
 
     def stand_in(run, env, timeout):
         reserved, device, status = next(measured)
         run.json.parent.mkdir(parents=True, exist_ok=True)
-        run.json.write_text(json.dumps({"status": status, "memory": {"peak_reserved_gb": reserved, "device_peak_gb": device},
-                                        "timing": {"images_per_s": 10.0}, "config": {},
-                                        "extra": {"predicted_card": {"peak_reserved_gb": 2.1, "device_peak_gb": 2.9}}}))
+        run.json.write_text(
+            json.dumps(
+                {
+                    "status": status,
+                    "memory": {"peak_reserved_gb": reserved, "device_peak_gb": device},
+                    "timing": {"images_per_s": 10.0},
+                    "config": {},
+                    "extra": {"predicted_card": {"peak_reserved_gb": 2.1, "device_peak_gb": 2.9}},
+                }
+            )
+        )
         return {"status": status, "wall_s": 1.0}
 
     out = tmp_path / "proof"
-    assert model_proof.main(["--out", str(out), "--parts", "estimate"], runner=stand_in) == 1  # the 2nd ran out of memory
+    assert (
+        model_proof.main(["--out", str(out), "--parts", "estimate"], runner=stand_in) == 1
+    )  # the 2nd ran out of memory
     rows = json.loads((out / "rows.json").read_text())
     assert [r["status"] for r in rows] == ["ok", "oom"]
     assert rows[0]["predicted_peak_gb"] == 2.1 and rows[0]["measured_peak_reserved_gb"] == 2.0

@@ -29,10 +29,22 @@ def parse(argv: list[str] | None):
     g.add_argument("--gpu", default=calibration.REFERENCE_GPU, help="GPU kind whose measured card overhead and"
                    " committed runs apply (h100, h200, ...)")  # fmt: skip
     g.add_argument("--json", action="store_true", help="print the answer as JSON")
-    g.add_argument("--fit", metavar="SIZE", help="list the fastest technique sets that fit a card of SIZE (6GB, 512MB)")
+    g.add_argument(
+        "--fit", metavar="SIZE", help="list the fastest technique sets that fit a card of SIZE (6GB, 512MB)"
+    )
     g.add_argument("--top", type=at_least(1), default=5, help="with --fit: how many fitting sets to print")
-    g.add_argument("--precisions", type=comma_list(PRECISIONS), default=PRECISIONS, help="with --fit: precisions to combine")
-    g.add_argument("--optimizers", type=comma_list(OPTIMIZERS), default=OPTIMIZERS, help="with --fit: optimizers to combine")
+    g.add_argument(
+        "--precisions",
+        type=comma_list(PRECISIONS),
+        default=PRECISIONS,
+        help="with --fit: precisions to combine",
+    )
+    g.add_argument(
+        "--optimizers",
+        type=comma_list(OPTIMIZERS),
+        default=OPTIMIZERS,
+        help="with --fit: optimizers to combine",
+    )
     args = parser.parse_args(argv)
     flags = {f.name: getattr(args, f.name) for f in type(rung).flag_fields()}
     try:
@@ -95,7 +107,9 @@ def fit_main(args: Any, cfg: user_run.YourModelConfig) -> int:
              f" ({planner.found_by}), eager mode, {args.gpu}", "",
              "   # samples/s  card GB  technique set\n       command"]  # fmt: skip
     for i, c in enumerate(fits, 1):
-        lines.append(f"  {i:>2} {c.samples_per_s:9.1f} {c.device_gb:8.2f}   {c.label()}\n       {command(c, ref, seq)}")
+        lines.append(
+            f"  {i:>2} {c.samples_per_s:9.1f} {c.device_gb:8.2f}   {c.label()}\n       {command(c, ref, seq)}"
+        )
     if rejected:
         lines += ["", f"Fastest rejected as too big: {rejected.label()}, {rejected.device_gb:.2f} GB,"
                   f" {rejected.samples_per_s:.1f} samples/s"]  # fmt: skip

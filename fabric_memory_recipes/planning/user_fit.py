@@ -107,7 +107,9 @@ class UserPlanner:
         base = speed.speed_model(gpu, "vit_l_16", sum(p.numel() for p in vit.parameters()), runs)
         scale = flops_per_sample(self.model, self.um, seq_len) / flops_per_sample(vit, _Vision(), 0)
         modules = len(list(self.model.modules())) / len(list(vit.modules()))
-        self.speed = dataclasses.replace(base, flops_scale=scale, host_ms={k: v * modules for k, v in base.host_ms.items()})
+        self.speed = dataclasses.replace(
+            base, flops_scale=scale, host_ms={k: v * modules for k, v in base.host_ms.items()}
+        )
         self.modules_ratio = modules
         self.simulated: dict[tuple, tuple[float, float, float]] = {}
         self.choices = []
@@ -121,14 +123,18 @@ class UserPlanner:
                         c.speed_bound = self._speed(c, 0.0)
                         rung = RunConfig(precision=precision, batch_size=batch_size, accumulation_steps=k)
                         over = card(_Floor(), gpu)  # the overhead and ratio alone
-                        c.lower_gb = static_bytes(rung, (optimizer, *t), self.parameters) / GB + (over["overhead_gb"] or 0)
+                        c.lower_gb = static_bytes(rung, (optimizer, *t), self.parameters) / GB + (
+                            over["overhead_gb"] or 0
+                        )
                         self.choices.append(c)
         self.choices.sort(key=lambda c: (-c.speed_bound, sum(c.techniques), c.lower_gb))
 
     def _speed(self, c: Choice, offloaded_gb: float) -> float:
         sig = (c.optimizer, *c.techniques)
         prec = c.precision if c.precision in self.speed.precision_factor else "16-mixed"
-        return c.batch_size / self.speed.step_s(prec, sig, c.micro, c.k, "eager", offloaded_gb, self.parameters)
+        return c.batch_size / self.speed.step_s(
+            prec, sig, c.micro, c.k, "eager", offloaded_gb, self.parameters
+        )
 
     def predict(self, c: Choice) -> Choice:
         if c.reserved_gb is None:
@@ -142,7 +148,12 @@ class UserPlanner:
                 if est.error:
                     raise RuntimeError(f"the simulation of {c.label()} failed: {est.error}")
                 got = card(est, self.gpu)
-                self.simulated[key] = (est.peak_gb, got["peak_reserved_gb"], got["device_peak_gb"], est.activations_host_gb)
+                self.simulated[key] = (
+                    est.peak_gb,
+                    got["peak_reserved_gb"],
+                    got["device_peak_gb"],
+                    est.activations_host_gb,
+                )
             c.allocated_gb, c.reserved_gb, c.device_gb, offloaded = self.simulated[key]
             c.device_gb = c.reserved_gb if c.device_gb is None else c.device_gb
             c.samples_per_s = self._speed(c, offloaded)

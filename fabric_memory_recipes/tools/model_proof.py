@@ -64,10 +64,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", required=True, type=output_folder("--out"), help="output folder")
     p.add_argument("--parts", default="estimate,fit", help="estimate, fit or both (default estimate,fit)")
     p.add_argument("--models", default=None, help="comma-separated subset of the models (default: all)")
-    p.add_argument("--fit-model", default="torchvision:resnet50", help="the model --fit plans (default resnet50)")
+    p.add_argument(
+        "--fit-model", default="torchvision:resnet50", help="the model --fit plans (default resnet50)"
+    )
     p.add_argument("--fit-batch", type=at_least(1), default=128, help="its batch (default 128)")
     p.add_argument("--fit-seq-len", type=at_least(8), default=256, help="its sequence length (text models)")
-    p.add_argument("--budgets", type=planner_proof._budgets, default=[3.0, 4.0, 8.0], help="card sizes in GB (default 3,4,8)")
+    p.add_argument(
+        "--budgets",
+        type=planner_proof._budgets,
+        default=[3.0, 4.0, 8.0],
+        help="card sizes in GB (default 3,4,8)",
+    )
     p.add_argument("--gpu", default="h100", help="GPU kind for the card overhead and speed (default h100)")
     p.add_argument("--steps", type=at_least(3), default=8, help="optimizer steps per run (default 8)")
     p.add_argument("--timeout", type=at_least(1), default=120, help="seconds per run (default 120)")
@@ -138,7 +145,11 @@ def read_prediction(run: dict[str, Any], out: Path) -> None:
 
 
 def pct(p: Any, m: Any) -> str:
-    return f"{100 * (p / m - 1):+.1f}%" if isinstance(p, float | int) and isinstance(m, float | int) and m else "—"
+    return (
+        f"{100 * (p / m - 1):+.1f}%"
+        if isinstance(p, float | int) and isinstance(m, float | int) and m
+        else "—"
+    )
 
 
 def render(runs: list[dict[str, Any]], fit_rows: list[dict[str, Any]]) -> str:
@@ -162,7 +173,11 @@ def write(out: Path, runs: list[dict[str, Any]], fit_rows: list[dict[str, Any]])
     write_json_atomic(str(out / "rows.json"), runs)  # type: ignore[arg-type]
     filled = []
     for row in fit_rows:
-        run = next(r for r in runs if r["part"] == "fit" and [shlex.join(r["argv"]), r["expect"] == "ok"] == row["key"])
+        run = next(
+            r
+            for r in runs
+            if r["part"] == "fit" and [shlex.join(r["argv"]), r["expect"] == "ok"] == row["key"]
+        )
         filled.append({**row, **{k: run.get(k) for k in ("status", "error", "measured_peak_reserved_gb", "measured_peak_allocated_gb",
                                                           "measured_device_peak_gb", "measured_images_per_s", "result_json")}})  # fmt: skip
     write_json_atomic(str(out / "fit.json"), filled)  # type: ignore[arg-type]
@@ -176,7 +191,9 @@ def main(argv: list[str] | None = None, runner=None) -> int:
     fit_rows: list[dict[str, Any]] = []
     if "fit" in args.parts:
         runs += fit_runs(args, fit_rows)
-        print(f"model_proof: planned --fit for {args.fit_model} in {time.perf_counter() - t0:.0f} s", flush=True)
+        print(
+            f"model_proof: planned --fit for {args.fit_model} in {time.perf_counter() - t0:.0f} s", flush=True
+        )
     if args.dry_run:
         for i, run in enumerate(runs, 1):
             print(f"[{i:2d}/{len(runs)}] {run['part']}, expect {run['expect']} at {run['budget_gb']:g} GB:"
@@ -188,7 +205,10 @@ def main(argv: list[str] | None = None, runner=None) -> int:
         if args.deadline is not None and elapsed >= args.deadline:
             run.update(status="not run", error=f"--deadline {args.deadline:g} s spent")
             continue
-        print(f"[{i:2d}/{len(runs)}] {run['part']} {run['budget_gb']:g} GB, expect {run['expect']}: {shlex.join(run['argv'])}", flush=True)
+        print(
+            f"[{i:2d}/{len(runs)}] {run['part']} {run['budget_gb']:g} GB, expect {run['expect']}: {shlex.join(run['argv'])}",
+            flush=True,
+        )
         timeout = min(args.timeout, args.deadline - elapsed) if args.deadline else args.timeout
         planner_proof.measure(run, args, env, runner, timeout)
         read_prediction(run, args.out)

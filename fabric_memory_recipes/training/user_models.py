@@ -75,7 +75,9 @@ def resolve(ref: str) -> UserModel:
     """``SOURCE:NAME`` -> :class:`UserModel`, or :class:`UsageError` (one line) for an unknown source,
     model, a missing or malformed config, or a hub id while offline."""
     if not is_user_model(ref):
-        raise UsageError(f"--model {ref!r}: expected SOURCE:NAME with SOURCE one of {', '.join(SOURCES)} ({EXAMPLES})")
+        raise UsageError(
+            f"--model {ref!r}: expected SOURCE:NAME with SOURCE one of {', '.join(SOURCES)} ({EXAMPLES})"
+        )
     source, name = ref.split(":", 1)
     if not name:
         raise UsageError(f"--model {ref!r}: no model name after '{source}:'")
@@ -87,7 +89,9 @@ def resolve(ref: str) -> UserModel:
         try:
             import timm
         except ImportError:
-            raise UsageError(f"--model {ref}: timm is not installed (pip install 'fabric-memory-recipes[timm]')") from None
+            raise UsageError(
+                f"--model {ref}: timm is not installed (pip install 'fabric-memory-recipes[timm]')"
+            ) from None
         if not timm.is_model(name):
             _known(ref, name, timm.list_models())
     else:
@@ -114,9 +118,11 @@ def hf_config(ref: str, name: str):
             with open(path, encoding="utf-8") as f:
                 fields = json.load(f)
         except (OSError, ValueError) as e:
-            raise UsageError(f"--model {ref}: {path} is not a readable JSON config ({type(e).__name__}: {e})") from None
+            raise UsageError(
+                f"--model {ref}: {path} is not a readable JSON config ({type(e).__name__}: {e})"
+            ) from None
         if not isinstance(fields, dict) or not isinstance(fields.get("model_type"), str):
-            raise UsageError(f"--model {ref}: {path} has no \"model_type\" (not a Hugging Face config.json)")
+            raise UsageError(f'--model {ref}: {path} has no "model_type" (not a Hugging Face config.json)')
         try:
             return AutoConfig.for_model(fields.pop("model_type"), **fields)
         except (ValueError, KeyError, TypeError) as e:
@@ -129,7 +135,9 @@ def hf_config(ref: str, name: str):
     try:
         return AutoConfig.from_pretrained(name, local_files_only=not hub_online())
     except Exception as e:  # noqa: BLE001 - any failure of the hub is one line for the user
-        raise UsageError(f"--model {ref}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+        raise UsageError(
+            f"--model {ref}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        ) from None
 
 
 def _hf_task(ref: str, config) -> str:

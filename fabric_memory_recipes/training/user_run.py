@@ -39,7 +39,10 @@ class YourModelConfig(RunConfig):
         action=BOOL,
     )  # fmt: skip
     fsdp: bool = flag(
-        False, "technique", "shard with FSDP over --devices CUDA GPUs, one unit per repeated block", action=BOOL
+        False,
+        "technique",
+        "shard with FSDP over --devices CUDA GPUs, one unit per repeated block",
+        action=BOOL,
     )
     tokenizer: str | None = flag(None, "technique", "tokenizer folder for real text (default: the model's)")
 
@@ -88,7 +91,9 @@ def load_data(cfg: YourModelConfig, um: UserModel):
     splits = text.load(choice, cfg.data_dir, cfg.seq_len, ids, lambda: _tokenizer(cfg, um), task=um.task,
                        seed=cfg.seed)  # fmt: skip
     if splits.vocab_size and splits.vocab_size > (um.vocab_size or 0):
-        raise UsageError(f"the tokenizer's {splits.vocab_size} tokens exceed the model's vocabulary ({um.vocab_size})")
+        raise UsageError(
+            f"the tokenizer's {splits.vocab_size} tokens exceed the model's vocabulary ({um.vocab_size})"
+        )
     if um.task == "causal_lm":
         return splits, text.causal_lm, um.vocab_size
     return splits, text.sequence_classification, text.NUM_LABELS
@@ -136,7 +141,9 @@ def make_optimizer(cfg: YourModelConfig, params: list) -> Any:
         try:
             from torchao.optim import AdamW8bit
         except ImportError:
-            raise UsageError("--optimizer adamw8bit needs torchao (pip install 'fabric-memory-recipes[lowbit]')") from None
+            raise UsageError(
+                "--optimizer adamw8bit needs torchao (pip install 'fabric-memory-recipes[lowbit]')"
+            ) from None
         return AdamW8bit(params, lr=cfg.lr)
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, fused=True)
