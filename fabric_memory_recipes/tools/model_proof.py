@@ -32,6 +32,7 @@ from fabric_memory_recipes.config import at_least
 from fabric_memory_recipes.console import Parser
 from fabric_memory_recipes.measurement.results_file import write_json_atomic
 from fabric_memory_recipes.paths import output_folder
+from fabric_memory_recipes.planning.user_fit import UserPlanner
 from fabric_memory_recipes.tools import planner_proof
 from fabric_memory_recipes.tools.compare_reference import execute, run_env
 
@@ -99,8 +100,6 @@ def estimate_runs(models: str | None) -> list[dict[str, Any]]:
 def fit_runs(args: argparse.Namespace, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The planner's picks, next fitting set and fastest rejected set per budget (``rows`` gets one
     planner_proof row each)."""
-    from fabric_memory_recipes.planning.user_fit import UserPlanner
-
     planner = UserPlanner(args.fit_model, args.fit_batch, args.fit_seq_len, args.gpu)
     seq = planner.seq_len
     runs: dict[tuple, dict[str, Any]] = {}

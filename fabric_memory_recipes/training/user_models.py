@@ -23,8 +23,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch.nn as nn
+import torchvision.models as tvm
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING,
+    MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING,
+)
 
 from fabric_memory_recipes.config import UsageError
+from fabric_memory_recipes.training.hf_models import TokenIds, _cached, hub_online
 
 SOURCES = ("torchvision", "timm", "hf")
 IMAGE_CLASSES = 10  # the digits' labels: what the runner trains on
@@ -82,8 +89,6 @@ def resolve(ref: str) -> UserModel:
     if not name:
         raise UsageError(f"--model {ref!r}: no model name after '{source}:'")
     if source == "torchvision":
-        import torchvision.models as tvm
-
         _known(ref, name, tvm.list_models(module=tvm))  # the classification models
     elif source == "timm":
         try:
@@ -108,10 +113,6 @@ def _known(ref: str, name: str, names: list[str]) -> None:
 
 def hf_config(ref: str, name: str):
     """A local ``config.json`` (or a folder with one), else the hub's config for an id, when online."""
-    from transformers import AutoConfig
-
-    from fabric_memory_recipes.training.hf_models import _cached, hub_online
-
     if os.path.exists(name):
         path = os.path.join(name, "config.json") if os.path.isdir(name) else name
         try:
@@ -141,11 +142,6 @@ def hf_config(ref: str, name: str):
 
 
 def _hf_task(ref: str, config) -> str:
-    from transformers.models.auto.modeling_auto import (
-        MODEL_FOR_CAUSAL_LM_MAPPING,
-        MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING,
-    )
-
     if any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in (config.architectures or [])):
         return "causal_lm"
     if type(config) in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING:
@@ -161,8 +157,6 @@ def build(um: UserModel) -> nn.Module:
     ``fabric.init_module()``: on the accelerator, in the precision's dtype; under ``torch.device("meta")``:
     shapes only). Vision models get ``image_size``, the resolution the data path resizes to."""
     if um.source == "torchvision":
-        import torchvision.models as tvm
-
         model = tvm.get_model(um.name, weights=None, num_classes=IMAGE_CLASSES)
         model.image_size = _torchvision_size(um.name)
         return model
@@ -172,8 +166,6 @@ def build(um: UserModel) -> nn.Module:
         model = timm.create_model(um.name, pretrained=False, num_classes=IMAGE_CLASSES)
         model.image_size = int((model.pretrained_cfg or {}).get("input_size", (3, 224, 224))[-1])
         return model
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
     config = um.hf_config
     config.use_cache = False  # training: a KV cache is a generation feature (and breaks recomputation)
     if um.task == "classification":
@@ -186,8 +178,6 @@ def build(um: UserModel) -> nn.Module:
 
 def _torchvision_size(name: str) -> int:
     """The crop size of the model's published weights (224 for most, 299 for Inception v3, ...)."""
-    import torchvision.models as tvm
-
     try:
         weights = next(iter(tvm.get_model_weights(name)))
         return int(weights.transforms.keywords.get("crop_size", 224))
@@ -233,8 +223,6 @@ def _same_class(m: nn.Module) -> str | None:
 
 def token_ids(um: UserModel):
     """The special ids the synthetic token stand-in needs (training/text_samples.py)."""
-    from fabric_memory_recipes.training.hf_models import TokenIds
-
     vocab = um.vocab_size or 1024
     pad = um.hf_config.pad_token_id if um.hf_config.pad_token_id is not None else 0
     first = min(1000, max(8, vocab // 10))

@@ -14,9 +14,15 @@ import os
 from typing import Any, ClassVar
 
 import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    apply_activation_checkpointing,
+    checkpoint_wrapper,
+)
+from transformers import AutoTokenizer
 
 from fabric_memory_recipes.config import BOOL, RunConfig, UsageError, at_least, flag
-from fabric_memory_recipes.training import data, user_models
+from fabric_memory_recipes.training import data, text, user_models
 from fabric_memory_recipes.training.user_models import UserModel
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "adamw8bit")
@@ -84,8 +90,6 @@ def load_data(cfg: YourModelConfig, um: UserModel):
     if not um.is_text:
         splits = data.load("synthetic" if cfg.data == "synthetic" else "digits", cfg.data_dir)
         return splits, None, data.NUM_CLASSES  # batch_fn: data.image_classification(model.image_size)
-    from fabric_memory_recipes.training import text  # transformers: imported by text models only
-
     ids = user_models.token_ids(um)
     choice = "synthetic" if cfg.data == "synthetic" else ("imdb" if cfg.data == "imdb" else "auto")
     splits = text.load(choice, cfg.data_dir, cfg.seq_len, ids, lambda: _tokenizer(cfg, um), task=um.task,
@@ -101,8 +105,6 @@ def load_data(cfg: YourModelConfig, um: UserModel):
 
 def _tokenizer(cfg: YourModelConfig, um: UserModel):
     """``--tokenizer``, else the tokenizer beside a local config (its folder), else the hub's; None offline."""
-    from transformers import AutoTokenizer
-
     where = cfg.tokenizer or (um.name if os.path.isdir(um.name) else os.path.dirname(um.name) or None)
     try:
         if where and os.path.isdir(where):
@@ -121,12 +123,6 @@ def _tokenizer(cfg: YourModelConfig, um: UserModel):
 def checkpoint_blocks(model: Any, blocks: tuple[str, ...]) -> int:
     """Wrap every module of a class in ``blocks`` in non-reentrant activation checkpointing (torch's
     ``checkpoint_wrapper``, what Fabric's ``activation_checkpointing_policy`` applies); returns how many."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        CheckpointImpl,
-        apply_activation_checkpointing,
-        checkpoint_wrapper,
-    )
-
     if not blocks:
         raise UsageError("--checkpoint-blocks: no repeated blocks found in this model")
     count = sum(type(m).__name__ in blocks for m in model.modules())
