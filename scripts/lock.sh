@@ -4,7 +4,7 @@
 # pinned. Needs uv (https://docs.astral.sh/uv/) and PyPI. See docs/install.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cmd=(uv pip compile pyproject.toml --extra test --extra bonus --extra lowbit --extra bf16 --extra notebook
+cmd=(uv pip compile pyproject.toml --extra test --extra bonus --extra lowbit --extra bf16 --extra notebook --extra timm
   --universal --python-version 3.10 -c requirements/gpu-image.txt --no-header)
 {
   echo "# The tested environment: pip install -c constraints.txt -e \".[test]\" (docs/install.md)."

@@ -33,6 +33,7 @@ LAZY = {
     " and costs every recipe process that draws nothing",
     "pynvml": "the whole-device sampler's first method; NVML needs a driver, so it is loaded only for a CUDA run"
     " (without it the sampler falls back to torch.cuda.mem_get_info)",
+    "timm": "optional (extra 'timm'): only --model timm:NAME needs it",
     "sklearn": "only --data digits reads scikit-learn's bundled set; ~0.5 s per process otherwise",
 }
 

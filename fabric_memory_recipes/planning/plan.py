@@ -170,6 +170,7 @@ class Estimate:
     activations_saved_bytes: int | None = None
     timeline: list[tuple[str, dict[str, float]]] = dataclasses.field(default_factory=list, repr=False)
     error: str | None = None
+    largest_temporary_gb: float = 0.0  # the largest single block of working memory (fragmentation margin)
 
     def to_dict(self) -> dict[str, Any]:
         """The ``estimate`` key of the results JSON (documented in fabric_memory_recipes/measurement/results_file.py)."""
@@ -185,6 +186,7 @@ class Estimate:
             "static_gb": {k: r(v) for k, v in self.static_gb.items()},
             "activations_saved_gb": r(self.activations_saved_gb),
             "activations_host_gb": r(self.activations_host_gb),
+            "largest_temporary_gb": r(self.largest_temporary_gb),
             "parameters": self.parameters,
             "assumptions": {
                 "method": "one training step on fake tensors (eager graph), storages tracked",

@@ -264,6 +264,7 @@ def simulate(
         seconds=time.perf_counter() - start,
         kernels=sorted(kernels),
         timeline=tracker.timeline,
+        largest_temporary_gb=tracker.largest_temporary / GB,
     )
 
 

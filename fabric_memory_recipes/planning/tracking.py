@@ -97,6 +97,7 @@ class Tracker(TorchDispatchMode):
         self.timeline: list[tuple[str, dict[str, float]]] = []
         self.host_peak = 0  # most bytes in host memory at once (offloaded activations)
         self.new_category = "temporaries"
+        self.largest_temporary = 0  # the largest storage created as working memory (a logits-sized block)
 
     @contextlib.contextmanager
     def creating(self, category: str) -> Iterator[None]:
@@ -136,6 +137,8 @@ class Tracker(TorchDispatchMode):
             rec = _Record(round_bytes(st.nbytes()), category)
             self.records[st] = rec
             self.totals[category] += rec.nbytes
+            if category == "temporaries":
+                self.largest_temporary = max(self.largest_temporary, rec.nbytes)
             weakref.finalize(st, self._free, rec)
             self._changed()
         return rec

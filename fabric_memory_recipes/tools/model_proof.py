@@ -1,0 +1,225 @@
+"""Prove the estimate and ``--fit`` for models outside the ladder on a GPU (issue 28).
+
+    python -m fabric_memory_recipes.tools.model_proof --out runs/your-model --deadline 480
+    FMR_PUBLISH=1 python -m fabric_memory_recipes.tools.model_proof --out results/published/h100/your-model
+
+Two parts, each run as ``recipes/your_model.py`` processes one after another (``--data synthetic
+--weights none --max-steps N --eval-batches 1``), through fabric_memory_recipes.tools.planner_proof's runner:
+
+* estimate: every model of :data:`MODELS` (two torchvision/timm vision models, BERT-base and
+  Qwen2-0.5B's architecture from ``examples/configs/``, ...) with three or more technique sets; each
+  run records its own prediction (``extra.predicted_card``), compared with its measured peak reserved
+  and whole-device peak (the whole run's: model load, training, evaluation);
+* fit: ``--fit`` for ``--fit-model`` at ``--budgets`` card sizes, the card emulated with
+  ``--memory-budget-gb`` (the allocator capped at the budget less the card overhead): the pick and the
+  next fitting set must run, the fastest rejected set must run out of memory.
+
+Writes ``DIR/rows.json`` (estimate rows), ``DIR/fit.json`` (planner_proof's row format) and
+``DIR/table.md`` after every run; ``--deadline`` (seconds) starts no run after it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from fabric_memory_recipes.config import at_least
+from fabric_memory_recipes.console import Parser
+from fabric_memory_recipes.measurement.results_file import write_json_atomic
+from fabric_memory_recipes.paths import output_folder
+from fabric_memory_recipes.planning.user_fit import UserPlanner
+from fabric_memory_recipes.tools import planner_proof
+from fabric_memory_recipes.tools.compare_reference import execute, run_env
+
+QWEN, BERT = "hf:examples/configs/qwen2-0.5b", "hf:examples/configs/bert-base-uncased"
+# (model, its base flags, technique sets as extra flags)
+MODELS: list[tuple[str, list[str], list[list[str]]]] = [
+    ("torchvision:resnet50", ["--batch-size", "64"], [
+        ["--precision", "bf16-mixed"], ["--precision", "bf16-true", "--optimizer", "sgd"],
+        ["--precision", "32-true", "--checkpoint-blocks"]]),
+    ("timm:convnext_tiny", ["--batch-size", "64"], [
+        ["--precision", "bf16-mixed"], ["--precision", "bf16-true", "--checkpoint-blocks"],
+        ["--precision", "32-true", "--accumulation-steps", "4"]]),
+    ("timm:vit_base_patch16_224", ["--batch-size", "32"], [
+        ["--precision", "bf16-mixed"], ["--precision", "bf16-true", "--checkpoint-blocks"],
+        ["--precision", "bf16-true", "--activation-offload", "--accumulation-steps", "2"]]),
+    (BERT, ["--batch-size", "16", "--seq-len", "512"], [
+        ["--precision", "bf16-true"], ["--precision", "bf16-mixed", "--checkpoint-blocks"],
+        ["--precision", "32-true", "--accumulation-steps", "4"]]),
+    (QWEN, ["--batch-size", "8", "--seq-len", "512"], [
+        ["--precision", "bf16-true", "--accumulation-steps", "4"],
+        ["--precision", "bf16-true", "--checkpoint-blocks", "--accumulation-steps", "2"],
+        ["--precision", "bf16-mixed", "--checkpoint-blocks", "--accumulation-steps", "8"],
+        ["--precision", "bf16-true", "--optimizer", "sgd", "--optimizer-in-backward", "--batch-size", "2"]]),
+]  # fmt: skip
+CARD_GB = 80.0  # the estimate part: an H100's card, no cap that matters
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = Parser(prog="python -m fabric_memory_recipes.tools.model_proof", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, type=output_folder("--out"), help="output folder")
+    p.add_argument("--parts", default="estimate,fit", help="estimate, fit or both (default estimate,fit)")
+    p.add_argument("--models", default=None, help="comma-separated subset of the models (default: all)")
+    p.add_argument(
+        "--fit-model", default="torchvision:resnet50", help="the model --fit plans (default resnet50)"
+    )
+    p.add_argument("--fit-batch", type=at_least(1), default=128, help="its batch (default 128)")
+    p.add_argument("--fit-seq-len", type=at_least(8), default=256, help="its sequence length (text models)")
+    p.add_argument(
+        "--budgets",
+        type=planner_proof._budgets,
+        default=[3.0, 4.0, 8.0],
+        help="card sizes in GB (default 3,4,8)",
+    )
+    p.add_argument("--gpu", default="h100", help="GPU kind for the card overhead and speed (default h100)")
+    p.add_argument("--steps", type=at_least(3), default=8, help="optimizer steps per run (default 8)")
+    p.add_argument("--timeout", type=at_least(1), default=120, help="seconds per run (default 120)")
+    p.add_argument("--deadline", type=float, default=None, help="seconds after which no run starts")
+    p.add_argument("--dry-run", action="store_true", help="plan and print the runs; run nothing")
+    args = p.parse_args(argv)
+    args.out = args.out.resolve()
+    args.parts = {x.strip() for x in args.parts.split(",") if x.strip()}
+    return args
+
+
+def estimate_runs(models: str | None) -> list[dict[str, Any]]:
+    keep = None if models is None else {m.strip() for m in models.split(",")}
+    runs = []
+    for ref, base, sets in MODELS:
+        if keep is None or ref in keep:
+            runs += [{"part": "estimate", "model": ref, "recipe": "your_model", "argv": ["--model", ref, *base, *s],
+                      "budget_gb": CARD_GB, "expect": "ok"} for s in sets]  # fmt: skip
+    return runs
+
+
+def fit_runs(args: argparse.Namespace, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The planner's picks, next fitting set and fastest rejected set per budget (``rows`` gets one
+    planner_proof row each)."""
+    planner = UserPlanner(args.fit_model, args.fit_batch, args.fit_seq_len, args.gpu)
+    seq = planner.seq_len
+    runs: dict[tuple, dict[str, Any]] = {}
+    for budget in args.budgets:
+        fits, rejected = planner.fit(budget, top=2)
+        roles = [("pick", fits[0])] if fits else []
+        roles += [("candidate", c) for c in fits[1:]] + ([("rejected", rejected)] if rejected else [])
+        for role, c in roles:
+            argv = c.argv(planner.ref, seq)
+            key = (shlex.join(argv), role != "rejected")
+            run = runs.setdefault(key, {"part": "fit", "model": planner.ref, "recipe": "your_model", "argv": argv,
+                                        "budget_gb": budget, "expect": "ok" if key[1] else "oom"})  # fmt: skip
+            run["budget_gb"] = (min if key[1] else max)(run["budget_gb"], budget)
+            rows.append({**planner_proof._row(budget, role, _AsCandidate(c, planner)), "key": list(key)})
+    for row in rows:
+        row["measured_at_budget_gb"] = runs[tuple(row["key"])]["budget_gb"]
+    return list(runs.values())
+
+
+class _AsCandidate:
+    """A user-model choice seen as planner_proof's Candidate (the fields its rows read)."""
+
+    def __init__(self, c, planner) -> None:
+        self.command = f"python recipes/your_model.py {shlex.join(c.argv(planner.ref, planner.seq_len))}"
+        self.rung = type("R", (), {"recipe": "your_model"})()
+        self._argv = c.argv(planner.ref, planner.seq_len)
+        self.predicted_gb, self.simulated_gb, self.card_gb = c.reserved_gb, c.allocated_gb, c.device_gb
+        self.overhead_gb = (c.device_gb or 0) - (c.reserved_gb or 0)
+        self.images_per_s, self.speed_source = c.samples_per_s, "model (FLOPs-scaled ladder calibration)"
+
+    def argv(self) -> list[str]:
+        return self._argv
+
+
+def read_prediction(run: dict[str, Any], out: Path) -> None:
+    """The run's own prediction, recorded in its results JSON."""
+    path = out / run["result_json"] if run.get("result_json") else None
+    result = json.loads(path.read_text()) if path and path.exists() else {}
+    card = (result.get("extra") or {}).get("predicted_card") or {}
+    run.update(predicted_peak_gb=card.get("peak_reserved_gb"), predicted_device_gb=card.get("device_peak_gb"),
+               predicted_allocated_gb=(result.get("estimate") or {}).get("peak_allocated_gb"))  # fmt: skip
+
+
+def pct(p: Any, m: Any) -> str:
+    return (
+        f"{100 * (p / m - 1):+.1f}%"
+        if isinstance(p, float | int) and isinstance(m, float | int) and m
+        else "—"
+    )
+
+
+def render(runs: list[dict[str, Any]], fit_rows: list[dict[str, Any]]) -> str:
+    f = planner_proof.fmt
+    lines = ["## Predicted against measured (one H100, eager, whole run)", "",
+             "| model | technique set | status | predicted reserved GB | measured | error | predicted device GB | measured | error |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for r in (r for r in runs if r["part"] == "estimate"):
+        flags = " ".join(r["argv"][2:])
+        lines.append(f"| {r['model']} | `{flags}` | {r.get('status', 'not run')} | {f(r.get('predicted_peak_gb'), '.2f')} |"
+                     f" {f(r.get('measured_peak_reserved_gb'), '.2f')} | {pct(r.get('predicted_peak_gb'), r.get('measured_peak_reserved_gb'))} |"
+                     f" {f(r.get('predicted_device_gb'), '.2f')} | {f(r.get('measured_device_peak_gb'), '.2f')} |"
+                     f" {pct(r.get('predicted_device_gb'), r.get('measured_device_peak_gb'))} |")  # fmt: skip
+    if fit_rows:
+        lines += ["", "## --fit on a capped GPU", "", planner_proof.render(fit_rows)]
+    return "\n".join(lines) + "\n"
+
+
+def write(out: Path, runs: list[dict[str, Any]], fit_rows: list[dict[str, Any]]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(str(out / "rows.json"), runs)  # type: ignore[arg-type]
+    filled = []
+    for row in fit_rows:
+        run = next(
+            r
+            for r in runs
+            if r["part"] == "fit" and [shlex.join(r["argv"]), r["expect"] == "ok"] == row["key"]
+        )
+        filled.append({**row, **{k: run.get(k) for k in ("status", "error", "measured_peak_reserved_gb", "measured_peak_allocated_gb",
+                                                          "measured_device_peak_gb", "measured_images_per_s", "result_json")}})  # fmt: skip
+    write_json_atomic(str(out / "fit.json"), filled)  # type: ignore[arg-type]
+    (out / "table.md").write_text(render(runs, filled))
+
+
+def main(argv: list[str] | None = None, runner=None) -> int:
+    args = parse_args(argv)
+    t0 = time.perf_counter()
+    runs = estimate_runs(args.models) if "estimate" in args.parts else []
+    fit_rows: list[dict[str, Any]] = []
+    if "fit" in args.parts:
+        runs += fit_runs(args, fit_rows)
+        print(
+            f"model_proof: planned --fit for {args.fit_model} in {time.perf_counter() - t0:.0f} s", flush=True
+        )
+    if args.dry_run:
+        for i, run in enumerate(runs, 1):
+            print(f"[{i:2d}/{len(runs)}] {run['part']}, expect {run['expect']} at {run['budget_gb']:g} GB:"
+                  f" {shlex.join(planner_proof.run_argv(run, args.steps, args.out / 'runs'))}")  # fmt: skip
+        return 0
+    runner, env = runner or execute, run_env(tempfile.mkdtemp(prefix="model-proof-logs-"))
+    for i, run in enumerate(runs, 1):
+        elapsed = time.perf_counter() - t0
+        if args.deadline is not None and elapsed >= args.deadline:
+            run.update(status="not run", error=f"--deadline {args.deadline:g} s spent")
+            continue
+        print(
+            f"[{i:2d}/{len(runs)}] {run['part']} {run['budget_gb']:g} GB, expect {run['expect']}: {shlex.join(run['argv'])}",
+            flush=True,
+        )
+        timeout = min(args.timeout, args.deadline - elapsed) if args.deadline else args.timeout
+        planner_proof.measure(run, args, env, runner, timeout)
+        read_prediction(run, args.out)
+        print(f"[{i:2d}/{len(runs)}] {run['status']}: reserved {run.get('measured_peak_reserved_gb') or 0:.2f} GB"
+              f" (predicted {run.get('predicted_peak_gb') or 0:.2f}), device {run.get('measured_device_peak_gb') or 0:.2f} GB"
+              f" (predicted {run.get('predicted_device_gb') or 0:.2f}), {run.get('measured_images_per_s') or 0:.1f}/s,"
+              f" {run.get('wall_s', 0):.0f} s", flush=True)  # fmt: skip
+        write(args.out, runs, fit_rows)
+    write(args.out, runs, fit_rows)
+    print(f"model_proof: {len(runs)} runs in {time.perf_counter() - t0:.0f} s -> {args.out / 'table.md'}")
+    return 0 if all(r.get("status") in (r["expect"], "not run") for r in runs) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,80 @@
+"""Your own model: train a torchvision, timm or Hugging Face model with a chosen technique set.
+
+Outside the numbered ladder. The model is built from its architecture with random weights; the task
+follows from it (image classification on digits, text classification on IMDb when present, a causal LM
+on IMDb as SFT; otherwise a synthetic stand-in of the same shape). The technique set is flags, the same
+ones ``fmr-estimate --model ... --fit SIZE`` prints; the results JSON has the ladder's memory,
+whole-device and timing fields and the estimate (docs/your_model.md).
+
+    python recipes/your_model.py --model torchvision:resnet50 --precision bf16-mixed --batch-size 64
+    python recipes/your_model.py --model hf:path/to/config.json --seq-len 512 --checkpoint-blocks
+    python recipes/your_model.py --accelerator cpu --model timm:vit_tiny_patch16_224 --batch-size 4 --max-steps 3
+"""
+
+import lightning as L
+import torch
+from lightning.fabric.strategies import FSDPStrategy
+
+from fabric_memory_recipes.planning import user_estimate
+from fabric_memory_recipes.training import data, lifecycle, loop, offload, user_models, user_run
+
+RUNG = user_run.default_config()
+
+
+def main(cfg: user_run.YourModelConfig, results) -> None:
+    torch.set_float32_matmul_precision("high" if cfg.tf32 else "highest")
+    um = user_run.resolve(cfg)
+    with torch.device("meta"):  # the repeated blocks: FSDP's units, what --checkpoint-blocks wraps
+        meta = user_models.build(um)
+    blocks, found_by = user_models.repeated_blocks(meta)
+    units = {type(m) for m in meta.modules() if type(m).__name__ in blocks}
+    strategy = FSDPStrategy(auto_wrap_policy=units) if cfg.fsdp else "auto"  # one FSDP unit per block
+    fabric = L.Fabric(accelerator=cfg.accelerator, devices=cfg.devices, num_nodes=cfg.num_nodes, strategy=strategy,
+                      precision=cfg.precision, loggers=results.fabric_loggers())  # fmt: skip
+    fabric.launch()
+    fabric.seed_everything(cfg.seed, verbose=False)
+    results.attach(fabric)
+    with fabric.rank_zero_first():
+        splits, batch_fn, num_classes = user_run.load_data(cfg, um)
+    results.set(data_source=splits.source, weights="random")
+    results.extra.update(model=um.ref, task=um.task, blocks=list(blocks), blocks_found_by=found_by)
+
+    with results.phase("model_load"):
+        with fabric.init_module(empty_init=False):  # on the device, in the precision's dtype
+            model = user_models.build(um)
+        results.estimate, results.extra["predicted_card"] = user_estimate.for_user_run(model, um, cfg, blocks)
+        if cfg.checkpoint_blocks:  # recompute each block's inside in backward; keep its input only
+            results.extra["checkpointed_blocks"] = user_run.checkpoint_blocks(model, blocks)
+        if cfg.optimizer_in_backward:  # rung 12: each parameter stepped as soon as its gradient is ready
+            model = fabric.setup_module(model)
+            user_run.step_in_backward(cfg, model)
+            optimizer = None
+        else:
+            model = fabric.setup_module(model)  # with FSDP: shard first, then the optimizer over the shards
+            optimizer = fabric.setup_optimizers(user_run.make_optimizer(cfg, list(model.parameters())))
+    results.set(parameters=sum(p.numel() for p in model.parameters()))
+
+    train_loader, val_loader, test_loader = fabric.setup_dataloaders(
+        *data.loaders(splits, cfg, fabric, shard=cfg.fsdp)
+    )
+    task_batch = batch_fn or data.image_classification(model.image_size)
+    offloaded = offload.offload_activations() if cfg.activation_offload else None
+
+    def step_batch(model, batch):
+        if offloaded is None:
+            return task_batch(model, batch)
+        with offloaded:  # rung 11: what autograd saves goes to pinned host memory
+            return task_batch(model, batch)
+
+    with results.phase("train"):
+        loop.fit(fabric, model, optimizer, train_loader, step_batch, cfg, results, num_classes=num_classes)
+    if offloaded is not None:
+        results.extra["offloaded_gb_per_micro_batch"] = offloaded.host_bytes() / 1e9
+    with results.phase("eval"):
+        loop.evaluate_splits(
+            fabric, model, val_loader, test_loader, step_batch, results, cfg.eval_batches, num_classes
+        )
+
+
+if __name__ == "__main__":
+    raise SystemExit(lifecycle.run_recipe(main, RUNG, __doc__))

@@ -1,0 +1,218 @@
+"""Your own model (issue 28): --model torchvision:|timm:|hf: resolved, estimated, planned and trained on a CPU
+with tiny models and tiny configs written here (no network)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+import pytest
+import torch
+
+from fabric_memory_recipes.config import UsageError
+from fabric_memory_recipes.planning import user_cli, user_estimate
+from fabric_memory_recipes.planning.plan import Plan
+from fabric_memory_recipes.planning.tracking import SavedTensorCounter
+from fabric_memory_recipes.training import cli, user_models, user_run
+
+VOCAB = 150_000  # a large vocabulary: the logits dominate
+
+
+def write_config(folder, **fields) -> str:
+    folder.mkdir(exist_ok=True)
+    path = folder / "config.json"
+    path.write_text(json.dumps(fields))
+    return str(path)
+
+
+@pytest.fixture
+def qwen(tmp_path) -> str:
+    """A 2-layer Qwen2 causal LM of width 64 with a 150k vocabulary."""
+    return "hf:" + write_config(tmp_path / "qwen", model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=64,
+                                intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2, vocab_size=VOCAB, tie_word_embeddings=True)  # fmt: skip
+
+
+@pytest.fixture
+def bert(tmp_path) -> str:
+    """A 2-layer BERT (its config says BertForMaskedLM: it becomes a sequence classifier), in a folder."""
+    write_config(tmp_path / "bert", model_type="bert", architectures=["BertForMaskedLM"], hidden_size=64,
+                 intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=1000,
+                 hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)  # fmt: skip
+    return f"hf:{tmp_path / 'bert'}"
+
+
+def test_sources_task_and_repeated_blocks(qwen, bert):
+    cases = {  # ref -> (task, blocks, how found)
+        "torchvision:resnet18": ("image_classification", ("BasicBlock",), "ModuleList/Sequential"),
+        "torchvision:vit_b_16": ("image_classification", ("EncoderBlock",), "encoder.layers"),
+        "timm:test_vit": ("image_classification", ("Block",), "model.blocks"),
+        qwen: ("causal_lm", ("Qwen2DecoderLayer",), "_no_split_modules"),
+        bert: ("classification", ("BertLayer",), "_no_split_modules"),
+    }
+    for ref, (task, blocks, how) in cases.items():
+        um, model, found, found_by = user_estimate.meta_model(ref)
+        assert um.task == task and found == blocks and how in found_by, (ref, um.task, found, found_by)
+        count = sum(type(m).__name__ in blocks for m in model.modules())
+        assert count >= 2, ref
+    assert user_estimate.meta_model("timm:test_vit")[1].image_size == 160  # timm's input size, not 224
+
+
+@pytest.mark.parametrize(
+    "ref, says",
+    [("torchvision:resnet5000", "unknown model (close: resnet50"), ("timm:no_such_net", "unknown model"),
+     ("hf:/no/such/config.json", "no such file"), ("mmdet:yolo", "expected SOURCE:NAME")],
+)  # fmt: skip
+def test_unknown_models_are_refused_in_one_line(ref, says):
+    with pytest.raises(UsageError, match="^--model") as e:
+        user_models.resolve(ref)
+    assert says in str(e.value) and "\n" not in str(e.value)
+
+
+def test_malformed_configs_and_offline_hub(tmp_path, monkeypatch):
+    (tmp_path / "broken.json").write_text('{"model_type": "qwen2", "hidden_size": ')
+    (tmp_path / "untyped.json").write_text('{"hidden_size": 64}')
+    for name, says in (("broken.json", "not a readable JSON config"), ("untyped.json", 'no "model_type"')):
+        with pytest.raises(UsageError, match=says):
+            user_models.resolve(f"hf:{tmp_path / name}")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(UsageError, match="hub is unreachable"):
+        user_models.resolve("hf:some-org/some-model-never-cached")
+
+
+def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
+    (tmp_path / "broken.json").write_text("{")
+    for argv in (["--model", f"hf:{tmp_path / 'broken.json'}"], ["--model", "torchvision:nope"],
+                 ["--model", "timm:test_vit", "--fit", "3XB"]):  # fmt: skip
+        with pytest.raises(SystemExit) as e:
+            user_cli.main(argv)
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "error:" in err, err
+
+
+def test_large_vocabulary_estimate(qwen, capsys):
+    """The logits of one micro-batch are the largest block; the reserved margin is at least that block; the
+    JSON has the card fields; checkpointing and FSDP lower what they should."""
+    base = ["--model", qwen, "--seq-len", "64", "--batch-size", "4", "--precision", "bf16-true", "--json"]
+
+    def run(*extra):
+        assert user_cli.main([*base, *extra]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    plain, ckpt, fsdp = run(), run("--checkpoint-blocks"), run("--fsdp", "--devices", "4")
+    logits_fp32 = 4 * 64 * VOCAB * 4 / 1e9
+    assert plain["largest_temporary_gb"] >= logits_fp32 * 0.99
+    assert plain["peak_reserved_gb"] >= plain["peak_allocated_gb"] + plain["largest_temporary_gb"] - 1e-6
+    assert plain["device_peak_gb"] > plain["peak_reserved_gb"] and plain["task"] == "causal_lm"
+    assert {"weights", "gradients", "optimizer_state"} <= set(plain["static_gb"])
+    assert plain["repeated_blocks"] == ["Qwen2DecoderLayer"]
+    assert ckpt["activations_saved_gb"] < plain["activations_saved_gb"]
+    assert ckpt["assumptions"]["checkpoint"] == ["Qwen2DecoderLayer"]
+    assert fsdp["components_gb"]["parameters"] == pytest.approx(
+        plain["components_gb"]["parameters"] / 4, rel=1e-3
+    )
+
+
+def test_simulated_activations_match_a_real_forward(bert):
+    """The bytes the simulation says a BERT forward saves are what a real CPU forward saves."""
+    um, meta, _, _ = user_estimate.meta_model(bert)
+    est = user_estimate.estimate(meta, um, Plan(micro_batch_size=2, device="cpu"), seq_len=32)
+    torch.manual_seed(0)
+    model = user_models.build(um)
+    make, batch_fn = user_estimate.text_batch(um, 2, 32)
+    with SavedTensorCounter([*model.parameters(), *model.buffers()]) as saved:
+        loss = batch_fn(model, make())[0]
+        measured = saved.nbytes
+    del loss
+    # within 1 %: the simulated CPU attention kernel keeps the (batch, 1, seq, seq) mask, 2 KB here
+    assert est.activations_saved_bytes == pytest.approx(measured, rel=0.01)
+
+
+def test_fit_lists_commands_the_runner_accepts(bert, capsys):
+    argv = ["--model", bert, "--seq-len", "32", "--batch-size", "4", "--optimizers", "adamw,sgd"]
+    assert user_cli.main([*argv, "--fit", "10GB", "--top", "2", "--json"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert 1 <= len(answer["fits"]) <= 2 and all(f["predicted_device_peak_gb"] <= 10 for f in answer["fits"])
+    assert "not measured" in answer["speed"][0]
+    speeds = [f["predicted_samples_per_s"] for f in answer["fits"]]
+    assert speeds == sorted(speeds, reverse=True)
+    for pick in answer["fits"]:
+        words = shlex.split(pick["command"])
+        assert words[:2] == ["python", "recipes/your_model.py"]
+        parsed = cli.build_parser(user_run.default_config()).parse_args(words[2:])
+        assert parsed.model == bert and parsed.batch_size == 4
+    assert user_cli.main([*argv, "--fit", "1MB"]) == 1  # nothing fits: one line, the smallest peak
+    out = capsys.readouterr().out.strip()
+    assert len(out.splitlines()) == 1 and out.startswith(
+        "Nothing fits in 0.001 GB: the smallest predicted peak is"
+    )
+
+
+@pytest.mark.parametrize(
+    "model, extra",
+    [("timm:test_vit", ["--checkpoint-blocks", "--optimizer", "sgd"]),
+     ("bert", ["--seq-len", "32", "--optimizer-in-backward", "--data", "synthetic"])],
+)  # fmt: skip
+def test_runner_trains_on_cpu_with_the_estimate(run_recipe, request, model, extra):
+    model = request.getfixturevalue(model) if model == "bert" else model
+    proc, result = run_recipe("your_model", "--accelerator", "cpu", "--model", model, "--batch-size", "4",
+                              "--max-steps", "2", "--eval-batches", "1", *extra)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert result["status"] == "ok" and result["config"]["model"] == model
+    assert (
+        result["estimate"]["peak_allocated_gb"] > 0
+        and result["extra"]["predicted_card"]["peak_reserved_gb"] > 0
+    )
+    assert result["timing"] and result["memory"]["peak_allocated_gb"] is not None
+    if "--checkpoint-blocks" in extra:
+        assert result["extra"]["checkpointed_blocks"] >= 2 and result["estimate"]["assumptions"]["checkpoint"]
+    assert result["provenance"]["data_source"] in ("digits", "synthetic")
+
+
+def test_runner_refuses_what_cannot_run(run_recipe, bert):
+    proc, _ = run_recipe(
+        "your_model", "--accelerator", "cpu", "--model", bert, "--data", "digits", "--max-steps", "1"
+    )
+    assert proc.returncode == 2 and "does not fit" in proc.stderr
+    proc, _ = run_recipe("your_model", "--accelerator", "cpu", "--model", "torchvision:resnet18", "--fsdp")
+    assert proc.returncode == 2 and "--fsdp" in proc.stderr
+
+
+def test_model_proof_rows_and_table_with_a_stand_in_runner(tmp_path, monkeypatch):
+    """The GPU proof's bookkeeping on a CPU: each run's own prediction against its measurement, in rows
+    and a table; a run that does not end as expected makes the exit code 1."""
+    from fabric_memory_recipes.tools import model_proof
+
+    monkeypatch.setattr(
+        model_proof,
+        "MODELS",
+        [("timm:test_vit", ["--batch-size", "4"], [["--precision", "bf16-true"], ["--checkpoint-blocks"]])],
+    )
+    measured = iter([(2.0, 2.8, "ok"), (1.0, None, "oom")])
+
+    def stand_in(run, env, timeout):
+        reserved, device, status = next(measured)
+        run.json.parent.mkdir(parents=True, exist_ok=True)
+        run.json.write_text(
+            json.dumps(
+                {
+                    "status": status,
+                    "memory": {"peak_reserved_gb": reserved, "device_peak_gb": device},
+                    "timing": {"images_per_s": 10.0},
+                    "config": {},
+                    "extra": {"predicted_card": {"peak_reserved_gb": 2.1, "device_peak_gb": 2.9}},
+                }
+            )
+        )
+        return {"status": status, "wall_s": 1.0}
+
+    out = tmp_path / "proof"
+    assert (
+        model_proof.main(["--out", str(out), "--parts", "estimate"], runner=stand_in) == 1
+    )  # the 2nd ran out of memory
+    rows = json.loads((out / "rows.json").read_text())
+    assert [r["status"] for r in rows] == ["ok", "oom"]
+    assert rows[0]["predicted_peak_gb"] == 2.1 and rows[0]["measured_peak_reserved_gb"] == 2.0
+    table = (out / "table.md").read_text()
+    assert "+5.0%" in table and "+3.6%" in table  # 2.1 vs 2.0 reserved, 2.9 vs 2.8 whole device
