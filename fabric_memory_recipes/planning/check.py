@@ -14,14 +14,18 @@ from fabric_memory_recipes.measurement.results_file import SCHEMA_VERSION, estim
 from fabric_memory_recipes.planning.overhead import card_prediction
 from fabric_memory_recipes.planning.plan import plan_for
 from fabric_memory_recipes.planning.simulate import simulate
-from fabric_memory_recipes.training import models
+from fabric_memory_recipes.training import attention, models
 
 
 @functools.cache
-def meta_model(name: str, num_classes: int = 10) -> Any:
-    """The model built on the meta device: shapes only, no memory, no initialisation cost."""
+def meta_model(name: str, num_classes: int = 10, fused_attention: bool = False) -> Any:
+    """The model built on the meta device: shapes only, no memory, no initialisation cost.
+    ``fused_attention``: as rung 15 runs it (fabric_memory_recipes/training/attention.py)."""
     with torch.device("meta"):
-        return models.build_model(name, None, num_classes=num_classes)
+        model = models.build_model(name, None, num_classes=num_classes)
+    if fused_attention:
+        attention.fuse_attention(model)
+    return model
 
 
 def check_results(dirs: list[str]) -> list[dict[str, Any]]:
@@ -50,7 +54,7 @@ def check_results(dirs: list[str]) -> list[dict[str, Any]]:
                 recorded_flags = {k: v for k, v in config.items() if k in flags}
                 cfg = rung.with_flags(**{**recorded_flags, "accelerator": "cuda"})
                 plan = plan_for(cfg)
-                model = meta_model(config.get("model", "vit_l_16"))
+                model = meta_model(config.get("model", "vit_l_16"), fused_attention=cfg.fused_attention)
                 recorded = simulate(model, plan, model_name=config.get("model")).to_dict()
             rows.append(
                 {
