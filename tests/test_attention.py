@@ -76,7 +76,10 @@ def test_fused_attention_keeps_the_stock_parameters_and_loads_a_stock_state_dict
     weights = (mha.in_proj_weight, mha.in_proj_bias, mha.out_proj.weight, mha.out_proj.bias)
     attention.fuse_attention(stock)
     new = stock.encoder.layers[0].self_attention
-    assert all(a is b for a, b in zip((new.qkv.weight, new.qkv.bias, new.proj.weight, new.proj.bias), weights))
+    assert all(
+        a is b
+        for a, b in zip((new.qkv.weight, new.qkv.bias, new.proj.weight, new.proj.bias), weights, strict=True)
+    )
 
     other, fused = stock_and_fused()
     with torch.no_grad():
@@ -114,7 +117,9 @@ def test_rung_15_is_estimated_with_its_fused_attention(capsys):
     assert rung.fused_attention
     model = planning.meta_model("vit_tiny", fused_attention=True)
     assert any(isinstance(m, attention.FusedQKVAttention) for m in model.modules())
-    assert not any(isinstance(m, attention.FusedQKVAttention) for m in planning.meta_model("vit_tiny").modules())
+    assert not any(
+        isinstance(m, attention.FusedQKVAttention) for m in planning.meta_model("vit_tiny").modules()
+    )
     assert estimate_main(["--recipe", "15_speed", "--model", "vit_tiny", "--batch-size", "8", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["peak_allocated_gb"] > 0
 

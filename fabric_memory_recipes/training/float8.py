@@ -15,6 +15,7 @@ precision). Needs a GPU with float8 tensor cores (compute capability 8.9: Ada, H
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from fabric_memory_recipes.config import UsageError
@@ -37,8 +38,6 @@ def convert(model: nn.Module, device) -> int:
 
     Raises :class:`UsageError` (one line, exit 2) when torchao is missing or ``device`` has no float8
     tensor cores. Call it after the weights are loaded and before ``torch.compile``."""
-    import torch
-
     if getattr(device, "type", str(device)) != "cuda":
         raise UsageError("--float8 needs a CUDA GPU with float8 tensor cores (compute capability >= 8.9)")
     if torch.cuda.get_device_capability(device) < (8, 9):
