@@ -219,19 +219,20 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):  # noqa: N8
         if not self._callback_queued:
             self._callback_queued = _queue_callback(self._backward_done)
         self._log(f"use {slot}")
-        if slot in self._resident:
-            return self._resident.pop(slot)
-        if slot in self._waiting:  # not released yet: still on the device, no copy back needed
+        if slot in self._resident:  # the tail: never left the device
+            tensor = self._resident.pop(slot)
+        elif slot in self._waiting:  # not released yet: still on the device, no copy back needed
             tensor, event, _ = self._waiting.pop(slot)
             del self._written[slot]
             compute.wait_event(event)  # its copy out still reads it; the memory is freed on this stream later
             self.traffic.reused += tensor.numel() * tensor.element_size()
-            return tensor
-        if slot not in self._fetched:
-            self._fetch(slot, packed.device, s, compute)
-        tensor, event, _ = self._fetched.pop(slot)
-        del self._written[slot]  # used: never fetched again
-        compute.wait_event(event)  # only for the copy this kernel needs
+        else:
+            if slot not in self._fetched:  # not prefetched: copied now
+                self._fetch(slot, packed.device, s, compute)
+            tensor, event, _ = self._fetched.pop(slot)
+            del self._written[slot]  # used: never fetched again
+            compute.wait_event(event)  # only for the copy this kernel needs
+        # the tensors saved before this one (the previous block's) start coming back now
         self._cursor = slot - 1 if self._cursor is None else min(self._cursor, slot - 1)
         self._prefetch(packed.device, s, compute)
         return tensor
