@@ -166,13 +166,10 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):  # noqa: N8
 
     def _pack(self, t: torch.Tensor):
         base = t._base if t._base is not None else t
-        nbytes = t.numel() * t.element_size()
-        if (
-            t.device.type not in self.devices
-            or isinstance(base, torch.nn.Parameter)
-            or nbytes < self.min_bytes
-        ):
+        small = t.numel() * t.element_size() < self.min_bytes
+        if t.device.type not in self.devices or isinstance(base, torch.nn.Parameter) or small:
             return t
+        nbytes = t.numel() * t.element_size()
         slot, self._next = self._next, self._next + 1
         if slot == len(self.buffers):
             self.buffers.append(None)
