@@ -213,10 +213,10 @@ class RunConfig:
     sharding: str = "none"  # none | fsdp | fsdp2
     shard_units: tuple[str, ...] = ()  # module classes that are one FSDP unit each
     cpu_offload: bool = False  # FSDP keeps parameters, gradients and optimizer state in host memory
-    activation_offload: bool = (
-        False  # saved activations in pinned host memory (fabric_memory_recipes.training.offload)
-    )
+    activation_offload: bool = False  # saved activations in pinned host memory (training/offload.py)
     optimizer_in_backward: bool = False  # one optimizer per parameter, stepped in backward: no accumulation
+    fused_attention: bool = False  # rung 15: fused-qkv + SDPA attention (training/attention.py)
+    offload_window_mb: int = 0  # rung 11: MiB of copies in flight per side stream (training/offload.py)
     model_choices: tuple[str, ...] = VIT_MODELS
     cpu_variant: str | None = None  # a rung that needs CUDA: the recipe that runs its technique on a CPU
 

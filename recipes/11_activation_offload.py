@@ -1,19 +1,28 @@
 """Rung 11 - activation offloading: rung 07 with the tensors saved for backward kept in host memory.
 
-Inside fabric_memory_recipes.training.offload.offload_activations(), every activation autograd saves during the forward pass
-is copied into pinned CPU memory (non-blocking, on the compute stream) and its GPU copy is released;
-the backward pass copies each one back just before it is needed. Weights are not copied: they stay on
-the GPU anyway. GPU memory for activations drops to what is in flight; the price is PCIe traffic of
-every saved activation, twice.
-"""
+Inside fabric_memory_recipes.training.offload.offload_activations(), every activation autograd saves in the
+forward pass is copied to pinned CPU memory on a side stream, beside the compute, and its GPU copy released
+once copied; in backward the next block's tensors come back (prefetched) on another stream while the
+current block computes. Weights stay on the GPU. Activation memory drops to what is in flight
+(--offload-window-mb each way, --resident-mb kept on the GPU); the price: PCIe traffic, twice."""
+
+from dataclasses import dataclass
 
 import lightning as L
 import torch
 
 from fabric_memory_recipes import RunConfig, planning
+from fabric_memory_recipes.config import at_least, flag
 from fabric_memory_recipes.training import bf16, data, lifecycle, loop, models, offload
 
-RUNG = RunConfig(
+
+@dataclass
+class OffloadConfig(RunConfig):  # rung 11's own flags
+    offload_window_mb: int = flag(0, "training", "MiB of copies in flight per side stream", type=at_least(0))  # fmt: skip
+    resident_mb: int = flag(0, "training", "MiB of the last saved tensors kept on the GPU (PCIe traded for memory)", type=at_least(0))  # fmt: skip
+
+
+RUNG = OffloadConfig(
     recipe="11_activation_offload",
     precision="bf16-true",  # rung 03: weights, gradients, Adam state and activations all in bfloat16
     batch_size=16,  # rung 04: a quarter of the activations
@@ -21,10 +30,11 @@ RUNG = RunConfig(
     lr=0.01,
     optimizer="sgd",  # rung 06: for the estimate, SGD keeps no state
     activation_offload=True,  # rung 11, for the estimate: saved activations live in host memory
+    offload_window_mb=64,  # rung 11: ~2 blocks of copies in flight per side stream, beside the compute
 )
 
 
-def main(cfg: RunConfig, results) -> None:
+def main(cfg: OffloadConfig, results) -> None:
     torch.set_float32_matmul_precision("high" if cfg.tf32 else "highest")  # "high" = TF32 matmuls
     fabric = L.Fabric(accelerator=cfg.accelerator, devices=cfg.devices, num_nodes=cfg.num_nodes,
                       precision=cfg.precision, loggers=results.fabric_loggers())  # fmt: skip
@@ -50,7 +60,7 @@ def main(cfg: RunConfig, results) -> None:
 
     train_loader, val_loader, test_loader = fabric.setup_dataloaders(*data.loaders(splits, cfg, fabric))
     image_batch = data.image_classification(model.image_size)
-    offloaded = offload.offload_activations()  # rung 11: one set of pinned host buffers, reused
+    offloaded = offload.offload_activations(cfg.offload_window_mb << 20, cfg.resident_mb << 20)  # rung 11
 
     def batch_fn(model, batch):
         with offloaded:  # rung 11: what autograd saves in the forward pass goes to pinned host memory
@@ -61,7 +71,7 @@ def main(cfg: RunConfig, results) -> None:
 
     with results.phase("train"):  # the loop steps the schedule once per optimizer step ("rung 06" there)
         loop.fit(fabric, model, optimizer, train_loader, batch_fn, cfg, results, scheduler=scheduler)
-    results.extra["offloaded_gb_per_micro_batch"] = offloaded.host_bytes() / 1e9  # to the host and back
+    results.extra.update(offloaded.traffic.summary())  # GB to the host and back, kept, reused per micro-batch
     with results.phase("eval"):
         loop.evaluate_splits(fabric, model, val_loader, test_loader, batch_fn, results, cfg.eval_batches)
 

@@ -139,6 +139,19 @@ def peak_bf16_flops(gpu_name: str | None) -> float | None:
     return None
 
 
+def utilisation(flops_per_step: float, median_step_s: float | None, gpu_name: str | None) -> dict:
+    """Model FLOPs utilisation (rung 15): a step's model FLOPs over its median time, against the GPU's
+    datasheet bf16 peak; the results' ``extra`` keys (None where the time or the peak is unknown)."""
+    peak = peak_bf16_flops(gpu_name)
+    achieved = flops_per_step / median_step_s if median_step_s else None
+    return {
+        "model_flops_per_step": flops_per_step,
+        "achieved_tflops": achieved / 1e12 if achieved else None,
+        "mfu": achieved / peak if achieved and peak else None,
+        "mfu_peak_tflops": peak / 1e12 if peak else None,
+    }
+
+
 def gpu_slug(name: str | None) -> str:
     """'NVIDIA H100 80GB HBM3' -> 'h100'; no GPU -> 'cpu' (results folders and the planner's GPU kinds)."""
     if not name:

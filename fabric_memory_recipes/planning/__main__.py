@@ -139,7 +139,12 @@ def main(argv: list[str] | None = None) -> int:
         plan = plan_for(cfg, **overrides)
     except ValueError as e:
         fail(str(e))
-    est = simulate(meta_model(cfg.model), plan, record_timeline=bool(args.plot), model_name=cfg.model)
+    est = simulate(
+        meta_model(cfg.model, fused_attention=cfg.fused_attention),
+        plan,
+        record_timeline=bool(args.plot),
+        model_name=cfg.model,
+    )
     card = card_prediction(est.peak_gb, graphs=bool(cfg.cuda_graphs), compiled=bool(cfg.compile),
                            gpu=args.gpu.lower())  # fmt: skip
     if args.json:

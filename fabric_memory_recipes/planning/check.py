@@ -14,14 +14,18 @@ from fabric_memory_recipes.measurement.results_file import SCHEMA_VERSION, estim
 from fabric_memory_recipes.planning.overhead import card_prediction
 from fabric_memory_recipes.planning.plan import plan_for
 from fabric_memory_recipes.planning.simulate import simulate
-from fabric_memory_recipes.training import models
+from fabric_memory_recipes.training import attention, models
 
 
 @functools.cache
-def meta_model(name: str, num_classes: int = 10, image_size: int | None = None) -> Any:
-    """The model built on the meta device: shapes only, no memory, no initialisation cost."""
+def meta_model(name: str, num_classes: int = 10, fused_attention: bool = False, image_size: int | None = None) -> Any:
+    """The model built on the meta device: shapes only, no memory, no initialisation cost.
+    ``fused_attention``: as rung 15 runs it (fabric_memory_recipes/training/attention.py)."""
     with torch.device("meta"):
-        return models.build_model(name, None, num_classes, image_size)
+        model = models.build_model(name, None, num_classes, image_size)
+    if fused_attention:
+        attention.fuse_attention(model)
+    return model
 
 
 def check_results(dirs: list[str]) -> list[dict[str, Any]]:
@@ -50,7 +54,8 @@ def check_results(dirs: list[str]) -> list[dict[str, Any]]:
                 recorded_flags = {k: v for k, v in config.items() if k in flags}
                 cfg = rung.with_flags(**{**recorded_flags, "accelerator": "cuda"})
                 plan = plan_for(cfg)
-                model = meta_model(config.get("model", "vit_l_16"), image_size=config.get("image_size"))
+                model = meta_model(config.get("model", "vit_l_16"), fused_attention=cfg.fused_attention,
+                                   image_size=config.get("image_size"))
                 recorded = simulate(model, plan, model_name=config.get("model")).to_dict()
             rows.append(
                 {

@@ -41,7 +41,9 @@ def predict(recipe: str) -> dict[str, Any]:
     start = time.perf_counter()
     try:
         cfg = gpu_config(recipe)
-        est = simulate(meta_model(cfg.model), plan_for(cfg), model_name=cfg.model)
+        est = simulate(
+            meta_model(cfg.model, fused_attention=cfg.fused_attention), plan_for(cfg), model_name=cfg.model
+        )
     except Exception as e:  # noqa: BLE001 - reported in the row, the other rungs go on
         return {"recipe": recipe, "peak_allocated_gb": None, "error": f"{type(e).__name__}: {e}"}
     return {

@@ -79,7 +79,8 @@ class Plan:
     class is activation-checkpointed / is one FSDP unit (a model that checkpoints inside its own
     forward, like rung 10's, needs no ``checkpoint``: the simulation runs it). ``world_size`` only
     matters when sharding. ``activation_offload`` models fabric_memory_recipes.training.offload.offload_activations (saved
-    tensors of at least ``offload_min_bytes`` live in host memory); ``optimizer_in_backward`` models a
+    tensors of at least ``offload_min_bytes`` live in host memory, ``offload_window_bytes`` of them in flight
+    on the GPU); ``optimizer_in_backward`` models a
     per-parameter step in a post-accumulate-grad hook that frees each gradient at once (rung 12).
     """
 
@@ -99,6 +100,7 @@ class Plan:
     prefetch_units: int = 2
     activation_offload: bool = False
     offload_min_bytes: int = 1 << 16
+    offload_window_bytes: int = 0
     optimizer_in_backward: bool = False
 
     def __post_init__(self) -> None:
@@ -144,6 +146,7 @@ def plan_for(cfg: RunConfig, **overrides: Any) -> Plan:
         shard_units=cfg.shard_units,
         cpu_offload=cfg.cpu_offload,
         activation_offload=cfg.activation_offload,
+        offload_window_bytes=cfg.offload_window_mb << 20,
         optimizer_in_backward=cfg.optimizer_in_backward,
     )
     fields.update(overrides)

@@ -196,6 +196,8 @@ def simulate(
             tracker.add_constant("gathered_parameters", in_use)
         if plan.device == "cuda":
             tracker.add_constant("workspace", CUDA_WORKSPACE_BYTES)
+            if plan.activation_offload:  # copies in flight on a side stream (training/offload.py)
+                tracker.add_constant("activations", plan.offload_window_bytes)
 
         tracker.phase = "optimizer state"  # as it is from the first optimizer step on
         with tracker.creating("optimizer_state"):

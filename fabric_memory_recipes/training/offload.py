@@ -1,75 +1,298 @@
-"""Activation offloading: keep the tensors autograd saves for backward in host memory, not on the GPU.
+"""Activation offloading: keep the tensors autograd saves for backward in host memory, not on the GPU,
+with the copies beside the compute instead of between its kernels.
 
-``torch.autograd.graph.save_on_cpu(pin_memory=True)`` does this for every saved tensor. In torch 2.11,
-the version behind the committed results, it packs with a blocking ``copy_`` that makes the host wait
-each time (checked on the GPU machine; later releases copy non-blocking), and in every version it also
-copies the weights (a linear layer saves its weight for the backward pass), which live on the GPU
-anyway. :class:`offload_activations` differs in two ways:
-- parameters (and views of them) are left where they are: copying weights out and back is pure cost;
-- the device-to-host copy goes into pinned memory with ``non_blocking=True``. It is queued on the
-  compute stream, so it runs in order with the kernels around it and the host never waits. The GPU
-  copy can be released at once, because the caching allocator only reuses memory for work queued
-  later on the same stream. In backward, each tensor is copied back the same way, just before the
-  kernel that needs it.
-The copies still share the stream with compute (no overlap); what is saved is GPU memory, at the
-price of PCIe time. Tensors smaller than ``min_bytes`` stay on the GPU (not worth a transfer).
+``torch.autograd.graph.save_on_cpu(pin_memory=True)`` moves every saved tensor. In torch 2.11, the
+version behind the committed results, it packs with a blocking ``copy_`` that makes the host wait
+each time (later releases copy non-blocking), and it also copies the weights (a linear layer saves its
+weight for the backward pass), which live on the GPU anyway. :class:`offload_activations` leaves
+parameters (and views of them) where they are, and overlaps the copies with compute (torchtune's
+``OffloadActivations`` is the reference design; this is a smaller one written for this loop):
+
+- **Forward.** Each saved tensor is copied into a pinned host buffer on a side stream ("out"), which
+  first waits for the compute stream (the tensor must be written). The GPU tensor is kept alive until
+  the compute stream has waited for its copy's event: only then may the caching allocator hand its
+  memory to later kernels. At most ``window_bytes`` are kept waiting; beyond that the compute stream
+  waits for the oldest copy, which bounds the extra GPU memory (the copies, not the kernels, set the
+  pace when PCIe is the slower of the two).
+- **Backward.** Saved tensors are unpacked in roughly the reverse order of the forward. Unpacking one
+  also *prefetches* the tensors saved before it (the previous block's) on a second side stream ("in"),
+  up to ``window_bytes`` ahead, so they cross PCIe while the current block's backward computes. The
+  compute stream waits only for the event of the copy it needs. A prefetch buffer is allocated for the
+  compute stream and the "in" stream first waits for the compute stream, so memory the allocator
+  recycled from kernels still queued is not overwritten early. Tensors still waiting in the forward's
+  window when backward starts are used where they are, without a round trip.
+- **A resident tail.** The last ``resident_bytes`` of a micro-batch's saved tensors (the last blocks',
+  which backward needs first) are not offloaded at all: GPU memory traded for PCIe time. How many
+  tensors that is comes from the previous micro-batch (the first one offloads everything).
+- **Capture-safe.** No host synchronisation anywhere: only event records and stream waits, which a
+  CUDA graph records as dependencies (fast mode captures one optimizer step, graphs.py). An autograd
+  callback at the end of each backward makes the compute stream wait for every side-stream copy (the
+  side streams rejoin the captured stream) and drops what was prefetched but not used.
 
 The host buffers persist: the n-th tensor saved inside a ``with`` block goes to the same pinned buffer
 every time the block is entered (a new one only if its shape or dtype changed). No pinned memory is
-allocated per step, and a CUDA graph that captured the copies (fast mode, fabric_memory_recipes/training/graphs.py) keeps
-copying to memory that stays valid. So create one instance and enter it once per micro-batch, and
-run each micro-batch's backward before entering it again (the training loop does both).
+allocated per step, and a CUDA graph that captured the copies keeps copying to memory that stays
+valid. So create one instance and enter it once per micro-batch, and run each micro-batch's backward
+before entering it again (the training loop does both). Tensors smaller than ``min_bytes`` stay on the
+GPU (not worth a transfer).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
 import torch
+
+
+class InlineStream:
+    """A stream where every copy has finished when it returns (the CPU): nothing to wait for."""
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def record_event(self):
+        return None
+
+
+@dataclass
+class Streams:
+    """The streams of one device: ``compute()`` (the current stream), ``out`` and ``into`` (the copies),
+    and ``use(stream)``, the context that makes a stream current."""
+
+    compute: object
+    out: object
+    into: object
+    use: object
+
+    @classmethod
+    def for_device(cls, device: torch.device) -> Streams:
+        if device.type == "cuda":
+            return cls(lambda: torch.cuda.current_stream(device), torch.cuda.Stream(device),
+                       torch.cuda.Stream(device), torch.cuda.stream)  # fmt: skip
+        inline = InlineStream()
+        return cls(lambda: inline, InlineStream(), InlineStream(), lambda _s: contextlib.nullcontext())
+
+
+@dataclass
+class _Saved:
+    """What autograd keeps for an offloaded tensor: its slot (the host buffer) and its device."""
+
+    slot: int
+    device: torch.device
+
+
+@dataclass
+class Traffic:
+    """Bytes of one micro-batch's saved tensors by where they went (for the results and the tests)."""
+
+    copied_out: int = 0  # device -> host
+    copied_in: int = 0  # host -> device, in backward
+    resident: int = 0  # the tail, never offloaded
+    reused: int = 0  # still on the device when backward needed them: no copy back
+    most_waiting: int = 0  # the largest number of bytes kept alive by the forward window
+    most_prefetched: int = 0  # the largest number of bytes prefetched and not yet used
+    events: list = field(default_factory=list)  # "out n", "in n", "use n": the order (tests)
+
+    def summary(self) -> dict[str, float]:
+        """The results' ``extra`` keys, in GB (1e9 bytes). In fast mode the hooks last ran in the capture:
+        its last micro-batch is what every replay repeats."""
+        return {
+            "offloaded_gb_per_micro_batch": self.copied_out / 1e9,
+            "offload_copied_back_gb": self.copied_in / 1e9,
+            "offload_resident_gb": self.resident / 1e9,
+            "offload_reused_gb": self.reused / 1e9,
+        }
 
 
 class offload_activations(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 (a context manager)
     """``with offload_activations(): loss = model(x)`` - saved activations live in pinned host memory."""
 
-    def __init__(self, min_bytes: int = 1 << 16, devices: tuple[str, ...] = ("cuda",)) -> None:
+    def __init__(self, window_bytes: int = 0, resident_bytes: int = 0, min_bytes: int = 1 << 16,
+                 devices: tuple[str, ...] = ("cuda",), make_streams=Streams.for_device,
+                 record: bool = False) -> None:  # fmt: skip
         """``devices``: tensors on these device types are moved out (the tests add "cpu" to exercise the
-        mechanics without a GPU: the tensor is then copied to a separate host buffer)."""
-        self.offloaded_bytes = 0
+        mechanics without a GPU: the tensor is then copied to a separate host buffer). ``window_bytes``:
+        GPU bytes each side stream may have in flight; ``resident_bytes``: the tail kept on the GPU.
+        ``make_streams(device)``: the tests pass recording streams; ``record``: log the order."""
+        self.min_bytes, self.devices = min_bytes, devices
+        self.window_bytes, self.resident_bytes = window_bytes, resident_bytes
+        self.make_streams, self.record = make_streams, record
+        self.pin = torch.cuda.is_available()
+        self.offloaded_bytes = 0  # over every micro-batch (device -> host)
         self.buffers: list[torch.Tensor | None] = []  # the n-th saved tensor's host buffer, kept across steps
         self._sources: list[tuple | None] = []  # (shape, stride, dtype) each buffer was made for
+        self._sizes: list[int] = []  # bytes of the n-th saved tensor, last seen
+        self._streams: dict[torch.device, Streams] = {}
         self._next = 0
-        pin = torch.cuda.is_available()
+        self._resident_from = None  # slots from here on stay on the device (None: offload all)
+        self._written: dict[int, object] = {}  # slot -> event of its copy out
+        self._waiting: OrderedDict[int, tuple] = OrderedDict()  # slot -> (tensor, event, compute stream)
+        self._fetched: dict[int, tuple] = {}  # slot -> (device tensor, event, compute stream)
+        self._resident: dict[int, torch.Tensor] = {}
+        self._cursor: int | None = None  # the next slot to prefetch, going down
+        self._compute: dict[torch.device, object] = {}  # the compute stream last seen, per device
+        self._dirty = False  # side-stream work issued since the streams last rejoined the compute stream
+        self._callback_queued = False
+        self.traffic = Traffic()
+        super().__init__(self._pack, self._unpack)
 
-        def pack(t: torch.Tensor):
-            base = t._base if t._base is not None else t
-            small = t.numel() * t.element_size() < min_bytes
-            if t.device.type not in devices or isinstance(base, torch.nn.Parameter) or small:
-                return t
-            slot, self._next = self._next, self._next + 1
-            if slot == len(self.buffers):
-                self.buffers.append(None)
-                self._sources.append(None)
-            layout = (t.shape, t.stride(), t.dtype)
-            if self._sources[slot] != layout:
-                # the saved tensor's strides where they are dense: a compiled backward checks the layout
-                # it gets back
-                self.buffers[slot] = torch.empty_like(t, device="cpu", pin_memory=pin)
-                self._sources[slot] = layout
-            host = self.buffers[slot]
-            host.copy_(t, non_blocking=True)
-            self.offloaded_bytes += host.numel() * host.element_size()
-            return (t.device, host)
-
-        def unpack(packed):
-            if isinstance(packed, torch.Tensor):
-                return packed
-            device, host = packed
-            return host.to(device, non_blocking=True)
-
-        super().__init__(pack, unpack)
-
+    # ------------------------------------------------------------------------------------- forward
     def __enter__(self):
-        self._next = 0  # the saved tensors of this micro-batch reuse the buffers, in order
+        if self._dirty:  # a forward whose backward never ran
+            self._drop_leftovers()
+        total = self._next
+        self._next, self.traffic = 0, Traffic()
+        self._resident_from = None
+        if self.resident_bytes and total:  # the tail of the last micro-batch, counted from its end
+            kept, start = 0, total
+            while start > 0 and kept + self._sizes[start - 1] <= self.resident_bytes:
+                start -= 1
+                kept += self._sizes[start]
+            self._resident_from = start
         return super().__enter__()
+
+    def _streams_and_compute(self, device: torch.device) -> tuple[Streams, object]:
+        if device not in self._streams:
+            self._streams[device] = self.make_streams(device)
+        s = self._streams[device]
+        self._compute[device] = s.compute()
+        self._dirty = True
+        return s, self._compute[device]
+
+    def _pack(self, t: torch.Tensor):
+        base = t._base if t._base is not None else t
+        small = t.numel() * t.element_size() < self.min_bytes
+        if t.device.type not in self.devices or isinstance(base, torch.nn.Parameter) or small:
+            return t
+        nbytes = t.numel() * t.element_size()
+        slot, self._next = self._next, self._next + 1
+        if slot == len(self.buffers):
+            self.buffers.append(None)
+            self._sources.append(None)
+            self._sizes.append(0)
+        self._sizes[slot] = nbytes
+        host = self._host_buffer(slot, t)  # made even for the tail: no pinned allocation in a later step
+        if self._resident_from is not None and slot >= self._resident_from:
+            self._resident[slot] = t
+            self.traffic.resident += nbytes
+            return _Saved(slot, t.device)
+        s, compute = self._streams_and_compute(t.device)
+        s.out.wait_stream(compute)  # the tensor has been written
+        with s.use(s.out):
+            host.copy_(t, non_blocking=True)
+        self._written[slot] = s.out.record_event()
+        self._log(f"out {slot}")
+        self.offloaded_bytes += nbytes
+        self.traffic.copied_out += nbytes
+        self._waiting[slot] = (t, self._written[slot], compute)
+        waiting = sum(w[0].numel() * w[0].element_size() for w in self._waiting.values())
+        while waiting > self.window_bytes and len(self._waiting) > 1:
+            old, (tensor, event, stream) = self._waiting.popitem(last=False)
+            stream.wait_event(event)  # the copy has read it: the memory may go back to the compute stream
+            waiting -= tensor.numel() * tensor.element_size()
+        self.traffic.most_waiting = max(self.traffic.most_waiting, waiting)
+        return _Saved(slot, t.device)
+
+    def _host_buffer(self, slot: int, t: torch.Tensor) -> torch.Tensor:
+        layout = (t.shape, t.stride(), t.dtype)
+        if self._sources[slot] != layout:
+            # the saved tensor's strides where they are dense: a compiled backward checks the layout it
+            # gets back
+            self.buffers[slot] = torch.empty_like(t, device="cpu", pin_memory=self.pin)
+            self._sources[slot] = layout
+        return self.buffers[slot]
+
+    # ------------------------------------------------------------------------------------ backward
+    def _unpack(self, packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        slot = packed.slot
+        s, compute = self._streams_and_compute(packed.device)
+        if not self._callback_queued:
+            self._callback_queued = _queue_callback(self._backward_done)
+        self._log(f"use {slot}")
+        if slot in self._resident:  # the tail: never left the device
+            tensor = self._resident.pop(slot)
+        elif slot in self._waiting:  # not released yet: still on the device, no copy back needed
+            tensor, event, _ = self._waiting.pop(slot)
+            del self._written[slot]
+            compute.wait_event(event)  # its copy out still reads it; the memory is freed on this stream later
+            self.traffic.reused += tensor.numel() * tensor.element_size()
+        else:
+            if slot not in self._fetched:  # not prefetched: copied now
+                self._fetch(slot, packed.device, s, compute)
+            tensor, event, _ = self._fetched.pop(slot)
+            del self._written[slot]  # used: never fetched again
+            compute.wait_event(event)  # only for the copy this kernel needs
+        # the tensors saved before this one (the previous block's) start coming back now
+        self._cursor = slot - 1 if self._cursor is None else min(self._cursor, slot - 1)
+        self._prefetch(packed.device, s, compute)
+        return tensor
+
+    def _fetch(self, slot: int, device: torch.device, s: Streams, compute) -> None:
+        host = self.buffers[slot]
+        tensor = torch.empty_like(host, device=device)  # allocated for the compute stream
+        s.into.wait_stream(compute)  # memory recycled from kernels still queued there is not written early
+        s.into.wait_event(self._written[slot])  # the copy out of this slot has finished
+        with s.use(s.into):
+            tensor.copy_(host, non_blocking=True)
+        self._fetched[slot] = (tensor, s.into.record_event(), compute)
+        self._log(f"in {slot}")
+        self.traffic.copied_in += self._sizes[slot]
+
+    def _prefetch(self, device: torch.device, s: Streams, compute) -> None:
+        """Copy in the slots below the cursor (the previous block's) while under ``window_bytes``."""
+        pending = sum(self._sizes[k] for k in self._fetched)
+        while self._cursor is not None and self._cursor >= 0:
+            slot = self._cursor
+            # only slots that are on the host and not yet used or on their way
+            if slot in self._written and slot not in self._fetched and slot not in self._waiting:
+                if pending + self._sizes[slot] > self.window_bytes:
+                    break
+                self._fetch(slot, device, s, compute)
+                pending += self._sizes[slot]
+            self._cursor -= 1
+        self.traffic.most_prefetched = max(self.traffic.most_prefetched, pending)
+
+    def _backward_done(self) -> None:
+        """End of backward (an autograd callback): the side streams rejoin the compute stream."""
+        self._callback_queued = False
+        self._drop_leftovers()
+
+    def _drop_leftovers(self) -> None:
+        """Everything on a side stream is waited for by the compute stream it came from (in a CUDA graph
+        capture: the side streams rejoin the captured stream), then the references are dropped."""
+        for _tensor, event, stream in [*self._fetched.values(), *self._waiting.values()]:
+            stream.wait_event(event)  # before the memory can be reused by the compute stream
+        for device, s in self._streams.items():
+            self._compute[device].wait_stream(s.out)
+            self._compute[device].wait_stream(s.into)
+        self._fetched.clear()
+        self._waiting.clear()
+        self._resident.clear()
+        self._written.clear()
+        self._cursor = None
+        self._dirty = False
+        self._log("joined")
+
+    def _log(self, what: str) -> None:
+        if self.record:
+            self.traffic.events.append(what)
 
     def host_bytes(self) -> int:
         """Bytes of the host buffers: what one micro-batch copies out (and back) on its saved tensors."""
         return sum(b.numel() * b.element_size() for b in self.buffers if b is not None)
+
+
+def _queue_callback(fn) -> bool:
+    """Run ``fn`` when the current backward pass ends (False when not inside one)."""
+    try:
+        torch.autograd.Variable._execution_engine.queue_callback(fn)
+    except RuntimeError:  # not called from a backward pass
+        return False
+    return True

@@ -1,0 +1,155 @@
+"""Rung 11's overlapped offload (fabric_memory_recipes/training/offload.py), its mechanics on the CPU.
+
+The CPU has no streams, so the tests give the hooks recording streams: every stream operation is logged
+and a host synchronisation would fail (the stand-ins have none). They check:
+- the gradients are the plain run's, whatever the window, the prefetch and the resident tail;
+- the order that makes the copies safe without a host wait: a copy back waits for that slot's copy out,
+  the compute stream waits for a tensor's copy before using it, and both side streams rejoin the
+  compute stream at the end of every backward (which a CUDA graph capture requires);
+- the window bounds what is kept waiting in forward and what is prefetched in backward, and prefetching
+  brings a slot in before backward asks for it;
+- tensors still waiting when backward starts, and the resident tail, never make the round trip.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fabric_memory_recipes.training import models
+from fabric_memory_recipes.training.offload import Streams, offload_activations
+
+
+class Event:
+    ids = itertools.count()
+
+    def __init__(self, stream: str) -> None:
+        self.id, self.stream = next(self.ids), stream
+
+
+class RecordingStream:
+    """Logs what a CUDA stream would be asked to do; it has no synchronize(), so a host wait fails."""
+
+    def __init__(self, name: str, log: list) -> None:
+        self.name, self.log = name, log
+
+    def record_event(self) -> Event:
+        event = Event(self.name)
+        self.log.append((self.name, "record", event.id))
+        return event
+
+    def wait_event(self, event: Event) -> None:
+        self.log.append((self.name, "wait", event.id))
+
+    def wait_stream(self, other: RecordingStream) -> None:
+        self.log.append((self.name, "wait_stream", other.name))
+
+
+def recording(log: list):
+    compute = RecordingStream("compute", log)
+    return lambda device: Streams(lambda: compute, RecordingStream("out", log), RecordingStream("in", log),
+                                  lambda _s: contextlib.nullcontext())  # fmt: skip
+
+
+def model_and_batch():
+    model = models.build_model("vit_tiny", None)
+    torch.nn.init.normal_(model.heads.head.weight)  # a zero head would leave the blocks without gradients
+    g = torch.Generator().manual_seed(0)
+    return model, torch.randn(4, 3, 32, 32, generator=g), torch.tensor([1, 2, 3, 4])
+
+
+def gradients(model, x, y, hooks=None, micro_batches: int = 1) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    for _ in range(micro_batches):
+        with hooks if hooks is not None else contextlib.nullcontext():
+            loss = F.cross_entropy(model(x), y)
+        loss.backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def slot_sizes(model, x, y) -> list[int]:
+    probe = offload_activations(min_bytes=0, devices=("cpu",), window_bytes=0)
+    gradients(model, x, y, probe)
+    return list(probe._sizes)
+
+
+@pytest.mark.parametrize("window_blocks", [0, 3])  # 0: one tensor in flight; 3: a few slots ahead
+def test_offload_keeps_the_gradients_and_orders_every_copy_without_a_host_wait(window_blocks):
+    torch.manual_seed(0)
+    model, x, y = model_and_batch()
+    plain = gradients(model, x, y)
+    sizes = slot_sizes(model, x, y)
+    window = window_blocks * max(sizes)
+    log: list = []
+    hooks = offload_activations(min_bytes=0, devices=("cpu",), window_bytes=window,
+                                make_streams=recording(log), record=True)  # fmt: skip
+    for got, want in zip(gradients(model, x, y, hooks, micro_batches=2), plain, strict=True):
+        torch.testing.assert_close(got, 2 * want)
+
+    t = hooks.traffic  # the second micro-batch's
+    assert t.copied_out == sum(sizes) and t.resident == 0
+    assert t.copied_in + t.reused == t.copied_out and t.copied_in > 0
+    assert t.most_waiting <= max(window, max(sizes))  # the window, or the newest tensor alone
+    assert t.most_prefetched <= max(window, max(sizes))
+
+    # the order, from the log of both micro-batches
+    recorded_by = {}  # event id -> stream
+    waited_by = {}  # event id -> streams that waited for it
+    for stream, op, what in log:
+        if op == "record":
+            recorded_by[what] = stream
+        elif op == "wait":
+            waited_by.setdefault(what, []).append(stream)
+    out_events = [e for e, s in recorded_by.items() if s == "out"]
+    in_events = [e for e, s in recorded_by.items() if s == "in"]
+    assert out_events and in_events
+    assert all("in" in waited_by.get(e, []) or "compute" in waited_by.get(e, []) for e in out_events)
+    assert all(waited_by.get(e) == ["compute"] for e in in_events)  # used only after its copy
+    waited_for_its_copy_out = False
+    for stream, op, what in log:  # each copy back waits for a copy out first (that slot's)
+        if stream == "in" and op == "wait" and recorded_by[what] == "out":
+            waited_for_its_copy_out = True
+        elif stream == "in" and op == "record":
+            assert waited_for_its_copy_out
+            waited_for_its_copy_out = False
+    joins = [entry for entry in log if entry[1] == "wait_stream" and entry[0] == "compute"]
+    assert joins[-2:] == [("compute", "wait_stream", "out"), ("compute", "wait_stream", "in")]
+    assert sum(1 for e in hooks.traffic.events if e == "joined") == 1  # the second backward's end
+
+    # prefetch: with a window, most slots come in before backward asks for them
+    events = hooks.traffic.events
+    ins = [i for i, e in enumerate(events) if e.startswith("in ")]
+    prefetched = [i for i in ins if events[i - 1] != "use " + events[i][3:]]  # not asked for just before
+    if window_blocks:
+        assert len(prefetched) >= len(ins) // 2
+    else:
+        assert not prefetched  # a window of 0 fetches only on demand
+    # host buffers are reused from one micro-batch to the next: one per slot
+    assert len(hooks.buffers) == len(sizes)
+
+
+def test_tensors_still_waiting_and_the_resident_tail_skip_the_round_trip():
+    torch.manual_seed(0)
+    model, x, y = model_and_batch()
+    plain = gradients(model, x, y)
+    sizes = slot_sizes(model, x, y)
+
+    everything = offload_activations(min_bytes=0, devices=("cpu",), window_bytes=sum(sizes))
+    for got, want in zip(gradients(model, x, y, everything), plain, strict=True):
+        torch.testing.assert_close(got, want)
+    assert everything.traffic.copied_in == 0 and everything.traffic.reused == sum(sizes)
+
+    tail = sum(sizes[-3:])  # the last three saved tensors: the first backward needs
+    hooks = offload_activations(
+        min_bytes=0, devices=("cpu",), window_bytes=0, resident_bytes=tail, record=True
+    )
+    for got, want in zip(gradients(model, x, y, hooks, micro_batches=2), plain, strict=True):
+        torch.testing.assert_close(got, 2 * want)
+    t = hooks.traffic
+    assert t.resident == tail and t.copied_out == sum(sizes) - tail  # the first micro-batch offloaded all
+    copied = {int(e.split()[1]) for e in t.events if e.startswith("out ")}
+    assert copied == set(range(len(sizes) - 3))
