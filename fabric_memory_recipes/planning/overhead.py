@@ -88,6 +88,11 @@ def sample_of(result: dict[str, Any], path: str) -> Sample | None:
     return None
 
 
+# Runs that shared one GPU through CUDA MPS (their NOTES.md says so): an MPS client's memory outside the
+# allocator is not a lone process's, so they do not set the table.
+SHARED_THROUGH_MPS = ("results/published/h100/convergence/",)
+
+
 def measure(folders: list[str | Path]) -> dict[str, Any]:
     """The table: per kind and mode, the largest overhead of the runs below ``folders``, their count,
     the smallest, and every source file (relative to the repository when inside it)."""
@@ -100,6 +105,8 @@ def measure(folders: list[str | Path]) -> dict[str, Any]:
                 continue
             resolved = path.resolve()
             shown = resolved.relative_to(REPO) if resolved.is_relative_to(REPO) else resolved
+            if str(shown).startswith(SHARED_THROUGH_MPS):
+                continue  # a process that shares the GPU through MPS holds another overhead
             sample = sample_of(payload, str(shown))
             if sample is not None:
                 samples.append(sample)
