@@ -317,19 +317,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         i = argv.index("--")
         argv, extra = argv[:i], argv[i + 1 :]
     p = Parser(prog="python -m fabric_memory_recipes.tools.convergence", description=__doc__.splitlines()[0])
-    p.add_argument(
-        "--out",
-        default="runs/convergence",
-        type=output_folder("--out"),
-        help="results folder (runs/, report)",
-    )
+    p.add_argument("--out", default="runs/convergence", type=output_folder("--out"), help="results folder")
     p.add_argument("--logs", help="log folder (default: OUT/logs)")
-    p.add_argument(
-        "--report",
-        metavar="DIR",
-        type=output_folder("--report"),
-        help="only render DIR's report, run nothing",
-    )
+    p.add_argument("--report", metavar="DIR", type=output_folder("--report"), help="only render DIR's report")
     p.add_argument("--readme", metavar="PATH:BLOCK", help="also write the table into a marked README block")
     p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 (default 3)")
     p.add_argument("--seed-list", help="comma-separated seeds instead of --seeds")
@@ -344,12 +334,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-epochs", type=float, help="linear warm-up, in epochs (default: the preset)")
     p.add_argument("--adam-lr", type=float, help="learning rate of the Adam rungs (default: the preset)")
     p.add_argument("--sgd-lr", type=float, help="learning rate of the SGD rungs (default: the preset)")
-    p.add_argument(
-        "--parallel",
-        type=int,
-        default=1,
-        help="digits runs at once (they share the GPU; +3 ViT-L/16 memory runs)",
-    )
+    p.add_argument("--parallel", type=int, default=1, help="digits runs at once (+3 ViT-L/16 memory runs)")
     p.add_argument("--deadline-s", type=float, help="start no run after this many seconds")
     p.add_argument("--rerun", action="store_true", help="run again what an earlier call finished in --out")
     p.add_argument(
