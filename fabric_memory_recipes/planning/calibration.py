@@ -104,7 +104,10 @@ def shared_gpu(path: Path, root: Path) -> bool:
 # configurations two or three times. fabric_memory_recipes.tools.ab_ladder's (results/published/<gpu>/ab/)
 # run them on two versions of the code to show that the numbers did not move; results/published/<gpu>/quick/
 # is a committed sample of ./run_all.sh --quick. A user's own runs (runs/quick/, say) do calibrate.
-REPEAT_KINDS = ("ab", "quick")
+# results/published/<gpu>/wip/ holds first measurements of code whose issue is still open: they
+# calibrate nothing until that code's evidence is complete. The convergence benchmark's runs (digits at
+# 64 px, sharing the GPU through MPS) are no configuration the planner plans: they calibrate nothing.
+REPEAT_KINDS = ("ab", "quick", "wip", "convergence")
 
 
 def repeats_committed(path: Path, root: Path) -> bool:
