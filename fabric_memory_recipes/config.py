@@ -213,6 +213,7 @@ class RunConfig:
         False  # saved activations in pinned host memory (fabric_memory_recipes.training.offload)
     )
     optimizer_in_backward: bool = False  # one optimizer per parameter, stepped in backward: no accumulation
+    weights_offload: bool = False  # weights, gradients, optimizer state in host memory, blocks streamed (rung 16)
     model_choices: tuple[str, ...] = VIT_MODELS
     cpu_variant: str | None = None  # a rung that needs CUDA: the recipe that runs its technique on a CPU
 
