@@ -26,10 +26,10 @@ RUNG = WeightsOnCPUConfig(
     recipe="16_weights_on_cpu",
     precision="bf16-true",  # on the GPU: bf16 weights, gradients and activations (fp32 masters on the CPU)
     batch_size=32,
-    compile=False,  # eager (Adam, the default optimizer): hooks move the weights around every block
-    cuda_graphs=False,
+    mode="eager",  # no compile, no CUDA graph: hooks move the weights around every block (optimizer: Adam)
     optimizer_in_backward=True,  # each gradient leaves the GPU during backward: no accumulation
     weights_offload=True,  # rung 16, for the estimate: weights, gradients and Adam state in host memory
+    shard_units=("EncoderBlock",),  # rung 16, for the estimate: the blocks streamed one at a time
     checkpoint=("EncoderBlock",),  # rung 10 (--no-checkpointing: none)
     activation_offload=True,  # rung 11 (--no-offload-activations: none)
 )

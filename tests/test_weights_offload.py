@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from torchvision.models.vision_transformer import VisionTransformer
 
 from fabric_memory_recipes.training import models
 from fabric_memory_recipes.training.weights_offload import WeightsOnCPU
@@ -17,9 +18,12 @@ LR = 1e-3
 STEPS = 4
 
 
-def _model(checkpointing: bool = False) -> torch.nn.Module:
+def _model(checkpointing: bool = False, layers: int = 2) -> torch.nn.Module:
+    """vit_tiny's shape (``layers`` blocks), the same start every time."""
     torch.manual_seed(0)
-    model = models.build_model("vit_tiny", None, num_classes=10)
+    model = VisionTransformer(
+        32, 8, num_layers=layers, num_heads=2, hidden_dim=64, mlp_dim=128, num_classes=10
+    )
     if checkpointing:
         for i, block in enumerate(models.blocks(model)):
             model.encoder.layers[i] = models.CheckpointedBlock(block)
@@ -107,3 +111,25 @@ def test_evaluation_uses_the_updated_weights():
     with torch.no_grad():
         assert torch.allclose(model(x), updated(x), atol=1e-6)
     streamed.close()
+
+
+def test_at_most_two_blocks_are_on_the_device_at_once_as_the_estimate_assumes(monkeypatch):
+    """The estimator (planning.simulate with weights_offload) counts the block in use and the prefetched
+    one, plus one block's gradients on their way out; the streamed model never holds more weights."""
+    from fabric_memory_recipes import planning
+
+    model = _model(checkpointing=True, layers=5)
+    streamed = _streamed(model, torch.bfloat16)
+    blocks = [u.device_flat.untyped_storage() for u in streamed.units[1:]]
+    most = []
+    fetch = WeightsOnCPU._fetch
+
+    def counting_fetch(self, unit):
+        fetch(self, unit)
+        most.append(sum(s.nbytes() > 0 for s in blocks))
+
+    monkeypatch.setattr(WeightsOnCPU, "_fetch", counting_fetch)
+    for x, y in _batches()[:2]:
+        F.cross_entropy(model(x.bfloat16()), y).backward()
+    streamed.close()
+    assert max(most) == planning.Plan().prefetch_units
