@@ -275,6 +275,9 @@ write_manifest running
 summary=()
 failed=0
 not_run=()
+pids=()  # the recipes running in the background (--jobs), with their run names and start times
+plabels=()
+pstarts=()
 if [ "$jobs" -gt 1 ]; then
   # Several recipes at once (--jobs): each writes to its own log, shown when it ends; the training loops
   # take turns on the GPU through this lock (fabric_memory_recipes/measurement/gpu_lock.py).
@@ -283,23 +286,23 @@ if [ "$jobs" -gt 1 ]; then
   trap 'stopped=130; [ ${#pids[@]} -gt 0 ] && kill -TERM "${pids[@]}" 2>/dev/null' INT
   trap 'stopped=143; [ ${#pids[@]} -gt 0 ] && kill -TERM "${pids[@]}" 2>/dev/null' TERM
 fi
-declare -A pid_label=() pid_start=()
-pids=()
-# Wait for one of the running recipes (any, with --jobs) and report it.
+# Wait until one of them has ended, report it, and forget it.
 reap() {
-  local pid p rc label rest
+  local i j rc
   while :; do
-    for pid in "${pids[@]}"; do
-      kill -0 "$pid" 2>/dev/null && continue
-      wait "$pid"; rc=$?  # bash keeps an ended child's status until it is waited for
-      label=${pid_label[$pid]}
+    for i in "${!pids[@]}"; do
+      kill -0 "${pids[$i]}" 2>/dev/null && continue
+      wait "${pids[$i]}"; rc=$?  # bash keeps an ended child's status until it is waited for
       echo
-      echo ">>> $label ended (exit $rc); its output:"
-      cat "$markers/$label.log"
-      finished "$label" "$rc" "$(( $(date +%s) - ${pid_start[$pid]} ))"
-      rest=()
-      for p in "${pids[@]}"; do [ "$p" != "$pid" ] && rest+=("$p"); done
-      pids=(${rest[@]+"${rest[@]}"})
+      echo ">>> ${plabels[$i]} ended (exit $rc); its output:"
+      cat "$markers/${plabels[$i]}.log"
+      finished "${plabels[$i]}" "$rc" "$(( $(date +%s) - ${pstarts[$i]} ))"
+      local keep_p=() keep_l=() keep_s=()
+      for j in "${!pids[@]}"; do
+        [ "$j" = "$i" ] && continue
+        keep_p+=("${pids[$j]}"); keep_l+=("${plabels[$j]}"); keep_s+=("${pstarts[$j]}")
+      done
+      pids=(${keep_p[@]+"${keep_p[@]}"}); plabels=(${keep_l[@]+"${keep_l[@]}"}); pstarts=(${keep_s[@]+"${keep_s[@]}"})
       return
     done
     sleep 0.5
@@ -316,9 +319,7 @@ for entry in "${recipes[@]}"; do
   start=$(date +%s)
   if [ "$jobs" -gt 1 ]; then
     "$PYTHON" "recipes/$name.py" "${args[@]}" "${extra[@]}" --results-dir "$results_dir" > "$markers/$label.log" 2>&1 &
-    pids+=($!)
-    pid_label[$!]=$label
-    pid_start[$!]=$start
+    pids+=($!); plabels+=("$label"); pstarts+=("$start")
     while [ ${#pids[@]} -ge "$jobs" ]; do reap; done
   else
     "$PYTHON" "recipes/$name.py" "${args[@]}" "${extra[@]}" --results-dir "$results_dir"
