@@ -3,9 +3,12 @@
 #
 #   ./run_all.sh                         every numbered recipe (GPU: full size, into runs/ladder; no GPU: the
 #                                        quick CPU path, into runs/cpu)
-#   ./run_all.sh --quick                 GPU: the single-GPU ladder (01-07, 10-15), 20 steps each, synthetic
-#                                        data, into runs/quick (7 min 37 s on one H100, a machine's first
-#                                        run about 9-10 (estimated): results/published/h100/quick); no GPU: the CPU path
+#   ./run_all.sh --quick                 GPU: the single-GPU ladder (01-07, 10-16), 20 steps each, synthetic
+#                                        data, into runs/quick, 3 recipes at a time (--jobs); no GPU: the CPU path
+#   ./run_all.sh --jobs N                up to N recipes at once (default 1; --quick on a GPU: 3): start-up,
+#                                        model building and evaluation overlap, the training loops take
+#                                        turns on the GPU (one at a time), so peaks and speeds stay each
+#                                        rung's own; the output of each recipe is shown when it ends
 #   ./run_all.sh --only 01,03            recipes whose name starts with 01 or 03
 #   ./run_all.sh -- --max-steps 50       everything after -- is passed to every recipe
 #   ./run_all.sh -- --data synthetic     the memory/speed ladder as committed: CIFAR-sized splits offline
@@ -40,8 +43,10 @@ force_cpu=0
 bonus=0
 results_dir=""
 extra=()
+jobs=""
+QUICK_JOBS=3  # GPU --quick: recipes at once (their training loops one at a time)
 
-usage() { sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,31p' "$0" | sed 's/^# \{0,1\}//'; }
 # A signal while a recipe runs reaches the recipe too (one process group); bash acts on the trap once
 # the recipe has stopped. Between recipes it stops the ladder before the next one starts.
 stopped=0
@@ -54,6 +59,8 @@ while [ $# -gt 0 ]; do
     --only=*) only="${1#--only=}"; shift ;;
     --cpu) force_cpu=1; shift ;;
     --quick) quick=1; shift ;;
+    --jobs) jobs="${2:-}"; shift 2 || { echo "run_all.sh: --jobs needs a value" >&2; exit 2; } ;;
+    --jobs=*) jobs="${1#--jobs=}"; shift ;;
     --bonus) bonus=1; shift ;;
     --results-dir) results_dir="${2:-}"; shift 2 || { echo "run_all.sh: --results-dir needs a value" >&2; exit 2; } ;;
     --results-dir=*) results_dir="${1#--results-dir=}"; shift ;;
@@ -62,6 +69,11 @@ while [ $# -gt 0 ]; do
     *) echo "run_all.sh: unknown option '$1' (see --help; recipe flags go after --)" >&2; exit 2 ;;
   esac
 done
+
+case "$jobs" in
+  '') ;;
+  *[!0-9]*|0) echo "run_all.sh: --jobs $jobs: expected a whole number >= 1" >&2; exit 2 ;;
+esac
 
 gpus=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)' 2>/dev/null)
 if [ -z "$gpus" ]; then
@@ -90,8 +102,9 @@ if [ "$gpus" = 0 ]; then
   # torchao's 8-bit Adam (rung 13) from compiling its update step, which takes minutes on a CPU.
   export TORCHDYNAMO_DISABLE=${TORCHDYNAMO_DISABLE:-1}
 elif [ "$quick" = 1 ] && [ "$bonus" = 0 ]; then
-  echo "Found $gpus CUDA GPU(s): running the quick single-GPU ladder (01-07, 10-15) at full size, $QUICK_STEPS steps each, synthetic data, random init."
+  echo "Found $gpus CUDA GPU(s): running the quick single-GPU ladder (01-07, 10-16) at full size, $QUICK_STEPS steps each, synthetic data, random init."
   mode=quick
+  jobs=${jobs:-$QUICK_JOBS}
   results_dir=${results_dir:-runs/quick}
   base=(--data synthetic --weights none --max-steps "$QUICK_STEPS" --eval-batches 1)
 else
@@ -102,6 +115,8 @@ else
   results_dir=${results_dir:-runs/ladder}
   base=()
 fi
+
+jobs=${jobs:-1}
 
 # Rungs that shard across GPUs: run with min(GPUs, 4) processes; skipped with fewer than 2 GPUs, except
 # on the CPU path for those that also shard across CPU processes (gloo), which run there with 2.
@@ -187,22 +202,22 @@ write_manifest() {
     "$ladder_start" "$mode" "$1" "$list" > "$tmp" && mv -f "$tmp" "$manifest"
 }
 # The status recorded by the results JSON that recipe $1 wrote during this run (<run>.json, or beside it
-# <run>.<status>.json); empty when it wrote none (then its exit code tells).
+# <run>.<status>.json, newer than the marker touched when the recipe started); empty when it wrote none
+# (then its exit code tells).
+markers=$(mktemp -d "${TMPDIR:-/tmp}/run_all.XXXXXX")
+trap 'rm -rf "$markers"' EXIT
 recorded_status() {
   local f
   for f in "$results_dir/$1.json" "$results_dir/$1".*.json; do
-    if [ -f "$f" ] && [ "$f" -nt "$manifest" ]; then
+    if [ -f "$f" ] && [ "$f" -nt "$markers/$1.start" ]; then
       sed -n 's/^  "status": "\([a-z_]*\)".*/\1/p' "$f" | head -n 1
       return
     fi
   done
 }
-write_manifest running
-summary=()
-failed=0
-not_run=()
-for entry in "${recipes[@]}"; do
-  if [ "$stopped" != 0 ]; then not_run+=("${entry/:/-}"); continue; fi
+# The recipe's arguments, into label/args; returns 1 (after a summary line) for a rung skipped here.
+prepare() {
+  local entry=$1 row
   name=${entry%%:*}
   label=$name
   args=("${base[@]}")
@@ -217,14 +232,14 @@ for entry in "${recipes[@]}"; do
       echo
       echo ">>> $name skipped: --quick runs the single-GPU ladder"
       summary+=("$(printf '%-34s %-30s' "$name" "skipped (--quick: one GPU)")")
-      continue
+      return 1
     elif [ "$mode" = cpu ] && shards_on_cpu "$name"; then
       args+=(--devices 2)
     elif [ "$gpus" -lt 2 ]; then
       echo
       echo ">>> $name skipped: it shards across GPUs and this machine has $gpus (needs at least 2)"
       summary+=("$(printf '%-34s %-30s' "$name" "skipped (needs >= 2 GPUs)")")
-      continue
+      return 1
     else
       args+=(--devices "$(( gpus < MULTI_GPU_DEFAULT_DEVICES ? gpus : MULTI_GPU_DEFAULT_DEVICES ))")
     fi
@@ -233,14 +248,12 @@ for entry in "${recipes[@]}"; do
     read -ra ov <<< "$(cpu_overrides "$name")"
     args+=("${ov[@]}")
   fi
-  echo
-  echo ">>> $label ${args[*]} ${extra[*]:-} --results-dir $results_dir"
-  started+=("$label")
-  write_manifest running
-  start=$(date +%s)
-  "$PYTHON" "recipes/$name.py" "${args[@]}" "${extra[@]}" --results-dir "$results_dir"
-  rc=$?
-  secs=$(( $(date +%s) - start ))
+  return 0
+}
+# A recipe has ended with exit code $2 after $3 seconds: its status line in the summary.
+finished() {
+  local label=$1 rc=$2 secs=$3 recorded status
+  echo "$label $secs" >> "$markers/walls"
   case $rc in 130|138|143) [ "$stopped" = 0 ] && stopped=$rc ;; esac
   recorded=$(recorded_status "$label")
   case "$recorded:$rc" in
@@ -257,7 +270,63 @@ for entry in "${recipes[@]}"; do
     *) status="failed (exit $rc)"; failed=1 ;;
   esac
   summary+=("$(printf '%-34s %-30s %5ss' "$label" "$status" "$secs")")
+}
+write_manifest running
+summary=()
+failed=0
+not_run=()
+pids=()  # the recipes running in the background (--jobs), with their run names and start times
+plabels=()
+pstarts=()
+if [ "$jobs" -gt 1 ]; then
+  # Several recipes at once (--jobs): each writes to its own log, shown when it ends; the training loops
+  # take turns on the GPU through this lock (fabric_memory_recipes/measurement/gpu_lock.py).
+  export FMR_GPU_LOCK="$markers/gpu.lock"
+  echo "Running up to $jobs recipes at once; their training loops take turns on the GPU."
+  trap 'stopped=130; [ ${#pids[@]} -gt 0 ] && kill -TERM "${pids[@]}" 2>/dev/null' INT
+  trap 'stopped=143; [ ${#pids[@]} -gt 0 ] && kill -TERM "${pids[@]}" 2>/dev/null' TERM
+fi
+# Wait until one of them has ended, report it, and forget it.
+reap() {
+  local i j rc
+  while :; do
+    for i in "${!pids[@]}"; do
+      kill -0 "${pids[$i]}" 2>/dev/null && continue
+      wait "${pids[$i]}"; rc=$?  # bash keeps an ended child's status until it is waited for
+      echo
+      echo ">>> ${plabels[$i]} ended (exit $rc); its output:"
+      cat "$markers/${plabels[$i]}.log"
+      finished "${plabels[$i]}" "$rc" "$(( $(date +%s) - ${pstarts[$i]} ))"
+      local keep_p=() keep_l=() keep_s=()
+      for j in "${!pids[@]}"; do
+        [ "$j" = "$i" ] && continue
+        keep_p+=("${pids[$j]}"); keep_l+=("${plabels[$j]}"); keep_s+=("${pstarts[$j]}")
+      done
+      pids=(${keep_p[@]+"${keep_p[@]}"}); plabels=(${keep_l[@]+"${keep_l[@]}"}); pstarts=(${keep_s[@]+"${keep_s[@]}"})
+      return
+    done
+    sleep 0.5
+  done
+}
+for entry in "${recipes[@]}"; do
+  if [ "$stopped" != 0 ]; then not_run+=("${entry/:/-}"); continue; fi
+  prepare "$entry" || continue
+  echo
+  echo ">>> $label ${args[*]} ${extra[*]:-} --results-dir $results_dir"
+  started+=("$label")
+  write_manifest running
+  touch "$markers/$label.start"
+  start=$(date +%s)
+  if [ "$jobs" -gt 1 ]; then
+    "$PYTHON" "recipes/$name.py" "${args[@]}" "${extra[@]}" --results-dir "$results_dir" > "$markers/$label.log" 2>&1 &
+    pids+=($!); plabels+=("$label"); pstarts+=("$start")
+    while [ ${#pids[@]} -ge "$jobs" ]; do reap; done
+  else
+    "$PYTHON" "recipes/$name.py" "${args[@]}" "${extra[@]}" --results-dir "$results_dir"
+    finished "$label" $? "$(( $(date +%s) - start ))"
+  fi
 done
+while [ ${#pids[@]} -gt 0 ]; do reap; done
 
 if [ "$mode" = cpu ] && [ "$bonus" = 0 ] && [ "$stopped" = 0 ]; then
   # On a CPU the measured memory is the process's RSS; the report shows each rung's full-size prediction.
@@ -276,8 +345,12 @@ if ! "$PYTHON" -m fabric_memory_recipes.measurement.report "$results_dir"; then
   failed=1
 fi
 
+if [ "$mode" != cpu ] && [ "$bonus" = 0 ] && [ -s "$markers/walls" ]; then
+  echo
+  "$PYTHON" -m fabric_memory_recipes.measurement.time_breakdown "$results_dir" "$markers/walls" || true
+fi
 echo
-echo "Summary ($mode path, results in $results_dir):"
+echo "Summary ($mode path, results in $results_dir$([ "$jobs" -gt 1 ] && echo ", $jobs recipes at a time")):"
 printf '  %s\n' "${summary[@]}"
 echo "  total: $(( $(date +%s) - ladder_start )) s"
 if [ "$stopped" != 0 ]; then

@@ -172,11 +172,8 @@ class RunConfig:
     checkpoint_dir: str | None = flag(
         None, "checkpoints", "where checkpoints go (default: runs/checkpoints/<recipe>[-<tag>])"
     )
-    resume: str | None = flag(
-        None,
-        "checkpoints",
-        "a checkpoint file to continue from, or 'auto' for the newest in --checkpoint-dir",
-    )
+    resume: str | None = flag(None, "checkpoints", "a checkpoint file to continue from, or 'auto' for the newest"
+                              " in --checkpoint-dir")  # fmt: skip
     checkpoint_on_stop: bool | None = flag(
         None, "checkpoints",
         "save a checkpoint when stopped by SIGINT/SIGTERM/SIGUSR1 (default: on with --checkpoint-every or --resume)",
@@ -217,6 +214,7 @@ class RunConfig:
     optimizer_in_backward: bool = False  # one optimizer per parameter, stepped in backward: no accumulation
     fused_attention: bool = False  # rung 15: fused-qkv + SDPA attention (training/attention.py)
     offload_window_mb: int = 0  # rung 11: MiB of copies in flight per side stream (training/offload.py)
+    weights_offload: bool = False  # weights, gradients, optimizer state in host memory, blocks streamed (rung 16)
     model_choices: tuple[str, ...] = VIT_MODELS
     cpu_variant: str | None = None  # a rung that needs CUDA: the recipe that runs its technique on a CPU
 

@@ -137,11 +137,33 @@ def test_fsdp_divides_sharded_state_by_world_size_and_offload_removes_it():
     assert offload.peak_gb < four.peak_gb
 
 
+def test_weights_offload_keeps_state_off_the_gpu_and_streams_two_units():
+    """Rung 16: weights, gradients and Adam state in host memory; on the GPU the block in use, the
+    prefetched one and one block's gradients on their way out (bf16), and the resident rest."""
+    model = small_vit(layers=3)
+    (batch, fn) = image_batch(model, 4)
+    kw = dict(micro_batch_size=4, precision="bf16-true", checkpoint=("EncoderBlock",))
+    plain = simulate(model, (lambda: batch, fn), **kw)
+    streamed = simulate(model, (lambda: batch, fn), weights_offload=True, shard_units=("EncoderBlock",), **kw)
+    assert set(streamed.static_gb.values()) == {0.0}
+    c = streamed.components_gb
+    assert c["parameters"] == c["gradients"] == c["optimizer_state"] == 0
+    blocks = list(model.encoder.layers)
+    unit, root = 2 * numel(blocks[0]), 2 * (numel(model) - sum(numel(b) for b in blocks))
+    assert c["gathered_parameters"] == pytest.approx((3 * unit + root) / GB, abs=1e-9)
+    assert streamed.peak_gb < plain.peak_gb
+    assert streamed.to_dict()["assumptions"]["weights_offload"] is True
+
+
 def test_plan_rejects_what_it_cannot_model():
     with pytest.raises(ValueError, match="optimizer"):
         planning.Plan(optimizer="lion")
     with pytest.raises(ValueError, match="cpu_offload"):
         planning.Plan(cpu_offload=True)
+    with pytest.raises(ValueError, match="weights_offload"):
+        planning.Plan(weights_offload=True)  # which modules are streamed?
+    with pytest.raises(ValueError, match="weights_offload"):
+        planning.Plan(weights_offload=True, shard_units=("Block",), sharding="fsdp")
 
 
 def test_a_rungs_plan_comes_from_its_config():
@@ -436,6 +458,6 @@ def test_ladder_of_a_folder_without_results_is_every_rung(tmp_path, monkeypatch)
                                                             "seconds": 0.0})  # fmt: skip
     payload = ladder.predict_ladder(tmp_path / "new", say=lambda line: None)
     names = [r["recipe"] for r in payload["rows"]]
-    assert names[0] == "01_baseline" and "09_cpu_offload" in names and names[-1] == "15_speed"
+    assert names[0] == "01_baseline" and "09_cpu_offload" in names and names[-1] == "16_weights_on_cpu"
     assert len(names) == len(list((ladder.RECIPES_DIR).glob("[0-9][0-9]_*.py")))
     assert json.loads((tmp_path / "new" / "predicted.json").read_text()) == payload

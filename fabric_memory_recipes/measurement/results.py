@@ -24,6 +24,7 @@ from lightning.fabric.loggers import CSVLogger, TensorBoardLogger
 
 from fabric_memory_recipes import faults
 from fabric_memory_recipes.config import RunConfig
+from fabric_memory_recipes.measurement import gpu_lock
 from fabric_memory_recipes.measurement.device_memory import DeviceSampler, device_fields
 from fabric_memory_recipes.measurement.results_file import (
     GB,
@@ -135,7 +136,14 @@ class RunResults:
     def phase(self, name: str):
         """Measure peak memory (and wall time, less any memory prediction made inside) of a block.
 
-        CUDA peaks are reset on entry."""
+        CUDA peaks are reset on entry. The "train" phase holds the GPU alone when ./run_all.sh runs
+        several recipes at once (measurement/gpu_lock.py); the wait is not part of its time."""
+        with gpu_lock.exclusive(self.extra) if name == "train" else contextlib.nullcontext():
+            with self._phase_measured(name):
+                yield
+
+    @contextlib.contextmanager
+    def _phase_measured(self, name: str):
         self._phase = name
         cuda = self._cuda
         if cuda:

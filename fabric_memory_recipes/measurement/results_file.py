@@ -69,8 +69,8 @@ estimate                         the predicted peak (fabric_memory_recipes.plann
                                  forward), parameters {total, trainable}, assumptions {method, device,
                                  attention_kernel, compile, compile_modelled, precision, micro_batch_size,
                                  accumulation_steps, optimizer, optimizer_impl, checkpoint, sharding,
-                                 shard_units, world_size, cpu_offload, workspace_gb}, kernels, model,
-                                 seconds, error}; null when the recipe made none. Compare it with
+                                 shard_units, world_size, cpu_offload, weights_offload, workspace_gb},
+                                 kernels, model, seconds, error}; null when the recipe made none. Compare it with
                                  memory.peak_allocated_gb (per device)
 timing.train_wall_s              wall time of the training loop (start-up and evaluation excluded)
 timing.median_step_s             median time between consecutive optimizer steps, after warm-up steps

@@ -139,6 +139,8 @@ def _read(path: Path, root: Path) -> Measured | None:
         )
     if rung.sharding != "none" or config.get("model") not in VIT_MODELS or not memory.get("peak_reserved_gb"):
         return None
+    if rung.weights_offload:
+        return None  # rung 16: its own copy streams' pools, and not a planned command (fit.NOT_PLANNED)
     if not config.get("micro_batch_size"):
         return None  # a JSON from before the micro-batch was recorded
     reserved = max(memory.get("run_peak_reserved_gb") or 0.0, memory["peak_reserved_gb"])

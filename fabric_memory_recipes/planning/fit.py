@@ -51,6 +51,8 @@ MODES = ("fast", "eager")
 NOT_PLANNED = {
     "07_init_module": "rung 06's step; its comparison phase also builds the fp32 model on the GPU",
     "15_speed": "rung 05's memory; whole-model compile is not a memory technique",
+    "16_weights_on_cpu": "its step is the CPU's Adam step and the PCIe copies, which the speed model does not"
+    " model (its memory: python -m fabric_memory_recipes.planning --recipe 16)",
 }
 TECHNIQUES = {"adam": "Adam", "adamw": "AdamW", "adamw8bit": "8-bit Adam", "sgd": "SGD"}
 CACHE_ENV = "FMR_PLAN_CACHE"

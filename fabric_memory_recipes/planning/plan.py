@@ -28,7 +28,8 @@ COMPONENTS = (
 )
 COMPONENT_HELP = {
     "parameters": "model weights (trainable and frozen), in the run's parameter dtype",
-    "gathered_parameters": "FSDP: full (all-gathered) weights of the units in use, unsharded gradients",
+    "gathered_parameters": "FSDP: full (all-gathered) weights of the units in use, unsharded gradients"
+    " (rung 16: the blocks streamed in from host memory)",
     "weight_copies": "low-precision copies of fp32 weights made by autocast, alive while saved",
     "gradients": ".grad of the trainable parameters",
     "optimizer_state": "Adam exp_avg + exp_avg_sq (2x trainable), SGD momentum (1x), none for SGD",
@@ -82,6 +83,10 @@ class Plan:
     tensors of at least ``offload_min_bytes`` live in host memory, ``offload_window_bytes`` of them in flight
     on the GPU); ``optimizer_in_backward`` models a
     per-parameter step in a post-accumulate-grad hook that frees each gradient at once (rung 12).
+    ``weights_offload`` models fabric_memory_recipes.training.weights_offload (rung 16, one GPU): parameters,
+    gradients and optimizer state in host memory (0 on the GPU), the modules of ``shard_units`` streamed
+    in like FSDP units (the one in use and the prefetched one, one unit's gradients on their way out) and
+    the rest of the model resident.
     """
 
     precision: str = "32-true"
@@ -102,6 +107,7 @@ class Plan:
     offload_min_bytes: int = 1 << 16
     offload_window_bytes: int = 0
     optimizer_in_backward: bool = False
+    weights_offload: bool = False
 
     def __post_init__(self) -> None:
         if self.precision == "32":
@@ -118,6 +124,10 @@ class Plan:
             raise ValueError(f"sharding {self.sharding!r}: expected one of {SHARDING_CHOICES}")
         if self.cpu_offload and self.sharding == "none":
             raise ValueError("cpu_offload is modelled for FSDP only (sharding='fsdp')")
+        if self.weights_offload and (self.sharding != "none" or not self.shard_units):
+            raise ValueError(
+                "weights_offload streams the shard_units of one unsharded model (sharding='none')"
+            )
         self.checkpoint = tuple(self.checkpoint)
         self.shard_units = tuple(self.shard_units)
 
@@ -148,6 +158,7 @@ def plan_for(cfg: RunConfig, **overrides: Any) -> Plan:
         activation_offload=cfg.activation_offload,
         offload_window_bytes=cfg.offload_window_mb << 20,
         optimizer_in_backward=cfg.optimizer_in_backward,
+        weights_offload=cfg.weights_offload,
     )
     fields.update(overrides)
     return Plan(**fields)
@@ -209,6 +220,7 @@ class Estimate:
                 "cpu_offload": p.cpu_offload,
                 "activation_offload": p.activation_offload,
                 "optimizer_in_backward": p.optimizer_in_backward,
+                "weights_offload": p.weights_offload,
                 "workspace_gb": (CUDA_WORKSPACE_BYTES / GB) if p.device == "cuda" else 0.0,
             },
             "kernels": self.kernels,
@@ -227,7 +239,8 @@ class Estimate:
             f" x {p.accumulation_steps} | optimizer {p.optimizer} ({p.optimizer_impl})"
             + (f" | checkpoint {','.join(p.checkpoint)}" if p.checkpoint else "")
             + (f" | {p.sharding} over {p.world_size}" if p.sharding != "none" else "")
-            + (" + cpu offload" if p.cpu_offload else ""),
+            + (" + cpu offload" if p.cpu_offload else "")
+            + (" + weights on the CPU" if p.weights_offload else ""),
             f"  device {p.device}, attention kernel {p.attention_kernel}, "
             f"compile {'on (eager graph traced)' if p.compile else 'off'}",
             "",

@@ -160,8 +160,8 @@ def simulate(
     n_total = sum(p.numel() for p in named_params.values())
     n_train = sum(named_params[n].numel() for n in trainable)
     scales: dict[str, float] = {"host": 0.0}  # offloaded activations live in host memory
-    if plan.sharding != "none":
-        shard = 0.0 if plan.cpu_offload else 1.0 / plan.world_size
+    if plan.sharding != "none" or plan.weights_offload:
+        shard = 0.0 if plan.cpu_offload or plan.weights_offload else 1.0 / plan.world_size
         scales.update({"parameters": shard, "gradients": shard, "optimizer_state": shard})
     tracker = Tracker(scales)  # the timeline is recorded from the first forward to zero_grad
     kernels: set[str] = set()
@@ -184,12 +184,12 @@ def simulate(
 
         def grad_ready(p: torch.Tensor) -> None:
             tracker.retag(p.grad, "gradients")
-            if plan.optimizer_in_backward:  # stepped by the hook, then freed at once
+            if plan.optimizer_in_backward or plan.weights_offload:  # stepped/copied out, then freed at once
                 p.grad = None
 
         for n in trainable:
             fake_state[n].register_post_accumulate_grad_hook(grad_ready)
-        if plan.sharding != "none":
+        if plan.sharding != "none" or plan.weights_offload:  # rung 16: streamed units, the root resident
             unit, root = _unit_bytes(model, plan.shard_units, pbytes)
             # in use at once: the current unit, the prefetched one, the root; one unit's unsharded grads
             in_use = plan.prefetch_units * unit + root + (unit if n_train else 0)
@@ -235,8 +235,8 @@ def simulate(
             transient = max((named_params[n].numel() for n in trainable), default=0) * pbytes
         elif plan.optimizer == "adamw8bit":  # per tensor: the two moments dequantised + the update, fp32
             transient = 3 * 4 * max((named_params[n].numel() for n in trainable), default=0)
-        if plan.optimizer_in_backward:
-            transient = 0  # already done, parameter by parameter, inside backward
+        if plan.optimizer_in_backward or plan.weights_offload:
+            transient = 0  # already done inside backward (rung 16: on the CPU)
         transient = int(transient * scales.get("optimizer_state", 1.0))
         tracker.add_constant("temporaries", transient)
         tracker.add_constant("temporaries", -transient)
