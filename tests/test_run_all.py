@@ -186,7 +186,7 @@ def test_failures_do_not_stop_the_ladder(tmp_path):
 
 def test_quick_runs_the_single_gpu_ladder_with_few_steps_into_results_quick(tmp_path):
     """--quick on a (stand-in) 1-GPU machine: rungs 01-07 and 10-16 at full size with the quick flags,
-    3 at a time with a GPU lock for their training loops, every multi-GPU rung skipped, no predicted
+    6 at a time with a GPU lock for their training loops, every multi-GPU rung skipped, no predicted
     ladder (the GPU measures), the report rendered and the time broken down by recipe."""
     fake = tmp_path / "fakepython"
     fake.write_text(FAKE_PYTHON.replace("exit 3 ;;", "exit 0 ;;").replace("exit 1 ;;", "exit 0 ;;"))
@@ -202,7 +202,7 @@ def test_quick_runs_the_single_gpu_ladder_with_few_steps_into_results_quick(tmp_
     assert "quick single-GPU ladder" in proc.stdout.splitlines()[0]
     lines = calls.read_text().splitlines()
     ran = [Path(ln.split()[0]).stem[:2] for ln in lines if ln.startswith("recipes/")]
-    assert sorted(ran) == "01 02 03 04 05 06 07 10 11 12 13 14 15 16".split(), lines  # 3 at once: any order
+    assert sorted(ran) == "01 02 03 04 05 06 07 10 11 12 13 14 15 16".split(), lines  # 6 at once: any order
     for ln in lines:
         if ln.startswith("recipes/"):
             for flag in ("--data synthetic", "--weights none", "--max-steps 20", "--eval-batches 1"):
@@ -211,7 +211,7 @@ def test_quick_runs_the_single_gpu_ladder_with_few_steps_into_results_quick(tmp_
     modules = [ln for ln in lines if ln.startswith("module")]
     assert modules[0] == f"module -m fabric_memory_recipes.measurement.report {results}"
     assert [m.split()[2] for m in modules[1:]] == ["fabric_memory_recipes.measurement.time_breakdown"]
-    assert "Running up to 3 recipes at once" in proc.stdout
+    assert "Running up to 6 recipes at once" in proc.stdout
     summary = proc.stdout[proc.stdout.index("Summary (quick path") :]
     for name in ("08_fsdp ", "08_fsdp2", "09_cpu_offload"):
         assert "skipped (--quick: one GPU)" in next(ln for ln in summary.splitlines() if name in ln + " ")
