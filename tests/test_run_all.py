@@ -295,6 +295,17 @@ def test_a_report_of_only_earlier_runs_says_so(tmp_path):
     assert "No run of" not in (tmp_path / "README.md").read_text()
 
 
+def test_a_report_of_only_the_last_runs_sets_nothing_apart(tmp_path):
+    """Every result written by the last ./run_all.sh: no "did not write" note, no earlier section."""
+    manifest = {"started": time.time() - 60, "mode": "cpu", "state": "finished", "recipes": ["01_baseline"]}
+    (tmp_path / "run_all.json").write_text(json.dumps(manifest))
+    _result_json(tmp_path, "01_baseline")
+    assert report.main([str(tmp_path)]) == 0
+    readme = (tmp_path / "README.md").read_text()
+    assert "| 01_baseline | ok |" in readme
+    assert "did not write" not in readme and "## Earlier runs" not in readme and "\n> " not in readme
+
+
 def test_results_dir_inside_published_is_refused_unless_publishing(tmp_path):
     fake = tmp_path / "fakepython"
     fake.write_text(FAKE_PYTHON)
