@@ -25,12 +25,9 @@ from pathlib import Path
 
 from fabric_memory_recipes.console import Parser
 from fabric_memory_recipes.paths import output_folder
-from fabric_memory_recipes.tools.compare_reference import Run, execute
-from fabric_memory_recipes.tools.project_env import project_env
+from fabric_memory_recipes.tools.processes import Run, execute, project_env
 
-Runner = Callable[
-    [Run, dict, float], dict
-]  # fabric_memory_recipes.tools.compare_reference.execute, or a test's stand-in
+Runner = Callable[[Run, dict, float], dict]  # processes.execute, or a test's stand-in
 
 LADDER = ("01", "02", "03", "04", "05", "06", "07", "10", "11", "12", "13", "14", "15")
 
@@ -41,7 +38,7 @@ def script(checkout: Path, rung: str) -> Path:
 
 def run(checkout: Path, rung: str, mode: str, flags: list[str], out: Path, timeout: float,
         runner: Runner = execute) -> dict:  # fmt: skip
-    """One recipe run in its own process group, killed after ``timeout`` seconds (fabric_memory_recipes.tools.compare_reference's
+    """One recipe run in its own process group, killed after ``timeout`` seconds (fabric_memory_recipes.tools.processes's
     ``execute``); returns its results JSON, or what is known when it wrote none."""
     path = script(checkout, rung)
     results = out / mode

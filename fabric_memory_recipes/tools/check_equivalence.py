@@ -51,7 +51,7 @@ from pathlib import Path
 from fabric_memory_recipes.console import Parser
 from fabric_memory_recipes.measurement.results_file import write_json_atomic
 from fabric_memory_recipes.paths import output_folder
-from fabric_memory_recipes.tools.project_env import project_env
+from fabric_memory_recipes.tools.processes import project_env
 
 REPO = Path(__file__).resolve().parents[2]
 RUNGS = ("01", "02", "03", "04", "05", "06", "07", "10", "11", "12", "13", "14", "15")
