@@ -94,7 +94,9 @@ RUNGS: dict[str, Rung] = {
         Rung("15", "15_speed"),
     )
 }
-DEFAULT_RUNGS = ("01", "02", "03", "04", "05", "06", "07", "10", "11", "12", "13", "14", "15")  # one GPU
+# The single-GPU ladder, in fast mode by default: what the comparison, the A/B (ab_ladder) and the
+# equivalence check (check_equivalence) run. Rung 16 runs eagerly only (no graph to compare with eager).
+SINGLE_GPU_RUNGS = ("01", "02", "03", "04", "05", "06", "07", "10", "11", "12", "13", "14", "15")
 MODES = ("eager", "fast")
 # The flags of every project run, and those of each mode ({mode} is replaced). `--eval-batches 2` keeps
 # the evaluation short; it still runs, so its memory is in the whole-run peak.

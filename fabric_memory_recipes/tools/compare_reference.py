@@ -39,11 +39,11 @@ from fabric_memory_recipes.console import Parser, fail
 from fabric_memory_recipes.measurement.results_file import gpu_slug
 from fabric_memory_recipes.paths import RUNS, output_folder
 from fabric_memory_recipes.tools.compare_plan import (
-    DEFAULT_RUNGS,
     MIN_STEPS,
     MODE_ARGS,
     MODES,
     RUNGS,
+    SINGLE_GPU_RUNGS,
     SUBSTITUTION_NOTE,
     Reference,
     plan_runs,
@@ -93,7 +93,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--reference", required=True, help="a checkout of rasbt/pytorch-memory-optim")
     p.add_argument(
-        "--rungs", default=",".join(DEFAULT_RUNGS), help="comma-separated rungs (default: one GPU's)"
+        "--rungs", default=",".join(SINGLE_GPU_RUNGS), help="comma-separated rungs (default: one GPU's)"
     )
     p.add_argument("--steps", type=at_least(MIN_STEPS), default=25, help="optimizer steps per run")
     p.add_argument("--out", type=output_folder("--out"), help="output folder (default: runs/compare-<gpu>)")
