@@ -38,8 +38,7 @@ RUNG = WeightsOnCPUConfig(
 def main(cfg: WeightsOnCPUConfig, results) -> None:
     if cfg.compile or cfg.cuda_graphs or cfg.checkpoint_every or cfg.resume:  # hooks run around every block
         raise UsageError("rung 16 runs eagerly, without --compile/--cuda-graphs/--checkpoint-every/--resume")
-    cfg.checkpoint = ("EncoderBlock",) if cfg.checkpointing else ()  # what the estimate is told
-    cfg.activation_offload = cfg.offload_activations
+    cfg.activation_offload = cfg.offload_activations  # the estimate reads the checkpoints, not the offload
     torch.set_float32_matmul_precision("high" if cfg.tf32 else "highest")  # "high" = TF32 matmuls
     fabric = L.Fabric(accelerator=cfg.accelerator, devices=cfg.devices, num_nodes=cfg.num_nodes,
                       precision=cfg.precision, loggers=results.fabric_loggers())  # fmt: skip
