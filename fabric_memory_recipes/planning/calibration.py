@@ -112,13 +112,26 @@ def shared_gpu(path: Path, root: Path) -> bool:
 REPEAT_KINDS = ("ab", "quick", "wip", "convergence", "levers")
 
 
+# Committed runs of code that has changed since: they no longer describe what the recipe does.
+SUPERSEDED = {
+    # rung 11's copies moved to side streams with prefetch (issue 29): fast 124.0 -> 141-145 img/s,
+    # eager 67.2 -> 35.7 (results/published/h100/levers/NOTES.md)
+    "published/h100/compare/runs/11_activation_offload-fast.json",
+    "published/h100/compare/runs/11_activation_offload-eager.json",
+}
+
+
+def superseded(path: Path, root: Path) -> bool:
+    return path.relative_to(root).as_posix() in SUPERSEDED
+
+
 def repeats_committed(path: Path, root: Path) -> bool:
     parts = path.relative_to(root).parts
     return "published" in parts[:-1] and _published_kind(path, root) in REPEAT_KINDS
 
 
 def _read(path: Path, root: Path) -> Measured | None:
-    if repeats_committed(path, root):
+    if repeats_committed(path, root) or superseded(path, root):
         return None
     try:
         d = json.loads(path.read_text())
