@@ -4,8 +4,8 @@ trains it.
 
 Combined: precision; micro-batch x accumulation for the requested batch; the optimizer (AdamW, SGD,
 8-bit AdamW); checkpointing of the repeated blocks, activation offload and the step in backward. Memory
-is simulated (planning/user_estimate.py: peak allocated, reserved with its margin, + the card
-overhead); the runner runs eagerly, so the eager mode's ratio and overhead apply.
+is simulated (planning/user_estimate.py: peak allocated, reserved from the allocator replay with its
+margin, + the card overhead); the runner runs eagerly, so the eager mode's overhead applies.
 
 Speed, for a model no committed run measured: the ladder's step model calibrated on the committed runs
 of the GPU kind (planning/speed.py) with its per-micro-batch compute scaled by this model's training
@@ -122,7 +122,7 @@ class UserPlanner:
                         c = Choice(precision, optimizer, k, t, batch_size)
                         c.speed_bound = self._speed(c, 0.0)
                         rung = RunConfig(precision=precision, batch_size=batch_size, accumulation_steps=k)
-                        over = card(_Floor(), gpu)  # the overhead and ratio alone
+                        over = card(_Floor(), gpu)  # the overhead alone
                         c.lower_gb = static_bytes(rung, (optimizer, *t), self.parameters) / GB + (
                             over["overhead_gb"] or 0
                         )
@@ -209,4 +209,4 @@ class _Floor:
     """An estimate of nothing: :func:`card` of it gives the overhead alone."""
 
     peak_gb = 0.0
-    largest_temporary_gb = 0.0
+    reserved_gb = 0.0
