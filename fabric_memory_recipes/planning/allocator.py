@@ -38,6 +38,11 @@ LARGE_SEGMENT = 20 << 20  # kLargeBuffer: the segment of a request under MIN_LAR
 MIN_LARGE_ALLOC = 10 << 20  # kMinLargeAlloc
 ROUND_LARGE = 2 << 20  # kRoundLarge: larger segments are the request rounded up to this
 
+# The margin over the replay: the largest measured/replayed peak reserved of the committed single-GPU
+# eager runs (python -m fabric_memory_recipes.planning.reserved prints them all; rerun it when they change).
+RESIDUAL = 1.037
+RESIDUAL_SOURCE = "published/h100/estimate/eager/04_lower_batch_size.json (4.905 GB measured, 4.731 replayed)"
+
 # An event of the simulated step: ("alloc", handle, nbytes) or ("free", handle, 0).
 Event = tuple[str, int, int]
 
@@ -85,6 +90,28 @@ class CachingAllocator:
         pool = self._pools[block.small]
         del pool[bisect.bisect_left(pool, key)]
         del self._free[key]
+
+    def add_segment(self, address: int, size: int, small: bool, live: dict[object, tuple[int, int]]) -> None:
+        """A segment reserved before the replay starts (a recorded trace that begins mid-run), with its
+        blocks in use: ``live`` maps a handle to (address, size); the gaps are cached free blocks."""
+        self.reserved += size
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+        self._next_address = max(self._next_address, address + size + ROUND_LARGE)
+        parts = sorted((a, n, h) for h, (a, n) in live.items())
+        gaps = [(a, n, None) for (a, n) in _gaps(address, size, [(a, n) for a, n, _ in parts])]
+        prev = None
+        for start, n, handle in sorted(parts + gaps, key=lambda p: p[0]):
+            block = _Block(start, n, small)
+            block.prev = prev
+            if prev is not None:
+                prev.next = block
+            prev = block
+            if handle is None:
+                self._insert(block)
+            else:
+                block.free = False
+                self._live[handle] = block
+                self.allocated += n
 
     def malloc(self, handle: object, nbytes: int) -> None:
         size = round_size(nbytes)
@@ -143,6 +170,18 @@ class CachingAllocator:
                 self.malloc(key, nbytes)
             else:
                 self.free(key)
+
+
+def _gaps(start: int, size: int, used: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The free stretches of [start, start + size) around the sorted (address, size) blocks ``used``."""
+    out, cursor = [], start
+    for address, n in used:
+        if address > cursor:
+            out.append((cursor, address - cursor))
+        cursor = address + n
+    if cursor < start + size:
+        out.append((cursor, start + size - cursor))
+    return out
 
 
 def replay(events: list[Event], marks: dict[str, int], steps: int = 3) -> CachingAllocator:

@@ -1,5 +1,6 @@
 """How far measured peak reserved memory sits above the allocator replay's (planning/allocator.py), on
-the committed runs: the margin the estimate for your own model adds (planning/user_estimate.py).
+the committed runs: where :data:`~fabric_memory_recipes.planning.allocator.RESIDUAL`, the margin the
+estimate for your own model adds (planning/user_estimate.py), comes from.
 
 The replay models the caching allocator's segments, best fit, splitting and merging on the tensors
 the simulation creates. What it cannot see are allocations no tensor of the simulation stands for:
@@ -22,18 +23,14 @@ from typing import Any
 
 from fabric_memory_recipes.config import RunConfig, declared_rung
 from fabric_memory_recipes.planning import calibration
-
-# The largest of the ratios main() prints (results of 3e45de8's replay; rerun it when the runs change).
-RESIDUAL = 1.037
-RESIDUAL_SOURCE = "published/h100/estimate/eager/04_lower_batch_size.json (4.905 GB measured, 4.731 replayed)"
+from fabric_memory_recipes.planning.allocator import RESIDUAL
+from fabric_memory_recipes.planning.check import meta_model
+from fabric_memory_recipes.planning.plan import plan_for
+from fabric_memory_recipes.planning.simulate import simulate
 
 
 def replayed(run: calibration.Measured) -> float:
     """The replayed peak reserved (GB) of one committed run's configuration."""
-    from fabric_memory_recipes.planning.check import meta_model
-    from fabric_memory_recipes.planning.plan import plan_for
-    from fabric_memory_recipes.planning.simulate import simulate
-
     payload = json.loads((calibration.RESULTS_DIR / run.path).read_text())
     config = payload["config"]
     rung, _ = declared_rung(run.recipe)
@@ -63,7 +60,9 @@ def residuals(runs: tuple[calibration.Measured, ...] | None = None) -> list[dict
 def main() -> int:
     rows = residuals()
     for r in sorted(rows, key=lambda r: r["ratio"]):
-        print(f"{r['ratio']:.4f}  measured {r['measured_gb']:.3f}  replayed {r['replayed_gb']:.3f}  {r['path']}")
+        print(
+            f"{r['ratio']:.4f}  measured {r['measured_gb']:.3f}  replayed {r['replayed_gb']:.3f}  {r['path']}"
+        )
     worst = max(rows, key=lambda r: r["ratio"])
     print(f"largest: {worst['ratio']:.4f} ({worst['path']}); in use: {RESIDUAL}")
     return 0

@@ -22,7 +22,7 @@ from fabric_memory_recipes.config import RunConfig
 from fabric_memory_recipes.console import notice
 from fabric_memory_recipes.measurement.card_overhead import card_overhead
 from fabric_memory_recipes.measurement.results_file import gpu_slug
-from fabric_memory_recipes.planning import reserved
+from fabric_memory_recipes.planning.allocator import RESIDUAL, RESIDUAL_SOURCE
 from fabric_memory_recipes.planning.plan import Estimate, Plan, plan_for
 from fabric_memory_recipes.planning.simulate import failed, simulate
 from fabric_memory_recipes.training import user_models
@@ -84,14 +84,14 @@ def card(est: Estimate, gpu: str = "h100", mode: str = "eager") -> dict[str, Any
     if est.peak_gb is None:
         return {"peak_reserved_gb": None, "device_peak_gb": None}
     replayed = est.reserved_gb if est.reserved_gb is not None else est.peak_gb  # a CPU plan: no allocator
-    value = replayed * reserved.RESIDUAL
+    value = replayed * RESIDUAL
     return {
         "peak_reserved_gb": round(value, 6),
         "device_peak_gb": None if over.gb is None else round(value + over.gb, 6),
         "reserved_rule": RESERVED_RULE,
         "replayed_reserved_gb": round(replayed, 6),
-        "reserved_residual": reserved.RESIDUAL,
-        "reserved_residual_source": reserved.RESIDUAL_SOURCE,
+        "reserved_residual": RESIDUAL,
+        "reserved_residual_source": RESIDUAL_SOURCE,
         "overhead_gb": over.gb,
         "overhead_source": over.source,
         "gpu": gpu,
