@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import time
 
 import pytest
 import torch
@@ -184,41 +185,56 @@ def test_runner_refuses_what_cannot_run(run_recipe, bert):
 
 def test_model_proof_rows_and_table_with_a_stand_in_runner(tmp_path, monkeypatch):
     """The GPU proof's bookkeeping on a CPU: each run's own prediction against its measurement, in rows
-    and a table; a run that does not end as expected makes the exit code 1."""
+    and a table written after every run; a run that does not end as expected makes the exit code 1; a
+    second call with the same --out runs only what the first left (here: stopped by its deadline)."""
     from fabric_memory_recipes.tools import model_proof
 
-    monkeypatch.setattr(
-        model_proof,
-        "MODELS",
-        [("timm:test_vit", ["--batch-size", "4"], [["--precision", "bf16-true"], ["--checkpoint-blocks"]])],
-    )
+    sets = [["--batch-size", "4", "--precision", "bf16-true"], ["--batch-size", "2", "--checkpoint-blocks"]]
+    monkeypatch.setattr(model_proof, "ROWS", [("timm:test_vit", 3, sets)])
     measured = iter([(2.0, 2.8, "ok"), (1.0, None, "oom")])
+    ran = []
 
     def stand_in(run, env, timeout):
+        ran.append(run.cmd)
+        time.sleep(0.6)  # the first call's deadline (0.5 s) passes during its first run
         reserved, device, status = next(measured)
         run.json.parent.mkdir(parents=True, exist_ok=True)
-        run.json.write_text(
-            json.dumps(
-                {
-                    "status": status,
-                    "memory": {"peak_reserved_gb": reserved, "device_peak_gb": device},
-                    "timing": {"images_per_s": 10.0},
-                    "config": {},
-                    "extra": {"predicted_card": {"peak_reserved_gb": 2.1, "device_peak_gb": 2.9}},
-                }
-            )
-        )
+        run.json.write_text(json.dumps({
+            "status": status, "memory": {"peak_reserved_gb": reserved, "device_peak_gb": device},
+            "timing": {"images_per_s": 10.0}, "config": {},
+            "extra": {"predicted_card": {"peak_reserved_gb": 2.1, "device_peak_gb": 2.9}}}))  # fmt: skip
         return {"status": status, "wall_s": 1.0}
 
     out = tmp_path / "proof"
-    assert (
-        model_proof.main(["--out", str(out), "--parts", "estimate"], runner=stand_in) == 1
-    )  # the 2nd ran out of memory
+    args = ["--out", str(out), "--parts", "estimate", "--deadline", "0.5"]
+    assert model_proof.main(args, runner=stand_in) == 0  # the second run did not start: not a failure
+    assert [r.get("status") for r in json.loads((out / "rows.json").read_text())] == ["ok", "not run"]
+    assert model_proof.main(args[:-2], runner=stand_in) == 1  # goes on: the second ran out of memory
+    assert len(ran) == 2 and "--max-steps" in ran[0] and ran[0][ran[0].index("--max-steps") + 1] == "3"
     rows = json.loads((out / "rows.json").read_text())
     assert [r["status"] for r in rows] == ["ok", "oom"]
     assert rows[0]["predicted_peak_gb"] == 2.1 and rows[0]["measured_peak_reserved_gb"] == 2.0
     table = (out / "table.md").read_text()
     assert "+5.0%" in table and "+3.6%" in table  # 2.1 vs 2.0 reserved, 2.9 vs 2.8 whole device
+
+
+def test_model_proof_rows_cover_the_issue():
+    """Five or more models outside the ladder (two vision, two text, a causal LM with a vocabulary over
+    100k), three or more technique sets each, every flag of a row given once."""
+    from fabric_memory_recipes.tools import model_proof
+
+    tasks, vocab = {}, {}
+    for ref, _steps, sets in model_proof.ROWS:
+        um = user_models.resolve(ref)
+        tasks[ref], vocab[ref] = um.task, um.vocab_size or 0
+        assert len(sets) >= 3, ref
+    assert len(tasks) >= 5
+    assert sum(t == "image_classification" for t in tasks.values()) >= 2
+    assert sum(t != "image_classification" for t in tasks.values()) >= 2
+    assert any(tasks[r] == "causal_lm" and vocab[r] > 100_000 for r in tasks)
+    runs = model_proof.estimate_runs(None)
+    assert all(not model_proof.repeated_flags(r["argv"]) for r in runs)
+    assert model_proof.repeated_flags(["--batch-size", "8", "--sgd", "--batch-size", "2"]) == ["--batch-size"]
 
 
 def real_step_peak(model, optimizer, batch, fn) -> float:
