@@ -27,12 +27,15 @@ on a CPU writes it, so the GPU machine need not simulate).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import shlex
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from fabric_memory_recipes.config import at_least
 from fabric_memory_recipes.console import Parser
@@ -43,6 +46,7 @@ from fabric_memory_recipes.planning.user_fit import UserPlanner
 from fabric_memory_recipes.tools import planner_proof
 from fabric_memory_recipes.tools.compare_reference import execute, run_env
 
+REPO = Path(__file__).resolve().parents[2]
 QWEN, BERT = "hf:examples/configs/qwen2-0.5b", "hf:examples/configs/bert-base-uncased"
 # (model, optimizer steps (None: --steps), [the flags after --model, each flag once, per technique set])
 ROWS: list[tuple[str, int | None, list[list[str]]]] = [
@@ -126,12 +130,21 @@ def estimate_runs(models: str | None) -> list[dict[str, Any]]:
     return runs
 
 
+def estimator_digest() -> str:
+    """The planning code and torch's version: a stored plan made by other code is made again."""
+    digest = hashlib.sha256(torch.__version__.encode())
+    for path in sorted((REPO / "fabric_memory_recipes" / "planning").glob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def fit_plan(args: argparse.Namespace) -> dict[str, Any]:
     """The planner's picks, next fitting sets and fastest rejected set per budget: planner_proof rows and
     the distinct runs that measure them (picks first, then the rejected, then the other fitting sets).
     Stored in ``DIR/fit_plan.json`` and reused while its arguments are the same."""
     key = {"model": args.fit_model, "batch": args.fit_batch, "seq_len": args.fit_seq_len, "gpu": args.gpu,
-           "budgets": args.budgets, "top": args.fit_top, "card_overhead_gb": card_overhead(args.gpu, "eager").gb}  # fmt: skip
+           "budgets": args.budgets, "top": args.fit_top, "card_overhead_gb": card_overhead(args.gpu, "eager").gb,
+           "estimator": estimator_digest()}  # fmt: skip
     path = args.out / "fit_plan.json"
     if path.exists():
         try:
@@ -142,14 +155,14 @@ def fit_plan(args: argparse.Namespace) -> dict[str, Any]:
         except (OSError, ValueError):
             pass
     planner = UserPlanner(args.fit_model, args.fit_batch, args.fit_seq_len, args.gpu)
-    seq, rows = planner.seq_len, []
+    rows = []
     runs: dict[tuple, dict[str, Any]] = {}
     for budget in args.budgets:
         fits, rejected = planner.fit(budget, top=args.fit_top)
         roles = [("pick", fits[0])] if fits else []
         roles += [("candidate", c) for c in fits[1:]] + ([("rejected", rejected)] if rejected else [])
         for role, c in roles:
-            argv = c.argv(planner.ref, seq)
+            argv = c.argv()
             fits_card = role != "rejected"
             run = runs.setdefault((shlex.join(argv), fits_card), {
                 "part": "fit", "model": planner.ref, "recipe": "your_model", "argv": argv, "budget_gb": budget,
@@ -157,8 +170,7 @@ def fit_plan(args: argparse.Namespace) -> dict[str, Any]:
             run["budget_gb"] = (min if fits_card else max)(run["budget_gb"], budget)
             if planner_proof.ROLES.index(role) < planner_proof.ROLES.index(run["role"]):
                 run["role"] = role
-            rows.append({**planner_proof._row(budget, role, _AsCandidate(c, planner)),
-                         "key": [shlex.join(argv), fits_card]})  # fmt: skip
+            rows.append({**planner_proof._row(budget, role, c), "key": [shlex.join(argv), fits_card]})
     for row in rows:
         row["measured_at_budget_gb"] = runs[tuple(row["key"])]["budget_gb"]
     ordered = sorted(runs.values(), key=lambda r: planner_proof.ROLES.index(r.pop("role")))
@@ -179,21 +191,6 @@ def earlier_runs(out: Path) -> dict[tuple, dict[str, Any]]:
     except (OSError, ValueError):
         return {}
     return {run_key(r): r for r in rows if isinstance(r, dict) and r.get("status") in FINISHED}
-
-
-class _AsCandidate:
-    """A user-model choice seen as planner_proof's Candidate (the fields its rows read)."""
-
-    def __init__(self, c, planner) -> None:
-        self.command = f"python recipes/your_model.py {shlex.join(c.argv(planner.ref, planner.seq_len))}"
-        self.rung = type("R", (), {"recipe": "your_model"})()
-        self._argv = c.argv(planner.ref, planner.seq_len)
-        self.predicted_gb, self.simulated_gb, self.card_gb = c.reserved_gb, c.allocated_gb, c.device_gb
-        self.overhead_gb = (c.device_gb or 0) - (c.reserved_gb or 0)
-        self.images_per_s, self.speed_source = c.samples_per_s, "model (FLOPs-scaled ladder calibration)"
-
-    def argv(self) -> list[str]:
-        return self._argv
 
 
 def read_prediction(run: dict[str, Any], out: Path) -> None:
