@@ -190,7 +190,7 @@ def test_model_proof_rows_and_table_with_a_stand_in_runner(tmp_path, monkeypatch
     from fabric_memory_recipes.tools import model_proof
 
     sets = [["--batch-size", "4", "--precision", "bf16-true"], ["--batch-size", "2", "--checkpoint-blocks"]]
-    monkeypatch.setattr(model_proof, "ROWS", [("timm:test_vit", 3, sets)])
+    monkeypatch.setattr(model_proof, "ROWS", [("timm:test_vit", sets)])
     measured = iter([(2.0, 2.8, "ok"), (1.0, None, "oom")])
     ran = []
 
@@ -210,7 +210,7 @@ def test_model_proof_rows_and_table_with_a_stand_in_runner(tmp_path, monkeypatch
     assert model_proof.main(args, runner=stand_in) == 0  # the second run did not start: not a failure
     assert [r.get("status") for r in json.loads((out / "rows.json").read_text())] == ["ok", "not run"]
     assert model_proof.main(args[:-2], runner=stand_in) == 1  # goes on: the second ran out of memory
-    assert len(ran) == 2 and "--max-steps" in ran[0] and ran[0][ran[0].index("--max-steps") + 1] == "3"
+    assert len(ran) == 2 and "--max-steps" in ran[0] and ran[0][ran[0].index("--max-steps") + 1] == "4"
     rows = json.loads((out / "rows.json").read_text())
     assert [r["status"] for r in rows] == ["ok", "oom"]
     assert rows[0]["predicted_peak_gb"] == 2.1 and rows[0]["measured_peak_reserved_gb"] == 2.0
@@ -218,13 +218,40 @@ def test_model_proof_rows_and_table_with_a_stand_in_runner(tmp_path, monkeypatch
     assert "+5.0%" in table and "+3.6%" in table  # 2.1 vs 2.0 reserved, 2.9 vs 2.8 whole device
 
 
+def test_model_proof_shares_the_gpu_between_estimate_runs_only(tmp_path, monkeypatch):
+    """--jobs N: estimate runs (memory per process) go N at a time; every row is written."""
+    import threading
+
+    from fabric_memory_recipes.tools import model_proof
+
+    sets = [["--batch-size", str(b)] for b in (2, 3, 4)]
+    monkeypatch.setattr(model_proof, "ROWS", [("timm:test_vit", sets)])
+    lock, active, most = threading.Lock(), [0], [0]
+
+    def stand_in(run, env, timeout):
+        with lock:
+            active[0] += 1
+            most[0] = max(most[0], active[0])
+        time.sleep(0.3)
+        run.json.parent.mkdir(parents=True, exist_ok=True)
+        run.json.write_text(json.dumps({"status": "ok", "memory": {"peak_reserved_gb": 1.0}, "config": {}}))
+        with lock:
+            active[0] -= 1
+        return {"status": "ok", "wall_s": 0.3}
+
+    out = tmp_path / "proof"
+    assert model_proof.main(["--out", str(out), "--parts", "estimate", "--jobs", "3"], runner=stand_in) == 0
+    assert most[0] >= 2
+    assert [r["status"] for r in json.loads((out / "rows.json").read_text())] == ["ok", "ok", "ok"]
+
+
 def test_model_proof_rows_cover_the_issue():
     """Five or more models outside the ladder (two vision, two text, a causal LM with a vocabulary over
     100k), three or more technique sets each, every flag of a row given once."""
-    from fabric_memory_recipes.tools import model_proof
+    from fabric_memory_recipes.tools import model_proof, planner_proof
 
     tasks, vocab = {}, {}
-    for ref, _steps, sets in model_proof.ROWS:
+    for ref, sets in model_proof.ROWS:
         um = user_models.resolve(ref)
         tasks[ref], vocab[ref] = um.task, um.vocab_size or 0
         assert len(sets) >= 3, ref
@@ -234,6 +261,7 @@ def test_model_proof_rows_cover_the_issue():
     assert any(tasks[r] == "causal_lm" and vocab[r] > 100_000 for r in tasks)
     runs = model_proof.estimate_runs(None)
     assert all(not model_proof.repeated_flags(r["argv"]) for r in runs)
+    assert len({planner_proof._slug(r) for r in runs}) == len(runs)  # each run its own results folder
     assert model_proof.repeated_flags(["--batch-size", "8", "--sgd", "--batch-size", "2"]) == ["--batch-size"]
 
 

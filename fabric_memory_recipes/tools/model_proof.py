@@ -16,6 +16,10 @@ Two parts, each run as ``recipes/your_model.py`` processes one after another (``
   next fitting set must run, the fastest rejected set must run out of memory, and the pick's measured
   speed is compared with the fastest measured set that fits (the target: within 20 %).
 
+The estimate runs measure memory only (4 steps; ``--jobs N`` runs N of them at a time on the GPU: each
+measures its own process, the whole-device peak through NVML's entry for that process); the fit runs go
+one at a time (``--steps``), as their speeds are compared.
+
 Writes ``DIR/rows.json`` (every run), ``DIR/fit.json`` (planner_proof's row format) and
 ``DIR/table.md`` after every run, so a call stopped at its limit keeps what finished; a later call with
 the same ``--out`` skips the runs already there (ok, out of memory or error; ``--redo`` runs them
@@ -31,7 +35,9 @@ import hashlib
 import json
 import shlex
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -48,26 +54,26 @@ from fabric_memory_recipes.tools.compare_reference import execute, run_env
 
 REPO = Path(__file__).resolve().parents[2]
 QWEN, BERT = "hf:examples/configs/qwen2-0.5b", "hf:examples/configs/bert-base-uncased"
-# (model, optimizer steps (None: --steps), [the flags after --model, each flag once, per technique set])
-ROWS: list[tuple[str, int | None, list[list[str]]]] = [
-    ("torchvision:resnet50", None, [
+# (model, [the flags after --model, each flag once, per technique set])
+ROWS: list[tuple[str, list[list[str]]]] = [
+    ("torchvision:resnet50", [
         ["--batch-size", "64", "--precision", "bf16-mixed"],
         ["--batch-size", "64", "--precision", "bf16-true", "--optimizer", "sgd"],
         ["--batch-size", "64", "--precision", "32-true", "--checkpoint-blocks"]]),
-    ("timm:convnext_tiny", None, [
+    ("timm:convnext_tiny", [
         ["--batch-size", "64", "--precision", "bf16-mixed"],
         ["--batch-size", "64", "--precision", "bf16-true", "--checkpoint-blocks"],
         ["--batch-size", "64", "--precision", "32-true", "--accumulation-steps", "4"]]),
-    ("timm:vit_base_patch16_224", None, [
+    ("timm:vit_base_patch16_224", [
         ["--batch-size", "32", "--precision", "bf16-mixed"],
         ["--batch-size", "32", "--precision", "bf16-true", "--checkpoint-blocks"],
         ["--batch-size", "32", "--precision", "bf16-true", "--activation-offload", "--accumulation-steps", "2"]]),
-    (BERT, None, [
+    (BERT, [
         ["--batch-size", "16", "--seq-len", "512", "--precision", "bf16-true"],
         ["--batch-size", "16", "--seq-len", "512", "--precision", "bf16-mixed", "--checkpoint-blocks"],
         ["--batch-size", "16", "--seq-len", "512", "--precision", "32-true", "--accumulation-steps", "4"]]),
-    # a large-vocabulary causal LM: few steps (a step of 8 x 512 tokens with 152k logits is the slow one)
-    (QWEN, 4, [
+    # a large-vocabulary causal LM (151,936 tokens)
+    (QWEN, [
         ["--batch-size", "8", "--seq-len", "512", "--precision", "bf16-true", "--accumulation-steps", "4"],
         ["--batch-size", "8", "--seq-len", "512", "--precision", "bf16-true", "--checkpoint-blocks",
          "--accumulation-steps", "2"],
@@ -76,6 +82,9 @@ ROWS: list[tuple[str, int | None, list[list[str]]]] = [
         ["--batch-size", "2", "--seq-len", "512", "--precision", "bf16-true", "--optimizer", "sgd",
          "--optimizer-in-backward"]]),
 ]  # fmt: skip
+# The estimate runs measure memory only: the steady peak comes with the second step (a step of Qwen2's
+# 8 x 512 tokens with 152k logits is the slow one); --steps is for --fit's runs, whose speeds are compared.
+ESTIMATE_STEPS = 4
 FINISHED = ("ok", "oom", "error")  # what a later call does not run again (timeout, not run: it does)
 CARD_GB = 80.0  # the estimate part: an H100's card, no cap that matters
 
@@ -98,9 +107,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="card sizes in GB (default 3,4,8)",
     )
     p.add_argument("--gpu", default="h100", help="GPU kind for the card overhead and speed (default h100)")
-    p.add_argument("--steps", type=at_least(3), default=8, help="optimizer steps per run (default 8)")
+    p.add_argument("--steps", type=at_least(3), default=8, help="optimizer steps per --fit run (default 8)")
     p.add_argument("--timeout", type=at_least(1), default=120, help="seconds per run (default 120)")
     p.add_argument("--deadline", type=float, default=None, help="seconds after which no run starts")
+    p.add_argument("--jobs", type=at_least(1), default=1, help="estimate runs at a time on the GPU (each"
+                   " measures its own process; speeds of those runs are then not the GPU's alone; default 1)")
     p.add_argument("--redo", action="store_true", help="run again what --out already holds")
     p.add_argument("--dry-run", action="store_true", help="plan and print the runs; run nothing")
     args = p.parse_args(argv)
@@ -118,7 +129,7 @@ def repeated_flags(argv: list[str]) -> list[str]:
 def estimate_runs(models: str | None) -> list[dict[str, Any]]:
     keep = None if models is None else {m.strip() for m in models.split(",")}
     runs = []
-    for ref, steps, sets in ROWS:
+    for ref, sets in ROWS:
         if keep is not None and ref not in keep:
             continue
         for flags in sets:
@@ -126,7 +137,7 @@ def estimate_runs(models: str | None) -> list[dict[str, Any]]:
             if repeated_flags(argv):
                 raise ValueError(f"model_proof row {shlex.join(argv)}: {', '.join(repeated_flags(argv))} twice")
             runs.append({"part": "estimate", "model": ref, "recipe": "your_model", "argv": argv,
-                         "budget_gb": CARD_GB, "expect": "ok", "steps": steps})  # fmt: skip
+                         "budget_gb": CARD_GB, "expect": "ok", "steps": ESTIMATE_STEPS})  # fmt: skip
     return runs
 
 
@@ -199,7 +210,8 @@ def read_prediction(run: dict[str, Any], out: Path) -> None:
     result = json.loads(path.read_text()) if path and path.exists() else {}
     card = (result.get("extra") or {}).get("predicted_card") or {}
     run.update(predicted_peak_gb=card.get("peak_reserved_gb"), predicted_device_gb=card.get("device_peak_gb"),
-               predicted_allocated_gb=(result.get("estimate") or {}).get("peak_allocated_gb"))  # fmt: skip
+               predicted_allocated_gb=(result.get("estimate") or {}).get("peak_allocated_gb"),
+               device_method=(result.get("memory") or {}).get("device_method"))  # fmt: skip
 
 
 def pct(p: Any, m: Any) -> str:
@@ -221,6 +233,11 @@ def render(runs: list[dict[str, Any]], fit_rows: list[dict[str, Any]]) -> str:
                      f" {f(r.get('measured_peak_reserved_gb'), '.2f')} | {pct(r.get('predicted_peak_gb'), r.get('measured_peak_reserved_gb'))} |"
                      f" {f(r.get('predicted_device_gb'), '.2f')} | {f(r.get('measured_device_peak_gb'), '.2f')} |"
                      f" {pct(r.get('predicted_device_gb'), r.get('measured_device_peak_gb'))} |")  # fmt: skip
+    shared = {r.get("jobs") for r in runs if r["part"] == "estimate"} - {None, 1}
+    if shared:  # runs that shared the GPU: only a per-process whole-device reading is theirs alone
+        methods = sorted({str(r.get("device_method")) for r in runs if r["part"] == "estimate" and r.get("status") == "ok"})
+        lines += ["", f"Estimate runs shared the GPU ({', '.join(map(str, sorted(shared)))} at a time); whole device"
+                  f" read by: {', '.join(methods)} (nvml-process: the process's own)."]  # fmt: skip
     if fit_rows:
         lines += ["", "## --fit on a capped GPU", "", planner_proof.render(fit_rows)]
     return "\n".join(lines) + "\n"
@@ -258,21 +275,26 @@ def main(argv: list[str] | None = None, runner=None) -> int:
     runs += done.values()  # what an earlier call ran for a part not asked now stays in rows.json
     todo = [run for run in runs if run.get("status") not in FINISHED]
     print(f"model_proof: {len(runs)} runs, {len(runs) - len(todo)} already in {args.out}, {len(todo)} to run,"
-          f" {args.steps} steps each (fewer where a row says)", flush=True)  # fmt: skip
+          f" {ESTIMATE_STEPS} steps each to estimate, {args.steps} to fit", flush=True)  # fmt: skip
     if args.dry_run:
         for i, run in enumerate(todo, 1):
             print(f"[{i:2d}/{len(todo)}] {run['part']}, expect {run['expect']} at {run['budget_gb']:g} GB:"
                   f" {shlex.join(planner_proof.run_argv(run, run['steps'] or args.steps, args.out / 'runs' / planner_proof._slug(run)))}")  # fmt: skip
         return 0
     runner, env = runner or execute, run_env(tempfile.mkdtemp(prefix="model-proof-logs-"))
-    for i, run in enumerate(todo, 1):
+    lock, counter = threading.Lock(), iter(range(1, len(todo) + 1))
+
+    def one(run: dict[str, Any]) -> None:
         elapsed = time.perf_counter() - t0
         if args.deadline is not None and elapsed >= args.deadline:
             run.update(status="not run", error=f"--deadline {args.deadline:g} s spent")
-            continue
+            return
+        with lock:
+            i = next(counter)
         print(f"[{i:2d}/{len(todo)}] {elapsed:.0f} s: {run['part']} {run['budget_gb']:g} GB, expect {run['expect']}:"
               f" {shlex.join(run['argv'])}", flush=True)  # fmt: skip
         timeout = min(args.timeout, args.deadline - elapsed) if args.deadline else args.timeout
+        run["jobs"] = args.jobs if run["part"] == "estimate" else 1
         planner_proof.measure(run, argparse.Namespace(**{**vars(args), "steps": run["steps"] or args.steps}),
                               env, runner, timeout)  # fmt: skip
         read_prediction(run, args.out)
@@ -280,7 +302,15 @@ def main(argv: list[str] | None = None, runner=None) -> int:
               f" (predicted {run.get('predicted_peak_gb') or 0:.2f}), device {run.get('measured_device_peak_gb') or 0:.2f} GB"
               f" (predicted {run.get('predicted_device_gb') or 0:.2f}), {run.get('measured_images_per_s') or 0:.1f}/s,"
               f" {run.get('wall_s', 0):.0f} s", flush=True)  # fmt: skip
-        write(args.out, runs, fit_rows)
+        with lock:
+            write(args.out, runs, fit_rows)
+
+    # the estimate part's runs may share the GPU (--jobs): each measures its own process's memory; the
+    # fit part's run one at a time, as their speeds are compared
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        list(pool.map(one, [r for r in todo if r["part"] == "estimate"]))
+    for run in (r for r in todo if r["part"] != "estimate"):
+        one(run)
     write(args.out, runs, fit_rows)
     left = sum(r.get("status") not in FINISHED for r in runs)
     print(f"model_proof: {time.perf_counter() - t0:.0f} s, {len(runs) - left} of {len(runs)} runs done"
