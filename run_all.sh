@@ -4,8 +4,8 @@
 #   ./run_all.sh                         every numbered recipe (GPU: full size, into runs/ladder; no GPU: the
 #                                        quick CPU path, into runs/cpu)
 #   ./run_all.sh --quick                 GPU: the single-GPU ladder (01-07, 10-16), 20 steps each, synthetic
-#                                        data, into runs/quick, 3 recipes at a time (--jobs); no GPU: the CPU path
-#   ./run_all.sh --jobs N                up to N recipes at once (default 1; --quick on a GPU: 3): start-up,
+#                                        data, into runs/quick, 6 recipes at a time (--jobs); no GPU: the CPU path
+#   ./run_all.sh --jobs N                up to N recipes at once (default 1; --quick on a GPU: 6): start-up,
 #                                        model building and evaluation overlap, the training loops take
 #                                        turns on the GPU (one at a time), so peaks and speeds stay each
 #                                        rung's own; the output of each recipe is shown when it ends
@@ -44,7 +44,7 @@ bonus=0
 results_dir=""
 extra=()
 jobs=""
-QUICK_JOBS=3  # GPU --quick: recipes at once (their training loops one at a time)
+QUICK_JOBS=6  # GPU --quick: recipes at once (their training loops one at a time)
 
 usage() { sed -n '2,31p' "$0" | sed 's/^# \{0,1\}//'; }
 # A signal while a recipe runs reaches the recipe too (one process group); bash acts on the trap once

@@ -2,7 +2,8 @@
 forward / backward / optimizer times, and put the estimator's prediction next to the measurement.
 
 Every variant is trained the same way (Fabric, synthetic CIFAR-shaped batches resized on the device,
-Adam over the trainable parameters only, ``zero_grad(set_to_none=True)``). Measured per variant:
+Adam over the trainable parameters only, ``zero_grad(set_to_none=True)``), with the recipes' own training
+step (``fabric_memory_recipes.training.step.train_step``). Measured per variant:
 
 * ``peak_allocated_gb`` / ``peak_reserved_gb``: ``torch.cuda.max_memory_*`` over all training steps,
   reset when training starts (CUDA only; null on a CPU);
@@ -20,10 +21,11 @@ Experiments run eager (no torch.compile): the estimator models the eager graph.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import statistics
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,7 @@ from fabric_memory_recipes.measurement import results, results_file  # noqa: E40
 from fabric_memory_recipes.measurement.profiling import Recorder  # noqa: E402
 from fabric_memory_recipes.paths import output_folder  # noqa: E402
 from fabric_memory_recipes.training import data, models  # noqa: E402
+from fabric_memory_recipes.training.step import Region, no_region, train_step  # noqa: E402
 
 GB = 1e9
 
@@ -121,31 +124,30 @@ def train_variant(
     labels = torch.randint(0, data.NUM_CLASSES, (args.batch_size,), generator=g)
     batch = (images.to(fabric.device), labels.to(fabric.device))
 
-    idle = Recorder(fabric.device)  # marks nothing
-
-    def step(rec: Recorder = idle) -> None:
-        with rec.region("forward"):
-            loss = batch_fn(model, batch)[0]
-        with rec.region("backward"):
-            fabric.backward(loss)
-        with rec.region("optimizer"):
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        rec.step()
+    def step(rec: Recorder | None = None, region: Region = no_region) -> None:  # the recipes' step, k = 1
+        train_step(fabric, model, optimizer, batch_fn, [batch], region=rec.region if rec else region)
+        if rec:
+            rec.step()
 
     baseline = None
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         baseline = torch.cuda.memory_allocated() / GB  # weights (+ batch): a leak from a variant shows here
-    # one real forward pass with the estimator's hooks: the bytes autograd saves
-    with planning.SavedTensorCounter([*model.parameters(), *model.buffers()]) as saved:
-        loss = batch_fn(model, batch)[0]
-    saved_bytes = saved.rounded_nbytes
-    fabric.backward(loss)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    del loss
+    # the first step's forward pass with the estimator's hooks: the bytes autograd saves
+    saved_bytes = 0
+
+    @contextlib.contextmanager
+    def counting(name: str) -> Iterator[None]:
+        nonlocal saved_bytes
+        if name != "forward":
+            yield
+            return
+        with planning.SavedTensorCounter([*model.parameters(), *model.buffers()]) as saved:
+            yield
+        saved_bytes = saved.rounded_nbytes  # read while the forward's graph is alive
+
+    step(region=counting)
     for _ in range(max(0, args.steps - 1 - args.profile_steps)):
         step()
     # timed steps: a light profiler (no memory, no stacks), after the warm-up steps above

@@ -17,7 +17,6 @@ RUNG = RunConfig(
     batch_size=64,
     accumulation_steps=1,
     lr=5e-5,
-    optimizer="adam",  # for the estimate: what the code below builds (fused Adam, two moments)
 )
 
 
@@ -39,7 +38,7 @@ def main(cfg: RunConfig, results) -> None:
         models.compile_blocks(model, cfg.compile)  # fast mode: one compiled graph shared by every block
         # fused: the whole update in one kernel, no temporary copies of the parameters
         optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr, fused=True)
-        results.estimate = planning.for_run(model, cfg)  # the predicted peak
+        results.estimate = planning.for_run(model, cfg, optimizer)  # the predicted peak
         optimizer = bf16.updates(optimizer, cfg, results)  # --bf16-update, --lost-updates (training/bf16.py)
         model, optimizer = fabric.setup(model, optimizer)
     results.set(parameters=models.count_parameters(model))

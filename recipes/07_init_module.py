@@ -20,7 +20,7 @@ RUNG = RunConfig(
     batch_size=16,  # rung 04: a quarter of the activations
     accumulation_steps=4,  # rung 05: 4 micro-batches of 4; the loop's "rung 05" blocks group them
     lr=0.01,
-    optimizer="sgd",  # rung 06: for the estimate, SGD keeps no state
+    optimizer="sgd",  # rung 06: SGD keeps no state (declared for the planner)
 )
 
 
@@ -52,7 +52,7 @@ def main(cfg: RunConfig, results) -> None:
         models.compile_blocks(model, cfg.compile)  # fast mode: one compiled graph shared by every block
         # rung 06: plain SGD keeps no state (Adam kept two extra tensors per parameter); fused: one kernel
         optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, fused=True)
-        results.estimate = planning.for_run(model, cfg)  # the predicted peak
+        results.estimate = planning.for_run(model, cfg, optimizer)  # the predicted peak
         optimizer = bf16.updates(optimizer, cfg, results)  # --bf16-update, --lost-updates (training/bf16.py)
         model, optimizer = fabric.setup(model, optimizer)
     results.set(parameters=models.count_parameters(model))

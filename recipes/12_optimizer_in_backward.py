@@ -20,7 +20,7 @@ RUNG = RunConfig(
     batch_size=4,  # rung 12: the micro-batch; no accumulation (it would keep every gradient)
     accumulation_steps=1,
     lr=0.01,
-    optimizer="sgd",  # rung 06: for the estimate, SGD keeps no state
+    optimizer="sgd",  # rung 06: SGD keeps no state (declared for the planner)
     optimizer_in_backward=True,  # rung 12: each gradient freed in backward (--accumulation-steps 1 only)
 )
 

@@ -19,7 +19,7 @@ RUNG = RunConfig(
     batch_size=16,  # rung 04: a quarter of the activations
     accumulation_steps=4,  # rung 05: 4 micro-batches of 4; the loop's "rung 05" blocks group them
     lr=5e-5,
-    optimizer="adamw8bit",  # rung 13: for the estimate, Adam's two moments in 8 bits
+    optimizer="adamw8bit",  # rung 13: Adam's two moments in 8 bits (declared for the planner)
 )
 
 
@@ -45,7 +45,7 @@ def main(cfg: RunConfig, results) -> None:
             model = models.build_model(cfg.model, weights, data.NUM_CLASSES, cfg.image_size)
         models.compile_blocks(model, cfg.compile)  # fast mode: one compiled graph shared by every block
         optimizer = AdamW8bit(model.parameters(), lr=cfg.lr)  # rung 13: 8-bit moments, scaled per block
-        results.estimate = planning.for_run(model, cfg)  # the predicted peak
+        results.estimate = planning.for_run(model, cfg, optimizer)  # the predicted peak
         optimizer = bf16.updates(optimizer, cfg, results)  # --bf16-update, --lost-updates (training/bf16.py)
         model, optimizer = fabric.setup(model, optimizer)
     results.set(parameters=models.count_parameters(model))

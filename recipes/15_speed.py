@@ -32,7 +32,6 @@ RUNG = SpeedConfig(
     batch_size=256,  # rung 15: bigger matrix products, the optimizer step paid once per 256 images
     accumulation_steps=1,
     lr=5e-5,
-    optimizer="adam",  # for the estimate: what the code below builds (fused Adam, two moments)
     fused_attention=True,  # rung 15: one qkv Linear + scaled_dot_product_attention per block
 )
 

@@ -5,7 +5,8 @@
 - imports sit at the top of a module; an import inside a function is allowed only for the optional or
   deliberately lazy dependencies listed in LAZY, each with its reason;
 - ``fabric_memory_recipes/config.py`` imports nothing else from ``fabric_memory_recipes``;
-- no file in ``fabric_memory_recipes/`` is over 400 lines; recipes 01-15 are at most 80 lines, the bonus ones 120;
+- no file in ``fabric_memory_recipes/`` (its tools included) or ``experiments/`` is over 400 lines; recipes
+  01-15 are at most 80 lines, the bonus ones 120;
 - the loop's teaching core (``fabric_memory_recipes.training.loop.fit``) is at most 60 lines;
 - every numbered recipe declares its rung (``RUNG``) and marks its own technique with ``# rung NN``;
 - nothing cites the team's notes, which a reader of the repository does not have.
@@ -47,7 +48,7 @@ def module_name(path: Path) -> str:
 
 def common_modules(tools: bool = False) -> dict[str, Path]:
     """The package's modules; its command-line tools (``fabric_memory_recipes/tools/``) only with
-    ``tools``: they import lazily so that ``--help`` answers fast, and keep their own sizes."""
+    ``tools``: they may import lazily so that ``--help`` answers fast."""
     return {
         module_name(p): p
         for p in sorted(COMMON.rglob("*.py"))
@@ -176,9 +177,11 @@ def test_imports_are_at_the_top_and_lazy_ones_are_listed():
 
 
 # ------------------------------------------------------------------------------------------- sizes
-def test_no_file_in_common_is_over_400_lines():
-    sizes = {str(p.relative_to(REPO)): len(p.read_text().splitlines()) for p in common_modules().values()}
+def test_no_file_in_the_package_its_tools_or_experiments_is_over_400_lines():
+    files = [*common_modules(tools=True).values(), *(REPO / "experiments").glob("*.py")]
+    sizes = {str(p.relative_to(REPO)): len(p.read_text().splitlines()) for p in files}
     assert len(sizes) > 20
+    assert "fabric_memory_recipes/tools/compare_reference.py" in sizes and "experiments/harness.py" in sizes
     assert {p: n for p, n in sizes.items() if n > 400} == {}
 
 
@@ -190,14 +193,62 @@ def test_recipes_are_short_enough_to_read_in_one_sitting():
     assert {k: n for k, n in sizes.items() if k.startswith("bonus_") and n > 120} == {}
 
 
+def _function(path: Path, name: str) -> tuple[ast.FunctionDef, str]:
+    text = path.read_text()
+    node = next(n for n in ast.parse(text).body if isinstance(n, ast.FunctionDef) and n.name == name)
+    return node, ast.get_source_segment(text, node)
+
+
 def test_the_loop_core_is_at_most_60_lines_and_marks_its_rungs():
-    tree = ast.parse((COMMON / "training" / "loop.py").read_text())
-    fit = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "fit")
-    assert fit.end_lineno - fit.lineno + 1 <= 60
-    source = ast.get_source_segment((COMMON / "training" / "loop.py").read_text(), fit)
-    for rung in ("05", "06", "12"):  # accumulation, the schedule, the step inside backward
-        assert f"# rung {rung}" in source, rung
-    assert "fabric.no_backward_sync" in source and "fabric.backward" in source
+    fit, loop = _function(COMMON / "training" / "loop.py", "fit")
+    step, train_step = _function(COMMON / "training" / "step.py", "train_step")
+    assert fit.end_lineno - fit.lineno + 1 <= 60 and step.end_lineno - step.lineno + 1 <= 40
+    for rung in ("05", "06"):  # accumulation (the groups), the schedule
+        assert f"# rung {rung}" in loop, rung
+    for rung in ("05", "12"):  # accumulation (the loss divided, no sync), the step inside backward
+        assert f"# rung {rung}" in train_step, rung
+    assert "train_step(" in loop and "accumulation_groups(" in loop
+    assert "fabric.no_backward_sync" in train_step and "fabric.backward" in train_step
+
+
+def _calls(node: ast.AST) -> set[str]:
+    """``a.b.backward(...)`` -> 'backward'; ``opt.step()`` -> 'opt.step' (the receiver's last name)."""
+    found = set()
+    for call in ast.walk(node):
+        if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute):
+            receiver = call.func.value
+            name = receiver.attr if isinstance(receiver, ast.Attribute) else getattr(receiver, "id", "")
+            found.add(call.func.attr if call.func.attr == "backward" else f"{name}.{call.func.attr}")
+    return found
+
+
+def training_steps(paths, root: Path = REPO) -> list[str]:
+    """Functions that write a training step: a backward and an optimizer's step in the same function."""
+    found = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                calls = _calls(node)
+                stepped = any(c.endswith(".step") and "opt" in c.split(".")[0] for c in calls)
+                if "backward" in calls and stepped:
+                    found.append(f"{path.relative_to(root)}:{node.name}")
+    return found
+
+
+def test_the_training_step_is_written_once():
+    """Eager training, fast mode's graph, the experiments and the tools all call training/step.py's
+    train_step: no second forward/backward/step sequence in the package, its tools or experiments."""
+    paths = [*COMMON.rglob("*.py"), *(REPO / "experiments").glob("*.py")]
+    assert training_steps(paths) == ["fabric_memory_recipes/training/step.py:train_step"]
+
+
+def test_the_step_finder_finds_a_step(tmp_path):
+    """Guard for the test above: a hand-written step is found, a hook that only steps is not."""
+    (tmp_path / "x.py").write_text(
+        "def step(model, optimizer, x):\n    model(x).sum().backward()\n    optimizer.step()\n"
+        "def hook(p):\n    optimizers[p].step()\n"
+    )
+    assert training_steps([tmp_path / "x.py"], root=tmp_path) == ["x.py:step"]
 
 
 # ------------------------------------------------------------------------------------------ recipes

@@ -1,5 +1,6 @@
-"""fabric_memory_recipes.tools.compare_reference and fabric_memory_recipes.tools.reference_runner: the article's scripts run offline with only the data
-and weights swapped, stopped after N optimizer steps; comparison.json assembled from per-run JSON; the
+"""fabric_memory_recipes.tools.compare_reference (with compare_plan, compare_rows) and reference_runner (with
+reference_recorder, reference_substitutions): the article's scripts run offline with only the data and
+weights swapped, stopped after N optimizer steps; comparison.json assembled from per-run JSON; the
 comparison table and figure (fabric_memory_recipes.measurement.report); bad input.
 
 No checkout of the article's repository is needed: the tests write small scripts with the same imports
@@ -23,6 +24,7 @@ import pytest
 from conftest import REPO, describe, result, run_process, session_dir, submit, subprocess_env
 
 from fabric_memory_recipes.measurement import comparison, report
+from fabric_memory_recipes.tools import compare_plan, compare_rows, processes
 from fabric_memory_recipes.tools import compare_reference as cmp
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -176,18 +178,18 @@ def test_pretrained_builders_give_random_models_of_the_same_architecture(monkeyp
     import torchvision.models.vision_transformer as vt
     from torchvision.models import ViT_H_14_Weights, ViT_L_16_Weights, vit_h_14, vit_l_16
 
-    from fabric_memory_recipes.tools import reference_runner as rr
+    from fabric_memory_recipes.tools import reference_recorder, reference_substitutions
 
     def no_download(*args, **kwargs):
         raise AssertionError("pretrained weights must not be loaded")
 
     monkeypatch.setattr(torchvision.models._api.WeightsEnum, "get_state_dict", no_download)
     builder, cifar = vt._vision_transformer, torchvision.datasets.CIFAR10
-    recorder = rr.StepRecorder(Path("script.py"), steps=5)
-    with rr.substitutions(recorder) as notes, torch.device("meta"):
+    recorder = reference_recorder.StepRecorder(Path("script.py"), steps=5)
+    with reference_substitutions.substitutions(recorder) as notes, torch.device("meta"):
         large = vit_l_16(weights=ViT_L_16_Weights.IMAGENET1K_V1)
         huge = vit_h_14(weights=ViT_H_14_Weights.IMAGENET1K_SWAG_E2E_V1)  # the article's FSDP scripts
-        assert torchvision.datasets.CIFAR10 is rr.RandomCIFAR10
+        assert torchvision.datasets.CIFAR10 is reference_substitutions.RandomCIFAR10
     assert sum(p.numel() for p in large.parameters()) == 304_326_632  # ViT-L/16, 1000 classes
     assert (large.image_size, large.heads.head.out_features, huge.image_size) == (224, 1000, 518)
     assert any("IMAGENET1K_SWAG_E2E_V1 -> random init" in n for n in notes)
@@ -200,9 +202,9 @@ def test_recorder_counts_one_step_per_iteration_with_one_optimizer_per_parameter
     """Per-parameter optimizers all step in one iteration: one mark, not one per optimizer."""
     import torch
 
-    from fabric_memory_recipes.tools import reference_runner as rr
+    from fabric_memory_recipes.tools.reference_recorder import StepRecorder
 
-    recorder = rr.StepRecorder(Path("script.py"), steps=100)
+    recorder = StepRecorder(Path("script.py"), steps=100)
     recorder.counting = True
     model, batch = torch.nn.Linear(2, 2), torch.zeros(4, 2)
     for _ in range(3):  # iterations
@@ -279,7 +281,7 @@ def test_comparison_rows_from_per_run_json(tmp_path):
     runs_dir = out / "runs"
     runs_dir.mkdir(parents=True)
     rungs, modes = ["05", "06", "07", "10"], ["eager", "fast"]
-    runs = cmp.plan_runs(rungs, modes, ref_dir, runs_dir, steps=25, python="python")
+    runs = compare_plan.plan_runs(rungs, modes, ref_dir, runs_dir, steps=25, python="python")
     references = [r for r in runs if r.kind == "reference"]
     assert [r.name for r in references] == ["05_gradient-accum.py", "06_sgd-with-scheduler.py"]
     assert references[1].rows == ["06", "07"]  # one run of the 06 script serves rung 07 too
@@ -306,11 +308,11 @@ def test_comparison_rows_from_per_run_json(tmp_path):
     six_fast = next(r for r in runs if r.name == "06" and r.mode == "fast")
     six_fast.result = {"status": "timeout", "exit_code": None, "wall_s": 300.0, "error": "killed after 300 s"}
 
-    call = cmp.call_info(
+    call = compare_rows.call_info(
         runs, "2025-01-01T00:00:00+00:00", 25, "python -m fabric_memory_recipes.tools.compare_reference ..."
     )
-    rows = [cmp.build_row(r, runs, out, modes, call) for r in rungs]
-    cmp.write_outputs(out, rows)
+    rows = [compare_rows.build_row(r, runs, out, modes, call) for r in rungs]
+    compare_rows.write_outputs(out, rows)
     saved = json.loads((out / "comparison.json").read_text())
     assert isinstance(saved, list) and [r["rung"] for r in saved] == rungs
     for row in saved:
@@ -337,12 +339,12 @@ def test_reference_with_several_ranks_reports_the_peak_per_gpu(tmp_path):
     path = tmp_path / "reference-09_fsdp-act-checkp.json"
     path.write_text(json.dumps(_reference_json(4.37, 358.0, world_size=4)))
     (tmp_path / "reference-09_fsdp-act-checkp.rank1.json").write_text(json.dumps(_reference_json(4.50, 90.0)))
-    side = cmp.summarize_reference(path)
+    side = compare_rows.summarize_reference(path)
     assert side["peak_reserved_gb"] == 4.50 and side["images_per_s"] == 358.0 and side["world_size"] == 4
 
 
 def test_fsdp_references_run_under_torchrun_and_are_not_compared(tmp_path):
-    runs = cmp.plan_runs(["08"], ["eager"], tmp_path, tmp_path / "runs", steps=25, python="python")
+    runs = compare_plan.plan_runs(["08"], ["eager"], tmp_path, tmp_path / "runs", steps=25, python="python")
     ref = runs[0]
     assert ref.cmd[:8] == [
         "python",
@@ -532,11 +534,11 @@ REFERENCE_DIR = os.environ.get("FMR_REFERENCE_DIR")
 @pytest.mark.skipif(
     not REFERENCE_DIR, reason="set FMR_REFERENCE_DIR to a rasbt/pytorch-memory-optim checkout"
 )
-@pytest.mark.parametrize("rung", sorted(cmp.RUNGS))
+@pytest.mark.parametrize("rung", sorted(compare_plan.RUNGS))
 def test_checkout_matches_the_mapping(rung):
     """What the runner relies on, read from the script: it imports get_dataloaders_cifar10, builds a
     torchvision ViT with pretrained weights, steps an optimizer, and asks Fabric for the mapped devices."""
-    ref = cmp.RUNGS[rung].reference
+    ref = compare_plan.RUNGS[rung].reference
     if ref is None:
         pytest.skip("no reference script for this rung")
     folder = Path(REFERENCE_DIR)
@@ -619,8 +621,8 @@ def test_execute_makes_the_logs_folder_and_records_the_exit(tmp_path):
     """A run whose log sits in a folder nobody made yet (planner_proof's layout) still runs."""
     log = tmp_path / "not" / "yet" / "made.log"
     cmd = [sys.executable, "-c", "print('hello from the run')"]
-    proc = cmp.execute(
-        cmp.Run("project", "05", "eager", cmd, tmp_path / "none.json", log), dict(os.environ), 60
+    proc = processes.execute(
+        processes.Run("project", "05", "eager", cmd, tmp_path / "none.json", log), dict(os.environ), 60
     )
     assert proc["exit_code"] == 0 and proc["status"] != "timeout"
     assert "hello from the run" in log.read_text()

@@ -52,7 +52,7 @@ def test_python_excerpts_are_lines_of_the_code(page):
 def test_the_excerpt_check_can_fail():
     """Guard for the test above: a line that is not in the code is reported."""
     code = _code_lines()
-    assert "optimizer.zero_grad(set_to_none=run.frees_gradients)" in code
+    assert "optimizer.zero_grad(set_to_none=free_gradients)" in code
     assert (
         "optimizer.zero_grad(set_to_none=True)  # frees gradient memory before the next forward" not in code
     )

@@ -44,8 +44,8 @@ class FakeStepGraph(graphs.StepGraph):
         super().__init__(*args, make_graph=FakeGraph, capture=fake_capture, **kwargs)
         FakeStepGraph.last = self
 
-    def replay(self, group_size):
-        out = super().replay(group_size)
+    def replay(self, group):
+        out = super().replay(group)
         # what the captured kernels would read: the device vector, as synced before the replay
         FakeStepGraph.replays.append(self.lrs.values.tolist())
         return out

@@ -153,3 +153,27 @@ def test_tensors_still_waiting_and_the_resident_tail_skip_the_round_trip():
     assert t.resident == tail and t.copied_out == sum(sizes) - tail  # the first micro-batch offloaded all
     copied = {int(e.split()[1]) for e in t.events if e.startswith("out ")}
     assert copied == set(range(len(sizes) - 3))
+
+
+def test_in_the_compute_streams_order_nothing_waits_and_no_side_stream_is_made():
+    """window_bytes=None (rungs 14 and 16): every copy on the compute stream, each saved tensor copied
+    out once and back once, the gradients the plain run's, the resident tail still kept."""
+    torch.manual_seed(0)
+    model, x, y = model_and_batch()
+    plain = gradients(model, x, y)
+    sizes = slot_sizes(model, x, y)
+    log: list = []
+    hooks = offload_activations(min_bytes=0, devices=("cpu",), make_streams=recording(log), record=True)
+    for got, want in zip(gradients(model, x, y, hooks, micro_batches=2), plain, strict=True):
+        torch.testing.assert_close(got, 2 * want)
+    t = hooks.traffic
+    assert t.copied_out == t.copied_in == sum(sizes) and t.reused == 0 and t.most_waiting == 0
+    assert log == [] and not hooks._streams  # no side stream made, no event recorded or waited for
+    assert [e for e in t.events if e.startswith("in ")] == []  # nothing prefetched
+    assert len(hooks.buffers) == len(sizes)
+
+    tail = sum(sizes[-3:])
+    kept = offload_activations(min_bytes=0, devices=("cpu",), resident_bytes=tail)
+    for got, want in zip(gradients(model, x, y, kept, micro_batches=2), plain, strict=True):
+        torch.testing.assert_close(got, 2 * want)
+    assert kept.traffic.resident == tail and kept.traffic.copied_in == sum(sizes) - tail

@@ -30,6 +30,9 @@ from conftest import (
     submit_recipe,
 )
 
+from fabric_memory_recipes.config import declared_rung
+from fabric_memory_recipes.planning.plan import plan_for
+
 RECIPES = recipe_names()
 CPU_RECIPES = [n for n in RECIPES if n not in CUDA_ONLY_RECIPES]
 CUDA_ONLY = [n for n in RECIPES if n in CUDA_ONLY_RECIPES]
@@ -147,6 +150,14 @@ def test_recipe_runs_on_cpu_and_writes_results(name):
         assert 0.0 <= p["accuracy"][split] <= 1.0, split
     assert math.isfinite(p["loss"]["first"]) and math.isfinite(p["loss"]["last"])
     assert isinstance(p["extra"], dict)
+
+    # The estimate read the technique from what the code built; the rung's declaration, which the
+    # planner reads without running the recipe, says the same (planning/built.py).
+    built = p["estimate"]["assumptions"]
+    declared = plan_for(declared_rung(name)[0])
+    assert (built["optimizer"], built["optimizer_impl"], tuple(built["checkpoint"])) == (
+        declared.optimizer, declared.optimizer_impl, declared.checkpoint
+    ), "RUNG declares another technique than the recipe builds"
 
     # The summary block is printed on stdout (once, by rank 0) and names the file written.
     assert proc.stdout.count(f"== {name}{'-' + tag if tag else ''}: OK") == 1, describe(proc)

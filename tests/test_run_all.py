@@ -186,7 +186,7 @@ def test_failures_do_not_stop_the_ladder(tmp_path):
 
 def test_quick_runs_the_single_gpu_ladder_with_few_steps_into_results_quick(tmp_path):
     """--quick on a (stand-in) 1-GPU machine: rungs 01-07 and 10-16 at full size with the quick flags,
-    3 at a time with a GPU lock for their training loops, every multi-GPU rung skipped, no predicted
+    6 at a time with a GPU lock for their training loops, every multi-GPU rung skipped, no predicted
     ladder (the GPU measures), the report rendered and the time broken down by recipe."""
     fake = tmp_path / "fakepython"
     fake.write_text(FAKE_PYTHON.replace("exit 3 ;;", "exit 0 ;;").replace("exit 1 ;;", "exit 0 ;;"))
@@ -202,7 +202,7 @@ def test_quick_runs_the_single_gpu_ladder_with_few_steps_into_results_quick(tmp_
     assert "quick single-GPU ladder" in proc.stdout.splitlines()[0]
     lines = calls.read_text().splitlines()
     ran = [Path(ln.split()[0]).stem[:2] for ln in lines if ln.startswith("recipes/")]
-    assert sorted(ran) == "01 02 03 04 05 06 07 10 11 12 13 14 15 16".split(), lines  # 3 at once: any order
+    assert sorted(ran) == "01 02 03 04 05 06 07 10 11 12 13 14 15 16".split(), lines  # 6 at once: any order
     for ln in lines:
         if ln.startswith("recipes/"):
             for flag in ("--data synthetic", "--weights none", "--max-steps 20", "--eval-batches 1"):
@@ -211,7 +211,7 @@ def test_quick_runs_the_single_gpu_ladder_with_few_steps_into_results_quick(tmp_
     modules = [ln for ln in lines if ln.startswith("module")]
     assert modules[0] == f"module -m fabric_memory_recipes.measurement.report {results}"
     assert [m.split()[2] for m in modules[1:]] == ["fabric_memory_recipes.measurement.time_breakdown"]
-    assert "Running up to 3 recipes at once" in proc.stdout
+    assert "Running up to 6 recipes at once" in proc.stdout
     summary = proc.stdout[proc.stdout.index("Summary (quick path") :]
     for name in ("08_fsdp ", "08_fsdp2", "09_cpu_offload"):
         assert "skipped (--quick: one GPU)" in next(ln for ln in summary.splitlines() if name in ln + " ")
@@ -293,6 +293,17 @@ def test_a_report_of_only_earlier_runs_says_so(tmp_path):
     (tmp_path / "run_all.json").unlink()  # without the manifest: every row, no note
     assert report.main([str(tmp_path)]) == 0
     assert "No run of" not in (tmp_path / "README.md").read_text()
+
+
+def test_a_report_of_only_the_last_runs_sets_nothing_apart(tmp_path):
+    """Every result written by the last ./run_all.sh: no "did not write" note, no earlier section."""
+    manifest = {"started": time.time() - 60, "mode": "cpu", "state": "finished", "recipes": ["01_baseline"]}
+    (tmp_path / "run_all.json").write_text(json.dumps(manifest))
+    _result_json(tmp_path, "01_baseline")
+    assert report.main([str(tmp_path)]) == 0
+    readme = (tmp_path / "README.md").read_text()
+    assert "| 01_baseline | ok |" in readme
+    assert "did not write" not in readme and "## Earlier runs" not in readme and "\n> " not in readme
 
 
 def test_results_dir_inside_published_is_refused_unless_publishing(tmp_path):

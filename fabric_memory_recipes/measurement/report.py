@@ -359,9 +359,12 @@ def main(argv: list[str] | None = None) -> int:
     results = load_results(results_dir, last and last.wrote)
     earlier = load_results(results_dir, last.did_not_write) if last else []
     note = last.earlier_note(only_earlier=not results) if last else ""
-    if not results and earlier:  # it wrote nothing: the earlier runs are all there is, and say so
+    only_earlier = not results and bool(earlier)
+    if only_earlier:  # it wrote nothing: the earlier runs are all there is, and say so
         results, earlier = earlier, []
         print(f"report: {note}", file=sys.stderr)
+    elif not earlier:  # every result is the last invocation's: nothing to set apart
+        note = ""
     if not results:
         print(f"report: no schema-{SCHEMA_VERSION} results JSON in {results_dir}", file=sys.stderr)
         return 2

@@ -107,7 +107,9 @@ def shared_gpu(path: Path, root: Path) -> bool:
 # results/published/<gpu>/wip/ holds first measurements of code whose issue is still open: they
 # calibrate nothing until that code's evidence is complete. The convergence benchmark's runs (digits at
 # 64 px, sharing the GPU through MPS) are no configuration the planner plans: they calibrate nothing.
-REPEAT_KINDS = ("ab", "quick", "wip", "convergence")
+# results/published/<gpu>/levers/ holds what a lever did: the code before and after it, side by side,
+# and sweeps of one rung's flags; the old code's runs must not calibrate the new.
+REPEAT_KINDS = ("ab", "quick", "wip", "convergence", "levers")
 
 
 def repeats_committed(path: Path, root: Path) -> bool:

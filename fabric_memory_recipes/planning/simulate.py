@@ -16,6 +16,7 @@ from torch.utils._pytree import tree_leaves
 from fabric_memory_recipes.config import RunConfig
 from fabric_memory_recipes.console import notice
 from fabric_memory_recipes.planning.allocator import replay
+from fabric_memory_recipes.planning.built import built_technique
 from fabric_memory_recipes.planning.modelled import Precision, Wrapped, attention_kernel, checkpointed
 from fabric_memory_recipes.planning.plan import (
     COMPONENTS,
@@ -294,18 +295,20 @@ def failed(plan: Plan | None, model_name: str, error: str) -> Estimate:
     )
 
 
-def for_run(model: Any, cfg: RunConfig) -> Estimate:
+def for_run(model: Any, cfg: RunConfig, optimizer: Any = None) -> Estimate:
     """The estimate a recipe records next to its measurement: ``results.estimate =
-    estimate.for_run(model, cfg)``, called after the model is built and before ``fabric.setup``.
+    planning.for_run(model, cfg, optimizer)``, called after the model (and optimizer) are built and
+    before ``fabric.setup``.
 
     The plan comes from the run's configuration (:func:`~fabric_memory_recipes.planning.plan.plan_for`): its flags and
-    its rung's technique. An estimate that fails is recorded with its error and never stops the run (it
-    is a prediction, not part of training).
+    its rung's technique, where what the run built says otherwise: its checkpointed blocks and its
+    optimizer (:func:`~fabric_memory_recipes.planning.built.built_technique`). An estimate that fails is
+    recorded with its error and never stops the run (it is a prediction, not part of training).
     """
     name = cfg.model or type(model).__name__
     plan = None
     try:
-        plan = plan_for(cfg)
+        plan = plan_for(cfg, **built_technique(model, cfg, optimizer))
         est = simulate(model, plan, model_name=name)
     except Exception as e:  # noqa: BLE001 - a failed prediction must not cost the measurement
         est = failed(plan, name, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")

@@ -25,14 +25,10 @@ from pathlib import Path
 
 from fabric_memory_recipes.console import Parser
 from fabric_memory_recipes.paths import output_folder
-from fabric_memory_recipes.tools.compare_reference import Run, execute
-from fabric_memory_recipes.tools.project_env import project_env
+from fabric_memory_recipes.tools.compare_plan import SINGLE_GPU_RUNGS
+from fabric_memory_recipes.tools.processes import Run, execute, project_env
 
-Runner = Callable[
-    [Run, dict, float], dict
-]  # fabric_memory_recipes.tools.compare_reference.execute, or a test's stand-in
-
-LADDER = ("01", "02", "03", "04", "05", "06", "07", "10", "11", "12", "13", "14", "15")
+Runner = Callable[[Run, dict, float], dict]  # processes.execute, or a test's stand-in
 
 
 def script(checkout: Path, rung: str) -> Path:
@@ -41,7 +37,7 @@ def script(checkout: Path, rung: str) -> Path:
 
 def run(checkout: Path, rung: str, mode: str, flags: list[str], out: Path, timeout: float,
         runner: Runner = execute) -> dict:  # fmt: skip
-    """One recipe run in its own process group, killed after ``timeout`` seconds (fabric_memory_recipes.tools.compare_reference's
+    """One recipe run in its own process group, killed after ``timeout`` seconds (fabric_memory_recipes.tools.processes's
     ``execute``); returns its results JSON, or what is known when it wrote none."""
     path = script(checkout, rung)
     results = out / mode
@@ -102,7 +98,7 @@ def main(argv: list[str] | None = None, runner: Runner = execute) -> int:
     p.add_argument("--new", default=".", type=Path, help="the checkout under test (default: this one)")
     p.add_argument("--out", required=True, type=output_folder("--out"), help="output folder (e.g. runs/ab)")
     p.add_argument("--modes", nargs="+", default=["eager", "fast"], choices=("eager", "fast"))
-    p.add_argument("--rungs", nargs="+", default=list(LADDER))
+    p.add_argument("--rungs", nargs="+", default=list(SINGLE_GPU_RUNGS))
     p.add_argument("--budget", type=float, default=540.0, help="seconds after which no new pair starts")
     p.add_argument("--timeout", type=float, default=180.0, help="seconds per run before it is killed")
     p.add_argument(

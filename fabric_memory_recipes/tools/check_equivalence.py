@@ -51,10 +51,10 @@ from pathlib import Path
 from fabric_memory_recipes.console import Parser
 from fabric_memory_recipes.measurement.results_file import write_json_atomic
 from fabric_memory_recipes.paths import output_folder
-from fabric_memory_recipes.tools.project_env import project_env
+from fabric_memory_recipes.tools.compare_plan import SINGLE_GPU_RUNGS
+from fabric_memory_recipes.tools.processes import project_env
 
 REPO = Path(__file__).resolve().parents[2]
-RUNGS = ("01", "02", "03", "04", "05", "06", "07", "10", "11", "12", "13", "14", "15")
 OWN_PRECISION = ("02", "03", "05")  # graphs-only checks in the rung's own precision
 FP32_REDUNDANT = ("02", "03")  # their fp32 copies are rung 01's
 REL_L2_TOLERANCE = 0.01  # of the eager run's change, over all parameters
@@ -217,7 +217,9 @@ def table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = Parser(description=__doc__)
     p.add_argument(
-        "--rungs", default=",".join(RUNGS), help="comma-separated rung numbers (default: %(default)s)"
+        "--rungs",
+        default=",".join(SINGLE_GPU_RUNGS),
+        help="comma-separated rung numbers (default: %(default)s)",
     )
     p.add_argument(
         "--steps", type=int, default=12, help="optimizer steps per run, >= 10 (default: %(default)s)"
@@ -238,10 +240,10 @@ def main(argv: list[str] | None = None) -> int:
         child(args.child, args.steps, Path(args.child_out), args.accelerator, args.model)
         return 0
     rungs = [r.strip() for r in args.rungs.split(",") if r.strip()]
-    unknown = [r for r in rungs if r not in RUNGS]
+    unknown = [r for r in rungs if r not in SINGLE_GPU_RUNGS]
     if unknown:
         print(
-            f"check_equivalence: unknown rung(s) {', '.join(unknown)}; choose from {', '.join(RUNGS)}",
+            f"check_equivalence: unknown rung(s) {', '.join(unknown)}; choose from {', '.join(SINGLE_GPU_RUNGS)}",
             file=sys.stderr,
         )
         return 2

@@ -57,7 +57,7 @@ from fabric_memory_recipes.tools.convergence_report import (  # noqa: F401 (the 
     render_markdown,
     render_table,
 )
-from fabric_memory_recipes.tools.project_env import project_env
+from fabric_memory_recipes.tools.processes import project_env
 from fabric_memory_recipes.training import digits
 
 REPO = Path(__file__).resolve().parents[2]

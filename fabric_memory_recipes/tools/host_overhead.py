@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from fabric_memory_recipes.training import data, models
+from fabric_memory_recipes.training.step import train_step
 
 
 def timeit(name: str, fn, n: int = 30, warm: int = 5) -> float:
@@ -97,11 +98,10 @@ def main() -> None:
 
     x8 = torch.randint(0, 255, (16, 32, 32, 3), dtype=torch.uint8, device="cuda")
     y = torch.randint(0, 10, (16,), device="cuda")
+    batch_fn = data.image_classification(224)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(6):
-            fabric.backward(F.cross_entropy(model(data.to_model_input(x8, 224)), y))
-            opt.step()
-            opt.zero_grad()
+        for _ in range(6):  # the recipes' training step
+            train_step(fabric, model, opt, batch_fn, [(x8, y)])
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))

@@ -11,13 +11,14 @@ How (``torch.cuda.graph``, PyTorch's whole-network capture):
    graph must *read* rather than bake in becomes a device tensor: the optimizer's step counters (if it
    keeps them on the host) and the learning rates (below), and ``capturable`` is set where an
    optimizer has it; the second step runs that way, eagerly.
-2. Capture. One optimizer step - the k micro-batches of an accumulation group read from static input
-   buffers, each forward and backward, the optimizer step, the gradients released - is recorded into
-   a graph. The graph allocates from its own memory pool; memory freed inside the step is reused
+2. Capture. One optimizer step - the training step itself (``training/step.py``'s ``train_step``) over
+   the micro-batches of an accumulation group read from static input buffers: each forward and backward,
+   the optimizer step, the gradients released - is recorded into a graph. The graph allocates from its own memory pool; memory freed inside the step is reused
    inside it, so the pool holds what one eager step holds at its peak. The warm-up's cached blocks are
    returned to the device first (``empty_cache``), so the two never add up.
 3. Replay. Each step copies its micro-batches into the static buffers, copies the learning rates the
-   schedule computed on the host into the device tensors the graph reads, and replays.
+   schedule computed on the host into the device tensors the graph reads, and replays. A group of
+   another size (the last, shorter group of an epoch) gets a graph and buffers of its own.
 
 Learning rates: every param group's ``lr`` is a float for the schedulers (host arithmetic, nothing
 synchronises). During capture it is swapped for a 0-dim view of one device vector, so the captured
@@ -40,9 +41,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from fabric_memory_recipes.measurement import device_memory
+from fabric_memory_recipes.training.step import train_step
 
 # Eager optimizer steps before the capture: the first compiles and creates state; the second runs with
 # device-side step counters (an optimizer that compiles its update recompiles for them here, not in
@@ -107,12 +109,13 @@ class LearningRates:
 
 
 class StepGraph:
-    """One optimizer step (k micro-batches + update) captured as a CUDA graph; see the module docstring.
+    """One optimizer step (a group's micro-batches + update) captured as a CUDA graph; see the module
+    docstring.
 
     The loop runs the first :data:`WARMUP_STEPS` steps eagerly inside :meth:`warmup` (then calls
-    :meth:`warmup_step_done`), and afterwards hands each micro-batch to :meth:`load` and runs the step
-    with :meth:`replay`. ``capture`` and ``make_graph`` exist so the CPU tests can drive the same
-    bookkeeping with a stand-in for the CUDA graph.
+    :meth:`warmup_step_done`), and afterwards hands each step's group of micro-batches to :meth:`replay`.
+    ``accumulates``: the run's groups have more than one micro-batch. ``capture`` and ``make_graph``
+    exist so the CPU tests can drive the same bookkeeping with a stand-in for the CUDA graph.
     """
 
     def __init__(
@@ -121,9 +124,9 @@ class StepGraph:
         model,
         optimizer,
         batch_fn: Callable,
-        accumulation_steps: int,
         scheduler=None,
         *,
+        accumulates: bool,
         make_graph: Callable[[], Any] | None = None,
         capture: Callable | None = None,
     ) -> None:
@@ -132,14 +135,13 @@ class StepGraph:
         self.model = model
         self.optimizer = optimizer
         self.batch_fn = batch_fn
-        self.k = accumulation_steps
         self.optimizers = base_optimizers(optimizer, scheduler)
         self.cuda = self.device.type == "cuda"
         self.make_graph = make_graph or torch.cuda.CUDAGraph
         self.capture = capture or self._cuda_capture
         self.side = torch.cuda.Stream(self.device) if self.cuda else None
         self.lrs: LearningRates | None = None
-        self.static = None  # the micro-batches of one step: each tensor with a leading dimension k
+        self.static: dict[int, Any] = {}  # group size n -> its micro-batches, each tensor with a leading n
         self.graphs: dict[int, tuple[Any, tuple]] = {}  # group size -> (graph, outputs)
         self.pool = None
         self.warmup_steps_done = 0
@@ -147,7 +149,7 @@ class StepGraph:
         # holds them), so they stay allocated outside the graph and are zeroed in it: the graph's pool,
         # which cannot hand pages back like the main allocator, holds only one micro-batch's activations.
         # Without accumulation (k = 1) they are made and freed inside the step, as eagerly.
-        self.persistent_grads = accumulation_steps > 1 and optimizer is not None
+        self.persistent_grads = accumulates and optimizer is not None
         if self.persistent_grads:  # made now, in one piece, not among the first backward's activations
             for p in model.parameters():
                 if p.requires_grad and p.grad is None:
@@ -203,23 +205,22 @@ class StepGraph:
             self.lrs = LearningRates(self.optimizers, self.device)
 
     # ------------------------------------------------------------------------------------------ replay
-    def load(self, slot: int, batch) -> None:
-        """Copy micro-batch ``slot`` (0..k-1) of the coming step into the static input buffers."""
-        if self.static is None:
-            self.static = tree_map(
-                lambda t: torch.empty((self.k, *t.shape), dtype=t.dtype, device=t.device), batch
-            )
-        leaves_static, _ = torch.utils._pytree.tree_flatten(self.static)
-        leaves_batch, _ = torch.utils._pytree.tree_flatten(batch)
-        for buffer, tensor in zip(leaves_static, leaves_batch, strict=True):
-            buffer[slot].copy_(tensor, non_blocking=True)
-
-    def replay(self, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Run one optimizer step over micro-batches 0..group_size-1 of the static buffers; returns the
-        step's summed micro-batch loss, its logits and its targets (valid until the next replay)."""
-        if group_size not in self.graphs:
-            self._capture(group_size)  # a last, shorter group of an epoch gets its own graph
-        graph, outputs = self.graphs[group_size]
+    def replay(self, group) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Run one optimizer step over the micro-batches of ``group``: each is copied into the static
+        input buffers of its group size, then the graph of that size replays (captured the first time).
+        Returns the step's summed micro-batch loss, its logits and its targets (valid until the next
+        replay)."""
+        size = len(group)
+        for slot, batch in enumerate(group):
+            if size not in self.static:
+                self.static[size] = tree_map(
+                    lambda t: torch.empty((size, *t.shape), dtype=t.dtype, device=t.device), batch
+                )
+            for buffer, tensor in zip(tree_leaves(self.static[size]), tree_leaves(batch), strict=True):
+                buffer[slot].copy_(tensor, non_blocking=True)
+        if size not in self.graphs:
+            self._capture(size)  # a last, shorter group of an epoch gets its own graph
+        graph, outputs = self.graphs[size]
         self.lrs.sync()
         graph.replay()
         return outputs
@@ -251,18 +252,18 @@ class StepGraph:
         return outputs
 
     def _step(self, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """What the graph records: the loop's eager step, reading the static buffers."""
+        """What the graph records: the eager training step, reading the static buffers."""
+        static = self.static[group_size]
+        group = [tree_map(lambda t, j=j: t[j], static) for j in range(group_size)]
         losses, logits_, targets_ = [], [], []
-        for j in range(group_size):
-            batch = tree_map(lambda t, j=j: t[j], self.static)
-            loss, logits, targets = self.batch_fn(self.model, batch)
-            self.fabric.backward(loss / group_size)
-            losses.append(loss.detach().float())
-            logits_.append(logits.detach())
+
+        def keep(loss: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor) -> None:
+            losses.append(loss)
+            logits_.append(logits)
             targets_.append(targets)
-        if self.optimizer is not None:
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=not self.persistent_grads)
+
+        train_step(self.fabric, self.model, self.optimizer, self.batch_fn, group, keep,
+                   free_gradients=not self.persistent_grads)  # fmt: skip
         return torch.stack(losses).sum(), torch.cat(logits_), torch.cat(targets_)
 
     def memory(self) -> dict[str, float] | None:
@@ -280,7 +281,7 @@ class StepGraph:
     def close(self) -> None:
         """Release the graphs, their pool and the static buffers (before evaluation)."""
         self.graphs.clear()
-        self.static = None
+        self.static.clear()
         self.pool = None
         if self.cuda:
             torch.cuda.synchronize(self.device)

@@ -1,17 +1,12 @@
 """The one training loop (and evaluation) every recipe hands its Fabric objects to.
 
-:func:`fit` is the teaching core: it reads top to bottom like a training script of the article -
-forward, backward, accumulation with ``no_backward_sync``, the optimizer step, the schedule, the record -
-and every block a rung introduces is marked with that rung (``# rung 05``: gradient accumulation,
-``# rung 06``: the schedule, ``# rung 12``: the step inside backward). What a real run needs besides
-(resuming, the progress bar and loss window, profiling, stopping on a signal, fast mode's CUDA graph)
-is in :class:`fabric_memory_recipes.training.loop_plumbing.TrainingRun`, which the core calls in one line each.
-
-Gradient accumulation is done here once, and done right: the optimizer steps after the k-th
-micro-batch of a group (not after the first, the off-by-one that ``batch_idx % k == 0`` gives), each
-micro-batch's loss is divided by the size of its group so the summed gradient is the big batch's mean
-gradient, a final partial group at the end of an epoch still steps, and gradient synchronisation
-between processes is skipped on all but the last micro-batch of a group (``fabric.no_backward_sync``).
+:func:`fit` is the teaching core: it reads top to bottom like a training script of the article - group
+the micro-batches, run the step (forward, backward, the optimizer step: :func:`train_step`, in
+``training/step.py``), step the schedule, record - and every block a rung introduces is marked with that
+rung (``# rung 05``: gradient accumulation, ``# rung 06``: the schedule, ``# rung 12``: the step inside
+backward). What a real run needs besides (resuming, the progress bar and loss window, profiling,
+stopping on a signal, fast mode's CUDA graph) is in
+:class:`fabric_memory_recipes.training.loop_plumbing.TrainingRun`, which the core calls in one line each.
 """
 
 from __future__ import annotations
@@ -23,6 +18,7 @@ from fabric_memory_recipes.measurement.results import RunResults
 from fabric_memory_recipes.training.data import NUM_CLASSES, BatchFn
 from fabric_memory_recipes.training.graphs import base_optimizers
 from fabric_memory_recipes.training.loop_plumbing import TrainingRun, accuracy_metric, planned_steps
+from fabric_memory_recipes.training.step import accumulation_groups, train_step
 
 __all__ = ["SchedulerGroup", "evaluate", "evaluate_splits", "fit", "planned_steps", "with_warmup"]
 
@@ -32,39 +28,22 @@ def fit(fabric, model, optimizer, train_loader, batch_fn: BatchFn, cfg: RunConfi
     """Train for ``cfg.epochs`` (at most ``cfg.max_steps`` optimizer steps) with micro-batches of
     ``train_loader`` grouped by ``cfg.accumulation_steps``; ``batch_fn(model, batch)`` returns (loss,
     logits, targets). ``optimizer`` is None when the update happens inside backward (rung 12)."""
-    k, num_batches = cfg.accumulation_steps, len(train_loader)
     scheduler = with_warmup(optimizer, scheduler, cfg.warmup_steps)  # --warmup-steps (0: none)
     model.train()
     run = TrainingRun(fabric, model, optimizer, scheduler, train_loader, batch_fn, cfg, results, num_classes)
-    for epoch, i, batch in run.micro_batches():  # a resumed run skips what it trained on already
-        group_size = min(k, num_batches - (i // k) * k)  # rung 05: the last group of an epoch may be short
-        is_step = (i + 1) % k == 0 or i + 1 == num_batches  # rung 05: after the k-th micro-batch
+    # rung 05: k micro-batches per optimizer step (a resumed run skips what it trained on already)
+    for group in accumulation_groups(run.micro_batches(), cfg.accumulation_steps, len(train_loader)):
         if run.graph_ready:  # fast mode: one replay of the captured CUDA graph is the whole step
-            run.graph.load(i % k, batch)
-            if not is_step:
-                continue
-            loss_sum, logits, targets = run.graph.replay(group_size)
-            run.record(loss_sum, logits, targets, micro_batches=group_size)
+            loss_sum, logits, targets = run.graph.replay(group)
+            run.record(loss_sum, logits, targets, micro_batches=len(group))
         else:
             with run.eager_step():  # fast mode's warm-up steps run on the graph's side stream
-                # rung 05: no gradient all-reduce between processes until the group's last micro-batch
-                with fabric.no_backward_sync(model, enabled=not is_step):
-                    with run.region("forward"):
-                        loss, logits, targets = batch_fn(model, batch)
-                    with run.region("backward"):
-                        fabric.backward(loss / group_size)  # rung 05: .grad sums to the group's mean
-                run.record(loss.detach().float(), logits.detach(), targets)
-                if not is_step:
-                    continue
-                if optimizer is not None:  # rung 12: None, each parameter stepped inside backward
-                    with run.region("optimizer"):
-                        optimizer.step()
-                        # frees gradient memory before the next forward (fast mode may keep it: graphs.py)
-                        optimizer.zero_grad(set_to_none=run.frees_gradients)
+                train_step(fabric, model, optimizer, batch_fn, group, run.record,  # rungs 05 and 12: step.py
+                           free_gradients=run.frees_gradients, region=run.region)  # fmt: skip
             run.warmup_step_done()
         if scheduler is not None:
             scheduler.step()  # rung 06: the learning rate follows its schedule, once per optimizer step
-        run.step_done(epoch, i)  # count, time, log, checkpoint; a stop request ends the loop here
+        run.step_done(group)  # count, time, log, checkpoint; a stop request ends the loop here
     run.finish()  # raises faults.Interrupted if a signal stopped the run before its last step
 
 

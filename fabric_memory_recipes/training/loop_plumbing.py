@@ -39,6 +39,7 @@ from fabric_memory_recipes.measurement.profiling import Recorder
 from fabric_memory_recipes.measurement.results import RunResults
 from fabric_memory_recipes.training import checkpoints
 from fabric_memory_recipes.training.graphs import WARMUP_STEPS, StepGraph
+from fabric_memory_recipes.training.step import Group
 
 
 def accuracy_metric(device, num_classes: int) -> MulticlassAccuracy:
@@ -98,8 +99,7 @@ class TrainingRun:
             raise ValueError(
                 "the training loader is empty: the micro-batch is larger than the training split"
             )
-        k = cfg.accumulation_steps
-        self.total = planned_steps(self.num_batches, k, cfg.epochs, cfg.max_steps)
+        self.total = planned_steps(self.num_batches, cfg.accumulation_steps, cfg.epochs, cfg.max_steps)
         self.train_acc = accuracy_metric(fabric.device, num_classes)
         self.window_loss = torch.zeros((), device=fabric.device)
         self.window_batches = 0
@@ -114,7 +114,10 @@ class TrainingRun:
         self.optimizer = optimizer
         self.bar = tqdm(total=self.total, initial=self.step, desc=results.recipe, unit="step",
                         disable=not fabric.is_global_zero, dynamic_ncols=True)  # fmt: skip
-        self.graph = StepGraph(fabric, model, optimizer, batch_fn, k, scheduler) if cfg.cuda_graphs else None
+        self.graph = None
+        if cfg.cuda_graphs:  # fast mode
+            accumulates = cfg.accumulation_steps > 1
+            self.graph = StepGraph(fabric, model, optimizer, batch_fn, scheduler, accumulates=accumulates)
         # the step after which warm-up ends: + the capture step in fast mode; else the first step
         self.warmup_steps = self.step + (WARMUP_STEPS + 1 if self.graph else 1)
         self.recorder = Recorder.for_run(fabric, results).start()
@@ -216,8 +219,9 @@ class TrainingRun:
         self.window_batches = 0
         return mean
 
-    def step_done(self, epoch: int, i: int) -> None:
+    def step_done(self, group: Group) -> None:
         """After each optimizer step: count and time it, log, checkpoint, and agree on a stop request."""
+        epoch, i = group.epoch, group.last
         self.step += 1
         self.results.step_done()
         if self.step == self.warmup_steps:

@@ -21,6 +21,9 @@ parameters (and views of them) where they are, and overlaps the copies with comp
   compute stream and the "in" stream first waits for the compute stream, so memory the allocator
   recycled from kernels still queued is not overwritten early. Tensors still waiting in the forward's
   window when backward starts are used where they are, without a round trip.
+- **Or in the compute stream's order** (``window_bytes=None``, the default; rungs 14 and 16): each copy
+  is queued on the compute stream itself, between the kernels, and the GPU tensor is free as soon as
+  it is saved. Nothing is kept waiting or prefetched: the least GPU memory, at the copies' time.
 - **A resident tail.** The last ``resident_bytes`` of a micro-batch's saved tensors (the last blocks',
   which backward needs first) are not offloaded at all: GPU memory traded for PCIe time. How many
   tensors that is comes from the previous micro-batch (the first one offloads everything).
@@ -112,12 +115,13 @@ class Traffic:
 class offload_activations(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 (a context manager)
     """``with offload_activations(): loss = model(x)`` - saved activations live in pinned host memory."""
 
-    def __init__(self, window_bytes: int = 0, resident_bytes: int = 0, min_bytes: int = 1 << 16,
+    def __init__(self, window_bytes: int | None = None, resident_bytes: int = 0, min_bytes: int = 1 << 16,
                  devices: tuple[str, ...] = ("cuda",), make_streams=Streams.for_device,
                  record: bool = False) -> None:  # fmt: skip
         """``devices``: tensors on these device types are moved out (the tests add "cpu" to exercise the
         mechanics without a GPU: the tensor is then copied to a separate host buffer). ``window_bytes``:
-        GPU bytes each side stream may have in flight; ``resident_bytes``: the tail kept on the GPU.
+        GPU bytes each side stream may have in flight; None: no side streams, every copy in the compute
+        stream's order (the least memory); ``resident_bytes``: the tail kept on the GPU.
         ``make_streams(device)``: the tests pass recording streams; ``record``: log the order."""
         self.min_bytes, self.devices = min_bytes, devices
         self.window_bytes, self.resident_bytes = window_bytes, resident_bytes
@@ -147,6 +151,7 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):  # noqa: N8
             self._drop_leftovers()
         total = self._next
         self._next, self.traffic = 0, Traffic()
+        self._resident.clear()  # a tail whose backward never ran
         self._resident_from = None
         if self.resident_bytes and total:  # the tail of the last micro-batch, counted from its end
             kept, start = 0, total
@@ -181,14 +186,18 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):  # noqa: N8
             self._resident[slot] = t
             self.traffic.resident += nbytes
             return _Saved(slot, t.device)
+        self.offloaded_bytes += nbytes
+        self.traffic.copied_out += nbytes
+        if self.window_bytes is None:  # in the compute stream's order: the GPU tensor is free at once
+            host.copy_(t, non_blocking=True)
+            self._log(f"out {slot}")
+            return _Saved(slot, t.device)
         s, compute = self._streams_and_compute(t.device)
         s.out.wait_stream(compute)  # the tensor has been written
         with s.use(s.out):
             host.copy_(t, non_blocking=True)
         self._written[slot] = s.out.record_event()
         self._log(f"out {slot}")
-        self.offloaded_bytes += nbytes
-        self.traffic.copied_out += nbytes
         self._waiting[slot] = (t, self._written[slot], compute)
         waiting = sum(w[0].numel() * w[0].element_size() for w in self._waiting.values())
         while waiting > self.window_bytes and len(self._waiting) > 1:
@@ -212,6 +221,13 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):  # noqa: N8
         if isinstance(packed, torch.Tensor):
             return packed
         slot = packed.slot
+        if self.window_bytes is None:  # in the compute stream's order
+            self._log(f"use {slot}")
+            if slot in self._resident:
+                return self._resident.pop(slot)
+            self.traffic.copied_in += self._sizes[slot]
+            host = self.buffers[slot]
+            return torch.empty_like(host, device=packed.device).copy_(host, non_blocking=True)
         s, compute = self._streams_and_compute(packed.device)
         if not self._callback_queued:
             self._callback_queued = _queue_callback(self._backward_done)

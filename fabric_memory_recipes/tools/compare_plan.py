@@ -1,0 +1,157 @@
+"""What ``python -m fabric_memory_recipes.tools.compare_reference`` runs: each rung of this project, the article's
+script it is compared with (:data:`RUNGS`), and the processes of one call in the order they go
+(:func:`plan_runs`)."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from fabric_memory_recipes.measurement.results_file import WARMUP_STEPS
+from fabric_memory_recipes.tools.processes import Run
+
+REPO = Path(__file__).resolve().parents[2]
+
+SUBSTITUTION_NOTE = (
+    "the article's scripts run unchanged (their Fabric set-up, precision, model, optimizer, loop, batch "
+    "size and CPU data pipeline with its DataLoader workers) except for what needs the network: CIFAR-10 "
+    "is replaced by deterministic random 32×32 images and labels of its sizes (50,000 / 10,000), read "
+    "through CIFAR-10's own dataset class and the script's Resize/ToTensor transforms, and pretrained "
+    "weights by a random init of the same architecture (fabric_memory_recipes/tools/reference_runner.py). Each stops after the "
+    "same number of optimizer steps as the project's runs; memory and speed depend on shapes, not values."
+)
+
+
+@dataclass(frozen=True)
+class Reference:
+    """One of the article's scripts, as found in the top folder of its repository."""
+
+    script: str
+    devices: int = 1  # processes it needs (its Fabric(devices=...)); > 1 runs under torchrun
+    like_for_like: bool = True  # False: not the rung's configuration; no ratios against it
+    note: str | None = None
+
+
+@dataclass(frozen=True)
+class Rung:
+    rung: str
+    recipe: str  # recipes/<recipe>.py
+    reference: Reference | None = None
+    devices: int = 1
+
+
+_FSDP_NOTE = (
+    "the article's script for this step trains ViT-H/14 at 518×518 px in 16-mixed precision, batch 4 per "
+    "GPU, on 4 GPUs (Fabric(devices=4)); the rung trains ViT-L/16 at 224 px in fp32, batch 64 per GPU. "
+    "Its numbers are shown, not compared. The article's ViT-L/16 fp32 batch-64 FSDP scripts are "
+    "11_delay-allocation.py (with cpu_offload=True: rung 09's configuration; --map 09=11_delay-allocation.py) "
+    "and 12_fsdp-overlap.py (which imports fsdp_overlap_step_with_backward, no longer in Lightning 2.6)."
+)
+RUNGS: dict[str, Rung] = {
+    r.rung: r
+    for r in (
+        Rung(
+            "01",
+            "01_baseline",
+            Reference(
+                "01-2_pytorch-fabric.py",
+                note="the script leaves float32 matmuls at full precision; the rung uses TF32 matmuls",
+            ),
+        ),
+        Rung("02", "02_mixed_precision", Reference("02_mixed-precision.py")),
+        Rung("03", "03_true_half_precision", Reference("03_bfloat16.py")),
+        Rung("04", "04_lower_batch_size", Reference("04_lower-batchsize.py")),
+        Rung("05", "05_gradient_accumulation", Reference("05_gradient-accum.py")),
+        Rung("06", "06_sgd_cosine", Reference("06_sgd-with-scheduler.py")),
+        Rung(
+            "07",
+            "07_init_module",
+            Reference(
+                "06_sgd-with-scheduler.py",
+                note="the article's 07_0*_init-module.py scripts only build a model and print its memory (no "
+                "training loop); rung 07 trains rung 06's configuration, so the 06 script is its reference "
+                "(one run serves both rows)",
+            ),
+        ),
+        Rung(
+            "08",
+            "08_fsdp",
+            Reference("09_fsdp-act-checkp.py", devices=4, like_for_like=False, note=_FSDP_NOTE),
+            devices=4,
+        ),
+        Rung(
+            "09",
+            "09_cpu_offload",
+            Reference("10_fsdp-with-cpu-offload.py", devices=4, like_for_like=False, note=_FSDP_NOTE),
+            devices=4,
+        ),
+        Rung("10", "10_activation_checkpointing"),
+        Rung("11", "11_activation_offload"),
+        Rung("12", "12_optimizer_in_backward"),
+        Rung("13", "13_lowbit_optimizer"),
+        Rung("14", "14_memory_floor"),
+        Rung("15", "15_speed"),
+    )
+}
+# The single-GPU ladder, in fast mode by default: what the comparison, the A/B (ab_ladder) and the
+# equivalence check (check_equivalence) run. Rung 16 runs eagerly only (no graph to compare with eager).
+SINGLE_GPU_RUNGS = ("01", "02", "03", "04", "05", "06", "07", "10", "11", "12", "13", "14", "15")
+MODES = ("eager", "fast")
+# The flags of every project run, and those of each mode ({mode} is replaced). `--eval-batches 2` keeps
+# the evaluation short; it still runs, so its memory is in the whole-run peak.
+PROJECT_ARGS = ("--data", "synthetic", "--weights", "none", "--eval-batches", "2")
+MODE_ARGS = ("--tag", "{mode}", "--mode", "{mode}")
+MIN_STEPS = WARMUP_STEPS + 2  # at least two timed intervals after the warm-up steps
+
+
+# ------------------------------------------------------------------------------------------- the plan
+def reference_json(runs_dir: Path, script: str) -> Path:
+    return runs_dir / f"reference-{Path(script).stem}.json"
+
+
+def project_json(runs_dir: Path, recipe: str, mode: str) -> Path:
+    return runs_dir / f"{recipe}-{mode}.json"  # results_file.results_path with --tag <mode>
+
+
+def plan_runs(
+    rungs: list[str],
+    modes: list[str],
+    reference_dir: Path,
+    runs_dir: Path,
+    steps: int,
+    python: str = sys.executable,
+    mapping: dict[str, Reference] | None = None,
+    mode_args: tuple[str, ...] = MODE_ARGS,
+    extra_args: tuple[str, ...] = (),
+) -> list[Run]:
+    """The runs in the order they go: per rung, its reference script (once per script), then each mode."""
+    mapping = mapping or {}
+    runs: list[Run] = []
+    by_script: dict[str, Run] = {}
+    for rung in rungs:
+        spec = RUNGS[rung]
+        ref = mapping.get(rung, spec.reference)
+        if ref is not None:
+            if ref.script not in by_script:
+                out = reference_json(runs_dir, ref.script)
+                runner = [
+                    "-m",
+                    "fabric_memory_recipes.tools.reference_runner",
+                    str(reference_dir / ref.script),
+                ]
+                launch = [python, *runner]
+                if ref.devices > 1:
+                    launch = [python, "-m", "torch.distributed.run", "--standalone"]
+                    launch += ["--nproc-per-node", str(ref.devices), *runner]
+                cmd = [*launch, "--steps", str(steps), "--out", str(out)]
+                by_script[ref.script] = Run("reference", ref.script, None, cmd, out, out.with_suffix(".log"))
+                runs.append(by_script[ref.script])
+            by_script[ref.script].rows.append(rung)
+        for mode in modes:
+            out = project_json(runs_dir, spec.recipe, mode)
+            cmd = [python, str(REPO / "recipes" / f"{spec.recipe}.py"), *PROJECT_ARGS]
+            cmd += ["--max-steps", str(steps), "--results-dir", str(runs_dir)]
+            cmd += [a.format(mode=mode) for a in mode_args] + list(extra_args)
+            runs.append(Run("project", rung, mode, cmd, out, out.with_suffix(".log"), rows=[rung]))
+    return runs

@@ -1,0 +1,108 @@
+"""The child processes of the tools: one command per process, with this checkout's code, a log and a timeout.
+
+Every tool that measures (compare_reference, ab_ladder, planner_proof, model_proof, check_equivalence,
+convergence, same_parameters) runs recipes or scripts as processes of their own: a run's memory and its
+failures stay its own, and a hung run can be killed with everything it started. What they share is here:
+the environment (:func:`project_env`, :func:`run_env`), one planned process (:class:`Run`) and running it
+(:func:`execute`), and asking a child which GPU is there (:func:`gpu_probe`).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def project_env(code: Path | str = REPO, **extra: str) -> dict[str, str]:
+    """This process's environment plus ``extra``, with ``code`` (a checkout whose package the child
+    must import) first on ``PYTHONPATH`` and what was there kept after it: packages installed on
+    ``PYTHONPATH`` (a carried torchao, say) stay importable in the child."""
+    env = {**os.environ, **extra}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(code), os.environ.get("PYTHONPATH")) if p)
+    return env
+
+
+def run_env(log_dir: str) -> dict[str, str]:
+    """The project runs' environment: this checkout first on PYTHONPATH, offline, logs in ``log_dir``."""
+    return project_env(PYTHONUNBUFFERED="1", FMR_OFFLINE="1", FMR_LOG_DIR=log_dir)
+
+
+@dataclass
+class Run:
+    """One process: an article script (serving one or more rows) or one rung in one mode."""
+
+    kind: str  # "reference" | "project"
+    name: str  # reference: the script; project: the rung
+    mode: str | None
+    cmd: list[str]
+    json: Path  # what it writes (rank 0)
+    log: Path
+    rows: list[str] = field(default_factory=list)
+    result: dict[str, Any] | None = None
+
+    @property
+    def label(self) -> str:
+        return f"reference {self.name}" if self.kind == "reference" else f"{self.name} {self.mode}"
+
+
+def last_line(text: str | None) -> str | None:
+    """The last non-empty line of a log (where a traceback's error is), at most 300 characters."""
+    lines = [line for line in (text or "").strip().splitlines() if line.strip()]
+    return lines[-1].strip()[:300] if lines else None
+
+
+def execute(run: Run, env: dict[str, str], timeout: float) -> dict[str, Any]:
+    """Run one process (its own process group, output to its log); kill the group on timeout."""
+    for stale in (run.json, *run.json.parent.glob(f"{run.json.stem}.rank*.json")):
+        stale.unlink(missing_ok=True)  # a failed run must not be read as an older file
+    run.log.parent.mkdir(parents=True, exist_ok=True)  # logs may sit beside not-yet-made run folders
+    start = time.perf_counter()
+    with open(run.log, "w", encoding="utf-8") as log:
+        log.write("$ " + shlex.join(run.cmd) + "\n")
+        log.flush()
+        proc = subprocess.Popen(
+            run.cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            code = proc.wait(timeout=timeout)
+            status = "ok" if code == 0 else "oom" if code == 3 else "error"  # recipes: 2 bad flags, 3 OOM
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            code, status = None, "timeout"
+        finally:
+            _kill_group(proc)  # whatever it left behind (DataLoader workers, ranks)
+    wall = time.perf_counter() - start
+    tail = run.log.read_text(encoding="utf-8", errors="replace")[-4000:]
+    error = f"killed after {timeout:.0f} s" if status == "timeout" else None
+    if status not in ("ok", "timeout"):
+        error = last_line(tail)
+    return {"status": status, "exit_code": code, "wall_s": wall, "error": error, "tail": tail}
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the group started for this run, nothing else
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+
+
+def gpu_probe(python: str) -> tuple[int, str | None]:
+    """(CUDA devices, name of the first) from a short child process: this process stays off the GPU."""
+    code = (
+        "import torch;n=torch.cuda.device_count();print(n);print(torch.cuda.get_device_name(0) if n else '')"
+    )
+    try:
+        out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+        count, name = (out.stdout.strip().splitlines() + ["", ""])[:2]
+        return int(count), name or None
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return 0, None
