@@ -66,7 +66,9 @@ estimate                         the predicted peak (fabric_memory_recipes.plann
                                  weight_copies, gradients, optimizer_state, activations, temporaries, inputs,
                                  workspace} (GB at the predicted peak), peak_phase, static_gb {weights,
                                  gradients, optimizer_state}, activations_saved_gb (one micro-batch's
-                                 forward), parameters {total, trainable}, assumptions {method, device,
+                                 forward), peak_reserved_simulated_gb (the step replayed through a model of
+                                 the caching allocator, planning/allocator.py; null off CUDA), parameters
+                                 {total, trainable}, assumptions {method, device,
                                  attention_kernel, compile, compile_modelled, precision, micro_batch_size,
                                  accumulation_steps, optimizer, optimizer_impl, checkpoint, sharding,
                                  shard_units, world_size, cpu_offload, weights_offload, workspace_gb},

@@ -314,33 +314,11 @@ class Planner:
     def fit(self, budget_gb: float, top: int = 5) -> Fit:
         """The ``top`` fastest configurations predicted to fit, and the fastest one faster than the
         last of them that does not (a candidate bounded out by arithmetic is simulated only to show it)."""
-        fits: list[Candidate] = []
-        too_big: list[Candidate] = []
-        bounded = 0
-        for c in self.candidates:  # fastest first (by the bound)
-            if len(fits) >= top and fits[top - 1].images_per_s >= c.speed_bound:
-                break  # nothing left can be faster than the picks
-            if c.lower_bound_gb > budget_gb:
-                bounded += c.predicted_gb is None
-                too_big.append(c)
-                continue
-            self.predict(c)
-            (fits if c.card_gb <= budget_gb else too_big).append(c)
-            fits.sort(key=order)
-        rejected = self._fastest(too_big)
-        smallest = None if fits else self.smallest()
-        return Fit(budget_gb, self.batch_size, self.model, self.gpu, fits[:top], rejected, smallest,
+        fits, too_big, bounded = search(self.candidates, self.predict, budget_gb, top)
+        rejected = fastest(too_big, self.predict)
+        smallest_one = None if fits else self.smallest()
+        return Fit(budget_gb, self.batch_size, self.model, self.gpu, fits, rejected, smallest_one,
                    len(self.candidates), bounded, self.cache, self.ratios, self.speed, self.overheads)  # fmt: skip
-
-    def _fastest(self, candidates: list[Candidate]) -> Candidate | None:
-        """The fastest of ``candidates`` (sorted by the bound), simulating only what could be it."""
-        best = None
-        for c in sorted(candidates, key=lambda x: -x.speed_bound):
-            if best is not None and best.images_per_s >= c.speed_bound:
-                break
-            self.predict(c)
-            best = c if best is None or c.images_per_s > best.images_per_s else best
-        return best
 
     def fastest_rejected(self, budget_gb: float) -> Candidate | None:
         """The fastest configuration of all predicted not to fit (``fabric_memory_recipes.tools.planner_proof`` runs it).
@@ -360,7 +338,7 @@ class Planner:
                 continue
             self.predict(c)
             (fitting if c.card_gb <= budget_gb else found).append(c)
-        return self._fastest(found)
+        return fastest(found, self.predict)
 
     @staticmethod
     def _same_plan(c: Candidate, d: Candidate) -> bool:
@@ -368,12 +346,47 @@ class Planner:
         return same and min(c.rung.accumulation_steps, d.rung.accumulation_steps) >= 2
 
     def smallest(self) -> Candidate:
-        """The candidate with the smallest predicted whole-device peak (visited from the smallest lower bound)."""
-        best = None
-        for c in sorted(self.candidates, key=lambda x: x.lower_bound_gb):
-            if best is not None and best.card_gb <= c.lower_bound_gb:
-                break
-            self.predict(c)
-            if best is None or (c.card_gb, -c.images_per_s) < (best.card_gb, -best.images_per_s):
-                best = c
-        return best
+        """The candidate with the smallest predicted whole-device peak."""
+        return smallest(self.candidates, self.predict)
+
+
+# ------------------------------------------------------------ the search, shared with planning/user_fit.py
+def search(candidates: list, predict, budget_gb: float, top: int) -> tuple[list, list, int]:
+    """The ``top`` fastest of ``candidates`` (sorted by their speed bound, fastest first) predicted to fit
+    ``budget_gb``; those found too big; how many of these arithmetic ruled out unsimulated. It stops once
+    ``top`` fitting ones are faster than anything left; ``predict(c)`` fills a candidate's peak and speed."""
+    fits, too_big, bounded = [], [], 0
+    for c in candidates:
+        if len(fits) >= top and fits[top - 1].images_per_s >= c.speed_bound:
+            break  # nothing left can be faster than the picks
+        if c.lower_bound_gb > budget_gb:
+            bounded += c.predicted_gb is None
+            too_big.append(c)
+            continue
+        predict(c)
+        (fits if c.card_gb <= budget_gb else too_big).append(c)
+        fits.sort(key=order)
+    return fits[:top], too_big, bounded
+
+
+def fastest(candidates: list, predict):
+    """The fastest of ``candidates``, simulating only what could be it (None if there is none)."""
+    best = None
+    for c in sorted(candidates, key=lambda x: -x.speed_bound):
+        if best is not None and best.images_per_s >= c.speed_bound:
+            break
+        predict(c)
+        best = c if best is None or c.images_per_s > best.images_per_s else best
+    return best
+
+
+def smallest(candidates: list, predict):
+    """The candidate with the smallest predicted whole-device peak (visited from the smallest lower bound)."""
+    best = None
+    for c in sorted(candidates, key=lambda x: x.lower_bound_gb):
+        if best is not None and best.card_gb <= c.lower_bound_gb:
+            break
+        predict(c)
+        if best is None or (c.card_gb, -c.images_per_s) < (best.card_gb, -best.images_per_s):
+            best = c
+    return best

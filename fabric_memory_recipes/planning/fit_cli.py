@@ -31,6 +31,27 @@ def parse_size(text: str) -> float:
     return float(match.group(1)) * UNITS[(match.group(2) or "gb").lower()]
 
 
+def add_plan_arguments(p, *, required: bool, precisions: tuple[str, ...], optimizers: tuple[str, ...],
+                       gpu_help: str, fit_help: str = "the card's memory: 6GB, 6.5GB, 512MB, 8GiB") -> None:  # fmt: skip
+    """The planner's flags, shared by the ladder's ``--fit`` and your own model's (planning/user_cli.py)."""
+    p.add_argument("--fit", required=required, metavar="SIZE", help=fit_help)
+    p.add_argument("--gpu", default=calibration.REFERENCE_GPU, help=gpu_help)
+    p.add_argument("--top", type=at_least(1), default=5, help="how many fitting configurations to print")
+    p.add_argument("--precisions", type=comma_list(precisions), default=precisions, help="precisions to combine")
+    p.add_argument("--optimizers", type=comma_list(optimizers), default=optimizers,
+                   help="optimizers to combine (SGD and 8-bit Adam change the training: docs/06, docs/13)")  # fmt: skip
+    p.add_argument("--json", action="store_true", help="print the answer as JSON")
+
+
+def budget(args: argparse.Namespace) -> float | None:
+    """``--fit SIZE`` in GB (None without it); a malformed size is one line and exit 2."""
+    args.gpu = args.gpu.lower()
+    try:
+        return parse_size(args.fit) if args.fit else None
+    except ValueError as e:
+        fail(str(e))
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = Parser(
         prog="python -m fabric_memory_recipes.planning --fit",
@@ -39,7 +60,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         " fits a card of SIZE, each with the recipe command that runs it (prediction only: runs on a CPU"
         " in seconds; simulations are cached).",
     )
-    p.add_argument("--fit", required=True, metavar="SIZE", help="the card's memory: 6GB, 6.5GB, 512MB, 8GiB")
+    add_plan_arguments(p, required=True, precisions=PRECISIONS, optimizers=OPTIMIZERS,
+                       gpu_help="GPU kind whose committed runs give the throughput and the card overhead (h100, h200, ...)")  # fmt: skip
     p.add_argument("--batch-size", type=at_least(1), default=16, help="effective batch per optimizer step")
     p.add_argument(
         "--model",
@@ -47,22 +69,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="vit_l_16",
         help="a model the simulator builds (the Hugging Face bonus models are not simulated)",
     )
-    p.add_argument(
-        "--gpu",
-        default=calibration.REFERENCE_GPU,
-        help="GPU kind whose committed runs give the throughput and the card overhead (h100, h200, ...)",
-    )
-    p.add_argument("--top", type=at_least(1), default=5, help="how many fitting configurations to print")
-    p.add_argument(
-        "--precisions", type=comma_list(PRECISIONS), default=PRECISIONS, help="precisions to combine"
-    )
     p.add_argument("--modes", type=comma_list(MODES), default=MODES, help="modes to combine")
-    p.add_argument(
-        "--optimizers",
-        type=comma_list(OPTIMIZERS),
-        default=OPTIMIZERS,
-        help="optimizers to combine (SGD and 8-bit Adam change the training: docs/06, docs/13)",
-    )
     p.add_argument(
         "--results",
         nargs="+",
@@ -70,14 +77,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="DIR",
         help="folders of committed results JSON to calibrate on (read recursively)",
     )
-    p.add_argument("--json", action="store_true", help="print the answer as JSON")
     p.add_argument("--no-cache", action="store_true", help="simulate again instead of reading the cache")
     args = p.parse_args(argv)
-    try:
-        args.budget_gb = parse_size(args.fit)
-    except ValueError as e:
-        fail(str(e))
-    args.gpu = args.gpu.lower()
+    args.budget_gb = budget(args)
     return args
 
 

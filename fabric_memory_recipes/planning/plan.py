@@ -12,7 +12,8 @@ GB = 1e9
 ALLOCATOR_ROUND = 512  # the CUDA caching allocator rounds every block up to a multiple of 512 bytes
 # cuBLAS keeps a 32 MiB workspace per (thread, stream) on Hopper, taken from the caching allocator: one for
 # the thread that runs the forward pass, one for autograd's device thread that runs the backward pass.
-CUDA_WORKSPACE_BYTES = 2 * 32 * 2**20
+CUBLAS_WORKSPACE_BYTES = 32 * 2**20
+CUDA_WORKSPACE_BYTES = 2 * CUBLAS_WORKSPACE_BYTES
 
 # Component names, in table order. Each simulated storage belongs to exactly one of them.
 COMPONENTS = (
@@ -184,7 +185,9 @@ class Estimate:
     activations_saved_bytes: int | None = None
     timeline: list[tuple[str, dict[str, float]]] = dataclasses.field(default_factory=list, repr=False)
     error: str | None = None
-    largest_temporary_gb: float = 0.0  # the largest single block of working memory (fragmentation margin)
+    largest_temporary_gb: float = 0.0  # the largest single block of working memory
+    # peak reserved: the step's allocations replayed through the caching allocator (planning/allocator.py)
+    reserved_gb: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The ``estimate`` key of the results JSON (documented in fabric_memory_recipes/measurement/results_file.py)."""
@@ -201,6 +204,7 @@ class Estimate:
             "activations_saved_gb": r(self.activations_saved_gb),
             "activations_host_gb": r(self.activations_host_gb),
             "largest_temporary_gb": r(self.largest_temporary_gb),
+            "peak_reserved_simulated_gb": r(self.reserved_gb),
             "parameters": self.parameters,
             "assumptions": {
                 "method": "one training step on fake tensors (eager graph), storages tracked",

@@ -15,10 +15,12 @@ from torch.utils._pytree import tree_leaves
 
 from fabric_memory_recipes.config import RunConfig
 from fabric_memory_recipes.console import notice
+from fabric_memory_recipes.planning.allocator import replay
 from fabric_memory_recipes.planning.built import built_technique
 from fabric_memory_recipes.planning.modelled import Precision, Wrapped, attention_kernel, checkpointed
 from fabric_memory_recipes.planning.plan import (
     COMPONENTS,
+    CUBLAS_WORKSPACE_BYTES,
     CUDA_WORKSPACE_BYTES,
     GB,
     LOWBIT_BLOCK,
@@ -196,10 +198,12 @@ def simulate(
             in_use = plan.prefetch_units * unit + root + (unit if n_train else 0)
             tracker.add_constant("gathered_parameters", in_use)
         if plan.device == "cuda":
-            tracker.add_constant("workspace", CUDA_WORKSPACE_BYTES)
+            for _ in range(CUDA_WORKSPACE_BYTES // CUBLAS_WORKSPACE_BYTES):  # one per thread
+                tracker.add_constant("workspace", CUBLAS_WORKSPACE_BYTES)
             if plan.activation_offload:  # copies in flight on a side stream (training/offload.py)
                 tracker.add_constant("activations", plan.offload_window_bytes)
 
+        tracker.mark("state")
         tracker.phase = "optimizer state"  # as it is from the first optimizer step on
         with tracker.creating("optimizer_state"):
             state = [t for n in trainable for t in _optimizer_state(fake_state[n], plan)]
@@ -214,6 +218,7 @@ def simulate(
         wrapped = Wrapped(model, precision)
         k = plan.accumulation_steps
         tracker.record_timeline = record_timeline
+        tracker.mark("step")
         for micro in range(min(k, 2)):
             label = "first micro-batch" if micro == 0 else "a later micro-batch (gradients kept)"
             tracker.phase = f"forward, {label}"
@@ -228,6 +233,7 @@ def simulate(
             (loss / k).backward()
             del loss, batch
 
+        tracker.mark("update")
         tracker.phase = "optimizer step"
         transient = 0  # fused kernels and SGD update in place
         if plan.optimizer in ("adam", "adamw") and plan.optimizer_impl == "foreach":
@@ -244,6 +250,7 @@ def simulate(
         tracker.phase = "zero_grad(set_to_none=True)"
         for t in fake_state.values():
             t.grad = None
+        tracker.mark("end")
         tracker.record_timeline = False
         del state, fake_state, params_and_buffers, wrapped, counter
 
@@ -268,6 +275,7 @@ def simulate(
         kernels=sorted(kernels),
         timeline=tracker.timeline,
         largest_temporary_gb=tracker.largest_temporary / GB,
+        reserved_gb=replay(tracker.events, tracker.marks).peak_reserved / GB if plan.device == "cuda" else None,
     )
 
 

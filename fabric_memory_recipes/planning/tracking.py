@@ -18,11 +18,12 @@ from fabric_memory_recipes.planning.plan import GB, round_bytes
 
 
 class _Record:
-    __slots__ = ("nbytes", "category")
+    __slots__ = ("nbytes", "category", "handle")
 
-    def __init__(self, nbytes: int, category: str) -> None:
+    def __init__(self, nbytes: int, category: str, handle: int = -1) -> None:
         self.nbytes = nbytes
         self.category = category
+        self.handle = handle  # its allocation's index in Tracker.events (-1: not on the device)
 
 
 class SavedTensorCounter:
@@ -98,6 +99,20 @@ class Tracker(TorchDispatchMode):
         self.host_peak = 0  # most bytes in host memory at once (offloaded activations)
         self.new_category = "temporaries"
         self.largest_temporary = 0  # the largest storage created as working memory (a logits-sized block)
+        self.events: list[tuple[str, int, int]] = []
+        self.marks: dict[str, int] = {}
+        self._constants: dict[str, list[int]] = defaultdict(list)  # live constant blocks per category
+
+    def mark(self, name: str) -> None:
+        self.marks[name] = len(self.events)
+
+    def _device_alloc(self, category: str, nbytes: int) -> int:
+        """Log a device allocation of ``nbytes`` at the category's weight; its handle (-1: none)."""
+        size = int(self.scales.get(category, 1.0) * nbytes)
+        if size <= 0:
+            return -1
+        self.events.append(("alloc", len(self.events), size))
+        return len(self.events) - 1
 
     @contextlib.contextmanager
     def creating(self, category: str) -> Iterator[None]:
@@ -125,6 +140,8 @@ class Tracker(TorchDispatchMode):
 
     def _free(self, rec: _Record) -> None:
         self.totals[rec.category] -= rec.nbytes
+        if rec.handle >= 0:
+            self.events.append(("free", rec.handle, 0))
         self._changed()
 
     def record(self, t: Any, category: str = "temporaries") -> _Record | None:
@@ -135,6 +152,7 @@ class Tracker(TorchDispatchMode):
         rec = self.records.get(st)
         if rec is None:
             rec = _Record(round_bytes(st.nbytes()), category)
+            rec.handle = self._device_alloc(category, rec.nbytes)
             self.records[st] = rec
             self.totals[category] += rec.nbytes
             if category == "temporaries":
@@ -160,7 +178,14 @@ class Tracker(TorchDispatchMode):
         return rec.category if rec is not None else None
 
     def add_constant(self, category: str, nbytes: int) -> None:
-        """Memory the simulation does not create as tensors (workspace, gathered FSDP units)."""
+        """Memory the simulation does not create as tensors (workspace, gathered FSDP units): one
+        block of ``nbytes``; a negative ``nbytes`` frees the category's last block."""
+        if nbytes > 0:
+            self._constants[category].append(self._device_alloc(category, nbytes))
+        elif nbytes < 0 and self._constants[category]:
+            handle = self._constants[category].pop()
+            if handle >= 0:
+                self.events.append(("free", handle, 0))
         self.totals[category] += nbytes
         self._changed()
 

@@ -12,12 +12,11 @@ import os
 import sys
 from typing import Any
 
-from fabric_memory_recipes.config import Hardware, UsageError, at_least
-from fabric_memory_recipes.console import comma_list, fail
-from fabric_memory_recipes.planning import calibration
-from fabric_memory_recipes.planning.fit_cli import parse_size
+from fabric_memory_recipes.config import Hardware, UsageError
+from fabric_memory_recipes.console import fail
+from fabric_memory_recipes.planning import fit_cli
 from fabric_memory_recipes.planning.user_estimate import card, estimate, meta_model, plan_of
-from fabric_memory_recipes.planning.user_fit import OPTIMIZERS, PRECISIONS, UserPlanner, command
+from fabric_memory_recipes.planning.user_fit import OPTIMIZERS, PRECISIONS, UserPlanner
 from fabric_memory_recipes.training import cli, user_run
 
 
@@ -26,33 +25,16 @@ def parse(argv: list[str] | None):
     parser = cli.build_parser(rung, __doc__.splitlines()[0])
     parser.prog = "fmr-estimate --model SOURCE:NAME"
     g = parser.add_argument_group("estimate and plan")
-    g.add_argument("--gpu", default=calibration.REFERENCE_GPU, help="GPU kind whose measured card overhead and"
-                   " committed runs apply (h100, h200, ...)")  # fmt: skip
-    g.add_argument("--json", action="store_true", help="print the answer as JSON")
-    g.add_argument(
-        "--fit", metavar="SIZE", help="list the fastest technique sets that fit a card of SIZE (6GB, 512MB)"
-    )
-    g.add_argument("--top", type=at_least(1), default=5, help="with --fit: how many fitting sets to print")
-    g.add_argument(
-        "--precisions",
-        type=comma_list(PRECISIONS),
-        default=PRECISIONS,
-        help="with --fit: precisions to combine",
-    )
-    g.add_argument(
-        "--optimizers",
-        type=comma_list(OPTIMIZERS),
-        default=OPTIMIZERS,
-        help="with --fit: optimizers to combine",
-    )
+    fit_cli.add_plan_arguments(g, required=False, precisions=PRECISIONS, optimizers=OPTIMIZERS,
+                               gpu_help="GPU kind whose measured card overhead and committed runs apply (h100, h200, ...)",
+                               fit_help="list the fastest technique sets that fit a card of SIZE (6GB, 512MB)")  # fmt: skip
     args = parser.parse_args(argv)
     flags = {f.name: getattr(args, f.name) for f in type(rung).flag_fields()}
     try:
         cfg = rung.with_flags(**flags).checked(Hardware.planned())  # 'auto': predict for a GPU
-        args.budget_gb = parse_size(args.fit) if args.fit else None
     except (UsageError, ValueError) as e:
         fail(str(e))
-    args.gpu = args.gpu.lower()
+    args.budget_gb = fit_cli.budget(args)
     return args, cfg
 
 
@@ -78,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     print(est.table())
     if not est.error:
         device = got["device_peak_gb"]
-        print(f"  {'peak reserved':<22}{got['peak_reserved_gb']:>11.3f}   by {got['reserved_by']}")
+        print(f"  {'peak reserved':<22}{got['peak_reserved_gb']:>11.3f}   the allocator replay's"
+              f" {got['replayed_reserved_gb']:.3f} x {got['reserved_residual']} (planning/reserved.py)")
         print(f"  {'whole-device peak':<22}" + (f"{device:>11.3f}   + {got['overhead_gb']:.3f} GB outside the"
               f" allocator ({got['overhead_source']})" if device is not None else f"{'unknown':>11}"))  # fmt: skip
     return 1 if est.error else 0
@@ -92,27 +75,25 @@ def fit_main(args: Any, cfg: user_run.YourModelConfig) -> int:
     if args.json:
         smallest = None if fits else planner.smallest()
         payload = {"budget_gb": args.budget_gb, "model": ref, "batch_size": cfg.batch_size, "seq_len": seq,
-                   "gpu": args.gpu, "repeated_blocks": list(planner.blocks), "fits": [c.to_dict(ref, seq) for c in fits],
-                   "rejected": rejected.to_dict(ref, seq) if rejected else None,
-                   "smallest": smallest.to_dict(ref, seq) if smallest else None, "speed": planner.speed_lines()}  # fmt: skip
+                   "gpu": args.gpu, "repeated_blocks": list(planner.blocks), "fits": [c.to_dict() for c in fits],
+                   "rejected": rejected.to_dict() if rejected else None,
+                   "smallest": smallest.to_dict() if smallest else None, "speed": planner.speed_lines()}  # fmt: skip
         _print(json.dumps(payload, indent=2))
         return 0 if fits else 1
     if not fits:
         s = planner.smallest()
-        _print(f"Nothing fits in {args.budget_gb:g} GB: the smallest predicted peak is {s.device_gb:.2f} GB"
-               f" ({s.label()}): {command(s, ref, seq)}")  # fmt: skip
+        _print(f"Nothing fits in {args.budget_gb:g} GB: the smallest predicted peak is {s.card_gb:.2f} GB"
+               f" ({s.label()}): {s.command}")  # fmt: skip
         return 1
     lines = [f"Which technique sets fit {args.budget_gb:g} GB? {ref}, batch {cfg.batch_size}"
              + (f" x {seq} tokens" if seq else "") + f", repeated blocks {', '.join(planner.blocks) or 'none'}"
              f" ({planner.found_by}), eager mode, {args.gpu}", "",
              "   # samples/s  card GB  technique set\n       command"]  # fmt: skip
     for i, c in enumerate(fits, 1):
-        lines.append(
-            f"  {i:>2} {c.samples_per_s:9.1f} {c.device_gb:8.2f}   {c.label()}\n       {command(c, ref, seq)}"
-        )
+        lines.append(f"  {i:>2} {c.images_per_s:9.1f} {c.card_gb:8.2f}   {c.label()}\n       {c.command}")
     if rejected:
-        lines += ["", f"Fastest rejected as too big: {rejected.label()}, {rejected.device_gb:.2f} GB,"
-                  f" {rejected.samples_per_s:.1f} samples/s"]  # fmt: skip
+        lines += ["", f"Fastest rejected as too big: {rejected.label()}, {rejected.card_gb:.2f} GB,"
+                  f" {rejected.images_per_s:.1f} samples/s"]  # fmt: skip
     lines += ["", "card GB = predicted peak reserved (simulated peak allocated, with the margin of"
               " planning/user_estimate.py) + the measured card overhead of the GPU kind in eager mode.",
               *planner.speed_lines()]  # fmt: skip

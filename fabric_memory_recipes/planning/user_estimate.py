@@ -2,15 +2,13 @@
 step (:func:`~fabric_memory_recipes.planning.simulate.simulate`) of the model built on the meta device,
 with the batch of its task, and the card: peak reserved and the whole-device peak.
 
-Peak reserved = the simulated peak allocated x the largest reserved/simulated ratio of the committed
-runs of the mode, or the simulated peak allocated + the step's largest block of working memory
-(:attr:`~fabric_memory_recipes.planning.plan.Estimate.largest_temporary_gb`), whichever is larger. The
-second term is the fragmentation margin of large-vocabulary models: freed logits-sized blocks are not
-reused for the other sizes of the step, so the caching allocator holds about one more of them. It was
-read off the seven committed H100 runs of ``recipes/bonus_llm_finetune.py`` (Qwen2-0.5B's architecture,
-a 151,936-token vocabulary: ``results/published/h100/bonus/``), where reserved exceeded allocated by
-0.46-1.40 GB, 0.7-2.3 fp32 logits blocks of one micro-batch (docs/your_model.md). The whole-device peak
-adds the measured card overhead of the GPU kind (measurement/card_overhead.py).
+Peak reserved = the simulated step's allocations and frees replayed through a model of the CUDA
+caching allocator (planning/allocator.py: the weights, a first step that creates the optimizer state,
+then steady steps) x the largest measured/replayed ratio of the committed eager runs
+(planning/reserved.py, 1.037). The replay is what tells a ResNet from a ViT: feature maps of many
+sizes strand cached blocks that one ratio for every model cannot know (docs/your_model.md has the
+measured rows). The whole-device peak adds the measured card overhead of the GPU kind
+(measurement/card_overhead.py).
 """
 
 from __future__ import annotations
@@ -24,15 +22,15 @@ from fabric_memory_recipes.config import RunConfig
 from fabric_memory_recipes.console import notice
 from fabric_memory_recipes.measurement.card_overhead import card_overhead
 from fabric_memory_recipes.measurement.results_file import gpu_slug
-from fabric_memory_recipes.planning.overhead import committed_ratios
+from fabric_memory_recipes.planning.allocator import RESIDUAL, RESIDUAL_SOURCE
 from fabric_memory_recipes.planning.plan import Estimate, Plan, plan_for
 from fabric_memory_recipes.planning.simulate import failed, simulate
 from fabric_memory_recipes.training import user_models
 from fabric_memory_recipes.training.user_models import UserModel
 
 RESERVED_RULE = (
-    "max(simulated peak allocated x the mode's largest committed reserved/simulated ratio,"
-    " simulated peak allocated + the step's largest block of working memory)"
+    "the simulated step replayed through a model of the caching allocator (planning/allocator.py)"
+    " x the largest measured/replayed ratio of the committed eager runs (planning/reserved.py)"
 )
 
 
@@ -82,24 +80,23 @@ def estimate(model: Any, um: UserModel, plan: Plan, seq_len: int) -> Estimate:
 
 def card(est: Estimate, gpu: str = "h100", mode: str = "eager") -> dict[str, Any]:
     """Peak reserved and whole-device peak of ``est`` on a card of kind ``gpu`` (:data:`RESERVED_RULE`)."""
-    ratio = committed_ratios()[mode]
     over = card_overhead(gpu, mode)
     if est.peak_gb is None:
         return {"peak_reserved_gb": None, "device_peak_gb": None}
-    by_ratio = est.peak_gb * ratio.ratio
-    by_block = est.peak_gb + est.largest_temporary_gb
-    reserved = max(by_ratio, by_block)
+    replayed = est.reserved_gb if est.reserved_gb is not None else est.peak_gb  # a CPU plan: no allocator
+    value = replayed * RESIDUAL
     return {
-        "peak_reserved_gb": round(reserved, 6),
-        "device_peak_gb": None if over.gb is None else round(reserved + over.gb, 6),
+        "peak_reserved_gb": round(value, 6),
+        "device_peak_gb": None if over.gb is None else round(value + over.gb, 6),
         "reserved_rule": RESERVED_RULE,
-        "reserved_by": "fragmentation margin (largest block)" if by_block > by_ratio else f"ratio: {ratio.line()}",
-        "fragmentation_margin_gb": round(est.largest_temporary_gb, 6),
+        "replayed_reserved_gb": round(replayed, 6),
+        "reserved_residual": RESIDUAL,
+        "reserved_residual_source": RESIDUAL_SOURCE,
         "overhead_gb": over.gb,
         "overhead_source": over.source,
         "gpu": gpu,
         "mode": mode,
-    }  # fmt: skip
+    }
 
 
 def for_user_run(model: Any, um: UserModel, cfg: RunConfig, blocks: tuple[str, ...]) -> tuple[Estimate, dict]:

@@ -4,8 +4,8 @@ trains it.
 
 Combined: precision; micro-batch x accumulation for the requested batch; the optimizer (AdamW, SGD,
 8-bit AdamW); checkpointing of the repeated blocks, activation offload and the step in backward. Memory
-is simulated (planning/user_estimate.py: peak allocated, reserved with its margin, + the card
-overhead); the runner runs eagerly, so the eager mode's ratio and overhead apply.
+is simulated (planning/user_estimate.py: peak allocated, reserved from the allocator replay with its
+margin, + the card overhead); the runner runs eagerly, so the eager mode's overhead applies.
 
 Speed, for a model no committed run measured: the ladder's step model calibrated on the committed runs
 of the GPU kind (planning/speed.py) with its per-micro-batch compute scaled by this model's training
@@ -17,67 +17,55 @@ technique sets of one model is what it is for; its absolute samples/s are an est
 from __future__ import annotations
 
 import dataclasses
-import shlex
 from typing import Any
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from fabric_memory_recipes.config import RunConfig
 from fabric_memory_recipes.planning import calibration, speed
 from fabric_memory_recipes.planning.check import meta_model as ladder_model
-from fabric_memory_recipes.planning.fit import divisors, static_bytes
+from fabric_memory_recipes.planning.fit import (
+    Candidate,
+    divisors,
+    fastest,
+    search,
+    smallest,
+    static_bytes,
+    techniques,
+)
 from fabric_memory_recipes.planning.plan import GB, Plan
 from fabric_memory_recipes.planning.user_estimate import card, estimate, meta_model, text_batch
+from fabric_memory_recipes.training import user_run
 
 PRECISIONS = ("bf16-true", "bf16-mixed", "32-true")
 OPTIMIZERS = ("adamw", "sgd", "adamw8bit")
 # (checkpoint the blocks, offload activations, step in backward)
 TECHNIQUES = ((False, False, False), (True, False, False), (False, True, False), (True, True, False),
               (False, False, True), (True, False, True))  # fmt: skip
-NAMES = ("checkpointing", "offload", "step in backward")
+FLAGS = ("--checkpoint-blocks", "--activation-offload", "--optimizer-in-backward")
+SPEED_SOURCE = "model: the ladder's step model, compute scaled by training FLOPs per sample"
 
 
 @dataclasses.dataclass
-class Choice:
-    """One technique set, with what is predicted for it."""
+class Choice(Candidate):
+    """One technique set for your own model, in the ladder planner's shape (:class:`fit.Candidate`: its
+    label, command, row and JSON): its rung is ``recipes/your_model.py``'s configuration with the set's
+    flags, its mode eager (the runner's only), its signature (optimizer, checkpointing, offload, step in
+    backward)."""
 
-    precision: str
-    optimizer: str
-    k: int
-    techniques: tuple[bool, bool, bool]
-    batch_size: int
-    speed_bound: float = 0.0
-    samples_per_s: float | None = None
-    lower_gb: float = 0.0
-    reserved_gb: float | None = None
-    device_gb: float | None = None
-    allocated_gb: float | None = None
+    seq_len: int | None = None  # text models: tokens per sample
 
-    @property
-    def micro(self) -> int:
-        return self.batch_size // self.k
+    def argv(self) -> list[str]:
+        r, (optimizer, *on) = self.rung, self.signature
+        out = ["--model", r.model] + (["--seq-len", str(self.seq_len)] if self.seq_len else [])
+        out += ["--precision", r.precision, "--batch-size", str(r.batch_size), "--accumulation-steps",
+                str(r.accumulation_steps), "--optimizer", optimizer]  # fmt: skip
+        return out + [f for f, used in zip(FLAGS, on, strict=True) if used]
 
-    def argv(self, ref: str, seq_len: int | None) -> list[str]:
-        out = ["--model", ref] + (["--seq-len", str(seq_len)] if seq_len else [])
-        out += ["--precision", self.precision, "--batch-size", str(self.batch_size), "--accumulation-steps",
-                str(self.k), "--optimizer", self.optimizer]  # fmt: skip
-        flags = ("--checkpoint-blocks", "--activation-offload", "--optimizer-in-backward")
-        return out + [f for f, on in zip(flags, self.techniques, strict=True) if on]
-
-    def label(self) -> str:
-        batch = f"{self.batch_size}" + (f" = {self.micro} x {self.k}" if self.k > 1 else "")
-        on = [n for n, t in zip(NAMES, self.techniques, strict=True) if t]
-        return f"{self.precision}, batch {batch}, {' + '.join([self.optimizer, *on])}"
-
-    def to_dict(self, ref: str, seq_len: int | None) -> dict[str, Any]:
-        return {"command": command(self, ref, seq_len), "argv": self.argv(ref, seq_len), "technique": self.label(),
-                "predicted_peak_allocated_gb": self.allocated_gb, "predicted_peak_gb": self.reserved_gb,
-                "predicted_device_peak_gb": self.device_gb, "predicted_samples_per_s": self.samples_per_s}  # fmt: skip
-
-
-def command(c: Choice, ref: str, seq_len: int | None) -> str:
-    return shlex.join(["python", "recipes/your_model.py", *c.argv(ref, seq_len)])
+    def to_dict(self) -> dict[str, Any]:
+        out = super().to_dict()
+        out["predicted_samples_per_s"] = out.pop("predicted_images_per_s")  # images or sequences
+        return out
 
 
 def flops_per_sample(model: Any, um: Any, seq_len: int) -> float:
@@ -111,7 +99,9 @@ class UserPlanner:
             base, flops_scale=scale, host_ms={k: v * modules for k, v in base.host_ms.items()}
         )
         self.modules_ratio = modules
-        self.simulated: dict[tuple, tuple[float, float, float]] = {}
+        self.simulated: dict[tuple, tuple[float, float, float, float]] = {}
+        over = card(_Floor(), gpu)["overhead_gb"] or 0.0  # the card overhead alone
+        runner = user_run.default_config()
         self.choices = []
         for precision in precisions:
             for optimizer in optimizers:
@@ -119,76 +109,49 @@ class UserPlanner:
                     if t[0] and not self.blocks:
                         continue
                     for k in [1] if t[2] else divisors(batch_size):
-                        c = Choice(precision, optimizer, k, t, batch_size)
+                        rung = runner.with_flags(model=ref, precision=precision, batch_size=batch_size,
+                                               accumulation_steps=k, optimizer=optimizer)  # fmt: skip
+                        sig = (optimizer, *t)
+                        lower = static_bytes(rung, sig, self.parameters) / GB + over
+                        c = Choice(rung, "eager", sig, lower, 0.0, speed_source=SPEED_SOURCE, overhead_gb=over,
+                                   seq_len=self.seq_len)  # fmt: skip
                         c.speed_bound = self._speed(c, 0.0)
-                        rung = RunConfig(precision=precision, batch_size=batch_size, accumulation_steps=k)
-                        over = card(_Floor(), gpu)  # the overhead and ratio alone
-                        c.lower_gb = static_bytes(rung, (optimizer, *t), self.parameters) / GB + (
-                            over["overhead_gb"] or 0
-                        )
                         self.choices.append(c)
-        self.choices.sort(key=lambda c: (-c.speed_bound, sum(c.techniques), c.lower_gb))
+        self.choices.sort(key=lambda c: (-c.speed_bound, techniques(c), c.lower_bound_gb))
 
     def _speed(self, c: Choice, offloaded_gb: float) -> float:
-        sig = (c.optimizer, *c.techniques)
-        prec = c.precision if c.precision in self.speed.precision_factor else "16-mixed"
-        return c.batch_size / self.speed.step_s(
-            prec, sig, c.micro, c.k, "eager", offloaded_gb, self.parameters
-        )
+        r = c.rung
+        prec = r.precision if r.precision in self.speed.precision_factor else "16-mixed"
+        step = self.speed.step_s(prec, c.signature, r.micro_batch_size, r.accumulation_steps, "eager", offloaded_gb,
+                                 self.parameters)  # fmt: skip
+        return r.batch_size / step
 
     def predict(self, c: Choice) -> Choice:
-        if c.reserved_gb is None:
-            key = (c.precision, c.optimizer, c.techniques, c.micro, min(c.k, 2))
+        if c.predicted_gb is None:
+            r, (optimizer, ck, off, sib) = c.rung, c.signature
+            key = (r.precision, c.signature, r.micro_batch_size, min(r.accumulation_steps, 2))
             if key not in self.simulated:
-                ck, off, sib = c.techniques
-                plan = Plan(precision=c.precision, micro_batch_size=c.micro, accumulation_steps=c.k,
-                            optimizer=c.optimizer, checkpoint=self.blocks if ck else (), activation_offload=off,
+                plan = Plan(precision=r.precision, micro_batch_size=r.micro_batch_size,
+                            accumulation_steps=r.accumulation_steps, optimizer=optimizer,
+                            checkpoint=self.blocks if ck else (), activation_offload=off,
                             optimizer_in_backward=sib)  # fmt: skip
                 est = estimate(self.model, self.um, plan, self.seq_len or 0)
                 if est.error:
                     raise RuntimeError(f"the simulation of {c.label()} failed: {est.error}")
                 got = card(est, self.gpu)
-                self.simulated[key] = (
-                    est.peak_gb,
-                    got["peak_reserved_gb"],
-                    got["device_peak_gb"],
-                    est.activations_host_gb,
-                )
-            c.allocated_gb, c.reserved_gb, c.device_gb, offloaded = self.simulated[key]
-            c.device_gb = c.reserved_gb if c.device_gb is None else c.device_gb
-            c.samples_per_s = self._speed(c, offloaded)
+                self.simulated[key] = (est.peak_gb, got["peak_reserved_gb"], est.activations_host_gb)
+            c.simulated_gb, c.predicted_gb, c.offloaded_gb = self.simulated[key]
+            c.images_per_s = self._speed(c, c.offloaded_gb)
         return c
 
     def fit(self, budget_gb: float, top: int = 5) -> tuple[list[Choice], Choice | None]:
         """The ``top`` fastest choices predicted to fit, and the fastest predicted not to fit among those
-        faster than the last pick (None if there is none)."""
-        fits: list[Choice] = []
-        too_big: list[Choice] = []
-        for c in self.choices:
-            if len(fits) >= top and fits[top - 1].samples_per_s >= c.speed_bound:
-                break
-            if c.lower_gb > budget_gb:
-                too_big.append(c)
-                continue
-            self.predict(c)
-            (fits if c.device_gb <= budget_gb else too_big).append(c)
-            fits.sort(key=lambda x: (-x.samples_per_s, sum(x.techniques), x.device_gb))
-        rejected = None
-        for c in too_big:  # sorted by the bound: simulate only what could be the fastest
-            if rejected is not None and rejected.samples_per_s >= c.speed_bound:
-                break
-            self.predict(c)
-            rejected = c if rejected is None or c.samples_per_s > rejected.samples_per_s else rejected
-        return fits[:top], rejected
+        faster than the last pick (None if there is none): the ladder planner's search (planning/fit.py)."""
+        fits, too_big, _ = search(self.choices, self.predict, budget_gb, top)
+        return fits, fastest(too_big, self.predict)
 
     def smallest(self) -> Choice:
-        best = None
-        for c in sorted(self.choices, key=lambda x: x.lower_gb):
-            if best is not None and best.device_gb <= c.lower_gb:
-                break
-            self.predict(c)
-            best = c if best is None or c.device_gb < best.device_gb else best
-        return best
+        return smallest(self.choices, self.predict)
 
     def speed_lines(self) -> list[str]:
         what = "sample" + (f" of {self.seq_len} tokens" if self.seq_len else " (image)")
@@ -209,4 +172,4 @@ class _Floor:
     """An estimate of nothing: :func:`card` of it gives the overhead alone."""
 
     peak_gb = 0.0
-    largest_temporary_gb = 0.0
+    reserved_gb = 0.0

@@ -18,13 +18,6 @@ from typing import Any
 
 import torch
 from huggingface_hub import try_to_load_from_cache
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoModelForSequenceClassification,
-    AutoTokenizer,
-    BertTokenizerFast,
-)
 
 from fabric_memory_recipes.config import UsageError
 from fabric_memory_recipes.console import notice
@@ -152,6 +145,8 @@ QWEN2 = ("Qwen/Qwen2-0.5B-Instruct", "qwen2-tiny")
 
 def config(spec: Spec, **fields: Any):
     """``AutoConfig.for_model(model_type, **overrides, **fields)``: the architecture without any download."""
+    from transformers import AutoConfig
+
     return AutoConfig.for_model(spec.model_type, **{**spec.overrides, **fields})
 
 
@@ -207,6 +202,8 @@ def build_model(
     checkpoint's dtype (Qwen2's is bf16), so it is cast to the default dtype: the precision flag alone
     decides the weights' dtype. ``vocab_size`` widens a random-init embedding to fit a tokenizer.
     """
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
     auto = AutoModelForSequenceClassification if spec.task == "classification" else AutoModelForCausalLM
     kwargs: dict[str, Any] = {}
     if attn_implementation is not None:
@@ -224,6 +221,8 @@ def build_model(
 def load_tokenizer(spec: Spec, path: str | None = None):
     """The tokenizer for real text: ``path`` (a directory, or a WordPiece ``vocab.txt``) if given, else the
     model's own from the hub when cached or reachable; None when there is none to be had offline."""
+    from transformers import AutoTokenizer, BertTokenizerFast
+
     if path:
         if os.path.isdir(path):
             return AutoTokenizer.from_pretrained(path)

@@ -24,11 +24,6 @@ from typing import Any
 
 import torch.nn as nn
 import torchvision.models as tvm
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
-from transformers.models.auto.modeling_auto import (
-    MODEL_FOR_CAUSAL_LM_MAPPING,
-    MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING,
-)
 
 from fabric_memory_recipes.config import UsageError
 from fabric_memory_recipes.training.hf_models import TokenIds, _cached, hub_online
@@ -124,6 +119,8 @@ def hf_config(ref: str, name: str):
             ) from None
         if not isinstance(fields, dict) or not isinstance(fields.get("model_type"), str):
             raise UsageError(f'--model {ref}: {path} has no "model_type" (not a Hugging Face config.json)')
+        from transformers import AutoConfig  # only hf: models pay for importing transformers
+
         try:
             return AutoConfig.for_model(fields.pop("model_type"), **fields)
         except (ValueError, KeyError, TypeError) as e:
@@ -133,6 +130,8 @@ def hf_config(ref: str, name: str):
     if not (_cached(name) or hub_online()):
         raise UsageError(f"--model {ref}: not a local config.json or folder, and the Hugging Face hub is"
                          " unreachable (offline): pass the path of a config.json")  # fmt: skip
+    from transformers import AutoConfig
+
     try:
         return AutoConfig.from_pretrained(name, local_files_only=not hub_online())
     except Exception as e:  # noqa: BLE001 - any failure of the hub is one line for the user
@@ -142,6 +141,11 @@ def hf_config(ref: str, name: str):
 
 
 def _hf_task(ref: str, config) -> str:
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING,
+        MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING,
+    )
+
     if any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in (config.architectures or [])):
         return "causal_lm"
     if type(config) in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING:
@@ -166,6 +170,8 @@ def build(um: UserModel) -> nn.Module:
         model = timm.create_model(um.name, pretrained=False, num_classes=IMAGE_CLASSES)
         model.image_size = int((model.pretrained_cfg or {}).get("input_size", (3, 224, 224))[-1])
         return model
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
     config = um.hf_config
     config.use_cache = False  # training: a KV cache is a generation feature (and breaks recomputation)
     if um.task == "classification":

@@ -19,7 +19,6 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     apply_activation_checkpointing,
     checkpoint_wrapper,
 )
-from transformers import AutoTokenizer
 
 from fabric_memory_recipes.config import BOOL, RunConfig, UsageError, at_least, flag
 from fabric_memory_recipes.training import data, text, user_models
@@ -105,6 +104,8 @@ def load_data(cfg: YourModelConfig, um: UserModel):
 
 def _tokenizer(cfg: YourModelConfig, um: UserModel):
     """``--tokenizer``, else the tokenizer beside a local config (its folder), else the hub's; None offline."""
+    from transformers import AutoTokenizer
+
     where = cfg.tokenizer or (um.name if os.path.isdir(um.name) else os.path.dirname(um.name) or None)
     try:
         if where and os.path.isdir(where):

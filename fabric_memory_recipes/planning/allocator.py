@@ -1,0 +1,199 @@
+"""Peak *reserved* memory: the simulated step's allocations and frees replayed through a model of
+PyTorch's CUDA caching allocator (``c10/cuda/CUDACachingAllocator.cpp``, default settings: no
+``PYTORCH_CUDA_ALLOC_CONF``, no expandable segments, one stream).
+
+Reserved memory is what the allocator took from the driver (``cudaMalloc``'d segments) and keeps
+cached; it exceeds the peak allocated when freed blocks cannot be reused for later requests. That
+depends on the sizes and the order of the step's tensors, not on a ratio: a model whose activations
+come in many sizes (a ResNet's feature maps halve in area and double in channels per stage) strands
+more than a ViT, whose blocks repeat one set of sizes. The rules modelled here:
+
+* every request is rounded up to a multiple of 512 bytes;
+* requests of at most 1 MiB come from the small pool, whose segments are 2 MiB; larger ones from
+  the large pool, whose segments are 20 MiB for requests under 10 MiB and the request rounded up to
+  2 MiB otherwise;
+* a request takes the smallest cached free block of its pool that is large enough (best fit, the
+  lowest address among equals), and only when none is does the allocator reserve a new segment;
+* a block larger than the request is split when the remainder is at least 512 bytes (small pool) or
+  more than 1 MiB (large pool): the request takes the front, the remainder stays free;
+* a freed block merges with free neighbours of its segment; segments are never released (no
+  ``empty_cache``, no out-of-memory retry: an uncapped card).
+
+:func:`replay` runs a real run's order: the weights, then steps. The first step creates the optimizer
+state at its optimizer step, after that step's forward and backward have fragmented the pool; later
+steps reuse the cached segments. Checked against the allocator's own record of a committed run
+(``results/published/h100/snapshot/``: its trace replayed here reserves the segments the GPU reserved,
+tests/test_allocator.py) and against the committed runs' measured peaks (docs/your_model.md).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable
+
+ROUND = 512  # kMinBlockSize: every block is a multiple of this
+SMALL_REQUEST = 1 << 20  # kSmallSize: requests up to 1 MiB come from the small pool
+SMALL_SEGMENT = 2 << 20  # kSmallBuffer
+LARGE_SEGMENT = 20 << 20  # kLargeBuffer: the segment of a request under MIN_LARGE_ALLOC
+MIN_LARGE_ALLOC = 10 << 20  # kMinLargeAlloc
+ROUND_LARGE = 2 << 20  # kRoundLarge: larger segments are the request rounded up to this
+
+# The margin over the replay: the largest measured/replayed peak reserved of the committed single-GPU
+# eager runs (python -m fabric_memory_recipes.planning.reserved prints them all; rerun it when they change).
+RESIDUAL = 1.037
+RESIDUAL_SOURCE = "published/h100/estimate/eager/04_lower_batch_size.json (4.905 GB measured, 4.731 replayed)"
+
+# An event of the simulated step: ("alloc", handle, nbytes) or ("free", handle, 0).
+Event = tuple[str, int, int]
+
+
+def round_size(nbytes: int) -> int:
+    return ROUND if nbytes < ROUND else -(-nbytes // ROUND) * ROUND
+
+
+def segment_size(nbytes: int) -> int:
+    """The bytes the allocator reserves when no cached block fits a (rounded) request."""
+    if nbytes <= SMALL_REQUEST:
+        return SMALL_SEGMENT
+    if nbytes < MIN_LARGE_ALLOC:
+        return LARGE_SEGMENT
+    return -(-nbytes // ROUND_LARGE) * ROUND_LARGE
+
+
+class _Block:
+    __slots__ = ("address", "size", "small", "free", "prev", "next")
+
+    def __init__(self, address: int, size: int, small: bool) -> None:
+        self.address, self.size, self.small, self.free = address, size, small, True
+        self.prev: _Block | None = None
+        self.next: _Block | None = None
+
+
+class CachingAllocator:
+    """The allocator's bookkeeping without memory: ``malloc(handle, nbytes)``, ``free(handle)``, and the
+    peaks of allocated and reserved bytes."""
+
+    def __init__(self) -> None:
+        self._pools: dict[bool, list[tuple[int, int]]] = {True: [], False: []}  # free (size, address)
+        self._free: dict[tuple[int, int], _Block] = {}
+        self._live: dict[object, _Block] = {}
+        self._next_address = 0
+        self.allocated = self.reserved = self.peak_allocated = self.peak_reserved = 0
+
+    def _insert(self, block: _Block) -> None:
+        key = (block.size, block.address)
+        bisect.insort(self._pools[block.small], key)
+        self._free[key] = block
+
+    def _remove(self, block: _Block) -> None:
+        key = (block.size, block.address)
+        pool = self._pools[block.small]
+        del pool[bisect.bisect_left(pool, key)]
+        del self._free[key]
+
+    def add_segment(self, address: int, size: int, small: bool, live: dict[object, tuple[int, int]]) -> None:
+        """A segment reserved before the replay starts (a recorded trace that begins mid-run), with its
+        blocks in use: ``live`` maps a handle to (address, size); the gaps are cached free blocks."""
+        self.reserved += size
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+        self._next_address = max(self._next_address, address + size + ROUND_LARGE)
+        parts = sorted((a, n, h) for h, (a, n) in live.items())
+        gaps = [(a, n, None) for (a, n) in _gaps(address, size, [(a, n) for a, n, _ in parts])]
+        prev = None
+        for start, n, handle in sorted(parts + gaps, key=lambda p: p[0]):
+            block = _Block(start, n, small)
+            block.prev = prev
+            if prev is not None:
+                prev.next = block
+            prev = block
+            if handle is None:
+                self._insert(block)
+            else:
+                block.free = False
+                self._live[handle] = block
+                self.allocated += n
+
+    def malloc(self, handle: object, nbytes: int) -> None:
+        size = round_size(nbytes)
+        small = size <= SMALL_REQUEST
+        pool = self._pools[small]
+        i = bisect.bisect_left(pool, (size, -1))
+        if i < len(pool):  # best fit among the cached free blocks
+            block = self._free[pool[i]]
+            self._remove(block)
+        else:  # a new segment (addresses of different segments are never adjacent)
+            block = _Block(self._next_address, segment_size(size), small)
+            self._next_address += block.size + ROUND_LARGE
+            self.reserved += block.size
+            self.peak_reserved = max(self.peak_reserved, self.reserved)
+        remaining = block.size - size
+        if remaining >= ROUND if small else remaining > SMALL_REQUEST:
+            rest = _Block(block.address + size, remaining, small)
+            rest.prev, rest.next = block, block.next
+            if block.next is not None:
+                block.next.prev = rest
+            block.next, block.size = rest, size
+            self._insert(rest)
+        block.free = False
+        self._live[handle] = block
+        self.allocated += block.size
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+
+    def free(self, handle: object) -> None:
+        block = self._live.pop(handle, None)
+        if block is None:  # allocated before the replay started (not modelled)
+            return
+        self.allocated -= block.size
+        block.free = True
+        before, after = block.prev, block.next
+        if before is not None and before.free:  # merge into the free block in front
+            self._remove(before)
+            before.size += block.size
+            before.next = block.next
+            if block.next is not None:
+                block.next.prev = before
+            block = before
+        if after is not None and after.free:  # absorb the free block behind
+            self._remove(after)
+            block.size += after.size
+            block.next = after.next
+            if after.next is not None:
+                after.next.prev = block
+        self._insert(block)
+
+    def run(self, events: Iterable[Event], tag: object = None, keep: int = 0) -> None:
+        """Apply ``events``; handles from ``keep`` on are made distinct per ``tag`` (one step's
+        tensors are not the next step's), those below it (weights, optimizer state) are shared."""
+        for kind, handle, nbytes in events:
+            key = handle if handle < keep else (tag, handle)
+            if kind == "alloc":
+                self.malloc(key, nbytes)
+            else:
+                self.free(key)
+
+
+def _gaps(start: int, size: int, used: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The free stretches of [start, start + size) around the sorted (address, size) blocks ``used``."""
+    out, cursor = [], start
+    for address, n in used:
+        if address > cursor:
+            out.append((cursor, address - cursor))
+        cursor = address + n
+    if cursor < start + size:
+        out.append((cursor, start + size - cursor))
+    return out
+
+
+def replay(events: list[Event], marks: dict[str, int], steps: int = 3) -> CachingAllocator:
+    """The simulated step as a run makes it: the weights (``events[:marks["state"]]``), then
+    ``steps`` steps (``events[marks["step"]:marks["end"]]``); the first step creates the optimizer
+    state (``events[marks["state"]:marks["step"]]``) at its optimizer step (``marks["update"]``)."""
+    state, step, update, end = marks["state"], marks["step"], marks["update"], marks["end"]
+    allocator = CachingAllocator()
+    allocator.run(events[:state], keep=step)
+    for i in range(steps):
+        allocator.run(events[step:update], tag=i, keep=step)
+        if i == 0:
+            allocator.run(events[state:step], keep=step)
+        allocator.run(events[update:end], tag=i, keep=step)
+    return allocator

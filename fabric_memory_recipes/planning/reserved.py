@@ -1,0 +1,72 @@
+"""How far measured peak reserved memory sits above the allocator replay's (planning/allocator.py), on
+the committed runs: where :data:`~fabric_memory_recipes.planning.allocator.RESIDUAL`, the margin the
+estimate for your own model adds (planning/user_estimate.py), comes from.
+
+The replay models the caching allocator's segments, best fit, splitting and merging on the tensors
+the simulation creates. What it cannot see are allocations no tensor of the simulation stands for:
+library workspaces taken from the allocator per call (cuDNN's convolution and attention workspaces,
+visible in the committed allocator trace, results/published/h100/snapshot/), kernels whose CUDA
+implementation allocates more than their CPU counterpart, and the order of frees across autograd's
+device thread. The margin is the largest measured/replayed ratio of the committed single-GPU eager runs
+that :func:`~fabric_memory_recipes.planning.calibration.load_runs` reads (the ViT-L/16 ladder):
+
+    python -m fabric_memory_recipes.planning.reserved      # replays every run, prints the ratios
+
+Runs under ``results/published/<gpu>/wip/`` (the first proof of your own model among them) do not set
+it: they are what it is checked against.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fabric_memory_recipes.config import RunConfig, declared_rung
+from fabric_memory_recipes.planning import calibration
+from fabric_memory_recipes.planning.allocator import RESIDUAL
+from fabric_memory_recipes.planning.check import meta_model
+from fabric_memory_recipes.planning.plan import plan_for
+from fabric_memory_recipes.planning.simulate import simulate
+
+
+def replayed(run: calibration.Measured) -> float:
+    """The replayed peak reserved (GB) of one committed run's configuration."""
+    payload = json.loads((calibration.RESULTS_DIR / run.path).read_text())
+    config = payload["config"]
+    rung, _ = declared_rung(run.recipe)
+    flags = {f.name for f in RunConfig.flag_fields()}
+    cfg = rung.with_flags(**{**{k: v for k, v in config.items() if k in flags}, "accelerator": "cuda"})
+    model = meta_model(config.get("model", "vit_l_16"), fused_attention=cfg.fused_attention,
+                       image_size=config.get("image_size"))  # fmt: skip
+    return simulate(model, plan_for(cfg)).reserved_gb
+
+
+def residuals(runs: tuple[calibration.Measured, ...] | None = None) -> list[dict[str, Any]]:
+    """measured / replayed peak reserved of every committed eager run (one simulation per distinct config)."""
+    runs = runs if runs is not None else calibration.load_runs((str(calibration.RESULTS_DIR),))
+    seen: dict[tuple, float] = {}
+    rows = []
+    for run in runs:
+        if run.mode != "eager" or run.path in calibration.SUPERSEDED_MEMORY:
+            continue
+        key = (run.recipe, run.model, run.precision, run.batch_size, run.accumulation_steps)
+        if key not in seen:
+            seen[key] = replayed(run)
+        rows.append({"path": run.path, "measured_gb": run.reserved_gb, "replayed_gb": seen[key],
+                     "ratio": run.reserved_gb / seen[key]})  # fmt: skip
+    return rows
+
+
+def main() -> int:
+    rows = residuals()
+    for r in sorted(rows, key=lambda r: r["ratio"]):
+        print(
+            f"{r['ratio']:.4f}  measured {r['measured_gb']:.3f}  replayed {r['replayed_gb']:.3f}  {r['path']}"
+        )
+    worst = max(rows, key=lambda r: r["ratio"])
+    print(f"largest: {worst['ratio']:.4f} ({worst['path']}); in use: {RESIDUAL}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
