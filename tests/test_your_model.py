@@ -262,6 +262,7 @@ def test_model_proof_rows_cover_the_issue():
     runs = model_proof.estimate_runs(None)
     assert all(not model_proof.repeated_flags(r["argv"]) for r in runs)
     assert len({planner_proof._slug(r) for r in runs}) == len(runs)  # each run its own results folder
+    assert not any(set(planner_proof._slug(r)) & set(":\\/*?<>|\"") for r in runs)  # portable folder names
     assert model_proof.repeated_flags(["--batch-size", "8", "--sgd", "--batch-size", "2"]) == ["--batch-size"]
 
 

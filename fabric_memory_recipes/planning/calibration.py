@@ -109,7 +109,9 @@ def shared_gpu(path: Path, root: Path) -> bool:
 # 64 px, sharing the GPU through MPS) are no configuration the planner plans: they calibrate nothing.
 # results/published/<gpu>/levers/ holds what a lever did: the code before and after it, side by side,
 # and sweeps of one rung's flags; the old code's runs must not calibrate the new.
-REPEAT_KINDS = ("ab", "quick", "wip", "convergence", "levers")
+# results/published/<gpu>/your-model/ proves the estimate for models outside the ladder: the ladder's
+# planner calibrates on the ladder's own runs.
+REPEAT_KINDS = ("ab", "quick", "wip", "convergence", "levers", "your-model")
 
 
 # Committed runs of code that has changed since: they no longer describe what the recipe does.

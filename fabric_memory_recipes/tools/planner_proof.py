@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import re
 import shlex
 import sys
 import tempfile
@@ -212,7 +213,7 @@ def run_argv(run: dict[str, Any], steps: int, results_dir: Path) -> list[str]:
 # ------------------------------------------------------------------------------------------ running
 def _slug(run: dict[str, Any]) -> str:
     flags = "".join(a.strip("-").replace("-", "")[:6] if a.startswith("-") else a for a in run["argv"])
-    return f"{run['recipe'][:2]}-{flags}-{run['budget_gb']:g}gb".replace("/", "_")
+    return re.sub(r"[^\w.+-]", "_", f"{run['recipe'][:2]}-{flags}-{run['budget_gb']:g}gb")  # a portable name
 
 
 def measure(run: dict[str, Any], args: argparse.Namespace, env: dict, runner: Runner, timeout: float) -> None:
