@@ -11,6 +11,8 @@ whole-device and timing fields and the estimate (docs/your_model.md).
     python recipes/your_model.py --accelerator cpu --model timm:vit_tiny_patch16_224 --batch-size 4 --max-steps 3
 """
 
+import contextlib
+
 import lightning as L
 import torch
 from lightning.fabric.strategies import FSDPStrategy
@@ -58,17 +60,15 @@ def main(cfg: user_run.YourModelConfig, results) -> None:
         *data.loaders(splits, cfg, fabric, shard=cfg.fsdp)
     )
     task_batch = batch_fn or data.image_classification(model.image_size)
-    offloaded = offload.offload_activations() if cfg.activation_offload else None
+    offloaded = offload.offload_activations() if cfg.activation_offload else contextlib.nullcontext()
 
     def step_batch(model, batch):
-        if offloaded is None:
-            return task_batch(model, batch)
         with offloaded:  # rung 11: what autograd saves goes to pinned host memory
             return task_batch(model, batch)
 
     with results.phase("train"):
         loop.fit(fabric, model, optimizer, train_loader, step_batch, cfg, results, num_classes=num_classes)
-    if offloaded is not None:
+    if cfg.activation_offload:
         results.extra["offloaded_gb_per_micro_batch"] = offloaded.host_bytes() / 1e9
     with results.phase("eval"):
         loop.evaluate_splits(
