@@ -19,7 +19,7 @@ from fabric_memory_recipes.training import data, lifecycle, loop, models, offloa
 @dataclass
 class WeightsOnCPUConfig(RunConfig):  # rung 16's own flags: points of the memory-against-speed curve
     checkpointing: bool = flag(True, "training", "checkpoint every block (rung 10)", action=BOOL)
-    offload_activations: bool = flag(True, "training", "saved block inputs in host memory (rung 11)", action=BOOL)  # fmt: skip
+    activation_offload: bool = flag(True, "training", "saved block inputs in host memory (rung 11)", action=BOOL)  # fmt: skip
 
 
 RUNG = WeightsOnCPUConfig(
@@ -31,14 +31,12 @@ RUNG = WeightsOnCPUConfig(
     weights_offload=True,  # rung 16, for the estimate: weights, gradients and Adam state in host memory
     shard_units=("EncoderBlock",),  # rung 16, for the estimate: the blocks streamed one at a time
     checkpoint=("EncoderBlock",),  # rung 10 (--no-checkpointing: none)
-    activation_offload=True,  # rung 11 (--no-offload-activations: none)
 )
 
 
 def main(cfg: WeightsOnCPUConfig, results) -> None:
     if cfg.compile or cfg.cuda_graphs or cfg.checkpoint_every or cfg.resume:  # hooks run around every block
         raise UsageError("rung 16 runs eagerly, without --compile/--cuda-graphs/--checkpoint-every/--resume")
-    cfg.activation_offload = cfg.offload_activations  # the estimate reads the checkpoints, not the offload
     torch.set_float32_matmul_precision("high" if cfg.tf32 else "highest")  # "high" = TF32 matmuls
     fabric = L.Fabric(accelerator=cfg.accelerator, devices=cfg.devices, num_nodes=cfg.num_nodes,
                       precision=cfg.precision, loggers=results.fabric_loggers())  # fmt: skip
@@ -61,7 +59,7 @@ def main(cfg: WeightsOnCPUConfig, results) -> None:
     results.set(parameters=models.count_parameters(model))
     train_loader, val_loader, test_loader = fabric.setup_dataloaders(*data.loaders(splits, cfg, fabric))
     image_batch = data.image_classification(model.image_size)
-    offloaded = offload.offload_activations() if cfg.offload_activations else contextlib.nullcontext()
+    offloaded = offload.offload_activations() if cfg.activation_offload else contextlib.nullcontext()
 
     def batch_fn(model, batch):
         with offloaded:  # rung 11: what the checkpoints save goes to host memory
