@@ -430,3 +430,11 @@ def test_proof_help_says_how_long_it_takes(capsys):
     out = capsys.readouterr().out
     assert exc.value.code == 0
     assert "minutes" in out and "default 15" in out and "default 2,4,8" in out and "--budget" in out
+
+
+def test_superseded_runs_exist_say_why_and_calibrate_nothing():
+    read = {str(r.path) for r in calibration.load_runs()}
+    assert calibration.SUPERSEDED
+    for path, why in calibration.SUPERSEDED.items():
+        assert (calibration.RESULTS_DIR / path).is_file() and why, path
+        assert path not in read

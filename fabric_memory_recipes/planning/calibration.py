@@ -29,6 +29,13 @@ SUPERSEDED_MEMORY = {
     "published/h100/history/fast-probe/05_gradient_accumulation.json": "made before fast mode made the gradients before the"
     " warm-up and returned free pages before the first optimizer step (docs/fast_mode.md)",
 }
+# Runs of code that has changed since in memory and speed both: they calibrate nothing, and why.
+_SIDE_STREAMS = ("rung 11's copies moved to side streams with prefetch: fast 124.0 -> 141-145 img/s, eager"
+                 " 67.2 -> 35.7 (results/published/h100/levers/NOTES.md)")  # fmt: skip
+SUPERSEDED = {
+    "published/h100/compare/runs/11_activation_offload-fast.json": _SIDE_STREAMS,
+    "published/h100/compare/runs/11_activation_offload-eager.json": _SIDE_STREAMS,
+}
 # Recipes whose runs calibrate the model but are not the runs of a planned command (rung 15 compiles
 # the whole model, the planned Adam rungs compile each block).
 NOT_LOOKED_UP = {"15_speed"}
@@ -114,18 +121,6 @@ def shared_gpu(path: Path, root: Path) -> bool:
 REPEAT_KINDS = ("ab", "quick", "wip", "convergence", "levers", "your-model")
 
 
-# Committed runs of code that has changed since: they no longer describe what the recipe does.
-SUPERSEDED = {
-    # rung 11's copies moved to side streams with prefetch (issue 29): fast 124.0 -> 141-145 img/s,
-    # eager 67.2 -> 35.7 (results/published/h100/levers/NOTES.md)
-    "published/h100/compare/runs/11_activation_offload-fast.json",
-    "published/h100/compare/runs/11_activation_offload-eager.json",
-}
-
-
-def superseded(path: Path, root: Path) -> bool:
-    return path.relative_to(root).as_posix() in SUPERSEDED
-
 
 def repeats_committed(path: Path, root: Path) -> bool:
     parts = path.relative_to(root).parts
@@ -133,7 +128,7 @@ def repeats_committed(path: Path, root: Path) -> bool:
 
 
 def _read(path: Path, root: Path) -> Measured | None:
-    if repeats_committed(path, root) or superseded(path, root):
+    if repeats_committed(path, root) or path.relative_to(root).as_posix() in SUPERSEDED:
         return None
     try:
         d = json.loads(path.read_text())
