@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ BF16_UPDATES = ("plain", "stochastic", "kahan")
 # eager warm-up steps can be returned page by page before the CUDA graph's own pool is made.
 FAST_ALLOCATOR = "expandable_segments:True"
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
+DATA_DIR = Path(__file__).resolve().parent / "data"  # package data: what a wheel plans with (planning/snapshot.py)
 
 
 class UsageError(Exception):
@@ -367,6 +369,19 @@ def _literals(call: ast.Call, known: set[str]) -> dict[str, Any]:
     return values
 
 
+def recipe_literals(path: Path) -> dict[str, Any]:
+    """``{"values": the literal keywords of the RUNG = <SomeConfig>(...) in path, "doc": its docstring's
+    first line}``, read from the source without running it."""
+    tree = ast.parse(path.read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["RUNG"] \
+                and isinstance(node.value, ast.Call):  # fmt: skip
+            doc = (ast.get_docstring(tree) or "").splitlines()
+            return {"values": _literals(node.value, {f.name for f in dataclasses.fields(RunConfig)}),
+                    "doc": doc[0] if doc else ""}  # fmt: skip
+    raise ValueError(f"{path}: no `RUNG = RunConfig(...)` declaration")
+
+
 def declared_rung(name: str, folder: Path = RECIPES_DIR) -> tuple[RunConfig, str]:
     """The ``RUNG = <SomeConfig>(...)`` of ``recipes/<name>.py`` (a unique prefix such as ``05`` is
     enough) and the first line of its docstring, read from the source without running it.
@@ -374,23 +389,12 @@ def declared_rung(name: str, folder: Path = RECIPES_DIR) -> tuple[RunConfig, str
     The estimator and the convergence tool need a rung's configuration but neither Lightning nor the
     recipe's own imports (seconds per process); a rung's declaration is a call with keyword values,
     and those that are literals for :class:`RunConfig` fields make the configuration (a recipe's own
-    flags, e.g. rung 10's ``reentrant``, do not change what is estimated)."""
-    matches = sorted(folder.glob(f"{name}*.py"))
-    exact = [m for m in matches if m.stem == name]
-    if exact:
-        matches = exact
+    flags, e.g. rung 10's ``reentrant``, do not change what is estimated). A wheel reads data/rungs.json."""
+    shipped = json.loads((DATA_DIR / "rungs.json").read_text()) if not folder.is_dir() else None
+    names = sorted(shipped) if shipped is not None else [m.stem for m in sorted(folder.glob(f"{name}*.py"))]
+    matches = [name] if name in names else [n for n in names if n.startswith(name)]
     if len(matches) != 1:
-        found = ", ".join(m.stem for m in matches) or "none"
-        raise FileNotFoundError(f"recipe {name!r}: expected one match in {folder}, found {found}")
-    tree = ast.parse(matches[0].read_text())
-    known = {f.name for f in dataclasses.fields(RunConfig)}
-    for node in tree.body:
-        if (
-            isinstance(node, ast.Assign)
-            and [getattr(t, "id", None) for t in node.targets] == ["RUNG"]
-            and isinstance(node.value, ast.Call)
-        ):
-            values = _literals(node.value, known)
-            doc = ast.get_docstring(tree) or ""
-            return RunConfig(**values), (doc.splitlines()[0] if doc else "")
-    raise ValueError(f"{matches[0]}: no `RUNG = RunConfig(...)` declaration")
+        raise FileNotFoundError(f"recipe {name!r}: expected one match in {folder}, found {', '.join(matches) or 'none'}")
+    got = shipped[matches[0]] if shipped is not None else recipe_literals(folder / f"{matches[0]}.py")
+    values = {k: tuple(v) if isinstance(v, list) else v for k, v in got["values"].items()}
+    return RunConfig(**values), got["doc"]

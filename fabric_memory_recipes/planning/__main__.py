@@ -1,5 +1,4 @@
-"""``python -m fabric_memory_recipes.planning``: a rung's predicted peak memory, --check against measured runs, --fit a
-budget, --ladder a folder.
+"""``fmr-estimate`` (``python -m fabric_memory_recipes.planning``): predicted peak memory, and what fits a card.
 
 Without ``--check``, ``--fit`` or ``--ladder``: the component table (or JSON) of a rung's predicted peak.
 ``--check DIR...``: predicted against measured for every results JSON there. ``--fit 6GB``: which
@@ -10,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -26,6 +27,15 @@ from fabric_memory_recipes.planning.plots import plot_check, plot_timeline
 from fabric_memory_recipes.planning.simulate import simulate
 from fabric_memory_recipes.training import cli, user_models
 
+MODES_HELP = """fmr-estimate: predicted peak memory, and what fits a card. Its modes:
+  fmr-estimate --recipe NN [flags]          a rung's predicted peak (component table; --json, --plot PNG)
+  fmr-estimate --fit SIZE [--batch-size N]  which configurations of the ladder fit a card of SIZE (--fit 6GB --help)
+  fmr-estimate --check DIR...               predicted against measured for every results JSON in DIR
+  fmr-estimate --ladder DIR                 every rung of DIR predicted at full size (DIR/predicted.json)
+  fmr-estimate --model SOURCE:NAME [--seq-len N] [--fit SIZE [--measure] [--may-change precision,optimizer]]
+                                            your own model (torchvision:, timm:, hf:CONFIG): its estimate, and
+                                            with --fit the technique sets that fit (--model hf:X --help)"""
+
 
 def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, RunConfig, dict[str, Any], str]:
     """The estimator's flags: a recipe's (its rung's values as defaults, checked as a run's flags are,
@@ -40,7 +50,7 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, RunConfig, dict[
         except (FileNotFoundError, ValueError, SyntaxError, UsageError) as e:
             fail(str(e))
         label = rung.recipe
-    parser = cli.build_parser(rung, __doc__.splitlines()[0])
+    parser = cli.build_parser(rung, MODES_HELP)
     g = parser.add_argument_group("estimate")
     g.add_argument("--recipe", help="take the configuration declared in recipes/<NAME>.py (its RUNG)")
     g.add_argument("--attention", choices=ATTENTION_CHOICES, default="auto", help="attention kernel to model")
@@ -54,6 +64,7 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, RunConfig, dict[
     g.add_argument(
         "--gpu",
         default=calibration.REFERENCE_GPU,
+        type=fit_cli.gpu_kind,
         help="GPU kind whose measured card overhead gives the whole-device peak (h100, h200, ...)",
     )
     g.add_argument("--json", action="store_true", help="print the estimate as JSON")
@@ -77,6 +88,11 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, RunConfig, dict[
     args = parser.parse_args(argv)
     if args.ladder and (refusal := paths.refusal(args.ladder, "--ladder")):  # it writes predicted.json there
         fail(refusal)
+    if args.ladder and (problem := paths.folder_problem(args.ladder) or _unwritable(args.ladder)):
+        fail(f"--ladder {args.ladder}: {problem}")
+    missing = [d for d in args.check or () if not os.path.isdir(d)]
+    if missing:
+        fail(f"--check: no such folder: {', '.join(missing)}")
     flags = {f.name: getattr(args, f.name) for f in RunConfig.flag_fields()}
     overrides: dict[str, Any] = {"attention": args.attention}
     if args.optimizer:
@@ -93,6 +109,21 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, RunConfig, dict[
     except UsageError as e:
         fail(str(e))
     return args, cfg, overrides, label
+
+
+def _unwritable(folder: str) -> str | None:
+    """Why predicted.json cannot be written into ``folder``: found by making it and a temporary file in
+    it, before the minutes of predicting (a folder this made is removed again)."""
+    made = not os.path.exists(folder)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as e:
+        return e.strerror or str(e)
+    finally:
+        if made and os.path.isdir(folder) and not os.listdir(folder):
+            os.rmdir(folder)
+    return None
 
 
 def card_lines(card: dict[str, Any]) -> str:
@@ -112,13 +143,13 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m fabric_memory_recipes.planning``: print the component table (or JSON) for a recipe's configuration;
     with ``--fit SIZE``, the planner (fabric_memory_recipes/planning/fit_cli.py); with ``--model SOURCE:NAME``,
     your own model (fabric_memory_recipes/planning/user_cli.py)."""
-    args_in = sys.argv[1:] if argv is None else argv
+    args_in = fit_cli.join_fit_value(sys.argv[1:] if argv is None else argv)
     model = argparse.ArgumentParser(add_help=False)
     model.add_argument("--model")
     if user_models.is_user_model(model.parse_known_args(args_in)[0].model):
         return user_cli.main(argv)
-    if any(a == "--fit" or a.startswith("--fit=") for a in (sys.argv[1:] if argv is None else argv)):
-        return fit_cli.main(argv)
+    if any(a == "--fit" or a.startswith("--fit=") for a in args_in):
+        return fit_cli.main(args_in)
     args, cfg, overrides, label = _parse(argv)
     if args.ladder:
         start = time.perf_counter()

@@ -17,7 +17,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from fabric_memory_recipes.config import VIT_MODELS, RunConfig, declared_rung
+from fabric_memory_recipes.config import DATA_DIR, VIT_MODELS, RunConfig, declared_rung
 from fabric_memory_recipes.measurement.results_file import SCHEMA_VERSION, gpu_slug
 
 REPO = Path(__file__).resolve().parents[2]
@@ -174,12 +174,22 @@ def _read(path: Path, root: Path) -> Measured | None:
     )
 
 
+def _shipped_runs() -> list[dict[str, Any]]:
+    """The committed runs as the package ships them (fabric_memory_recipes/planning/snapshot.py)."""
+    try:
+        return json.loads((DATA_DIR / "planner_runs.json").read_text())
+    except (OSError, ValueError):
+        return []
+
+
 @functools.cache
 def load_runs(folders: tuple[str, ...] = (str(RESULTS_DIR), str(RUNS_DIR))) -> tuple[Measured, ...]:
     """Every usable run below ``folders`` (recursively; a folder that does not exist has none)."""
     found = []
     for folder in folders:
         root = Path(folder)
+        if root == RESULTS_DIR and not root.is_dir():  # an installed wheel: the runs it ships
+            found += [Measured(**{**r, "signature": tuple(r["signature"])}) for r in _shipped_runs()]
         if not root.is_dir():
             continue
         for path in sorted(root.rglob("*.json")):

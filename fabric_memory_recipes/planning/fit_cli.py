@@ -31,21 +31,47 @@ def parse_size(text: str) -> float:
     return float(match.group(1)) * UNITS[(match.group(2) or "gb").lower()]
 
 
-def add_plan_arguments(p, *, required: bool, precisions: tuple[str, ...], optimizers: tuple[str, ...],
+GPU_KIND = re.compile(r"^[a-z]{1,4}\d{1,4}[a-z]?$")  # what results_file.gpu_slug makes of a GPU's name
+
+
+def gpu_kind(text: str) -> str:
+    """An argparse ``type`` for ``--gpu``: a kind such as h100, h200, a100, l40s (lower-cased)."""
+    kind = text.strip().lower()
+    if not GPU_KIND.match(kind):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a GPU kind: expected a name such as h100, h200, a100 or l40s"
+        )
+    return kind
+
+
+def join_fit_value(argv: list[str]) -> list[str]:
+    """``--fit -3GB`` -> ``--fit=-3GB``: argparse takes a value that starts with '-' for a flag, so a
+    negative size would be 'expected one argument' instead of what is wrong with it."""
+    out = list(argv)
+    for i, a in enumerate(out[:-1]):
+        if a == "--fit" and out[i + 1].startswith("-") and out[i + 1][1:2].isdigit():
+            out[i : i + 2] = [f"--fit={out[i + 1]}"]
+            break
+    return out
+
+
+def add_plan_arguments(p, *, required: bool, precisions: tuple[str, ...] | None, optimizers: tuple[str, ...] | None,
                        gpu_help: str, fit_help: str = "the card's memory: 6GB, 6.5GB, 512MB, 8GiB") -> None:  # fmt: skip
-    """The planner's flags, shared by the ladder's ``--fit`` and your own model's (planning/user_cli.py)."""
+    """The planner's flags, shared by the ladder's ``--fit`` and your own model's (planning/user_cli.py,
+    which keeps the user's precision and optimizer: ``precisions``/``optimizers`` None)."""
     p.add_argument("--fit", required=required, metavar="SIZE", help=fit_help)
-    p.add_argument("--gpu", default=calibration.REFERENCE_GPU, help=gpu_help)
+    p.add_argument("--gpu", type=gpu_kind, default=calibration.REFERENCE_GPU, help=gpu_help)
     p.add_argument("--top", type=at_least(1), default=5, help="how many fitting configurations to print")
-    p.add_argument("--precisions", type=comma_list(precisions), default=precisions, help="precisions to combine")
-    p.add_argument("--optimizers", type=comma_list(optimizers), default=optimizers,
-                   help="optimizers to combine (SGD and 8-bit Adam change the training: docs/06, docs/13)")  # fmt: skip
+    if precisions is not None:
+        p.add_argument("--precisions", type=comma_list(precisions), default=precisions, help="precisions to combine")
+    if optimizers is not None:
+        p.add_argument("--optimizers", type=comma_list(optimizers), default=optimizers,
+                       help="optimizers to combine (SGD and 8-bit Adam change the training: docs/06, docs/13)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the answer as JSON")
 
 
 def budget(args: argparse.Namespace) -> float | None:
     """``--fit SIZE`` in GB (None without it); a malformed size is one line and exit 2."""
-    args.gpu = args.gpu.lower()
     try:
         return parse_size(args.fit) if args.fit else None
     except ValueError as e:
@@ -53,6 +79,7 @@ def budget(args: argparse.Namespace) -> float | None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    argv = join_fit_value(sys.argv[1:] if argv is None else argv)
     p = Parser(
         prog="python -m fabric_memory_recipes.planning --fit",
         description="Which rungs does my GPU need? The fastest configurations of the ladder's techniques"
@@ -67,7 +94,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--model",
         choices=VIT_MODELS,
         default="vit_l_16",
-        help="a model the simulator builds (the Hugging Face bonus models are not simulated)",
+        help="a model of the ladder (your own model: fmr-estimate --model torchvision:|timm:|hf:NAME --fit SIZE)",
     )
     p.add_argument("--modes", type=comma_list(MODES), default=MODES, help="modes to combine")
     p.add_argument(

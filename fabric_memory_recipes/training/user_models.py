@@ -96,8 +96,27 @@ def resolve(ref: str) -> UserModel:
             _known(ref, name, timm.list_models())
     else:
         config = hf_config(ref, name)
+        if getattr(config, "is_encoder_decoder", False):
+            raise UsageError(f"--model {ref}: {config.model_type} is an encoder-decoder; the runner trains image"
+                             " classifiers, text classifiers and causal LMs (docs/your_model.md)")  # fmt: skip
         return UserModel(ref, source, name, _hf_task(ref, config), config)
     return UserModel(ref, source, name, "image_classification")
+
+
+POSITION_FIELDS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
+
+
+def check_seq_len(um: UserModel, seq_len: int) -> None:
+    """One line (:class:`UsageError`) when ``--seq-len`` exceeds the positions a text model's config has:
+    on fake tensors nothing would fail, and the estimate would describe a model that cannot run."""
+    if not um.is_text:
+        return
+    for name in POSITION_FIELDS:
+        positions = getattr(um.hf_config, name, None)
+        if isinstance(positions, int) and positions > 0:
+            if seq_len > positions:
+                raise UsageError(f"--seq-len {seq_len}: {um.ref} has {positions} positions ({name})")
+            return
 
 
 def _known(ref: str, name: str, names: list[str]) -> None:

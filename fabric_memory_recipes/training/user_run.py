@@ -81,6 +81,7 @@ def resolve(cfg: YourModelConfig) -> UserModel:
     um = user_models.resolve(cfg.model)
     if cfg.data == "digits" and um.is_text or cfg.data == "imdb" and not um.is_text:
         raise UsageError(f"--data {cfg.data} does not fit {cfg.model} ({um.task.replace('_', ' ')})")
+    user_models.check_seq_len(um, cfg.seq_len)
     return um
 
 

@@ -1,0 +1,107 @@
+"""``fmr-estimate --model SOURCE:NAME --fit SIZE --measure``: run the planner's top technique sets on the GPU at
+hand, a few steps each on the emulated card, and rank them by what they did.
+
+Each set runs as its own ``recipes/your_model.py`` process, one after another (a clean GPU for each, so
+their speeds compare), with ``--memory-budget-gb SIZE``: the caching allocator is capped at the card less
+the measured card overhead, as the planner assumes (config.py). ``--data synthetic --weights none
+--eval-batches 1``: memory and speed do not depend on the values. A set fits when it finished and its
+whole-device peak (NVML, the process's own) is within the card; the measured ranking is the fitting sets by
+measured samples/s (the median between optimizer steps after the warm-up).
+
+Writes ``DIR/plan.json`` (every set: the command, predicted and measured peak and speed, status, the
+run's results JSON) after each run, so a stopped call keeps what finished, and ``DIR/plan.md``, the table.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from fabric_memory_recipes.measurement.results_file import write_atomic, write_json_atomic
+from fabric_memory_recipes.tools.compare_rows import summarize_project
+from fabric_memory_recipes.tools.processes import REPO, Run, execute, run_env
+
+RUNNER = REPO / "recipes" / "your_model.py"
+RUN_ARGS = ("--data", "synthetic", "--weights", "none", "--eval-batches", "1")
+
+
+def run_argv(choice_argv: list[str], budget_gb: float, steps: int, results_dir: Path) -> list[str]:
+    return [sys.executable, str(RUNNER), *choice_argv, *RUN_ARGS, "--max-steps", str(steps),
+            "--memory-budget-gb", f"{budget_gb:g}", "--results-dir", str(results_dir)]  # fmt: skip
+
+
+def measure(rows: list[dict[str, Any]], budget_gb: float, out: Path, steps: int = 15, timeout: float = 300.0,
+            say=print) -> list[dict[str, Any]]:  # fmt: skip
+    """Run each row's ``argv`` (the planner's order) and fill in what it measured; rank them."""
+    out.mkdir(parents=True, exist_ok=True)
+    env = run_env(str(out / "logs"))
+    start = time.perf_counter()
+    for i, row in enumerate(rows, 1):
+        folder = out / "runs" / f"{i:02d}"
+        cmd = run_argv(row["argv"], budget_gb, steps, folder)
+        say(f"[measure {i}/{len(rows)}, {time.perf_counter() - start:.0f} s] {row['label']} ...")
+        proc = execute(Run("project", "your_model", None, cmd, folder / "your_model.json", folder.with_suffix(".log")),
+                       env, timeout)  # fmt: skip
+        got = summarize_project(folder / "your_model.json") or {}
+        status = got.get("status") or proc.get("status", "error")
+        device = got.get("device_peak_gb")
+        row.update({
+            "status": status, "run_command": shlex.join(cmd), "wall_s": round(proc.get("wall_s", 0.0), 1),
+            "error": got.get("error") or proc.get("error"),
+            "measured_peak_reserved_gb": got.get("peak_reserved_gb"), "measured_device_peak_gb": device,
+            "measured_samples_per_s": got.get("images_per_s") if status == "ok" else None,
+            "fits": status == "ok" and device is not None and device <= budget_gb,
+            "result_json": str((folder / "your_model.json").relative_to(out)) if got else None,
+        })  # fmt: skip
+        say("    " + _outcome(row))
+        write(out, rows, budget_gb)
+    return ranked(rows)
+
+
+def ranked(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The sets that fit, fastest measured first."""
+    return sorted((r for r in rows if r.get("fits")), key=lambda r: -r["measured_samples_per_s"])
+
+
+def _outcome(row: dict[str, Any]) -> str:
+    if row["status"] != "ok":
+        return f"{row['status']}: {row.get('error') or 'no results JSON'} ({row['wall_s']:.0f} s)"
+    device = row["measured_device_peak_gb"]
+    return (f"{row['measured_samples_per_s']:.1f} samples/s (predicted {row['predicted_samples_per_s']:.1f}),"
+            f" whole device {_gb(device)} GB (predicted {row['predicted_device_peak_gb']:.2f})"
+            + ("" if row["fits"] else ": over the card") + f" ({row['wall_s']:.0f} s)")  # fmt: skip
+
+
+def _gb(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}"
+
+
+def render(rows: list[dict[str, Any]], budget_gb: float) -> str:
+    order = {id(r): i for i, r in enumerate(ranked(rows), 1)}
+    lines = [
+        f"| measured rank | predicted rank | technique set | predicted samples/s | measured | predicted device GB"
+        f" | measured (card {budget_gb:g} GB) | status |",
+        "|---:|---:|---|---:|---:|---:|---:|---|",
+    ]
+    for i, r in enumerate(rows, 1):
+        speed = r.get("measured_samples_per_s")
+        lines.append(
+            f"| {order.get(id(r), '—')} | {i} | `{r['command']}` | {r['predicted_samples_per_s']:.1f}"
+            f" | {'—' if speed is None else f'{speed:.1f}'} | {r['predicted_device_peak_gb']:.2f}"
+            f" | {_gb(r.get('measured_device_peak_gb'))} | {r.get('status', 'not run')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def write(
+    out: Path, rows: list[dict[str, Any]], budget_gb: float, extra: dict[str, Any] | None = None
+) -> None:
+    best = ranked(rows)
+    write_json_atomic(str(out / "plan.json"), {
+        **(extra or {}), "budget_gb": budget_gb, "sets": rows,
+        "measured_pick": best[0]["command"] if best else None, "predicted_pick": rows[0]["command"] if rows else None,
+    })  # fmt: skip
+    write_atomic(out / "plan.md", lambda f: f.write(render(rows, budget_gb)))
