@@ -134,7 +134,7 @@ def test_simulated_activations_match_a_real_forward(bert):
 
 
 def test_fit_lists_commands_the_runner_accepts(bert, capsys):
-    argv = ["--model", bert, "--seq-len", "32", "--batch-size", "4", "--optimizers", "adamw,sgd"]
+    argv = ["--model", bert, "--seq-len", "32", "--batch-size", "4", "--may-change", "optimizer"]
     assert user_cli.main([*argv, "--fit", "10GB", "--top", "2", "--json"]) == 0
     answer = json.loads(capsys.readouterr().out)
     assert 1 <= len(answer["fits"]) <= 2 and all(f["predicted_device_peak_gb"] <= 10 for f in answer["fits"])

@@ -23,6 +23,7 @@ ones on the GPU at hand and ranks them by what they did (planning/user_measure.p
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import torch
@@ -128,7 +129,7 @@ class UserPlanner:
         vit = ladder_model("vit_l_16")
         runs = calibration.load_runs((str(calibration.RESULTS_DIR),))
         base = speed.speed_model(gpu, "vit_l_16", sum(p.numel() for p in vit.parameters()), runs)
-        scale = flops_per_sample(self.model, self.um, seq_len) / flops_per_sample(vit, _Vision(), 0)
+        scale = flops_per_sample(self.model, self.um, seq_len) / _ladder_flops()
         modules = len(list(self.model.modules())) / len(list(vit.modules()))
         self.speed = dataclasses.replace(
             base, flops_scale=scale, host_ms={k: v * modules for k, v in base.host_ms.items()}
@@ -210,6 +211,12 @@ class UserPlanner:
         if verbose:
             lines += [f"  {line}" for line in self.speed.lines()] + [f"  hooks: {HOOK_MS} ms from {HOOK_SOURCE}"]
         return lines
+
+
+@functools.cache
+def _ladder_flops() -> float:
+    """ViT-L/16's training FLOPs per image: what the ladder's speed model was calibrated on."""
+    return flops_per_sample(ladder_model("vit_l_16"), _Vision(), 0)
 
 
 def _first(mine: str, others: tuple[str, ...]) -> tuple[str, ...]:

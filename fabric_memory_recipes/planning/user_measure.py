@@ -14,16 +14,19 @@ run's results JSON) after each run, so a stopped call keeps what finished, and `
 
 from __future__ import annotations
 
+import json
+import os
 import shlex
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from fabric_memory_recipes.measurement.results_file import write_atomic, write_json_atomic
-from fabric_memory_recipes.tools.compare_rows import summarize_project
-from fabric_memory_recipes.tools.processes import REPO, Run, execute, run_env
 
+REPO = Path(__file__).resolve().parents[2]
 RUNNER = REPO / "recipes" / "your_model.py"
 RUN_ARGS = ("--data", "synthetic", "--weights", "none", "--eval-batches", "1")
 
@@ -33,23 +36,69 @@ def run_argv(choice_argv: list[str], budget_gb: float, steps: int, results_dir: 
             "--memory-budget-gb", f"{budget_gb:g}", "--results-dir", str(results_dir)]  # fmt: skip
 
 
+def execute(cmd: list[str], log: Path, timeout: float) -> dict[str, Any]:
+    """One runner process in its own process group (killed whole on timeout), output to ``log``."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "FMR_OFFLINE": "1"}
+    with open(log, "w", encoding="utf-8") as f:
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            code = proc.wait(timeout=timeout)
+            status = {0: "ok", 3: "oom"}.get(code, "error")  # the runner: 2 bad flags, 3 out of memory
+        except subprocess.TimeoutExpired:
+            status = "timeout"
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # whatever it left (DataLoader workers)
+            except (ProcessLookupError, PermissionError):
+                pass
+            proc.wait()
+    lines = [x for x in log.read_text(errors="replace").splitlines() if x.strip()]
+    error = (
+        None
+        if status == "ok"
+        else f"killed after {timeout:.0f} s"
+        if status == "timeout"
+        else lines[-1][:300]
+        if lines
+        else None
+    )
+    return {"status": status, "wall_s": time.perf_counter() - start, "error": error}
+
+
+def _read(path: Path) -> dict[str, Any]:
+    """What a run's results JSON says: status, whole-run peak reserved, whole device, samples/s."""
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    memory, timing = d.get("memory") or {}, d.get("timing") or {}
+    reserved = [
+        v for v in (memory.get("run_peak_reserved_gb"), memory.get("peak_reserved_gb")) if v is not None
+    ]
+    return {"status": d.get("status"), "error": d.get("error"), "peak_reserved_gb": max(reserved, default=None),
+            "device_peak_gb": memory.get("device_peak_gb"), "images_per_s": timing.get("images_per_s")}  # fmt: skip
+
+
 def measure(rows: list[dict[str, Any]], budget_gb: float, out: Path, steps: int = 15, timeout: float = 300.0,
             say=print) -> list[dict[str, Any]]:  # fmt: skip
     """Run each row's ``argv`` (the planner's order) and fill in what it measured; rank them."""
     out.mkdir(parents=True, exist_ok=True)
-    env = run_env(str(out / "logs"))
     start = time.perf_counter()
     for i, row in enumerate(rows, 1):
         folder = out / "runs" / f"{i:02d}"
+        (folder / "your_model.json").unlink(missing_ok=True)  # an older run's file is not this run's
         cmd = run_argv(row["argv"], budget_gb, steps, folder)
         say(f"[measure {i}/{len(rows)}, {time.perf_counter() - start:.0f} s] {row['label']} ...")
-        proc = execute(Run("project", "your_model", None, cmd, folder / "your_model.json", folder.with_suffix(".log")),
-                       env, timeout)  # fmt: skip
-        got = summarize_project(folder / "your_model.json") or {}
-        status = got.get("status") or proc.get("status", "error")
+        proc = execute(cmd, folder.with_suffix(".log"), timeout)
+        got = _read(folder / "your_model.json")
+        status = got.get("status") or proc["status"]
         device = got.get("device_peak_gb")
         row.update({
-            "status": status, "run_command": shlex.join(cmd), "wall_s": round(proc.get("wall_s", 0.0), 1),
+            "status": status, "run_command": shlex.join(cmd), "wall_s": round(proc["wall_s"], 1),
             "error": got.get("error") or proc.get("error"),
             "measured_peak_reserved_gb": got.get("peak_reserved_gb"), "measured_device_peak_gb": device,
             "measured_samples_per_s": got.get("images_per_s") if status == "ok" else None,

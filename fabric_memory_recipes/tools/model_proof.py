@@ -48,7 +48,7 @@ from fabric_memory_recipes.console import Parser
 from fabric_memory_recipes.measurement.card_overhead import card_overhead
 from fabric_memory_recipes.measurement.results_file import write_json_atomic
 from fabric_memory_recipes.paths import output_folder
-from fabric_memory_recipes.planning.user_fit import UserPlanner
+from fabric_memory_recipes.planning.user_fit import MAY_CHANGE, UserPlanner
 from fabric_memory_recipes.tools import planner_proof
 from fabric_memory_recipes.tools.processes import execute, run_env
 
@@ -165,7 +165,7 @@ def fit_plan(args: argparse.Namespace) -> dict[str, Any]:
                 return stored
         except (OSError, ValueError):
             pass
-    planner = UserPlanner(args.fit_model, args.fit_batch, args.fit_seq_len, args.gpu)
+    planner = UserPlanner(args.fit_model, args.fit_batch, args.fit_seq_len, args.gpu, may_change=MAY_CHANGE)  # issue 28's search
     rows = []
     runs: dict[tuple, dict[str, Any]] = {}
     for budget in args.budgets:

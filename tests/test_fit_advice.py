@@ -1,0 +1,196 @@
+"""Advice a user can follow (issue 35): ``--fit`` for every model family the runner trains, the user's
+precision and optimizer kept unless ``--may-change`` names them (each change with its measured accuracy
+cost), bad input as one line and exit 2, ``--measure``'s ranking, and planning from a wheel's data.
+
+Tiny configs of each family are written here; the runner trains each for 2 steps on the CPU, in this
+process (conftest's ``run_recipe``)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+
+from fabric_memory_recipes.planning import advice, calibration, snapshot, user_cli, user_fit, user_measure
+from fabric_memory_recipes.training import cli, user_run
+
+SMALL = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             max_position_embeddings=128)  # fmt: skip
+FAMILIES = {
+    "llama": dict(model_type="llama", architectures=["LlamaForCausalLM"], num_key_value_heads=2, **SMALL),
+    "qwen2": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], num_key_value_heads=2, **SMALL),
+    "mistral": dict(model_type="mistral", architectures=["MistralForCausalLM"], num_key_value_heads=2, **SMALL),
+    "gpt_neox": dict(model_type="gpt_neox", architectures=["GPTNeoXForCausalLM"], **SMALL),
+    "gpt2": dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], vocab_size=512, n_embd=64, n_layer=2,
+                 n_head=4, n_positions=128, bos_token_id=0, eos_token_id=0),
+    "bert": dict(model_type="bert", architectures=["BertForMaskedLM"], **SMALL),
+}  # fmt: skip
+TASKS = {"bert": "classification"}  # the rest are causal LMs
+
+
+@pytest.fixture(scope="module")
+def configs(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("families")
+    out = {}
+    for name, fields in {**FAMILIES, "t5": dict(model_type="t5", architectures=["T5ForConditionalGeneration"],
+                                               vocab_size=512, d_model=64, d_ff=128, num_layers=2, num_heads=4,
+                                               d_kv=16)}.items():  # fmt: skip
+        (root / name).mkdir()
+        (root / name / "config.json").write_text(json.dumps(fields))
+        out[name] = f"hf:{root / name}"
+    return out
+
+
+def _fit(capsys, argv: list[str]) -> dict:
+    assert user_cli.main([*argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_fit_and_train_every_family(configs, family, capsys, run_recipe):
+    """--fit answers for each family (causal LMs included) with commands the runner accepts, keeping the
+    user's precision and optimizer; the pick trains 2 steps on the CPU."""
+    ref = configs[family]
+    argv = [
+        "--model",
+        ref,
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "4",
+        "--precision",
+        "bf16-mixed",
+        "--optimizer",
+        "adamw",
+    ]
+    answer = _fit(capsys, [*argv, "--fit", "4GB", "--top", "3"])
+    assert answer["fits"] and answer["kept"] == {"precision": "bf16-mixed", "optimizer": "adamw"}
+    for row in answer["fits"]:
+        assert (
+            row["precision"] == "bf16-mixed" and row["technique"].startswith("AdamW") and row["changes"] == []
+        )
+    pick = shlex.split(answer["fits"][0]["command"])
+    parsed = cli.build_parser(user_run.default_config()).parse_args(pick[2:])
+    assert (parsed.model, parsed.precision, parsed.optimizer) == (ref, "bf16-mixed", "adamw")
+    proc, result = run_recipe("your_model", *pick[2:], "--precision", "32-true", "--accelerator", "cpu",
+                              "--max-steps", "2", "--eval-batches", "1", "--data", "synthetic")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert result["status"] == "ok" and result["extra"]["task"] == TASKS.get(family, "causal_lm")
+    assert result["timing"]["optimizer_steps"] == 2
+
+
+def test_may_change_names_what_changes_with_its_measured_cost(configs, capsys):
+    argv = ["--model", configs["llama"], "--seq-len", "32", "--batch-size", "1", "--precision", "32-true",
+            "--fit", "8GB", "--top", "40"]  # fmt: skip
+    kept = _fit(capsys, argv)
+    assert {r["precision"] for r in kept["fits"]} == {"32-true"}
+    assert {r["technique"].split(" + ")[0] for r in kept["fits"]} == {"AdamW"}
+    free = _fit(capsys, [*argv, "--may-change", "precision,optimizer"])
+    assert {r["precision"] for r in free["fits"]} == {"32-true", "bf16-mixed", "bf16-true"}
+    changed = [r for r in free["fits"] if r["precision"] == "bf16-true"]
+    lines = [c["line"] for r in changed for c in r["changes"] if c["change"] == "precision bf16-true"]
+    assert lines and len(lines) == len(changed)
+    bf16 = advice.cost("precision", "bf16-true")
+    assert bf16.delta is not None and bf16.delta < 0 and bf16.n >= 1  # the benchmark measured a loss
+    assert "Kahan" in lines[0] and f"{bf16.delta:+.3f}" in lines[0]
+    sgd = [c for r in free["fits"] for c in r["changes"] if c["change"] == "optimizer sgd"]
+    assert sgd and sgd[0]["delta"] == pytest.approx(advice.cost("optimizer", "sgd").delta)
+
+
+def test_accuracy_costs_come_from_the_benchmark_runs():
+    """Each cost is the mean of the changed rung's finished seeds minus the compared rung's, as the
+    committed run files give them."""
+    rows = snapshot.accuracy_payload()["h100"]
+    changed, compared, _ = advice.CHANGES[("precision", "bf16-true")]
+    expect = rows[changed]["mean"] - rows[compared]["mean"]
+    assert advice.cost("precision", "bf16-true").delta == pytest.approx(expect, abs=1e-6)
+    assert advice.cost("precision", "bf16-mixed").note  # stands for 16-mixed's, and says so
+    assert advice.cost("precision", "64-true").delta is None
+
+
+def test_bad_input_is_one_line_and_exit_2(configs, capsys):
+    gpt2 = ["--model", configs["gpt2"], "--seq-len", "32", "--batch-size", "4"]
+    cases = {
+        "encoder-decoder": ["--model", configs["t5"], "--fit", "4GB"],
+        "has 128 positions": [*gpt2[:3], "100000", "--fit", "4GB"],
+        "weights alone": ["--model", "torchvision:resnet50", "--fit", "50MB"],
+        "CUDA GPU": [*gpt2, "--fit", "4GB", "--measure"],
+        "not a GPU kind": [*gpt2, "--fit", "4GB", "--gpu", "banana"],
+        "expected a memory size": [*gpt2, "--fit", "-3GB"],
+        "unknown model": ["--model", "torchvision:no_such_net", "--fit", "4GB"],
+    }
+    for words, argv in cases.items():
+        with pytest.raises(SystemExit) as e:
+            user_cli.main(argv)
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 2 and len(err.splitlines()) == 1 and words in err, (words, err)
+
+
+def test_step_in_backward_hook_cost_is_what_the_committed_runs_give():
+    """HOOK_MS: the committed ResNet-50 pair (SGD alone; checkpointing + the step in backward), less
+    checkpointing's cost from the speed model, over ResNet-50's parameter tensors."""
+    repo = Path(calibration.RESULTS_DIR).parent
+    runs = sorted(repo.glob(user_fit.HOOK_SOURCE.split(" ")[0] + "/your_model.json"))
+    speeds = {}
+    for path in runs:
+        d = json.loads(path.read_text())
+        speeds[bool(d["config"]["optimizer_in_backward"])] = d["timing"]["images_per_s"]
+    assert set(speeds) == {False, True}
+    vit = user_fit.ladder_model("vit_l_16")
+    model = user_fit.speed.speed_model("h100", "vit_l_16", sum(p.numel() for p in vit.parameters()),
+                                       calibration.load_runs((str(calibration.RESULTS_DIR),)))  # fmt: skip
+    plain, hooked = 128 / speeds[False], 128 / speeds[True]
+    per_tensor = (hooked - plain * (1 + model.checkpoint_extra)) / 161 * 1e3  # ResNet-50: 161 tensors
+    assert user_fit.HOOK_MS == pytest.approx(per_tensor, abs=0.001)
+
+
+def test_hooks_slow_the_step_in_backward_in_the_ranking(capsys):
+    """The step in backward pays its per-parameter hooks: never ranked above the same set without it."""
+    answer = _fit(
+        capsys, ["--model", "torchvision:resnet18", "--batch-size", "8", "--fit", "40GB", "--top", "30"]
+    )
+    by_set = {(r["accumulation_steps"], r["technique"]): r["predicted_samples_per_s"] for r in answer["fits"]}
+    pairs = [(s, by_set.get((k, t.replace(" + step in backward", "")))) for (k, t), s in by_set.items()
+             if "step in backward" in t]  # fmt: skip
+    assert pairs and all(other is not None and hooked < other for hooked, other in pairs)
+
+
+def test_measure_ranks_by_what_ran(tmp_path):
+    """--measure's bookkeeping with a stand-in process runner: each set's measurement beside its
+    prediction, the fitting sets ranked by measured speed, plan.json/plan.md written after every run."""
+    rows = [{"command": f"python recipes/your_model.py --batch-size {b}", "argv": ["--batch-size", str(b)],
+             "label": f"set {b}", "predicted_samples_per_s": 100.0 - b, "predicted_device_peak_gb": 3.0}
+            for b in (1, 2, 3)]  # fmt: skip
+    outcomes = iter([("ok", 50.0, 3.5), ("ok", 80.0, 3.9), ("oom", None, None)])
+
+    def stand_in(cmd, log, timeout):
+        status, speed, device = next(outcomes)
+        json_path = Path(cmd[cmd.index("--results-dir") + 1]) / "your_model.json"
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        memory = {"device_peak_gb": device, "peak_reserved_gb": device and device - 0.9}
+        json_path.write_text(
+            json.dumps({"status": status, "memory": memory, "timing": {"images_per_s": speed}})
+        )
+        assert cmd[cmd.index("--memory-budget-gb") + 1] == "4"
+        return {"status": status, "wall_s": 1.0}
+
+    said = []
+    original = user_measure.execute
+    user_measure.execute = stand_in
+    try:
+        best = user_measure.measure(rows, 4.0, tmp_path, steps=5, say=said.append)
+    finally:
+        user_measure.execute = original
+    assert [r["argv"][-1] for r in best] == ["2", "1"]  # measured order; the third ran out of memory
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["measured_pick"].endswith("2") and plan["predicted_pick"].endswith("1")
+    assert [r["status"] for r in plan["sets"]] == ["ok", "ok", "oom"]
+    assert "| 1 | 2 |" in (tmp_path / "plan.md").read_text() and len(said) == 6
+
+
+def test_the_shipped_planner_data_match_the_checkout():
+    """A wheel plans from package data; it must be what the committed runs, rungs and benchmark give
+    (after new committed runs: python -m fabric_memory_recipes.planning.snapshot --write)."""
+    assert snapshot.stale() == []
