@@ -200,7 +200,7 @@ def _control(path: Path, patch: str, argv: list[str], tmp: str) -> dict:
         setattr(owner, name, real)
 
 
-def child(rung: str, steps: int, out: Path, accelerator: str | None, model: str | None) -> None:
+def child(rung: str, steps: int, out: Path, accelerator: str | None, model: str | None, only: str = "") -> None:
     """Every check of one rung, in this process; rows written to ``out`` (JSON)."""
     path = recipe_path(rung)
     common = ["--data", "synthetic", "--weights", "none", "--max-steps", str(steps), "--eval-batches", "1"]
@@ -210,7 +210,7 @@ def child(rung: str, steps: int, out: Path, accelerator: str | None, model: str 
         common += ["--model", model]
     rows = []
     with tempfile.TemporaryDirectory(prefix="equivalence-") as tmp:
-        for check, flags, fast_flags in checks_for(rung):
+        for check, flags, fast_flags in [c for c in checks_for(rung) if only in c[0]]:
             eager = _run_recipe(path, common + flags + ["--mode", "eager", "--tag", "eager"], tmp)
             fast = _run_recipe(path, common + flags + fast_flags + ["--tag", "fast"], tmp)
             result = json.loads((Path(tmp) / f"{path.stem}-fast.json").read_text())
@@ -235,7 +235,7 @@ def _child_cmd(rung: str, steps: int, out: Path, args) -> list[str]:
         cmd += ["--accelerator", args.accelerator]
     if args.model:
         cmd += ["--model", args.model]
-    return cmd
+    return cmd + (["--checks", args.checks] if args.checks else [])
 
 
 def table(rows: list[dict]) -> str:
@@ -270,11 +270,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--accelerator", help="passed to the recipes (tests: cpu)")
     p.add_argument("--model", help="passed to the recipes (tests: vit_tiny)")
+    p.add_argument("--checks", default="", help="only the checks whose name contains this (e.g. stochastic)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--child-out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        child(args.child, args.steps, Path(args.child_out), args.accelerator, args.model)
+        child(args.child, args.steps, Path(args.child_out), args.accelerator, args.model, args.checks)
         return 0
     rungs = [r.strip() for r in args.rungs.split(",") if r.strip()]
     unknown = [r for r in rungs if r not in SINGLE_GPU_RUNGS]
