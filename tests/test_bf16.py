@@ -229,7 +229,12 @@ def _sgd_run(w0: torch.Tensor, update: str, steps: int = 200, **hyper) -> torch.
 
 @pytest.mark.parametrize(
     "hyper",
-    [{}, {"momentum": 0.9}, {"momentum": 0.9, "nesterov": True, "weight_decay": 1e-3}, {"momentum": 0.5, "dampening": 0.5}],
+    [
+        {},
+        {"momentum": 0.9},
+        {"momentum": 0.9, "nesterov": True, "weight_decay": 1e-3},
+        {"momentum": 0.5, "dampening": 0.5},
+    ],
 )
 def test_stochastic_sgd_ends_on_average_where_fp32_sgd_does_under_a_warmed_up_cosine_schedule(hyper):
     """Updates far below half a bf16 step (at 1.0: 2^-8): plain bf16 SGD never moves; stochastic rounding
@@ -244,7 +249,9 @@ def test_stochastic_sgd_ends_on_average_where_fp32_sgd_does_under_a_warmed_up_co
     assert sr.std().item() > 0
 
 
-@pytest.mark.parametrize("hyper", [{"momentum": 0.9}, {"momentum": 0.9, "nesterov": True, "weight_decay": 1e-2}])
+@pytest.mark.parametrize(
+    "hyper", [{"momentum": 0.9}, {"momentum": 0.9, "nesterov": True, "weight_decay": 1e-2}]
+)
 def test_stochastic_sgd_is_torch_sgd_on_fp32_weights(hyper):
     torch.manual_seed(0)
     start, grads = torch.randn(1000), [torch.randn(1000) for _ in range(50)]
@@ -350,5 +357,7 @@ def test_the_default_rounding_reaches_the_optimizer_and_other_precisions_run_the
     out = bf16.updates(per_param, cli.parse(_load("14_memory_floor"), cpu), log)
     assert isinstance(out[w], bf16.StochasticRoundSGD)
     if HAVE_TORCHAO:
-        adam = bf16.updates(torch.optim.Adam([w], lr=1e-3, fused=True), cli.parse(_load("04_lower_batch_size"), cpu), log)
+        adam = bf16.updates(
+            torch.optim.Adam([w], lr=1e-3, fused=True), cli.parse(_load("04_lower_batch_size"), cpu), log
+        )
         assert adam.bf16_stochastic_round and adam.param_groups[0]["weight_decay"] == 0

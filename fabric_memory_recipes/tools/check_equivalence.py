@@ -200,7 +200,9 @@ def _control(path: Path, patch: str, argv: list[str], tmp: str) -> dict:
         setattr(owner, name, real)
 
 
-def child(rung: str, steps: int, out: Path, accelerator: str | None, model: str | None, only: str = "") -> None:
+def child(
+    rung: str, steps: int, out: Path, accelerator: str | None, model: str | None, only: str = ""
+) -> None:
     """Every check of one rung, in this process; rows written to ``out`` (JSON)."""
     path = recipe_path(rung)
     common = ["--data", "synthetic", "--weights", "none", "--max-steps", str(steps), "--eval-batches", "1"]

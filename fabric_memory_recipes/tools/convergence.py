@@ -70,7 +70,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "vit_b_16": {"image_size": 64, "epochs": 30, "warmup_epochs": 2, "adam_lr": 1e-4, "sgd_lr": 0.03},
     "vit_tiny": {"image_size": None, "epochs": 20, "warmup_epochs": 0, "adam_lr": 1e-3, "sgd_lr": 0.05},
 }
-SETTINGS = ("model", "image_size", "epochs", "warmup_epochs", "adam_lr", "sgd_lr", "lost_seeds", "parallel", "gpus", "mode")
+SETTINGS = tuple("model image_size epochs warmup_epochs adam_lr sgd_lr lost_seeds parallel gpus mode".split())
 CURVE_POINTS = 60  # loss points per run: --log-every is chosen per rung to give about this many
 LOST_POINTS = 20  # sampled steps for --lost-updates per run
 LOST_RUNGS = ("01_baseline", "02_mixed_precision", "03_true_half_precision", "06_sgd_cosine")
@@ -169,16 +169,16 @@ def plan(args: argparse.Namespace, cuda: bool) -> list[Job]:
                 slower = (
                     3 if "--no-cuda-graphs" in base or "kahan" in flags else 1
                 )  # steps launched from the host
-                rule = flags[flags.index("--bf16-update") + 1] if "--bf16-update" in flags else rung.bf16_update
+                rule = flags[flags.index("--bf16-update") + 1] if "--bf16-update" in flags else rung.bf16_update  # fmt: skip
                 rule = rule if "--precision" not in flags else "plain"  # another precision: nothing to round
-                jobs.append(Job(recipe, variant, seed, [*base, *flags], per_epoch * args.epochs * slower, rule))
+                jobs.append(Job(recipe, variant, seed, [*base, *flags], per_epoch * args.epochs * slower, rule))  # fmt: skip
     if cuda and args.memory:
         for recipe, variant, flags in MEMORY_RUNS:
             if args.rungs and recipe not in args.rungs:
                 continue
             memory_flags = [*MEMORY_FLAGS, "--mode", args.mode, *flags]
             rule = flags[-1] if "--bf16-update" in flags else declared_rung(recipe)[0].bf16_update
-            jobs.append(Job(recipe, variant, None, memory_flags, 10**9, "plain" if "--precision" in flags else rule))
+            jobs.append(Job(recipe, variant, None, memory_flags, 10**9, "plain" if "--precision" in flags else rule))  # fmt: skip
     return jobs
 
 
@@ -280,7 +280,7 @@ def run_all(args: argparse.Namespace) -> int:
     deadline = start + (args.deadline_s or float("inf"))
     lock = threading.Lock()
 
-    slots = {"memory": DeviceSlots(args.gpus, MEMORY_PARALLEL), "accuracy": DeviceSlots(args.gpus, args.parallel)}
+    slots = {"memory": DeviceSlots(args.gpus, MEMORY_PARALLEL), "accuracy": DeviceSlots(args.gpus, args.parallel)}  # fmt: skip
 
     def one(job: Job) -> Job:  # run, then record every run so far: a killed call keeps its record
         kind = "memory" if job.seed is None else "accuracy"
@@ -339,8 +339,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-epochs", type=float, help="linear warm-up, in epochs (default: the preset)")
     p.add_argument("--adam-lr", type=float, help="learning rate of the Adam rungs (default: the preset)")
     p.add_argument("--sgd-lr", type=float, help="learning rate of the SGD rungs (default: the preset)")
-    p.add_argument("--parallel", type=int, default=1, help="digits runs at once per GPU (+3 ViT-L/16 memory runs)")
-    p.add_argument("--gpus", type=int, default=1, help="GPUs to spread the runs over (CUDA_VISIBLE_DEVICES per run)")
+    p.add_argument("--parallel", type=int, default=1, help="digits runs at once per GPU (+3 ViT-L/16 memory runs)")  # fmt: skip
+    p.add_argument("--gpus", type=int, default=1, help="GPUs to spread the runs over (CUDA_VISIBLE_DEVICES per run)")  # fmt: skip
     p.add_argument("--deadline-s", type=float, help="start no run after this many seconds")
     p.add_argument("--rerun", action="store_true", help="run again what an earlier call finished in --out")
     p.add_argument(

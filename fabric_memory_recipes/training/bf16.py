@@ -205,7 +205,9 @@ def replace(optimizer: torch.optim.Optimizer, update: str) -> torch.optim.Optimi
             return StochasticRoundSGD(params, lr=lr, momentum=g.get("momentum", 0), dampening=g.get("dampening", 0),
                                       weight_decay=g.get("weight_decay", 0), nesterov=g.get("nesterov", False))  # fmt: skip
         if g.get("momentum", 0) or g.get("weight_decay", 0) or g.get("nesterov", False):
-            raise UsageError("--bf16-update kahan: only plain SGD (no momentum, no weight decay) is supported")
+            raise UsageError(
+                "--bf16-update kahan: only plain SGD (no momentum, no weight decay) is supported"
+            )
         return _optimi("SGD", params, lr=lr, kahan_sum=True)
     if type(optimizer) in (torch.optim.Adam, torch.optim.AdamW) and not g.get("amsgrad", False):
         decoupled = isinstance(optimizer, torch.optim.AdamW)
@@ -239,7 +241,7 @@ def _torchao_adamw(params, **kwargs) -> torch.optim.Optimizer:
         import torchao.optim as tao
     except ImportError:
         raise UsageError(
-            '--bf16-update stochastic (the default of the bf16 rungs after 03) needs torchao for Adam:'
+            "--bf16-update stochastic (the default of the bf16 rungs after 03) needs torchao for Adam:"
             ' python3 -m pip install -e ".[bf16]", or run with --bf16-update plain'
         ) from None
     cls = getattr(tao, "AdamW", None) or getattr(tao, "_AdamW", None)

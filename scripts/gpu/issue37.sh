@@ -13,6 +13,8 @@
 #                                           #   GPUS=4: one 10-minute call. Resumable: call again with the
 #                                           #   same OUT and it runs only what is missing.
 #
+#   scripts/gpu/issue37.sh lr-probe   OUT   # ~8 GPU-min, 1 GPU: rungs 12/14 at SGD 0.0075, 04 at Adam 5e-5, seed 0
+#
 # The A/B base is the commit issue 37 started from (e81b449), as a git archive beside the checkout:
 #   git archive e81b449 --prefix=ab-base/ | tar -x -C build/     (then carry build/ab-base)
 # On the GPU machines torchao/torch-optimi come from carried wheels (.whl), as in docs/install.md.
@@ -64,6 +66,14 @@ case "$part" in
       --rungs "${ALL// /,}" --variants 06 --lost-seeds "" --gpus "$gpus" --parallel 10 --deadline-s 60 "$@" \
       2>&1 | tee -a "$out/convergence.log"
     mps_off
+    ;;
+  lr-probe)  # is a small-batch rung's gap its learning rate? one seed, its own folder (docs/accuracy.md)
+    mps_on
+    python3 -m fabric_memory_recipes.tools.convergence --model vit_l_16 --out "$out/lr-probe-sgd" --seed-list 0 \
+      --rungs 12,14 --no-variants --no-memory --lost-seeds "" --sgd-lr 0.0075 --parallel 2 2>&1 | tee -a "$out/lr-probe.log" &
+    python3 -m fabric_memory_recipes.tools.convergence --model vit_l_16 --out "$out/lr-probe-adam" --seed-list 0 \
+      --rungs 04 --no-variants --no-memory --adam-lr 5e-5 --parallel 1 2>&1 | tee -a "$out/lr-probe.log"
+    wait; mps_off
     ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac
