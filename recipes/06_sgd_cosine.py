@@ -14,6 +14,7 @@ from fabric_memory_recipes.training import bf16, data, lifecycle, loop, models
 RUNG = RunConfig(
     recipe="06_sgd_cosine",
     precision="bf16-true",  # rung 03: weights, gradients, Adam state and activations all in bfloat16
+    bf16_update="stochastic",  # bf16 updates rounded at random: kept on average (docs/bf16_updates.md)
     batch_size=16,  # rung 04: a quarter of the activations
     accumulation_steps=4,  # rung 05: 4 micro-batches of 4; the loop's "rung 05" blocks group them
     lr=0.01,

@@ -1,10 +1,9 @@
 """Rung 11 - activation offloading: rung 07 with the tensors saved for backward kept in host memory.
 
-Inside fabric_memory_recipes.training.offload.offload_activations(), every activation autograd saves in the
-forward pass is copied to pinned CPU memory on a side stream, beside the compute, and its GPU copy released
-once copied; in backward the next block's tensors come back (prefetched) on another stream while the
-current block computes. Weights stay on the GPU. Activation memory drops to what is in flight
-(--offload-window-mb each way, --resident-mb kept on the GPU); the price: PCIe traffic, twice."""
+Inside training.offload.offload_activations(), each activation autograd saves in the forward pass is copied
+to pinned CPU memory on a side stream, beside the compute, and its GPU copy released once copied; in backward
+the next block's tensors come back (prefetched) on another stream while the current block computes. Activation
+memory drops to what is in flight (--offload-window-mb each way, --resident-mb kept); price: PCIe traffic, twice."""
 
 from dataclasses import dataclass
 
@@ -25,6 +24,7 @@ class OffloadConfig(RunConfig):  # rung 11's own flags
 RUNG = OffloadConfig(
     recipe="11_activation_offload",
     precision="bf16-true",  # rung 03: weights, gradients, Adam state and activations all in bfloat16
+    bf16_update="stochastic",  # bf16 updates rounded at random: kept on average (docs/bf16_updates.md)
     batch_size=16,  # rung 04: a quarter of the activations
     accumulation_steps=4,  # rung 05: 4 micro-batches of 4; the loop's "rung 05" blocks group them
     lr=0.01,

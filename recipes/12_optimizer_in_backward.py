@@ -17,6 +17,7 @@ from fabric_memory_recipes.training import bf16, data, lifecycle, loop, models
 RUNG = RunConfig(
     recipe="12_optimizer_in_backward",
     precision="bf16-true",  # rung 03: weights, gradients, Adam state and activations all in bfloat16
+    bf16_update="stochastic",  # bf16 updates rounded at random: kept on average (docs/bf16_updates.md)
     batch_size=4,  # rung 12: the micro-batch; no accumulation (it would keep every gradient)
     accumulation_steps=1,
     lr=0.01,

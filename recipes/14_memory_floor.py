@@ -3,8 +3,7 @@
 The lines marked `# rung NN` are those rungs' techniques: bf16-true weights built in place (03, 07), plain
 SGD (06), the step inside backward (12), checkpointed blocks (10) whose saved inputs go to host memory
 (11), micro-batch 4 without accumulation; plus the allocator's expandable segments, so reserved memory
-tracks allocated memory. Left on the GPU: the weights (0.61 GB) and about 0.1 GB in flight.
-"""
+tracks allocated memory. Left on the GPU: the weights (0.61 GB) and about 0.1 GB in flight."""
 
 import os
 
@@ -19,6 +18,7 @@ from fabric_memory_recipes.training import bf16, data, lifecycle, loop, models, 
 RUNG = RunConfig(
     recipe="14_memory_floor",
     precision="bf16-true",  # rung 03: weights, gradients, Adam state and activations all in bfloat16
+    bf16_update="stochastic",  # bf16 updates rounded at random: kept on average (docs/bf16_updates.md)
     batch_size=4,  # rung 12: the micro-batch; no accumulation (it would keep every gradient)
     lr=0.01,
     optimizer="sgd",  # rung 06: SGD keeps no state (declared for the planner)

@@ -29,6 +29,7 @@ class SpeedConfig(RunConfig):  # rung 15's own flags
 RUNG = SpeedConfig(
     recipe="15_speed",
     precision="bf16-true",  # rung 03: half the bytes moved, bf16 tensor cores
+    bf16_update="stochastic",  # bf16 updates rounded at random: kept on average (docs/bf16_updates.md)
     batch_size=256,  # rung 15: bigger matrix products, the optimizer step paid once per 256 images
     accumulation_steps=1,
     lr=5e-5,

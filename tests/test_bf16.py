@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -207,3 +208,156 @@ def test_the_plain_kernel_replaces_only_a_fused_sgd_over_bf16_cpu_weights(monkey
     assert not bf16.unfuse_where_updates_drop(torch.optim.Adam([bf], lr=0.1, fused=True))  # only SGD's
     monkeypatch.setattr(bf16, "fused_cpu_sgd_drops_bf16_updates", lambda: False)
     assert not bf16.unfuse_where_updates_drop(torch.optim.SGD([bf], lr=0.1, fused=True))
+
+
+# ------------------------------------------------- compensated updates: SGD variants, schedules, defaults
+def _sgd_run(w0: torch.Tensor, update: str, steps: int = 200, **hyper) -> torch.Tensor:
+    """``steps`` SGD steps of gradient 1 under a cosine schedule after a linear warm-up (the rungs'
+    schedulers, stepped as the loop steps them); returns the final weights as fp32."""
+    from fabric_memory_recipes.training import loop
+
+    w = w0.clone().requires_grad_(True)
+    opt = bf16.replace(torch.optim.SGD([w], lr=2e-4, **hyper), update)
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
+    schedule = loop.with_warmup(opt, cosine, 20)
+    for _ in range(steps):
+        w.grad = torch.ones_like(w)
+        opt.step()
+        schedule.step()
+    return w.detach().float()
+
+
+@pytest.mark.parametrize(
+    "hyper",
+    [
+        {},
+        {"momentum": 0.9},
+        {"momentum": 0.9, "nesterov": True, "weight_decay": 1e-3},
+        {"momentum": 0.5, "dampening": 0.5},
+    ],
+)
+def test_stochastic_sgd_ends_on_average_where_fp32_sgd_does_under_a_warmed_up_cosine_schedule(hyper):
+    """Updates far below half a bf16 step (at 1.0: 2^-8): plain bf16 SGD never moves; stochastic rounding
+    moves the weights, on average to where the same SGD (momentum, weight decay, schedule) moves fp32 ones."""
+    torch.manual_seed(0)
+    reference = _sgd_run(torch.ones(8192), "plain", **hyper)  # fp32: nothing lost
+    moved = 1.0 - reference.mean().item()
+    assert moved > 2**-8, "the run must move the weights by more than one bf16 step in all"
+    assert torch.all(_sgd_run(torch.ones(8192, dtype=torch.bfloat16), "plain", **hyper) == 1.0)
+    sr = _sgd_run(torch.ones(8192, dtype=torch.bfloat16), "stochastic", **hyper)
+    assert abs(sr.mean().item() - reference.mean().item()) < 0.03 * moved, (sr.mean(), reference.mean())
+    assert sr.std().item() > 0
+
+
+@pytest.mark.parametrize(
+    "hyper", [{"momentum": 0.9}, {"momentum": 0.9, "nesterov": True, "weight_decay": 1e-2}]
+)
+def test_stochastic_sgd_is_torch_sgd_on_fp32_weights(hyper):
+    torch.manual_seed(0)
+    start, grads = torch.randn(1000), [torch.randn(1000) for _ in range(50)]
+    final = {}
+    for update in ("plain", "stochastic"):
+        w = start.clone().requires_grad_(True)
+        opt = bf16.replace(torch.optim.SGD([w], lr=1e-2, **hyper), update)
+        for g in grads:
+            w.grad = g.clone()
+            opt.step()
+        final[update] = w.detach()
+    moved = (final["plain"] - start).abs().max()
+    assert (final["stochastic"] - final["plain"]).abs().max() <= 1e-5 * moved
+
+
+def test_the_library_rounding_is_unbiased_too():
+    """torchao's rounding (the SGD's, where torchao is installed) keeps the expected value, as ours does."""
+    torch.manual_seed(0)
+    step = 2.0**-7
+    x = torch.full((200_000,), 1.0 + 0.25 * step)
+    for rounding in (bf16.round_stochastic, bf16.library_rounding()):
+        r = rounding(x).float()
+        assert (r == 1.0 + step).float().mean().item() == pytest.approx(0.25, abs=0.01), rounding
+        assert rounding(-x).float().mean().item() == pytest.approx(-x[0].item(), abs=step * 0.01), rounding
+    assert (bf16.library_rounding() is bf16.round_stochastic) == (not HAVE_TORCHAO)
+
+
+def test_the_stochastic_sgd_reads_a_tensor_learning_rate_as_a_captured_step_does():
+    """Fast mode's graph reads each group's learning rate from a device vector (graphs.LearningRates);
+    the schedulers keep writing the group's own tensor, and each step uses the value the vector holds."""
+    from fabric_memory_recipes.training import graphs
+
+    w = torch.zeros(16, requires_grad=True)
+    opt = bf16.replace(torch.optim.SGD([w], lr=0.1, fused=True), "stochastic")
+    assert isinstance(opt.param_groups[0]["lr"], torch.Tensor), "a float would be baked into a compiled step"
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=4)
+    lrs = graphs.LearningRates([opt], torch.device("cpu"))
+    moved = []
+    for _ in range(4):
+        lrs.sync()
+        with lrs.as_tensors():  # the step reads the vector, as the replayed graph does
+            assert opt.param_groups[0]["lr"].data_ptr() == lrs.values.data_ptr()
+            before = w.detach().clone()
+            w.grad = torch.ones_like(w)
+            opt.step()
+        moved.append((before - w.detach())[0].item())
+        schedule.step()
+    assert isinstance(opt.param_groups[0]["lr"], torch.Tensor) and opt.param_groups[0]["lr"].item() == 0.0
+    assert moved == pytest.approx([0.1, 0.1 * (1 + 2**-0.5) / 2, 0.05, 0.1 * (1 - 2**-0.5) / 2], rel=1e-4)
+
+
+def test_the_sgd_step_compiles_as_one_graph(monkeypatch):
+    """On CUDA each parameter's step runs compiled with ``fullgraph=True``: a graph break would fail
+    there; traced here with dynamo (the eager backend: no compiler on the CPU), for both roundings."""
+    monkeypatch.setattr(torch._dynamo.config, "disable", False)
+    torch._dynamo.reset()
+    traced = torch.compile(bf16.sgd_update, fullgraph=True, dynamic=False, backend="eager")
+    for rounding in (bf16.round_stochastic, bf16.library_rounding(), None):
+        p, g = torch.ones(64, dtype=torch.bfloat16), torch.full((64,), 0.5, dtype=torch.bfloat16)
+        buf = torch.zeros_like(p)
+        traced(p, g, buf, torch.tensor(0.25), 0.9, 0.0, 0.0, False, True, rounding)
+        assert torch.all(p.float() == 0.875) and torch.all(buf.float() == 0.5)  # exact: no rounding due
+    torch._dynamo.reset()
+
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+RUNGS = sorted(p.stem for p in RECIPES.glob("[0-9][0-9]_*.py"))
+COMPENSATED = ("04", "05", "06", "07", "10", "11", "12", "13", "14", "15")
+
+
+@pytest.mark.parametrize("name", RUNGS)
+def test_the_rungs_after_03_default_to_stochastic_rounding_and_rung_03_stays_plain(name):
+    from fabric_memory_recipes.config import declared_rung
+
+    rung = declared_rung(name)[0]
+    expected = "stochastic" if name[:2] in COMPENSATED else "plain"
+    assert rung.bf16_update == expected
+    assert expected == "plain" or rung.precision == "bf16-true"
+
+
+def _load(name: str):
+    import runpy
+
+    return runpy.run_path(str(RECIPES / f"{name}.py"))["RUNG"]
+
+
+def test_the_default_rounding_reaches_the_optimizer_and_other_precisions_run_the_rungs_own():
+    rung06, rung03 = _load("06_sgd_cosine"), _load("03_true_half_precision")
+    cpu = ["--accelerator", "cpu"]
+    assert cli.parse(rung06, cpu).bf16_update == "stochastic"
+    assert cli.parse(rung06, [*cpu, "--bf16-update", "plain"]).bf16_update == "plain"
+    assert cli.parse(rung03, cpu).bf16_update == "plain"
+    assert cli.parse(rung03, [*cpu, "--bf16-update", "stochastic"]).bf16_update == "stochastic"
+    # fp32 or mixed weights have nothing to round: the rung's default gives way, an explicit kahan is refused
+    assert cli.parse(rung06, [*cpu, "--precision", "32-true"]).bf16_update == "plain"
+    with pytest.raises(SystemExit):
+        cli.parse(rung06, [*cpu, "--precision", "32-true", "--bf16-update", "kahan"])
+    w = torch.zeros(8, dtype=torch.bfloat16, requires_grad=True)
+    log, _ = _log()
+    opt = bf16.updates(torch.optim.SGD([w], lr=0.1, fused=True), cli.parse(rung06, cpu), log)
+    assert isinstance(opt, bf16.StochasticRoundSGD) and log.updates["rule"] == "stochastic"
+    per_param = {w: torch.optim.SGD([w], lr=0.1, fused=True)}  # rungs 12 and 14: one optimizer per parameter
+    out = bf16.updates(per_param, cli.parse(_load("14_memory_floor"), cpu), log)
+    assert isinstance(out[w], bf16.StochasticRoundSGD)
+    if HAVE_TORCHAO:
+        adam = bf16.updates(
+            torch.optim.Adam([w], lr=1e-3, fused=True), cli.parse(_load("04_lower_batch_size"), cpu), log
+        )
+        assert adam.bf16_stochastic_round and adam.param_groups[0]["weight_decay"] == 0

@@ -78,3 +78,20 @@ def test_the_file_holds_every_finished_rung_in_order_and_a_failed_child_is_a_row
     assert writes == [["14"], ["14", "13"], ["14", "13", "05"]]  # the file after every finished rung
     assert [(r["rung"], r["ok"]) for r in rows] == [("14", True), ("13", False), ("05", True)]
     assert rows[1]["check"] == "failed to run" and not list(tmp_path.glob(".equivalence-*.json"))
+
+
+def test_every_rung_with_a_compensated_default_is_checked_with_it_and_rung_03_with_both_rules():
+    """The stochastic-rounding default (rungs 04-07, 10-15) is compared in bf16 with CUDA graphs and no
+    compilation (replays run the eager kernels and draw from the same generator state: equal, or the
+    capture is wrong), beside each rung's fp32 row; a control with other random bits must fail."""
+    from fabric_memory_recipes.tools.compare_plan import SINGLE_GPU_RUNGS
+
+    names = {rung: [c[0] for c in eq.checks_for(rung)] for rung in SINGLE_GPU_RUNGS}
+    for rung in ("04", "05", "06", "07", "10", "11", "12", "13", "14", "15"):
+        assert names[rung] == ["compile+graphs, fp32", "graphs, own precision, stochastic"], rung
+    assert names["01"] == ["compile+graphs, fp32"]
+    assert names["02"] == ["graphs, own precision"]
+    assert names["03"] == ["graphs, own precision", "graphs, own precision, stochastic"]
+    stochastic_03 = eq.checks_for("03")[1]
+    assert stochastic_03[1] == ["--bf16-update", "stochastic"] and stochastic_03[2][-1] == "--no-compile"
+    assert [patch for patch, _ in eq.CONTROLS["06"]] == ["lr", "rounding"]

@@ -158,7 +158,10 @@ def test_tool_plans_every_single_gpu_rung_with_its_kind_of_learning_rate():
         assert j.args[j.args.index("--data") + 1] == "digits" and "--eval-batches" not in j.args
     mixed = [j for j in jobs if j.recipe == "02_mixed_precision"][0]
     assert mixed.args[mixed.args.index("--precision") + 1] == "bf16-mixed", "fp16 autocast needs CUDA"
-    assert {j.variant for j in jobs if j.recipe == "06_sgd_cosine"} == {"default", "stochastic", "kahan", "mixed"}  # fmt: skip
+    assert {j.variant for j in jobs if j.recipe == "06_sgd_cosine"} == {"default", "plain", "kahan", "mixed"}  # fmt: skip
+    rules = {(j.recipe[:2], j.variant): j.rule for j in jobs}
+    assert rules[("06", "default")] == rules[("14", "default")] == "stochastic" and rules[("03", "default")] == "plain"
+    assert rules[("06", "plain")] == rules[("06", "mixed")] == "plain" and rules[("03", "kahan")] == "kahan"
     assert not [j for j in jobs if j.seed is None], "no ViT-L/16 memory runs without CUDA"
     assert [j for j in convergence.plan(args, cuda=True) if j.seed is None]
     assert REPO.joinpath("fabric_memory_recipes", "tools", "convergence.py").exists()
@@ -220,6 +223,29 @@ def test_a_later_call_runs_only_what_is_missing_and_is_recorded(tmp_path, monkey
     assert [r["tag"] for r in bench["later_calls"][0]["runs"]] == ["default-s1"]
     text = convergence.render_markdown([], bench, None)
     assert "GPU time of the whole benchmark" in text
+
+
+def test_a_run_with_another_rule_is_run_again_and_gpus_share_out_the_runs(tmp_path, monkeypatch):
+    """A rung's run from before its default became stochastic rounding is not a finished run of it; with
+    --gpus N every run gets one of N GPUs (CUDA_VISIBLE_DEVICES), --parallel runs on each."""
+    out = tmp_path / "bench"
+    (out / "runs").mkdir(parents=True)
+    for seed, rule in ((0, "plain"), (1, "stochastic")):
+        run = {"status": "ok", "updates": {"rule": rule}}
+        (out / "runs" / f"06_sgd_cosine-default-s{seed}.json").write_text(json.dumps(run))
+    seen: list[tuple[str, str | None]] = []
+
+    def fake_run(job, out_, logs, env, extra, deadline):
+        seen.append((f"{job.recipe[:2]}-{job.tag}", env.get("CUDA_VISIBLE_DEVICES")))
+        job.returncode, job.wall_s = 0, 1.0
+        return job
+
+    monkeypatch.setattr(convergence, "run_job", fake_run)
+    monkeypatch.setattr(convergence, "render", lambda out, readme=None: 0)
+    argv = ["--out", str(out), "--model", "vit_tiny", "--rungs", "06,07", "--no-variants", "--seed-list", "0,1"]
+    assert convergence.main([*argv, "--gpus", "2", "--", "--accelerator", "cpu"]) == 0
+    assert sorted(tag for tag, _ in seen) == ["06-default-s0", "07-default-s0", "07-default-s1"]
+    assert {gpu for _, gpu in seen} <= {"0", "1"} and None not in {gpu for _, gpu in seen}
 
 
 def test_image_size_keeps_the_blocks_and_shortens_the_position_embedding():

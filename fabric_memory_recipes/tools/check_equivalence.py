@@ -48,6 +48,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
+from fabric_memory_recipes.config import declared_rung
 from fabric_memory_recipes.console import Parser
 from fabric_memory_recipes.measurement.results_file import write_json_atomic
 from fabric_memory_recipes.paths import output_folder
@@ -55,11 +56,18 @@ from fabric_memory_recipes.tools.compare_plan import SINGLE_GPU_RUNGS
 from fabric_memory_recipes.tools.processes import project_env
 
 REPO = Path(__file__).resolve().parents[2]
-OWN_PRECISION = ("02", "03", "05")  # graphs-only checks in the rung's own precision
+OWN_PRECISION = ("02", "03")  # graphs-only checks in the rung's own precision (and every compensated rung)
+STOCHASTIC_TOO = ("03",)  # plain by default; its own precision with --bf16-update stochastic too
 FP32_REDUNDANT = ("02", "03")  # their fp32 copies are rung 01's
 REL_L2_TOLERANCE = 0.01  # of the eager run's change, over all parameters
 ELEMENT_TOLERANCE = 0.5  # of the eager run's largest element change
-CONTROL_RUNG = "06"
+# Known bugs the check must catch (rows expected to fail), on rung 06 (SGD + cosine)
+CONTROLS = {
+    "06": [
+        ("lr", "learning rates frozen at capture"),
+        ("rounding", "stochastic rounding draws other random bits than eager"),
+    ]
+}
 
 
 def recipe_path(rung: str) -> Path:
@@ -141,7 +149,60 @@ def compare(eager: dict, fast: dict) -> dict:
     }
 
 
-def child(rung: str, steps: int, out: Path, accelerator: str | None, model: str | None) -> None:
+def compensated(rung: str) -> bool:
+    """Whether the rung's declared default stores bf16 updates with stochastic rounding (rungs 04-07, 10-15)."""
+    return declared_rung(recipe_path(rung).stem)[0].bf16_update != "plain"
+
+
+def checks_for(rung: str) -> list[tuple[str, list[str], list[str]]]:
+    """The checks of one rung: (name, flags of both runs, flags of the fast run)."""
+    checks = []
+    if rung not in FP32_REDUNDANT:
+        flags = ["--precision", "32-true", "--no-tf32"] + (["--batch-size", "64"] if rung == "15" else [])
+        checks.append(("compile+graphs, fp32", flags, ["--mode", "fast"]))
+    graphs_only = ["--mode", "fast", "--no-compile"]
+    small = ["--batch-size", "64"] if rung == "15" else []  # its batch of 256 uncompiled: slow, for nothing
+    if rung in OWN_PRECISION or compensated(rung):
+        name = "graphs, own precision" + (", stochastic" if compensated(rung) else "")
+        checks.append((name, small, graphs_only))
+    if rung in STOCHASTIC_TOO:  # the compensated update one flag away
+        checks.append(("graphs, own precision, stochastic", ["--bf16-update", "stochastic"], graphs_only))
+    return checks
+
+
+def _control(path: Path, patch: str, argv: list[str], tmp: str) -> dict:
+    """The fast run with a known bug (``patch``): the learning rates frozen at capture, or the rounding's
+    random bits drawn from another generator state than the eager run's (reseeded after the capture)."""
+    import torch
+
+    from fabric_memory_recipes.training import graphs
+
+    if patch == "lr":
+        name, real = "sync", graphs.LearningRates.sync
+
+        def broken(self, real=real):  # the bug: learning rates stay as at capture
+            if not getattr(self, "_synced_once", False):
+                self._synced_once = True
+                real(self)
+
+        owner = graphs.LearningRates
+    else:
+        name, real, owner = "_capture", graphs.StepGraph._capture, graphs.StepGraph
+
+        def broken(self, group_size, real=real):  # replays draw other random bits than eager steps
+            real(self, group_size)
+            torch.cuda.manual_seed(12345)
+
+    setattr(owner, name, broken)
+    try:
+        return _run_recipe(path, argv, tmp)
+    finally:
+        setattr(owner, name, real)
+
+
+def child(
+    rung: str, steps: int, out: Path, accelerator: str | None, model: str | None, only: str = ""
+) -> None:
     """Every check of one rung, in this process; rows written to ``out`` (JSON)."""
     path = recipe_path(rung)
     common = ["--data", "synthetic", "--weights", "none", "--max-steps", str(steps), "--eval-batches", "1"]
@@ -149,44 +210,22 @@ def child(rung: str, steps: int, out: Path, accelerator: str | None, model: str 
         common += ["--accelerator", accelerator]
     if model:
         common += ["--model", model]
-    checks = []
-    if rung not in FP32_REDUNDANT:
-        flags = ["--precision", "32-true", "--no-tf32"] + (["--batch-size", "64"] if rung == "15" else [])
-        checks.append(("compile+graphs, fp32", flags, ["--mode", "fast"]))
-    if rung in OWN_PRECISION:
-        checks.append(("graphs, own precision", [], ["--mode", "fast", "--no-compile"]))
     rows = []
     with tempfile.TemporaryDirectory(prefix="equivalence-") as tmp:
-        for check, flags, fast_flags in checks:
+        for check, flags, fast_flags in [c for c in checks_for(rung) if only in c[0]]:
             eager = _run_recipe(path, common + flags + ["--mode", "eager", "--tag", "eager"], tmp)
             fast = _run_recipe(path, common + flags + fast_flags + ["--tag", "fast"], tmp)
             result = json.loads((Path(tmp) / f"{path.stem}-fast.json").read_text())
-            precision = result["config"]["precision"]
-            rows.append({
-                "rung": rung, "check": check.replace("own precision", precision), "steps": steps,
-                **compare(eager, fast), "expected_ok": True,
-                "cuda_graphs": result["config"]["cuda_graphs"], "compile": result["config"]["compile"],
-            })  # fmt: skip
-            if rung == CONTROL_RUNG and check.startswith("compile"):
-                from fabric_memory_recipes.training import graphs
-
-                real_sync = graphs.LearningRates.sync
-
-                def frozen(self, real_sync=real_sync):  # the bug: learning rates stay as at capture
-                    if not getattr(self, "_synced_once", False):
-                        self._synced_once = True
-                        real_sync(self)
-
-                graphs.LearningRates.sync = frozen
-                try:
-                    broken = _run_recipe(path, common + flags + fast_flags + ["--tag", "control"], tmp)
-                finally:
-                    graphs.LearningRates.sync = real_sync
-                rows.append({
-                    "rung": rung, "check": "control: learning rates frozen at capture (must fail)",
-                    "steps": steps, **compare(eager, broken), "expected_ok": False,
-                    "cuda_graphs": True, "compile": True,
-                })  # fmt: skip
+            precision, update = result["config"]["precision"], result["config"]["bf16_update"]
+            row = {"rung": rung, "check": check.replace("own precision", precision), "steps": steps,
+                   "bf16_update": update, "cuda_graphs": result["config"]["cuda_graphs"],
+                   "compile": result["config"]["compile"]}  # fmt: skip
+            rows.append(row | compare(eager, fast) | {"expected_ok": True})
+            for patch, what in CONTROLS.get(rung, []):
+                if check.startswith("compile") == (patch == "lr"):  # lr: fp32 row; rounding: its own row
+                    broken = _control(path, patch, common + flags + fast_flags + ["--tag", "control"], tmp)
+                    rows.append(row | {"check": f"control: {what} (must fail)"} | compare(eager, broken)
+                                | {"expected_ok": False})  # fmt: skip
     out.write_text(json.dumps(rows, indent=2) + "\n")
 
 
@@ -198,7 +237,7 @@ def _child_cmd(rung: str, steps: int, out: Path, args) -> list[str]:
         cmd += ["--accelerator", args.accelerator]
     if args.model:
         cmd += ["--model", args.model]
-    return cmd
+    return cmd + (["--checks", args.checks] if args.checks else [])
 
 
 def table(rows: list[dict]) -> str:
@@ -233,11 +272,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--accelerator", help="passed to the recipes (tests: cpu)")
     p.add_argument("--model", help="passed to the recipes (tests: vit_tiny)")
+    p.add_argument("--checks", default="", help="only the checks whose name contains this (e.g. stochastic)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--child-out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        child(args.child, args.steps, Path(args.child_out), args.accelerator, args.model)
+        child(args.child, args.steps, Path(args.child_out), args.accelerator, args.model, args.checks)
         return 0
     rungs = [r.strip() for r in args.rungs.split(",") if r.strip()]
     unknown = [r for r in rungs if r not in SINGLE_GPU_RUNGS]

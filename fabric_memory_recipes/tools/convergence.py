@@ -20,13 +20,15 @@ test of the same code path.
 
 Runs use the recipes' default mode (fast on a GPU). ``--lost-updates`` reads the weights between steps:
 the rungs that compare precisions (``LOST_RUNGS``) measure it on the ``--lost-seeds`` without CUDA graphs
-(about a third of the speed at micro-batch 4), their other seeds run in full fast mode. The bf16 fixes
-(``--bf16-update``, training/bf16.py) run as variants of rungs 03 (Adam) and 06 (SGD), against 16-mixed;
-``--memory`` adds their ViT-L/16 peak memory (224 px, 10 steps on synthetic data).
+(about a third of the speed at micro-batch 4), their other seeds run in full fast mode. The other bf16
+update rules (``--bf16-update``, training/bf16.py) run as variants of rungs 03 (Adam, plain by default) and
+06 (SGD, stochastic rounding by default), against 16-mixed; ``--memory`` adds their ViT-L/16 peak memory
+(224 px, 10 steps on synthetic data).
 
-Runs share the GPU (``--parallel``). A call stopped by ``--deadline-s`` keeps what finished: each run
-writes its JSON, ``benchmark.json`` is rewritten after every run, and a later call with the same
-``--out`` runs only what is missing (``--rerun``: everything), recorded under ``later_calls``. Output:
+Runs share a GPU (``--parallel`` at a time on each; ``--gpus N`` spreads them over N). A call stopped by
+``--deadline-s`` keeps what finished: each run writes its JSON, ``benchmark.json`` is rewritten after every
+run, and a later call with the same ``--out`` runs only what is missing or ran another bf16 update rule
+(``--rerun``: everything), recorded under ``later_calls``. Output:
 ``OUT/runs/<recipe>-<variant>-s<seed>.json``, ``OUT/benchmark.json``, ``OUT/logs/``, ``OUT/README.md``
 and ``OUT/loss_curves.png``.
 """
@@ -57,7 +59,7 @@ from fabric_memory_recipes.tools.convergence_report import (  # noqa: F401 (the 
     render_markdown,
     render_table,
 )
-from fabric_memory_recipes.tools.processes import project_env
+from fabric_memory_recipes.tools.processes import DeviceSlots, project_env
 from fabric_memory_recipes.training import digits
 
 REPO = Path(__file__).resolve().parents[2]
@@ -68,41 +70,29 @@ PRESETS: dict[str, dict[str, Any]] = {
     "vit_b_16": {"image_size": 64, "epochs": 30, "warmup_epochs": 2, "adam_lr": 1e-4, "sgd_lr": 0.03},
     "vit_tiny": {"image_size": None, "epochs": 20, "warmup_epochs": 0, "adam_lr": 1e-3, "sgd_lr": 0.05},
 }
-SETTINGS = (
-    "model",
-    "image_size",
-    "epochs",
-    "warmup_epochs",
-    "adam_lr",
-    "sgd_lr",
-    "lost_seeds",
-    "parallel",
-    "mode",
-)
+SETTINGS = tuple("model image_size epochs warmup_epochs adam_lr sgd_lr lost_seeds parallel gpus mode".split())
 CURVE_POINTS = 60  # loss points per run: --log-every is chosen per rung to give about this many
 LOST_POINTS = 20  # sampled steps for --lost-updates per run
 LOST_RUNGS = ("01_baseline", "02_mixed_precision", "03_true_half_precision", "06_sgd_cosine")
-# The bf16 fixes, as variants of one Adam rung and one SGD rung: (tag, flags, flags on a CPU instead).
+# The other bf16 update rules, as variants of one Adam rung (03: plain by default) and one SGD rung (06:
+# stochastic rounding by default): (tag, flags, flags on a CPU instead).
+RULES = {r: ["--bf16-update", r] for r in ("plain", "stochastic", "kahan")}
 VARIANTS: dict[str, list[tuple[str, list[str], list[str] | None]]] = {
-    "03_true_half_precision": [
-        ("stochastic", ["--bf16-update", "stochastic"], None),
-        ("kahan", ["--bf16-update", "kahan"], None),
-    ],
+    "03_true_half_precision": [("stochastic", RULES["stochastic"], None), ("kahan", RULES["kahan"], None)],
     "06_sgd_cosine": [
-        ("stochastic", ["--bf16-update", "stochastic"], None),
-        ("kahan", ["--bf16-update", "kahan"], None),
+        ("plain", RULES["plain"], None),
+        ("kahan", RULES["kahan"], None),
         ("mixed", ["--precision", "16-mixed"], ["--precision", "bf16-mixed"]),
     ],
 }
-# ViT-L/16 memory of the fixes (GPU only): rung, variant, flags. Synthetic data: memory does not depend
-# on the values, and 10 steps reach the steady state. Rung 14 shows what each fix costs at the floor.
-FIXES = [("stochastic", ["--bf16-update", "stochastic"]), ("kahan", ["--bf16-update", "kahan"])]
+# ViT-L/16 memory of the rules (GPU only): rung, variant, flags. Synthetic data: memory does not depend
+# on the values, and 10 steps reach the steady state. Rung 14 shows what each rule costs at the floor.
+OTHER_RULES = {"03_true_half_precision": ("stochastic", "kahan"), "06_sgd_cosine": ("plain", "kahan")}
+OTHER_RULES["14_memory_floor"] = OTHER_RULES["06_sgd_cosine"]
 MEMORY_RUNS = [
     ("02_mixed_precision", "default", []),
-    *[("03_true_half_precision", v, f) for v, f in [("default", []), *FIXES]],
     ("06_sgd_cosine", "mixed", ["--precision", "16-mixed"]),
-    *[("06_sgd_cosine", v, f) for v, f in [("default", []), *FIXES]],
-    *[("14_memory_floor", v, f) for v, f in [("default", []), *FIXES]],
+    *[(r, v, RULES.get(v, [])) for r, rules in OTHER_RULES.items() for v in ("default", *rules)],
 ]
 MEMORY_PARALLEL = 3  # ViT-L/16 runs at once (up to ~16 GB each), in addition to --parallel
 MEMORY_FLAGS = ["--model", "vit_l_16", "--data", "synthetic", "--weights", "none", "--max-steps", "10"]
@@ -119,6 +109,7 @@ class Job:
     micro_batches: int = (
         0  # planned forward+backward passes (x3 without CUDA graphs): the longest start first
     )
+    rule: str = "plain"  # the --bf16-update it runs with (a finished run with another rule is run again)
     returncode: int | None = None
     wall_s: float | None = None
     log: str | None = None
@@ -178,23 +169,28 @@ def plan(args: argparse.Namespace, cuda: bool) -> list[Job]:
                 slower = (
                     3 if "--no-cuda-graphs" in base or "kahan" in flags else 1
                 )  # steps launched from the host
-                jobs.append(Job(recipe, variant, seed, [*base, *flags], per_epoch * args.epochs * slower))
+                rule = flags[flags.index("--bf16-update") + 1] if "--bf16-update" in flags else rung.bf16_update  # fmt: skip
+                rule = rule if "--precision" not in flags else "plain"  # another precision: nothing to round
+                jobs.append(Job(recipe, variant, seed, [*base, *flags], per_epoch * args.epochs * slower, rule))  # fmt: skip
     if cuda and args.memory:
         for recipe, variant, flags in MEMORY_RUNS:
             if args.rungs and recipe not in args.rungs:
                 continue
             memory_flags = [*MEMORY_FLAGS, "--mode", args.mode, *flags]
-            jobs.append(Job(recipe, variant, None, memory_flags, 10**9))
+            rule = flags[-1] if "--bf16-update" in flags else declared_rung(recipe)[0].bf16_update
+            jobs.append(Job(recipe, variant, None, memory_flags, 10**9, "plain" if "--precision" in flags else rule))  # fmt: skip
     return jobs
 
 
 def finished(job: Job, out: Path) -> bool:
-    """Whether an earlier call left this run's results JSON with status ok (it is not run again)."""
+    """Whether an earlier call left this run's results JSON with status ok and the job's bf16 update rule
+    (it is not run again; a run of the rung from before its default changed is)."""
     path = out / "runs" / f"{job.recipe}-{job.tag}.json"
     try:
-        return json.loads(path.read_text()).get("status") == "ok"
+        d = json.loads(path.read_text())
     except (OSError, ValueError):
         return False
+    return d.get("status") == "ok" and ((d.get("updates") or {}).get("rule") or "plain") == job.rule
 
 
 # -------------------------------------------------------------------------------------------- running
@@ -284,8 +280,15 @@ def run_all(args: argparse.Namespace) -> int:
     deadline = start + (args.deadline_s or float("inf"))
     lock = threading.Lock()
 
+    slots = {"memory": DeviceSlots(args.gpus, MEMORY_PARALLEL), "accuracy": DeviceSlots(args.gpus, args.parallel)}  # fmt: skip
+
     def one(job: Job) -> Job:  # run, then record every run so far: a killed call keeps its record
-        run_job(job, out, logs, env, args.extra, deadline)
+        kind = "memory" if job.seed is None else "accuracy"
+        gpu, job_env = slots[kind].take(env)  # --gpus: each run on one GPU, args.parallel per GPU
+        try:
+            run_job(job, out, logs, job_env, args.extra, deadline)
+        finally:
+            slots[kind].release(gpu)
         with lock:
             summary = call_summary(args, jobs, time.monotonic() - start, cuda, gpu) | {"started": started}
             save_summary(summary_path, summary, earlier)
@@ -294,8 +297,8 @@ def run_all(args: argparse.Namespace) -> int:
     # the ViT-L/16 memory runs (up to ~16 GB each) go MEMORY_PARALLEL at a time, beside the others
     memory, accuracy = [j for j in jobs if j.seed is None], [j for j in jobs if j.seed is not None]
     with (
-        ThreadPoolExecutor(max_workers=MEMORY_PARALLEL) as memory_pool,
-        ThreadPoolExecutor(max_workers=args.parallel) as pool,
+        ThreadPoolExecutor(max_workers=MEMORY_PARALLEL * args.gpus) as memory_pool,
+        ThreadPoolExecutor(max_workers=args.parallel * args.gpus) as pool,
     ):
         futures = [memory_pool.submit(one, j) for j in memory] + [pool.submit(one, j) for j in accuracy]
         done = [f.result() for f in futures]
@@ -336,7 +339,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-epochs", type=float, help="linear warm-up, in epochs (default: the preset)")
     p.add_argument("--adam-lr", type=float, help="learning rate of the Adam rungs (default: the preset)")
     p.add_argument("--sgd-lr", type=float, help="learning rate of the SGD rungs (default: the preset)")
-    p.add_argument("--parallel", type=int, default=1, help="digits runs at once (+3 ViT-L/16 memory runs)")
+    p.add_argument("--parallel", type=int, default=1, help="digits runs at once per GPU (+3 ViT-L/16 memory runs)")  # fmt: skip
+    p.add_argument("--gpus", type=int, default=1, help="GPUs to spread the runs over (CUDA_VISIBLE_DEVICES per run)")  # fmt: skip
     p.add_argument("--deadline-s", type=float, help="start no run after this many seconds")
     p.add_argument("--rerun", action="store_true", help="run again what an earlier call finished in --out")
     p.add_argument(

@@ -231,12 +231,24 @@ def render_fixes(results: list[dict]) -> str | None:
     """The bf16 fixes against fp32 master weights: final training loss, accuracy, lost updates, memory."""
     acc, mem = groups(results)
     adam, sgd = ("02_mixed_precision", "default"), ("06_sgd_cosine", "mixed")
-    rules = ("default", "stochastic", "kahan")
+    rules = ("default", "plain", "stochastic", "kahan")
+
+    def rule(recipe: str, variant: str) -> str:  # the rule the runs recorded; "default" names the rung's own
+        runs = acc.get((recipe, variant)) or [mem.get((recipe, variant)) or {}]
+        found = (runs[0].get("updates") or {}).get("rule") or ("plain" if variant == "default" else variant)
+        return f"{found} (default)" if variant == "default" else found
+
     pairs = [(*adam, "Adam: 16-mixed (rung 02)", adam)]
-    pairs += [("03_true_half_precision", v, f"Adam: bf16-true {v} (rung 03)", adam) for v in rules]
+    pairs += [
+        ("03_true_half_precision", v, f"Adam: bf16-true {rule('03_true_half_precision', v)} (rung 03)", adam)
+        for v in rules
+    ]
     pairs += [(*sgd, "SGD: 16-mixed (rung 06 --precision 16-mixed)", sgd)]
-    pairs += [("06_sgd_cosine", v, f"SGD: bf16-true {v} (rung 06)", sgd) for v in rules]
-    pairs += [("14_memory_floor", v, f"SGD in backward: bf16-true {v} (rung 14)", None) for v in rules]
+    pairs += [
+        ("06_sgd_cosine", v, f"SGD: bf16-true {rule('06_sgd_cosine', v)} (rung 06)", sgd) for v in rules
+    ]
+    pairs += [("14_memory_floor", v, f"SGD in backward: bf16-true {rule('14_memory_floor', v)} (rung 14)", None)
+              for v in rules]  # fmt: skip
     rows = [row for row in pairs if row[:2] in acc or row[:2] in mem]
     if not rows:
         return None

@@ -106,3 +106,24 @@ def gpu_probe(python: str) -> tuple[int, str | None]:
         return int(count), name or None
     except (OSError, subprocess.SubprocessError, ValueError):
         return 0, None
+
+
+class DeviceSlots:
+    """Places for child processes on ``gpus`` GPUs, ``per_gpu`` on each: :meth:`take` hands out a free
+    GPU's ``CUDA_VISIBLE_DEVICES`` (one GPU: the environment unchanged), :meth:`release` gives
+    it back. Thread-safe; a benchmark runs ``gpus * per_gpu`` workers."""
+
+    def __init__(self, gpus: int, per_gpu: int) -> None:
+        import queue
+
+        self.gpus, self.free = gpus, queue.Queue()
+        for _ in range(per_gpu):
+            for gpu in range(gpus):
+                self.free.put(gpu)
+
+    def take(self, env: dict[str, str]) -> tuple[int, dict[str, str]]:
+        gpu = self.free.get()
+        return gpu, (env | {"CUDA_VISIBLE_DEVICES": str(gpu)} if self.gpus > 1 else env)
+
+    def release(self, gpu: int) -> None:
+        self.free.put(gpu)

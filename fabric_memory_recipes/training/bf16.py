@@ -61,12 +61,60 @@ def round_stochastic(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(x), rounded, x.float()).to(torch.bfloat16)
 
 
-class StochasticRoundSGD(torch.optim.Optimizer):
-    """Plain SGD (no momentum, no weight decay: what the ladder's SGD rungs use) whose bf16 weights are
-    updated in fp32 and stored with :func:`round_stochastic`; fp32 weights are updated as usual."""
+@functools.cache
+def library_rounding():
+    """The fp32 -> bf16 stochastic rounding to use: torchao's (``_fp32_to_bf16_sr``, the function its
+    AdamW variants round with) where torchao is installed, else :func:`round_stochastic` (the same
+    rule: torchao is optional, and the SGD rungs should not need it)."""
+    try:
+        from torchao.optim.quant_utils import _fp32_to_bf16_sr
+    except ImportError:
+        return round_stochastic
+    return _fp32_to_bf16_sr
 
-    def __init__(self, params, lr: float) -> None:
-        super().__init__(params, {"lr": lr})
+
+def sgd_update(p, grad, buf, lr, momentum: float, dampening: float, weight_decay: float,
+               nesterov: bool, first: bool, rounding) -> None:  # fmt: skip
+    """One parameter's SGD step, torch's rule (``torch.optim.SGD``), computed in fp32 and stored in
+    ``p``'s dtype, with ``rounding`` (None: to nearest). ``buf`` is the momentum buffer
+    (None without momentum), ``first`` its first step; ``lr`` may be a tensor (a captured step reads it)."""
+    g = grad.float()
+    if weight_decay:
+        g = g + weight_decay * p.float()
+    if buf is not None:
+        b = g if first else buf.float() * momentum + (1 - dampening) * g
+        buf.copy_(b)
+        g = g + momentum * b if nesterov else b
+    new = p.float() - lr * g
+    p.copy_(new if rounding is None else rounding(new))
+
+
+class StochasticRoundSGD(torch.optim.Optimizer):
+    """``torch.optim.SGD`` (momentum, dampening, weight decay, Nesterov) whose bf16 weights are updated
+    in fp32 and stored with stochastic rounding (:func:`library_rounding`); other weights as usual.
+
+    Capturable, for fast mode's CUDA graph: the learning rate is a tensor (as in torchao's optimizers;
+    the schedulers fill it in place), and on CUDA each parameter's step is one compiled kernel
+    (:func:`sgd_update` under ``torch.compile``, as torchao compiles its Adam step): it reads the weight
+    and the gradient once and writes the weight once, as the fused SGD kernel does, and draws its random
+    bits from the CUDA generator, which a graph replay advances (fresh bits every step). Elsewhere the
+    same function runs eagerly (``compile_on``: the devices it is compiled on)."""
+
+    compile_on = ("cuda",)
+
+    def __init__(self, params, lr: float, momentum: float = 0.0, dampening: float = 0.0,
+                 weight_decay: float = 0.0, nesterov: bool = False) -> None:  # fmt: skip
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+        defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                        nesterov=nesterov)  # fmt: skip
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        if not isinstance(group["lr"], torch.Tensor):  # a float would be baked into the compiled step
+            group["lr"] = torch.tensor(group["lr"], dtype=torch.float32)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -74,15 +122,32 @@ class StochasticRoundSGD(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.dtype == torch.bfloat16:
-                    p.copy_(round_stochastic(p.float() - group["lr"] * p.grad.float()))
-                else:
-                    p.add_(p.grad, alpha=-group["lr"])
+        # one compiled variant per shape and flags, a fixed number for a model (as torchao does)
+        with torch._dynamo.utils.disable_cache_limit():
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        self._update(p, group)
         return loss
+
+    def _update(self, p: torch.Tensor, group: dict) -> None:
+        state = self.state[p]
+        buf, first = None, False
+        if group["momentum"]:
+            first = "momentum_buffer" not in state
+            if first:
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            buf = state["momentum_buffer"]
+        update = compiled_sgd_update() if p.device.type in self.compile_on else sgd_update
+        rounding = library_rounding() if p.dtype == torch.bfloat16 else None
+        update(p.detach(), p.grad, buf, group["lr"], group["momentum"], group["dampening"],
+               group["weight_decay"], group["nesterov"], first, rounding)  # fmt: skip
+
+
+@functools.cache
+def compiled_sgd_update():
+    """:func:`sgd_update` compiled once per process (dynamo keeps one variant per shape and flags)."""
+    return torch.compile(sgd_update, fullgraph=True, dynamic=False)
 
 
 # ---------------------------------------------------------------------------------- choosing the rule
@@ -136,10 +201,13 @@ def replace(optimizer: torch.optim.Optimizer, update: str) -> torch.optim.Optimi
     lr = float(g["lr"])
     kind = type(optimizer).__name__
     if isinstance(optimizer, torch.optim.SGD):
-        if g.get("momentum", 0) or g.get("weight_decay", 0) or g.get("nesterov", False):
-            raise UsageError("--bf16-update: only plain SGD (no momentum, no weight decay) is supported")
         if update == "stochastic":
-            return StochasticRoundSGD(params, lr=lr)
+            return StochasticRoundSGD(params, lr=lr, momentum=g.get("momentum", 0), dampening=g.get("dampening", 0),
+                                      weight_decay=g.get("weight_decay", 0), nesterov=g.get("nesterov", False))  # fmt: skip
+        if g.get("momentum", 0) or g.get("weight_decay", 0) or g.get("nesterov", False):
+            raise UsageError(
+                "--bf16-update kahan: only plain SGD (no momentum, no weight decay) is supported"
+            )
         return _optimi("SGD", params, lr=lr, kahan_sum=True)
     if type(optimizer) in (torch.optim.Adam, torch.optim.AdamW) and not g.get("amsgrad", False):
         decoupled = isinstance(optimizer, torch.optim.AdamW)
@@ -173,7 +241,8 @@ def _torchao_adamw(params, **kwargs) -> torch.optim.Optimizer:
         import torchao.optim as tao
     except ImportError:
         raise UsageError(
-            '--bf16-update stochastic needs torchao: python3 -m pip install -e ".[lowbit]"'
+            "--bf16-update stochastic (the default of the bf16 rungs after 03) needs torchao for Adam:"
+            ' python3 -m pip install -e ".[bf16]", or run with --bf16-update plain'
         ) from None
     cls = getattr(tao, "AdamW", None) or getattr(tao, "_AdamW", None)
     if cls is None:

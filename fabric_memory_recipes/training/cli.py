@@ -115,6 +115,10 @@ def parse(
     the CPU only because no GPU was found is refused (``faults.wrong_machine``)."""
     parser = build_parser(rung, description)
     cfg = rung.with_flags(**vars(_adopt_fabric_run(parser, argv)))
+    if cfg.bf16_update == rung.bf16_update != "plain" and cfg.precision != "bf16-true":
+        # a rung's compensated default is for bf16-true weights; with another precision there is nothing
+        # to round, and the rung runs its own optimizer (an explicit other rule is still checked)
+        cfg = cfg.with_flags(bf16_update="plain")
     if cfg.model not in cfg.model_choices:
         fail(f"--model {cfg.model!r} is not one of: {', '.join(cfg.model_choices)}")
     if cfg.tag is not None and (reason := paths.name_problem(cfg.tag)):  # it names files and folders
