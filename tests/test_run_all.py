@@ -176,11 +176,11 @@ def test_failures_do_not_stop_the_ladder(tmp_path):
     assert "out of memory (recorded)" in status("01_")
     assert "failed (exit 1)" in status("04_")
     assert " ok " in status("02_") + " " and " ok " in status("05_") + " "
-    for name in ("08_fsdp", "09_cpu_offload"):  # FSDP1 needs CUDA
-        assert "skipped" in status(name + " "), summary
-        assert not any(ln.startswith(f"recipes/{name}.py") for ln in lines)
-    assert " ok " in status("08_fsdp2") + " "
-    assert "--devices 2" in next(ln for ln in lines if ln.startswith("recipes/08_fsdp2.py"))
+    assert "skipped" in status("08_fsdp "), summary  # FSDP1 needs CUDA
+    assert not any(ln.startswith("recipes/08_fsdp.py") for ln in lines)
+    for name in ("08_fsdp2", "09_cpu_offload"):  # FSDP2 shards over CPU processes (gloo) too
+        assert " ok " in status(name) + " "
+        assert "--devices 2" in next(ln for ln in lines if ln.startswith(f"recipes/{name}.py"))
     assert os.path.isdir(results)
 
 
