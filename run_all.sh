@@ -121,7 +121,7 @@ jobs=${jobs:-1}
 # Rungs that shard across GPUs: run with min(GPUs, 4) processes; skipped with fewer than 2 GPUs, except
 # on the CPU path for those that also shard across CPU processes (gloo), which run there with 2.
 MULTI_GPU_RECIPES=" 08_fsdp 08_fsdp2 09_cpu_offload "
-CPU_SHARDED_RECIPES=" 08_fsdp2 "
+CPU_SHARDED_RECIPES=" 08_fsdp2 09_cpu_offload "
 MULTI_GPU_DEFAULT_DEVICES=4
 is_multi_gpu() { case "$MULTI_GPU_RECIPES" in *" $1 "*) return 0 ;; esac; return 1; }
 shards_on_cpu() { case "$CPU_SHARDED_RECIPES" in *" $1 "*) return 0 ;; esac; return 1; }

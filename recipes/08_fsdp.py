@@ -18,7 +18,7 @@ from torchvision.models.vision_transformer import EncoderBlock
 
 from fabric_memory_recipes import planning
 from fabric_memory_recipes.config import RunConfig, UsageError
-from fabric_memory_recipes.training import data, lifecycle, loop, models
+from fabric_memory_recipes.training import attention, data, lifecycle, loop, models
 
 RUNG = RunConfig(
     recipe="08_fsdp",
@@ -31,6 +31,7 @@ RUNG = RunConfig(
     shard_units=("EncoderBlock",),
     checkpoint=("EncoderBlock",),
     cpu_variant="08_fsdp2",  # FSDPStrategy refuses the CPU; 08_fsdp2 runs the same sharding there
+    fused_attention=True,  # rung 15's attention: one qkv Linear + scaled_dot_product_attention
 )
 
 
@@ -52,7 +53,6 @@ def main(cfg: RunConfig, results) -> None:
     fabric.launch()
     fabric.seed_everything(cfg.seed, verbose=False)  # the seed is in the results JSON
     results.attach(fabric)
-
     with fabric.rank_zero_first():
         splits = data.load(cfg.data, cfg.data_dir)
     weights = models.resolve_weights(cfg.model, cfg.weights)
@@ -60,12 +60,12 @@ def main(cfg: RunConfig, results) -> None:
 
     with results.phase("model_load"):
         model = models.build_model(cfg.model, weights, data.NUM_CLASSES, cfg.image_size)
+        attention.fuse_attention(model)  # rung 15: the same weights, one qkv Linear + SDPA per block
         results.estimate = planning.for_run(model, cfg)  # the predicted peak
-        image_size, parameters = model.image_size, models.count_parameters(model)
+        image_size = model.image_size
+        results.set(parameters=models.count_parameters(model))
         model = fabric.setup_module(model)  # rung 08: shard first, then build the optimizer over the shards
         optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=cfg.lr, fused=True))
-    results.set(parameters=parameters)
-
     loaders = data.loaders(splits, cfg, fabric, shard=True)  # rung 08: every rank reads its own shard
     train_loader, val_loader, test_loader = fabric.setup_dataloaders(*loaders)
     batch_fn = data.image_classification(image_size)

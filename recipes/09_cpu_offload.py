@@ -1,58 +1,59 @@
-"""Rung 09 - offload to the CPU: rung 08 with FSDP's cpu_offload=True.
+"""Rung 09 - offload to the CPU: rung 08 (FSDP2) with the shards in host memory and Adam on the CPU.
 
-The sharded parameters and their gradients live in host memory. Before a block runs, its shard is
-copied to the GPU and all-gathered; gradients are copied back to the host after the backward pass,
-and the optimizer (Adam, fused CPU kernel) updates the parameters on the CPU. GPU memory then holds
-little more than the activations and one block's gathered weights, paid for with PCIe traffic and a
-CPU optimizer step.
-
-    python recipes/09_cpu_offload.py --devices 4
-    torchrun --nproc-per-node 4 recipes/09_cpu_offload.py --devices 4
+CPUOffloadPolicy keeps each rank's shard of parameters, gradients and Adam state in pinned host memory,
+copied in before a block's all-gather and out after its reduce-scatter; Adam steps on the CPU.
 """
+
+import os
 
 import lightning as L
 import torch
-from lightning.fabric.strategies import FSDPStrategy
-from torchvision.models.vision_transformer import EncoderBlock
+from lightning.fabric.strategies import ModelParallelStrategy
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
-from fabric_memory_recipes import planning
-from fabric_memory_recipes.config import RunConfig, UsageError
-from fabric_memory_recipes.training import data, lifecycle, loop, models
+from fabric_memory_recipes import RunConfig, planning
+from fabric_memory_recipes.training import attention, data, lifecycle, loop, models
 
 RUNG = RunConfig(
     recipe="09_cpu_offload",
     precision="32-true",
     batch_size=64,  # per GPU: every process trains on its own shard of the data
     devices=4,  # rung 08: 4 processes, each holding a shard of every parameter, gradient and Adam state
-    compile=False,
-    cuda_graphs=False,  # sharded steps run eagerly
-    sharding="fsdp",  # rung 08, for the estimate: one FSDP unit and one checkpoint per block
+    sharding="fsdp2",  # rung 08, for the estimate: one FSDP unit and one checkpoint per block
     shard_units=("EncoderBlock",),
     checkpoint=("EncoderBlock",),
+    fused_attention=True,  # rung 15's attention: one qkv Linear + scaled_dot_product_attention
     cpu_offload=True,  # rung 09, for the estimate: sharded state in host memory
-    cpu_variant="08_fsdp2",  # FSDPStrategy refuses the CPU; 08_fsdp2 runs the same sharding there
 )
 
 
-def make_strategy(cfg: RunConfig) -> FSDPStrategy:
-    return FSDPStrategy(
-        auto_wrap_policy={EncoderBlock},  # rung 08: each transformer block is one FSDP unit, gathered on use
-        activation_checkpointing_policy={EncoderBlock},  # keep block inputs, recompute the rest in backward
-        cpu_offload=True,  # rung 09: shards of parameters and gradients in CPU memory; Adam steps on the CPU
-    )
+def parallelize(model, device_mesh, compile_blocks: bool = False):
+    """Fabric calls it in setup_module: checkpoint, then shard each block (the last stays gathered)."""
+    shard = {"offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available())}  # rung 09: on the host
+    mesh, layers = device_mesh["data_parallel"], model.encoder.layers
+    for i, block in enumerate(layers):
+        layers[i] = block = checkpoint_wrapper(block)  # keep the block input, recompute inside
+        if compile_blocks:  # fast mode: one compiled graph shared by every block
+            block.compile()
+        fully_shard(block, mesh=mesh, reshard_after_forward=i < len(layers) - 1, **shard)  # rung 08: a unit
+    for block, after in zip(layers, layers[1:], strict=False):  # all-gather the next block ahead of use
+        block.set_modules_to_forward_prefetch([after])
+        after.set_modules_to_backward_prefetch([block])
+    return fully_shard(model, mesh=mesh, **shard)  # the root: patch embedding, class token, final norm, head
 
 
 def main(cfg: RunConfig, results) -> None:
-    if cfg.compile:
-        raise UsageError("--compile is not supported with FSDP1 here; recipes/08_fsdp2.py supports it")
     torch.set_float32_matmul_precision("high" if cfg.tf32 else "highest")  # "high" = TF32 matmuls
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // cfg.devices))  # rung 09: Adam runs here
+    strategy = ModelParallelStrategy(  # rung 08: every process holds a shard (data parallel only)
+        lambda model, mesh: parallelize(model, mesh, cfg.compile), cfg.world_size, tensor_parallel_size=1
+    )
     fabric = L.Fabric(accelerator=cfg.accelerator, devices=cfg.devices, num_nodes=cfg.num_nodes,
-                      strategy=make_strategy(cfg),  # rung 08: the model sharded over the processes
-                      precision=cfg.precision, loggers=results.fabric_loggers())  # fmt: skip
+                      strategy=strategy, precision=cfg.precision, loggers=results.fabric_loggers())  # fmt: skip
     fabric.launch()
     fabric.seed_everything(cfg.seed, verbose=False)  # the seed is in the results JSON
     results.attach(fabric)
-
     with fabric.rank_zero_first():
         splits = data.load(cfg.data, cfg.data_dir)
     weights = models.resolve_weights(cfg.model, cfg.weights)
@@ -60,12 +61,12 @@ def main(cfg: RunConfig, results) -> None:
 
     with results.phase("model_load"):
         model = models.build_model(cfg.model, weights, data.NUM_CLASSES, cfg.image_size)
+        attention.fuse_attention(model)  # rung 15: the same weights, one qkv Linear + SDPA per block
         results.estimate = planning.for_run(model, cfg)  # the predicted peak
-        image_size, parameters = model.image_size, models.count_parameters(model)
+        image_size = model.image_size
+        results.set(parameters=models.count_parameters(model))
         model = fabric.setup_module(model)  # rung 08: shard first, then build the optimizer over the shards
         optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=cfg.lr, fused=True))
-    results.set(parameters=parameters)
-
     loaders = data.loaders(splits, cfg, fabric, shard=True)  # rung 08: every rank reads its own shard
     train_loader, val_loader, test_loader = fabric.setup_dataloaders(*loaders)
     batch_fn = data.image_classification(image_size)

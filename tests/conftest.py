@@ -62,7 +62,7 @@ CPU_ARGS = (
 )  # fmt: skip
 # Rungs whose strategy (Fabric's FSDPStrategy) refuses the CPU: on CPU they must exit 2 with one line
 # saying so (docs/08_fsdp.md); everything else runs on CPU.
-CUDA_ONLY_RECIPES = frozenset({"08_fsdp", "09_cpu_offload"})
+CUDA_ONLY_RECIPES = frozenset({"08_fsdp"})
 SUBPROCESS_TIMEOUT = 400
 WORKERS = int(os.environ.get("FMR_TEST_WORKERS", "0")) or max(2, min(4, os.cpu_count() or 2))
 

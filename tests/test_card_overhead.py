@@ -83,7 +83,68 @@ def test_the_committed_table_names_the_files_it_came_from():
             assert entry["sources"] and entry["runs"] == len(entry["sources"])
             for source in entry["sources"]:
                 assert (overhead.REPO / source).is_file(), source
-    assert overhead.measure([overhead.REPO / "results"])["kinds"] == table["kinds"]  # reproducible
+    measured = overhead.measure([overhead.REPO / "results"])
+    assert measured["kinds"] == table["kinds"] and measured["sharded"] == table.get(
+        "sharded", {}
+    )  # reproducible
+
+
+SHARDED = {**TABLE, "sharded": {"h100": {"4": {
+    "compiled": {"overhead_gb": 2.1, "runs": 3, "smallest_gb": 1.7, "largest_from": "s.json", "methods": ["nvml-process"]},
+}}}}  # fmt: skip
+
+
+def test_runs_of_several_processes_on_one_machine_give_the_overhead_per_gpu(tmp_path):
+    runs = tmp_path / "published" / "h100x4" / "compare"
+    runs.mkdir(parents=True)
+    (runs / "a.json").write_text(json.dumps(run_json(world=4, device_overhead_gb=1.9)))
+    (runs / "b.json").write_text(json.dumps(run_json(world=4, device_overhead_gb=2.1)))
+    (runs / "c.json").write_text(json.dumps(run_json(world=2, compiled=False, device_overhead_gb=1.4)))
+    two_nodes = run_json(world=4, device_overhead_gb=5.0)
+    two_nodes["provenance"]["num_nodes"] = 2  # two torchrun 'nodes' on one host: not one machine's count
+    (runs / "d.json").write_text(json.dumps(two_nodes))
+    table = overhead.measure([tmp_path])
+    assert table["kinds"] == {}  # one process's overhead lacks NCCL: never mixed
+    four = table["sharded"]["h100"]["4"]["compiled"]
+    assert (four["overhead_gb"], four["runs"], four["smallest_gb"]) == (2.1, 2, 1.9)
+    assert four["largest_from"].endswith("b.json")
+    assert table["sharded"]["h100"]["2"]["eager"]["overhead_gb"] == 1.4
+
+
+def test_the_overhead_per_gpu_is_the_measured_one_for_that_many_processes_and_says_so():
+    four = card_overhead.overhead_per_gpu("h100", "fast", 4, SHARDED)
+    assert four.gb == 2.1 and "h100 x4 compiled" in four.source and "s.json" in four.source
+    two = card_overhead.overhead_per_gpu("h100", "eager", 2, SHARDED)
+    assert two.gb == 2.1 and "no h100 x2 eager measurement" in two.source
+    assert card_overhead.overhead_per_gpu("h100", "eager", 1, SHARDED).gb == 0.80  # one process
+    unknown = card_overhead.overhead_per_gpu("h200", "eager", 4, SHARDED)
+    assert unknown.gb is None and "NCCL" in unknown.source
+
+
+def test_a_sharded_prediction_uses_the_sharded_ratio_and_the_overhead_per_gpu(tmp_path):
+    ratio = calibration.ReservedRatio("sharded", 1.08, 3, 1.0, "s.json")
+    card = overhead.card_prediction(
+        3.0, graphs=False, compiled=True, gpu="h100", ratios={"sharded": ratio}, table=SHARDED, devices=4
+    )
+    assert card["peak_reserved_gb"] == pytest.approx(3.24) and card["device_peak_gb"] == pytest.approx(5.34)
+    assert card["devices"] == 4 and "x4" in card["overhead_source"]
+    folder = tmp_path / "published" / "h100x4" / "compare"
+    folder.mkdir(parents=True)
+    for name, reserved, estimate in (("a", 4.0, 3.6), ("b", 3.3, 3.0)):
+        payload = run_json(world=4, peak_reserved_gb=reserved)
+        payload["estimate"] = {"peak_allocated_gb": estimate}
+        (folder / f"{name}.json").write_text(json.dumps(payload))
+    (folder / "c.json").write_text(json.dumps(run_json(world=1, peak_reserved_gb=9.0)))  # one GPU: not here
+    measured = calibration.sharded_reserved_ratio((str(tmp_path),))
+    assert (
+        measured.ratio == pytest.approx(4.0 / 3.6)
+        and measured.runs == 2
+        and measured.worst.endswith("a.json")
+    )
+    empty = calibration.sharded_reserved_ratio((str(tmp_path / "none"),))
+    assert (
+        empty.ratio == calibration.BUILT_IN_RESERVED_RATIO[0] and "no committed sharded run" in empty.line()
+    )
 
 
 def test_an_unknown_kind_or_mode_takes_the_largest_measured_and_says_so():

@@ -107,6 +107,43 @@ if __name__ == "__main__":
 """
 
 
+# Like the article's 11_delay-allocation.py: Fabric(devices=4), FSDPStrategy(cpu_offload=True), launched by
+# torchrun with 2 processes; on the CPU the strategy is only built (Fabric's FSDP refuses the CPU) and the
+# model trains under DDP, so the test sees what the runner swaps in and that both ranks report.
+FAKE_FSDP_SCRIPT = """
+import lightning as L
+import torch
+import torch.nn.functional as F
+from lightning import Fabric
+from lightning.fabric.strategies import FSDPStrategy
+from torchvision import transforms
+from torchvision.models import ViT_L_16_Weights, vit_l_16
+
+from local_utilities import get_dataloaders_cifar10
+
+if __name__ == "__main__":
+    strategy = FSDPStrategy(cpu_offload=True)
+    print("CPU_OFFLOAD=" + str(bool(strategy.cpu_offload and strategy.cpu_offload.offload_params)))
+    fabric = Fabric(accelerator="cpu", devices=4, strategy="ddp")
+    fabric.launch()
+    L.seed_everything(123)
+    tf = transforms.Compose([transforms.Resize((32, 32)), transforms.ToTensor()])
+    train_loader, _, _ = get_dataloaders_cifar10(
+        batch_size=4, num_workers=0, train_transforms=tf, test_transforms=tf, validation_fraction=0.1)
+    train_loader = fabric.setup_dataloaders(train_loader)
+    model = vit_l_16(weights=ViT_L_16_Weights.IMAGENET1K_V1)
+    model.heads.head = torch.nn.Linear(in_features=1024, out_features=10)
+    optimizer = torch.optim.Adam(model.parameters(), lr=5e-5)
+    model, optimizer = fabric.setup(model, optimizer)
+    for features, targets in train_loader:
+        loss = F.cross_entropy(model(features), targets)
+        optimizer.zero_grad()
+        fabric.backward(loss)
+        optimizer.step()
+    raise SystemExit("the runner did not stop the script")
+"""
+
+
 def write_reference(folder: Path, scripts: dict[str, str]) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "local_utilities.py").write_text(textwrap.dedent(LOCAL_UTILITIES))
@@ -116,7 +153,10 @@ def write_reference(folder: Path, scripts: dict[str, str]) -> Path:
 
 
 # ------------------------------------------------------------------------------- the runner, end to end
-BACKGROUND_TESTS = {"test_runner_runs_the_script_offline_and_stops_it_after_n_steps"}
+BACKGROUND_TESTS = {
+    "test_runner_runs_the_script_offline_and_stops_it_after_n_steps",
+    "test_runner_under_torchrun_sets_the_devices_and_the_offload_and_every_rank_reports",
+}
 
 
 def _runner_job():
@@ -134,8 +174,21 @@ def _runner_job():
     return run_process([sys.executable, *argv], env), out  # its own process: it changes the working folder
 
 
+def _torchrun_job():
+    """The runner as compare_plan launches a multi-GPU script: torchrun, 2 processes, --devices 2."""
+    tmp = session_dir("reference-runner-torchrun")
+    ref = write_reference(tmp / "ref", {"11_fake.py": FAKE_FSDP_SCRIPT})
+    mapping = {"09": compare_plan.Reference("11_fake.py", devices=4, cpu_offload=False)}
+    (run,) = compare_plan.plan_runs(
+        ["09"], [], ref, tmp, steps=6, python=sys.executable, mapping=mapping, devices=2
+    )
+    env = subprocess_env(tmp / "logs", REFERENCE_RUNNER_VIT_ARCH=TINY_VIT)
+    return run_process(run.cmd, env), run.json
+
+
 def start_background_jobs() -> None:
     submit("compare:runner", _runner_job)
+    submit("compare:runner-torchrun", _torchrun_job)
 
 
 def test_runner_runs_the_script_offline_and_stops_it_after_n_steps():
@@ -343,23 +396,66 @@ def test_reference_with_several_ranks_reports_the_peak_per_gpu(tmp_path):
     assert side["peak_reserved_gb"] == 4.50 and side["images_per_s"] == 358.0 and side["world_size"] == 4
 
 
-def test_fsdp_references_run_under_torchrun_and_are_not_compared(tmp_path):
-    runs = compare_plan.plan_runs(["08"], ["eager"], tmp_path, tmp_path / "runs", steps=25, python="python")
-    ref = runs[0]
-    assert ref.cmd[:8] == [
-        "python",
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "4",
-    ] + [
-        "-m",
-        "fabric_memory_recipes.tools.reference_runner",
-    ]
-    row = {"rung": "08", "like_for_like": False, "reference": {"status": "ok", "images_per_s": 1.0}}
-    row["fast"] = {"status": "ok", "images_per_s": 2.0, "peak_reserved_gb": 1.0}
-    assert comparison.comparison_ratios(row)["speed_fast_vs_reference"] is None
+def test_sharded_rungs_run_the_articles_fsdp_script_with_and_without_offload_on_n_gpus(tmp_path):
+    """08 and 08-fsdp2 share one run of 11_delay-allocation.py with cpu_offload off, 09 has the script as
+    written; every multi-GPU run gets --devices N, the references under torchrun; rows are like for like."""
+    runs = compare_plan.plan_runs(
+        ["08", "08-fsdp2", "09"], ["fast"], tmp_path, tmp_path / "runs", steps=25, python="python", devices=2
+    )
+    refs = [r for r in runs if r.kind == "reference"]
+    assert [r.rows for r in refs] == [["08", "08-fsdp2"], ["09"]]
+    torchrun = ["python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    for ref, offload in zip(refs, (["--fsdp-cpu-offload", "off"], []), strict=True):
+        assert ref.cmd[:6] == torchrun and ref.cmd[6:8] == [
+            "-m",
+            "fabric_memory_recipes.tools.reference_runner",
+        ]
+        assert ref.cmd[8].endswith("11_delay-allocation.py") and ref.cmd[9:11] == ["--devices", "2"]
+        assert ref.cmd[11 : 11 + len(offload)] == offload
+    assert refs[0].json.name == "reference-11_delay-allocation-no-offload.json"
+    assert refs[1].json.name == "reference-11_delay-allocation.json" and refs[0].label.endswith(
+        "(cpu_offload=False)"
+    )
+    projects = [r for r in runs if r.kind == "project"]
+    assert [Path(r.cmd[1]).stem for r in projects] == ["08_fsdp", "08_fsdp2", "09_cpu_offload"]
+    assert all(r.cmd[r.cmd.index("--devices") + 1] == "2" for r in projects)
+    assert all(compare_plan.RUNGS[r].reference.like_for_like for r in compare_plan.SHARDED_RUNGS)
+    default = compare_plan.plan_runs(["09"], [], tmp_path, tmp_path / "runs", steps=25, python="python")
+    assert default[0].cmd[5] == "4" and "--fsdp-cpu-offload" not in default[0].cmd
+    row = {"rung": "09", "like_for_like": True, "reference": {"status": "ok", "images_per_s": 1.0}}
+    row["fast"] = {"status": "ok", "images_per_s": 3.5, "peak_reserved_gb": 1.0}
+    assert comparison.comparison_ratios(row)["speed_fast_vs_reference"] == 3.5
+
+
+def test_substitutions_set_fabric_devices_and_fsdp_offload_and_say_so():
+    import lightning as L
+    from lightning.fabric.strategies import FSDPStrategy
+
+    from fabric_memory_recipes.tools.reference_recorder import StepRecorder
+    from fabric_memory_recipes.tools.reference_substitutions import substitutions
+
+    with substitutions(StepRecorder(Path("x.py"), 5), devices=2, cpu_offload=False) as notes:
+        strategy = FSDPStrategy(cpu_offload=True)
+        fabric = L.Fabric(accelerator="cpu", devices=4, strategy="ddp")
+    assert not (strategy.cpu_offload and strategy.cpu_offload.offload_params)
+    assert len(fabric._connector._parallel_devices) == 2
+    said = " | ".join(notes)
+    assert "devices=2" in said and "asked for 4" in said and "cpu_offload=False" in said
+    assert FSDPStrategy(cpu_offload=True).cpu_offload.offload_params  # undone on exit
+
+
+def test_runner_under_torchrun_sets_the_devices_and_the_offload_and_every_rank_reports():
+    proc, out = result("compare:runner-torchrun")
+    assert proc.returncode == 0, describe(proc)
+    assert proc.stdout.count("CPU_OFFLOAD=False") == 2, describe(proc)
+    ranks = [json.loads(out.read_text()), json.loads(out.with_name(f"{out.stem}.rank1.json").read_text())]
+    assert [r["rank"] for r in ranks] == [0, 1] and all(r["world_size"] == 2 for r in ranks)
+    assert all(r["status"] == "ok" and r["steps"] == 6 and r["effective_batch"] == 4 for r in ranks)
+    assert ranks[0]["images_per_s"] == pytest.approx(4 * 2 / ranks[0]["median_step_s"])
+    notes = " | ".join(ranks[0]["substitutions"])
+    assert "Fabric(devices=...) -> devices=2" in notes and "cpu_offload=False" in notes
+    side = compare_rows.summarize_reference(out)
+    assert side["world_size"] == 2 and side["peak_reserved_gb"] == max(r["peak_reserved_gb"] for r in ranks)
 
 
 # ---------------------------------------------------------------- the whole tool with a fake interpreter
@@ -555,7 +651,9 @@ def test_checkout_matches_the_mapping(rung):
     assert builders and all(any(k.arg == "weights" for k in c.keywords) for c in builders)
     assert "step" in calls and "Fabric" in calls
     devices = [k.value.value for c in calls["Fabric"] for k in c.keywords if k.arg == "devices"]
-    assert devices == [ref.devices]
+    assert devices == [ref.devices]  # a keyword: what --devices N swaps
+    if ref.cpu_offload is not None:  # what --fsdp-cpu-offload swaps: a keyword of FSDPStrategy(...)
+        assert any(k.arg == "cpu_offload" for c in calls["FSDPStrategy"] for k in c.keywords)
 
 
 def test_readme_has_the_comparison_block():

@@ -76,7 +76,7 @@ def test_distributed_sampler_gives_disjoint_train_shards_and_full_eval_coverage(
     assert torch.equal(y, torch.from_numpy(np.asarray(splits.train[1][first])))
 
 
-@pytest.mark.parametrize(("name", "offload"), [("08_fsdp", False), ("09_cpu_offload", True)])
+@pytest.mark.parametrize(("name", "offload"), [("08_fsdp", False)])
 def test_fsdp1_configuration_reaches_the_strategy(name, offload):
     from torchvision.models.vision_transformer import EncoderBlock
 
@@ -91,16 +91,23 @@ def test_fsdp1_configuration_reaches_the_strategy(name, offload):
     assert module.RUNG.cpu_offload == offload  # what the estimate is told matches the strategy
 
 
-def test_fsdp2_parallelize_shards_every_block_with_checkpointing():
-    """Run the recipe's parallelize function in a 1-process gloo group and inspect the result."""
+@pytest.mark.parametrize(("name", "offload"), [("08_fsdp2", False), ("09_cpu_offload", True)])
+def test_fsdp2_parallelize_shards_every_block_with_checkpointing(name, offload):
+    """Run the recipe's parallelize function in a 1-process gloo group and inspect the result: every
+    block checkpointed and its own unit, each unit asking for the next one's all-gather, the last block
+    kept gathered between forward and backward, and (rung 09) the shards in host memory."""
     import torch.distributed as dist
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy
     from torch.distributed.tensor import DTensor
 
     from fabric_memory_recipes.training import models
 
-    module = load_recipe_module("08_fsdp2")
+    module = load_recipe_module(name)
+    assert (
+        module.RUNG.sharding == "fsdp2" and module.RUNG.cpu_offload == offload and module.RUNG.fused_attention
+    )
     started = not dist.is_initialized()
     if started:
         with socket.socket() as probe:  # a free port: another suite on this machine may hold a fixed one
@@ -110,8 +117,16 @@ def test_fsdp2_parallelize_shards_every_block_with_checkpointing():
     try:
         mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
         model = module.parallelize(models.build_model("vit_tiny", None), mesh)
-        assert all(isinstance(b, CheckpointWrapper) for b in model.encoder.layers)
+        layers = list(model.encoder.layers)
+        assert all(isinstance(b, CheckpointWrapper) for b in layers)
         assert all(isinstance(p, DTensor) for p in model.parameters())
+        states = [b._get_fsdp_state() for b in layers]
+        for state, after in zip(states, states[1:], strict=False):
+            assert state._states_to_forward_prefetch == [after]
+            assert after._states_to_backward_prefetch == [state]
+        groups = [s._fsdp_param_group for s in states]
+        assert [g.post_forward_mesh_info is None for g in groups] == [False] * (len(groups) - 1) + [True]
+        assert all(isinstance(g.offload_policy, CPUOffloadPolicy) == offload for g in groups)
         out = model(torch.randn(2, 3, 32, 32))
         out.sum().backward()
         assert all(p.grad is not None for p in model.parameters())

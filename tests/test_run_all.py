@@ -137,8 +137,8 @@ esac
 def test_failures_do_not_stop_the_ladder(tmp_path):
     """With a stand-in interpreter: 01 'runs out of memory', 04 'crashes'; 02 and 05 still run, in order,
     with the CPU-path flags (02 gets bf16 autocast), the extra flags, and the report is rendered.
-    Rungs that shard across GPUs are skipped (listed in the summary) on the CPU path, except 08_fsdp2,
-    which shards across 2 CPU processes there."""
+    Rungs that shard across GPUs are skipped (listed in the summary) on the CPU path, except 08_fsdp2
+    and 09_cpu_offload (FSDP2), which shard across 2 CPU processes there."""
     fake = tmp_path / "fakepython"
     fake.write_text(FAKE_PYTHON)
     fake.chmod(0o755)
@@ -152,8 +152,8 @@ def test_failures_do_not_stop_the_ladder(tmp_path):
     assert proc.returncode == 1, describe(proc)
     lines = calls.read_text().splitlines()
     recipes = [ln.split()[0] for ln in lines if ln.startswith("recipes/")]
-    assert [Path(r).stem for r in recipes][-1] == "08_fsdp2", lines
-    assert [Path(r).stem[:2] for r in recipes] == ["01", "02", "04", "05", "08"], lines
+    assert [Path(r).stem for r in recipes][-2:] == ["08_fsdp2", "09_cpu_offload"], lines
+    assert [Path(r).stem[:2] for r in recipes] == ["01", "02", "04", "05", "08", "09"], lines
     assert (
         lines[-2] == f"module -m fabric_memory_recipes.planning --ladder {results}"
     )  # the CPU track's predictions
@@ -176,11 +176,11 @@ def test_failures_do_not_stop_the_ladder(tmp_path):
     assert "out of memory (recorded)" in status("01_")
     assert "failed (exit 1)" in status("04_")
     assert " ok " in status("02_") + " " and " ok " in status("05_") + " "
-    for name in ("08_fsdp", "09_cpu_offload"):  # FSDP1 needs CUDA
-        assert "skipped" in status(name + " "), summary
-        assert not any(ln.startswith(f"recipes/{name}.py") for ln in lines)
-    assert " ok " in status("08_fsdp2") + " "
-    assert "--devices 2" in next(ln for ln in lines if ln.startswith("recipes/08_fsdp2.py"))
+    assert "skipped" in status("08_fsdp "), summary  # FSDP1 needs CUDA
+    assert not any(ln.startswith("recipes/08_fsdp.py") for ln in lines)
+    for name in ("08_fsdp2", "09_cpu_offload"):  # FSDP2 shards over CPU processes (gloo) too
+        assert " ok " in status(name) + " "
+        assert "--devices 2" in next(ln for ln in lines if ln.startswith(f"recipes/{name}.py"))
     assert os.path.isdir(results)
 
 

@@ -6,6 +6,11 @@ The measurement layer owns it because a run needs it: ``--memory-budget-gb X`` c
 less this overhead (training/lifecycle.py), so that a capped run stands for an X GB card. The planner adds
 it to a predicted peak reserved to answer for a card. How the table is made from results JSONs, and
 rewritten: ``python -m fabric_memory_recipes.planning.overhead``.
+
+Several processes on one machine hold more outside the allocator per GPU than one process does: NCCL's
+communicators and buffers, and a context per process. The table's ``sharded`` part holds that per GPU
+kind, processes per machine and mode, measured by the committed sharded runs; :func:`overhead_per_gpu`
+is what a planner asks with the device count.
 """
 
 from __future__ import annotations
@@ -69,3 +74,28 @@ def card_overhead(gpu: str, mode: str, table: dict[str, Any] | None = None) -> O
     value, g, m = max(known)
     return Overhead(gpu, mode, value, f"no {gpu} {mode} measurement: the largest measured overhead is assumed"
                     f" ({g} {m}, {value:.2f} GB; {where})")  # fmt: skip
+
+
+def overhead_per_gpu(gpu: str, mode: str, devices: int, table: dict[str, Any] | None = None) -> Overhead:
+    """What one GPU of a run with ``devices`` processes on the machine holds outside the caching
+    allocator: :func:`card_overhead` for one process; for several, the largest measured by committed runs
+    of ``devices`` processes of that kind and mode. Without one: the largest measured with several
+    processes on that kind (said in ``source``), else None (never the one-process value, which lacks NCCL)."""
+    if devices <= 1:
+        return card_overhead(gpu, mode, table)
+    table = load_table() if table is None else table
+    mode = overhead_mode(mode)
+    where = f"{TABLE_FILE.name}" if table is load_table() else "the table"
+    kind = (table.get("sharded") or {}).get(gpu) or {}
+    entry = (kind.get(str(devices)) or {}).get(mode)
+    if entry:
+        return Overhead(gpu, mode, entry["overhead_gb"],
+                        f"{gpu} x{devices} {mode}: {entry['overhead_gb']:.2f} GB per GPU, the largest of"
+                        f" {entry['runs']} measured sharded run(s) ({entry['largest_from']}; {where})")  # fmt: skip
+    known = [(e["overhead_gb"], n, m) for n, modes in kind.items() for m, e in modes.items()]
+    if not known:
+        return Overhead(gpu, mode, None, f"no {gpu} run of several processes measured in {where}: the"
+                        " whole-device peak per GPU is unknown (NCCL's buffers are outside the allocator)")  # fmt: skip
+    value, n, m = max(known)
+    return Overhead(gpu, mode, value, f"no {gpu} x{devices} {mode} measurement: the largest measured with"
+                    f" several processes is assumed ({gpu} x{n} {m}, {value:.2f} GB per GPU; {where})")  # fmt: skip

@@ -121,7 +121,6 @@ def shared_gpu(path: Path, root: Path) -> bool:
 REPEAT_KINDS = ("ab", "quick", "wip", "convergence", "levers", "your-model")
 
 
-
 def repeats_committed(path: Path, root: Path) -> bool:
     parts = path.relative_to(root).parts
     return "published" in parts[:-1] and _published_kind(path, root) in REPEAT_KINDS
@@ -258,3 +257,39 @@ def measured_speed(
     if not same:
         return None
     return statistics.median(r.images_per_s for r in same), sorted(r.path for r in same)
+
+
+# ------------------------------------------------------------------------------ several processes
+def sharded_reserved_ratio(folders: tuple[str, ...] = (str(RESULTS_DIR),)) -> ReservedRatio:
+    """Peak reserved per GPU over the simulated peak allocated per GPU, the largest of the committed
+    sharded runs (several processes, CUDA, ok, with the estimate they recorded): FSDP's all-gathers and
+    reduce-scatters allocate on streams of their own, so a one-GPU ratio does not carry over. None
+    committed: :data:`BUILT_IN_RESERVED_RATIO`, said in the ratio's line."""
+    pairs = []
+    for folder in folders:
+        root = Path(folder)
+        for path in sorted(root.rglob("*.json")) if root.is_dir() else []:
+            if repeats_committed(path, root) or path.relative_to(root).as_posix() in SUPERSEDED:
+                continue
+            try:
+                d = json.loads(path.read_text())
+            except (OSError, ValueError, UnicodeDecodeError):
+                continue
+            if (
+                not isinstance(d, dict)
+                or d.get("schema_version") != SCHEMA_VERSION
+                or d.get("status") != "ok"
+            ):
+                continue
+            memory, prov = d.get("memory") or {}, d.get("provenance") or {}
+            estimate = (d.get("estimate") or {}).get("peak_allocated_gb")
+            if memory.get("kind") != "cuda" or prov.get("world_size", 1) < 2 or not estimate:
+                continue
+            reserved = max(memory.get("run_peak_reserved_gb") or 0.0, memory.get("peak_reserved_gb") or 0.0)
+            if reserved:
+                pairs.append((reserved / estimate, str(path.relative_to(root))))
+    if not pairs:
+        value, why = BUILT_IN_RESERVED_RATIO
+        return ReservedRatio("sharded", value, 0, value, why.replace("run", "sharded run"))
+    worst = max(pairs)
+    return ReservedRatio("sharded", worst[0], len(pairs), min(pairs)[0], worst[1])

@@ -18,7 +18,9 @@ from fabric_memory_recipes.training import attention, models
 
 
 @functools.cache
-def meta_model(name: str, num_classes: int = 10, fused_attention: bool = False, image_size: int | None = None) -> Any:
+def meta_model(
+    name: str, num_classes: int = 10, fused_attention: bool = False, image_size: int | None = None
+) -> Any:
     """The model built on the meta device: shapes only, no memory, no initialisation cost.
     ``fused_attention``: as rung 15 runs it (fabric_memory_recipes/training/attention.py)."""
     with torch.device("meta"):
@@ -54,8 +56,11 @@ def check_results(dirs: list[str]) -> list[dict[str, Any]]:
                 recorded_flags = {k: v for k, v in config.items() if k in flags}
                 cfg = rung.with_flags(**{**recorded_flags, "accelerator": "cuda"})
                 plan = plan_for(cfg)
-                model = meta_model(config.get("model", "vit_l_16"), fused_attention=cfg.fused_attention,
-                                   image_size=config.get("image_size"))
+                model = meta_model(
+                    config.get("model", "vit_l_16"),
+                    fused_attention=cfg.fused_attention,
+                    image_size=config.get("image_size"),
+                )
                 recorded = simulate(model, plan, model_name=config.get("model")).to_dict()
             rows.append(
                 {
@@ -81,14 +86,13 @@ def _pct(predicted: float | None, measured: float | None) -> float | None:
 
 def device_check(result: dict[str, Any], allocated_gb: float | None) -> dict[str, Any]:
     """The card-level check of one run: predicted peak reserved and whole-device peak
-    (fabric_memory_recipes.planning.overhead.card_prediction) against what the run measured. One-GPU
-    runs only: with several ranks NCCL's buffers sit outside the allocator too."""
+    (fabric_memory_recipes.planning.overhead.card_prediction) against what the run measured, per GPU:
+    with several processes on the machine, their measured overhead per GPU (NCCL's buffers too)."""
     memory, config = result.get("memory") or {}, result.get("config") or {}
     prov = result.get("provenance") or {}
-    if prov.get("world_size", 1) != 1:
-        return {"predicted_device_gb": None, "measured_device_gb": None, "device_error_pct": None}
+    devices = int(config.get("devices") or 1) if prov.get("world_size", 1) > 1 else 1
     card = card_prediction(allocated_gb, graphs=bool(config.get("cuda_graphs")), compiled=bool(config.get("compile")),
-                           gpu=gpu_slug(prov.get("gpu_name")))  # fmt: skip
+                           gpu=gpu_slug(prov.get("gpu_name")), devices=devices)  # fmt: skip
     reserved = memory.get("run_peak_reserved_gb")
     measured = memory.get("device_peak_gb")
     return {

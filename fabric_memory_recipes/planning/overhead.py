@@ -16,6 +16,11 @@ and mode (``eager``; ``compiled``: torch.compile and/or CUDA graphs), the larges
   PyTorch, and 45.70 MiB is reserved by PyTorch but unallocated`` (in use - allocated - reserved
   unallocated, to the message's 0.01 GiB, at the moment of the error).
 
+Runs of several processes on one machine (``world_size`` > 1, one node) go to the table's ``sharded``
+part, per GPU kind, processes and mode: ``memory.device_overhead_gb`` is the largest whole-device peak
+over the ranks less the largest peak reserved, per GPU. NCCL's communicators and buffers and the other
+processes' contexts are in it (measurement/card_overhead.py: :func:`overhead_per_gpu`).
+
 ``python -m fabric_memory_recipes.planning.overhead results --write`` stores the table, with the
 files it came from, in ``fabric_memory_recipes/measurement/device_overhead.json`` (committed); the
 planner and ``--memory-budget-gb`` read it through ``measurement.card_overhead``. A kind or mode it lacks falls back to the largest overhead it holds, and says so.
@@ -34,12 +39,19 @@ from typing import Any
 from fabric_memory_recipes.console import Parser
 from fabric_memory_recipes.measurement.card_overhead import (
     TABLE_FILE,
-    card_overhead,
+    card_overhead,  # noqa: F401 - re-exported: the planner and its tests read it here
     load_table,
     overhead_mode,
+    overhead_per_gpu,
 )
 from fabric_memory_recipes.measurement.results_file import GB, SCHEMA_VERSION, gpu_slug, write_json_atomic
-from fabric_memory_recipes.planning.calibration import RESULTS_DIR, ReservedRatio, load_runs, reserved_ratios
+from fabric_memory_recipes.planning.calibration import (
+    RESULTS_DIR,
+    ReservedRatio,
+    load_runs,
+    reserved_ratios,
+    sharded_reserved_ratio,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 _SIZE = r"([\d.]+) (GiB|MiB|KiB|B)\b"
@@ -77,7 +89,7 @@ def sample_of(result: dict[str, Any], path: str) -> Sample | None:
         return None
     memory, prov = result.get("memory") or {}, result.get("provenance") or {}
     if memory.get("kind") != "cuda" or prov.get("world_size", 1) != 1:
-        return None  # several ranks: NCCL's buffers are outside the allocator too, another overhead
+        return None  # several ranks: NCCL's buffers are outside the allocator too (sharded_sample_of)
     gpu, mode = gpu_slug(prov.get("gpu_name")), overhead_mode(result.get("config") or {})
     if result.get("status") == "ok" and memory.get("device_overhead_gb") is not None:
         return Sample(gpu, mode, float(memory["device_overhead_gb"]), path, str(memory.get("device_method")))
@@ -86,6 +98,37 @@ def sample_of(result: dict[str, Any], path: str) -> Sample | None:
         if value is not None:
             return Sample(gpu, mode, value, path, "oom-message")
     return None
+
+
+def sharded_sample_of(result: dict[str, Any], path: str) -> tuple[str, Sample] | None:
+    """(processes on the machine, the per-GPU overhead) of a successful run of several processes on one
+    node, or None."""
+    if not isinstance(result, dict) or result.get("schema_version") != SCHEMA_VERSION:
+        return None
+    memory, prov, config = (
+        result.get("memory") or {},
+        result.get("provenance") or {},
+        result.get("config") or {},
+    )
+    if memory.get("kind") != "cuda" or prov.get("world_size", 1) < 2 or prov.get("num_nodes", 1) != 1:
+        return None
+    if result.get("status") != "ok" or memory.get("device_overhead_gb") is None:
+        return None
+    gpu, mode = gpu_slug(prov.get("gpu_name")), overhead_mode(config)
+    value = float(memory["device_overhead_gb"])
+    return str(prov["world_size"]), Sample(gpu, mode, value, path, str(memory.get("device_method")))
+
+
+def _entry(samples: list[Sample]) -> dict[str, Any]:
+    mine = sorted(samples, key=lambda s: -s.overhead_gb)
+    return {
+        "overhead_gb": round(mine[0].overhead_gb, 4),
+        "runs": len(mine),
+        "smallest_gb": round(mine[-1].overhead_gb, 4),
+        "largest_from": mine[0].path,
+        "methods": sorted({s.how for s in mine}),
+        "sources": sorted(s.path for s in mine),
+    }
 
 
 # Runs that shared one GPU through CUDA MPS (their NOTES.md says so): an MPS client's memory outside the
@@ -97,6 +140,7 @@ def measure(folders: list[str | Path]) -> dict[str, Any]:
     """The table: per kind and mode, the largest overhead of the runs below ``folders``, their count,
     the smallest, and every source file (relative to the repository when inside it)."""
     samples: list[Sample] = []
+    sharded: list[tuple[str, Sample]] = []
     for folder in folders:
         for path in sorted(Path(folder).rglob("*.json")):
             try:
@@ -110,17 +154,16 @@ def measure(folders: list[str | Path]) -> dict[str, Any]:
             sample = sample_of(payload, str(shown))
             if sample is not None:
                 samples.append(sample)
+            several = sharded_sample_of(payload, str(shown))
+            if several is not None:
+                sharded.append(several)
     kinds: dict[str, dict[str, Any]] = {}
     for gpu, mode in sorted({(s.gpu, s.mode) for s in samples}):
-        mine = sorted((s for s in samples if (s.gpu, s.mode) == (gpu, mode)), key=lambda s: -s.overhead_gb)
-        kinds.setdefault(gpu, {})[mode] = {
-            "overhead_gb": round(mine[0].overhead_gb, 4),
-            "runs": len(mine),
-            "smallest_gb": round(mine[-1].overhead_gb, 4),
-            "largest_from": mine[0].path,
-            "methods": sorted({s.how for s in mine}),
-            "sources": sorted(s.path for s in mine),
-        }
+        kinds.setdefault(gpu, {})[mode] = _entry([s for s in samples if (s.gpu, s.mode) == (gpu, mode)])
+    per_gpu: dict[str, dict[str, dict[str, Any]]] = {}
+    for gpu, n, mode in sorted({(s.gpu, n, s.mode) for n, s in sharded}):
+        mine = [s for m, s in sharded if (s.gpu, m, s.mode) == (gpu, n, mode)]
+        per_gpu.setdefault(gpu, {}).setdefault(n, {})[mode] = _entry(mine)
     return {
         "what": "GB a CUDA process held outside PyTorch's caching allocator (CUDA context, library handles,"
         " kernels): whole-device peak - peak reserved; the largest per GPU kind and mode",
@@ -128,6 +171,7 @@ def measure(folders: list[str | Path]) -> dict[str, Any]:
         + " ".join(map(str, folders))
         + " --write",
         "kinds": kinds,
+        "sharded": per_gpu,
     }
 
 
@@ -140,12 +184,16 @@ def committed_ratios() -> dict[str, ReservedRatio]:
 
 def card_prediction(allocated_gb: float | None, *, graphs: bool, compiled: bool, gpu: str,
                     ratios: dict[str, ReservedRatio] | None = None,
-                    table: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
-    """A simulated peak allocated taken to the card: peak reserved (x the largest measured
-    reserved/simulated ratio of the mode, as the planner does) and whole-device peak (+ the card
-    overhead of ``gpu`` in that mode), each with its source."""
-    ratio = (ratios or committed_ratios())["fast" if graphs else "eager"]
-    over = card_overhead(gpu, "compiled" if compiled or graphs else "eager", table)
+                    table: dict[str, Any] | None = None, devices: int = 1) -> dict[str, Any]:  # fmt: skip
+    """A simulated peak allocated (per GPU) taken to the card: peak reserved (x the largest measured
+    reserved/simulated ratio of the mode, as the planner does; with ``devices`` > 1 processes on the
+    machine, of the committed sharded runs) and whole-device peak (+ the overhead per GPU of ``gpu`` in
+    that mode with that many processes: :func:`overhead_per_gpu`), each with its source."""
+    if devices > 1:
+        ratio = (ratios or {}).get("sharded") or committed_sharded_ratio()
+    else:
+        ratio = (ratios or committed_ratios())["fast" if graphs else "eager"]
+    over = overhead_per_gpu(gpu, "compiled" if compiled or graphs else "eager", devices, table)
     reserved = None if allocated_gb is None else allocated_gb * ratio.ratio
     return {
         "gpu": gpu,
@@ -156,7 +204,14 @@ def card_prediction(allocated_gb: float | None, *, graphs: bool, compiled: bool,
         "reserved_ratio_source": ratio.line(),
         "overhead_gb": over.gb,
         "overhead_source": over.source,
+        "devices": devices,
     }
+
+
+@functools.cache
+def committed_sharded_ratio() -> ReservedRatio:
+    """The reserved/simulated ratio of runs of several processes, from the committed sharded runs."""
+    return sharded_reserved_ratio((str(RESULTS_DIR),))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -169,6 +224,11 @@ def main(argv: list[str] | None = None) -> int:
         for mode, e in modes.items():
             print(f"{gpu} {mode}: {e['overhead_gb']:.3f} GB (largest of {e['runs']}, smallest"
                   f" {e['smallest_gb']:.3f}; {', '.join(e['methods'])}; {e['largest_from']})")  # fmt: skip
+    for gpu, counts in table["sharded"].items():
+        for n, modes in counts.items():
+            for mode, e in modes.items():
+                print(f"{gpu} x{n} {mode}: {e['overhead_gb']:.3f} GB per GPU (largest of {e['runs']},"
+                      f" smallest {e['smallest_gb']:.3f}; {e['largest_from']})")  # fmt: skip
     if not table["kinds"]:
         print("no run with a measured overhead in " + ", ".join(args.folders), file=sys.stderr)
         return 2

@@ -20,7 +20,7 @@ import torch
 
 from fabric_memory_recipes.config import RunConfig
 from fabric_memory_recipes.console import notice
-from fabric_memory_recipes.measurement.card_overhead import card_overhead
+from fabric_memory_recipes.measurement.card_overhead import overhead_per_gpu
 from fabric_memory_recipes.measurement.results_file import gpu_slug
 from fabric_memory_recipes.planning.allocator import RESIDUAL, RESIDUAL_SOURCE
 from fabric_memory_recipes.planning.plan import Estimate, Plan, plan_for
@@ -78,9 +78,10 @@ def estimate(model: Any, um: UserModel, plan: Plan, seq_len: int) -> Estimate:
     return simulate(model, plan, make_batch=make, batch_fn=batch_fn, model_name=um.ref)
 
 
-def card(est: Estimate, gpu: str = "h100", mode: str = "eager") -> dict[str, Any]:
-    """Peak reserved and whole-device peak of ``est`` on a card of kind ``gpu`` (:data:`RESERVED_RULE`)."""
-    over = card_overhead(gpu, mode)
+def card(est: Estimate, gpu: str = "h100", mode: str = "eager", devices: int = 1) -> dict[str, Any]:
+    """Peak reserved and whole-device peak of ``est`` on a card of kind ``gpu`` (:data:`RESERVED_RULE`),
+    per GPU; ``devices`` > 1 (``--fsdp``): the measured overhead per GPU of that many processes."""
+    over = overhead_per_gpu(gpu, mode, devices)
     if est.peak_gb is None:
         return {"peak_reserved_gb": None, "device_peak_gb": None}
     replayed = est.reserved_gb if est.reserved_gb is not None else est.peak_gb  # a CPU plan: no allocator
@@ -96,6 +97,7 @@ def card(est: Estimate, gpu: str = "h100", mode: str = "eager") -> dict[str, Any
         "overhead_source": over.source,
         "gpu": gpu,
         "mode": mode,
+        "devices": devices,
     }
 
 
@@ -109,7 +111,8 @@ def for_user_run(model: Any, um: UserModel, cfg: RunConfig, blocks: tuple[str, .
     except Exception as e:  # noqa: BLE001 - a failed prediction must not cost the measurement
         est = failed(plan, um.ref, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     gpu = gpu_slug(torch.cuda.get_device_name()) if torch.cuda.is_available() else "h100"
-    predicted = card(est, gpu, "fast" if cfg.cuda_graphs else "eager")
+    devices = cfg.devices if getattr(cfg, "fsdp", False) else 1  # processes per machine, each a GPU
+    predicted = card(est, gpu, "fast" if cfg.cuda_graphs else "eager", devices)
     if est.error:
         notice(f"[estimate] could not estimate memory: {est.error}")
     else:

@@ -31,6 +31,12 @@ class Reference:
     devices: int = 1  # processes it needs (its Fabric(devices=...)); > 1 runs under torchrun
     like_for_like: bool = True  # False: not the rung's configuration; no ratios against it
     note: str | None = None
+    cpu_offload: bool | None = None  # FSDPStrategy(cpu_offload=...) swapped in (None: as written)
+
+    @property
+    def key(self) -> str:
+        """The run's name: the script's stem, and what was swapped in (one run per key serves its rows)."""
+        return Path(self.script).stem + {None: "", False: "-no-offload", True: "-offload"}[self.cpu_offload]
 
 
 @dataclass(frozen=True)
@@ -42,11 +48,17 @@ class Rung:
 
 
 _FSDP_NOTE = (
-    "the article's script for this step trains ViT-H/14 at 518×518 px in 16-mixed precision, batch 4 per "
-    "GPU, on 4 GPUs (Fabric(devices=4)); the rung trains ViT-L/16 at 224 px in fp32, batch 64 per GPU. "
-    "Its numbers are shown, not compared. The article's ViT-L/16 fp32 batch-64 FSDP scripts are "
-    "11_delay-allocation.py (with cpu_offload=True: rung 09's configuration; --map 09=11_delay-allocation.py) "
-    "and 12_fsdp-overlap.py (which imports fsdp_overlap_step_with_backward, no longer in Lightning 2.6)."
+    "the article's ViT-L/16 FSDP script (fp32, batch 64 per GPU, Adam 5e-5, FSDP per EncoderBlock, activation "
+    "checkpointing), run under torchrun with --devices processes (its Fabric(devices=4) set to that number). "
+)
+_NO_OFFLOAD = Reference(
+    "11_delay-allocation.py", devices=4, cpu_offload=False,
+    note=_FSDP_NOTE + "FSDPStrategy's cpu_offload=True set to False: rung 08's configuration",
+)  # fmt: skip
+_OFFLOAD = Reference(
+    "11_delay-allocation.py",
+    devices=4,
+    note=_FSDP_NOTE + "As written, cpu_offload=True: rung 09's configuration",
 )
 RUNGS: dict[str, Rung] = {
     r.rung: r
@@ -74,18 +86,9 @@ RUNGS: dict[str, Rung] = {
                 "(one run serves both rows)",
             ),
         ),
-        Rung(
-            "08",
-            "08_fsdp",
-            Reference("09_fsdp-act-checkp.py", devices=4, like_for_like=False, note=_FSDP_NOTE),
-            devices=4,
-        ),
-        Rung(
-            "09",
-            "09_cpu_offload",
-            Reference("10_fsdp-with-cpu-offload.py", devices=4, like_for_like=False, note=_FSDP_NOTE),
-            devices=4,
-        ),
+        Rung("08", "08_fsdp", _NO_OFFLOAD, devices=4),
+        Rung("08-fsdp2", "08_fsdp2", _NO_OFFLOAD, devices=4),
+        Rung("09", "09_cpu_offload", _OFFLOAD, devices=4),
         Rung("10", "10_activation_checkpointing"),
         Rung("11", "11_activation_offload"),
         Rung("12", "12_optimizer_in_backward"),
@@ -97,6 +100,7 @@ RUNGS: dict[str, Rung] = {
 # The single-GPU ladder, in fast mode by default: what the comparison, the A/B (ab_ladder) and the
 # equivalence check (check_equivalence) run. Rung 16 runs eagerly only (no graph to compare with eager).
 SINGLE_GPU_RUNGS = ("01", "02", "03", "04", "05", "06", "07", "10", "11", "12", "13", "14", "15")
+SHARDED_RUNGS = ("08", "08-fsdp2", "09")  # several GPUs: --devices N (default: each rung's own, 4)
 MODES = ("eager", "fast")
 # The flags of every project run, and those of each mode ({mode} is replaced). `--eval-batches 2` keeps
 # the evaluation short; it still runs, so its memory is in the whole-run peak.
@@ -106,8 +110,14 @@ MIN_STEPS = WARMUP_STEPS + 2  # at least two timed intervals after the warm-up s
 
 
 # ------------------------------------------------------------------------------------------- the plan
-def reference_json(runs_dir: Path, script: str) -> Path:
-    return runs_dir / f"reference-{Path(script).stem}.json"
+def reference_json(runs_dir: Path, ref: Reference) -> Path:
+    return runs_dir / f"reference-{ref.key}.json"
+
+
+def devices_of(spec_devices: int, devices: int | None) -> int:
+    """The processes of a run: one for a single-GPU rung or script, else ``devices`` (``--devices``) or
+    its own number."""
+    return spec_devices if spec_devices == 1 or devices is None else devices
 
 
 def project_json(runs_dir: Path, recipe: str, mode: str) -> Path:
@@ -124,34 +134,43 @@ def plan_runs(
     mapping: dict[str, Reference] | None = None,
     mode_args: tuple[str, ...] = MODE_ARGS,
     extra_args: tuple[str, ...] = (),
+    devices: int | None = None,
 ) -> list[Run]:
-    """The runs in the order they go: per rung, its reference script (once per script), then each mode."""
+    """The runs in the order they go: per rung, its reference script (once per script and what is
+    swapped in), then each mode. ``devices``: the processes of the multi-GPU rungs and scripts."""
     mapping = mapping or {}
     runs: list[Run] = []
-    by_script: dict[str, Run] = {}
+    by_key: dict[str, Run] = {}
     for rung in rungs:
         spec = RUNGS[rung]
         ref = mapping.get(rung, spec.reference)
         if ref is not None:
-            if ref.script not in by_script:
-                out = reference_json(runs_dir, ref.script)
+            if ref.key not in by_key:
+                out = reference_json(runs_dir, ref)
                 runner = [
                     "-m",
                     "fabric_memory_recipes.tools.reference_runner",
                     str(reference_dir / ref.script),
                 ]
-                launch = [python, *runner]
-                if ref.devices > 1:
-                    launch = [python, "-m", "torch.distributed.run", "--standalone"]
-                    launch += ["--nproc-per-node", str(ref.devices), *runner]
+                launch, n = [python, *runner], devices_of(ref.devices, devices)
+                if (
+                    n > 1
+                ):  # Fabric joins the processes torchrun starts (its own launcher would skip the runner)
+                    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n)]
+                    launch = [python, *torchrun, *runner, "--devices", str(n)]
+                if ref.cpu_offload is not None:
+                    launch += ["--fsdp-cpu-offload", "on" if ref.cpu_offload else "off"]
                 cmd = [*launch, "--steps", str(steps), "--out", str(out)]
-                by_script[ref.script] = Run("reference", ref.script, None, cmd, out, out.with_suffix(".log"))
-                runs.append(by_script[ref.script])
-            by_script[ref.script].rows.append(rung)
+                swapped = None if ref.cpu_offload is None else f"cpu_offload={ref.cpu_offload}"
+                by_key[ref.key] = Run("reference", ref.script, swapped, cmd, out, out.with_suffix(".log"))
+                runs.append(by_key[ref.key])
+            by_key[ref.key].rows.append(rung)
         for mode in modes:
             out = project_json(runs_dir, spec.recipe, mode)
             cmd = [python, str(REPO / "recipes" / f"{spec.recipe}.py"), *PROJECT_ARGS]
             cmd += ["--max-steps", str(steps), "--results-dir", str(runs_dir)]
+            if spec.devices > 1:
+                cmd += ["--devices", str(devices_of(spec.devices, devices))]
             cmd += [a.format(mode=mode) for a in mode_args] + list(extra_args)
             runs.append(Run("project", rung, mode, cmd, out, out.with_suffix(".log"), rows=[rung]))
     return runs

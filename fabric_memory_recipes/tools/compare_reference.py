@@ -1,7 +1,7 @@
 """Run the article's scripts and this project's matching rungs (eager and fast) in one call, and compare.
 
     python -m fabric_memory_recipes.tools.compare_reference --reference DIR [--rungs 01,02,...] [--steps 25]
-        [--out runs/compare-<gpu>] [--modes eager,fast] [--timeout 300] [--budget SECONDS]
+        [--out runs/compare-<gpu>] [--modes eager,fast] [--timeout 300] [--budget SECONDS] [--devices N]
 
 DIR is a checkout of the article's repository, rasbt/pytorch-memory-optim (Apache-2.0): its training
 scripts (``01-2_pytorch-fabric.py`` ... ``06_sgd-with-scheduler.py``, ``09_fsdp-act-checkp.py``, ...)
@@ -46,6 +46,7 @@ from fabric_memory_recipes.tools.compare_plan import (
     SINGLE_GPU_RUNGS,
     SUBSTITUTION_NOTE,
     Reference,
+    devices_of,
     plan_runs,
 )
 from fabric_memory_recipes.tools.compare_rows import (
@@ -113,6 +114,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--mode-args", help=f"project flags per mode, {{mode}} replaced (default: {' '.join(MODE_ARGS)})"
     )
     p.add_argument("--project-args", default="", help="more flags for every project run")
+    p.add_argument(
+        "--devices",
+        type=at_least(2),
+        help="GPUs of the sharded rungs (08, 08-fsdp2, 09) and of the article's FSDP script (default: 4)",
+    )
     p.add_argument("--python", default=sys.executable, help="interpreter for the runs")
     p.add_argument("--dry-run", action="store_true", help="print the commands and exit")
     args = p.parse_args(argv)
@@ -179,7 +185,10 @@ def main(argv: list[str] | None = None) -> int:
         sys.argv[1:] if argv is None else argv
     )
     references = [args.mapping.get(r, RUNGS[r].reference) for r in args.rungs]
-    needs = max([RUNGS[r].devices for r in args.rungs] + [ref.devices for ref in references if ref])
+    needs = max(
+        [devices_of(RUNGS[r].devices, args.devices) for r in args.rungs]
+        + [devices_of(ref.devices, args.devices) for ref in references if ref]
+    )
     gpus, gpu_name = gpu_probe(args.python) if args.out is None or needs > 1 else (None, None)
     out_dir = Path(args.out or Path(RUNS) / f"compare-{gpu_slug(gpu_name)}")
     runs_dir = out_dir / "runs"
@@ -193,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         args.mapping,
         args.mode_args,
         args.project_args,
+        args.devices,
     )
     print(
         f"compare: {len(runs)} runs ({sum(r.kind == 'reference' for r in runs)} of the article's scripts, "
@@ -213,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     env = run_env(log_dir)
     t0 = time.perf_counter()
     for i, run in enumerate(runs, 1):
-        devices = max(RUNGS[run.rows[0]].devices if run.kind == "project" else 1, _devices_of(run))
+        spec = devices_of(RUNGS[run.rows[0]].devices, args.devices) if run.kind == "project" else 1
+        devices = max(spec, _devices_of(run))
         elapsed = time.perf_counter() - t0
         if gpus is not None and devices > 1 and devices > gpus:  # one process runs anywhere
             run.result = {"status": "not run", "error": f"needs {devices} GPUs, found {gpus}", "wall_s": 0.0}

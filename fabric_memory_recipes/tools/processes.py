@@ -41,7 +41,7 @@ class Run:
 
     kind: str  # "reference" | "project"
     name: str  # reference: the script; project: the rung
-    mode: str | None
+    mode: str | None  # project: eager | fast; reference: what was swapped in, or None
     cmd: list[str]
     json: Path  # what it writes (rank 0)
     log: Path
@@ -50,7 +50,9 @@ class Run:
 
     @property
     def label(self) -> str:
-        return f"reference {self.name}" if self.kind == "reference" else f"{self.name} {self.mode}"
+        if self.kind == "reference":
+            return f"reference {self.name}" + (f" ({self.mode})" if self.mode else "")
+        return f"{self.name} {self.mode}"
 
 
 def last_line(text: str | None) -> str | None:

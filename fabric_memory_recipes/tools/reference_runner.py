@@ -39,7 +39,11 @@ peak up to the end of the warm-up steps, ``memory.steady`` the peak after it (th
 between, which changes no allocation).
 
 Several processes (the FSDP scripts): launch the runner with ``torchrun --nproc-per-node N -m
-fabric_memory_recipes.tools.reference_runner ...``; rank 0 writes ``--out``, rank r > 0 writes ``<out>.rank<r>.json``.
+fabric_memory_recipes.tools.reference_runner ... --devices N``; rank 0 writes ``--out``, rank r > 0 writes
+``<out>.rank<r>.json``. A script's own ``fabric.launch()`` would start its processes by re-running the
+script without this runner, so torchrun starts them, and ``--devices N`` sets its ``Fabric(devices=...)``
+to their number. ``--fsdp-cpu-offload on|off`` sets ``FSDPStrategy(cpu_offload=...)`` (rung 08's
+configuration is ``11_delay-allocation.py`` with it off). Both are recorded in ``substitutions``.
 
 Exit code: 0 ok, 1 the script failed or ended before ``--steps`` steps, 2 bad arguments, 3 CUDA out of
 memory. The JSON is written in every case but 2.
@@ -109,6 +113,10 @@ def main(argv: list[str] | None = None) -> int:
         default=os.environ.get("REFERENCE_RUNNER_VIT_ARCH"),
         help="tests: a tiny ViT instead, e.g. image_size=32,patch_size=8,num_layers=1 (env REFERENCE_RUNNER_VIT_ARCH)",
     )
+    parser.add_argument("--devices", type=at_least(1), help="set the script's Fabric(devices=...) to N")
+    parser.add_argument(
+        "--fsdp-cpu-offload", choices=("on", "off"), help="set the script's FSDPStrategy(cpu_offload=...)"
+    )
     args = parser.parse_args(argv)
     script = Path(args.script).resolve()
     if not script.is_file():
@@ -123,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     notes: list[str] = []
     with tempfile.TemporaryDirectory(prefix="reference-run-") as cwd:
-        with substitutions(recorder, arch) as notes:
+        offload = None if args.fsdp_cpu_offload is None else args.fsdp_cpu_offload == "on"
+        with substitutions(recorder, arch, args.devices, offload) as notes:
             try:
                 run_script(script, cwd)
                 status = "error"

@@ -1,6 +1,8 @@
 """What fabric_memory_recipes.tools.reference_runner swaps while one of the article's scripts runs: what needs the
 network (CIFAR-10's files, pretrained weights) and modules that may be missing (``watermark``, ``pandas``);
-:func:`substitutions` installs them, with the step recorder's hooks, and undoes them on exit."""
+for the multi-GPU scripts, when asked, the number of processes their ``Fabric(devices=4)`` expects (the
+processes torchrun started) and ``FSDPStrategy``'s ``cpu_offload``. :func:`substitutions` installs them,
+with the step recorder's hooks, and undoes them on exit."""
 
 from __future__ import annotations
 
@@ -12,10 +14,12 @@ from collections.abc import Iterator
 from typing import Any
 from unittest import mock
 
+import lightning.fabric
 import numpy as np
 import torchvision
 import torchvision.datasets.cifar
 import torchvision.models.vision_transformer as vision_transformer
+from lightning.fabric.strategies import FSDPStrategy
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torchvision.models._utils import _ovewrite_named_param
 
@@ -98,10 +102,30 @@ def parse_arch(text: str | None) -> dict[str, int]:
     return out
 
 
+def _keyword(cls: type, name: str, value: Any, notes: list[str], note: str) -> Any:
+    """A patch of ``cls.__init__`` that calls it with ``name=value`` whatever the script passed (noted once)."""
+    original = cls.__init__
+
+    def init(self, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get(name, value) != value and note not in notes:
+            notes.append(note + f" (the script asked for {kwargs[name]!r})")
+        kwargs[name] = value
+        original(self, *args, **kwargs)
+
+    return mock.patch.object(cls, "__init__", init)
+
+
 @contextlib.contextmanager
-def substitutions(recorder: StepRecorder, arch: dict[str, int] | None = None) -> Iterator[list[str]]:
+def substitutions(
+    recorder: StepRecorder,
+    arch: dict[str, int] | None = None,
+    devices: int | None = None,
+    cpu_offload: bool | None = None,
+) -> Iterator[list[str]]:
     """Install the offline substitutions and the step hook; undo them on exit. Yields the list of notes
-    (what was substituted), which grows while the script runs (a weights note once weights are asked for)."""
+    (what was substituted), which grows while the script runs (a weights note once weights are asked for).
+    ``devices``: every ``Fabric(...)`` gets ``devices=N``; ``cpu_offload``: every ``FSDPStrategy(...)``
+    gets ``cpu_offload=...`` (None: as the script says)."""
     notes: list[str] = [DATA_NOTE]
     arch = dict(arch or {})
     original_builder = vision_transformer._vision_transformer
@@ -131,6 +155,12 @@ def substitutions(recorder: StepRecorder, arch: dict[str, int] | None = None) ->
         for owner in (torchvision.datasets, torchvision.datasets.cifar):
             stack.enter_context(mock.patch.object(owner, "CIFAR10", RandomCIFAR10))
         stack.enter_context(mock.patch.object(vision_transformer, "_vision_transformer", build))
+        if devices is not None:
+            note = f"Fabric(devices=...) -> devices={devices}, the processes torchrun started"
+            stack.enter_context(_keyword(lightning.fabric.Fabric, "devices", devices, notes, note))
+        if cpu_offload is not None:
+            note = f"FSDPStrategy(cpu_offload=...) -> cpu_offload={cpu_offload}"
+            stack.enter_context(_keyword(FSDPStrategy, "cpu_offload", cpu_offload, notes, note))
         for name, note in STUB_MODULES.items():
             if name not in sys.modules and importlib.util.find_spec(name) is None:
                 stack.enter_context(_patched_module(name, _stub_module(name)))
