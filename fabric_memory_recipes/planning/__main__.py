@@ -176,8 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         record_timeline=bool(args.plot),
         model_name=cfg.model,
     )
-    card = card_prediction(est.peak_gb, graphs=bool(cfg.cuda_graphs), compiled=bool(cfg.compile),
-                           gpu=args.gpu.lower())  # fmt: skip
+    card = card_prediction(est.peak_gb, graphs=bool(cfg.cuda_graphs), compiled=bool(cfg.compile), gpu=args.gpu,
+                           devices=cfg.world_size if cfg.sharding != "none" else 1)  # fmt: skip
     if args.json:
         print(json.dumps({"recipe": label, **est.to_dict(), **card}, indent=2))
     else:

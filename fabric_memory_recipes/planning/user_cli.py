@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.checkpoint_blocks and not blocks:
         fail(f"--checkpoint-blocks: no repeated blocks found in {cfg.model}")
     est = estimate(model, um, plan_of(cfg, blocks), cfg.seq_len)
-    got = card(est, args.gpu, "eager")
+    got = card(est, args.gpu, "eager", cfg.world_size if cfg.fsdp else 1)
     about = {"model": um.ref, "task": um.task, "seq_len": cfg.seq_len if um.is_text else None,
              "repeated_blocks": list(blocks), "blocks_found_by": found_by}  # fmt: skip
     if args.json:

@@ -1,12 +1,12 @@
 """Prove the advice on GPUs (issue 35): ``fmr-estimate --model M --fit SIZE --measure`` for models outside the
 published proof, two card sizes each, and check the targets.
 
-    python -m fabric_memory_recipes.tools.fit_proof --out DIR --gpus 4      # on a GPU machine
+    python -m fabric_memory_recipes.tools.fit_proof --out DIR --gpus 0,1,2,3   # on a GPU machine
     python -m fabric_memory_recipes.tools.fit_proof --report DIR            # the table again, on any machine
 
 Each (model, card) is one ``fmr-estimate ... --fit SIZE --measure`` process (planning/user_measure.py: the
 planner's top five sets, each its own runner process on the emulated card, one at a time); with
-``--gpus N`` the jobs are shared out over N GPUs (``CUDA_VISIBLE_DEVICES``), one job per GPU at a time, so
+``--gpus 0,1,2,3`` the jobs are shared out over those GPUs (``CUDA_VISIBLE_DEVICES``), one job per GPU at a time, so
 every measured set has a GPU to itself. Each job writes ``DIR/<job>/plan.json`` after every set, so a
 call stopped at its limit keeps what finished; a later call skips the finished jobs.
 
@@ -69,7 +69,7 @@ def finished(folder: Path) -> bool:
     return bool(plan["sets"]) and all("status" in s for s in plan["sets"])
 
 
-def run(out: Path, gpus: int, steps: int, only: tuple[str, ...]) -> None:
+def run(out: Path, gpus: list[str], steps: int, only: tuple[str, ...], deadline: float) -> None:
     todo: queue.Queue = queue.Queue()
     for job in jobs(only):
         if finished(out / job[0]):
@@ -78,15 +78,15 @@ def run(out: Path, gpus: int, steps: int, only: tuple[str, ...]) -> None:
             todo.put(job)
     start = time.perf_counter()
 
-    def worker(gpu: int) -> None:
-        while True:
+    def worker(gpu: str) -> None:
+        while time.perf_counter() - start < deadline:
             try:
                 name, argv = todo.get_nowait()
             except queue.Empty:
                 return
             cmd = [sys.executable, "-m", "fabric_memory_recipes.planning", *argv, "--measure",
                    "--measure-dir", str(out / name), "--measure-steps", str(steps)]  # fmt: skip
-            env = project_env(CUDA_VISIBLE_DEVICES=str(gpu), PYTHONUNBUFFERED="1")
+            env = project_env(CUDA_VISIBLE_DEVICES=gpu, PYTHONUNBUFFERED="1")
             print(f"[fit_proof {time.perf_counter() - start:5.0f} s] GPU {gpu}: {name} ...", flush=True)
             with open(out / f"{name}.log", "w") as log:
                 code = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
@@ -95,7 +95,7 @@ def run(out: Path, gpus: int, steps: int, only: tuple[str, ...]) -> None:
             )
             write_report(out)
 
-    threads = [threading.Thread(target=worker, args=(g,)) for g in range(gpus)]
+    threads = [threading.Thread(target=worker, args=(g,)) for g in gpus]
     for t in threads:
         t.start()
     for t in threads:
@@ -163,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.report:
-        run(args.out, args.gpus, args.steps, tuple(x for x in args.only.split(",") if x))
+        gpus = [g.strip() for g in args.gpus.split(",") if g.strip()]
+        run(args.out, gpus, args.steps, tuple(x for x in args.only.split(",") if x), args.deadline)
     rows = write_report(args.out)
     print((args.out / "table.md").read_text())
     return 0 if rows and all(r["pick_ok"] and r["kept"] for r in rows) else 1
