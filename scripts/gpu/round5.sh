@@ -2,7 +2,7 @@
 # This round's GPU calls (issues 35, 37, 38), from the repository root, the project installed, results in $OUT:
 #   bash scripts/gpu/round5.sh A   # 4 GPUs: issue 38's 4-GPU comparison; then its 2-GPU comparison on
 #                                  # GPUs 0,1 beside issue 35's fit proof on GPUs 2,3
-#   bash scripts/gpu/round5.sh B   # 4 GPUs: issue 38's your-model FSDP and nodes parts; then the fit proof on 4
+#   bash scripts/gpu/round5.sh B   # 4 GPUs: the fit proof on 4; then issue 38's your-model FSDP and nodes parts
 #   bash scripts/gpu/round5.sh C   # 1 GPU: issue 37's convergence runs (as many as fit)
 # The fit proof resumes from .wt/fit (the last call's fit.tgz, unpacked there) when it is carried.
 set -u
@@ -11,9 +11,9 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 T0=$(date +%s); left() { echo $(( ${LIMIT:-570} - ($(date +%s) - T0) )); }
 FIT=/tmp/fit; mkdir -p $FIT; [ -d .wt/fit ] && cp -rn .wt/fit/. $FIT/
 packfit() { tar -czf $OUT/.fit.tgz -C /tmp fit && mv -f $OUT/.fit.tgz $OUT/fit.tgz; }
-fit() {  # fit GPUS: the fit proof until the time is nearly out
-  timeout $(( $(left) - 15 )) python3 -m fabric_memory_recipes.tools.fit_proof --out $FIT --gpus "$1" \
-    --deadline $(( $(left) - 100 )) > $OUT/fit-$phase.log 2>&1; packfit
+fit() {  # fit GPUS STOP NEWJOBS: the fit proof, stopped at STOP seconds, no job started after NEWJOBS
+  timeout "$2" python3 -m fabric_memory_recipes.tools.fit_proof --out $FIT --gpus "$1" --deadline "$3" \
+    > $OUT/fit-$phase.log 2>&1; packfit
 }
 nvidia-smi --query-gpu=index,name,memory.total --format=csv > $OUT/gpus-$phase.csv 2>&1
 case $phase in
@@ -21,11 +21,11 @@ case $phase in
     mkdir -p $OUT/a4 $OUT/a2
     OUT=$OUT/a4 PARTS=gpu4 DEADLINE=260 bash scripts/gpu/issue38.sh > $OUT/a4.log 2>&1
     OUT=$OUT/a2 PARTS=gpu2 DEADLINE=$(( $(left) - 20 )) bash scripts/gpu/issue38.sh > $OUT/a2.log 2>&1 &
-    fit 2,3; wait ;;
-  B)
+    fit 2,3 $(( $(left) - 15 )) $(( $(left) - 100 )); wait ;;
+  B)  # the fit proof first (issue 35's benchmark), then what time is left for issue 38's parts
     mkdir -p $OUT/b
-    OUT=$OUT/b PARTS="yourmodel nodes" DEADLINE=230 bash scripts/gpu/issue38.sh > $OUT/b.log 2>&1
-    fit 0,1,2,3 ;;
+    fit 0,1,2,3 ${FIT_STOP:-420} ${FIT_NEW:-250}
+    OUT=$OUT/b PARTS="yourmodel nodes" DEADLINE=$(( $(left) - 10 )) bash scripts/gpu/issue38.sh > $OUT/b.log 2>&1 ;;
   C)
     timeout $(( $(left) - 20 )) bash scripts/gpu/issue37.sh convergence /tmp/conv 1 --seed-list 0 --parallel 13 --no-memory --deadline-s 30 \
       > $OUT/conv.log 2>&1
