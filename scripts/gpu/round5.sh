@@ -3,6 +3,7 @@
 #   bash scripts/gpu/round5.sh A   # 4 GPUs: issue 38's 4-GPU comparison; then its 2-GPU comparison on
 #                                  # GPUs 0,1 beside issue 35's fit proof on GPUs 2,3
 #   bash scripts/gpu/round5.sh B   # 4 GPUs: the fit proof on 4; then issue 38's your-model FSDP and nodes parts
+#   bash scripts/gpu/round5.sh F   # 1 GPU: the fit proof alone, resumable
 #   bash scripts/gpu/round5.sh C   # 1 GPU: issue 37's convergence runs (as many as fit)
 # The fit proof resumes from .wt/fit (the last call's fit.tgz, unpacked there) when it is carried.
 set -u
@@ -26,6 +27,8 @@ case $phase in
     mkdir -p $OUT/b
     fit 0,1,2,3 ${FIT_STOP:-420} ${FIT_NEW:-250}
     OUT=$OUT/b PARTS="yourmodel nodes" DEADLINE=$(( $(left) - 10 )) bash scripts/gpu/issue38.sh > $OUT/b.log 2>&1 ;;
+  F)  # 1 GPU: the fit proof alone (call again with .wt/fit carried to go on)
+    fit 0 $(( $(left) - 15 )) $(( $(left) - 200 )) ;;
   C)
     timeout $(( $(left) - 20 )) bash scripts/gpu/issue37.sh convergence /tmp/conv 1 --seed-list 0 --parallel 13 --no-memory --deadline-s 30 \
       > $OUT/conv.log 2>&1
