@@ -194,3 +194,20 @@ def test_the_shipped_planner_data_match_the_checkout():
     """A wheel plans from package data; it must be what the committed runs, rungs and benchmark give
     (after new committed runs: python -m fabric_memory_recipes.planning.snapshot --write)."""
     assert snapshot.stale() == []
+
+
+def test_mixed_precision_recomputes_under_the_same_autocast_policy(capsys):
+    """A checkpointed block recomputes in backward under the CUDA autocast policy its forward ran under
+    (Swin-T's layer norms: fp32 both times), so --fit for a mixed-precision Swin-T plans instead of failing."""
+    argv = [
+        "--model",
+        "torchvision:swin_t",
+        "--batch-size",
+        "2",
+        "--precision",
+        "bf16-mixed",
+        "--checkpoint-blocks",
+        "--json",
+    ]
+    assert user_cli.main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["peak_allocated_gb"] > 0

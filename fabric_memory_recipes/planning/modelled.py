@@ -148,6 +148,7 @@ class Precision:
 
     def __init__(self, precision: str, cuda_policy: bool) -> None:
         self.cuda_policy = cuda_policy
+        self.policy_held = False  # simulate() holds CUDA's autocast policy for the whole step (recomputes too)
         low = getattr(torch, LOW_PRECISION[precision]) if precision in LOW_PRECISION else None
         self.mixed = precision.endswith("-mixed")
         self.low = low
@@ -175,7 +176,7 @@ class Precision:
     def forward_context(self) -> Iterator[None]:
 
         if self.mixed:
-            with torch.autocast("cpu", dtype=self.low), cuda_autocast_policy(self.cuda_policy):
+            with torch.autocast("cpu", dtype=self.low), cuda_autocast_policy(self.cuda_policy and not self.policy_held):
                 yield
         elif self.input_dtype != torch.float32:
             previous = torch.get_default_dtype()

@@ -17,7 +17,13 @@ from fabric_memory_recipes.config import RunConfig
 from fabric_memory_recipes.console import notice
 from fabric_memory_recipes.planning.allocator import replay
 from fabric_memory_recipes.planning.built import built_technique
-from fabric_memory_recipes.planning.modelled import Precision, Wrapped, attention_kernel, checkpointed
+from fabric_memory_recipes.planning.modelled import (
+    Precision,
+    Wrapped,
+    attention_kernel,
+    checkpointed,
+    cuda_autocast_policy,
+)
 from fabric_memory_recipes.planning.plan import (
     COMPONENTS,
     CUBLAS_WORKSPACE_BYTES,
@@ -177,6 +183,9 @@ def simulate(
         stack.enter_context(tracker)
         stack.enter_context(attention_kernel(plan.attention_kernel, plan.device, kernels))
         stack.enter_context(torch.compiler.set_stance("force_eager"))  # compiled blocks run eagerly here
+        if precision.mixed and precision.cuda_policy:  # checkpointed blocks recompute in backward under it too
+            stack.enter_context(cuda_autocast_policy(True))
+            precision.policy_held = True
 
         # Weights and buffers, in the dtype Fabric gives them.
         fake_state: dict[str, torch.Tensor] = {}

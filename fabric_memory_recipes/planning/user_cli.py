@@ -100,7 +100,11 @@ def fit_main(args: Any, cfg: user_run.YourModelConfig) -> int:
         fail(f"--fit {args.fit}: {planner.ref}'s weights alone take {planner.weights_gb():.2f} GB"
              f" ({planner.parameters / 1e6:.0f} M parameters in {cfg.precision if 'precision' not in args.may_change else 'bf16'}):"
              " no technique set on one GPU fits a smaller card")  # fmt: skip
-    fits, rejected = planner.fit(args.budget_gb, args.top)
+    try:
+        fits, rejected = planner.fit(args.budget_gb, args.top)
+    except RuntimeError as e:  # a simulation failed: one line, exit 1 (the contract above)
+        print(f"fmr-estimate: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 1
     ref, seq = planner.ref, planner.seq_len
     kept = [w for w in ("precision", "optimizer") if w not in args.may_change]
     yours = {"precision": cfg.precision, "optimizer": cfg.optimizer}

@@ -180,7 +180,10 @@ class UserPlanner:
                             accumulation_steps=r.accumulation_steps, optimizer=optimizer,
                             checkpoint=self.blocks if ck else (), activation_offload=off,
                             optimizer_in_backward=sib)  # fmt: skip
-                est = estimate(self.model, self.um, plan, self.seq_len or 0)
+                try:
+                    est = estimate(self.model, self.um, plan, self.seq_len or 0)
+                except Exception as e:  # noqa: BLE001 - the model's own code failed on fake tensors: say which set
+                    raise RuntimeError(f"the simulation of {c.label()} failed: {type(e).__name__}: {str(e)[:200]}") from e
                 if est.error:
                     raise RuntimeError(f"the simulation of {c.label()} failed: {est.error}")
                 got = card(est, self.gpu)
