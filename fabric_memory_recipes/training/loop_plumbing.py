@@ -62,7 +62,9 @@ class StopCheck:
     def __init__(self, fabric) -> None:
         self.signum = 0
         self._group = None
-        self._distributed = fabric.world_size > 1 and dist.is_available() and dist.is_initialized()
+        self._distributed = (
+            getattr(fabric, "world_size", 1) > 1 and dist.is_available() and dist.is_initialized()
+        )
         if self._distributed:
             self._group = self._cpu_group()
 

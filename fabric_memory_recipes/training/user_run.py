@@ -57,6 +57,8 @@ class YourModelConfig(RunConfig):
         "data": "auto: digits for image models; IMDb when present, else synthetic token ids, for text models",
         "data_dir": "where IMDb is (aclImdb/ or imdb.csv)",
         "model": f"torchvision:NAME, timm:NAME or hf:ID_OR_PATH (e.g. {user_models.EXAMPLES})",
+        "eval_batches": "limit validation/test to this many batches (default 20: a text model's test split"
+        " can take longer than its training)",
     }
 
     def checked(self, hardware) -> YourModelConfig:
@@ -73,7 +75,7 @@ def default_config() -> YourModelConfig:
     """The runner's defaults (``recipes/your_model.py`` declares the same)."""
     return YourModelConfig(recipe="your_model", model="torchvision:resnet50",
                            model_choices=user_models.SourcePrefixed(user_models.SOURCES), batch_size=32,
-                           lr=1e-4, compile=False, cuda_graphs=False)  # fmt: skip
+                           lr=1e-4, compile=False, cuda_graphs=False, eval_batches=20)  # fmt: skip
 
 
 def resolve(cfg: YourModelConfig) -> UserModel:
