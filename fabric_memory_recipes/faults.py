@@ -297,6 +297,14 @@ def wrong_machine(cfg) -> str | None:
     """
     if cfg.accelerator != "auto" or str(cfg.model).endswith("tiny"):
         return None
+    quick = getattr(cfg, "CPU_QUICK", None)  # a runner of any model (recipes/your_model.py): its own, small
+    if quick is not None:
+        flags = ["--accelerator", "cpu", "--model", cfg.model, *quick, *cfg.technique_flags()]
+        command = shlex.join(["python", f"recipes/{cfg.recipe}.py", *flags])
+        return (
+            f"no CUDA GPU found: {cfg.recipe} would train {cfg.model} on the CPU at seconds to minutes per step;"
+            f" a quick CPU run: {command} (pass --accelerator cpu to train it on the CPU as asked)"
+        )
     tiny = next((m for m in cfg.model_choices if m.endswith("tiny")), None)
     if tiny is None:
         return None

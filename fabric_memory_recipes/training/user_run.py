@@ -61,6 +61,17 @@ class YourModelConfig(RunConfig):
         " can take longer than its training)",
     }
 
+    # Without a GPU, `--accelerator auto` is refused (faults.wrong_machine) with the same model and
+    # technique set at these small shapes, as the ladder's rungs suggest vit_tiny.
+    CPU_QUICK: ClassVar[tuple[str, ...]] = ("--batch-size", "2", "--seq-len", "64", "--max-steps", "2",
+                                            "--eval-batches", "2")  # fmt: skip
+
+    def technique_flags(self) -> list[str]:
+        """The technique set as flags (what the CPU suggestion keeps of a refused command)."""
+        names = ("checkpoint_blocks", "activation_offload", "optimizer_in_backward")
+        flags = ["--" + n.replace("_", "-") for n in names if getattr(self, n)]
+        return flags + (["--optimizer", self.optimizer] if self.optimizer != "adamw" else [])
+
     def checked(self, hardware) -> YourModelConfig:
         c = super().checked(hardware)
         if c.compile or c.cuda_graphs:
