@@ -841,6 +841,27 @@ def test_a_new_run_refuses_to_write_among_an_earlier_runs_checkpoints(tmp_path, 
     assert cfg.resume == str(tmp_path / "step-000004.ckpt") and cfg.checkpoint_on_stop is True
 
 
+def test_resume_auto_with_only_an_unusable_checkpoint_starts_over_as_it_says(tmp_path, capsys):
+    """It printed "no usable checkpoint ... starting from the beginning", then exited 2 telling the user
+    to pass --resume auto, which they had."""
+    (tmp_path / "step-000004.ckpt").write_bytes(b"PK\x03\x04 truncated")
+    argv = [
+        "--accelerator",
+        "cpu",
+        "--model",
+        "vit_tiny",
+        "--checkpoint-dir",
+        str(tmp_path),
+        "--resume",
+        "auto",
+    ]
+    cfg = lifecycle.resolve_checkpoints(cli.parse(RunConfig(recipe="01_baseline"), argv))
+    out = capsys.readouterr()
+    assert cfg.resume is None and cfg.checkpoint_on_stop is True and "error" not in out.err, out.err
+    assert "no usable checkpoint" in out.out and "starting from the beginning" in out.out, out.out
+    assert (tmp_path / "step-000004.ckpt").exists(), "the unusable file is left for the user to look at"
+
+
 # ---------------------------------------------------------------------------------- stop in the loop
 def _train(fabric, tmp_path, stop_at: int | None, **kwargs):
     from torch.utils.data import DataLoader, TensorDataset
