@@ -1,13 +1,13 @@
 """Rung 08, FSDP2 variant: the same sharding and checkpointing as rung 08, with PyTorch's fully_shard.
 
-FSDP2 (torch.distributed.fsdp.fully_shard) shards each parameter as a DTensor along dim 0 instead of
-flattening a unit's parameters into one buffer (FSDP1): parameters keep their names and shapes, and memory
-is freed more predictably. Fabric drives it through ModelParallelStrategy; it runs on CPU (gloo) too:
+FSDP2 (fully_shard) shards each parameter as a DTensor along dim 0 instead of flattening a unit's parameters
+into one buffer (FSDP1): names and shapes stay. Fabric drives it through ModelParallelStrategy; CPU (gloo) too:
 
     python recipes/08_fsdp2.py --devices 4      # or: torchrun --nproc-per-node 4 recipes/08_fsdp2.py --devices 4
     python recipes/08_fsdp2.py --accelerator cpu --devices 2 --model vit_tiny --max-steps 5
 """
 
+import fabric_memory_recipes  # noqa: F401, I001 - first: a Ctrl-C while torch loads is one line, exit 130
 import lightning as L
 import torch
 from lightning.fabric.strategies import ModelParallelStrategy

@@ -10,6 +10,7 @@ CPU optimizer step.
     torchrun --nproc-per-node 4 recipes/09_cpu_offload.py --devices 4
 """
 
+import fabric_memory_recipes  # noqa: F401, I001 - first: a Ctrl-C while torch loads is one line, exit 130
 import lightning as L
 import torch
 from lightning.fabric.strategies import FSDPStrategy

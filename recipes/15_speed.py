@@ -9,6 +9,7 @@ Throughput is the goal here, with the same model, data and update rule (Adam):
 --float8 measures float8 matrix products (training/float8.py). MFU: model FLOPs/step time / bf16 peak.
 """
 
+import fabric_memory_recipes  # noqa: F401, I001 - first: a Ctrl-C while torch loads is one line, exit 130
 from dataclasses import dataclass
 
 import lightning as L
