@@ -311,8 +311,8 @@ def wrong_machine(cfg) -> str | None:
     recipe, cpu_variant = cfg.recipe, cfg.cpu_variant
     flags = ["--accelerator", "cpu", "--model", tiny, "--data", "synthetic", "--weights", "none"]
     flags += ["--max-steps", "5", "--eval-batches", "2"]
-    if cfg.precision == "16-mixed":  # fp16 autocast needs CUDA; bf16 autocast is the CPU analogue
-        flags += ["--precision", "bf16-mixed"]
+    if cfg.precision in ("16-mixed", "bf16-mixed"):  # fp16 autocast needs CUDA; bf16's is the CPU analogue
+        flags += ["--precision", "bf16-mixed"]  # said even when asked for: rung 02's default is 16-mixed
     if cfg.devices > 1 or cpu_variant:  # a sharding rung keeps its two processes (gloo)
         flags += ["--devices", "2"]
     command = shlex.join(["python", f"recipes/{cpu_variant or recipe}.py", *flags])
