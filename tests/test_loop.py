@@ -412,3 +412,17 @@ def test_the_your_model_runner_bounds_evaluation_by_default():
         cli.parse(user_run.default_config(), ["--accelerator", "cpu", "--eval-batches", "3"]).eval_batches
         == 3
     )
+
+
+def test_max_steps_beyond_the_epochs_says_it_is_cut(fabric, capsys):
+    """--max-steps 200 ran 79 steps (one epoch) without a word."""
+    x, y = tiny_data(40)
+    model = tiny_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = fabric.setup(model, opt)
+    log = make_log()
+    loop.fit(fabric, model, opt, loader(x, y, 4), batch_fn, settings(max_steps=200), log)
+    assert log.optimizer_steps == 10
+    assert (
+        "[steps] --max-steps 200: 1 epoch(s) hold 10 optimizer steps; running 10" in capsys.readouterr().out
+    )
