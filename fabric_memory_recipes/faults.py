@@ -6,9 +6,9 @@ on preemption) and SIGUSR1 (what SLURM's ``--signal`` can send ahead of a time l
 only records a stop request; the training loop acts on it at the next optimizer-step boundary, where
 every process agrees on it (``training.loop_plumbing.StopCheck``), saves a checkpoint when the run
 checkpoints, and raises :class:`Interrupted`. ``lifecycle.run_recipe`` then writes the results JSON with ``"status": "interrupted"``
-and the measurements so far, prints one line, and the process exits with 128 + the signal number
-(a request that comes after the last step lets the run finish, evaluation included: nothing is left
-to stop):
+and the measurements so far, prints one line, and the process exits with 128 + the signal number.
+Evaluation (``training.loop.evaluate_splits``) acts on a request between its batches the same way: the
+results keep the training and the accuracy over the batches evaluated (``extra.evaluation``):
 
 ==========  =========  ==========================================================================
 signal      exit code  meaning
@@ -40,6 +40,7 @@ from fabric_memory_recipes.console import program
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 EXIT_CODES = {int(s): 128 + int(s) for s in STOP_SIGNALS}  # the shell's convention: 130, 143, 138
 _pending: int | None = None  # the signal of the stop request, set by the handler
+_boundary = "optimizer-step boundary"  # where the running phase acts on a stop request (stopping_at)
 
 
 class BadInput(ValueError):
@@ -51,9 +52,15 @@ class Interrupted(BaseException):
     """A stop request honoured at an optimizer-step boundary (a BaseException, like KeyboardInterrupt:
     a recipe's ``except Exception`` must not swallow it)."""
 
-    def __init__(self, signum: int, step: int, total: int, checkpoint: str | None) -> None:
-        super().__init__(f"{signal_name(signum)} at step {step} of {total}")
+    def __init__(
+        self, signum: int, step: int, total: int, checkpoint: str | None, during: str | None = None
+    ) -> None:
+        where = f"during {during}" if during else f"at step {step} of {total}"
+        super().__init__(f"{signal_name(signum)} {where}")
         self.signum, self.step, self.total, self.checkpoint = signum, step, total, checkpoint
+        self.during = (
+            during  # None: training; else what was running (e.g. "val evaluation (3 of 20 batches)")
+        )
 
     @property
     def exit_code(self) -> int:
@@ -66,6 +73,7 @@ class Interrupted(BaseException):
             "step": self.step,
             "planned_steps": self.total,
             "checkpoint": self.checkpoint,
+            "during": self.during or "training",
         }
 
 
@@ -105,7 +113,7 @@ def _handle(signum: int, frame) -> None:
     _pending = signum
     if first_process():
         again = " (Ctrl-C again to exit at once)" if signum == signal.SIGINT else ""
-        _write(1, f"\n[stop] {signal_name(signum)}: stopping at the next optimizer-step boundary{again}\n")
+        _write(1, f"\n[stop] {signal_name(signum)}: stopping at the next {_boundary}{again}\n")
 
 
 def request_stop(signum: int | None) -> None:
@@ -118,6 +126,18 @@ def request_stop(signum: int | None) -> None:
 def stop_requested() -> int | None:
     """The signal of the pending stop request, or None."""
     return _pending
+
+
+@contextlib.contextmanager
+def stopping_at(boundary: str) -> Iterator[None]:
+    """While the body runs, a stop request is acted on at the next ``boundary`` (what the first
+    signal's line promises): evaluation stops between batches, not at an optimizer step."""
+    global _boundary
+    before, _boundary = _boundary, boundary
+    try:
+        yield
+    finally:
+        _boundary = before
 
 
 @contextlib.contextmanager
@@ -163,6 +183,12 @@ def resume_command(argv: Sequence[str] | None = None) -> str:
 
 def interrupted_line(stop: Interrupted, argv: Sequence[str] | None = None) -> str:
     """The one line a stopped run prints on stderr."""
+    if stop.during:
+        return (
+            f"{program()}: interrupted during {stop.during} ({signal_name(stop.signum)}), after all"
+            f" {stop.step} training steps; the results keep the training's measurements and the accuracy"
+            " of the batches evaluated"
+        )
     where = (
         f"interrupted at step {stop.step} of {stop.total}"
         if stop.step
@@ -271,14 +297,22 @@ def wrong_machine(cfg) -> str | None:
     """
     if cfg.accelerator != "auto" or str(cfg.model).endswith("tiny"):
         return None
+    quick = getattr(cfg, "CPU_QUICK", None)  # a runner of any model (recipes/your_model.py): its own, small
+    if quick is not None:
+        flags = ["--accelerator", "cpu", "--model", cfg.model, *quick, *cfg.technique_flags()]
+        command = shlex.join(["python", f"recipes/{cfg.recipe}.py", *flags])
+        return (
+            f"no CUDA GPU found: {cfg.recipe} would train {cfg.model} on the CPU at seconds to minutes per step;"
+            f" a quick CPU run: {command} (pass --accelerator cpu to train it on the CPU as asked)"
+        )
     tiny = next((m for m in cfg.model_choices if m.endswith("tiny")), None)
     if tiny is None:
         return None
     recipe, cpu_variant = cfg.recipe, cfg.cpu_variant
     flags = ["--accelerator", "cpu", "--model", tiny, "--data", "synthetic", "--weights", "none"]
     flags += ["--max-steps", "5", "--eval-batches", "2"]
-    if cfg.precision == "16-mixed":  # fp16 autocast needs CUDA; bf16 autocast is the CPU analogue
-        flags += ["--precision", "bf16-mixed"]
+    if cfg.precision in ("16-mixed", "bf16-mixed"):  # fp16 autocast needs CUDA; bf16's is the CPU analogue
+        flags += ["--precision", "bf16-mixed"]  # said even when asked for: rung 02's default is 16-mixed
     if cfg.devices > 1 or cpu_variant:  # a sharding rung keeps its two processes (gloo)
         flags += ["--devices", "2"]
     command = shlex.join(["python", f"recipes/{cpu_variant or recipe}.py", *flags])

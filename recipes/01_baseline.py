@@ -5,6 +5,7 @@ TF32 is ON: fp32 tensors and accumulation, but matrix products use the tensor co
 (about 3x faster on Ampere/Hopper, same memory). Pass --no-tf32 for strict fp32 matmuls.
 """
 
+import fabric_memory_recipes  # noqa: F401, I001 - first: a Ctrl-C while torch loads is one line, exit 130
 import lightning as L
 import torch
 

@@ -5,6 +5,7 @@ saved activations are fp16, roughly halving activation memory and using the fp16
 scaler keeps small fp16 gradients from underflowing. --precision bf16-mixed needs no scaler.
 """
 
+import fabric_memory_recipes  # noqa: F401, I001 - first: a Ctrl-C while torch loads is one line, exit 130
 import lightning as L
 import torch
 

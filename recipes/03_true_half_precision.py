@@ -5,6 +5,7 @@ tensor fp32 kept. bfloat16 has fp32's exponent range, so no loss scaling is need
 is why this is a fine-tuning trick rather than a free lunch. --precision 16-true selects float16.
 """
 
+import fabric_memory_recipes  # noqa: F401, I001 - first: a Ctrl-C while torch loads is one line, exit 130
 import lightning as L
 import torch
 

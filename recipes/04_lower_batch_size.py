@@ -5,6 +5,7 @@ batch cuts the activation part of the peak by about four. The price is noisier, 
 next rung gets the batch of 16 back as an effective batch built from micro-batches.
 """
 
+import fabric_memory_recipes  # noqa: F401, I001 - first: a Ctrl-C while torch loads is one line, exit 130
 import lightning as L
 import torch
 

@@ -7,6 +7,7 @@ blocks marked "rung 05" in fabric_memory_recipes/training/loop.py (fit); this re
 (micro-batch = batch-size / accumulation-steps).
 """
 
+import fabric_memory_recipes  # noqa: F401, I001 - first: a Ctrl-C while torch loads is one line, exit 130
 import lightning as L
 import torch
 

@@ -5,6 +5,7 @@ Plain SGD keeps none. The cosine schedule (CosineAnnealingLR over the optimizer 
 part of what SGD loses in convergence.
 """
 
+import fabric_memory_recipes  # noqa: F401, I001 - first: a Ctrl-C while torch loads is one line, exit 130
 import lightning as L
 import torch
 

@@ -8,6 +8,7 @@ empty_init stays False: torchvision's ViT attention weights have no reset_parame
 initialisation leaves garbage in them (loss becomes NaN) unless real weights are loaded afterwards.
 """
 
+import fabric_memory_recipes  # noqa: F401, I001 - first: a Ctrl-C while torch loads is one line, exit 130
 import lightning as L
 import torch
 

@@ -11,6 +11,7 @@ the block during the backward pass. Each GPU trains on its own shard of the data
     torchrun --nproc-per-node 4 recipes/08_fsdp.py --devices 4
 """
 
+import fabric_memory_recipes  # noqa: F401, I001 - first: a Ctrl-C while torch loads is one line, exit 130
 import lightning as L
 import torch
 from lightning.fabric.strategies import FSDPStrategy

@@ -6,6 +6,7 @@ flattening a unit's parameters into one buffer (FSDP1), and frees memory more pr
 all-gathers issued a block ahead.   python recipes/08_fsdp2.py --devices 4   (or torchrun ... --devices 4)
 """
 
+import fabric_memory_recipes  # noqa: F401, I001 - first: a Ctrl-C while torch loads is one line, exit 130
 import lightning as L
 import torch
 from lightning.fabric.strategies import ModelParallelStrategy

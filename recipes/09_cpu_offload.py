@@ -1,9 +1,9 @@
 """Rung 09 - offload to the CPU: rung 08 (FSDP2) with the shards in host memory and Adam on the CPU.
 
 CPUOffloadPolicy keeps each rank's shard of parameters, gradients and Adam state in pinned host memory,
-copied in before a block's all-gather and out after its reduce-scatter; Adam steps on the CPU.
-"""
+copied in before a block's all-gather and out after its reduce-scatter; Adam steps on the CPU."""
 
+import fabric_memory_recipes  # noqa: F401, I001 - first: a Ctrl-C while torch loads is one line, exit 130
 import os
 
 import lightning as L

@@ -8,6 +8,7 @@ Non-reentrant checkpointing is the default; --reentrant selects the older implem
 docs/10_activation_checkpointing.md for what each saves).
 """
 
+import fabric_memory_recipes  # noqa: F401, I001 - first: a Ctrl-C while torch loads is one line, exit 130
 from dataclasses import dataclass
 
 import lightning as L

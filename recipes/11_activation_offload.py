@@ -5,6 +5,7 @@ to pinned CPU memory on a side stream, beside the compute, and its GPU copy rele
 the next block's tensors come back (prefetched) on another stream while the current block computes. Activation
 memory drops to what is in flight (--offload-window-mb each way, --resident-mb kept); price: PCIe traffic, twice."""
 
+import fabric_memory_recipes  # noqa: F401, I001 - first: a Ctrl-C while torch loads is one line, exit 130
 from dataclasses import dataclass
 
 import lightning as L

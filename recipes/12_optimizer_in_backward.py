@@ -8,6 +8,7 @@ the k-th micro-batch, which is exactly what this removes. So the batch here is t
 no accumulation (--accumulation-steps > 1 is refused).
 """
 
+import fabric_memory_recipes  # noqa: F401, I001 - first: a Ctrl-C while torch loads is one line, exit 130
 import lightning as L
 import torch
 

@@ -6,6 +6,7 @@ a quarter of fp32 state and half of bf16 state, and dequantises them inside the 
 convergence, at 0.61 GB of state. Needs torchao (`pip install -e ".[lowbit]"`).
 """
 
+import fabric_memory_recipes  # noqa: F401, I001 - first: a Ctrl-C while torch loads is one line, exit 130
 import lightning as L
 import torch
 

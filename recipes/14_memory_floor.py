@@ -1,10 +1,10 @@
 """Rung 14 - the memory floor: everything that lowers memory, combined, still a full fine-tune that learns.
 
-The lines marked `# rung NN` are those rungs' techniques: bf16-true weights built in place (03, 07), plain
-SGD (06), the step inside backward (12), checkpointed blocks (10) whose saved inputs go to host memory
-(11), micro-batch 4 without accumulation; plus the allocator's expandable segments, so reserved memory
-tracks allocated memory. Left on the GPU: the weights (0.61 GB) and about 0.1 GB in flight."""
+Lines marked `# rung NN` are those rungs' techniques: bf16-true weights built in place (03, 07), SGD (06),
+the step inside backward (12), checkpointed blocks (10) whose inputs go to host memory (11), micro-batch 4;
+plus expandable segments (reserved tracks allocated). On the GPU: the weights (0.61 GB), ~0.1 GB in flight."""
 
+import fabric_memory_recipes  # noqa: F401, I001 - first: a Ctrl-C while torch loads is one line, exit 130
 import os
 
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # rung 14; before CUDA starts

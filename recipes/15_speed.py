@@ -6,9 +6,9 @@ Throughput is the goal here, with the same model, data and update rule (Adam):
   nn.MultiheadAttention (training/attention.py: same weights and arithmetic; --no-fused-attention: stock);
 - torch.compile of the whole model (fused elementwise kernels, few launches); uint8 images resized on the GPU;
 - batch 256: bigger matrix products, the optimizer step paid once per 256 images (try 64 or 128).
---float8 measures float8 matrix products (training/float8.py). MFU: model FLOPs/step time / bf16 peak.
-"""
+--float8 measures float8 matrix products (training/float8.py). MFU: model FLOPs/step time / bf16 peak."""
 
+import fabric_memory_recipes  # noqa: F401, I001 - first: a Ctrl-C while torch loads is one line, exit 130
 from dataclasses import dataclass
 
 import lightning as L

@@ -5,6 +5,7 @@ each gradient goes back as soon as backward makes it, and a CPU thread runs that
 fp32 masters while the GPU goes on (not delayed). Rungs 10 and 11 keep the activations small.
 """
 
+import fabric_memory_recipes  # noqa: F401, I001 - first: a Ctrl-C while torch loads is one line, exit 130
 import contextlib
 from dataclasses import dataclass
 

@@ -11,6 +11,7 @@ done about memory here; bonus_bigbird_after.py applies the ladder's techniques. 
     python recipes/bonus_bigbird_before.py --accelerator cpu --model bigbird-tiny --max-length 128 --max-steps 5
 """
 
+import fabric_memory_recipes  # noqa: F401, I001 - first: a Ctrl-C while torch loads is one line, exit 130
 import lightning as L
 import torch
 

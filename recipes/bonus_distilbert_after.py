@@ -14,6 +14,7 @@ Adam (lr 5e-5) stays, as in the article's script. Its measurement: 3.99 GB befor
     python recipes/bonus_distilbert_after.py --accelerator cpu --model distilbert-tiny --max-length 128 --max-steps 5
 """
 
+import fabric_memory_recipes  # noqa: F401, I001 - first: a Ctrl-C while torch loads is one line, exit 130
 import lightning as L
 import torch
 from lightning.fabric.strategies import FSDPStrategy

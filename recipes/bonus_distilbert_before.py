@@ -10,6 +10,7 @@ and measured 3.99 GB; this one is the single-GPU fp32 baseline the ladder starts
     python recipes/bonus_distilbert_before.py --accelerator cpu --model distilbert-tiny --max-length 128 --max-steps 5
 """
 
+import fabric_memory_recipes  # noqa: F401, I001 - first: a Ctrl-C while torch loads is one line, exit 130
 import lightning as L
 import torch
 

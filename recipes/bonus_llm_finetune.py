@@ -21,6 +21,7 @@ the prompt and on padding). Batch 12 as 2 x 6 accumulation steps, AdamW (lr 5e-5
     python recipes/bonus_llm_finetune.py --accelerator cpu --model qwen2-tiny --max-length 64 --max-steps 5 --all
 """
 
+import fabric_memory_recipes  # noqa: F401, I001 - first: a Ctrl-C while torch loads is one line, exit 130
 import lightning as L
 import torch
 

@@ -1,16 +1,16 @@
 """Your own model: train a torchvision, timm or Hugging Face model with a chosen technique set.
 
-Outside the numbered ladder. The model is built from its architecture with random weights; the task
-follows from it (image classification on digits, text classification on IMDb when present, a causal LM
-on IMDb as SFT; otherwise a synthetic stand-in of the same shape). The technique set is flags, the same
-ones ``fmr-estimate --model ... --fit SIZE`` prints; the results JSON has the ladder's memory,
-whole-device and timing fields and the estimate (docs/your_model.md).
+Outside the numbered ladder. The model is built from its architecture with random weights; the task follows
+from it (image classification on digits, text classification on IMDb when present, a causal LM on IMDb as SFT;
+otherwise a synthetic stand-in of the same shape). The technique set is flags, the same ones ``fmr-estimate
+--model ... --fit SIZE`` prints; the results JSON has the ladder's memory, whole-device and timing fields and
+the estimate (docs/your_model.md).
 
     python recipes/your_model.py --model torchvision:resnet50 --precision bf16-mixed --batch-size 64
-    python recipes/your_model.py --model hf:path/to/config.json --seq-len 512 --checkpoint-blocks
     python recipes/your_model.py --accelerator cpu --model timm:vit_tiny_patch16_224 --batch-size 4 --max-steps 3
 """
 
+import fabric_memory_recipes  # noqa: F401, I001 - first: a Ctrl-C while torch loads is one line, exit 130
 import contextlib
 
 import lightning as L

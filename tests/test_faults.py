@@ -841,6 +841,27 @@ def test_a_new_run_refuses_to_write_among_an_earlier_runs_checkpoints(tmp_path, 
     assert cfg.resume == str(tmp_path / "step-000004.ckpt") and cfg.checkpoint_on_stop is True
 
 
+def test_resume_auto_with_only_an_unusable_checkpoint_starts_over_as_it_says(tmp_path, capsys):
+    """It printed "no usable checkpoint ... starting from the beginning", then exited 2 telling the user
+    to pass --resume auto, which they had."""
+    (tmp_path / "step-000004.ckpt").write_bytes(b"PK\x03\x04 truncated")
+    argv = [
+        "--accelerator",
+        "cpu",
+        "--model",
+        "vit_tiny",
+        "--checkpoint-dir",
+        str(tmp_path),
+        "--resume",
+        "auto",
+    ]
+    cfg = lifecycle.resolve_checkpoints(cli.parse(RunConfig(recipe="01_baseline"), argv))
+    out = capsys.readouterr()
+    assert cfg.resume is None and cfg.checkpoint_on_stop is True and "error" not in out.err, out.err
+    assert "no usable checkpoint" in out.out and "starting from the beginning" in out.out, out.out
+    assert (tmp_path / "step-000004.ckpt").exists(), "the unusable file is left for the user to look at"
+
+
 # ---------------------------------------------------------------------------------- stop in the loop
 def _train(fabric, tmp_path, stop_at: int | None, **kwargs):
     from torch.utils.data import DataLoader, TensorDataset
@@ -1078,3 +1099,40 @@ def test_the_slurm_script_parses():
     cfg = cli.parse(load_recipe_module(command.group(1)).RUNG, flags, hardware=gpus)
     assert (cfg.devices, cfg.num_nodes, cfg.resume, cfg.accelerator) == (4, 2, "auto", "cuda")
     assert "--signal=USR1@" in text and "scontrol requeue" in text and "138|143)" in text
+
+
+# ------------------------------------------------------------------------------- Ctrl-C during start-up
+def test_every_recipe_imports_the_package_first():
+    """The one-line Ctrl-C (fabric_memory_recipes/__init__.py) is installed by importing the package: a
+    recipe must do that before torch and Lightning, which take most of a CPU rung's seconds."""
+    import ast
+
+    late = []
+    for path in sorted(RECIPES_DIR.glob("*.py")):
+        first = next(
+            n for n in ast.parse(path.read_text()).body if isinstance(n, (ast.Import, ast.ImportFrom))
+        )
+        names = [a.name for a in first.names] if isinstance(first, ast.Import) else [first.module]
+        if not all(n.split(".")[0] == "fabric_memory_recipes" for n in names):
+            late.append(path.name)
+    assert not late, late
+
+
+def test_ctrl_c_while_a_recipe_imports_is_one_line_and_exit_130(tmp_path):
+    """It printed a 68-85 line traceback. A fresh interpreter spends seconds importing torch and
+    Lightning: a SIGINT 0.8 s after the start lands there."""
+    started = Started([RECIPES_DIR / "01_baseline.py", "--help"], subprocess_env(), tmp_path)
+    time.sleep(0.8)
+    os.kill(started.pid, signal.SIGINT)
+    proc = started.wait(60)
+    if proc.returncode == 0:
+        pytest.skip("the imports finished within 0.8 s: nothing to interrupt")
+    assert proc.returncode == 130, describe(proc)
+    assert proc.stderr.strip().splitlines() == ["01_baseline.py: interrupted (Ctrl-C)"], describe(proc)
+
+
+def test_ctrl_c_in_a_tool_is_one_line_and_exit_130():
+    code = "import fabric_memory_recipes, os, signal; os.kill(os.getpid(), signal.SIGINT); import time; time.sleep(30)"
+    proc = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert proc.returncode == 130 and proc.stderr.strip() == "-c: interrupted (Ctrl-C)", describe(proc)

@@ -344,3 +344,85 @@ def test_evaluation_does_not_compile_a_compiled_model(monkeypatch):
     assert 0.0 <= acc <= 1.0 and counters["stats"]["unique_graphs"] == 0
     model(torch.randn(2, 4))  # outside evaluate the same model does compile
     assert counters["stats"]["unique_graphs"] == 1
+
+
+# ------------------------------------------------------------------------------------ bounded evaluation
+def _stop_after(batches: int, signum: int):
+    """A batch function that records a stop request (what the signal handler does) after ``batches``."""
+    from fabric_memory_recipes import faults
+
+    seen = []
+
+    def fn(model, batch):
+        seen.append(1)
+        if len(seen) == batches:
+            faults.request_stop(signum)
+        return batch_fn(model, batch)
+
+    return fn, seen
+
+
+def test_evaluation_stops_at_the_next_batch_keeping_what_it_measured(fabric, capsys):
+    """A SIGTERM during evaluation used to wait for the whole test split (16 minutes seen): now the
+    batch in hand finishes, the accuracy over the batches done is kept, and the run is interrupted."""
+    import signal
+
+    from fabric_memory_recipes import faults
+
+    x, y = tiny_data(400)
+    model = fabric.setup(tiny_model())
+    fn, seen = _stop_after(3, signal.SIGTERM)
+    log = make_log()
+    log.optimizer_steps = 7
+    try:
+        with pytest.raises(faults.Interrupted) as exc:
+            loop.evaluate_splits(fabric, model, loader(x, y, 10), loader(x, y, 10), fn, log)
+    finally:
+        faults.request_stop(None)
+    stop = exc.value
+    assert len(seen) == 3, "evaluation went on after the stop request"
+    assert (stop.signum, stop.exit_code, stop.step, stop.checkpoint) == (signal.SIGTERM, 143, 7, None)
+    assert log.extra["evaluation"]["val"]["batches"] == 3 and log.extra["evaluation"]["val"]["of"] == 40
+    assert 0.0 <= log.extra["evaluation"]["val"]["accuracy"] <= 1.0
+    assert log.accuracy["val"] is None, "a partial accuracy must not pass for the split's"
+    line = faults.interrupted_line(stop, ["x.py"])
+    assert "interrupted during val evaluation (3 of 40 batches) (SIGTERM), after all 7 training steps" in line
+    assert model.training
+
+
+def test_evaluation_shows_progress_and_is_bounded(fabric, capsys):
+    x, y = tiny_data(400)
+    model = fabric.setup(tiny_model())
+    log = make_log()
+    loop.evaluate_splits(fabric, model, loader(x, y, 10), loader(x, y, 10), batch_fn, log, max_batches=5)
+    assert log.extra["evaluation"] == {
+        "val": {"batches": 5, "of": 5, "accuracy": log.accuracy["val"]},
+        "test": {"batches": 5, "of": 5, "accuracy": log.accuracy["test"]},
+    }
+    assert "val accuracy" in capsys.readouterr().err  # the progress bar (tqdm, on stderr)
+
+
+def test_the_your_model_runner_bounds_evaluation_by_default():
+    """A GPT-2 config at --seq-len 64 trained 2 steps in 2.5 s, then evaluated for over 10 minutes."""
+    from fabric_memory_recipes.training import cli, user_run
+
+    cfg = cli.parse(user_run.default_config(), ["--accelerator", "cpu"])
+    assert cfg.eval_batches == 20
+    assert (
+        cli.parse(user_run.default_config(), ["--accelerator", "cpu", "--eval-batches", "3"]).eval_batches
+        == 3
+    )
+
+
+def test_max_steps_beyond_the_epochs_says_it_is_cut(fabric, capsys):
+    """--max-steps 200 ran 79 steps (one epoch) without a word."""
+    x, y = tiny_data(40)
+    model = tiny_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = fabric.setup(model, opt)
+    log = make_log()
+    loop.fit(fabric, model, opt, loader(x, y, 4), batch_fn, settings(max_steps=200), log)
+    assert log.optimizer_steps == 10
+    assert (
+        "[steps] --max-steps 200: 1 epoch(s) hold 10 optimizer steps; running 10" in capsys.readouterr().out
+    )

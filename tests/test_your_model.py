@@ -174,6 +174,24 @@ def test_runner_trains_on_cpu_with_the_estimate(run_recipe, request, model, extr
     assert result["provenance"]["data_source"] in ("digits", "synthetic")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without a CUDA GPU")
+def test_without_a_gpu_the_runner_refuses_in_one_line_with_a_cpu_command_that_runs(run_recipe, qwen):
+    """The README's command on a CPU machine started a 4375-step run at 123 s a step; the ladder's rungs
+    refuse in one line with a CPU command, and so does the runner: the same model and technique set,
+    small shapes, and that command runs."""
+    asked = ["--model", qwen, "--seq-len", "512", "--batch-size", "8", "--checkpoint-blocks"]
+    proc, result = run_recipe("your_model", *asked)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and result is None and len(lines) == 1, proc.stderr[-2000:]
+    assert lines[0].startswith("your_model.py: error: no CUDA GPU found:"), lines
+    suggested = shlex.split(lines[0].split("a quick CPU run: ")[1].split(" (pass")[0])
+    assert suggested[:2] == ["python", "recipes/your_model.py"]
+    assert {"--accelerator", "cpu", qwen, "--checkpoint-blocks", "--max-steps"} <= set(suggested)
+    proc, result = run_recipe("your_model", *suggested[2:])
+    assert proc.returncode == 0 and result["status"] == "ok", proc.stderr[-2000:]
+    assert result["timing"]["optimizer_steps"] == 2 and result["extra"]["evaluation"]["test"]["batches"] <= 2
+
+
 def test_runner_refuses_what_cannot_run(run_recipe, bert):
     proc, _ = run_recipe(
         "your_model", "--accelerator", "cpu", "--model", bert, "--data", "digits", "--max-steps", "1"
@@ -262,7 +280,7 @@ def test_model_proof_rows_cover_the_issue():
     runs = model_proof.estimate_runs(None)
     assert all(not model_proof.repeated_flags(r["argv"]) for r in runs)
     assert len({planner_proof._slug(r) for r in runs}) == len(runs)  # each run its own results folder
-    assert not any(set(planner_proof._slug(r)) & set(":\\/*?<>|\"") for r in runs)  # portable folder names
+    assert not any(set(planner_proof._slug(r)) & set(':\\/*?<>|"') for r in runs)  # portable folder names
     assert model_proof.repeated_flags(["--batch-size", "8", "--sgd", "--batch-size", "2"]) == ["--batch-size"]
 
 

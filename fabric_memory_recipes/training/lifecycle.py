@@ -70,7 +70,8 @@ def resolve_checkpoints(cfg: RunConfig) -> RunConfig:
         cfg.checkpoint_dir = os.path.join(paths.RUNS, "checkpoints", cfg.run_name)
     if cfg.checkpoint_on_stop is None:
         cfg.checkpoint_on_stop = cfg.checkpoint_every is not None or cfg.resume is not None
-    if cfg.resume == "auto":
+    asked_auto = cfg.resume == "auto"
+    if asked_auto:
         cfg.resume = checkpoints.latest_intact(cfg.checkpoint_dir, say=notice)
         if cfg.resume is None:
             found = checkpoints.contents(cfg.checkpoint_dir)
@@ -84,7 +85,8 @@ def resolve_checkpoints(cfg: RunConfig) -> RunConfig:
             fail(f"--resume {cfg.resume}: {reason}")
     newest = checkpoints.latest(cfg.checkpoint_dir)
     writes = cfg.checkpoint_every is not None or cfg.checkpoint_on_stop
-    if writes and cfg.resume is None and newest is not None:
+    # --resume auto that found nothing usable starts over, as it said (the unusable files stay)
+    if writes and cfg.resume is None and newest is not None and not asked_auto:
         fail(
             f"--checkpoint-dir {cfg.checkpoint_dir} holds an earlier run's checkpoints (newest {os.path.basename(newest)}):"
             " continue it with --resume auto, or start over in another --checkpoint-dir"

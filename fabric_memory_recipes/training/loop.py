@@ -12,15 +12,30 @@ stopping on a signal, fast mode's CUDA graph) is in
 from __future__ import annotations
 
 import torch
+from tqdm.auto import tqdm
 
+from fabric_memory_recipes import faults
 from fabric_memory_recipes.config import RunConfig
 from fabric_memory_recipes.measurement.results import RunResults
 from fabric_memory_recipes.training.data import NUM_CLASSES, BatchFn
 from fabric_memory_recipes.training.graphs import base_optimizers
-from fabric_memory_recipes.training.loop_plumbing import TrainingRun, accuracy_metric, planned_steps
+from fabric_memory_recipes.training.loop_plumbing import (
+    StopCheck,
+    TrainingRun,
+    accuracy_metric,
+    planned_steps,
+)
 from fabric_memory_recipes.training.step import accumulation_groups, train_step
 
-__all__ = ["SchedulerGroup", "evaluate", "evaluate_splits", "fit", "planned_steps", "with_warmup"]
+__all__ = [
+    "EvaluationStopped",
+    "SchedulerGroup",
+    "evaluate",
+    "evaluate_splits",
+    "fit",
+    "planned_steps",
+    "with_warmup",
+]
 
 
 def fit(fabric, model, optimizer, train_loader, batch_fn: BatchFn, cfg: RunConfig, results: RunResults,
@@ -74,7 +89,9 @@ def with_warmup(optimizer, scheduler, steps: int):
     optimizers = base_optimizers(optimizer, scheduler)
     if not steps or not optimizers:
         return scheduler
-    warm = [torch.optim.lr_scheduler.LinearLR(o, start_factor=1 / steps, total_iters=steps) for o in optimizers]
+    warm = [
+        torch.optim.lr_scheduler.LinearLR(o, start_factor=1 / steps, total_iters=steps) for o in optimizers
+    ]
     own = getattr(scheduler, "schedulers", [] if scheduler is None else [scheduler])  # one flat group
     return SchedulerGroup([*own, *warm])
 
@@ -82,24 +99,64 @@ def with_warmup(optimizer, scheduler, steps: int):
 @torch.no_grad()
 @torch.compiler.set_stance("force_eager")  # eval mode and no_grad would recompile every compiled graph
 def evaluate(
-    fabric, model, loader, batch_fn: BatchFn, max_batches: int | None = None, num_classes: int = NUM_CLASSES
-) -> float:
+    fabric, model, loader, batch_fn: BatchFn, max_batches: int | None = None, num_classes: int = NUM_CLASSES,
+    desc: str = "eval",
+) -> float:  # fmt: skip
     """Accuracy over ``loader`` (all ranks' shards together), at most ``max_batches`` batches. Compiled
     models run their original code here: compiling the evaluation's graphs (another mode, no gradients)
-    would cost more start-up time than a few eager batches."""
+    would cost more start-up time than a few eager batches. A stop request (Ctrl-C, SIGTERM, SIGUSR1)
+    ends it at the next batch: :class:`EvaluationStopped` carries the accuracy of the batches done."""
+    value, done, total, signum = _evaluate(fabric, model, loader, batch_fn, max_batches, num_classes, desc)
+    if signum:
+        raise EvaluationStopped(signum, value, done, total)
+    return value
+
+
+class EvaluationStopped(Exception):
+    """A stop request honoured between evaluation batches: what was measured so far."""
+
+    def __init__(self, signum: int, accuracy: float | None, batches: int, total: int) -> None:
+        super().__init__(f"stopped after {batches} of {total} evaluation batches")
+        self.signum, self.accuracy, self.batches, self.total = signum, accuracy, batches, total
+
+
+def _evaluate(fabric, model, loader, batch_fn, max_batches, num_classes, desc):
+    """(accuracy or None, batches done, batches planned, stop signal or 0), with a progress bar."""
     model.eval()
     acc = accuracy_metric(fabric.device, num_classes)
-    for i, batch in enumerate(loader):
-        if max_batches is not None and i >= max_batches:
-            break
-        _, logits, targets = batch_fn(model, batch)
-        acc.update(logits, targets)
-    model.train()
-    return acc.compute().item()
+    total = len(loader) if max_batches is None else min(len(loader), max_batches)
+    stop = StopCheck(fabric)  # every process stops after the same batch
+    bar = tqdm(total=total, desc=desc, unit="batch", leave=False, dynamic_ncols=True,
+               disable=not getattr(fabric, "is_global_zero", True))  # fmt: skip
+    done = 0
+    with faults.stopping_at("evaluation batch"):
+        try:
+            for batch in loader:
+                if done >= total or stop.check():
+                    break
+                _, logits, targets = batch_fn(model, batch)
+                acc.update(logits, targets)
+                done += 1
+                bar.update(1)
+        finally:
+            bar.close()
+            model.train()
+    return (acc.compute().item() if done else None), done, total, stop.signum
 
 
 def evaluate_splits(fabric, model, val_loader, test_loader, batch_fn: BatchFn, results: RunResults,
                     max_batches: int | None = None, num_classes: int = NUM_CLASSES) -> None:  # fmt: skip
-    """Validation and test accuracy into the run's results."""
-    results.accuracy["val"] = evaluate(fabric, model, val_loader, batch_fn, max_batches, num_classes)
-    results.accuracy["test"] = evaluate(fabric, model, test_loader, batch_fn, max_batches, num_classes)
+    """Validation and test accuracy into the run's results. A stop request during evaluation keeps
+    what was measured (``extra.evaluation``: batches done of planned, the accuracy over them) and
+    raises :class:`faults.Interrupted` for ``lifecycle.run_recipe``, which records the run as stopped."""
+    evaluation = results.extra.setdefault("evaluation", {})
+    for split, loader in (("val", val_loader), ("test", test_loader)):
+        value, done, total, signum = _evaluate(fabric, model, loader, batch_fn, max_batches, num_classes,
+                                               f"{split} accuracy")  # fmt: skip
+        evaluation[split] = {"batches": done, "of": total, "accuracy": value}
+        if signum:
+            steps = results.optimizer_steps
+            raise faults.Interrupted(
+                signum, steps, steps, None, during=f"{split} evaluation ({done} of {total} batches)"
+            )
+        results.accuracy[split] = value

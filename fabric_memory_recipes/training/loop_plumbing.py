@@ -35,6 +35,7 @@ from tqdm.auto import tqdm
 
 from fabric_memory_recipes import faults
 from fabric_memory_recipes.config import RunConfig
+from fabric_memory_recipes.console import notice
 from fabric_memory_recipes.measurement.profiling import Recorder
 from fabric_memory_recipes.measurement.results import RunResults
 from fabric_memory_recipes.training import checkpoints
@@ -62,7 +63,9 @@ class StopCheck:
     def __init__(self, fabric) -> None:
         self.signum = 0
         self._group = None
-        self._distributed = fabric.world_size > 1 and dist.is_available() and dist.is_initialized()
+        self._distributed = (
+            getattr(fabric, "world_size", 1) > 1 and dist.is_available() and dist.is_initialized()
+        )
         if self._distributed:
             self._group = self._cpu_group()
 
@@ -100,6 +103,9 @@ class TrainingRun:
                 "the training loader is empty: the micro-batch is larger than the training split"
             )
         self.total = planned_steps(self.num_batches, cfg.accumulation_steps, cfg.epochs, cfg.max_steps)
+        if cfg.max_steps and cfg.max_steps > self.total and fabric.is_global_zero:
+            notice(f"[steps] --max-steps {cfg.max_steps}: {cfg.epochs} epoch(s) hold {self.total} optimizer steps;"
+                   f" running {self.total} (--epochs raises the cap)")  # fmt: skip
         self.train_acc = accuracy_metric(fabric.device, num_classes)
         self.window_loss = torch.zeros((), device=fabric.device)
         self.window_batches = 0

@@ -57,7 +57,20 @@ class YourModelConfig(RunConfig):
         "data": "auto: digits for image models; IMDb when present, else synthetic token ids, for text models",
         "data_dir": "where IMDb is (aclImdb/ or imdb.csv)",
         "model": f"torchvision:NAME, timm:NAME or hf:ID_OR_PATH (e.g. {user_models.EXAMPLES})",
+        "eval_batches": "limit validation/test to this many batches (default 20: a text model's test split"
+        " can take longer than its training)",
     }
+
+    # Without a GPU, `--accelerator auto` is refused (faults.wrong_machine) with the same model and
+    # technique set at these small shapes, as the ladder's rungs suggest vit_tiny.
+    CPU_QUICK: ClassVar[tuple[str, ...]] = ("--batch-size", "2", "--seq-len", "64", "--max-steps", "2",
+                                            "--eval-batches", "2")  # fmt: skip
+
+    def technique_flags(self) -> list[str]:
+        """The technique set as flags (what the CPU suggestion keeps of a refused command)."""
+        names = ("checkpoint_blocks", "activation_offload", "optimizer_in_backward")
+        flags = ["--" + n.replace("_", "-") for n in names if getattr(self, n)]
+        return flags + (["--optimizer", self.optimizer] if self.optimizer != "adamw" else [])
 
     def checked(self, hardware) -> YourModelConfig:
         c = super().checked(hardware)
@@ -73,7 +86,7 @@ def default_config() -> YourModelConfig:
     """The runner's defaults (``recipes/your_model.py`` declares the same)."""
     return YourModelConfig(recipe="your_model", model="torchvision:resnet50",
                            model_choices=user_models.SourcePrefixed(user_models.SOURCES), batch_size=32,
-                           lr=1e-4, compile=False, cuda_graphs=False)  # fmt: skip
+                           lr=1e-4, compile=False, cuda_graphs=False, eval_batches=20)  # fmt: skip
 
 
 def resolve(cfg: YourModelConfig) -> UserModel:
