@@ -210,6 +210,11 @@ def check_tool(words: list[str]) -> str | None:
         module, args = words[words.index("-m") + 1], words[words.index("-m") + 2 :]
     if module.endswith(".__main__"):
         module = module[: -len(".__main__")]
+    if module == "torch.distributed.run" and "-m" in args:  # torchrun's flags, then the module it starts
+        inner = args.index("-m")
+        return check_tool(["python", "-m", "torch.distributed.run", *args[:inner]]) or check_tool(
+            ["python", "-m", *args[inner + 1 :]]
+        )
     try:
         if importlib.util.find_spec(module) is None:
             return f"no module {module}"
@@ -291,13 +296,12 @@ def test_the_check_finds_what_was_wrong():
 
 
 # --------------------------------------------------------------------------- README's commands, run
-ISSUE_35 = "issue 35: --fit of a Hugging Face causal LM calls .item() on meta tensors"
 RUN_ON_CPU = {
     "fmr-estimate --recipe 14_memory_floor": None,
     "fmr-estimate --fit 8GB": None,
     "fmr-estimate --check results/published/h100/ladder": None,
     "fmr-estimate --model torchvision:resnet50 --batch-size 64 --precision bf16-mixed": None,
-    "fmr-estimate --model hf:examples/configs/qwen2-0.5b --seq-len 512 --batch-size 8 --fit 16GB": ISSUE_35,
+    "fmr-estimate --model hf:examples/configs/qwen2-0.5b --seq-len 512 --batch-size 8 --precision bf16-mixed --fit 16GB": None,
 }
 
 

@@ -78,6 +78,17 @@ def test_the_planner_card_claim_is_the_committed_proof():
     assert "every pick ran, every rejected configuration ran out of memory" in " ".join(README.split())
 
 
+def test_the_fit_proof_claim_is_the_committed_proof():
+    """29 sets, all fitting; the CPU ranking's pick fastest in 4 of 6 jobs (results/published/h100/fit-proof/)."""
+    plans = [json.loads(p.read_text()) for p in sorted((PUBLISHED / "fit-proof").glob("*/plan.json"))]
+    sets = [s for plan in plans for s in plan["sets"]]
+    assert len(sets) == 29 and all(s["fits"] for s in sets)
+    first = [plan["sets"][0]["command"] == plan["measured_pick"] for plan in plans]
+    assert (sum(first), len(first)) == (4, 6)
+    text = " ".join(README.split())
+    assert "all 29 measured sets" in text and "fastest measured in 4 of 6 cases" in text
+
+
 def test_every_number_in_the_prose_is_checked():
     numbers = re.findall(r"[±+-]?\d[\d.,]*\s?(?:GB|%|img/s|×)", prose())
     unchecked = [n for n in numbers if n not in CHECKED and not re.fullmatch(r"\d+ GB", n)]  # card sizes
