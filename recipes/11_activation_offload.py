@@ -1,9 +1,8 @@
 """Rung 11 - activation offloading: rung 07 with the tensors saved for backward kept in host memory.
 
-Inside training.offload.offload_activations(), each activation autograd saves in the forward pass is copied
-to pinned CPU memory on a side stream, beside the compute, and its GPU copy released once copied; in backward
-the next block's tensors come back (prefetched) on another stream while the current block computes. Activation
-memory drops to what is in flight (--offload-window-mb each way, --resident-mb kept); price: PCIe traffic, twice."""
+In training.offload.offload_activations(), each saved activation is copied to pinned CPU memory on a side
+stream and its GPU copy released; backward prefetches the next block's back on another stream. Activation
+memory drops to what is in flight (--offload-window-mb each way, --resident-mb kept); price: PCIe, twice."""
 
 import fabric_memory_recipes  # noqa: F401, I001 - first: a Ctrl-C while torch loads is one line, exit 130
 from dataclasses import dataclass

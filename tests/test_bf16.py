@@ -303,23 +303,24 @@ def test_the_stochastic_sgd_reads_a_tensor_learning_rate_as_a_captured_step_does
     assert moved == pytest.approx([0.1, 0.1 * (1 + 2**-0.5) / 2, 0.05, 0.1 * (1 - 2**-0.5) / 2], rel=1e-4)
 
 
-def test_the_sgd_step_compiles_as_one_graph(monkeypatch):
+def test_the_sgd_step_compiles_as_one_graph():
     """On CUDA each parameter's step runs compiled with ``fullgraph=True``: a graph break would fail
     there; traced here with dynamo (the eager backend: no compiler on the CPU), for both roundings."""
-    monkeypatch.setattr(torch._dynamo.config, "disable", False)
     torch._dynamo.reset()
-    traced = torch.compile(bf16.sgd_update, fullgraph=True, dynamic=False, backend="eager")
-    for rounding in (bf16.round_stochastic, bf16.library_rounding(), None):
-        p, g = torch.ones(64, dtype=torch.bfloat16), torch.full((64,), 0.5, dtype=torch.bfloat16)
-        buf = torch.zeros_like(p)
-        traced(p, g, buf, torch.tensor(0.25), 0.9, 0.0, 0.0, False, True, rounding)
-        assert torch.all(p.float() == 0.875) and torch.all(buf.float() == 0.5)  # exact: no rounding due
+    with torch._dynamo.config.patch(disable=False):  # the config's own patch: monkeypatch's undo can drop it
+        traced = torch.compile(bf16.sgd_update, fullgraph=True, dynamic=False, backend="eager")
+        for rounding in (bf16.round_stochastic, bf16.library_rounding(), None):
+            p, g = torch.ones(64, dtype=torch.bfloat16), torch.full((64,), 0.5, dtype=torch.bfloat16)
+            buf = torch.zeros_like(p)
+            traced(p, g, buf, torch.tensor(0.25), 0.9, 0.0, 0.0, False, True, rounding)
+            assert torch.all(p.float() == 0.875) and torch.all(buf.float() == 0.5)  # exact: no rounding due
     torch._dynamo.reset()
 
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 RUNGS = sorted(p.stem for p in RECIPES.glob("[0-9][0-9]_*.py"))
-COMPENSATED = ("04", "05", "06", "07", "10", "11", "12", "13", "14", "15")
+# rung 14 stays plain until its compensated warm-up fits the floor (0.803 GB measured, the floor 0.80 GB)
+COMPENSATED = ("04", "05", "06", "07", "10", "11", "12", "13", "15")
 
 
 @pytest.mark.parametrize("name", RUNGS)
@@ -353,8 +354,8 @@ def test_the_default_rounding_reaches_the_optimizer_and_other_precisions_run_the
     log, _ = _log()
     opt = bf16.updates(torch.optim.SGD([w], lr=0.1, fused=True), cli.parse(rung06, cpu), log)
     assert isinstance(opt, bf16.StochasticRoundSGD) and log.updates["rule"] == "stochastic"
-    per_param = {w: torch.optim.SGD([w], lr=0.1, fused=True)}  # rungs 12 and 14: one optimizer per parameter
-    out = bf16.updates(per_param, cli.parse(_load("14_memory_floor"), cpu), log)
+    per_param = {w: torch.optim.SGD([w], lr=0.1, fused=True)}  # rung 12: one optimizer per parameter
+    out = bf16.updates(per_param, cli.parse(_load("12_optimizer_in_backward"), cpu), log)
     assert isinstance(out[w], bf16.StochasticRoundSGD)
     if HAVE_TORCHAO:
         adam = bf16.updates(

@@ -160,7 +160,8 @@ def test_tool_plans_every_single_gpu_rung_with_its_kind_of_learning_rate():
     assert mixed.args[mixed.args.index("--precision") + 1] == "bf16-mixed", "fp16 autocast needs CUDA"
     assert {j.variant for j in jobs if j.recipe == "06_sgd_cosine"} == {"default", "plain", "kahan", "mixed"}  # fmt: skip
     rules = {(j.recipe[:2], j.variant): j.rule for j in jobs}
-    assert rules[("06", "default")] == rules[("14", "default")] == "stochastic" and rules[("03", "default")] == "plain"
+    assert rules[("06", "default")] == rules[("12", "default")] == "stochastic" and rules[("03", "default")] == "plain"
+    assert rules[("14", "default")] == "plain"  # until its compensated warm-up fits the floor (docs/14)
     assert rules[("06", "plain")] == rules[("06", "mixed")] == "plain" and rules[("03", "kahan")] == "kahan"
     assert not [j for j in jobs if j.seed is None], "no ViT-L/16 memory runs without CUDA"
     assert [j for j in convergence.plan(args, cuda=True) if j.seed is None]

@@ -424,6 +424,7 @@ def test_sigint_stops_at_a_step_and_keeps_the_earlier_result(drill):
         "step": step,
         "planned_steps": total,
         "checkpoint": None,
+        "during": "training",
     }
     assert payload["loss"]["last"] is not None, "the measurements so far are recorded"
     assert sorted(p.name for p in results.iterdir()) == ["01_baseline.interrupted.json", "01_baseline.json"]

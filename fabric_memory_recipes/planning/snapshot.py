@@ -20,7 +20,6 @@ what the folders give, so they cannot go stale:
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import re
@@ -29,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from fabric_memory_recipes.config import DATA_DIR, RECIPES_DIR, recipe_literals
+from fabric_memory_recipes.console import Parser
 from fabric_memory_recipes.measurement.results_file import write_json_atomic
 from fabric_memory_recipes.planning import calibration
 
@@ -88,7 +88,7 @@ def stale() -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="python -m fabric_memory_recipes.planning.snapshot", description=__doc__.splitlines()[0]
     )
     p.add_argument("--write", action="store_true", help=f"write {', '.join(FILES)} into {DATA_DIR}")
