@@ -30,6 +30,7 @@
 # results this invocation wrote in its table and figure, and any others in DIR, left by earlier runs,
 # in a section of their own, "Earlier runs".
 set -u
+caller=$PWD  # a relative --results-dir is the caller's, as with any command (fmr-ladder runs from anywhere)
 cd "$(dirname "$0")"
 
 PYTHON=${PYTHON:-python3}
@@ -62,8 +63,10 @@ while [ $# -gt 0 ]; do
     --jobs) jobs="${2:-}"; shift 2 || { echo "run_all.sh: --jobs needs a value" >&2; exit 2; } ;;
     --jobs=*) jobs="${1#--jobs=}"; shift ;;
     --bonus) bonus=1; shift ;;
-    --results-dir) results_dir="${2:-}"; shift 2 || { echo "run_all.sh: --results-dir needs a value" >&2; exit 2; } ;;
-    --results-dir=*) results_dir="${1#--results-dir=}"; shift ;;
+    --results-dir) results_dir="${2:-}"; shift 2 || { echo "run_all.sh: --results-dir needs a value" >&2; exit 2; }
+      case $results_dir in /*|"") ;; *) results_dir=$caller/$results_dir ;; esac ;;
+    --results-dir=*) results_dir="${1#--results-dir=}"; shift
+      case $results_dir in /*|"") ;; *) results_dir=$caller/$results_dir ;; esac ;;
     -h|--help) usage; exit 0 ;;
     --) shift; extra=("$@"); break ;;
     *) echo "run_all.sh: unknown option '$1' (see --help; recipe flags go after --)" >&2; exit 2 ;;
@@ -175,7 +178,8 @@ if [ ${#recipes[@]} -eq 0 ]; then
 fi
 
 # Committed evidence is written on purpose only (fabric_memory_recipes/paths.py; each recipe checks again).
-case "$results_dir" in /*) abs_dir=$results_dir ;; *) abs_dir=$PWD/$results_dir ;; esac
+case "$results_dir" in /*) ;; *) results_dir=$PWD/$results_dir ;; esac  # a default: runs/ of the checkout, said in full
+abs_dir=$results_dir
 case "$abs_dir/" in
   */results/published/*)
     if [ "${FMR_PUBLISH:-}" != 1 ]; then

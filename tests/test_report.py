@@ -291,12 +291,15 @@ def test_end_to_end_with_a_real_run(tmp_path):
     run = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert report.main([str(tmp_path)]) == 0
-    rows = table_rows((tmp_path / "README.md").read_text())
-    row = rows["01_baseline"]
-    assert row[1:5] == ["ok", "32-true", "64", "1"]
-    assert row[5].endswith("¹")  # CPU: process RSS, footnoted
-    assert row[8] == "3"
-    assert row[7] != "—"
+    markdown = (tmp_path / "README.md").read_text()
+    lines = markdown.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| recipe |"))
+    header = [c.strip() for c in lines[start].strip("|").split("|")]
+    row = dict(zip(header, (c.strip() for c in lines[start + 2].strip("|").split("|")), strict=True))
+    assert row["recipe"] == "01_baseline" and row["tiny run: status"] == "ok" and row["precision"] == "32-true"
+    assert row["batch"] == "64" and row["optimizer steps"] == "3" and row["img/s (range)"] != "—"
+    assert float(row["peak RSS GB (process)"]) > 0 and "peak reserved GB" not in markdown  # RSS, named as such
+    assert "GPU config predicted" not in row and "no full-size prediction here" in markdown
     assert_png(tmp_path / "ladder.png")
 
 
@@ -372,11 +375,20 @@ def test_cpu_track_shows_the_predicted_full_size_memory_labelled_beside_the_tiny
     assert_png(tmp_path / "ladder.png")
 
 
-def test_a_cpu_folder_without_predictions_keeps_the_measured_columns(tmp_path):
+def test_a_cpu_folder_without_predictions_names_rss_as_rss_and_a_stopped_ladder_says_so(tmp_path):
+    """Issue 36: a CPU ladder stopped before its prediction labelled the process RSS 'peak reserved / peak
+    allocated' and did not say it had stopped."""
     write_fixtures(tmp_path, {"01_baseline.json": cpu_run("01_baseline")})
     assert report.main([str(tmp_path)]) == 0
     markdown = (tmp_path / "README.md").read_text()
-    assert "peak reserved GB" in markdown and "predicted (ViT-L/16" not in markdown
+    assert "peak RSS GB (process)" in markdown and "peak reserved GB" not in markdown
+    assert "predicted (ViT-L/16" not in markdown and "Stopped before it finished" not in markdown
+    started = (tmp_path / "01_baseline.json").stat().st_mtime - 1
+    (tmp_path / "run_all.json").write_text(json.dumps(
+        {"started": started, "mode": "cpu", "state": "stopped", "recipes": ["01_baseline"]}
+    ))  # fmt: skip
+    assert report.main([str(tmp_path)]) == 0
+    assert "Stopped before it finished" in (tmp_path / "README.md").read_text()
 
 
 def test_the_table_is_written_without_matplotlib(tmp_path, monkeypatch, capsys):

@@ -105,6 +105,16 @@ def test_unknown_option_exits_2(tmp_path):
     assert "--bogus" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
+def test_a_relative_results_dir_is_the_callers_not_the_checkouts(tmp_path):
+    """fmr-ladder runs from any folder: ``--results-dir taken`` means the caller's ``taken`` (here a file,
+    refused in one line naming it in full), not a folder of that name in the checkout."""
+    (tmp_path / "taken").write_text("a file")
+    proc = run_process(["bash", str(REPO / "run_all.sh"), "--cpu", "--only", "01", "--results-dir", "taken"],
+                       subprocess_env(), cwd=tmp_path, timeout=60)  # fmt: skip
+    assert proc.returncode == 2, describe(proc)
+    assert f"{tmp_path / 'taken'}: is a file" in proc.stderr and not (REPO / "taken").exists()
+
+
 def test_help_exits_0(tmp_path):
     proc = run_all("--help", tmp=tmp_path)
     assert proc.returncode == 0, describe(proc)

@@ -26,6 +26,7 @@ from fabric_memory_recipes.measurement import run_manifest
 from fabric_memory_recipes.measurement.comparison import comparison_main
 from fabric_memory_recipes.measurement.report_cpu import (
     CPU_NOTE,
+    CPU_NOTE_UNPREDICTED,
     load_predicted,
     render_cpu_table,
     render_predicted_figure,
@@ -231,8 +232,8 @@ def render_estimates(results: list[dict]) -> str | None:
 
 
 def cpu_track(results: list[dict], predicted: dict[str, dict] | None) -> bool:
-    """Every run is a CPU run and the folder has the predicted ladder: the report's CPU track."""
-    return bool(results) and predicted is not None and all(_is_cpu(r) for r in results)
+    """Every run is a CPU run: the report's CPU track (its GB column the predicted ladder, when there is one)."""
+    return bool(results) and all(_is_cpu(r) for r in results)
 
 
 def render_markdown(
@@ -240,12 +241,13 @@ def render_markdown(
     image_name: str | None = "ladder.png",
     predicted: dict[str, dict] | None = None,
     earlier: tuple[str, list[dict]] | None = None,
+    stopped: bool = False,
 ) -> str:
     """The whole README.md: title, provenance, figure, table, per-phase peaks and recipe extras. With
     ``predicted`` (``predicted.json``) and only CPU runs: the CPU track's table (fabric_memory_recipes.measurement.report_cpu).
     ``earlier``: (a sentence, the runs) that earlier invocations left in the folder, in their own section."""
     cpu = cpu_track(results, predicted)
-    table = render_table(results) if not cpu else render_cpu_table(results, predicted, speed_cell)
+    table = render_table(results) if not cpu else render_cpu_table(results, predicted or {}, speed_cell)
     out = [
         "# Results: "
         + (
@@ -265,7 +267,7 @@ def render_markdown(
         "",
         table,
         "",
-        CPU_NOTE
+        (CPU_NOTE if predicted is not None else CPU_NOTE_UNPREDICTED)
         if cpu
         else "Memory is the peak of the training phase, in GB (1e9 bytes): `allocated` by tensors and "
         "`reserved` by the caching allocator"
@@ -315,6 +317,8 @@ def render_markdown(
         for r in with_extra:
             for key, value in r["extra"].items():
                 out.append(f"- **{label(r)}** `{key}`: {format_extra(value)}")
+    if stopped:  # run_all.json's state: Ctrl-C or SIGTERM ended the ladder
+        out[1:1] = ["", f"> **Stopped before it finished**: this `./run_all.sh` was interrupted after {len(results)} run(s)."]
     if earlier and earlier[1]:
         out += ["", "## Earlier runs", "", earlier[0], "", render_table(earlier[1])]
     elif earlier and earlier[0]:  # every row is an earlier run: said under the title
@@ -371,14 +375,15 @@ def main(argv: list[str] | None = None) -> int:
     predicted = load_predicted(results_dir)
     figure = results_dir / "ladder.png"
     try:
-        if cpu_track(results, predicted):
+        if cpu_track(results, predicted) and predicted is not None:
             render_predicted_figure(results, predicted, figure)
         else:
             render_figure(results, figure)
     except ImportError:  # matplotlib is optional for the table: the figure is skipped with one line
         print("report: matplotlib is not installed: table written, figure skipped", file=sys.stderr)
         figure = None
-    markdown = render_markdown(results, figure and figure.name, predicted, (note, earlier))
+    stopped = bool(last) and last.state == "stopped"
+    markdown = render_markdown(results, figure and figure.name, predicted, (note, earlier), stopped)
     write_text(results_dir / "README.md", markdown)
     also, where = f" (and {len(earlier)} earlier, apart)" if earlier else "", results_dir / "README.md"
     print(f"report: {len(results)} runs{also} -> {where}" + (f", {figure}" if figure else ""))

@@ -49,7 +49,9 @@ def render_cpu_table(results: list[dict], predicted: dict[str, dict], speed_cell
         "precision", "batch", "peak RSS GB (process)", "img/s (range)", "optimizer steps", "train acc",
         "val acc",
     ]  # fmt: skip
-    lines = ["| " + " | ".join(header) + " |", "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    keep = slice(1, None) if predicted else slice(3, None)  # no prediction (a stopped ladder): no such columns
+    lines = ["| " + " | ".join([header[0], *header[keep]]) + " |",
+             "|---|" + "|".join(["---:", "---", "---", "---", "---:", "---:", "---:", "---:", "---:", "---:"][keep.start - 1 :]) + "|"]  # fmt: skip
     for r in sorted(results, key=sort_key):
         gb, config = _predicted_cells(predicted.get(str(r.get("recipe"))))
         accum = get(r, "config.accumulation_steps", 1) or 1
@@ -62,7 +64,7 @@ def render_cpu_table(results: list[dict], predicted: dict[str, dict], speed_cell
             str(get(r, "timing.optimizer_steps", DASH)),
             num(get(r, "accuracy.train"), 3), num(get(r, "accuracy.val"), 3),
         ]  # fmt: skip
-        lines.append("| " + " | ".join(row) + " |")
+        lines.append("| " + " | ".join([row[0], *row[keep]]) + " |")
     return "\n".join(lines)
 
 
@@ -73,6 +75,12 @@ CPU_NOTE = (
     " file, written by `python -m fabric_memory_recipes.planning --ladder DIR`). The tiny run's own peak is the"
     " process's resident set size (Python, torch and a 2-block ViT: about the same for every rung), so it"
     " says nothing about the rung's technique. Measured GPU peaks: the committed runs in `results/`."
+)
+
+CPU_NOTE_UNPREDICTED = (
+    "**Memory: no full-size prediction here** (`predicted.json` is written after the last rung by"
+    " `python -m fabric_memory_recipes.planning --ladder DIR`; a stopped ladder has none). The peak RSS column is the"
+    " tiny run's process (Python, torch and a 2-block ViT): it is neither a GPU peak nor the rung's technique."
 )
 
 
