@@ -402,3 +402,16 @@ def test_the_table_is_written_without_matplotlib(tmp_path, monkeypatch, capsys):
     markdown = (tmp_path / "README.md").read_text()
     assert "26.89" in markdown and "![ladder]" not in markdown
     assert not (tmp_path / "ladder.png").exists()
+
+
+def test_the_cpu_speed_figure_carries_each_runs_spread():
+    """Issue 36: a noisy CPU step showed checkpointing 26x faster; the bars carry the p10-p90 rates."""
+    from fabric_memory_recipes.measurement import report_cpu
+
+    run = with_steps(cpu_run("10_activation_checkpointing"), p10=0.01, median=0.02, p90=0.08)
+    batch = run["config"]["batch_size"]
+    assert report_cpu._rate(run, "p10", 0.0) == pytest.approx(batch / 0.01)
+    assert report_cpu._rate(run, "p90", 0.0) == pytest.approx(batch / 0.08)
+    bare = cpu_run("01_baseline")
+    bare["timing"].pop("step_s", None)
+    assert report_cpu._rate(bare, "p90", 123.0) == 123.0  # no step times: no spread

@@ -84,6 +84,12 @@ CPU_NOTE_UNPREDICTED = (
 )
 
 
+def _rate(result: dict, which: str, median_rate: float) -> float:
+    """img/s at the run's ``which`` (p10 | p90) step time; the median's rate when it has none."""
+    step = get(result, f"timing.step_s.{which}")
+    return get(result, "config.batch_size", 0) / step if step else median_rate
+
+
 def render_predicted_figure(results: list[dict], predicted: dict[str, dict], path: str | os.PathLike) -> None:
     """Left: the predicted full-size ladder (GB per rung); right: the tiny CPU runs' img/s."""
     import matplotlib
@@ -101,13 +107,16 @@ def render_predicted_figure(results: list[dict], predicted: dict[str, dict], pat
     ax_mem.bar_label(bars, labels=[DASH if g is None else f"{g:.2f}" for g in gb], fontsize=8)
     ax_mem.set_ylabel("GB per GPU (1e9 bytes)")
     ax_mem.set_title(f"Peak allocated: {PREDICTED_LABEL}")
-    speed_bars = ax_speed.bar(xs, speed, width=0.6, color="#31a354")
+    # the spread: img/s at the p90 and p10 step times (a noisy CPU step shows as a long bar, not a lever)
+    low = [max(0.0, v - _rate(r, "p90", v)) for r, v in zip(results, speed, strict=True)]
+    high = [max(0.0, _rate(r, "p10", v) - v) for r, v in zip(results, speed, strict=True)]
+    speed_bars = ax_speed.bar(xs, speed, width=0.6, color="#31a354", yerr=[low, high], capsize=3, ecolor="#555")
     ax_speed.bar_label(speed_bars, labels=[f"{v:.0f}" if v else "" for v in speed], fontsize=8)
     positive = [v for v in speed if v > 0]
     if positive and max(positive) / min(positive) > 30:
         ax_speed.set_yscale("log")
     ax_speed.set_ylabel("images / s")
-    ax_speed.set_title("Throughput: measured, tiny ViT on this CPU")
+    ax_speed.set_title("Throughput: measured, tiny ViT on this CPU (bars: p10-p90 step times)")
     for ax in (ax_mem, ax_speed):
         ax.set_xticks(list(xs), labels, rotation=35, ha="right", fontsize=8)
         ax.grid(axis="y", alpha=0.3)
