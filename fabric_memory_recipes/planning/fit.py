@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from fabric_memory_recipes.config import RECIPES_DIR, RunConfig, declared_rung
+from fabric_memory_recipes.config import DATA_DIR, RECIPES_DIR, RunConfig, declared_rung
 from fabric_memory_recipes.measurement.card_overhead import Overhead, card_overhead
 from fabric_memory_recipes.measurement.results_file import write_json_atomic
 from fabric_memory_recipes.planning import calibration
@@ -66,11 +66,18 @@ SOURCES = (
 )
 
 
+def rung_names(folder: Path = RECIPES_DIR) -> list[str]:
+    """The numbered recipes in ``folder``; without it (an installed wheel), those the package ships."""
+    if folder.is_dir():
+        return sorted(p.stem for p in folder.glob("[0-9][0-9]_*.py"))
+    return sorted(json.loads((DATA_DIR / "rungs.json").read_text()))
+
+
 def families(folder: Path = RECIPES_DIR) -> dict[tuple, list[RunConfig]]:
     """The single-GPU rungs by technique (:func:`~fabric_memory_recipes.planning.calibration.signature`)."""
     found: dict[tuple, list[RunConfig]] = {}
-    for path in sorted(folder.glob("[0-9][0-9]_*.py")):
-        rung, _ = declared_rung(path.stem, folder)
+    for name in rung_names(folder):
+        rung, _ = declared_rung(name, folder)
         if rung.sharding == "none" and not rung.cpu_variant and rung.recipe not in NOT_PLANNED:
             found.setdefault(calibration.signature(rung), []).append(rung)
     return found

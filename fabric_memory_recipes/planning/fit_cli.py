@@ -68,6 +68,7 @@ def add_plan_arguments(p, *, required: bool, precisions: tuple[str, ...] | None,
         p.add_argument("--optimizers", type=comma_list(optimizers), default=optimizers,
                        help="optimizers to combine (SGD and 8-bit Adam change the training: docs/06, docs/13)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the answer as JSON")
+    p.add_argument("--verbose", action="store_true", help="every speed constant with the runs it comes from")
 
 
 def budget(args: argparse.Namespace) -> float | None:
@@ -144,7 +145,7 @@ def _budget_lines(fit: Fit) -> list[str]:
     ]
 
 
-def render(fit: Fit) -> str:
+def render(fit: Fit, verbose: bool = False) -> str:
     lines = [
         f"Which configurations fit {fit.budget_gb:g} GB? {fit.model}, effective batch {fit.batch_size},"
         f" throughput on {fit.gpu}",
@@ -184,7 +185,8 @@ def render(fit: Fit) -> str:
             else f"no committed {fit.gpu} run determines it: {calibration.REFERENCE_GPU}'s calibration"
         )
         + ":",
-        *(f"  {line}" for line in fit.speed.lines()),
+        *(f"  {line}" for line in fit.speed.lines(sources=verbose)),
+        *([] if verbose else ["  (--verbose: the committed runs behind each constant)"]),
     ]
     return "\n".join(lines)
 
@@ -198,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         fail(str(e))
     fit = planner.fit(args.budget_gb, args.top)
     try:
-        print(json.dumps(to_json(fit), indent=2) if args.json else render(fit), flush=True)
+        print(json.dumps(to_json(fit), indent=2) if args.json else render(fit, args.verbose), flush=True)
     except BrokenPipeError:  # the reader (head, a pager) stopped early: not an error of the planner
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0 if fit.fits else 1

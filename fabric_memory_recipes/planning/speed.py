@@ -68,7 +68,8 @@ class SpeedModel:
         opt *= self.lowbit_factor if sig[0] == "adamw8bit" else 1.0
         return k * micro_s + k * (offloaded_gb or 0.0) / self.offload_gb_s + opt
 
-    def lines(self) -> list[str]:
+    def lines(self, sources: bool = True) -> list[str]:
+        """The model's constants; with ``sources``, each one's runs (fmr-estimate --verbose)."""
         f = self.precision_factor
         return [
             f"per micro-batch of m images: {self.fixed_ms:.2f} ms + {self.per_image_ms:.3f} ms x m"
@@ -78,7 +79,7 @@ class SpeedModel:
             f"checkpointing +{100 * self.checkpoint_extra:.0f}%; offload {self.offload_gb_s:.1f} GB/s"
             f" of saved activations; eager: at least {min(self.host_ms.values()):.0f}-"
             f"{max(self.host_ms.values()):.0f} ms of host time per micro-batch (by technique)",
-            *(f"  {k}: {v}" for k, v in self.sources.items()),
+            *(f"  {k}: {v}" for k, v in self.sources.items() if sources),
         ]
 
 

@@ -44,7 +44,6 @@ def parse(argv: list[str] | None):
     g.add_argument("--measure-steps", type=at_least(4), default=15, metavar="N", help="optimizer steps per measured set")
     g.add_argument("--measure-dir", type=output_folder("--measure-dir"), metavar="DIR",
                    help="where --measure writes plan.json, plan.md and the runs (default: runs/fit/<model>-<SIZE>)")  # fmt: skip
-    g.add_argument("--verbose", action="store_true", help="with --fit: every speed constant and its source")
     args = parser.parse_args(fit_cli.join_fit_value(sys.argv[1:] if argv is None else argv))
     flags = {f.name: getattr(args, f.name) for f in type(rung).flag_fields()}
     try:

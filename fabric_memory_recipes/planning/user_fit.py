@@ -212,7 +212,7 @@ class UserPlanner:
             + ("." if verbose else " (--verbose: every constant and its source)."),
         ]  # fmt: skip
         if verbose:
-            lines += [f"  {line}" for line in self.speed.lines()] + [f"  hooks: {HOOK_MS} ms from {HOOK_SOURCE}"]
+            lines += [f"  {line}" for line in self.speed.lines(sources=True)] + [f"  hooks: {HOOK_MS} ms from {HOOK_SOURCE}"]
         return lines
 
 
