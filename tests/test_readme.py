@@ -113,3 +113,16 @@ def test_the_workshop_handout_is_what_the_check_prints():
         for m in re.finditer(r"^\| (\d\d) \|.*?\| ([\d.]+) \| ([\d.]+) \| [\w +]+ \|$", handout, re.M)
     }
     assert {rung: rows.get(rung) for rung in check} == check
+
+
+def test_the_workshop_times_are_the_committed_cpu_samples():
+    """Issue 36: the CPU sample is re-made from the lock, and the handout's times are its summary's."""
+    log = (REPO / "results" / "published" / "cpu" / "ladder" / "console.log").read_text()
+    summary = log[log.index("Summary (") :]
+    secs = [int(s) for s in re.findall(r"^  \S+\s+ok\s+(\d+)s$", summary, re.M)]
+    secs.append(int(re.search(r"predicted ladder \(ViT-L/16\)\s+ok\s+(\d+)s", summary).group(1)))
+    secs.append(int(re.search(r"total: (\d+) s", summary).group(1)))
+    row = re.search(r"^\| seconds \|(.*)\|$", (REPO / "docs" / "workshop.md").read_text(), re.M).group(1)
+    assert [int(c) for c in row.split("|")] == secs
+    first = json.loads((REPO / "results" / "published" / "cpu" / "ladder" / "01_baseline.json").read_text())
+    assert first["provenance"]["torch"].startswith("2.11")  # the lock's torch (constraints.txt)
