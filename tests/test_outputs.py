@@ -80,7 +80,7 @@ def test_default_runs_leave_a_clean_checkout_clean():
     ]  # the newest kept; the final step writes none
     assert (runs / "cpu" / "01_baseline.json").exists() and (runs / "cpu" / "README.md").exists()
     assert json.loads((runs / "cpu" / "run_all.json").read_text())["recipes"] == ["01_baseline"]
-    assert "Summary (cpu path, results in runs/cpu)" in ladder.stdout
+    assert f"Summary (cpu path, results in {runs / 'cpu'})" in ladder.stdout  # said in full
     assert job["status"] == "", f"a default run changed the checkout:\n{job['status']}"
 
 

@@ -232,8 +232,8 @@ def render_estimates(results: list[dict]) -> str | None:
 
 
 def cpu_track(results: list[dict], predicted: dict[str, dict] | None) -> bool:
-    """Every run is a CPU run: the report's CPU track (its GB column the predicted ladder, when there is one)."""
-    return bool(results) and all(_is_cpu(r) for r in results)
+    """Every run is a CPU ladder run: the report's CPU track (its GB column the predicted ladder, if any)."""
+    return bool(results) and all(_is_cpu(r) for r in results) and (predicted is not None or not any(map(is_text, results)))
 
 
 def render_markdown(
