@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
+import io
 import os
 import sys
 from typing import NoReturn
@@ -105,7 +107,11 @@ def one_line_ctrl_c(kind, value, tb, previous=sys.excepthook) -> None:
     if not issubclass(kind, KeyboardInterrupt):
         return previous(kind, value, tb)
     sys.stderr.write(f"\n{program()}: interrupted (Ctrl-C)\n")
-    atexit._run_exitfuncs()  # what a normal exit runs; then the shell's code for SIGINT
+    try:  # what a normal exit runs; a module the Ctrl-C left half-imported may fail in it: say nothing
+        with contextlib.redirect_stderr(io.StringIO()):
+            atexit._run_exitfuncs()
+    except BaseException:  # noqa: BLE001 - the one line above is all this exit says
+        pass
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

@@ -1137,3 +1137,39 @@ def test_ctrl_c_in_a_tool_is_one_line_and_exit_130():
     proc = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True,
                           timeout=60)  # fmt: skip
     assert proc.returncode == 130 and proc.stderr.strip() == "-c: interrupted (Ctrl-C)", describe(proc)
+
+
+def test_sigterm_during_evaluation_stops_a_real_process_at_the_next_batch(tmp_path):
+    """Issue 36: a SIGTERM sent while a run evaluated was ignored for 16 minutes, until SIGKILL. A real
+    process: two training steps, then a test split long enough to be mid-evaluation when the signal comes;
+    it stops at the next batch, exits 143 and records where it stopped."""
+    write_cifar(tmp_path / "data", n_train_files=1, per_batch=40, n_test=3000)
+    results = tmp_path / "results"
+    args = ["--accelerator", "cpu", "--model", "vit_tiny", "--weights", "none", "--batch-size", "4",
+            "--max-steps", "2", "--data", "cifar10", "--data-dir", tmp_path / "data", "--results-dir", results]  # fmt: skip
+    run = Running("01_baseline", args, tmp_path / "logs")
+    in_test = run.wait_until(lambda out, err: re.search(r"test accuracy: +\d+%\|.*\| *[1-9]\d*/", err) is not None)
+    run.send(signal.SIGTERM)
+    start = time.monotonic()
+    proc = run.wait()
+    assert in_test and proc.returncode == 143, describe(proc)
+    assert time.monotonic() - start < 60, "it went on evaluating"
+    written = [json.loads(p.read_text()) for p in results.glob("01_baseline*.json")]
+    stopped = [d for d in written if d["status"] == "interrupted"]
+    assert stopped and "evaluation" in stopped[0]["extra"]["stopped"]["during"], written
+    test = stopped[0]["extra"]["evaluation"]["test"]
+    assert 1 <= test["batches"] < test["of"] and stopped[0]["accuracy"]["test"] is None
+
+
+def test_ctrl_c_stays_one_line_when_an_exit_function_fails():
+    """A Ctrl-C landing inside a half-finished import (numpy's, in a fresh venv) left exit functions that
+    failed with a RecursionError: the traceback came back and the exit code was 1. Their failures are
+    swallowed now: one line, exit 130."""
+    code = (
+        "import atexit, os, signal, fabric_memory_recipes\n"
+        "def broken(): raise RecursionError('maximum recursion depth exceeded')\n"
+        "atexit.register(broken); os.kill(os.getpid(), signal.SIGINT); import time; time.sleep(30)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert proc.returncode == 130 and proc.stderr.strip() == "-c: interrupted (Ctrl-C)", describe(proc)
