@@ -104,6 +104,13 @@ _LIVE: set[subprocess.Popen] = set()
 _LIVE_LOCK = threading.Lock()
 
 
+def as_from_a_terminal() -> None:
+    """``preexec_fn`` of the processes the tests start: SIGINT at its default, as a terminal's shell starts
+    a command. A suite started in the background (``pytest &``, a CI runner) has SIGINT ignored, which its
+    children inherit: Python then installs no KeyboardInterrupt, and a Ctrl-C test would see nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_process(
     cmd: Sequence[str], env: dict[str, str], timeout: float = SUBPROCESS_TIMEOUT, cwd: Path = REPO
 ):
@@ -117,6 +124,7 @@ def run_process(
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        preexec_fn=as_from_a_terminal,
     )
     with _LIVE_LOCK:
         _LIVE.add(proc)
@@ -226,7 +234,7 @@ class Started:
         with open(self.out, "w") as out, open(self.err, "w") as err:
             self.proc = subprocess.Popen(
                 [sys.executable, *map(str, argv)], cwd=REPO, env=env, stdout=out, stderr=err,
-                start_new_session=True,
+                start_new_session=True, preexec_fn=as_from_a_terminal,
             )  # fmt: skip
         with _LIVE_LOCK:
             _LIVE.add(self.proc)

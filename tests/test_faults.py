@@ -33,6 +33,7 @@ from conftest import (
     RECIPES_DIR,
     REPO,
     Started,
+    as_from_a_terminal,
     describe,
     load_recipe_module,
     result,
@@ -1135,7 +1136,7 @@ def test_ctrl_c_while_a_recipe_imports_is_one_line_and_exit_130(tmp_path):
 def test_ctrl_c_in_a_tool_is_one_line_and_exit_130():
     code = "import fabric_memory_recipes, os, signal; os.kill(os.getpid(), signal.SIGINT); import time; time.sleep(30)"
     proc = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True,
-                          timeout=60)  # fmt: skip
+                          timeout=60, preexec_fn=as_from_a_terminal)  # fmt: skip
     assert proc.returncode == 130 and proc.stderr.strip() == "-c: interrupted (Ctrl-C)", describe(proc)
 
 
@@ -1171,5 +1172,5 @@ def test_ctrl_c_stays_one_line_when_an_exit_function_fails():
         "atexit.register(broken); os.kill(os.getpid(), signal.SIGINT); import time; time.sleep(30)"
     )
     proc = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True,
-                          timeout=60)  # fmt: skip
+                          timeout=60, preexec_fn=as_from_a_terminal)  # fmt: skip
     assert proc.returncode == 130 and proc.stderr.strip() == "-c: interrupted (Ctrl-C)", describe(proc)
