@@ -12,6 +12,7 @@ import atexit
 import contextlib
 import io
 import os
+import signal
 import sys
 from typing import NoReturn
 
@@ -99,12 +100,22 @@ def comma_list(choices: tuple[str, ...] | None = None):
     return parse
 
 
+_ctrl_c = False  # a Ctrl-C came: what it breaks on its way out (a half-imported numpy) is its doing
+
+
+def _note_ctrl_c(signum, frame) -> None:
+    """Python's own SIGINT behaviour (raise KeyboardInterrupt), remembering that it happened."""
+    global _ctrl_c
+    _ctrl_c = True
+    raise KeyboardInterrupt
+
+
 def one_line_ctrl_c(kind, value, tb, previous=sys.excepthook) -> None:
     """``sys.excepthook``: a Ctrl-C that no run handles (while torch and Lightning load, most of a CPU
     rung's seconds; in a tool) ends with one line and exit code 130, not a 70-line traceback. Installed
     when the package is imported, which every recipe does first and every console script does by being
     in it. Inside a run, ``faults.handling_signals`` owns SIGINT: it stops at a step or batch boundary."""
-    if not issubclass(kind, KeyboardInterrupt):
+    if not (issubclass(kind, KeyboardInterrupt) or _ctrl_c):  # a Ctrl-C mid-import may end as another error
         return previous(kind, value, tb)
     sys.stderr.write(f"\n{program()}: interrupted (Ctrl-C)\n")
     try:  # what a normal exit runs; a module the Ctrl-C left half-imported may fail in it: say nothing
@@ -121,3 +132,6 @@ def one_line_ctrl_c(kind, value, tb, previous=sys.excepthook) -> None:
 
 
 sys.excepthook = one_line_ctrl_c
+if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # an ignored SIGINT stays ignored
+    with contextlib.suppress(ValueError):  # imported outside the main thread: Python's own stays
+        signal.signal(signal.SIGINT, _note_ctrl_c)

@@ -76,8 +76,8 @@ def test_the_callers_pythonpath_stays_after_the_checkout(tmp_path, monkeypatch):
 
 def test_project_env_puts_the_code_first_and_keeps_the_callers_path(monkeypatch, tmp_path):
     """Every tool's child processes: this checkout's (or a given one's) code first, then PYTHONPATH."""
-    from fabric_memory_recipes.tools.processes import REPO as TOOLS_REPO
-    from fabric_memory_recipes.tools.processes import project_env
+    from fabric_memory_recipes.processes import REPO as TOOLS_REPO
+    from fabric_memory_recipes.processes import project_env
 
     monkeypatch.setenv("PYTHONPATH", "/opt/extra-site")
     env = project_env(tmp_path, FMR_OFFLINE="1")

@@ -23,8 +23,9 @@ from pathlib import Path
 import pytest
 from conftest import REPO, describe, result, run_process, session_dir, submit, subprocess_env
 
+from fabric_memory_recipes import processes
 from fabric_memory_recipes.measurement import comparison, report
-from fabric_memory_recipes.tools import compare_plan, compare_rows, processes
+from fabric_memory_recipes.tools import compare_plan, compare_rows
 from fabric_memory_recipes.tools import compare_reference as cmp
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -1174,3 +1174,20 @@ def test_ctrl_c_stays_one_line_when_an_exit_function_fails():
     proc = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True,
                           timeout=60, preexec_fn=as_from_a_terminal)  # fmt: skip
     assert proc.returncode == 130 and proc.stderr.strip() == "-c: interrupted (Ctrl-C)", describe(proc)
+
+
+def test_a_ctrl_c_that_breaks_an_import_on_its_way_out_is_still_one_line():
+    """A Ctrl-C inside numpy's import left it half-initialised, and what came out was a RecursionError, not
+    the KeyboardInterrupt (seen in the suite: 'interrupted' became a 900-frame traceback and exit 1)."""
+    code = (
+        "import os, signal, fabric_memory_recipes\n"
+        "try:\n    os.kill(os.getpid(), signal.SIGINT); import time; time.sleep(30)\n"
+        "except KeyboardInterrupt:\n    raise RecursionError('maximum recursion depth exceeded')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True,
+                          timeout=60, preexec_fn=as_from_a_terminal)  # fmt: skip
+    assert proc.returncode == 130 and proc.stderr.strip() == "-c: interrupted (Ctrl-C)", describe(proc)
+    code = "import fabric_memory_recipes\nraise RecursionError('no Ctrl-C: its own traceback')"
+    proc = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True,
+                          timeout=60, preexec_fn=as_from_a_terminal)  # fmt: skip
+    assert proc.returncode == 1 and "Traceback" in proc.stderr  # other errors keep their traceback

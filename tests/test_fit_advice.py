@@ -165,9 +165,9 @@ def test_measure_ranks_by_what_ran(tmp_path):
             for b in (1, 2, 3)]  # fmt: skip
     outcomes = iter([("ok", 50.0, 3.5), ("ok", 80.0, 3.9), ("oom", None, None)])
 
-    def stand_in(cmd, log, timeout):
+    def stand_in(run, env, timeout):
         status, speed, device = next(outcomes)
-        json_path = Path(cmd[cmd.index("--results-dir") + 1]) / "your_model.json"
+        cmd, json_path = run.cmd, run.json
         json_path.parent.mkdir(parents=True, exist_ok=True)
         memory = {"device_peak_gb": device, "peak_reserved_gb": device and device - 0.9}
         json_path.write_text(

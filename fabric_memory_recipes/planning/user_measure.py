@@ -15,18 +15,15 @@ run's results JSON) after each run, so a stopped call keeps what finished, and `
 from __future__ import annotations
 
 import json
-import os
 import shlex
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from fabric_memory_recipes.measurement.results_file import write_atomic, write_json_atomic
+from fabric_memory_recipes.processes import REPO, Run, execute, run_env
 
-REPO = Path(__file__).resolve().parents[2]
 RUNNER = REPO / "recipes" / "your_model.py"
 RUN_ARGS = ("--data", "synthetic", "--weights", "none", "--eval-batches", "1")
 
@@ -34,39 +31,6 @@ RUN_ARGS = ("--data", "synthetic", "--weights", "none", "--eval-batches", "1")
 def run_argv(choice_argv: list[str], budget_gb: float, steps: int, results_dir: Path) -> list[str]:
     return [sys.executable, str(RUNNER), *choice_argv, *RUN_ARGS, "--max-steps", str(steps),
             "--memory-budget-gb", f"{budget_gb:g}", "--results-dir", str(results_dir)]  # fmt: skip
-
-
-def execute(cmd: list[str], log: Path, timeout: float) -> dict[str, Any]:
-    """One runner process in its own process group (killed whole on timeout), output to ``log``."""
-    log.parent.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "FMR_OFFLINE": "1"}
-    with open(log, "w", encoding="utf-8") as f:
-        proc = subprocess.Popen(
-            cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        try:
-            code = proc.wait(timeout=timeout)
-            status = {0: "ok", 3: "oom"}.get(code, "error")  # the runner: 2 bad flags, 3 out of memory
-        except subprocess.TimeoutExpired:
-            status = "timeout"
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # whatever it left (DataLoader workers)
-            except (ProcessLookupError, PermissionError):
-                pass
-            proc.wait()
-    lines = [x for x in log.read_text(errors="replace").splitlines() if x.strip()]
-    error = (
-        None
-        if status == "ok"
-        else f"killed after {timeout:.0f} s"
-        if status == "timeout"
-        else lines[-1][:300]
-        if lines
-        else None
-    )
-    return {"status": status, "wall_s": time.perf_counter() - start, "error": error}
 
 
 def _read(path: Path) -> dict[str, Any]:
@@ -87,13 +51,14 @@ def measure(rows: list[dict[str, Any]], budget_gb: float, out: Path, steps: int 
             say=print) -> list[dict[str, Any]]:  # fmt: skip
     """Run each row's ``argv`` (the planner's order) and fill in what it measured; rank them."""
     out.mkdir(parents=True, exist_ok=True)
+    env = run_env(str(out / "logs"))
     start = time.perf_counter()
     for i, row in enumerate(rows, 1):
         folder = out / "runs" / f"{i:02d}"
-        (folder / "your_model.json").unlink(missing_ok=True)  # an older run's file is not this run's
         cmd = run_argv(row["argv"], budget_gb, steps, folder)
         say(f"[measure {i}/{len(rows)}, {time.perf_counter() - start:.0f} s] {row['label']} ...")
-        proc = execute(cmd, folder.with_suffix(".log"), timeout)
+        run = Run("project", "your_model", None, cmd, folder / "your_model.json", folder.with_suffix(".log"))
+        proc = execute(run, env, timeout)  # removes an older run's results JSON first
         got = _read(folder / "your_model.json")
         status = got.get("status") or proc["status"]
         device = got.get("device_peak_gb")

@@ -25,8 +25,8 @@ from pathlib import Path
 
 from fabric_memory_recipes.console import Parser
 from fabric_memory_recipes.paths import output_folder
+from fabric_memory_recipes.processes import Run, execute, project_env
 from fabric_memory_recipes.tools.compare_plan import SINGLE_GPU_RUNGS
-from fabric_memory_recipes.tools.processes import Run, execute, project_env
 
 Runner = Callable[[Run, dict, float], dict]  # processes.execute, or a test's stand-in
 
@@ -37,7 +37,7 @@ def script(checkout: Path, rung: str) -> Path:
 
 def run(checkout: Path, rung: str, mode: str, flags: list[str], out: Path, timeout: float,
         runner: Runner = execute) -> dict:  # fmt: skip
-    """One recipe run in its own process group, killed after ``timeout`` seconds (fabric_memory_recipes.tools.processes's
+    """One recipe run in its own process group, killed after ``timeout`` seconds (fabric_memory_recipes.processes's
     ``execute``); returns its results JSON, or what is known when it wrote none."""
     path = script(checkout, rung)
     results = out / mode

@@ -52,8 +52,8 @@ from fabric_memory_recipes.config import declared_rung
 from fabric_memory_recipes.console import Parser
 from fabric_memory_recipes.measurement.results_file import write_json_atomic
 from fabric_memory_recipes.paths import output_folder
+from fabric_memory_recipes.processes import project_env
 from fabric_memory_recipes.tools.compare_plan import SINGLE_GPU_RUNGS
-from fabric_memory_recipes.tools.processes import project_env
 
 REPO = Path(__file__).resolve().parents[2]
 OWN_PRECISION = ("02", "03")  # graphs-only checks in the rung's own precision (and every compensated rung)

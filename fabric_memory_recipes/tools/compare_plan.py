@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fabric_memory_recipes.measurement.results_file import WARMUP_STEPS
-from fabric_memory_recipes.tools.processes import Run
+from fabric_memory_recipes.processes import Run
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -38,6 +38,7 @@ from fabric_memory_recipes.config import at_least
 from fabric_memory_recipes.console import Parser, fail
 from fabric_memory_recipes.measurement.results_file import gpu_slug
 from fabric_memory_recipes.paths import RUNS, output_folder
+from fabric_memory_recipes.processes import Run, execute, gpu_probe, run_env
 from fabric_memory_recipes.tools.compare_plan import (
     MIN_STEPS,
     MODE_ARGS,
@@ -57,7 +58,6 @@ from fabric_memory_recipes.tools.compare_rows import (
     summarize_reference,
     write_outputs,
 )
-from fabric_memory_recipes.tools.processes import Run, execute, gpu_probe, run_env
 
 
 # -------------------------------------------------------------------------------------------- main

@@ -11,8 +11,8 @@ from typing import Any
 
 from fabric_memory_recipes.measurement.comparison import comparison_ratios, write_comparison
 from fabric_memory_recipes.measurement.results_file import write_json_atomic
+from fabric_memory_recipes.processes import Run
 from fabric_memory_recipes.tools.compare_plan import MODES, RUNGS, SUBSTITUTION_NOTE, Reference
-from fabric_memory_recipes.tools.processes import Run
 
 
 def _read_json(path: Path) -> dict | None:

@@ -53,13 +53,13 @@ from fabric_memory_recipes.config import declared_rung
 from fabric_memory_recipes.console import Parser
 from fabric_memory_recipes.measurement.results_file import write_json_atomic
 from fabric_memory_recipes.paths import output_folder
+from fabric_memory_recipes.processes import DeviceSlots, project_env
 from fabric_memory_recipes.tools.convergence_report import (  # noqa: F401 (the report, from this command too)
     BASELINE,
     render,
     render_markdown,
     render_table,
 )
-from fabric_memory_recipes.tools.processes import DeviceSlots, project_env
 from fabric_memory_recipes.training import digits
 
 REPO = Path(__file__).resolve().parents[2]

@@ -31,7 +31,7 @@ from fabric_memory_recipes.config import at_least
 from fabric_memory_recipes.console import Parser
 from fabric_memory_recipes.measurement.results_file import write_atomic
 from fabric_memory_recipes.paths import output_folder
-from fabric_memory_recipes.tools.processes import REPO, project_env
+from fabric_memory_recipes.processes import REPO, project_env
 
 PRECISION, OPTIMIZER = "bf16-mixed", "adamw"  # the user's, in every job
 # (job name, the model's flags, card sizes): none of these models is in results/published/h100/your-model/

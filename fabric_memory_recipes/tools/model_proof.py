@@ -49,8 +49,8 @@ from fabric_memory_recipes.measurement.card_overhead import card_overhead
 from fabric_memory_recipes.measurement.results_file import write_json_atomic
 from fabric_memory_recipes.paths import output_folder
 from fabric_memory_recipes.planning.user_fit import MAY_CHANGE, UserPlanner
+from fabric_memory_recipes.processes import execute, run_env
 from fabric_memory_recipes.tools import planner_proof
-from fabric_memory_recipes.tools.processes import execute, run_env
 
 REPO = Path(__file__).resolve().parents[2]
 QWEN, BERT = "hf:examples/configs/qwen2-0.5b", "hf:examples/configs/bert-base-uncased"

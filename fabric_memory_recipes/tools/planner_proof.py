@@ -62,8 +62,8 @@ from fabric_memory_recipes.planning.fit import (
     SimulationCache,
 )
 from fabric_memory_recipes.planning.fit_cli import parse_size
+from fabric_memory_recipes.processes import Run, execute, run_env
 from fabric_memory_recipes.tools.compare_rows import summarize_project
-from fabric_memory_recipes.tools.processes import Run, execute, run_env
 
 REPO = Path(__file__).resolve().parents[2]
 RUN_ARGS = ("--data", "synthetic", "--weights", "none", "--eval-batches", "1")

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from fabric_memory_recipes.config import UsageError
 from fabric_memory_recipes.console import Parser
 from fabric_memory_recipes.paths import check_output_folder, name_type
-from fabric_memory_recipes.tools.processes import project_env
+from fabric_memory_recipes.processes import project_env
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_FLAGS = [

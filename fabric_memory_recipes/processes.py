@@ -1,7 +1,8 @@
-"""The child processes of the tools: one command per process, with this checkout's code, a log and a timeout.
+"""Child processes: one command per process, with this checkout's code, a log and a timeout.
 
 Every tool that measures (compare_reference, ab_ladder, planner_proof, model_proof, check_equivalence,
-convergence, same_parameters) runs recipes or scripts as processes of their own: a run's memory and its
+convergence, same_parameters, fit_proof) and ``fmr-estimate --fit --measure`` (planning/user_measure.py)
+run recipes or scripts as processes of their own: a run's memory and its
 failures stay its own, and a hung run can be killed with everything it started. What they share is here:
 the environment (:func:`project_env`, :func:`run_env`), one planned process (:class:`Run`) and running it
 (:func:`execute`), and asking a child which GPU is there (:func:`gpu_probe`).
@@ -10,6 +11,7 @@ the environment (:func:`project_env`, :func:`run_env`), one planned process (:cl
 from __future__ import annotations
 
 import os
+import queue
 import shlex
 import signal
 import subprocess
@@ -18,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 
 
 def project_env(code: Path | str = REPO, **extra: str) -> dict[str, str]:
@@ -116,8 +118,6 @@ class DeviceSlots:
     it back. Thread-safe; a benchmark runs ``gpus * per_gpu`` workers."""
 
     def __init__(self, gpus: int, per_gpu: int) -> None:
-        import queue
-
         self.gpus, self.free = gpus, queue.Queue()
         for _ in range(per_gpu):
             for gpu in range(gpus):
