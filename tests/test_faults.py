@@ -1133,10 +1133,15 @@ def test_ctrl_c_while_a_recipe_imports_is_one_line_and_exit_130(tmp_path):
     assert proc.stderr.strip().splitlines() == ["01_baseline.py: interrupted (Ctrl-C)"], describe(proc)
 
 
+
+def python_c(code: str) -> subprocess.CompletedProcess:
+    """``python -c code``, started as from a terminal (SIGINT at its default): the Ctrl-C tests' child."""
+    return subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True,
+                          timeout=60, preexec_fn=as_from_a_terminal)  # fmt: skip
+
 def test_ctrl_c_in_a_tool_is_one_line_and_exit_130():
     code = "import fabric_memory_recipes, os, signal; os.kill(os.getpid(), signal.SIGINT); import time; time.sleep(30)"
-    proc = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True,
-                          timeout=60, preexec_fn=as_from_a_terminal)  # fmt: skip
+    proc = python_c(code)
     assert proc.returncode == 130 and proc.stderr.strip() == "-c: interrupted (Ctrl-C)", describe(proc)
 
 
@@ -1171,8 +1176,7 @@ def test_ctrl_c_stays_one_line_when_an_exit_function_fails():
         "def broken(): raise RecursionError('maximum recursion depth exceeded')\n"
         "atexit.register(broken); os.kill(os.getpid(), signal.SIGINT); import time; time.sleep(30)"
     )
-    proc = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True,
-                          timeout=60, preexec_fn=as_from_a_terminal)  # fmt: skip
+    proc = python_c(code)
     assert proc.returncode == 130 and proc.stderr.strip() == "-c: interrupted (Ctrl-C)", describe(proc)
 
 
@@ -1184,10 +1188,8 @@ def test_a_ctrl_c_that_breaks_an_import_on_its_way_out_is_still_one_line():
         "try:\n    os.kill(os.getpid(), signal.SIGINT); import time; time.sleep(30)\n"
         "except KeyboardInterrupt:\n    raise RecursionError('maximum recursion depth exceeded')\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True,
-                          timeout=60, preexec_fn=as_from_a_terminal)  # fmt: skip
+    proc = python_c(code)
     assert proc.returncode == 130 and proc.stderr.strip() == "-c: interrupted (Ctrl-C)", describe(proc)
     code = "import fabric_memory_recipes\nraise RecursionError('no Ctrl-C: its own traceback')"
-    proc = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True,
-                          timeout=60, preexec_fn=as_from_a_terminal)  # fmt: skip
+    proc = python_c(code)
     assert proc.returncode == 1 and "Traceback" in proc.stderr  # other errors keep their traceback
