@@ -17,7 +17,7 @@ from conftest import REPO, describe, result, run_process, session_dir, submit, s
 
 from fabric_memory_recipes.config import RunConfig, declared_rung
 from fabric_memory_recipes.measurement.results import RunResults
-from fabric_memory_recipes.tools import convergence
+from fabric_memory_recipes.tools import convergence, convergence_report
 from fabric_memory_recipes.training import data, digits, loop, models
 
 BACKGROUND_PRIORITY = 15
@@ -161,7 +161,7 @@ def test_tool_plans_every_single_gpu_rung_with_its_kind_of_learning_rate():
     assert {j.variant for j in jobs if j.recipe == "06_sgd_cosine"} == {"default", "plain", "kahan", "mixed"}  # fmt: skip
     rules = {(j.recipe[:2], j.variant): j.rule for j in jobs}
     assert rules[("06", "default")] == rules[("12", "default")] == "stochastic" and rules[("03", "default")] == "plain"
-    assert rules[("14", "default")] == "plain"  # until its compensated warm-up fits the floor (docs/14)
+    assert rules[("14", "default")] == "stochastic"  # the floor too: its peak is plain rounding's (docs/14)
     assert rules[("06", "plain")] == rules[("06", "mixed")] == "plain" and rules[("03", "kahan")] == "kahan"
     assert not [j for j in jobs if j.seed is None], "no ViT-L/16 memory runs without CUDA"
     assert [j for j in convergence.plan(args, cuda=True) if j.seed is None]
@@ -179,6 +179,17 @@ def test_a_later_call_that_added_runs_is_named_in_the_report():
         "- a later call (2026-11-23T16:00:00+00:00) added 2 runs in 176 s: `convergence.py --seed-list 2`;"
         " seed 2 of the rungs the first call's deadline skipped" in text
     )
+
+
+def test_a_later_call_on_several_gpus_counts_each_gpu_and_names_them():
+    """A call that spread its runs over 4 GPUs cost 4 x its wall time of GPU time, and its line says where."""
+    later = {"timestamp": "t", "command": "convergence.py --gpus 4", "wall_s": 400.0, "runs": [{"returncode": 0}],
+             "settings": {"gpus": 4, "gpu_name": "NVIDIA H200"}}  # fmt: skip
+    summary = {"wall_s": 100.0, "later_calls": [later]}
+    assert convergence_report.device_seconds(summary) == 100.0 + 4 * 400.0
+    text = convergence.render_markdown([], summary, None)
+    assert "added 1 runs in 400 s on 4 × NVIDIA H200: `convergence.py --gpus 4`" in text
+    assert "GPU time of the whole benchmark: 1700 s" in text
 
 
 def test_gpu_plan_trains_vit_l_16_at_one_budget_and_measures_lost_updates_where_it_compares_precisions():

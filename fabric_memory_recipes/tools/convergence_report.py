@@ -303,11 +303,12 @@ def _provenance(results: list[dict], settings: dict[str, Any]) -> list[str]:
 
 
 def device_seconds(summary: dict[str, Any]) -> float | None:
-    """The benchmark's wall time over all its calls (the first call's and ``later_calls``'): the GPU time
-    it cost, since each call ran alone on its GPU."""
-    walls = [c.get("wall_s") for c in [summary, *(summary.get("later_calls") or [])]]
-    walls = [w for w in walls if isinstance(w, int | float)]
-    return sum(walls) if walls else None
+    """The GPU time of the benchmark over all its calls (the first call's and ``later_calls``'): each
+    call's wall time times the GPUs it spread its runs over (``--gpus``), each of which it had to itself."""
+    calls = [summary, *(summary.get("later_calls") or [])]
+    times = [c["wall_s"] * ((c.get("settings") or {}).get("gpus") or 1) for c in calls
+             if isinstance(c.get("wall_s"), int | float)]  # fmt: skip
+    return sum(times) if times else None
 
 
 def _later_call(call: dict[str, Any]) -> str:
@@ -316,8 +317,11 @@ def _later_call(call: dict[str, Any]) -> str:
     ran = [r for r in call.get("runs") or [] if r.get("returncode") == 0]
     wall = call.get("wall_s")
     took = f" in {wall:.0f} s" if isinstance(wall, int | float) else ""
+    settings = call.get("settings") or {}
+    gpus = settings.get("gpus") or 1
+    where = f" on {gpus} × {settings['gpu_name']}" if settings.get("gpu_name") else ""
     return (
-        f"- a later call ({call.get('timestamp')}) added {len(ran)} runs{took}:"
+        f"- a later call ({call.get('timestamp')}) added {len(ran)} runs{took}{where}:"
         f" `{call.get('command')}`{'; ' + call['note'] if call.get('note') else ''}"
     )
 

@@ -132,6 +132,7 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):  # noqa: N8
         self._sources: list[tuple | None] = []  # (shape, stride, dtype) each buffer was made for
         self._sizes: list[int] = []  # bytes of the n-th saved tensor, last seen
         self._streams: dict[torch.device, Streams] = {}
+        self._forked: set[int] = set()  # ids of the side streams forked from compute since the last join
         self._next = 0
         self._resident_from = None  # slots from here on stay on the device (None: offload all)
         self._written: dict[int, object] = {}  # slot -> event of its copy out
@@ -193,7 +194,7 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):  # noqa: N8
             self._log(f"out {slot}")
             return _Saved(slot, t.device)
         s, compute = self._streams_and_compute(t.device)
-        s.out.wait_stream(compute)  # the tensor has been written
+        self._fork(s.out, compute)  # the tensor has been written
         with s.use(s.out):
             host.copy_(t, non_blocking=True)
         self._written[slot] = s.out.record_event()
@@ -253,7 +254,7 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):  # noqa: N8
     def _fetch(self, slot: int, device: torch.device, s: Streams, compute) -> None:
         host = self.buffers[slot]
         tensor = torch.empty_like(host, device=device)  # allocated for the compute stream
-        s.into.wait_stream(compute)  # memory recycled from kernels still queued there is not written early
+        self._fork(s.into, compute)  # memory recycled from kernels still queued there is not written early
         s.into.wait_event(self._written[slot])  # the copy out of this slot has finished
         with s.use(s.into):
             tensor.copy_(host, non_blocking=True)
@@ -275,6 +276,11 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):  # noqa: N8
             self._cursor -= 1
         self.traffic.most_prefetched = max(self.traffic.most_prefetched, pending)
 
+    def _fork(self, side, compute) -> None:
+        """``side`` waits for ``compute``'s work so far, and is joined back at the end of backward."""
+        side.wait_stream(compute)
+        self._forked.add(id(side))
+
     def _backward_done(self) -> None:
         """End of backward (an autograd callback): the side streams rejoin the compute stream."""
         self._callback_queued = False
@@ -282,12 +288,17 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):  # noqa: N8
 
     def _drop_leftovers(self) -> None:
         """Everything on a side stream is waited for by the compute stream it came from (in a CUDA graph
-        capture: the side streams rejoin the captured stream), then the references are dropped."""
+        capture: the side streams rejoin the captured stream), then the references are dropped. Only the
+        side streams forked since the last join rejoin: a CUDA graph capture refuses to wait for a stream
+        that did no work in it (seen on rung 11: an epoch's shorter last group, whose capture fetched
+        nothing back, failed with "dependency created on uncaptured work in another stream")."""
         for _tensor, event, stream in [*self._fetched.values(), *self._waiting.values()]:
             stream.wait_event(event)  # before the memory can be reused by the compute stream
         for device, s in self._streams.items():
-            self._compute[device].wait_stream(s.out)
-            self._compute[device].wait_stream(s.into)
+            for side in (s.out, s.into):
+                if id(side) in self._forked:
+                    self._compute[device].wait_stream(side)
+        self._forked.clear()
         self._fetched.clear()
         self._waiting.clear()
         self._resident.clear()
