@@ -361,3 +361,29 @@ def test_the_default_rounding_reaches_the_optimizer_and_other_precisions_run_the
             torch.optim.Adam([w], lr=1e-3, fused=True), cli.parse(_load("04_lower_batch_size"), cpu), log
         )
         assert adam.bf16_stochastic_round and adam.param_groups[0]["weight_decay"] == 0
+
+
+AB_37 = Path(__file__).resolve().parents[1] / "results" / "published" / "h200x4" / "ab" / "issue37"
+CONVERGENCE_RUNS = Path(__file__).resolve().parents[1] / "results" / "published" / "h100" / "convergence" / "runs"
+
+
+@pytest.mark.parametrize("rung", COMPENSATED)
+def test_each_compensated_rungs_page_states_its_committed_ab_and_accuracy(rung):
+    """The numbers a rung page gives for its stochastic-rounding default are those of the committed A/B
+    (plain base vs this default, one call) and of the convergence benchmark's runs."""
+    import json
+    import statistics
+
+    [new] = AB_37.glob(f"ab-gpu*/new/fast/{rung}_*.json")
+    base = Path(str(new).replace("/new/", "/base/"))
+    b, n = json.loads(base.read_text()), json.loads(new.read_text())
+    assert n["config"]["bf16_update"] == "stochastic" and b["config"].get("bf16_update", "plain") == "plain"
+    rb, rn = b["memory"]["peak_reserved_gb"], n["memory"]["peak_reserved_gb"]
+    ib, i_n = b["timing"]["images_per_s"], n["timing"]["images_per_s"]
+    accuracy = [json.loads(p.read_text())["accuracy"]["test"] for p in CONVERGENCE_RUNS.glob(f"{rung}_*-default-s*.json")]
+    assert len(accuracy) == 3
+    [page] = (RECIPES.parent / "docs").glob(f"{rung}_*.md")
+    text = page.read_text()
+    assert f"peak reserved {rb:.3f} → {rn:.3f} GB" in text
+    assert f"{ib:.1f} → {i_n:.1f} img/s ({100 * (i_n / ib - 1):+.1f} %)" in text
+    assert f"{statistics.mean(accuracy):.3f} ± {statistics.stdev(accuracy):.3f} (n=3)" in text

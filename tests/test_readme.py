@@ -79,14 +79,22 @@ def test_the_planner_card_claim_is_the_committed_proof():
 
 
 def test_the_fit_proof_claim_is_the_committed_proof():
-    """29 sets, all fitting; the CPU ranking's pick fastest in 4 of 6 jobs (results/published/h100/fit-proof/)."""
+    """39 sets, all fitting; the CPU ranking's pick fastest in 5 of 8 jobs, and in the other three (the vision
+    models on their small cards) 0.65-0.86 of the fastest (results/published/h100/fit-proof/)."""
     plans = [json.loads(p.read_text()) for p in sorted((PUBLISHED / "fit-proof").glob("*/plan.json"))]
     sets = [s for plan in plans for s in plan["sets"]]
-    assert len(sets) == 29 and all(s["fits"] for s in sets)
+    assert len(sets) == 39 and all(s["fits"] for s in sets)
     first = [plan["sets"][0]["command"] == plan["measured_pick"] for plan in plans]
-    assert (sum(first), len(first)) == (4, 6)
+    assert (sum(first), len(first)) == (5, 8)
+    ratios = []
+    for plan in plans:
+        speed = {s["command"]: s.get("measured_samples_per_s") for s in plan["sets"]}
+        if plan["sets"][0]["command"] != plan["measured_pick"]:
+            ratios.append(round(speed[plan["sets"][0]["command"]] / max(v for v in speed.values() if v), 2))
+    assert (min(ratios), max(ratios)) == (0.65, 0.86)
     text = " ".join(README.split())
-    assert "all 29 measured sets" in text and "fastest measured in 4 of 6 cases" in text
+    assert "all 39 measured sets" in text and "fastest measured in 5 of 8 cases" in text
+    assert "it ran at 0.65–0.86 of the fastest" in text
 
 
 def test_every_number_in_the_prose_is_checked():
