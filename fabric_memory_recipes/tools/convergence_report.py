@@ -305,10 +305,8 @@ def _provenance(results: list[dict], settings: dict[str, Any]) -> list[str]:
 def device_seconds(summary: dict[str, Any]) -> float | None:
     """The GPU time of the benchmark over all its calls (the first call's and ``later_calls``'): each
     call's wall time times the GPUs it spread its runs over (``--gpus``), each of which it had to itself."""
-    calls = [summary, *(summary.get("later_calls") or [])]
-    times = [c["wall_s"] * ((c.get("settings") or {}).get("gpus") or 1) for c in calls
-             if isinstance(c.get("wall_s"), int | float)]  # fmt: skip
-    return sum(times) if times else None
+    calls = [c for c in [summary, *(summary.get("later_calls") or [])] if isinstance(c.get("wall_s"), int | float)]  # fmt: skip
+    return sum(c["wall_s"] * ((c.get("settings") or {}).get("gpus") or 1) for c in calls) if calls else None
 
 
 def _later_call(call: dict[str, Any]) -> str:
@@ -318,8 +316,7 @@ def _later_call(call: dict[str, Any]) -> str:
     wall = call.get("wall_s")
     took = f" in {wall:.0f} s" if isinstance(wall, int | float) else ""
     settings = call.get("settings") or {}
-    gpus = settings.get("gpus") or 1
-    where = f" on {gpus} × {settings['gpu_name']}" if settings.get("gpu_name") else ""
+    where = f" on {settings.get('gpus') or 1} × {settings['gpu_name']}" if settings.get("gpu_name") else ""
     return (
         f"- a later call ({call.get('timestamp')}) added {len(ran)} runs{took}{where}:"
         f" `{call.get('command')}`{'; ' + call['note'] if call.get('note') else ''}"

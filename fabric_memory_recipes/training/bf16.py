@@ -146,15 +146,10 @@ class StochasticRoundSGD(torch.optim.Optimizer):
 
 @functools.cache
 def compiled_sgd_update():
-    """:func:`sgd_update` compiled once per process (dynamo keeps one variant per shape and flags).
-
-    Pointwise autotuning off: Inductor would benchmark each new kernel's configurations at its first run,
-    with a buffer the size of the GPU's L2 cache (50 MB on an H100) to flush it, and clones of the
-    tensors the kernel writes. That first run happens inside backward on the step-in-backward rungs, on
-    top of their activations: at the floor (rung 14) it raised the peak by ~0.04 GB (docs/14). One
-    heuristic launch configuration suits a one-pass elementwise update."""
-    options = {"triton.autotune_pointwise": False}
-    return torch.compile(sgd_update, fullgraph=True, dynamic=False, options=options)
+    """:func:`sgd_update` compiled once per process (dynamo keeps one variant per shape and flags), without
+    pointwise autotuning: its benchmark buffer (the size of L2) at each kernel's first run, inside backward
+    on rungs 12 and 14, raised the floor's warm-up peak by ~0.04 GB (docs/14_memory_floor.md)."""
+    return torch.compile(sgd_update, fullgraph=True, dynamic=False, options={"triton.autotune_pointwise": False})  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------- choosing the rule
