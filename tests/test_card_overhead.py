@@ -117,7 +117,9 @@ def test_the_overhead_per_gpu_is_the_measured_one_for_that_many_processes_and_sa
     two = card_overhead.overhead_per_gpu("h100", "eager", 2, SHARDED)
     assert two.gb == 2.1 and "no h100 x2 eager measurement" in two.source
     assert card_overhead.overhead_per_gpu("h100", "eager", 1, SHARDED).gb == 0.80  # one process
-    unknown = card_overhead.overhead_per_gpu("h200", "eager", 4, SHARDED)
+    other = card_overhead.overhead_per_gpu("h200", "eager", 4, SHARDED)  # another kind's, said
+    assert other.gb == 2.1 and "no h200 x4 eager measurement" in other.source and "h100 x4" in other.source
+    unknown = card_overhead.overhead_per_gpu("h200", "eager", 4, {"kinds": {}, "sharded": {}})
     assert unknown.gb is None and "NCCL" in unknown.source
 
 

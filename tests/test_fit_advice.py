@@ -245,3 +245,27 @@ def test_an_installed_package_plans_without_the_checkout(tmp_path):
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert "Which technique sets fit 4 GB?" in proc.stdout and "Fastest that fit" in proc.stdout
     assert "measured" in proc.stdout  # the committed runs came along as package data
+
+
+def test_several_gpus_plan_fsdp_sets_with_memory_per_gpu(configs, capsys):
+    """--devices N: every set is FSDP over the N GPUs (with checkpointing or without), kept to the user's
+    precision and optimizer, its memory per GPU below the same set's on one GPU and its samples/s N GPUs'."""
+    argv = ["--model", configs["llama"], "--seq-len", "32", "--batch-size", "4", "--precision", "bf16-mixed",
+            "--fit", "8GB", "--top", "40", "--gpu", "h100"]  # fmt: skip
+    one = {(r["technique"], r["accumulation_steps"]): r for r in _fit(capsys, argv)["fits"]}
+    four = _fit(capsys, [*argv, "--devices", "4"])
+    assert four["fits"] and four["kept"] == {"precision": "bf16-mixed", "optimizer": "adamw"}
+    for row in four["fits"]:
+        cmd = shlex.split(row["command"])
+        assert cmd[cmd.index("--devices") + 1] == "4" and "--fsdp" in cmd and row["devices"] == 4
+        assert "--activation-offload" not in cmd and "--optimizer-in-backward" not in cmd
+        parsed = cli.build_parser(user_run.default_config()).parse_args(cmd[2:])
+        assert parsed.fsdp and parsed.devices == 4 and parsed.precision == "bf16-mixed"
+        alone = one[(row["technique"], row["accumulation_steps"])]
+        assert row["simulated_peak_allocated_gb"] < alone["simulated_peak_allocated_gb"]  # sharded state
+        assert row["overhead_gb"] > alone["overhead_gb"]  # four processes' contexts and NCCL, measured
+        assert row["predicted_samples_per_s"] == pytest.approx(4 * alone["predicted_samples_per_s"])
+    assert {r["technique"] for r in four["fits"]} == {"AdamW", "AdamW + checkpointing"}
+    with pytest.raises(SystemExit) as e:
+        user_cli.main([*argv, "--devices", "4", "--measure"])
+    assert e.value.code == 2 and "--measure runs each set on one GPU" in capsys.readouterr().err

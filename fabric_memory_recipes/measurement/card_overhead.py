@@ -80,7 +80,8 @@ def overhead_per_gpu(gpu: str, mode: str, devices: int, table: dict[str, Any] | 
     """What one GPU of a run with ``devices`` processes on the machine holds outside the caching
     allocator: :func:`card_overhead` for one process; for several, the largest measured by committed runs
     of ``devices`` processes of that kind and mode. Without one: the largest measured with several
-    processes on that kind (said in ``source``), else None (never the one-process value, which lacks NCCL)."""
+    processes on that kind, else on any kind (as :func:`card_overhead` assumes another kind's for one
+    process; said in ``source``), else None (never the one-process value, which lacks NCCL)."""
     if devices <= 1:
         return card_overhead(gpu, mode, table)
     table = load_table() if table is None else table
@@ -92,10 +93,12 @@ def overhead_per_gpu(gpu: str, mode: str, devices: int, table: dict[str, Any] | 
         return Overhead(gpu, mode, entry["overhead_gb"],
                         f"{gpu} x{devices} {mode}: {entry['overhead_gb']:.2f} GB per GPU, the largest of"
                         f" {entry['runs']} measured sharded run(s) ({entry['largest_from']}; {where})")  # fmt: skip
-    known = [(e["overhead_gb"], n, m) for n, modes in kind.items() for m, e in modes.items()]
+    known = [(e["overhead_gb"], gpu, n, m) for n, modes in kind.items() for m, e in modes.items()]
+    known = known or [(e["overhead_gb"], g, n, m) for g, ns in (table.get("sharded") or {}).items()
+                      for n, modes in ns.items() for m, e in modes.items()]  # fmt: skip
     if not known:
-        return Overhead(gpu, mode, None, f"no {gpu} run of several processes measured in {where}: the"
-                        " whole-device peak per GPU is unknown (NCCL's buffers are outside the allocator)")  # fmt: skip
-    value, n, m = max(known)
+        return Overhead(gpu, mode, None, f"no run of several processes measured in {where}: the whole-device"
+                        " peak per GPU is unknown (NCCL's buffers are outside the allocator)")  # fmt: skip
+    value, g, n, m = max(known)
     return Overhead(gpu, mode, value, f"no {gpu} x{devices} {mode} measurement: the largest measured with"
-                    f" several processes is assumed ({gpu} x{n} {m}, {value:.2f} GB per GPU; {where})")  # fmt: skip
+                    f" several processes is assumed ({g} x{n} {m}, {value:.2f} GB per GPU; {where})")  # fmt: skip

@@ -53,9 +53,13 @@ def parse(argv: list[str] | None):
     args.budget_gb = fit_cli.budget(args)
     if (args.measure or args.may_change) and not args.fit:
         fail("--measure and --may-change go with --fit SIZE")
+    if args.measure and cfg.world_size > 1:
+        fail("--measure runs each set on one GPU: leave out --devices for it (the FSDP sets are predicted only)")  # fmt: skip
     if args.measure and not torch.cuda.is_available():
         fail("--measure runs the candidates on a CUDA GPU, and this machine has none: leave it out for the"
              " predicted ranking")  # fmt: skip
+    if args.fit and cfg.world_size > 1 and not meta_model(cfg.model)[2]:
+        fail(f"--fit with --devices {cfg.world_size}: FSDP shards the repeated blocks, and {cfg.model} has none found")  # fmt: skip
     if args.measure and not user_measure.RUNNER.is_file():
         fail(f"--measure runs {user_measure.RUNNER.relative_to(user_measure.REPO)}, which an installed wheel"
              " does not have: run it from a checkout")  # fmt: skip
@@ -94,11 +98,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def fit_main(args: Any, cfg: user_run.YourModelConfig) -> int:
     planner = UserPlanner(cfg.model, cfg.batch_size, cfg.seq_len, args.gpu, precision=cfg.precision,
-                          optimizer=cfg.optimizer, may_change=args.may_change)  # fmt: skip
+                          optimizer=cfg.optimizer, may_change=args.may_change, devices=cfg.world_size)  # fmt: skip
     if planner.weights_gb() >= args.budget_gb:
-        fail(f"--fit {args.fit}: {planner.ref}'s weights alone take {planner.weights_gb():.2f} GB"
+        per_gpu = f" per GPU (sharded over {cfg.world_size})" if cfg.world_size > 1 else ""
+        fail(f"--fit {args.fit}: {planner.ref}'s weights alone take {planner.weights_gb():.2f} GB{per_gpu}"
              f" ({planner.parameters / 1e6:.0f} M parameters in {cfg.precision if 'precision' not in args.may_change else 'bf16'}):"
-             " no technique set on one GPU fits a smaller card")  # fmt: skip
+             " no technique set fits a smaller card")  # fmt: skip
     try:
         fits, rejected = planner.fit(args.budget_gb, args.top)
     except RuntimeError as e:  # a simulation failed: one line, exit 1 (the contract above)
@@ -123,7 +128,8 @@ def fit_main(args: Any, cfg: user_run.YourModelConfig) -> int:
         return 1
     lines = [f"Which technique sets fit {args.budget_gb:g} GB? {ref}, batch {cfg.batch_size}"
              + (f" x {seq} tokens" if seq else "") + f", repeated blocks {', '.join(planner.blocks) or 'none'}"
-             f" ({planner.found_by}), eager mode, {args.gpu}",
+             f" ({planner.found_by}), eager mode, {args.gpu}"
+             + (f", FSDP over {cfg.world_size} GPUs (card GB per GPU)" if cfg.world_size > 1 else ""),
              "Kept as yours: " + (", ".join(f"{w} {yours[w]}" for w in kept) or "nothing (--may-change)")
              + ("" if not kept else " (--may-change precision,optimizer lets the planner change them)"), "",
              "   # samples/s  card GB  technique set\n       command"]  # fmt: skip

@@ -4,7 +4,9 @@ trains it.
 
 By default a technique set changes only how memory is used, never what is trained: micro-batch x
 accumulation for the requested batch; checkpointing of the repeated blocks, activation offload and the
-step in backward (with the user's optimizer). The precision and the optimizer stay the user's
+step in backward (with the user's optimizer); with ``--devices N``, FSDP over the N GPUs (one unit per
+repeated block: weights, gradients and optimizer state sharded), with checkpointing or without, the
+memory per GPU. The precision and the optimizer stay the user's
 (``--precision``, ``--optimizer``) unless ``--may-change precision,optimizer`` lets the planner try
 others (bf16-true, bf16-mixed, 32-true; AdamW, SGD, 8-bit AdamW); each such row then carries the accuracy
 cost the convergence benchmark measured for the change (planning/advice.py). Memory
@@ -76,22 +78,30 @@ class Choice(Candidate):
 
     seq_len: int | None = None  # text models: tokens per sample
     changes: tuple[advice.Cost, ...] = ()
+    devices: int = 1  # > 1: FSDP over that many GPUs (--fsdp --devices N); memory is per GPU
+
+    @property
+    def key(self) -> tuple:
+        return (*super().key, self.devices)
 
     def argv(self) -> list[str]:
         r, (optimizer, *on) = self.rung, self.signature
         out = ["--model", r.model] + (["--seq-len", str(self.seq_len)] if self.seq_len else [])
         out += ["--precision", r.precision, "--batch-size", str(r.batch_size), "--accumulation-steps",
                 str(r.accumulation_steps), "--optimizer", optimizer]  # fmt: skip
-        return out + [f for f, used in zip(FLAGS, on, strict=True) if used]
+        out += [f for f, used in zip(FLAGS, on, strict=True) if used]
+        return out + (["--fsdp", "--devices", str(self.devices)] if self.devices > 1 else [])
 
     def label(self) -> str:
         changed = ", ".join(c.change for c in self.changes)
-        return super().label() + (f" [changes {changed}]" if changed else "")
+        sharded = f", FSDP over {self.devices} GPUs" if self.devices > 1 else ""
+        return super().label() + sharded + (f" [changes {changed}]" if changed else "")
 
     def to_dict(self) -> dict[str, Any]:
         out = super().to_dict()
         out["predicted_samples_per_s"] = out.pop("predicted_images_per_s")  # images or sequences
         out["changes"] = [dataclasses.asdict(c) | {"line": c.line()} for c in self.changes]
+        out["devices"] = self.devices
         return out
 
 
@@ -116,13 +126,15 @@ def flops_per_sample(model: Any, um: Any, seq_len: int) -> float:
 class UserPlanner:
     """Predictions for one model, batch and sequence length on one GPU kind. ``precision`` and
     ``optimizer`` are the user's; ``may_change`` (a subset of :data:`MAY_CHANGE`) lets the planner
-    try the others."""
+    try the others. ``devices`` > 1: every set is FSDP over that many GPUs, its memory per GPU (the
+    measured overhead of that many processes) and its samples/s those of all GPUs."""
 
     def __init__(self, ref: str, batch_size: int, seq_len: int, gpu: str = "h100", *, precision: str = "bf16-mixed",
-                 optimizer: str = "adamw", may_change: tuple[str, ...] = ()) -> None:  # fmt: skip
+                 optimizer: str = "adamw", may_change: tuple[str, ...] = (), devices: int = 1) -> None:  # fmt: skip
         self.um, self.model, self.blocks, self.found_by = meta_model(ref)
         self.ref, self.batch_size, self.gpu = ref, batch_size, gpu
         self.precision, self.optimizer, self.may_change = precision, optimizer, tuple(may_change)
+        self.devices = devices
         self.seq_len = seq_len if self.um.is_text else None
         self.parameters = sum(p.numel() for p in self.model.parameters())
         self.tensors = sum(p.requires_grad for p in self.model.parameters())
@@ -136,7 +148,8 @@ class UserPlanner:
         )
         self.modules_ratio = modules
         self.simulated: dict[tuple, tuple[float, float, float]] = {}
-        over = card(_Floor(), gpu)["overhead_gb"] or 0.0  # the card overhead alone
+        floor = card(_Floor(), gpu, "eager", devices)  # the card overhead alone, per GPU
+        over, self.overhead_source = floor["overhead_gb"] or 0.0, floor["overhead_source"]
         runner = user_run.default_config()
         precisions = _first(precision, PRECISIONS if "precision" in self.may_change else ())
         optimizers = _first(optimizer, OPTIMIZERS if "optimizer" in self.may_change else ())
@@ -146,15 +159,15 @@ class UserPlanner:
                 changes = tuple(advice.cost(what, value, gpu) for what, value, mine in
                                 (("precision", prec, precision), ("optimizer", opt, optimizer)) if value != mine)  # fmt: skip
                 for t in TECHNIQUES:
-                    if t[0] and not self.blocks:
-                        continue
+                    if t[0] and not self.blocks or devices > 1 and (t[1] or t[2]):
+                        continue  # FSDP: with checkpointing or without (the sharded rungs' sets)
                     for k in [1] if t[2] else divisors(batch_size):
                         rung = runner.with_flags(model=ref, precision=prec, batch_size=batch_size,
                                                  accumulation_steps=k, optimizer=opt)  # fmt: skip
                         sig = (opt, *t)
-                        lower = static_bytes(rung, sig, self.parameters) / GB + over
+                        lower = static_bytes(rung, sig, self.parameters) / GB / devices + over  # sharded
                         c = Choice(rung, "eager", sig, lower, 0.0, speed_source=SPEED_SOURCE, overhead_gb=over,
-                                   seq_len=self.seq_len, changes=changes)  # fmt: skip
+                                   seq_len=self.seq_len, changes=changes, devices=devices)  # fmt: skip
                         c.speed_bound = self._speed(c, 0.0)
                         self.choices.append(c)
         self.choices.sort(key=lambda c: (-c.speed_bound, techniques(c), c.lower_bound_gb))
@@ -162,31 +175,33 @@ class UserPlanner:
     def weights_gb(self) -> float:
         """The weights alone in the narrowest precision the planner may use: no card below this fits."""
         narrow = "bf16-true" if "precision" in self.may_change else self.precision
-        return self.parameters * (2 if narrow in ("bf16-true", "16-true") else 4) / GB
+        return self.parameters * (2 if narrow in ("bf16-true", "16-true") else 4) / GB / self.devices
 
     def _speed(self, c: Choice, offloaded_gb: float) -> float:
         r = c.rung
         prec = r.precision if r.precision in self.speed.precision_factor else "16-mixed"
         step = self.speed.step_s(prec, c.signature, r.micro_batch_size, r.accumulation_steps, "eager", offloaded_gb,
                                  self.parameters)  # fmt: skip
-        return r.batch_size / (step + (self.tensors * HOOK_MS / 1e3 if c.signature[3] else 0.0))
+        hooks = self.tensors * HOOK_MS / 1e3 if c.signature[3] else 0.0
+        return c.devices * r.batch_size / (step + hooks)  # every GPU its own batch (FSDP: no comms modelled)
 
     def predict(self, c: Choice) -> Choice:
         if c.predicted_gb is None:
             r, (optimizer, ck, off, sib) = c.rung, c.signature
-            key = (r.precision, c.signature, r.micro_batch_size, min(r.accumulation_steps, 2))
+            key = (r.precision, c.signature, r.micro_batch_size, min(r.accumulation_steps, 2), c.devices)
             if key not in self.simulated:
                 plan = Plan(precision=r.precision, micro_batch_size=r.micro_batch_size,
                             accumulation_steps=r.accumulation_steps, optimizer=optimizer,
                             checkpoint=self.blocks if ck else (), activation_offload=off,
-                            optimizer_in_backward=sib)  # fmt: skip
+                            optimizer_in_backward=sib, sharding="fsdp" if c.devices > 1 else "none",
+                            shard_units=self.blocks, world_size=c.devices)  # fmt: skip
                 try:
                     est = estimate(self.model, self.um, plan, self.seq_len or 0)
                 except Exception as e:  # noqa: BLE001 - the model's own code failed on fake tensors: say which set
                     raise RuntimeError(f"the simulation of {c.label()} failed: {type(e).__name__}: {str(e)[:200]}") from e
                 if est.error:
                     raise RuntimeError(f"the simulation of {c.label()} failed: {est.error}")
-                got = card(est, self.gpu)
+                got = card(est, self.gpu, "eager", c.devices)
                 self.simulated[key] = (est.peak_gb, got["peak_reserved_gb"], est.activations_host_gb)
             c.simulated_gb, c.predicted_gb, c.offloaded_gb = self.simulated[key]
             c.images_per_s = self._speed(c, c.offloaded_gb)
@@ -211,6 +226,10 @@ class UserPlanner:
             f"  the step in backward + {HOOK_MS} ms x {self.tensors} parameter tensors"
             + ("." if verbose else " (--verbose: every constant and its source)."),
         ]  # fmt: skip
+        if self.devices > 1:
+            lines.append(f"  FSDP over {self.devices} GPUs: {self.devices} x one GPU's samples/s (each its own batch);"
+                         " the gathers and reductions are not modelled, and every set here has them. Outside the"
+                         f" allocator per GPU: {self.overhead_source}.")  # fmt: skip
         if verbose:
             lines += [f"  {line}" for line in self.speed.lines(sources=True)] + [f"  hooks: {HOOK_MS} ms from {HOOK_SOURCE}"]
         return lines
