@@ -1,1 +1,1 @@
-"""Command-line tools (run from the repository root as `python -m tools.<name>`)."""
+"""Command-line tools: `python -m fabric_memory_recipes.tools.<name>` (some also as `fmr-*` console scripts)."""
