@@ -1167,29 +1167,32 @@ def test_sigterm_during_evaluation_stops_a_real_process_at_the_next_batch(tmp_pa
     assert 1 <= test["batches"] < test["of"] and stopped[0]["accuracy"]["test"] is None
 
 
-def test_ctrl_c_stays_one_line_when_an_exit_function_fails():
-    """A Ctrl-C landing inside a half-finished import (numpy's, in a fresh venv) left exit functions that
-    failed with a RecursionError: the traceback came back and the exit code was 1. Their failures are
-    swallowed now: one line, exit 130."""
-    code = (
+CTRL_C_BREAKS_ON_ITS_WAY_OUT = {
+    # a Ctrl-C landing inside a half-finished import (numpy's, in a fresh venv) left exit functions that
+    # failed with a RecursionError: the traceback came back and the exit code was 1
+    "an exit function fails": (
         "import atexit, os, signal, fabric_memory_recipes\n"
         "def broken(): raise RecursionError('maximum recursion depth exceeded')\n"
         "atexit.register(broken); os.kill(os.getpid(), signal.SIGINT); import time; time.sleep(30)"
-    )
-    proc = python_c(code)
-    assert proc.returncode == 130 and proc.stderr.strip() == "-c: interrupted (Ctrl-C)", describe(proc)
-
-
-def test_a_ctrl_c_that_breaks_an_import_on_its_way_out_is_still_one_line():
-    """A Ctrl-C inside numpy's import left it half-initialised, and what came out was a RecursionError, not
-    the KeyboardInterrupt (seen in the suite: 'interrupted' became a 900-frame traceback and exit 1)."""
-    code = (
+    ),
+    # a Ctrl-C inside numpy's import left it half-initialised, and what came out was a RecursionError, not
+    # the KeyboardInterrupt (seen in the suite: 'interrupted' became a 900-frame traceback and exit 1)
+    "an import breaks": (
         "import os, signal, fabric_memory_recipes\n"
         "try:\n    os.kill(os.getpid(), signal.SIGINT); import time; time.sleep(30)\n"
         "except KeyboardInterrupt:\n    raise RecursionError('maximum recursion depth exceeded')\n"
-    )
-    proc = python_c(code)
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CTRL_C_BREAKS_ON_ITS_WAY_OUT))
+def test_a_ctrl_c_that_breaks_something_on_its_way_out_is_still_one_line(case):
+    """Their failures are swallowed now: one line, exit 130."""
+    proc = python_c(CTRL_C_BREAKS_ON_ITS_WAY_OUT[case])
     assert proc.returncode == 130 and proc.stderr.strip() == "-c: interrupted (Ctrl-C)", describe(proc)
+
+
+def test_an_error_without_a_ctrl_c_keeps_its_traceback():
     code = "import fabric_memory_recipes\nraise RecursionError('no Ctrl-C: its own traceback')"
     proc = python_c(code)
     assert proc.returncode == 1 and "Traceback" in proc.stderr  # other errors keep their traceback

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import signal
 import types
 
 import pytest
@@ -11,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
+from fabric_memory_recipes import faults
 from fabric_memory_recipes.config import RunConfig
 from fabric_memory_recipes.measurement.results import RunResults
 from fabric_memory_recipes.training import data, loop, models
@@ -269,6 +271,15 @@ def test_vit_tiny_learns_synthetic_data(fabric):
     # evaluate() honours max_batches: one batch of 250 is a multiple of 1/250
     one = loop.evaluate(fabric, model, val, fn, max_batches=1)
     assert abs(one * 250 - round(one * 250)) < 1e-3
+    # a stop request ends it before the next batch, as training's does, and leaves the model training
+    faults.request_stop(signal.SIGTERM)
+    try:
+        with pytest.raises(faults.Interrupted) as stopped:
+            loop.evaluate(fabric, model, val, fn)
+    finally:
+        faults.request_stop(None)
+    assert stopped.value.signum == signal.SIGTERM and "(0 of 2 batches)" in stopped.value.during
+    assert model.training
 
 
 # --------------------------------------------------------------------------------------- (e) scheduler

@@ -27,15 +27,7 @@ from fabric_memory_recipes.training.loop_plumbing import (
 )
 from fabric_memory_recipes.training.step import accumulation_groups, train_step
 
-__all__ = [
-    "EvaluationStopped",
-    "SchedulerGroup",
-    "evaluate",
-    "evaluate_splits",
-    "fit",
-    "planned_steps",
-    "with_warmup",
-]
+__all__ = ["SchedulerGroup", "evaluate", "evaluate_splits", "fit", "planned_steps", "with_warmup"]
 
 
 def fit(fabric, model, optimizer, train_loader, batch_fn: BatchFn, cfg: RunConfig, results: RunResults,
@@ -105,19 +97,15 @@ def evaluate(
     """Accuracy over ``loader`` (all ranks' shards together), at most ``max_batches`` batches. Compiled
     models run their original code here: compiling the evaluation's graphs (another mode, no gradients)
     would cost more start-up time than a few eager batches. A stop request (Ctrl-C, SIGTERM, SIGUSR1)
-    ends it at the next batch: :class:`EvaluationStopped` carries the accuracy of the batches done."""
+    ends it at the next batch with :class:`faults.Interrupted`, as in :func:`evaluate_splits`."""
     value, done, total, signum = _evaluate(fabric, model, loader, batch_fn, max_batches, num_classes, desc)
     if signum:
-        raise EvaluationStopped(signum, value, done, total)
+        raise _stopped(signum, desc, done, total, None)
     return value
 
 
-class EvaluationStopped(Exception):
-    """A stop request honoured between evaluation batches: what was measured so far."""
-
-    def __init__(self, signum: int, accuracy: float | None, batches: int, total: int) -> None:
-        super().__init__(f"stopped after {batches} of {total} evaluation batches")
-        self.signum, self.accuracy, self.batches, self.total = signum, accuracy, batches, total
+def _stopped(signum: int, what: str, done: int, total: int, steps: int | None) -> faults.Interrupted:
+    return faults.Interrupted(signum, steps, steps, None, during=f"{what} ({done} of {total} batches)")
 
 
 def _evaluate(fabric, model, loader, batch_fn, max_batches, num_classes, desc):
@@ -155,8 +143,5 @@ def evaluate_splits(fabric, model, val_loader, test_loader, batch_fn: BatchFn, r
                                                f"{split} accuracy")  # fmt: skip
         evaluation[split] = {"batches": done, "of": total, "accuracy": value}
         if signum:
-            steps = results.optimizer_steps
-            raise faults.Interrupted(
-                signum, steps, steps, None, during=f"{split} evaluation ({done} of {total} batches)"
-            )
+            raise _stopped(signum, f"{split} evaluation", done, total, results.optimizer_steps)
         results.accuracy[split] = value
