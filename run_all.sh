@@ -63,15 +63,14 @@ while [ $# -gt 0 ]; do
     --jobs) jobs="${2:-}"; shift 2 || { echo "run_all.sh: --jobs needs a value" >&2; exit 2; } ;;
     --jobs=*) jobs="${1#--jobs=}"; shift ;;
     --bonus) bonus=1; shift ;;
-    --results-dir) results_dir="${2:-}"; shift 2 || { echo "run_all.sh: --results-dir needs a value" >&2; exit 2; }
-      case $results_dir in /*|"") ;; *) results_dir=$caller/$results_dir ;; esac ;;
-    --results-dir=*) results_dir="${1#--results-dir=}"; shift
-      case $results_dir in /*|"") ;; *) results_dir=$caller/$results_dir ;; esac ;;
+    --results-dir) results_dir="${2:-}"; shift 2 || { echo "run_all.sh: --results-dir needs a value" >&2; exit 2; } ;;
+    --results-dir=*) results_dir="${1#--results-dir=}"; shift ;;
     -h|--help) usage; exit 0 ;;
     --) shift; extra=("$@"); break ;;
     *) echo "run_all.sh: unknown option '$1' (see --help; recipe flags go after --)" >&2; exit 2 ;;
   esac
 done
+case $results_dir in /*|"") ;; *) results_dir=$caller/$results_dir ;; esac  # a given one is the caller's
 
 case "$jobs" in
   '') ;;

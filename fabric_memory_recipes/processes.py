@@ -113,19 +113,22 @@ def gpu_probe(python: str) -> tuple[int, str | None]:
 
 
 class DeviceSlots:
-    """Places for child processes on ``gpus`` GPUs, ``per_gpu`` on each: :meth:`take` hands out a free
-    GPU's ``CUDA_VISIBLE_DEVICES`` (one GPU: the environment unchanged), :meth:`release` gives
-    it back. Thread-safe; a benchmark runs ``gpus * per_gpu`` workers."""
+    """Places for child processes on GPUs, ``per_gpu`` on each: ``gpus`` is a count (GPUs 0..N-1) or the
+    GPU indices to use. :meth:`take` hands out a free GPU's ``CUDA_VISIBLE_DEVICES`` (a count of one:
+    the environment unchanged), :meth:`release` gives it back. Thread-safe; a benchmark runs
+    ``len(gpus) * per_gpu`` workers."""
 
-    def __init__(self, gpus: int, per_gpu: int) -> None:
-        self.gpus, self.free = gpus, queue.Queue()
+    def __init__(self, gpus: int | list[str], per_gpu: int) -> None:
+        self.pinned = not isinstance(gpus, int)  # indices named: always set CUDA_VISIBLE_DEVICES
+        ids = list(gpus) if self.pinned else list(range(gpus))
+        self.gpus, self.free = len(ids), queue.Queue()
         for _ in range(per_gpu):
-            for gpu in range(gpus):
+            for gpu in ids:
                 self.free.put(gpu)
 
-    def take(self, env: dict[str, str]) -> tuple[int, dict[str, str]]:
+    def take(self, env: dict[str, str]) -> tuple[int | str, dict[str, str]]:
         gpu = self.free.get()
-        return gpu, (env | {"CUDA_VISIBLE_DEVICES": str(gpu)} if self.gpus > 1 else env)
+        return gpu, (env | {"CUDA_VISIBLE_DEVICES": str(gpu)} if self.gpus > 1 or self.pinned else env)
 
-    def release(self, gpu: int) -> None:
+    def release(self, gpu: int | str) -> None:
         self.free.put(gpu)

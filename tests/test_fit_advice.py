@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import types
 from pathlib import Path
 
 import pytest
@@ -269,3 +270,23 @@ def test_several_gpus_plan_fsdp_sets_with_memory_per_gpu(configs, capsys):
     with pytest.raises(SystemExit) as e:
         user_cli.main([*argv, "--devices", "4", "--measure"])
     assert e.value.code == 2 and "--measure runs each set on one GPU" in capsys.readouterr().err
+
+
+def test_the_fit_proof_shares_its_jobs_over_the_named_gpus(tmp_path, monkeypatch):
+    """fit_proof runs each job once, one at a time per named GPU (CUDA_VISIBLE_DEVICES), and starts none
+    after its deadline (processes.DeviceSlots, as the convergence benchmark shares its GPUs)."""
+    from fabric_memory_recipes.tools import fit_proof
+
+    ran = []
+
+    def fake_run(cmd, cwd, env, stdout, stderr):
+        ran.append((cmd[cmd.index("--measure-dir") + 1], env["CUDA_VISIBLE_DEVICES"]))
+        return types.SimpleNamespace(returncode=0)
+
+    monkeypatch.setattr(fit_proof.subprocess, "run", fake_run)
+    fit_proof.run(tmp_path, ["2", "3"], 4, ("swin_t", "roberta-base"), deadline=1e9)
+    assert sorted(Path(d).name for d, _ in ran) == ["roberta-base-6GB", "roberta-base-8GB", "swin_t-3GB", "swin_t-5GB"]
+    assert {gpu for _, gpu in ran} <= {"2", "3"}
+    ran.clear()
+    fit_proof.run(tmp_path, ["0"], 4, ("swin_t",), deadline=0)
+    assert ran == []

@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import subprocess
 import sys
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,7 @@ from fabric_memory_recipes.config import at_least
 from fabric_memory_recipes.console import Parser
 from fabric_memory_recipes.measurement.results_file import write_atomic
 from fabric_memory_recipes.paths import output_folder
-from fabric_memory_recipes.processes import REPO, project_env
+from fabric_memory_recipes.processes import REPO, DeviceSlots, project_env
 
 PRECISION, OPTIMIZER = "bf16-mixed", "adamw"  # the user's, in every job
 # (job name, the model's flags, card sizes): none of these models is in results/published/h100/your-model/
@@ -71,36 +70,32 @@ def finished(folder: Path) -> bool:
 
 
 def run(out: Path, gpus: list[str], steps: int, only: tuple[str, ...], deadline: float) -> None:
-    todo: queue.Queue = queue.Queue()
+    todo = []
     for job in sorted(jobs(only), key=lambda j: -LONGEST_FIRST.get(j[0].rsplit("-", 1)[0], 0)):
         if finished(out / job[0]):
             print(f"[fit_proof] {job[0]}: done before, skipped", flush=True)
         else:
-            todo.put(job)
-    start = time.perf_counter()
+            todo.append(job)
+    start, slots = time.perf_counter(), DeviceSlots(gpus, 1)  # one job per GPU: each set has it to itself
 
-    def worker(gpu: str) -> None:
-        while time.perf_counter() - start < deadline:
-            try:
-                name, argv = todo.get_nowait()
-            except queue.Empty:
-                return
+    def one(name: str, argv: list[str]) -> None:
+        gpu, env = slots.take(project_env(PYTHONUNBUFFERED="1"))
+        try:
+            if time.perf_counter() - start >= deadline:
+                return  # no job starts after the deadline
             cmd = [sys.executable, "-m", "fabric_memory_recipes.planning", *argv, "--measure",
                    "--measure-dir", str(out / name), "--measure-steps", str(steps)]  # fmt: skip
-            env = project_env(CUDA_VISIBLE_DEVICES=gpu, PYTHONUNBUFFERED="1")
             print(f"[fit_proof {time.perf_counter() - start:5.0f} s] GPU {gpu}: {name} ...", flush=True)
             with open(out / f"{name}.log", "w") as log:
                 code = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
-            print(
-                f"[fit_proof {time.perf_counter() - start:5.0f} s] GPU {gpu}: {name} exit {code}", flush=True
-            )
+            print(f"[fit_proof {time.perf_counter() - start:5.0f} s] GPU {gpu}: {name} exit {code}", flush=True)
             write_report(out)
+        finally:
+            slots.release(gpu)
 
-    threads = [threading.Thread(target=worker, args=(g,)) for g in gpus]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    with ThreadPoolExecutor(max_workers=len(gpus)) as pool:
+        for future in [pool.submit(one, name, argv) for name, argv in todo]:
+            future.result()
 
 
 def check(plan: dict[str, Any]) -> dict[str, Any]:
