@@ -88,8 +88,6 @@ def with_warmup(optimizer, scheduler, steps: int):
     return SchedulerGroup([*own, *warm])
 
 
-@torch.no_grad()
-@torch.compiler.set_stance("force_eager")  # eval mode and no_grad would recompile every compiled graph
 def evaluate(
     fabric, model, loader, batch_fn: BatchFn, max_batches: int | None = None, num_classes: int = NUM_CLASSES,
     desc: str = "eval",
@@ -108,8 +106,11 @@ def _stopped(signum: int, what: str, done: int, total: int, steps: int | None) -
     return faults.Interrupted(signum, steps, steps, None, during=f"{what} ({done} of {total} batches)")
 
 
+@torch.no_grad()  # else every batch's activations stay for a backward that never comes
+@torch.compiler.set_stance("force_eager")  # eval mode and no_grad would recompile every compiled graph
 def _evaluate(fabric, model, loader, batch_fn, max_batches, num_classes, desc):
-    """(accuracy or None, batches done, batches planned, stop signal or 0), with a progress bar."""
+    """(accuracy or None, batches done, batches planned, stop signal or 0), with a progress bar; the one
+    evaluation of :func:`evaluate` and :func:`evaluate_splits`."""
     model.eval()
     acc = accuracy_metric(fabric.device, num_classes)
     total = len(loader) if max_batches is None else min(len(loader), max_batches)
