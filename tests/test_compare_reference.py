@@ -591,17 +591,18 @@ def test_report_renders_the_comparison_into_the_readme(tmp_path, monkeypatch):
     folder.mkdir(parents=True)
     (folder / "comparison.json").write_text(json.dumps(_rows()))
     readme = tmp_path / "README.md"
-    readme.write_text("intro\n<!-- results:comparison:start -->\nold\n<!-- results:comparison:end -->\nend\n")
+    readme.write_text("intro\n<!-- results:comparison:start -->\nSTALE TABLE\n<!-- results:comparison:end -->\nend\n")
     code = report.main(["--comparison", str(folder / "comparison.json"), "--readme", f"{readme}:comparison"])
     assert code == 0
     text = readme.read_text()
-    assert "old" not in text and text.startswith("intro\n") and text.endswith("end\n")
+    assert "STALE TABLE" not in text and text.startswith("intro\n") and text.endswith("end\n")
     assert "](results/published/h100/compare/comparison.png)" in text
     row = next(line for line in text.splitlines() if line.startswith("| 04_lower_batch_size"))
     assert "5.45 / 236.8" in row and "845.0" in row and f"{845.0 / 236.8:.2f}×" in row
     assert f"{845.0 / 311.8:.2f}×" in row and f"{4.70 / 5.45:.2f}×" in row
     assert "| timeout |" in text and "¹ 07: the 06 script" in text
     assert "NVIDIA H100 80GB HBM3" in text and "25 optimizer steps" in text
+    assert "Produced by `fmr-compare --reference .ref/pytorch-memory-optim`" in text  # as typed today
     assert (folder / "comparison.png").read_bytes()[:8] == PNG_MAGIC
     assert (folder / "comparison.md").exists()
 
@@ -657,11 +658,18 @@ def test_checkout_matches_the_mapping(rung):
         assert any(k.arg == "cpu_offload" for c in calls["FSDPStrategy"] for k in c.keywords)
 
 
-def test_readme_has_the_comparison_block():
-    """`python -m fabric_memory_recipes.measurement.report --comparison ... --readme README.md:comparison` has a block to fill."""
-    text = (REPO / "README.md").read_text()
+def test_the_comparison_page_shows_the_committed_comparison_exactly():
+    """docs/compare_reference.md's comparison block is what the renderer makes of the committed
+    comparison.json (the README links there), so its numbers cannot drift from the runs."""
+    page = REPO / "docs" / "compare_reference.md"
+    text = page.read_text()
     start, end = "<!-- results:comparison:start -->", "<!-- results:comparison:end -->"
-    assert text.count(start) == 1 and text.count(end) == 1 and text.index(start) < text.index(end)
+    assert text.count(start) == 1 and text.count(end) == 1
+    shown = text[text.index(start) + len(start) : text.index(end)].strip()
+    rows = comparison.load_comparison(COMMITTED)
+    expected = comparison.render_comparison_markdown(rows, "../results/published/h100/compare/comparison.png")
+    assert shown == expected.strip()
+    assert "docs/compare_reference.md" in (REPO / "README.md").read_text()
 
 
 # ------------------------------------------------------------------------------------ rung docs pages

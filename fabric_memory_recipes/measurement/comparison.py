@@ -105,6 +105,12 @@ def _comparison_call(rows: list[dict]) -> dict:
     return next((r["call"] for r in rows if isinstance(r.get("call"), dict)), {})
 
 
+def _as_today(command: str) -> str:
+    """A recorded comparison command as it is typed today: the console script instead of the module."""
+    head, sep, rest = command.partition("compare_reference ")
+    return f"fmr-compare {rest}" if sep and head.startswith("python") and "-m" in head else command
+
+
 def render_comparison_markdown(rows: list[dict], image: str | None = None) -> str:
     """The table with what produced it, the notes it refers to, and the figure when there is one."""
     call = _comparison_call(rows)
@@ -126,9 +132,10 @@ def render_comparison_markdown(rows: list[dict], image: str | None = None) -> st
     for rung, note in notes:
         mark = "²" if not next(r for r in rows if r["rung"] == rung).get("like_for_like", True) else "¹"
         out += ["", f"{mark} {rung}: {note}"]
-    commands = [c for c in dict.fromkeys((r.get("call") or {}).get("command") for r in rows) if c]
+    commands = [_as_today(c) for c in dict.fromkeys((r.get("call") or {}).get("command") for r in rows) if c]
     if commands:
-        out += ["", "Produced by " + "; ".join(f"`{c}`" for c in commands) + "."]
+        out += ["", "Produced by " + "; ".join(f"`{c}`" for c in commands) + " (each row's `call.command` "
+                "holds the command as it ran, under the tool's module path of its day)."]
     return "\n".join(out) + "\n"
 
 

@@ -1,7 +1,7 @@
 """The report: every results JSON in a directory -> a markdown table (README.md) and a figure (ladder.png).
 
     python -m fabric_memory_recipes.measurement.report [RESULTS_DIR]        # default: runs
-    python -m fabric_memory_recipes.measurement.report --comparison results/published/h100/compare/comparison.json --readme README.md:comparison
+    python -m fabric_memory_recipes.measurement.report --comparison results/published/h100/compare/comparison.json --readme docs/compare_reference.md:comparison
 
 Why a separate step: each recipe runs in its own process and writes only its own JSON, so the ladder is
 assembled afterwards from what the runs recorded. Only the schema-1 keys documented in `fabric_memory_recipes.measurement.results_file`

@@ -8,7 +8,7 @@
 # Everything goes under "$OUT/compare": the committed comparison is copied there first, so the tool keeps
 # its other rows (each with its own call) and replaces rows 11 and 15. Then render it, and copy back:
 #   cp -r "$OUT/compare/." results/published/h100/compare/
-#   fmr-report --comparison results/published/h100/compare/comparison.json --readme README.md:comparison --docs docs
+#   fmr-report --comparison results/published/h100/compare/comparison.json --readme docs/compare_reference.md:comparison --docs docs
 set -euo pipefail
 : "${OUT:?set OUT to the folder that comes back}"
 mkdir -p "$OUT/compare"
