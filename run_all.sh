@@ -90,7 +90,7 @@ if [ "$gpus" = 0 ]; then
     echo "Its numbers show that every case runs end to end (tests/test_bonus.py checks that they learn); memory and speed figures need a GPU."
   else
     echo "No CUDA GPU found: running the quick CPU path (vit_tiny, scikit-learn's digits, random init, $CPU_STEPS steps)."
-    echo "It shows that every rung runs end to end; its memory columns are predicted for ViT-L/16 at each rung's GPU configuration (fabric_memory_recipes.planning), not measured: on a CPU only the process's RSS can be. $CPU_STEPS steps do not train a model (accuracy: python -m fabric_memory_recipes.tools.convergence)."
+    echo "It shows that every rung runs end to end; its memory columns are predicted for ViT-L/16 at each rung's GPU configuration (fabric_memory_recipes.planning), not measured: on a CPU only the process's RSS can be. $CPU_STEPS steps do not train a model (accuracy: python -m fabric_memory_recipes.tools.convergence.benchmark)."
   fi
   mode=cpu
   # digits: real, bundled with scikit-learn, and quicker to load than the 60,000 synthetic images
@@ -343,7 +343,7 @@ fi
 if [ "$stopped" != 0 ]; then write_manifest stopped; else write_manifest finished; fi
 echo
 echo "Rendering the report from $results_dir ..."
-if ! "$PYTHON" -m fabric_memory_recipes.measurement.report "$results_dir"; then
+if ! "$PYTHON" -m fabric_memory_recipes.measurement.report.render "$results_dir"; then
   summary+=("$(printf '%-34s %s' report 'failed')")
   failed=1
 fi

@@ -34,7 +34,7 @@ BF16_UPDATES = ("plain", "stochastic", "kahan")
 # eager warm-up steps can be returned page by page before the CUDA graph's own pool is made.
 FAST_ALLOCATOR = "expandable_segments:True"
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
-DATA_DIR = Path(__file__).resolve().parent / "data"  # package data: what a wheel plans with (planning/snapshot.py)
+DATA_DIR = Path(__file__).resolve().parent / "data"  # package data: what a wheel plans with (planning/planner/snapshot.py)
 
 
 class UsageError(Exception):
@@ -212,10 +212,10 @@ class RunConfig:
     sharding: str = "none"  # none | fsdp | fsdp2
     shard_units: tuple[str, ...] = ()  # module classes that are one FSDP unit each
     cpu_offload: bool = False  # FSDP keeps parameters, gradients and optimizer state in host memory
-    activation_offload: bool = False  # saved activations in pinned host memory (training/offload.py)
+    activation_offload: bool = False  # saved activations in pinned host memory (training/techniques/offload.py)
     optimizer_in_backward: bool = False  # one optimizer per parameter, stepped in backward: no accumulation
-    fused_attention: bool = False  # rung 15: fused-qkv + SDPA attention (training/attention.py)
-    offload_window_mb: int = 0  # rung 11: MiB of copies in flight per side stream (training/offload.py)
+    fused_attention: bool = False  # rung 15: fused-qkv + SDPA attention (training/techniques/attention.py)
+    offload_window_mb: int = 0  # rung 11: MiB of copies in flight per side stream (training/techniques/offload.py)
     weights_offload: bool = False  # weights, gradients, optimizer state in host memory, blocks streamed (rung 16)
     model_choices: tuple[str, ...] = VIT_MODELS
     cpu_variant: str | None = None  # a rung that needs CUDA: the recipe that runs its technique on a CPU
@@ -224,7 +224,7 @@ class RunConfig:
     GROUPS: ClassVar[dict[str, str]] = {
         "hardware": "hardware",
         "training": "training",
-        "bf16": "bf16 weight updates (single-GPU rungs; see fabric_memory_recipes/training/bf16.py)",
+        "bf16": "bf16 weight updates (single-GPU rungs; see fabric_memory_recipes/training/techniques/bf16.py)",
         "data": "data and model",
         "checkpoints": "checkpoints (resumable runs)",
         "output": "output",

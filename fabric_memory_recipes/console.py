@@ -34,7 +34,7 @@ SCRIPT_PREFIX = "fmr-"  # the console scripts that pyproject.toml installs: fmr-
 
 def program(argv0: str | None = None) -> str:
     """The command as the user typed it, for messages and ``--help``: ``01_baseline.py`` for a recipe,
-    ``fmr-report`` for an installed console script, ``python -m fabric_memory_recipes.measurement.report``
+    ``fmr-report`` for an installed console script, ``python -m fabric_memory_recipes.measurement.report.render``
     for a module of this package run with ``-m`` (whose ``sys.argv[0]`` is the module's file path)."""
     argv0 = sys.argv[0] if argv0 is None else argv0
     name = os.path.basename(argv0)

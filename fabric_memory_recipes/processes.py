@@ -1,7 +1,7 @@
 """Child processes: one command per process, with this checkout's code, a log and a timeout.
 
 Every tool that measures (compare_reference, ab_ladder, planner_proof, model_proof, check_equivalence,
-convergence, same_parameters, fit_proof) and ``fmr-estimate --fit --measure`` (planning/user_measure.py)
+convergence, same_parameters, fit_proof) and ``fmr-estimate --fit --measure`` (planning/your_model/measure.py)
 run recipes or scripts as processes of their own: a run's memory and its
 failures stay its own, and a hung run can be killed with everything it started. What they share is here:
 the environment (:func:`project_env`, :func:`run_env`), one planned process (:class:`Run`) and running it

@@ -10,7 +10,8 @@ import lightning as L
 import torch
 
 from fabric_memory_recipes import RunConfig, planning
-from fabric_memory_recipes.training import bf16, data, lifecycle, loop, models
+from fabric_memory_recipes.training.techniques import bf16
+from fabric_memory_recipes.training import data, lifecycle, loop, models
 
 RUNG = RunConfig(
     recipe="03_true_half_precision",
@@ -40,7 +41,7 @@ def main(cfg: RunConfig, results) -> None:
         # fused: the whole update in one kernel, no temporary copies of the parameters
         optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr, fused=True)
         results.estimate = planning.for_run(model, cfg, optimizer)  # the predicted peak
-        optimizer = bf16.updates(optimizer, cfg, results)  # --bf16-update, --lost-updates (training/bf16.py)
+        optimizer = bf16.updates(optimizer, cfg, results)  # --bf16-update, --lost-updates (training/techniques/bf16.py)
         model, optimizer = fabric.setup(model, optimizer)
     results.set(parameters=models.count_parameters(model))
 

@@ -19,7 +19,8 @@ from torchvision.models.vision_transformer import EncoderBlock
 
 from fabric_memory_recipes import planning
 from fabric_memory_recipes.config import RunConfig, UsageError
-from fabric_memory_recipes.training import attention, data, lifecycle, loop, models
+from fabric_memory_recipes.training.techniques import attention
+from fabric_memory_recipes.training import data, lifecycle, loop, models
 
 RUNG = RunConfig(
     recipe="08_fsdp",

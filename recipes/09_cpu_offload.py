@@ -13,7 +13,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
 from fabric_memory_recipes import RunConfig, planning
-from fabric_memory_recipes.training import attention, data, lifecycle, loop, models
+from fabric_memory_recipes.training.techniques import attention
+from fabric_memory_recipes.training import data, lifecycle, loop, models
 
 RUNG = RunConfig(
     recipe="09_cpu_offload",

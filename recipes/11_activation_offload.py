@@ -12,7 +12,8 @@ import torch
 
 from fabric_memory_recipes import RunConfig, planning
 from fabric_memory_recipes.config import at_least, flag
-from fabric_memory_recipes.training import bf16, data, lifecycle, loop, models, offload
+from fabric_memory_recipes.training.techniques import bf16, offload
+from fabric_memory_recipes.training import data, lifecycle, loop, models
 
 
 @dataclass
@@ -54,7 +55,7 @@ def main(cfg: OffloadConfig, results) -> None:
         # rung 06: plain SGD keeps no state (Adam kept two extra tensors per parameter); fused: one kernel
         optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, fused=True)
         results.estimate = planning.for_run(model, cfg, optimizer)  # the predicted peak
-        optimizer = bf16.updates(optimizer, cfg, results)  # --bf16-update, --lost-updates (training/bf16.py)
+        optimizer = bf16.updates(optimizer, cfg, results)  # --bf16-update, --lost-updates (training/techniques/bf16.py)
         model, optimizer = fabric.setup(model, optimizer)
     results.set(parameters=models.count_parameters(model))
 

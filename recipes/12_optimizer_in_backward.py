@@ -13,7 +13,8 @@ import lightning as L
 import torch
 
 from fabric_memory_recipes import RunConfig, planning
-from fabric_memory_recipes.training import bf16, data, lifecycle, loop, models
+from fabric_memory_recipes.training.techniques import bf16
+from fabric_memory_recipes.training import data, lifecycle, loop, models
 
 RUNG = RunConfig(
     recipe="12_optimizer_in_backward",

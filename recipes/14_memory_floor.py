@@ -13,7 +13,8 @@ import lightning as L
 import torch
 
 from fabric_memory_recipes import RunConfig, planning
-from fabric_memory_recipes.training import bf16, data, lifecycle, loop, models, offload
+from fabric_memory_recipes.training import data, lifecycle, loop, models
+from fabric_memory_recipes.training.techniques import bf16, offload
 
 RUNG = RunConfig(
     recipe="14_memory_floor",

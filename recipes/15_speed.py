@@ -3,10 +3,10 @@
 Throughput is the goal here, with the same model, data and update rule (Adam):
 - bf16-true (rung 03), the model built on the GPU (rung 07), fused Adam (the update in one kernel);
 - the attention as one fused-qkv Linear + scaled_dot_product_attention instead of torchvision's general
-  nn.MultiheadAttention (training/attention.py: same weights and arithmetic; --no-fused-attention: stock);
+  nn.MultiheadAttention (training/techniques/attention.py: same weights and arithmetic; --no-fused-attention: stock);
 - torch.compile of the whole model (fused elementwise kernels, few launches); uint8 images resized on the GPU;
 - batch 256: bigger matrix products, the optimizer step paid once per 256 images (try 64 or 128).
---float8 measures float8 matrix products (training/float8.py). MFU: model FLOPs/step time / bf16 peak."""
+--float8 measures float8 matrix products (training/techniques/float8.py). MFU: model FLOPs/step time / bf16 peak."""
 
 import fabric_memory_recipes  # noqa: F401, I001 - first: a Ctrl-C while torch loads is one line, exit 130
 from dataclasses import dataclass
@@ -17,7 +17,8 @@ import torch
 from fabric_memory_recipes import RunConfig, planning
 from fabric_memory_recipes.config import BOOL, flag
 from fabric_memory_recipes.measurement import results_file
-from fabric_memory_recipes.training import attention, bf16, data, float8, lifecycle, loop, models
+from fabric_memory_recipes.training.techniques import attention, bf16, float8
+from fabric_memory_recipes.training import data, lifecycle, loop, models
 
 
 @dataclass
@@ -61,7 +62,7 @@ def main(cfg: SpeedConfig, results) -> None:
         if cfg.compile:  # rung 15: the whole model as one graph (forward and backward each)
             model = torch.compile(model)
         optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr, fused=True)  # fused: one update kernel
-        optimizer = bf16.updates(optimizer, cfg, results)  # --bf16-update, --lost-updates (training/bf16.py)
+        optimizer = bf16.updates(optimizer, cfg, results)  # --bf16-update, --lost-updates (training/techniques/bf16.py)
         model, optimizer = fabric.setup(model, optimizer)
     results.set(parameters=models.count_parameters(model))
 

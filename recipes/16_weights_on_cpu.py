@@ -14,7 +14,8 @@ import torch
 
 from fabric_memory_recipes import planning
 from fabric_memory_recipes.config import BOOL, RunConfig, UsageError, flag
-from fabric_memory_recipes.training import data, lifecycle, loop, models, offload, weights_offload
+from fabric_memory_recipes.training import data, lifecycle, loop, models
+from fabric_memory_recipes.training.techniques import offload, weights_offload
 
 
 @dataclass

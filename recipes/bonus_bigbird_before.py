@@ -16,8 +16,9 @@ import lightning as L
 import torch
 
 from fabric_memory_recipes.config import UsageError
-from fabric_memory_recipes.training import data, hf_models, lifecycle, loop, text
-from fabric_memory_recipes.training.text import TextConfig
+from fabric_memory_recipes.training import data, hf_models, lifecycle, loop
+from fabric_memory_recipes.training.data import text
+from fabric_memory_recipes.training.data.text import TextConfig
 
 RUNG = TextConfig(
     recipe="bonus_bigbird_before",

@@ -26,8 +26,9 @@ import lightning as L
 import torch
 
 from fabric_memory_recipes.config import UsageError
-from fabric_memory_recipes.training import data, hf_models, lifecycle, loop, text
-from fabric_memory_recipes.training.llm_toggles import (
+from fabric_memory_recipes.training import data, hf_models, lifecycle, loop
+from fabric_memory_recipes.training.data import text
+from fabric_memory_recipes.training.techniques.llm_toggles import (
     ToggleConfig,  # --half, --mixed, --grad-checkpointing, --lora, --attn, --all
 )
 

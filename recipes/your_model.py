@@ -17,18 +17,20 @@ import lightning as L
 import torch
 from lightning.fabric.strategies import FSDPStrategy
 
-from fabric_memory_recipes.planning import user_estimate
-from fabric_memory_recipes.training import data, lifecycle, loop, offload, user_models, user_run
+from fabric_memory_recipes.planning.your_model import estimate
+from fabric_memory_recipes.training import data, lifecycle, loop
+from fabric_memory_recipes.training.techniques import offload
+from fabric_memory_recipes.training.your_model import models, runner
 
-RUNG = user_run.default_config()
+RUNG = runner.default_config()
 
 
-def main(cfg: user_run.YourModelConfig, results) -> None:
+def main(cfg: runner.YourModelConfig, results) -> None:
     torch.set_float32_matmul_precision("high" if cfg.tf32 else "highest")
-    um = user_run.resolve(cfg)
+    um = runner.resolve(cfg)
     with torch.device("meta"):  # the repeated blocks: FSDP's units, what --checkpoint-blocks wraps
-        meta = user_models.build(um)
-    blocks, found_by = user_models.repeated_blocks(meta)
+        meta = models.build(um)
+    blocks, found_by = models.repeated_blocks(meta)
     units = {type(m) for m in meta.modules() if type(m).__name__ in blocks}
     strategy = FSDPStrategy(auto_wrap_policy=units) if cfg.fsdp else "auto"  # one FSDP unit per block
     fabric = L.Fabric(accelerator=cfg.accelerator, devices=cfg.devices, num_nodes=cfg.num_nodes, strategy=strategy,
@@ -37,23 +39,23 @@ def main(cfg: user_run.YourModelConfig, results) -> None:
     fabric.seed_everything(cfg.seed, verbose=False)
     results.attach(fabric)
     with fabric.rank_zero_first():
-        splits, batch_fn, num_classes = user_run.load_data(cfg, um)
+        splits, batch_fn, num_classes = runner.load_data(cfg, um)
     results.set(data_source=splits.source, weights="random")
     results.extra.update(model=um.ref, task=um.task, blocks=list(blocks), blocks_found_by=found_by)
 
     with results.phase("model_load"):
         with fabric.init_module(empty_init=False):  # on the device, in the precision's dtype
-            model = user_models.build(um)
-        results.estimate, results.extra["predicted_card"] = user_estimate.for_user_run(model, um, cfg, blocks)
+            model = models.build(um)
+        results.estimate, results.extra["predicted_card"] = estimate.for_user_run(model, um, cfg, blocks)
         if cfg.checkpoint_blocks:  # recompute each block's inside in backward; keep its input only
-            results.extra["checkpointed_blocks"] = user_run.checkpoint_blocks(model, blocks)
+            results.extra["checkpointed_blocks"] = runner.checkpoint_blocks(model, blocks)
         if cfg.optimizer_in_backward:  # rung 12: each parameter stepped as soon as its gradient is ready
             model = fabric.setup_module(model)
-            user_run.step_in_backward(cfg, model)
+            runner.step_in_backward(cfg, model)
             optimizer = None
         else:
             model = fabric.setup_module(model)  # with FSDP: shard first, then the optimizer over the shards
-            optimizer = fabric.setup_optimizers(user_run.make_optimizer(cfg, list(model.parameters())))
+            optimizer = fabric.setup_optimizers(runner.make_optimizer(cfg, list(model.parameters())))
     results.set(parameters=sum(p.numel() for p in model.parameters()))
 
     train_loader, val_loader, test_loader = fabric.setup_dataloaders(

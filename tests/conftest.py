@@ -45,7 +45,7 @@ RECIPES_DIR = REPO / "recipes"
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-# In-process code (fabric_memory_recipes.measurement.results reads FMR_LOG_DIR at import time; fabric_memory_recipes.training.net reads FMR_OFFLINE)
+# In-process code (fabric_memory_recipes.measurement.results reads FMR_LOG_DIR at import time; fabric_memory_recipes.training.data.network reads FMR_OFFLINE)
 # must see these before anything imports fabric_memory_recipes.*: set them while conftest is imported.
 _TMP_ROOT = Path(tempfile.mkdtemp(prefix="fmr-tests-"))
 _LOG_DIR = _TMP_ROOT / "logs"

@@ -1,11 +1,11 @@
-"""fabric_memory_recipes.tools.ab_ladder on a CPU, with a stand-in for the recipe processes (the GPU call is what it is for)."""
+"""devtools.ab_ladder on a CPU, with a stand-in for the recipe processes (the GPU call is what it is for)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from fabric_memory_recipes.tools import ab_ladder
+from devtools import ab_ladder
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""fabric_memory_recipes.planning.allocator: the caching allocator's rules on small cases, a committed
+"""fabric_memory_recipes.planning.simulation.allocator: the caching allocator's rules on small cases, a committed
 allocator trace of a real H100 run replayed to the byte, and what the replay adds to an estimate."""
 
 from __future__ import annotations
@@ -12,8 +12,10 @@ import torch
 from torch import nn
 
 from fabric_memory_recipes import planning
-from fabric_memory_recipes.planning import calibration, reserved, user_estimate
-from fabric_memory_recipes.planning.allocator import RESIDUAL, CachingAllocator, replay
+from fabric_memory_recipes.planning import reserved
+from fabric_memory_recipes.planning.planner import calibration
+from fabric_memory_recipes.planning.simulation.allocator import RESIDUAL, CachingAllocator, replay
+from fabric_memory_recipes.planning.your_model import estimate
 
 MiB = 1 << 20
 REPO = Path(__file__).resolve().parents[1]
@@ -123,7 +125,7 @@ def test_simulated_estimate_replays_its_step_and_the_card_adds_the_committed_mar
         batch_fn=lambda m, b: (m(b[0]).float().pow(2).mean(),),
     )
     assert est.reserved_gb >= est.peak_gb  # reserved holds what is allocated
-    got = user_estimate.card(est)
+    got = estimate.card(est)
     assert got["replayed_reserved_gb"] == pytest.approx(est.reserved_gb, abs=1e-6)
     assert got["peak_reserved_gb"] == pytest.approx(est.reserved_gb * RESIDUAL, abs=1e-5)
     assert got["device_peak_gb"] > got["peak_reserved_gb"]

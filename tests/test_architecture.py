@@ -122,7 +122,7 @@ def test_common_imports_form_a_dag():
     assert {
         "fabric_memory_recipes.config",
         "fabric_memory_recipes.training.loop",
-        "fabric_memory_recipes.planning.simulate",
+        "fabric_memory_recipes.planning.simulation.simulate",
     } <= set(graph)  # it read them
     assert "fabric_memory_recipes.training.data" in graph["fabric_memory_recipes.training.loop"]
     cycle = find_cycle(graph)
@@ -181,7 +181,7 @@ def test_no_file_in_the_package_its_tools_or_experiments_is_over_400_lines():
     files = [*common_modules(tools=True).values(), *(REPO / "experiments").glob("*.py")]
     sizes = {str(p.relative_to(REPO)): len(p.read_text().splitlines()) for p in files}
     assert len(sizes) > 20
-    assert "fabric_memory_recipes/tools/compare_reference.py" in sizes and "experiments/harness.py" in sizes
+    assert "fabric_memory_recipes/tools/compare/reference.py" in sizes and "experiments/harness.py" in sizes
     assert {p: n for p, n in sizes.items() if n > 400} == {}
 
 

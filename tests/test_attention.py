@@ -20,7 +20,8 @@ from torchvision.models.vision_transformer import VisionTransformer
 from fabric_memory_recipes import planning
 from fabric_memory_recipes.config import UsageError, declared_rung
 from fabric_memory_recipes.planning.__main__ import main as estimate_main
-from fabric_memory_recipes.training import attention, data, float8
+from fabric_memory_recipes.training import data
+from fabric_memory_recipes.training.techniques import attention, float8
 
 STOCK_TO_FUSED = {"in_proj_weight": "qkv.weight", "in_proj_bias": "qkv.bias",
                   "out_proj.weight": "proj.weight", "out_proj.bias": "proj.bias"}  # fmt: skip

@@ -1,4 +1,4 @@
-"""fabric_memory_recipes.training.bf16: plain bf16 weights lose small updates, the fixes keep them, and the measurement counts right."""
+"""fabric_memory_recipes.training.techniques.bf16: plain bf16 weights lose small updates, the fixes keep them, and the measurement counts right."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from fabric_memory_recipes.config import RunConfig, UsageError
-from fabric_memory_recipes.training import bf16, cli
+from fabric_memory_recipes.training import cli
+from fabric_memory_recipes.training.techniques import bf16
 
 HAVE_OPTIMI = importlib.util.find_spec("optimi") is not None
 HAVE_TORCHAO = importlib.util.find_spec("torchao") is not None

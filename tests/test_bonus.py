@@ -29,8 +29,10 @@ from conftest import (
 )
 
 from fabric_memory_recipes.config import UsageError
-from fabric_memory_recipes.measurement import report, results
-from fabric_memory_recipes.training import hf_models, text, text_samples
+from fabric_memory_recipes.measurement import results
+from fabric_memory_recipes.measurement.report import render
+from fabric_memory_recipes.training import hf_models
+from fabric_memory_recipes.training.data import text, text_samples
 
 BACKGROUND_PRIORITY = 20  # run_all.sh --bonus: one recipe process and the report
 BACKGROUND_TESTS = {"test_run_all_bonus_runs_a_row_of_the_llm_table"}
@@ -234,7 +236,7 @@ def test_distilbert_before_and_after_learn(tmp_path):
     assert after["config"]["precision"] == "bf16-true"
     assert (after["config"]["micro_batch_size"], after["config"]["accumulation_steps"]) == (3, 4)
     assert after["timing"]["micro_batches"] == 4 * 25
-    table = report.render_table([before, after])
+    table = render.render_table([before, after])
     assert "samples/s" in table and "tokens/s" in table and "img/s" not in table
 
 
@@ -371,7 +373,7 @@ def test_run_all_bonus_runs_a_row_of_the_llm_table():
 
 def test_saved_activations_tool_counts_bytes(capsys):
     spec = importlib.util.spec_from_file_location(
-        "saved_activations", REPO / "fabric_memory_recipes" / "tools" / "saved_activations.py"
+        "saved_activations", REPO / "devtools" / "saved_activations.py"
     )
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)

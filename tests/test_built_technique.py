@@ -1,4 +1,4 @@
-"""fabric_memory_recipes.planning.built: the estimate a run records reads the technique from what it built."""
+"""fabric_memory_recipes.planning.simulation.built: the estimate a run records reads the technique from what it built."""
 
 from __future__ import annotations
 
@@ -6,8 +6,12 @@ import pytest
 import torch
 
 from fabric_memory_recipes.config import RunConfig
-from fabric_memory_recipes.planning.built import built_technique, checkpointed_blocks, optimizer_technique
-from fabric_memory_recipes.planning.simulate import for_run
+from fabric_memory_recipes.planning.simulation.built import (
+    built_technique,
+    checkpointed_blocks,
+    optimizer_technique,
+)
+from fabric_memory_recipes.planning.simulation.simulate import for_run
 from fabric_memory_recipes.training import models
 
 

@@ -11,9 +11,10 @@ import torch
 
 from fabric_memory_recipes.config import RunConfig, UsageError
 from fabric_memory_recipes.measurement import card_overhead
-from fabric_memory_recipes.planning import calibration, overhead
+from fabric_memory_recipes.planning import overhead
 from fabric_memory_recipes.planning.__main__ import main as estimate_main
 from fabric_memory_recipes.planning.check import check_results, render_check
+from fabric_memory_recipes.planning.planner import calibration
 from fabric_memory_recipes.training import lifecycle
 
 OOM = (

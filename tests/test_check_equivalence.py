@@ -1,11 +1,11 @@
-"""fabric_memory_recipes.tools.check_equivalence's comparison, on CPU tensors (the GPU runs it compares cannot run here)."""
+"""devtools.check_equivalence's comparison, on CPU tensors (the GPU runs it compares cannot run here)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from fabric_memory_recipes.tools import check_equivalence as eq
+from devtools import check_equivalence as eq
 
 
 def _run(before: dict, step: float, prefix: str = "") -> dict:
@@ -84,7 +84,7 @@ def test_every_rung_with_a_compensated_default_is_checked_with_it_and_rung_03_wi
     """The stochastic-rounding default (rungs 04-07, 10-15) is compared in bf16 with CUDA graphs and no
     compilation (replays run the eager kernels and draw from the same generator state: equal, or the
     capture is wrong), beside each rung's fp32 row; a control with other random bits must fail."""
-    from fabric_memory_recipes.tools.compare_plan import SINGLE_GPU_RUNGS
+    from fabric_memory_recipes.tools.compare.plan import SINGLE_GPU_RUNGS
 
     names = {rung: [c[0] for c in eq.checks_for(rung)] for rung in SINGLE_GPU_RUNGS}
     for rung in ("04", "05", "06", "07", "10", "11", "12", "13", "14", "15"):

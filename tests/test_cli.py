@@ -19,7 +19,7 @@ from conftest import (
 
 from fabric_memory_recipes.config import FAST_ALLOCATOR, Hardware, RunConfig, UsageError, declared_rung
 from fabric_memory_recipes.training import cli, lifecycle
-from fabric_memory_recipes.training.text import TextConfig
+from fabric_memory_recipes.training.data.text import TextConfig
 
 RECIPE = "01_baseline"
 QUICK = ["--accelerator", "cpu", "--model", "vit_tiny", "--data", "synthetic", "--weights", "none",
@@ -246,9 +246,9 @@ def test_pretrained_weights_offline_is_exit_2(monkeypatch, capsys, tmp_path):
     """--weights pretrained with no cached file and no network: refused inside main (in-process run)."""
     if _vit_b_16_weights_cached():
         pytest.skip("ViT-B/16 weights are cached here: --weights pretrained would succeed")
-    from fabric_memory_recipes.training import net
+    from fabric_memory_recipes.training.data import network
 
-    net.reachable.cache_clear()
+    network.reachable.cache_clear()
     monkeypatch.setenv("FMR_OFFLINE", "1")
     monkeypatch.setattr(sys, "argv", [f"{RECIPE}.py"])
     mod = load_recipe_module(RECIPE)
@@ -404,7 +404,7 @@ def test_help_shows_every_flags_default():
 
 def test_every_command_line_parser_uses_the_formatter_that_shows_defaults():
     constructions, missing = [], []
-    for folder in ("fabric_memory_recipes", "experiments"):
+    for folder in ("fabric_memory_recipes", "devtools", "experiments"):
         for path in sorted((REPO / folder).rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text())):
                 name = getattr(getattr(node, "func", None), "attr", None) or getattr(

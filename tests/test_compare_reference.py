@@ -1,7 +1,7 @@
-"""fabric_memory_recipes.tools.compare_reference (with compare_plan, compare_rows) and reference_runner (with
+"""fabric_memory_recipes.tools.compare.reference (with compare_plan, compare_rows) and reference_runner (with
 reference_recorder, reference_substitutions): the article's scripts run offline with only the data and
 weights swapped, stopped after N optimizer steps; comparison.json assembled from per-run JSON; the
-comparison table and figure (fabric_memory_recipes.measurement.report); bad input.
+comparison table and figure (fabric_memory_recipes.measurement.report.render); bad input.
 
 No checkout of the article's repository is needed: the tests write small scripts with the same imports
 and calls (``from local_utilities import get_dataloaders_cifar10``, ``from watermark import watermark``,
@@ -24,9 +24,10 @@ import pytest
 from conftest import REPO, describe, result, run_process, session_dir, submit, subprocess_env
 
 from fabric_memory_recipes import processes
-from fabric_memory_recipes.measurement import comparison, report
-from fabric_memory_recipes.tools import compare_plan, compare_rows
-from fabric_memory_recipes.tools import compare_reference as cmp
+from fabric_memory_recipes.measurement.report import comparison, render
+from fabric_memory_recipes.tools.compare import plan
+from fabric_memory_recipes.tools.compare import reference as cmp
+from fabric_memory_recipes.tools.compare import rows as compare_rows
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 TINY_VIT = "image_size=32,patch_size=8,num_layers=1,num_heads=2,mlp_dim=64"
@@ -165,7 +166,7 @@ def _runner_job():
     ref = write_reference(tmp / "ref", {"05_fake.py": FAKE_SCRIPT})
     out = tmp / "run.json"
     argv = [
-        str(REPO / "fabric_memory_recipes" / "tools" / "reference_runner.py"),
+        str(REPO / "fabric_memory_recipes" / "tools" / "compare" / "runner.py"),
         str(ref / "05_fake.py"),
         "--steps",
         "6",
@@ -179,8 +180,8 @@ def _torchrun_job():
     """The runner as compare_plan launches a multi-GPU script: torchrun, 2 processes, --devices 2."""
     tmp = session_dir("reference-runner-torchrun")
     ref = write_reference(tmp / "ref", {"11_fake.py": FAKE_FSDP_SCRIPT})
-    mapping = {"09": compare_plan.Reference("11_fake.py", devices=4, cpu_offload=False)}
-    (run,) = compare_plan.plan_runs(
+    mapping = {"09": plan.Reference("11_fake.py", devices=4, cpu_offload=False)}
+    (run,) = plan.plan_runs(
         ["09"], [], ref, tmp, steps=6, python=sys.executable, mapping=mapping, devices=2
     )
     env = subprocess_env(tmp / "logs", REFERENCE_RUNNER_VIT_ARCH=TINY_VIT)
@@ -232,7 +233,8 @@ def test_pretrained_builders_give_random_models_of_the_same_architecture(monkeyp
     import torchvision.models.vision_transformer as vt
     from torchvision.models import ViT_H_14_Weights, ViT_L_16_Weights, vit_h_14, vit_l_16
 
-    from fabric_memory_recipes.tools import reference_recorder, reference_substitutions
+    from fabric_memory_recipes.tools.compare import recorder as reference_recorder
+    from fabric_memory_recipes.tools.compare import substitutions as reference_substitutions
 
     def no_download(*args, **kwargs):
         raise AssertionError("pretrained weights must not be loaded")
@@ -256,7 +258,7 @@ def test_recorder_counts_one_step_per_iteration_with_one_optimizer_per_parameter
     """Per-parameter optimizers all step in one iteration: one mark, not one per optimizer."""
     import torch
 
-    from fabric_memory_recipes.tools.reference_recorder import StepRecorder
+    from fabric_memory_recipes.tools.compare.recorder import StepRecorder
 
     recorder = StepRecorder(Path("script.py"), steps=100)
     recorder.counting = True
@@ -269,7 +271,7 @@ def test_recorder_counts_one_step_per_iteration_with_one_optimizer_per_parameter
 
 
 def test_runner_reports_a_script_that_ends_before_n_steps(tmp_path, capsys):
-    from fabric_memory_recipes.tools import reference_runner as rr
+    from fabric_memory_recipes.tools.compare import runner as rr
 
     script = tmp_path / "no_training.py"
     script.write_text("print('no optimizer here')\n")
@@ -335,7 +337,7 @@ def test_comparison_rows_from_per_run_json(tmp_path):
     runs_dir = out / "runs"
     runs_dir.mkdir(parents=True)
     rungs, modes = ["05", "06", "07", "10"], ["eager", "fast"]
-    runs = compare_plan.plan_runs(rungs, modes, ref_dir, runs_dir, steps=25, python="python")
+    runs = plan.plan_runs(rungs, modes, ref_dir, runs_dir, steps=25, python="python")
     references = [r for r in runs if r.kind == "reference"]
     assert [r.name for r in references] == ["05_gradient-accum.py", "06_sgd-with-scheduler.py"]
     assert references[1].rows == ["06", "07"]  # one run of the 06 script serves rung 07 too
@@ -363,7 +365,7 @@ def test_comparison_rows_from_per_run_json(tmp_path):
     six_fast.result = {"status": "timeout", "exit_code": None, "wall_s": 300.0, "error": "killed after 300 s"}
 
     call = compare_rows.call_info(
-        runs, "2025-01-01T00:00:00+00:00", 25, "python -m fabric_memory_recipes.tools.compare_reference ..."
+        runs, "2025-01-01T00:00:00+00:00", 25, "python -m fabric_memory_recipes.tools.compare.reference ..."
     )
     rows = [compare_rows.build_row(r, runs, out, modes, call) for r in rungs]
     compare_rows.write_outputs(out, rows)
@@ -400,7 +402,7 @@ def test_reference_with_several_ranks_reports_the_peak_per_gpu(tmp_path):
 def test_sharded_rungs_run_the_articles_fsdp_script_with_and_without_offload_on_n_gpus(tmp_path):
     """08 and 08-fsdp2 share one run of 11_delay-allocation.py with cpu_offload off, 09 has the script as
     written; every multi-GPU run gets --devices N, the references under torchrun; rows are like for like."""
-    runs = compare_plan.plan_runs(
+    runs = plan.plan_runs(
         ["08", "08-fsdp2", "09"], ["fast"], tmp_path, tmp_path / "runs", steps=25, python="python", devices=2
     )
     refs = [r for r in runs if r.kind == "reference"]
@@ -409,7 +411,7 @@ def test_sharded_rungs_run_the_articles_fsdp_script_with_and_without_offload_on_
     for ref, offload in zip(refs, (["--fsdp-cpu-offload", "off"], []), strict=True):
         assert ref.cmd[:6] == torchrun and ref.cmd[6:8] == [
             "-m",
-            "fabric_memory_recipes.tools.reference_runner",
+            "fabric_memory_recipes.tools.compare.runner",
         ]
         assert ref.cmd[8].endswith("11_delay-allocation.py") and ref.cmd[9:11] == ["--devices", "2"]
         assert ref.cmd[11 : 11 + len(offload)] == offload
@@ -420,8 +422,8 @@ def test_sharded_rungs_run_the_articles_fsdp_script_with_and_without_offload_on_
     projects = [r for r in runs if r.kind == "project"]
     assert [Path(r.cmd[1]).stem for r in projects] == ["08_fsdp", "08_fsdp2", "09_cpu_offload"]
     assert all(r.cmd[r.cmd.index("--devices") + 1] == "2" for r in projects)
-    assert all(compare_plan.RUNGS[r].reference.like_for_like for r in compare_plan.SHARDED_RUNGS)
-    default = compare_plan.plan_runs(["09"], [], tmp_path, tmp_path / "runs", steps=25, python="python")
+    assert all(plan.RUNGS[r].reference.like_for_like for r in plan.SHARDED_RUNGS)
+    default = plan.plan_runs(["09"], [], tmp_path, tmp_path / "runs", steps=25, python="python")
     assert default[0].cmd[5] == "4" and "--fsdp-cpu-offload" not in default[0].cmd
     row = {"rung": "09", "like_for_like": True, "reference": {"status": "ok", "images_per_s": 1.0}}
     row["fast"] = {"status": "ok", "images_per_s": 3.5, "peak_reserved_gb": 1.0}
@@ -432,8 +434,8 @@ def test_substitutions_set_fabric_devices_and_fsdp_offload_and_say_so():
     import lightning as L
     from lightning.fabric.strategies import FSDPStrategy
 
-    from fabric_memory_recipes.tools.reference_recorder import StepRecorder
-    from fabric_memory_recipes.tools.reference_substitutions import substitutions
+    from fabric_memory_recipes.tools.compare.recorder import StepRecorder
+    from fabric_memory_recipes.tools.compare.substitutions import substitutions
 
     with substitutions(StepRecorder(Path("x.py"), 5), devices=2, cpu_offload=False) as notes:
         strategy = FSDPStrategy(cpu_offload=True)
@@ -468,7 +470,7 @@ argv = sys.argv[1:]
 def opt(flag):
     return argv[argv.index(flag) + 1]
 
-if argv[:2] == ["-m", "fabric_memory_recipes.tools.reference_runner"]:
+if argv[:2] == ["-m", "fabric_memory_recipes.tools.compare.runner"]:
     script = os.path.basename(argv[2])
     payload = {{"status": "ok", "steps": int(opt("--steps")), "peak_reserved_gb": 2.0, "images_per_s": 80.0,
                "peak_allocated_gb": 1.9, "provenance": {{"gpu_name": "Fake GPU", "torch": "0.0"}}}}
@@ -491,7 +493,7 @@ json.dump(payload, open(os.path.join(opt("--results-dir"), recipe + "-" + mode +
 
 def _tool(*args: str) -> subprocess.CompletedProcess:
     return run_process(
-        [sys.executable, "-m", "fabric_memory_recipes.tools.compare_reference", *args],
+        [sys.executable, "-m", "fabric_memory_recipes.tools.compare.reference", *args],
         subprocess_env(),
         timeout=120,
     )
@@ -561,7 +563,7 @@ def test_dry_run_prints_the_commands(tmp_path, capsys):
     assert cmp.main(["--reference", str(ref), "--rungs", "05", "--out", str(tmp_path), "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert (
-        "fabric_memory_recipes.tools.reference_runner" in out and "recipes/05_gradient_accumulation.py" in out
+        "fabric_memory_recipes.tools.compare.runner" in out and "recipes/05_gradient_accumulation.py" in out
     )
     assert not (tmp_path / "runs").exists()
 
@@ -572,7 +574,7 @@ def _rows() -> list[dict]:
         return {"status": status, "peak_reserved_gb": gb, "images_per_s": speed}
 
     call = {"gpu_name": "NVIDIA H100 80GB HBM3", "torch": "2.11.0", "steps": 25, "started": "t",
-            "command": "python -m fabric_memory_recipes.tools.compare_reference --reference .ref/pytorch-memory-optim",
+            "command": "python -m fabric_memory_recipes.tools.compare.reference --reference .ref/pytorch-memory-optim",
             "substitution_note": "data and weights swapped"}  # fmt: skip
     return [
         {"rung": "04", "recipe": "04_lower_batch_size", "reference": {**side(5.45, 236.8), "script": "04.py"},
@@ -592,7 +594,7 @@ def test_report_renders_the_comparison_into_the_readme(tmp_path, monkeypatch):
     (folder / "comparison.json").write_text(json.dumps(_rows()))
     readme = tmp_path / "README.md"
     readme.write_text("intro\n<!-- results:comparison:start -->\nSTALE TABLE\n<!-- results:comparison:end -->\nend\n")
-    code = report.main(["--comparison", str(folder / "comparison.json"), "--readme", f"{readme}:comparison"])
+    code = render.main(["--comparison", str(folder / "comparison.json"), "--readme", f"{readme}:comparison"])
     assert code == 0
     text = readme.read_text()
     assert "STALE TABLE" not in text and text.startswith("intro\n") and text.endswith("end\n")
@@ -611,7 +613,7 @@ def test_comparison_table_renders_without_matplotlib(tmp_path, monkeypatch, caps
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     path = tmp_path / "comparison.json"
     path.write_text(json.dumps(_rows()))
-    assert report.main(["--comparison", str(path)]) == 0
+    assert render.main(["--comparison", str(path)]) == 0
     assert "figure skipped" in capsys.readouterr().err
     md = (tmp_path / "comparison.md").read_text()
     assert "| 14_memory_floor |" in md and "comparison.png" not in md
@@ -621,7 +623,7 @@ def test_comparison_table_renders_without_matplotlib(tmp_path, monkeypatch, caps
 def test_report_refuses_a_file_that_is_not_a_comparison(tmp_path, capsys):
     path = tmp_path / "comparison.json"
     path.write_text(json.dumps({"rung": "05"}))
-    assert report.main(["--comparison", str(path)]) == 2
+    assert render.main(["--comparison", str(path)]) == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
 
 
@@ -632,11 +634,11 @@ REFERENCE_DIR = os.environ.get("FMR_REFERENCE_DIR")
 @pytest.mark.skipif(
     not REFERENCE_DIR, reason="set FMR_REFERENCE_DIR to a rasbt/pytorch-memory-optim checkout"
 )
-@pytest.mark.parametrize("rung", sorted(compare_plan.RUNGS))
+@pytest.mark.parametrize("rung", sorted(plan.RUNGS))
 def test_checkout_matches_the_mapping(rung):
     """What the runner relies on, read from the script: it imports get_dataloaders_cifar10, builds a
     torchvision ViT with pretrained weights, steps an optimizer, and asks Fabric for the mapped devices."""
-    ref = compare_plan.RUNGS[rung].reference
+    ref = plan.RUNGS[rung].reference
     if ref is None:
         pytest.skip("no reference script for this rung")
     folder = Path(REFERENCE_DIR)

@@ -1,5 +1,5 @@
 """Real learning on real data: a tiny ViT trained by rung 01 on digits scores >= 0.80 on the held-out test
-split, the same pipeline with shuffled labels does not, and fabric_memory_recipes.tools.convergence runs, records and reports.
+split, the same pipeline with shuffled labels does not, and fabric_memory_recipes.tools.convergence.benchmark runs, records and reports.
 
 The tool's run (rung 01 and rung 03, one seed, 10 epochs) starts in the background when the tests are
 collected (see conftest): it is the test of both the recipe's accuracy and the benchmark's plumbing.
@@ -17,8 +17,9 @@ from conftest import REPO, describe, result, run_process, session_dir, submit, s
 
 from fabric_memory_recipes.config import RunConfig, declared_rung
 from fabric_memory_recipes.measurement.results import RunResults
-from fabric_memory_recipes.tools import convergence, convergence_report
-from fabric_memory_recipes.training import data, digits, loop, models
+from fabric_memory_recipes.tools.convergence import benchmark, report
+from fabric_memory_recipes.training import data, loop, models
+from fabric_memory_recipes.training.data import digits
 
 BACKGROUND_PRIORITY = 15
 BACKGROUND_TESTS = {
@@ -31,7 +32,7 @@ EPOCHS = 10
 def _benchmark():
     out = session_dir("convergence")
     cmd = [
-        sys.executable, "-m", "fabric_memory_recipes.tools.convergence", "--out", str(out), "--rungs", "01,03", "--seed-list", "0", "--model", "vit_tiny",
+        sys.executable, "-m", "fabric_memory_recipes.tools.convergence.benchmark", "--out", str(out), "--rungs", "01,03", "--seed-list", "0", "--model", "vit_tiny",
         "--epochs", str(EPOCHS), "--parallel", "2", "--no-variants",
     ]  # fmt: skip
     return run_process(cmd, subprocess_env(out / "fabric-logs")), out
@@ -100,14 +101,14 @@ def test_benchmark_records_curves_lost_updates_and_renders_the_report():
     assert (out / "loss_curves.png").read_bytes()[:4] == b"\x89PNG"
     # rendering again from the JSON alone gives the same report
     (out / "README.md").unlink()
-    assert convergence.main(["--report", str(out)]) == 0
+    assert benchmark.main(["--report", str(out)]) == 0
     assert (out / "README.md").read_text() == readme
     # --readme PATH:BLOCK puts the table and the figure into a marked block; a missing block is one line
     doc = out.parent / "doc.md"
     doc.write_text(
         "before\n<!-- results:convergence:start -->\nold\n<!-- results:convergence:end -->\nafter\n"
     )
-    assert convergence.render(out, readme=f"{doc}:convergence") == 0
+    assert benchmark.render(out, readme=f"{doc}:convergence") == 0
     text = doc.read_text()
     assert (
         "old" not in text
@@ -115,7 +116,7 @@ def test_benchmark_records_curves_lost_updates_and_renders_the_report():
         and "](" in text
         and text.endswith("after\n")
     )
-    assert convergence.render(out, readme=f"{doc}:nothing") == 2
+    assert benchmark.render(out, readme=f"{doc}:nothing") == 2
 
 
 def _result(recipe, seed, test, loss, steps, precision="32-true", lost=0.0):
@@ -133,7 +134,7 @@ def test_flags_and_causes_from_measured_differences():
         results.append(_result("01_baseline", seed, acc, 0.05, 380))
         results.append(_result("03_true_half_precision", seed, acc + 0.005, 0.06, 380, "bf16-true", 0.3))
         results.append(_result("15_speed", seed, 0.6, 0.6, 80))
-    table = convergence.render_table(results)
+    table = benchmark.render_table(results)
     rows = {line.split(" | ")[0][2:]: line for line in table.splitlines()[2:]}
     assert "within (+0.005)" in rows["03_true_half_precision"]
     assert "**outside ± 2 sd** (-0.310)" in rows["15_speed"]
@@ -145,13 +146,13 @@ def test_flags_and_causes_from_measured_differences():
 
 
 def test_tool_plans_every_single_gpu_rung_with_its_kind_of_learning_rate():
-    args = convergence.parse_args(["--seeds", "2", "--model", "vit_tiny"])
-    jobs = convergence.plan(args, cuda=False)
+    args = benchmark.parse_args(["--seeds", "2", "--model", "vit_tiny"])
+    jobs = benchmark.plan(args, cuda=False)
     rungs = sorted({j.recipe for j in jobs})
     assert [r[:2] for r in rungs] == "01 02 03 04 05 06 07 10 11 12 13 14 15".split()
     assert {j.seed for j in jobs} == {0, 1}
     lr = {j.recipe: j.args[j.args.index("--lr") + 1] for j in jobs}
-    preset = convergence.PRESETS["vit_tiny"]
+    preset = benchmark.PRESETS["vit_tiny"]
     assert lr["01_baseline"] == lr["13_lowbit_optimizer"] == str(preset["adam_lr"])
     assert lr["06_sgd_cosine"] == lr["14_memory_floor"] == str(preset["sgd_lr"])
     for j in jobs:
@@ -164,8 +165,8 @@ def test_tool_plans_every_single_gpu_rung_with_its_kind_of_learning_rate():
     assert rules[("14", "default")] == "stochastic"  # the floor too: its peak is plain rounding's (docs/14)
     assert rules[("06", "plain")] == rules[("06", "mixed")] == "plain" and rules[("03", "kahan")] == "kahan"
     assert not [j for j in jobs if j.seed is None], "no ViT-L/16 memory runs without CUDA"
-    assert [j for j in convergence.plan(args, cuda=True) if j.seed is None]
-    assert REPO.joinpath("fabric_memory_recipes", "tools", "convergence.py").exists()
+    assert [j for j in benchmark.plan(args, cuda=True) if j.seed is None]
+    assert REPO.joinpath("fabric_memory_recipes", "tools", "convergence", "benchmark.py").exists()
 
 
 def test_a_later_call_that_added_runs_is_named_in_the_report():
@@ -173,7 +174,7 @@ def test_a_later_call_that_added_runs_is_named_in_the_report():
     later = {"timestamp": "2026-11-23T16:00:00+00:00", "command": "convergence.py --seed-list 2",
              "wall_s": 176.4, "runs": [{"returncode": 0}, {"returncode": 0}, {"returncode": 1}],
              "note": "seed 2 of the rungs the first call's deadline skipped"}  # fmt: skip
-    text = convergence.render_markdown(results, {"wall_s": 306.6, "later_calls": [later]}, None)
+    text = benchmark.render_markdown(results, {"wall_s": 306.6, "later_calls": [later]}, None)
     assert "- the first call took 307 s (wall)" in text
     assert (
         "- a later call (2026-11-23T16:00:00+00:00) added 2 runs in 176 s: `convergence.py --seed-list 2`;"
@@ -186,16 +187,16 @@ def test_a_later_call_on_several_gpus_counts_each_gpu_and_names_them():
     later = {"timestamp": "t", "command": "convergence.py --gpus 4", "wall_s": 400.0, "runs": [{"returncode": 0}],
              "settings": {"gpus": 4, "gpu_name": "NVIDIA H200"}}  # fmt: skip
     summary = {"wall_s": 100.0, "later_calls": [later]}
-    assert convergence_report.device_seconds(summary) == 100.0 + 4 * 400.0
-    text = convergence.render_markdown([], summary, None)
+    assert report.device_seconds(summary) == 100.0 + 4 * 400.0
+    text = benchmark.render_markdown([], summary, None)
     assert "added 1 runs in 400 s on 4 × NVIDIA H200: `convergence.py --gpus 4`" in text
     assert "GPU time of the whole benchmark: 1700 s" in text
 
 
 def test_gpu_plan_trains_vit_l_16_at_one_budget_and_measures_lost_updates_where_it_compares_precisions():
-    args = convergence.parse_args(["--seeds", "3", "--model", "vit_l_16", "--no-memory"])
-    preset = convergence.PRESETS["vit_l_16"]
-    jobs = convergence.plan(args, cuda=True)
+    args = benchmark.parse_args(["--seeds", "3", "--model", "vit_l_16", "--no-memory"])
+    preset = benchmark.PRESETS["vit_l_16"]
+    jobs = benchmark.plan(args, cuda=True)
     assert args.mode == "fast" and len({j.recipe for j in jobs}) == 13
     assert len([j for j in jobs if j.variant == "default"]) == 13 * 3, "every rung, 3 seeds"
     n_train = len(digits.split_indices(digits.raw()[1])[0])
@@ -207,7 +208,7 @@ def test_gpu_plan_trains_vit_l_16_at_one_budget_and_measures_lost_updates_where_
         per_epoch = -(-(n_train // rung.micro_batch_size) // rung.accumulation_steps)  # optimizer steps
         assert value["--warmup-steps"] == str(round(preset["warmup_epochs"] * per_epoch)), j.recipe
         measured = "--lost-updates" in j.args
-        assert measured == (j.recipe in convergence.LOST_RUNGS and j.seed == 0), (j.recipe, j.seed)
+        assert measured == (j.recipe in benchmark.LOST_RUNGS and j.seed == 0), (j.recipe, j.seed)
         assert ("--no-cuda-graphs" in j.args) == measured, "lost updates read weights between steps"
     assert {j.variant for j in jobs if j.recipe == "03_true_half_precision"} == {"default", "stochastic", "kahan"}
 
@@ -223,17 +224,17 @@ def test_a_later_call_runs_only_what_is_missing_and_is_recorded(tmp_path, monkey
         (out_ / "runs" / f"{job.recipe}-{job.tag}.json").write_text(json.dumps({"status": "ok"}))
         return job
 
-    monkeypatch.setattr(convergence, "run_job", fake_run)
-    monkeypatch.setattr(convergence, "render", lambda out, readme=None: 0)
+    monkeypatch.setattr(benchmark, "run_job", fake_run)
+    monkeypatch.setattr(benchmark, "render", lambda out, readme=None: 0)
     argv = ["--out", str(out), "--model", "vit_tiny", "--rungs", "01", "--no-variants", "--", "--accelerator", "cpu"]
-    assert convergence.main([*argv[:4], "--seed-list", "0", *argv[4:]]) == 0
+    assert benchmark.main([*argv[:4], "--seed-list", "0", *argv[4:]]) == 0
     assert ran == ["default-s0"]
-    assert convergence.main([*argv[:4], "--seed-list", "0,1", *argv[4:]]) == 0
+    assert benchmark.main([*argv[:4], "--seed-list", "0,1", *argv[4:]]) == 0
     assert ran == ["default-s0", "default-s1"], "seed 0 finished in the first call"
     bench = json.loads((out / "benchmark.json").read_text())
     assert [r["tag"] for r in bench["runs"]] == ["default-s0"]
     assert [r["tag"] for r in bench["later_calls"][0]["runs"]] == ["default-s1"]
-    text = convergence.render_markdown([], bench, None)
+    text = benchmark.render_markdown([], bench, None)
     assert "GPU time of the whole benchmark" in text
 
 
@@ -252,10 +253,10 @@ def test_a_run_with_another_rule_is_run_again_and_gpus_share_out_the_runs(tmp_pa
         job.returncode, job.wall_s = 0, 1.0
         return job
 
-    monkeypatch.setattr(convergence, "run_job", fake_run)
-    monkeypatch.setattr(convergence, "render", lambda out, readme=None: 0)
+    monkeypatch.setattr(benchmark, "run_job", fake_run)
+    monkeypatch.setattr(benchmark, "render", lambda out, readme=None: 0)
     argv = ["--out", str(out), "--model", "vit_tiny", "--rungs", "06,07", "--no-variants", "--seed-list", "0,1"]
-    assert convergence.main([*argv, "--gpus", "2", "--", "--accelerator", "cpu"]) == 0
+    assert benchmark.main([*argv, "--gpus", "2", "--", "--accelerator", "cpu"]) == 0
     assert sorted(tag for tag, _ in seen) == ["06-default-s0", "07-default-s0", "07-default-s1"]
     assert {gpu for _, gpu in seen} <= {"0", "1"} and None not in {gpu for _, gpu in seen}
 

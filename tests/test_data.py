@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from fabric_memory_recipes.training import data, digits, net
+from fabric_memory_recipes.training import data
 from fabric_memory_recipes.training.cli import UsageError
+from fabric_memory_recipes.training.data import digits, network
 
 PER_BATCH = 60
 N_TRAIN_FILES = 2
@@ -57,9 +58,9 @@ def write_cifar(root, n_train_files: int = N_TRAIN_FILES, per_batch: int = PER_B
 @pytest.fixture
 def offline(monkeypatch):
     monkeypatch.setenv("FMR_OFFLINE", "1")
-    net.reachable.cache_clear()
+    network.reachable.cache_clear()
     yield
-    net.reachable.cache_clear()
+    network.reachable.cache_clear()
 
 
 # ------------------------------------------------------------------------------------------ real reader
@@ -134,7 +135,7 @@ def test_load_auto_offline_falls_back_to_digits_with_one_line(tmp_path, offline,
 
 
 # ---------------------------------------------------------------------------------------------- digits
-DIGITS_SPLIT = "c94204e8f281"  # fabric_memory_recipes.training.digits.split_fingerprint of the fixed split: a change shows here
+DIGITS_SPLIT = "c94204e8f281"  # fabric_memory_recipes.training.data.digits.split_fingerprint of the fixed split: a change shows here
 
 
 def test_digits_splits_are_stratified_fixed_and_disjoint():

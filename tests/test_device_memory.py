@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from fabric_memory_recipes.config import RunConfig
-from fabric_memory_recipes.measurement import device_memory, report, results
+from fabric_memory_recipes.measurement import device_memory, results
 from fabric_memory_recipes.measurement.device_memory import DeviceSampler, NvmlReader, Reader
+from fabric_memory_recipes.measurement.report import render
 from fabric_memory_recipes.measurement.results import RunResults
 
 GB = 1e9
@@ -236,13 +237,13 @@ def _row(recipe: str, device_gb: float | None) -> dict:
 
 
 def test_the_report_shows_a_device_peak_column_when_a_row_has_it():
-    table = report.render_table([_row("01_baseline", 1.83), _row("02_x", None)])
+    table = render.render_table([_row("01_baseline", 1.83), _row("02_x", None)])
     header = table.splitlines()[0].split(" | ")
     assert "device peak GB" in header
     column = header.index("device peak GB")
     cells = [line.split(" | ")[column] for line in table.splitlines()[2:]]
     assert cells == ["1.83", "—"]
-    assert "device peak GB" not in report.render_table([_row("01_baseline", None)])
+    assert "device peak GB" not in render.render_table([_row("01_baseline", None)])
 
 
 # --------------------------------------------------------------------------------------- lifecycle

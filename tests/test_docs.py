@@ -1,5 +1,5 @@
 """The docs quote the code as it is: a rung page's diff is what ``diff`` of the two recipes gives
-(fabric_memory_recipes/tools/docs_diff.py renders it), and every line of a Python excerpt on a page is a line of the
+(devtools/docs_diff.py renders it), and every line of a Python excerpt on a page is a line of the
 repository's code (the rung's recipe or fabric_memory_recipes/), so a change that is not carried to its page fails."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fabric_memory_recipes.tools import docs_diff
+from devtools import docs_diff
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"
@@ -26,7 +26,7 @@ def test_a_pages_diff_is_the_diff_of_the_recipes(page, old, new):
     start, end = docs_diff.block(page)
     quoted = page.read_text()[start:end]
     assert quoted == docs_diff.render(old, new), (
-        f"run: python -m fabric_memory_recipes.tools.docs_diff --write ({page.name})"
+        f"run: python -m devtools.docs_diff --write ({page.name})"
     )
 
 

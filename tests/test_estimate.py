@@ -14,7 +14,7 @@ from torchvision.models.vision_transformer import VisionTransformer
 
 from fabric_memory_recipes import planning
 from fabric_memory_recipes.config import RunConfig
-from fabric_memory_recipes.measurement import report
+from fabric_memory_recipes.measurement.report import render
 from fabric_memory_recipes.planning.__main__ import main as estimate_main
 from fabric_memory_recipes.training import data, models
 
@@ -432,8 +432,8 @@ def test_check_and_report_compare_prediction_with_measurement(tmp_path, capsys):
     row = rows[0]
     assert row["error_pct"] == pytest.approx(100 * (row["predicted_gb"] - 0.08) / 0.08)
     result["estimate"] = {"peak_allocated_gb": 0.084, "peak_phase": "backward", "assumptions": {}}
-    assert report.estimate_error_pct(result) == pytest.approx(5.0)
-    assert "+5.0%" in report.render_estimates([result])
+    assert render.estimate_error_pct(result) == pytest.approx(5.0)
+    assert "+5.0%" in render.render_estimates([result])
     # a run that recorded its own prediction is compared with that one, not re-simulated
     (tmp_path / "05_gradient_accumulation.json").write_text(json.dumps(result))
     # a recipe the estimator does not model (the Hugging Face bonus models) is left out, not a crash

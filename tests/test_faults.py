@@ -2,7 +2,7 @@
 signals sent to real recipe processes. Each asserts the exit code, the one line that explains it (no
 traceback), and that earlier results and checkpoints are still there byte for byte.
 
-``python fabric_memory_recipes/tools/fault_drill.py`` runs this module (the multi-node test included) and prints the table:
+``python devtools/fault_drill.py`` runs this module (the multi-node test included) and prints the table:
 every test records its row, what is expected and what was observed (``record_property``).
 
 Speed. The runs that receive signals are real processes (real handlers, real exit codes), started in
@@ -46,7 +46,7 @@ from test_data import write_cifar
 
 from fabric_memory_recipes import faults
 from fabric_memory_recipes.config import Hardware, RunConfig
-from fabric_memory_recipes.measurement import report
+from fabric_memory_recipes.measurement.report import render
 from fabric_memory_recipes.measurement.results import RunResults
 from fabric_memory_recipes.training import checkpoints, cli, data, lifecycle, loop
 
@@ -63,7 +63,7 @@ STEPS_DONE = re.compile(r"\| *([1-9]\d*)/\d+ \[")  # the bar after at least one 
 
 # ------------------------------------------------------------------------------------------- helpers
 class Drill:
-    """The row of the fault table a test checks, for fabric_memory_recipes/tools/fault_drill.py (junit XML properties)."""
+    """The row of the fault table a test checks, for devtools/fault_drill.py (junit XML properties)."""
 
     def __init__(self, record_property, row: str, expected: str) -> None:
         self._record = record_property
@@ -964,7 +964,7 @@ def test_the_report_shows_both(tmp_path):
     (tmp_path / "01_baseline.json").write_text(json.dumps(make_result("01_baseline")))
     stopped = make_result("01_baseline", status="interrupted")
     (tmp_path / "01_baseline.interrupted.json").write_text(json.dumps(stopped))
-    assert report.main([str(tmp_path)]) == 0
+    assert render.main([str(tmp_path)]) == 0
     rows = [
         ln for ln in (tmp_path / "README.md").read_text().splitlines() if ln.startswith("| 01_baseline |")
     ]

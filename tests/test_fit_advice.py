@@ -14,8 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from fabric_memory_recipes.planning import advice, calibration, snapshot, user_cli, user_fit, user_measure
-from fabric_memory_recipes.training import cli, user_run
+from fabric_memory_recipes.planning.planner import advice, calibration, snapshot
+from fabric_memory_recipes.planning.your_model import cli as user_cli
+from fabric_memory_recipes.planning.your_model import measure, sets
+from fabric_memory_recipes.training import cli
+from fabric_memory_recipes.training.your_model import runner
 
 SMALL = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              max_position_embeddings=128)  # fmt: skip
@@ -73,7 +76,7 @@ def test_fit_and_train_every_family(configs, family, capsys, run_recipe):
             row["precision"] == "bf16-mixed" and row["technique"].startswith("AdamW") and row["changes"] == []
         )
     pick = shlex.split(answer["fits"][0]["command"])
-    parsed = cli.build_parser(user_run.default_config()).parse_args(pick[2:])
+    parsed = cli.build_parser(runner.default_config()).parse_args(pick[2:])
     assert (parsed.model, parsed.precision, parsed.optimizer) == (ref, "bf16-mixed", "adamw")
     proc, result = run_recipe("your_model", *pick[2:], "--precision", "32-true", "--accelerator", "cpu",
                               "--max-steps", "2", "--eval-batches", "1", "--data", "synthetic")  # fmt: skip
@@ -133,18 +136,18 @@ def test_step_in_backward_hook_cost_is_what_the_committed_runs_give():
     """HOOK_MS: the committed ResNet-50 pair (SGD alone; checkpointing + the step in backward), less
     checkpointing's cost from the speed model, over ResNet-50's parameter tensors."""
     repo = Path(calibration.RESULTS_DIR).parent
-    runs = sorted(repo.glob(user_fit.HOOK_SOURCE.split(" ")[0] + "/your_model.json"))
+    runs = sorted(repo.glob(sets.HOOK_SOURCE.split(" ")[0] + "/your_model.json"))
     speeds = {}
     for path in runs:
         d = json.loads(path.read_text())
         speeds[bool(d["config"]["optimizer_in_backward"])] = d["timing"]["images_per_s"]
     assert set(speeds) == {False, True}
-    vit = user_fit.ladder_model("vit_l_16")
-    model = user_fit.speed.speed_model("h100", "vit_l_16", sum(p.numel() for p in vit.parameters()),
+    vit = sets.ladder_model("vit_l_16")
+    model = sets.speed.speed_model("h100", "vit_l_16", sum(p.numel() for p in vit.parameters()),
                                        calibration.load_runs((str(calibration.RESULTS_DIR),)))  # fmt: skip
     plain, hooked = 128 / speeds[False], 128 / speeds[True]
     per_tensor = (hooked - plain * (1 + model.checkpoint_extra)) / 161 * 1e3  # ResNet-50: 161 tensors
-    assert user_fit.HOOK_MS == pytest.approx(per_tensor, abs=0.001)
+    assert sets.HOOK_MS == pytest.approx(per_tensor, abs=0.001)
 
 
 def test_hooks_slow_the_step_in_backward_in_the_ranking(capsys):
@@ -178,12 +181,12 @@ def test_measure_ranks_by_what_ran(tmp_path):
         return {"status": status, "wall_s": 1.0}
 
     said = []
-    original = user_measure.execute
-    user_measure.execute = stand_in
+    original = measure.execute
+    measure.execute = stand_in
     try:
-        best = user_measure.measure(rows, 4.0, tmp_path, steps=5, say=said.append)
+        best = measure.measure(rows, 4.0, tmp_path, steps=5, say=said.append)
     finally:
-        user_measure.execute = original
+        measure.execute = original
     assert [r["argv"][-1] for r in best] == ["2", "1"]  # measured order; the third ran out of memory
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert plan["measured_pick"].endswith("2") and plan["predicted_pick"].endswith("1")
@@ -193,7 +196,7 @@ def test_measure_ranks_by_what_ran(tmp_path):
 
 def test_the_shipped_planner_data_match_the_checkout():
     """A wheel plans from package data; it must be what the committed runs, rungs and benchmark give
-    (after new committed runs: python -m fabric_memory_recipes.planning.snapshot --write)."""
+    (after new committed runs: python -m fabric_memory_recipes.planning.planner.snapshot --write)."""
     assert snapshot.stale() == []
 
 
@@ -216,7 +219,7 @@ def test_mixed_precision_recomputes_under_the_same_autocast_policy(capsys):
 
 def test_the_ladders_fit_keeps_its_sources_for_verbose(capsys):
     """Issue 36: two-thirds of --fit's output were calibration file lists; they are --verbose's now."""
-    from fabric_memory_recipes.planning import fit_cli
+    from fabric_memory_recipes.planning.planner import cli as fit_cli
 
     fit_cli.main(["--fit", "8GB"])
     short = capsys.readouterr().out
@@ -233,7 +236,7 @@ def test_an_installed_package_plans_without_the_checkout(tmp_path):
     import subprocess
     import sys
 
-    package = Path(snapshot.__file__).resolve().parents[1]
+    package = Path(snapshot.__file__).resolve().parents[2]
     shutil.copytree(package, tmp_path / "site" / package.name, ignore=shutil.ignore_patterns("__pycache__"))
     env = {**__import__("os").environ, "PYTHONPATH": str(tmp_path / "site")}
     code = (
@@ -260,7 +263,7 @@ def test_several_gpus_plan_fsdp_sets_with_memory_per_gpu(configs, capsys):
         cmd = shlex.split(row["command"])
         assert cmd[cmd.index("--devices") + 1] == "4" and "--fsdp" in cmd and row["devices"] == 4
         assert "--activation-offload" not in cmd and "--optimizer-in-backward" not in cmd
-        parsed = cli.build_parser(user_run.default_config()).parse_args(cmd[2:])
+        parsed = cli.build_parser(runner.default_config()).parse_args(cmd[2:])
         assert parsed.fsdp and parsed.devices == 4 and parsed.precision == "bf16-mixed"
         alone = one[(row["technique"], row["accumulation_steps"])]
         assert row["simulated_peak_allocated_gb"] < alone["simulated_peak_allocated_gb"]  # sharded state
@@ -275,7 +278,7 @@ def test_several_gpus_plan_fsdp_sets_with_memory_per_gpu(configs, capsys):
 def test_the_fit_proof_shares_its_jobs_over_the_named_gpus(tmp_path, monkeypatch):
     """fit_proof runs each job once, one at a time per named GPU (CUDA_VISIBLE_DEVICES), and starts none
     after its deadline (processes.DeviceSlots, as the convergence benchmark shares its GPUs)."""
-    from fabric_memory_recipes.tools import fit_proof
+    from devtools import fit_proof
 
     ran = []
 

@@ -1,6 +1,6 @@
 """Fast mode's bookkeeping (fabric_memory_recipes/training/graphs.py) on a CPU, with a stand-in for the CUDA graph.
 
-A CUDA graph cannot be captured without a GPU; ``fabric_memory_recipes.tools.check_equivalence`` compares real captures with
+A CUDA graph cannot be captured without a GPU; ``devtools.check_equivalence`` compares real captures with
 eager steps on one. What a CPU can check is everything around the capture: the warm-up, the static
 input buffers filled slot by slot, one graph per group size (a short last group of an epoch), the
 learning rates read from device tensors that follow the schedule, step counters moved off the host,

@@ -427,12 +427,13 @@ def test_evaluation_shows_progress_and_is_bounded(fabric, capsys):
 
 def test_the_your_model_runner_bounds_evaluation_by_default():
     """A GPT-2 config at --seq-len 64 trained 2 steps in 2.5 s, then evaluated for over 10 minutes."""
-    from fabric_memory_recipes.training import cli, user_run
+    from fabric_memory_recipes.training import cli
+    from fabric_memory_recipes.training.your_model import runner
 
-    cfg = cli.parse(user_run.default_config(), ["--accelerator", "cpu"])
+    cfg = cli.parse(runner.default_config(), ["--accelerator", "cpu"])
     assert cfg.eval_batches == 20
     assert (
-        cli.parse(user_run.default_config(), ["--accelerator", "cpu", "--eval-batches", "3"]).eval_batches
+        cli.parse(runner.default_config(), ["--accelerator", "cpu", "--eval-batches", "3"]).eval_batches
         == 3
     )
 

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from fabric_memory_recipes.config import RunConfig
 from fabric_memory_recipes.measurement.results import RunResults
 from fabric_memory_recipes.training import checkpoints, loop, models
-from fabric_memory_recipes.training.offload import offload_activations
+from fabric_memory_recipes.training.techniques.offload import offload_activations
 
 TINY = ("--accelerator", "cpu", "--model", "vit_tiny", "--data", "synthetic", "--weights", "none")
 LEARN = {

@@ -21,7 +21,7 @@ def _execute():
         [
             sys.executable,
             "-m",
-            "fabric_memory_recipes.tools.execute_notebook",
+            "devtools.execute_notebook",
             NOTEBOOK,
             "--out",
             out,
@@ -72,7 +72,7 @@ def test_the_committed_notebook_is_the_executed_one():
     nb = nbformat.read(NOTEBOOK, as_version=4)
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert code and [c.execution_count for c in code] == list(range(1, len(code) + 1)), (
-        "run: python -m fabric_memory_recipes.tools.execute_notebook docs/workshop.ipynb"
+        "run: python -m devtools.execute_notebook docs/workshop.ipynb"
     )
     assert all(c.outputs for c in code[1:]), "a code cell after the first has no output"
     assert not any(o.output_type == "error" for c in code for o in c.outputs)

@@ -1,4 +1,4 @@
-"""Rung 11's overlapped offload (fabric_memory_recipes/training/offload.py), its mechanics on the CPU.
+"""Rung 11's overlapped offload (fabric_memory_recipes/training/techniques/offload.py), its mechanics on the CPU.
 
 The CPU has no streams, so the tests give the hooks recording streams: every stream operation is logged
 and a host synchronisation would fail (the stand-ins have none). They check:
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from fabric_memory_recipes.training import models
-from fabric_memory_recipes.training.offload import Streams, offload_activations
+from fabric_memory_recipes.training.techniques.offload import Streams, offload_activations
 
 
 class Event:

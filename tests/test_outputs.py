@@ -19,11 +19,14 @@ import pytest
 import torch
 from conftest import CPU_ARGS, REPO, describe, result, run_process, session_dir, submit, subprocess_env
 
+from devtools import check_equivalence, same_parameters
 from fabric_memory_recipes import paths
 from fabric_memory_recipes.config import RunConfig, UsageError
-from fabric_memory_recipes.measurement import report, results_file
+from fabric_memory_recipes.measurement import results_file
+from fabric_memory_recipes.measurement.report import render
 from fabric_memory_recipes.planning import __main__ as estimator
-from fabric_memory_recipes.tools import check_equivalence, compare_reference, convergence, same_parameters
+from fabric_memory_recipes.tools.compare import reference
+from fabric_memory_recipes.tools.convergence import benchmark
 from fabric_memory_recipes.training import cli, lifecycle
 
 BACKGROUND_TESTS = {"test_default_runs_leave_a_clean_checkout_clean"}
@@ -91,7 +94,7 @@ def test_defaults_are_under_runs(tmp_path, monkeypatch, capsys):
     assert RunConfig().results_dir == "runs"
     cfg = lifecycle.resolve_checkpoints(cli.parse(RunConfig(recipe="05_x"), ["--accelerator", "cpu"]))
     assert cfg.checkpoint_dir == os.path.join("runs", "checkpoints", "05_x")
-    assert convergence.parse_args([]).out == Path("runs/convergence")
+    assert benchmark.parse_args([]).out == Path("runs/convergence")
     with pytest.raises(SystemExit):
         check_equivalence.main(["--help"])
     assert "(default: runs/equivalence)" in said()
@@ -99,10 +102,10 @@ def test_defaults_are_under_runs(tmp_path, monkeypatch, capsys):
         same_parameters.main(["--help"])
     assert "(default: runs/same_parameters.json)" in said()
     with pytest.raises(SystemExit):
-        compare_reference.main(["--help"])
+        reference.main(["--help"])
     assert "(default: runs/compare-<gpu>)" in said()
     monkeypatch.chdir(tmp_path)  # the report reads runs/ unless given a folder
-    assert report.main([]) == 2
+    assert render.main([]) == 2
     assert capsys.readouterr().err.strip() == "report: runs is not a directory"
 
 
@@ -140,12 +143,12 @@ def test_tools_and_the_report_refuse_published_outputs(tmp_path, capsys):
     published = tmp_path / "results" / "published" / "h100" / "convergence"
     published.mkdir(parents=True)
     with pytest.raises(SystemExit) as exc:
-        convergence.parse_args(["--out", str(published)])
+        benchmark.parse_args(["--out", str(published)])
     assert exc.value.code == 2
     one_error_line(
         capsys.readouterr().err, f"{Path(sys.argv[0]).name}: error: argument --out: {published}: inside"
     )
-    assert report.main([str(published)]) == 2
+    assert render.main([str(published)]) == 2
     one_error_line(
         capsys.readouterr().err, f"report: cannot render into {published}: inside results/published/"
     )
@@ -155,7 +158,7 @@ def test_tools_and_the_report_refuse_published_outputs(tmp_path, capsys):
     assert "--ladder" in one_error_line(capsys.readouterr().err, f"{Path(sys.argv[0]).name}: error: --ladder")
     (tmp_path / "file").write_text("x")
     with pytest.raises(SystemExit):
-        convergence.parse_args(["--out", str(tmp_path / "file" / "sub")])
+        benchmark.parse_args(["--out", str(tmp_path / "file" / "sub")])
     assert f"{tmp_path / 'file'} is a file, not a folder" in capsys.readouterr().err
 
 

@@ -50,9 +50,9 @@ def test_the_package_imports_from_any_folder_and_common_does_not(tmp_path):
 
 @needs_install
 def test_python_dash_m_works_from_any_folder_and_help_names_the_module(tmp_path):
-    run = _python(["-m", "fabric_memory_recipes.measurement.report", "--help"], tmp_path)
+    run = _python(["-m", "fabric_memory_recipes.measurement.report.render", "--help"], tmp_path)
     assert run.returncode == 0, run.stderr
-    assert run.stdout.startswith("usage: python -m fabric_memory_recipes.measurement.report")
+    assert run.stdout.startswith("usage: python -m fabric_memory_recipes.measurement.report.render")
     run = _python(["-m", "fabric_memory_recipes.planning", "--help"], tmp_path)
     assert run.returncode == 0 and run.stdout.startswith("usage: python -m fabric_memory_recipes.planning ")
 
@@ -78,9 +78,9 @@ def test_console_scripts_are_installed_and_help_shows_their_name(tmp_path):
 
 
 def test_program_names_what_was_typed():
-    module = Path(console.__file__).parent / "measurement" / "report.py"
-    assert console.program(str(module)) == "python -m fabric_memory_recipes.measurement.report"
-    assert console.program(str(module.parent.parent / "planning" / "__main__.py")) == (
+    module = Path(console.__file__).parent / "measurement" / "report" / "render.py"
+    assert console.program(str(module)) == "python -m fabric_memory_recipes.measurement.report.render"
+    assert console.program(str(module.parents[2] / "planning" / "__main__.py")) == (
         "python -m fabric_memory_recipes.planning"
     )
     assert console.program("/usr/local/bin/fmr-report") == "fmr-report"

@@ -1,5 +1,5 @@
 """The planner (``python -m fabric_memory_recipes.planning --fit``), its calibration, ``--memory-budget-gb`` and
-``fabric_memory_recipes.tools.planner_proof``, on a CPU: enumeration, fit and nothing-fits, bad input, that every printed
+``devtools.planner_proof``, on a CPU: enumeration, fit and nothing-fits, bad input, that every printed
 command is the recipe's own flags, and fit.json from fake recipe outputs.
 
 Simulations use the tiny ViT or come from a cache file in the test's folder; the one full-size
@@ -16,10 +16,13 @@ import pytest
 import torch
 from conftest import load_recipe_module
 
+from devtools import planner_proof
 from fabric_memory_recipes.config import Hardware, RunConfig, UsageError
-from fabric_memory_recipes.planning import calibration, fit_cli, overhead, speed
+from fabric_memory_recipes.planning import overhead
 from fabric_memory_recipes.planning.__main__ import main as estimate_main
-from fabric_memory_recipes.planning.fit import (
+from fabric_memory_recipes.planning.planner import calibration, speed
+from fabric_memory_recipes.planning.planner import cli as fit_cli
+from fabric_memory_recipes.planning.planner.fit import (
     Candidate,
     Planner,
     SimulationCache,
@@ -27,7 +30,6 @@ from fabric_memory_recipes.planning.fit import (
     families,
     order,
 )
-from fabric_memory_recipes.tools import planner_proof
 from fabric_memory_recipes.training import cli, lifecycle
 
 GPU_MACHINE = Hardware(cuda_devices=8, cpu_cores=4)
@@ -244,7 +246,7 @@ def test_the_micro_batch_is_read_from_the_json_and_older_jsons_without_it_are_sk
 
 
 def test_runs_that_repeat_committed_ones_calibrate_nothing(tmp_path):
-    """fabric_memory_recipes.tools.ab_ladder's folders (results/published/<gpu>/ab/) and the committed --quick
+    """devtools.ab_ladder's folders (results/published/<gpu>/ab/) and the committed --quick
     sample repeat committed configurations: counting them would weigh those configurations two or three
     times. A user's own runs/quick/ counts."""
     for folder in ("published/h100/compare/runs", "published/h100/ab/base/fast", "published/h100/ab/new/fast",

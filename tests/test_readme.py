@@ -14,7 +14,7 @@ from pathlib import Path
 
 from test_doc_commands import run_estimate
 
-from fabric_memory_recipes.measurement import report
+from fabric_memory_recipes.measurement.report import render
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
@@ -43,7 +43,7 @@ def test_the_ladder_table_is_the_committed_ladder_rendered():
     block = re.search(r"<!-- results:ladder:start -->\n(.*?)<!-- results:ladder:end -->", README, re.S).group(
         1
     )
-    assert block.strip() == report.render_table(report.load_results(PUBLISHED / "ladder")).strip()
+    assert block.strip() == render.render_table(render.load_results(PUBLISHED / "ladder")).strip()
     assert "(results/published/h100/ladder/ladder.png)" in README  # the figure rendered from the same files
 
 

@@ -152,7 +152,7 @@ def test_recipe_runs_on_cpu_and_writes_results(name):
     assert isinstance(p["extra"], dict)
 
     # The estimate read the technique from what the code built; the rung's declaration, which the
-    # planner reads without running the recipe, says the same (planning/built.py).
+    # planner reads without running the recipe, says the same (planning/simulation/built.py).
     built = p["estimate"]["assumptions"]
     declared = plan_for(declared_rung(name)[0])
     assert (built["optimizer"], built["optimizer_impl"], tuple(built["checkpoint"])) == (

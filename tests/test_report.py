@@ -1,4 +1,4 @@
-"""fabric_memory_recipes.measurement.report: results JSON -> README.md table + ladder.png, on fixtures and on a real CPU run."""
+"""fabric_memory_recipes.measurement.report.render: results JSON -> README.md table + ladder.png, on fixtures and on a real CPU run."""
 
 import json
 import os
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fabric_memory_recipes.measurement import report
+from fabric_memory_recipes.measurement.report import render
 
 REPO = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -152,7 +152,7 @@ def test_mode_column_says_how_each_row_ran(tmp_path):
         r["config"].pop("cuda_graphs", None)
         r["config"].update(config)
         results.append(r)
-    modes = table_rows(report.render_table(results), mode=True)
+    modes = table_rows(render.render_table(results), mode=True)
     assert modes == {
         "01_baseline (a)": "compiled + graphs",
         "01_baseline (b)": "compiled",
@@ -164,7 +164,7 @@ def test_mode_column_says_how_each_row_ran(tmp_path):
 def run_module(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     return subprocess.run(
-        [sys.executable, "-m", "fabric_memory_recipes.measurement.report", *args],
+        [sys.executable, "-m", "fabric_memory_recipes.measurement.report.render", *args],
         cwd=cwd,
         env=env,
         capture_output=True,
@@ -182,11 +182,11 @@ def assert_png(path: Path) -> None:
 
 def test_main_renders_table_and_figure(tmp_path):
     write_fixtures(tmp_path)
-    assert report.main([str(tmp_path)]) == 0
+    assert render.main([str(tmp_path)]) == 0
     markdown = (tmp_path / "README.md").read_text()
     assert_png(tmp_path / "ladder.png")
     assert "![ladder](ladder.png)" in markdown
-    assert "python -m fabric_memory_recipes.measurement.report" in markdown
+    assert "python -m fabric_memory_recipes.measurement.report.render" in markdown
     assert "NVIDIA H100 80GB HBM3" in markdown and "**CPU**" in markdown
 
     rows = table_rows(markdown)
@@ -243,7 +243,7 @@ def test_bad_files_are_skipped_with_a_warning(tmp_path, capsys):
     (tmp_path / "01_baseline.rank1.json").write_text(json.dumps(make_result("01_rankfile")))
     (tmp_path / "other.json").write_text(json.dumps({"not": "a result"}))
     (tmp_path / "future.json").write_text(json.dumps({**make_result("09_future"), "schema_version": 2}))
-    assert report.main([str(tmp_path)]) == 0
+    assert render.main([str(tmp_path)]) == 0
     err = capsys.readouterr().err
     assert "02_broken.json" in err and "future.json" in err
     assert "rank1" not in err and "other.json" not in err
@@ -253,7 +253,7 @@ def test_bad_files_are_skipped_with_a_warning(tmp_path, capsys):
 
 def test_load_results_sorted(tmp_path):
     write_fixtures(tmp_path)
-    results = report.load_results(tmp_path)
+    results = render.load_results(tmp_path)
     keys = [(r["recipe"], r["tag"] or "") for r in results]
     assert keys == sorted(keys)
 
@@ -290,7 +290,7 @@ def test_end_to_end_with_a_real_run(tmp_path):
     ]  # fmt: skip
     run = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
-    assert report.main([str(tmp_path)]) == 0
+    assert render.main([str(tmp_path)]) == 0
     markdown = (tmp_path / "README.md").read_text()
     lines = markdown.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("| recipe |"))
@@ -318,11 +318,11 @@ def test_speed_shows_its_median_and_the_range_over_the_timed_steps():
     fast = with_steps(make_result("01_baseline", batch=64), p10=0.100, median=0.125, p90=0.160)
     few = with_steps(make_result("02_mixed_precision", batch=64), 0.1, 0.125, 0.16, timed=2)
     old = make_result("03_true_half_precision")  # no timing.step_s: a JSON older than the spread
-    rows = table_rows(report.render_table([fast, few, old]))
+    rows = table_rows(render.render_table([fast, few, old]))
     assert rows["01_baseline"][7] == "512 (400–640)"  # 64 images / 0.125 s; at p90 0.16 s and p10 0.1 s
     assert rows["02_mixed_precision"][7] == "512"  # 2 timed intervals: no range
     assert rows["03_true_half_precision"][7] == "123"
-    markdown = report.render_markdown([fast, old])
+    markdown = render.render_markdown([fast, old])
     assert "p90 and the p10 step interval" in markdown
 
 
@@ -357,7 +357,7 @@ def test_cpu_track_shows_the_predicted_full_size_memory_labelled_beside_the_tiny
     fixtures["15_speed.json"]["extra"] = {"mfu": None, "achieved_tflops": 0.05}
     write_fixtures(tmp_path, fixtures)
     predicted_file(tmp_path, {"01_baseline": 25.118, "05_gradient_accumulation": 3.133, "15_speed": None})
-    assert report.main([str(tmp_path)]) == 0
+    assert render.main([str(tmp_path)]) == 0
     assert "predicted.json" not in capsys.readouterr().err  # not taken for a results file
     markdown = (tmp_path / "README.md").read_text()
     header = next(line for line in markdown.splitlines() if line.startswith("| recipe |"))
@@ -379,7 +379,7 @@ def test_a_cpu_folder_without_predictions_names_rss_as_rss_and_a_stopped_ladder_
     """Issue 36: a CPU ladder stopped before its prediction labelled the process RSS 'peak reserved / peak
     allocated' and did not say it had stopped."""
     write_fixtures(tmp_path, {"01_baseline.json": cpu_run("01_baseline")})
-    assert report.main([str(tmp_path)]) == 0
+    assert render.main([str(tmp_path)]) == 0
     markdown = (tmp_path / "README.md").read_text()
     assert "peak RSS GB (process)" in markdown and "peak reserved GB" not in markdown
     assert "predicted (ViT-L/16" not in markdown and "Stopped before it finished" not in markdown
@@ -387,7 +387,7 @@ def test_a_cpu_folder_without_predictions_names_rss_as_rss_and_a_stopped_ladder_
     (tmp_path / "run_all.json").write_text(json.dumps(
         {"started": started, "mode": "cpu", "state": "stopped", "recipes": ["01_baseline"]}
     ))  # fmt: skip
-    assert report.main([str(tmp_path)]) == 0
+    assert render.main([str(tmp_path)]) == 0
     assert "Stopped before it finished" in (tmp_path / "README.md").read_text()
 
 
@@ -396,7 +396,7 @@ def test_the_table_is_written_without_matplotlib(tmp_path, monkeypatch, capsys):
     for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
-    assert report.main([str(tmp_path)]) == 0
+    assert render.main([str(tmp_path)]) == 0
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert err == ["report: matplotlib is not installed: table written, figure skipped"]
     markdown = (tmp_path / "README.md").read_text()
@@ -406,7 +406,7 @@ def test_the_table_is_written_without_matplotlib(tmp_path, monkeypatch, capsys):
 
 def test_the_cpu_speed_figure_carries_each_runs_spread():
     """Issue 36: a noisy CPU step showed checkpointing 26x faster; the bars carry the p10-p90 rates."""
-    from fabric_memory_recipes.measurement import report_cpu
+    from fabric_memory_recipes.measurement.report import cpu as report_cpu
 
     run = with_steps(cpu_run("10_activation_checkpointing"), p10=0.01, median=0.02, p90=0.08)
     batch = run["config"]["batch_size"]

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 from conftest import REPO, describe, result, run_process, session_dir, submit, subprocess_env
 
-from fabric_memory_recipes.measurement import report
+from fabric_memory_recipes.measurement.report import render
 
 SCRIPT = REPO / "run_all.sh"
-HAVE_REPORT = (REPO / "fabric_memory_recipes" / "measurement" / "report.py").exists()
+HAVE_REPORT = (REPO / "fabric_memory_recipes" / "measurement" / "report" / "render.py").exists()
 
 
 def run_all(*args: str, tmp: Path, **env: str) -> subprocess.CompletedProcess:
@@ -78,7 +78,7 @@ def test_cpu_path_runs_the_selected_recipes(cpu_ladder):
 
 
 @pytest.mark.skipif(
-    not HAVE_REPORT, reason="fabric_memory_recipes/measurement/report.py is being written in parallel"
+    not HAVE_REPORT, reason="fabric_memory_recipes/measurement/report/render.py is being written in parallel"
 )
 def test_cpu_path_exits_0_and_renders_the_report(cpu_ladder):
     proc, results = cpu_ladder
@@ -168,7 +168,7 @@ def test_failures_do_not_stop_the_ladder(tmp_path):
         lines[-2] == f"module -m fabric_memory_recipes.planning --ladder {results}"
     )  # the CPU track's predictions
     assert (
-        lines[-1].startswith("module -m fabric_memory_recipes.measurement.report")
+        lines[-1].startswith("module -m fabric_memory_recipes.measurement.report.render")
         and str(results) in lines[-1]
     )
     for ln in lines[:-2]:
@@ -219,7 +219,7 @@ def test_quick_runs_the_single_gpu_ladder_with_few_steps_into_results_quick(tmp_
                 assert flag in ln, (flag, ln)
             assert "--accelerator cpu" not in ln and ln.endswith(f"--results-dir {results}")
     modules = [ln for ln in lines if ln.startswith("module")]
-    assert modules[0] == f"module -m fabric_memory_recipes.measurement.report {results}"
+    assert modules[0] == f"module -m fabric_memory_recipes.measurement.report.render {results}"
     assert [m.split()[2] for m in modules[1:]] == ["fabric_memory_recipes.measurement.time_breakdown"]
     assert "Running up to 6 recipes at once" in proc.stdout
     summary = proc.stdout[proc.stdout.index("Summary (quick path") :]
@@ -296,12 +296,12 @@ def test_a_report_of_only_earlier_runs_says_so(tmp_path):
     _result_json(tmp_path, "01_baseline", age_s=3600)
     manifest = {"started": time.time() - 60, "mode": "cpu", "state": "stopped", "recipes": ["01_baseline"]}
     (tmp_path / "run_all.json").write_text(json.dumps(manifest))
-    assert report.main([str(tmp_path)]) == 0
+    assert render.main([str(tmp_path)]) == 0
     readme = (tmp_path / "README.md").read_text()
     assert readme.splitlines()[2].startswith("> No run of the `./run_all.sh` of ")
     assert "| 01_baseline | ok |" in readme and "## Earlier runs" not in readme
     (tmp_path / "run_all.json").unlink()  # without the manifest: every row, no note
-    assert report.main([str(tmp_path)]) == 0
+    assert render.main([str(tmp_path)]) == 0
     assert "No run of" not in (tmp_path / "README.md").read_text()
 
 
@@ -310,7 +310,7 @@ def test_a_report_of_only_the_last_runs_sets_nothing_apart(tmp_path):
     manifest = {"started": time.time() - 60, "mode": "cpu", "state": "finished", "recipes": ["01_baseline"]}
     (tmp_path / "run_all.json").write_text(json.dumps(manifest))
     _result_json(tmp_path, "01_baseline")
-    assert report.main([str(tmp_path)]) == 0
+    assert render.main([str(tmp_path)]) == 0
     readme = (tmp_path / "README.md").read_text()
     assert "| 01_baseline | ok |" in readme
     assert "did not write" not in readme and "## Earlier runs" not in readme and "\n> " not in readme

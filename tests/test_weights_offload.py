@@ -1,4 +1,4 @@
-"""Rung 16's weights on the CPU (fabric_memory_recipes/training/weights_offload.py), on the CPU: the
+"""Rung 16's weights on the CPU (fabric_memory_recipes/training/techniques/weights_offload.py), on the CPU: the
 streamed model gives the parameters of an ordinary optimizer step, frees each block's weights when it is
 done with them, and evaluates like the model it came from."""
 
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torchvision.models.vision_transformer import VisionTransformer
 
 from fabric_memory_recipes.training import models
-from fabric_memory_recipes.training.weights_offload import WeightsOnCPU
+from fabric_memory_recipes.training.techniques.weights_offload import WeightsOnCPU
 
 LR = 1e-3
 STEPS = 4

@@ -11,11 +11,13 @@ import pytest
 import torch
 
 from fabric_memory_recipes.config import UsageError
-from fabric_memory_recipes.planning import user_cli, user_estimate
-from fabric_memory_recipes.planning.allocator import RESIDUAL
 from fabric_memory_recipes.planning.plan import Plan
-from fabric_memory_recipes.planning.tracking import SavedTensorCounter, Tracker
-from fabric_memory_recipes.training import cli, user_models, user_run
+from fabric_memory_recipes.planning.simulation.allocator import RESIDUAL
+from fabric_memory_recipes.planning.simulation.tracking import SavedTensorCounter, Tracker
+from fabric_memory_recipes.planning.your_model import cli as user_cli
+from fabric_memory_recipes.planning.your_model import estimate
+from fabric_memory_recipes.training import cli
+from fabric_memory_recipes.training.your_model import models, runner
 
 VOCAB = 150_000  # a large vocabulary: the logits dominate
 
@@ -53,11 +55,11 @@ def test_sources_task_and_repeated_blocks(qwen, bert):
         bert: ("classification", ("BertLayer",), "_no_split_modules"),
     }
     for ref, (task, blocks, how) in cases.items():
-        um, model, found, found_by = user_estimate.meta_model(ref)
+        um, model, found, found_by = estimate.meta_model(ref)
         assert um.task == task and found == blocks and how in found_by, (ref, um.task, found, found_by)
         count = sum(type(m).__name__ in blocks for m in model.modules())
         assert count >= 2, ref
-    assert user_estimate.meta_model("timm:test_vit")[1].image_size == 160  # timm's input size, not 224
+    assert estimate.meta_model("timm:test_vit")[1].image_size == 160  # timm's input size, not 224
 
 
 @pytest.mark.parametrize(
@@ -67,7 +69,7 @@ def test_sources_task_and_repeated_blocks(qwen, bert):
 )  # fmt: skip
 def test_unknown_models_are_refused_in_one_line(ref, says):
     with pytest.raises(UsageError, match="^--model") as e:
-        user_models.resolve(ref)
+        models.resolve(ref)
     assert says in str(e.value) and "\n" not in str(e.value)
 
 
@@ -76,10 +78,10 @@ def test_malformed_configs_and_offline_hub(tmp_path, monkeypatch):
     (tmp_path / "untyped.json").write_text('{"hidden_size": 64}')
     for name, says in (("broken.json", "not a readable JSON config"), ("untyped.json", 'no "model_type"')):
         with pytest.raises(UsageError, match=says):
-            user_models.resolve(f"hf:{tmp_path / name}")
+            models.resolve(f"hf:{tmp_path / name}")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(UsageError, match="hub is unreachable"):
-        user_models.resolve("hf:some-org/some-model-never-cached")
+        models.resolve("hf:some-org/some-model-never-cached")
 
 
 def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
@@ -120,11 +122,11 @@ def test_large_vocabulary_estimate(qwen, capsys):
 
 def test_simulated_activations_match_a_real_forward(bert):
     """The bytes the simulation says a BERT forward saves are what a real CPU forward saves."""
-    um, meta, _, _ = user_estimate.meta_model(bert)
-    est = user_estimate.estimate(meta, um, Plan(micro_batch_size=2, device="cpu"), seq_len=32)
+    um, meta, _, _ = estimate.meta_model(bert)
+    est = estimate.estimate(meta, um, Plan(micro_batch_size=2, device="cpu"), seq_len=32)
     torch.manual_seed(0)
-    model = user_models.build(um)
-    make, batch_fn = user_estimate.text_batch(um, 2, 32)
+    model = models.build(um)
+    make, batch_fn = estimate.text_batch(um, 2, 32)
     with SavedTensorCounter([*model.parameters(), *model.buffers()]) as saved:
         loss = batch_fn(model, make())[0]
         measured = saved.nbytes
@@ -144,7 +146,7 @@ def test_fit_lists_commands_the_runner_accepts(bert, capsys):
     for pick in answer["fits"]:
         words = shlex.split(pick["command"])
         assert words[:2] == ["python", "recipes/your_model.py"]
-        parsed = cli.build_parser(user_run.default_config()).parse_args(words[2:])
+        parsed = cli.build_parser(runner.default_config()).parse_args(words[2:])
         assert parsed.model == bert and parsed.batch_size == 4
     assert user_cli.main([*argv, "--fit", "1MB"]) == 1  # nothing fits: one line, the smallest peak
     out = capsys.readouterr().out.strip()
@@ -205,7 +207,7 @@ def test_model_proof_rows_and_table_with_a_stand_in_runner(tmp_path, monkeypatch
     """The GPU proof's bookkeeping on a CPU: each run's own prediction against its measurement, in rows
     and a table written after every run; a run that does not end as expected makes the exit code 1; a
     second call with the same --out runs only what the first left (here: stopped by its deadline)."""
-    from fabric_memory_recipes.tools import model_proof
+    from devtools import model_proof
 
     sets = [["--batch-size", "4", "--precision", "bf16-true"], ["--batch-size", "2", "--checkpoint-blocks"]]
     monkeypatch.setattr(model_proof, "ROWS", [("timm:test_vit", sets)])
@@ -240,7 +242,7 @@ def test_model_proof_shares_the_gpu_between_estimate_runs_only(tmp_path, monkeyp
     """--jobs N: estimate runs (memory per process) go N at a time; every row is written."""
     import threading
 
-    from fabric_memory_recipes.tools import model_proof
+    from devtools import model_proof
 
     sets = [["--batch-size", str(b)] for b in (2, 3, 4)]
     monkeypatch.setattr(model_proof, "ROWS", [("timm:test_vit", sets)])
@@ -266,11 +268,11 @@ def test_model_proof_shares_the_gpu_between_estimate_runs_only(tmp_path, monkeyp
 def test_model_proof_rows_cover_the_issue():
     """Five or more models outside the ladder (two vision, two text, a causal LM with a vocabulary over
     100k), three or more technique sets each, every flag of a row given once."""
-    from fabric_memory_recipes.tools import model_proof, planner_proof
+    from devtools import model_proof, planner_proof
 
     tasks, vocab = {}, {}
     for ref, sets in model_proof.ROWS:
-        um = user_models.resolve(ref)
+        um = models.resolve(ref)
         tasks[ref], vocab[ref] = um.task, um.vocab_size or 0
         assert len(sets) >= 3, ref
     assert len(tasks) >= 5
@@ -315,16 +317,16 @@ def test_simulated_peak_is_a_real_cpu_steps_with_the_runners_checkpointing(ref, 
     tensors with the estimator's wrapper, is the real step's to a few KB."""
     from fabric_memory_recipes.training import data
 
-    um, meta, blocks, _ = user_estimate.meta_model(ref)
+    um, meta, blocks, _ = estimate.meta_model(ref)
     plan = Plan(device="cpu", micro_batch_size=4, optimizer="sgd", checkpoint=blocks if checkpoint else ())
     torch.manual_seed(0)
-    model = user_models.build(um)
+    model = models.build(um)
     model.image_size = 96  # small images keep the CPU step quick
     images = torch.randint(0, 256, (4, 32, 32, 3), dtype=torch.uint8)
     batch, fn = (images, torch.randint(0, 10, (4,))), data.image_classification(96)
-    est = user_estimate.simulate(model, plan, make_batch=lambda: batch, batch_fn=fn)
+    est = estimate.simulate(model, plan, make_batch=lambda: batch, batch_fn=fn)
     if checkpoint:
-        assert user_run.checkpoint_blocks(model, blocks) >= 2
+        assert runner.checkpoint_blocks(model, blocks) >= 2
     measured = real_step_peak(model, torch.optim.SGD(model.parameters(), lr=1e-3, fused=True), batch, fn)
     assert est.peak_gb * 1e9 == pytest.approx(measured, abs=16 * 1024)
     assert est.components_gb["activations"] > 0

@@ -80,7 +80,7 @@ class RunResults:
             "rule": None,
             "optimizer": None,
             "lost": None,
-        }  # fabric_memory_recipes.training.bf16
+        }  # fabric_memory_recipes.training.techniques.bf16
         self.provenance: dict[str, Any] = {"data_source": None, "weights": None}
         self.extra: dict[str, Any] = {}
         self._estimate: Any = None

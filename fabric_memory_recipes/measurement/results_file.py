@@ -22,7 +22,7 @@ provenance                       device ("cuda"/"cpu"), gpu_name, world_size, nu
                                  means TF32 matmuls), cuda_alloc_conf (PYTORCH_CUDA_ALLOC_CONF), data_source ("cifar10"/"synthetic"), weights
                                  ("pretrained"/"random"), model, parameters, timestamp (UTC ISO 8601);
                                  data_source is "cifar10"/"digits"/"synthetic" for images (only real
-                                 data makes accuracy a score; digits: fabric_memory_recipes/training/digits.py);
+                                 data makes accuracy a score; digits: fabric_memory_recipes/training/data/digits.py);
                                  text runs (bonus recipes) also tokens_per_sample (the padded sequence
                                  length), data_detail, and data_source "imdb"/"synthetic"
 memory.kind                      "cuda": torch.cuda.max_memory_allocated/reserved, reset at the start of
@@ -67,7 +67,7 @@ estimate                         the predicted peak (fabric_memory_recipes.plann
                                  workspace} (GB at the predicted peak), peak_phase, static_gb {weights,
                                  gradients, optimizer_state}, activations_saved_gb (one micro-batch's
                                  forward), peak_reserved_simulated_gb (the step replayed through a model of
-                                 the caching allocator, planning/allocator.py; null off CUDA), parameters
+                                 the caching allocator, planning/simulation/allocator.py; null off CUDA), parameters
                                  {total, trainable}, assumptions {method, device,
                                  attention_kernel, compile, compile_modelled, precision, micro_batch_size,
                                  accumulation_steps, optimizer, optimizer_impl, checkpoint, sharding,
@@ -90,13 +90,13 @@ loss.{first,last}                training loss of the first and last logged wind
 loss.curve                       [[optimizer step, mean training loss of the window ending there], ...]:
                                  one point every --log-every steps (and the last, partial window)
 updates.rule                     --bf16-update of the run ("plain"/"stochastic"/"kahan"); null when the
-                                 recipe does not route its optimizer through fabric_memory_recipes.training.bf16
+                                 recipe does not route its optimizer through fabric_memory_recipes.training.techniques.bf16
 updates.optimizer                the optimizer class that stepped (module.Class), null likewise
 updates.lost                     --lost-updates N: {every, columns ["step", "lost", "unchanged"], steps
                                  [[step, lost, unchanged], ...], mean_lost, mean_unchanged, last_lost}:
                                  per sampled step, the fraction of parameters whose update would move
                                  them in fp32 but whose effective weight did not move, and of stored
-                                 weights that did not move (fabric_memory_recipes/training/bf16.py); null without the flag
+                                 weights that did not move (fabric_memory_recipes/training/techniques/bf16.py); null without the flag
 extra                            recipe-specific measurements (e.g. rung 07's two ways of loading);
                                  set by the loop: resumed_from {path, step} (a resumed run), stopped
                                  {signal, step, planned_steps, checkpoint (to resume from, or null)}

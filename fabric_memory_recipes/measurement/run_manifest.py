@@ -13,7 +13,7 @@ the start of the newest one: ``run_all.sh`` reads a recipe's status from a resul
 
 A results file was written by the invocation when its run is one the invocation started and the file
 is not older than the invocation's start (its modification time). The report
-(``fabric_memory_recipes.measurement.report``) shows those files in its table and figure, and every
+(``fabric_memory_recipes.measurement.report.render``) shows those files in its table and figure, and every
 other results file of the folder in a separate section, "Earlier runs". A folder without the file (a
 single recipe's runs, the committed evidence) is shown whole, as before.
 """

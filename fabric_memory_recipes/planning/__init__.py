@@ -38,7 +38,7 @@ What the simulation models explicitly, because fake tensors on a CPU cannot show
   unsharded gradients count in full. ``cpu_offload=True`` moves parameters, gradients and optimizer state
   to host memory: they count 0 on the GPU.
 * Rung-specific techniques: ``activation_offload`` (saved tensors in pinned host memory, as
-  fabric_memory_recipes/training/offload.py), ``optimizer_in_backward`` (each gradient freed in its hook), torchao's 8-bit AdamW
+  fabric_memory_recipes/training/techniques/offload.py), ``optimizer_in_backward`` (each gradient freed in its hook), torchao's 8-bit AdamW
   state (``optimizer="adamw8bit"``), and activation checkpointing of named module classes.
 * A fixed CUDA library workspace: cuBLAS's 32 MiB per (thread, stream) on Hopper, for the forward thread
   and autograd's backward thread, taken from the caching allocator at the first matrix product.
@@ -70,8 +70,8 @@ from fabric_memory_recipes.planning.plan import (
     plan_for,
 )
 from fabric_memory_recipes.planning.plots import plot_check, plot_timeline
-from fabric_memory_recipes.planning.simulate import failed, for_run, image_batch, simulate
-from fabric_memory_recipes.planning.tracking import SavedTensorCounter
+from fabric_memory_recipes.planning.simulation.simulate import failed, for_run, image_batch, simulate
+from fabric_memory_recipes.planning.simulation.tracking import SavedTensorCounter
 
 __all__ = [
     "ALLOCATOR_ROUND", "ATTENTION_CHOICES", "COMPONENT_COLORS", "COMPONENTS", "CUDA_WORKSPACE_BYTES", "GB", "OPTIMIZERS", "Estimate", "Plan",

@@ -18,14 +18,17 @@ from typing import Any
 from fabric_memory_recipes import paths
 from fabric_memory_recipes.config import Hardware, RunConfig, UsageError, declared_rung
 from fabric_memory_recipes.console import fail
-from fabric_memory_recipes.planning import calibration, fit_cli, user_cli
 from fabric_memory_recipes.planning.check import check_results, meta_model, render_check
 from fabric_memory_recipes.planning.ladder import predict_ladder
 from fabric_memory_recipes.planning.overhead import card_prediction
 from fabric_memory_recipes.planning.plan import ATTENTION_CHOICES, OPTIMIZERS, plan_for
+from fabric_memory_recipes.planning.planner import calibration
+from fabric_memory_recipes.planning.planner import cli as fit_cli
 from fabric_memory_recipes.planning.plots import plot_check, plot_timeline
-from fabric_memory_recipes.planning.simulate import simulate
-from fabric_memory_recipes.training import cli, user_models
+from fabric_memory_recipes.planning.simulation.simulate import simulate
+from fabric_memory_recipes.planning.your_model import cli as user_cli
+from fabric_memory_recipes.training import cli
+from fabric_memory_recipes.training.your_model import models
 
 MODES_HELP = """fmr-estimate: predicted peak memory, and what fits a card. Its modes:
   fmr-estimate --recipe NN [flags]          a rung's predicted peak (component table; --json, --plot PNG)
@@ -103,7 +106,7 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, RunConfig, dict[
         return args, rung, overrides, label
     if flags["model"] not in rung.model_choices:
         fail(f"--model {flags['model']!r} is not one of: {', '.join(rung.model_choices)}; your own model:"
-             f" {user_models.EXAMPLES} (docs/your_model.md)")
+             f" {models.EXAMPLES} (docs/your_model.md)")
     try:
         cfg = rung.with_flags(**flags).checked(Hardware.planned())  # 'auto': predict for a GPU
     except UsageError as e:
@@ -141,12 +144,12 @@ def card_lines(card: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m fabric_memory_recipes.planning``: print the component table (or JSON) for a recipe's configuration;
-    with ``--fit SIZE``, the planner (fabric_memory_recipes/planning/fit_cli.py); with ``--model SOURCE:NAME``,
-    your own model (fabric_memory_recipes/planning/user_cli.py)."""
+    with ``--fit SIZE``, the planner (fabric_memory_recipes/planning/planner/cli.py); with ``--model SOURCE:NAME``,
+    your own model (fabric_memory_recipes/planning/your_model/cli.py)."""
     args_in = fit_cli.join_fit_value(sys.argv[1:] if argv is None else argv)
     model = argparse.ArgumentParser(add_help=False)
     model.add_argument("--model")
-    if user_models.is_user_model(model.parse_known_args(args_in)[0].model):
+    if models.is_user_model(model.parse_known_args(args_in)[0].model):
         return user_cli.main(argv)
     if any(a == "--fit" or a.startswith("--fit=") for a in args_in):
         return fit_cli.main(args_in)

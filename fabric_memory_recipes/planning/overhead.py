@@ -45,7 +45,7 @@ from fabric_memory_recipes.measurement.card_overhead import (
     overhead_per_gpu,
 )
 from fabric_memory_recipes.measurement.results_file import GB, SCHEMA_VERSION, gpu_slug, write_json_atomic
-from fabric_memory_recipes.planning.calibration import (
+from fabric_memory_recipes.planning.planner.calibration import (
     RESULTS_DIR,
     ReservedRatio,
     load_runs,

@@ -80,11 +80,11 @@ class Plan:
     ``checkpoint`` and ``shard_units`` name module classes (``"EncoderBlock"``): every module of that
     class is activation-checkpointed / is one FSDP unit (a model that checkpoints inside its own
     forward, like rung 10's, needs no ``checkpoint``: the simulation runs it). ``world_size`` only
-    matters when sharding. ``activation_offload`` models fabric_memory_recipes.training.offload.offload_activations (saved
+    matters when sharding. ``activation_offload`` models fabric_memory_recipes.training.techniques.offload.offload_activations (saved
     tensors of at least ``offload_min_bytes`` live in host memory, ``offload_window_bytes`` of them in flight
     on the GPU); ``optimizer_in_backward`` models a
     per-parameter step in a post-accumulate-grad hook that frees each gradient at once (rung 12).
-    ``weights_offload`` models fabric_memory_recipes.training.weights_offload (rung 16, one GPU): parameters,
+    ``weights_offload`` models fabric_memory_recipes.training.techniques.weights_offload (rung 16, one GPU): parameters,
     gradients and optimizer state in host memory (0 on the GPU), the modules of ``shard_units`` streamed
     in like FSDP units (the one in use and the prefetched one, one unit's gradients on their way out) and
     the rest of the model resident.
@@ -186,7 +186,7 @@ class Estimate:
     timeline: list[tuple[str, dict[str, float]]] = dataclasses.field(default_factory=list, repr=False)
     error: str | None = None
     largest_temporary_gb: float = 0.0  # the largest single block of working memory
-    # peak reserved: the step's allocations replayed through the caching allocator (planning/allocator.py)
+    # peak reserved: the step's allocations replayed through the caching allocator (planning/simulation/allocator.py)
     reserved_gb: float | None = None
 
     def to_dict(self) -> dict[str, Any]:

@@ -1,6 +1,6 @@
-"""How far measured peak reserved memory sits above the allocator replay's (planning/allocator.py), on
-the committed runs: where :data:`~fabric_memory_recipes.planning.allocator.RESIDUAL`, the margin the
-estimate for your own model adds (planning/user_estimate.py), comes from.
+"""How far measured peak reserved memory sits above the allocator replay's (planning/simulation/allocator.py), on
+the committed runs: where :data:`~fabric_memory_recipes.planning.simulation.allocator.RESIDUAL`, the margin the
+estimate for your own model adds (planning/your_model/estimate.py), comes from.
 
 The replay models the caching allocator's segments, best fit, splitting and merging on the tensors
 the simulation creates. What it cannot see are allocations no tensor of the simulation stands for:
@@ -8,7 +8,7 @@ library workspaces taken from the allocator per call (cuDNN's convolution and at
 visible in the committed allocator trace, results/published/h100/snapshot/), kernels whose CUDA
 implementation allocates more than their CPU counterpart, and the order of frees across autograd's
 device thread. The margin is the largest measured/replayed ratio of the committed single-GPU eager runs
-that :func:`~fabric_memory_recipes.planning.calibration.load_runs` reads (the ViT-L/16 ladder):
+that :func:`~fabric_memory_recipes.planning.planner.calibration.load_runs` reads (the ViT-L/16 ladder):
 
     python -m fabric_memory_recipes.planning.reserved      # replays every run, prints the ratios
 
@@ -22,11 +22,11 @@ import json
 from typing import Any
 
 from fabric_memory_recipes.config import RunConfig, declared_rung
-from fabric_memory_recipes.planning import calibration
-from fabric_memory_recipes.planning.allocator import RESIDUAL
 from fabric_memory_recipes.planning.check import meta_model
 from fabric_memory_recipes.planning.plan import plan_for
-from fabric_memory_recipes.planning.simulate import simulate
+from fabric_memory_recipes.planning.planner import calibration
+from fabric_memory_recipes.planning.simulation.allocator import RESIDUAL
+from fabric_memory_recipes.planning.simulation.simulate import simulate
 
 
 def replayed(run: calibration.Measured) -> float:

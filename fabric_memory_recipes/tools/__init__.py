@@ -1,1 +1,1 @@
-"""Command-line tools: `python -m fabric_memory_recipes.tools.<name>` (some also as `fmr-*` console scripts)."""
+"""The tools a user runs, each also a console script: fmr-ladder (ladder.py), fmr-compare (compare/) and fmr-convergence (convergence/). Proof and maintenance tools live outside the package, in devtools/."""

@@ -28,7 +28,7 @@ SGD do (the recipes use ``fused=True``); a foreach SGD would read the tensor on 
 captured.
 
 Offloaded activations (rungs 11, 14) are copied into pinned host buffers that persist across steps
-(``fabric_memory_recipes.training.offload``), so the graph's copies always target the same host memory.
+(``fabric_memory_recipes.training.techniques.offload``), so the graph's copies always target the same host memory.
 
 Outputs of the graph (the summed loss, the logits and targets of the step) live in the graph's pool
 and are overwritten by the next replay: the loop consumes them (accuracy, loss window) right after.

@@ -21,7 +21,7 @@ from huggingface_hub import try_to_load_from_cache
 
 from fabric_memory_recipes.config import UsageError
 from fabric_memory_recipes.console import notice
-from fabric_memory_recipes.training.net import reachable
+from fabric_memory_recipes.training.data.network import reachable
 
 
 @dataclass(frozen=True)

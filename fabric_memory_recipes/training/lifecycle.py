@@ -112,7 +112,7 @@ def _prepare_outputs(cfg: RunConfig) -> faults.RunLock:
 
 
 def apply_memory_budget(cfg: RunConfig) -> dict | None:
-    """``--memory-budget-gb X``: make the run behave as on a card of X GB (``fabric_memory_recipes.tools.planner_proof``
+    """``--memory-budget-gb X``: make the run behave as on a card of X GB (``devtools.planner_proof``
     emulates 1-8 GB cards this way). A card holds the process's CUDA context, library handles and
     kernels besides PyTorch's caching allocator, so the allocator is capped
     (``torch.cuda.set_per_process_memory_fraction``) at X less the card overhead measured for this GPU

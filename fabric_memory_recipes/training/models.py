@@ -17,7 +17,7 @@ from torchvision.models.vision_transformer import VisionTransformer
 
 from fabric_memory_recipes.config import VIT_MODELS, UsageError
 from fabric_memory_recipes.console import notice
-from fabric_memory_recipes.training.net import reachable
+from fabric_memory_recipes.training.data.network import reachable
 
 MODEL_NAMES = VIT_MODELS
 _PRETRAINED = {"vit_l_16": "ViT_L_16_Weights", "vit_b_16": "ViT_B_16_Weights"}
@@ -92,7 +92,7 @@ def build_model(name: str, weights: object | None, num_classes: int = 10, image_
 def _same_start(make):
     """Build with ``make()`` so that every rung starts from the same weights for a given seed.
 
-    The convergence benchmark (fabric_memory_recipes/tools/convergence.py) compares rungs from the same initial weights, but
+    The convergence benchmark (fabric_memory_recipes/tools/convergence/benchmark.py) compares rungs from the same initial weights, but
     rungs build their model in different ways: on the CPU (01-06), on the GPU in bf16 inside
     ``fabric.init_module()`` (07, 10-15, whose random numbers come from the CUDA generator), or twice
     (07). So the small model is always initialised on the CPU in fp32 from a generator reset to the

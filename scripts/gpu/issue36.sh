@@ -13,6 +13,6 @@ set -euo pipefail
 : "${OUT:?set OUT to the folder that comes back}"
 mkdir -p "$OUT/compare"
 cp -r results/published/h100/compare/. "$OUT/compare/"
-python3 -m fabric_memory_recipes.tools.compare_reference --reference .ref/pytorch-memory-optim \
+python3 -m fabric_memory_recipes.tools.compare.reference --reference .ref/pytorch-memory-optim \
   --rungs 11,15 --out "$OUT/compare" --budget 230 --timeout 150 2>&1 | tee "$OUT/compare/issue36.log"
 nvidia-smi --query-gpu=name,driver_version --format=csv > "$OUT/compare/issue36-gpu.txt" || true

@@ -39,7 +39,7 @@ case "$part" in
       timeout 240 python3 recipes/${r}_*.py "${QUICK[@]}" --results-dir "$out/runs" > "$out/run-$r.log" 2>&1 &
     done
     log "equivalence, vit_tiny, the stochastic rows (+ the rounding control) of rungs 03 04 06 12 13 14"
-    timeout 250 python3 -m fabric_memory_recipes.tools.check_equivalence --rungs 03,04,06,12,13,14 \
+    timeout 250 python3 -m devtools.check_equivalence --rungs 03,04,06,12,13,14 \
       --checks stochastic --model vit_tiny --steps 10 --parallel 6 --out "$out/equivalence" \
       > "$out/equivalence.log" 2>&1; log "equivalence exit $?"
     wait; log "runs done"; tail -n 3 "$out"/run-*.log; tail -n 12 "$out/equivalence.log"
@@ -48,13 +48,13 @@ case "$part" in
     n=${3:?ab N: 1, 2 or 3}
     rungs=$(case $n in 1) echo "04 05 06 07";; 2) echo "10 11 12";; 3) echo "13 14 15";; esac)
     log "A/B fast mode, base build/ab-base vs this checkout, rungs $rungs"
-    python3 -m fabric_memory_recipes.tools.ab_ladder --base build/ab-base --new . --out "$out/ab" \
+    python3 -m devtools.ab_ladder --base build/ab-base --new . --out "$out/ab" \
       --modes fast --rungs $rungs --budget 540 --timeout 200 --memory-tolerance 0.02 --speed-tolerance 0.05 \
       -- "${QUICK[@]}" 2>&1 | tee "$out/ab-$n.log"
     ;;
   equivalence)
     log "fast == eager: the stochastic rows of every compensated rung and rung 03 (ViT-B/16, 10 steps)"
-    python3 -m fabric_memory_recipes.tools.check_equivalence --rungs "03,${ALL// /,}" --checks stochastic \
+    python3 -m devtools.check_equivalence --rungs "03,${ALL// /,}" --checks stochastic \
       --model vit_b_16 --steps 10 --parallel 4 --out "$out/equivalence" 2>&1 | tee "$out/equivalence.log"
     ;;
   convergence)
@@ -62,16 +62,16 @@ case "$part" in
     mps_on
     # 10 runs per GPU at once (4 GPUs: all ~40 start together); no lost-update seeds (those run without
     # CUDA graphs, 3x slower: add --lost-seeds 0 to measure them); --deadline-s: nothing starts after 60 s
-    python3 -m fabric_memory_recipes.tools.convergence --model vit_l_16 --out "$out/convergence" --seeds 3 \
+    python3 -m fabric_memory_recipes.tools.convergence.benchmark --model vit_l_16 --out "$out/convergence" --seeds 3 \
       --rungs "${ALL// /,}" --variants 06 --lost-seeds "" --gpus "$gpus" --parallel 10 --deadline-s 60 "$@" \
       2>&1 | tee -a "$out/convergence.log"
     mps_off
     ;;
   lr-probe)  # is a small-batch rung's gap its learning rate? one seed, its own folder (docs/accuracy.md)
     mps_on
-    python3 -m fabric_memory_recipes.tools.convergence --model vit_l_16 --out "$out/lr-probe-sgd" --seed-list 0 \
+    python3 -m fabric_memory_recipes.tools.convergence.benchmark --model vit_l_16 --out "$out/lr-probe-sgd" --seed-list 0 \
       --rungs 12,14 --no-variants --no-memory --lost-seeds "" --sgd-lr 0.0075 --parallel 2 2>&1 | tee -a "$out/lr-probe.log" &
-    python3 -m fabric_memory_recipes.tools.convergence --model vit_l_16 --out "$out/lr-probe-adam" --seed-list 0 \
+    python3 -m fabric_memory_recipes.tools.convergence.benchmark --model vit_l_16 --out "$out/lr-probe-adam" --seed-list 0 \
       --rungs 04 --no-variants --no-memory --adam-lr 5e-5 --parallel 1 2>&1 | tee -a "$out/lr-probe.log"
     wait; mps_off
     ;;

@@ -47,7 +47,7 @@ compare() {  # compare DEVICES: the article's FSDP script against rungs 08, 08-f
   local n=$1 budget
   budget=$(( $(left) - 10 ))
   say "compare on $n GPUs (budget $budget s)"
-  $PY -m fabric_memory_recipes.tools.compare_reference --reference "$REF" --rungs 08,08-fsdp2,09 \
+  $PY -m fabric_memory_recipes.tools.compare.reference --reference "$REF" --rungs 08,08-fsdp2,09 \
     --modes fast --devices "$n" --steps "$STEPS" --project-args "--eval-batches 1" --timeout 170 \
     --budget "$budget" --out "$WORK/x$n/compare" 2>&1 | tee -a "$WORK/x$n-compare.log" | sed "s/^/    /"
   say "compare on $n GPUs: done"

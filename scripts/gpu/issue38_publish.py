@@ -23,8 +23,8 @@ import tempfile
 from pathlib import Path
 
 from fabric_memory_recipes.console import fail
-from fabric_memory_recipes.measurement.comparison import load_comparison, render_rung_block
-from fabric_memory_recipes.measurement.report_format import write_into_block
+from fabric_memory_recipes.measurement.report.cells import write_into_block
+from fabric_memory_recipes.measurement.report.comparison import load_comparison, render_rung_block
 from fabric_memory_recipes.measurement.results_file import gpu_slug
 from fabric_memory_recipes.planning import overhead
 from fabric_memory_recipes.planning.check import check_results

@@ -13,7 +13,7 @@ T0=$(date +%s); left() { echo $(( ${LIMIT:-570} - ($(date +%s) - T0) )); }
 FIT=/tmp/fit; mkdir -p $FIT; [ -d .wt/fit ] && cp -rn .wt/fit/. $FIT/
 packfit() { tar -czf $OUT/.fit.tgz -C /tmp fit && mv -f $OUT/.fit.tgz $OUT/fit.tgz; }
 fit() {  # fit GPUS STOP NEWJOBS: the fit proof, stopped at STOP seconds, no job started after NEWJOBS
-  timeout "$2" python3 -m fabric_memory_recipes.tools.fit_proof --out $FIT --gpus "$1" --deadline "$3" \
+  timeout "$2" python3 -m devtools.fit_proof --out $FIT --gpus "$1" --deadline "$3" \
     > $OUT/fit-$phase.log 2>&1; packfit
 }
 nvidia-smi --query-gpu=index,name,memory.total --format=csv > $OUT/gpus-$phase.csv 2>&1

@@ -46,20 +46,20 @@ case $part in
     quarter=("04 05 06" "07 10 11" "12 13" "14 15")
     for g in 0 1 2 3; do
       ( export CUDA_VISIBLE_DEVICES=$g
-        python3 -m fabric_memory_recipes.tools.ab_ladder --base build/ab-base --new . --out /tmp/ab/ab-gpu$g \
+        python3 -m devtools.ab_ladder --base build/ab-base --new . --out /tmp/ab/ab-gpu$g \
           --modes fast --rungs ${quarter[$g]} --budget 330 --timeout 200 --memory-tolerance 0.02 \
           --speed-tolerance 0.05 -- --data synthetic --weights none --max-steps 20 --eval-batches 1 \
           > /tmp/ab/ab-gpu$g.log 2>&1
         echo "[gpu$g] ab exit $?" >> /tmp/ab/ab-gpu$g.log
         if [ $g = 2 ]; then  # fast == eager, the stochastic rows, every compensated rung (vit_tiny)
-          python3 -m fabric_memory_recipes.tools.check_equivalence --rungs 03,04,05,06,07,10,11,12,13,14,15 \
+          python3 -m devtools.check_equivalence --rungs 03,04,05,06,07,10,11,12,13,14,15 \
             --checks stochastic --model vit_tiny --steps 10 --parallel 6 --out /tmp/ab/equivalence \
             > /tmp/ab/equivalence.log 2>&1; echo "equivalence exit $?" >> /tmp/ab/equivalence.log
         fi
         if [ $g = 3 ]; then  # the learning-rate probes (docs/accuracy.md), seed 0, beside each other
           for spec in "12,14 --sgd-lr 0.0075" "04 --adam-lr 5e-5" "15 --adam-lr 4e-4"; do
             set -- $spec; r=$1; shift
-            python3 -m fabric_memory_recipes.tools.convergence --model vit_l_16 --out /tmp/ab/lr-probe-${r//,/-} \
+            python3 -m fabric_memory_recipes.tools.convergence.benchmark --model vit_l_16 --out /tmp/ab/lr-probe-${r//,/-} \
               --seed-list 0 --rungs $r --no-variants --no-memory --lost-seeds "" --parallel 2 "$@" \
               > /tmp/ab/lr-probe-${r//,/-}.log 2>&1 &
           done; wait
@@ -71,7 +71,7 @@ case $part in
     ;;
   one)  # swin_t's fit proof, then rung 11's convergence runs again (after its capture fix), resumed from .wt/conv
     mkdir -p /tmp/fit; [ -d .wt/fit ] && cp -rn .wt/fit/. /tmp/fit/
-    timeout 330 python3 -m fabric_memory_recipes.tools.fit_proof --out /tmp/fit --gpus 0 --only swin_t \
+    timeout 330 python3 -m devtools.fit_proof --out /tmp/fit --gpus 0 --only swin_t \
       --deadline 170 > "$OUT/fit.log" 2>&1; log "fit proof exit $?"
     tar -czf "$OUT/fit.tgz" -C /tmp fit
     mkdir -p /tmp/c && rm -rf /tmp/c/convergence && cp -r .wt/conv /tmp/c/convergence
@@ -83,7 +83,7 @@ case $part in
   cmp)  # issue 36: the comparison's rungs 11 and 15 again, one call of the tool each (11 first: it is short)
     mkdir -p /tmp/cmp/compare && cp -r results/published/h100/compare/. /tmp/cmp/compare/
     for r in 11 15; do
-      timeout $(( $(left) - 8 )) python3 -m fabric_memory_recipes.tools.compare_reference \
+      timeout $(( $(left) - 8 )) python3 -m fabric_memory_recipes.tools.compare.reference \
         --reference .ref/pytorch-memory-optim --rungs $r --out /tmp/cmp/compare --budget 150 --timeout 150 \
         > "$OUT/compare-$r.log" 2>&1; log "comparison of rung $r exit $?"
       tar -czf "$OUT/compare.tgz" -C /tmp/cmp compare

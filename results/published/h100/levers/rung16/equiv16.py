@@ -3,11 +3,16 @@ ordinary step from the same start. A 6-block ViT (hidden 256), 6 steps, Adam lr 
 - fp32 transfers vs plain fp32 training on the GPU with Adam (TF32 off): parameter difference
 - bf16 transfers vs bf16 forward/backward on the GPU with fp32 masters + fused CPU Adam: difference
 Prints one JSON line."""
-import copy, json, sys, time
-import torch, torch.nn.functional as F
-from torchvision.models.vision_transformer import VisionTransformer
-from fabric_memory_recipes.training import models
+import copy
+import json
+import time
+
+import torch
+import torch.nn.functional as F
 from fabric_memory_recipes.training.weights_offload import WeightsOnCPU
+from torchvision.models.vision_transformer import VisionTransformer
+
+from fabric_memory_recipes.training import models
 
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False

@@ -1,0 +1,1 @@
+"""Proof and maintenance tools, run from a checkout (python -m devtools.NAME) and not installed with the package: the A/B of two commits, fast mode's equivalence, the planner's and the estimate's GPU proofs, the docs' recipe diffs, the workshop notebook, the fault drill."""

@@ -1,0 +1,1 @@
+"""The report: a results folder rendered as a markdown table and a figure (render.py, fmr-report), the CPU track (cpu.py), the comparison with the article's scripts (comparison.py) and the cells they share (cells.py)."""

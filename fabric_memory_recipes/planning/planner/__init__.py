@@ -1,0 +1,1 @@
+"""The planner behind fmr-estimate --fit: the rung sets ranked (fit.py) and printed (cli.py), from the committed runs (calibration.py, snapshot.py), a step-time model (speed.py) and the accuracy cost of a change (advice.py)."""

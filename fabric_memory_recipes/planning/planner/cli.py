@@ -1,0 +1,213 @@
+"""``python -m fabric_memory_recipes.planning --fit 6GB``: the planner's command line and what it prints.
+
+Exit code: 0 something fits, 1 nothing fits (the smallest predicted peak and its command are printed),
+2 bad input (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from typing import Any
+
+from fabric_memory_recipes.config import VIT_MODELS, at_least
+from fabric_memory_recipes.console import Parser, comma_list, fail
+from fabric_memory_recipes.planning.plan import GB
+from fabric_memory_recipes.planning.planner import calibration
+from fabric_memory_recipes.planning.planner.fit import (
+    MODES,
+    OPTIMIZERS,
+    PRECISIONS,
+    Fit,
+    Planner,
+    SimulationCache,
+)
+
+SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(gb|g|gib|mb|m|mib)?\s*$", re.IGNORECASE)
+UNITS = {"gb": 1.0, "g": 1.0, "gib": 2**30 / GB, "mb": 1e-3, "m": 1e-3, "mib": 2**20 / GB}
+
+
+def parse_size(text: str) -> float:
+    """'6GB', '6', '6.5 GB', '512MB', '8GiB' -> GB (1e9 bytes); ValueError otherwise."""
+    match = SIZE.match(text)
+    if not match or float(match.group(1)) <= 0:
+        raise ValueError(f"--fit {text!r}: expected a memory size such as 6GB, 6.5GB, 512MB, 8GiB or 6 (GB)")
+    return float(match.group(1)) * UNITS[(match.group(2) or "gb").lower()]
+
+
+GPU_KIND = re.compile(r"^[a-z]{1,4}\d{1,4}[a-z]?$")  # what results_file.gpu_slug makes of a GPU's name
+
+
+def gpu_kind(text: str) -> str:
+    """An argparse ``type`` for ``--gpu``: a kind such as h100, h200, a100, l40s (lower-cased)."""
+    kind = text.strip().lower()
+    if not GPU_KIND.match(kind):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a GPU kind: expected a name such as h100, h200, a100 or l40s"
+        )
+    return kind
+
+
+def join_fit_value(argv: list[str]) -> list[str]:
+    """``--fit -3GB`` -> ``--fit=-3GB``: argparse takes a value that starts with '-' for a flag, so a
+    negative size would be 'expected one argument' instead of what is wrong with it."""
+    out = list(argv)
+    for i, a in enumerate(out[:-1]):
+        if a == "--fit" and out[i + 1].startswith("-") and out[i + 1][1:2].isdigit():
+            out[i : i + 2] = [f"--fit={out[i + 1]}"]
+            break
+    return out
+
+
+def add_plan_arguments(p, *, required: bool, precisions: tuple[str, ...] | None, optimizers: tuple[str, ...] | None,
+                       gpu_help: str, fit_help: str = "the card's memory: 6GB, 6.5GB, 512MB, 8GiB") -> None:  # fmt: skip
+    """The planner's flags, shared by the ladder's ``--fit`` and your own model's (planning/your_model/cli.py,
+    which keeps the user's precision and optimizer: ``precisions``/``optimizers`` None)."""
+    p.add_argument("--fit", required=required, metavar="SIZE", help=fit_help)
+    p.add_argument("--gpu", type=gpu_kind, default=calibration.REFERENCE_GPU, help=gpu_help)
+    p.add_argument("--top", type=at_least(1), default=5, help="how many fitting configurations to print")
+    if precisions is not None:
+        p.add_argument("--precisions", type=comma_list(precisions), default=precisions, help="precisions to combine")
+    if optimizers is not None:
+        p.add_argument("--optimizers", type=comma_list(optimizers), default=optimizers,
+                       help="optimizers to combine (SGD and 8-bit Adam change the training: docs/06, docs/13)")  # fmt: skip
+    p.add_argument("--json", action="store_true", help="print the answer as JSON")
+    p.add_argument("--verbose", action="store_true", help="every speed constant with the runs it comes from")
+
+
+def budget(args: argparse.Namespace) -> float | None:
+    """``--fit SIZE`` in GB (None without it); a malformed size is one line and exit 2."""
+    try:
+        return parse_size(args.fit) if args.fit else None
+    except ValueError as e:
+        fail(str(e))
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    argv = join_fit_value(sys.argv[1:] if argv is None else argv)
+    p = Parser(
+        prog="python -m fabric_memory_recipes.planning --fit",
+        description="Which rungs does my GPU need? The fastest configurations of the ladder's techniques"
+        " whose predicted whole-device peak (peak reserved + the measured card overhead of the GPU kind)"
+        " fits a card of SIZE, each with the recipe command that runs it (prediction only: runs on a CPU"
+        " in seconds; simulations are cached).",
+    )
+    add_plan_arguments(p, required=True, precisions=PRECISIONS, optimizers=OPTIMIZERS,
+                       gpu_help="GPU kind whose committed runs give the throughput and the card overhead (h100, h200, ...)")  # fmt: skip
+    p.add_argument("--batch-size", type=at_least(1), default=16, help="effective batch per optimizer step")
+    p.add_argument(
+        "--model",
+        choices=VIT_MODELS,
+        default="vit_l_16",
+        help="a model of the ladder (your own model: fmr-estimate --model torchvision:|timm:|hf:NAME --fit SIZE)",
+    )
+    p.add_argument("--modes", type=comma_list(MODES), default=MODES, help="modes to combine")
+    p.add_argument(
+        "--results",
+        nargs="+",
+        default=[str(calibration.RESULTS_DIR)],
+        metavar="DIR",
+        help="folders of committed results JSON to calibrate on (read recursively)",
+    )
+    p.add_argument("--no-cache", action="store_true", help="simulate again instead of reading the cache")
+    args = p.parse_args(argv)
+    args.budget_gb = budget(args)
+    return args
+
+
+def to_json(fit: Fit) -> dict[str, Any]:
+    return {
+        "budget_gb": fit.budget_gb, "batch_size": fit.batch_size, "model": fit.model, "gpu": fit.gpu,
+        "fits": [c.to_dict() for c in fit.fits],
+        "rejected": fit.rejected.to_dict() if fit.rejected else None,
+        "smallest": fit.smallest.to_dict() if fit.smallest else None,
+        "reserved_ratio": {m: r.ratio for m, r in fit.ratios.items()},
+        "overhead": {m: o.to_dict() for m, o in fit.overheads.items()},
+        "answers_for": "a card" if all(o.gb is not None for o in fit.overheads.values()) else "the allocator",
+        "searched": {"candidates": fit.considered, "simulated": fit.cache.simulated, "ruled_out_unsimulated": fit.bounded},
+    }  # fmt: skip
+
+
+def _row(i: Any, c) -> str:
+    source = "measured" if c.speed_source.startswith("measured") else "model"
+    return f"  {i!s:>2} {c.images_per_s:7.0f} {source:<9}{c.card_gb:7.2f}   {c.label()}\n       {c.command}"
+
+
+def _budget_lines(fit: Fit) -> list[str]:
+    """What the budget means: a card (peak reserved + the measured overhead), or, where nothing
+    measured the overhead, only what the allocator may reserve."""
+    if all(o.gb is not None for o in fit.overheads.values()):
+        return [
+            "  (a card of that size: card GB = predicted peak reserved + what the process holds outside"
+            " PyTorch's caching allocator, CUDA context, libraries and kernels, as measured:",
+            *(f"   {m}: {o.source}" for m, o in fit.overheads.items()),
+            "  )",
+        ]
+    return [
+        "  (no measured card overhead: the budget is what PyTorch's caching allocator may reserve; a card"
+        " also holds the CUDA context, libraries and kernels on top, which nothing measured here gives)",
+    ]
+
+
+def render(fit: Fit, verbose: bool = False) -> str:
+    lines = [
+        f"Which configurations fit {fit.budget_gb:g} GB? {fit.model}, effective batch {fit.batch_size},"
+        f" throughput on {fit.gpu}",
+        *_budget_lines(fit),
+        "",
+    ]
+    header = "   # img/s   source    card GB   configuration\n       command"
+    if fit.fits:
+        lines += [f"Fastest that fit (predicted whole-device peak <= {fit.budget_gb:g} GB):", header]
+        lines += [_row(i, c) for i, c in enumerate(fit.fits, 1)]
+    else:
+        s = fit.smallest
+        lines += [
+            f"Nothing fits in {fit.budget_gb:g} GB. The smallest predicted peak is {s.card_gb:.2f} GB"
+            f" (simulated {s.simulated_gb:.2f} GB allocated x {fit.ratios[s.mode].ratio:.3f}"
+            f" + {s.overhead_gb:.2f} GB outside the allocator):",
+            header, _row("-", s),
+        ]  # fmt: skip
+    if fit.rejected:
+        lines += ["", "Fastest rejected as too big:", _row("x", fit.rejected)]
+    elif fit.fits:
+        lines += ["", "Nothing faster than these was predicted too big."]
+    lines += [
+        "",
+        f"Searched {fit.considered} configurations; simulated {fit.cache.simulated} in this call"
+        f" ({fit.cache.seconds:.1f} s), the rest from the cache, ruled out by arithmetic (weights +"
+        " gradients + optimizer state over the budget) or slower than the picks.",
+        "Peak reserved = simulated peak allocated x the largest reserved/simulated ratio of committed runs:",
+        *(f"  {r.line()}" for r in fit.ratios.values()),
+        f"img/s: 'measured' = median of committed {fit.gpu} runs of that command; 'model' = "
+        + (
+            f"calibrated on the committed {fit.gpu} runs ({fit.speed.own} constants; the rest from"
+            f" {calibration.REFERENCE_GPU}'s, as listed)"
+            if fit.gpu != calibration.REFERENCE_GPU and fit.speed.own
+            else f"calibrated on the committed {fit.gpu} runs"
+            if fit.speed.own
+            else f"no committed {fit.gpu} run determines it: {calibration.REFERENCE_GPU}'s calibration"
+        )
+        + ":",
+        *(f"  {line}" for line in fit.speed.lines(sources=verbose)),
+        *([] if verbose else ["  (--verbose: the committed runs behind each constant)"]),
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        planner = Planner(args.batch_size, args.model, args.gpu, precisions=args.precisions, modes=args.modes, optimizers=args.optimizers,
+                          folders=tuple(args.results), cache=SimulationCache(use_disk=not args.no_cache))  # fmt: skip
+    except LookupError as e:
+        fail(str(e))
+    fit = planner.fit(args.budget_gb, args.top)
+    try:
+        print(json.dumps(to_json(fit), indent=2) if args.json else render(fit, args.verbose), flush=True)
+    except BrokenPipeError:  # the reader (head, a pager) stopped early: not an error of the planner
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0 if fit.fits else 1

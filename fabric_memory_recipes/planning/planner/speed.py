@@ -1,0 +1,239 @@
+"""Throughput where no committed run measured it: a small model of one optimizer step on one GPU
+kind (:class:`SpeedModel`), its constants calibrated on the committed runs of that kind
+(:func:`speed_model`), each with the runs it came from; the planner prints them."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import statistics
+
+from fabric_memory_recipes.planning.planner.calibration import REFERENCE_GPU, Measured
+from fabric_memory_recipes.training import models
+
+# Bytes read and written per parameter by one optimizer step, in units of the parameter's width: Adam
+# reads weight, gradient and two moments and writes weight and moments (7); SGD reads weight and
+# gradient and writes the weight (3). 8-bit Adam is timed as Adam times a measured factor.
+STEP_TENSORS = {"adam": 7, "adamw": 7, "adamw8bit": 7, "sgd": 3, "sgd-momentum": 5, "none": 0}
+# What no committed run determines, with the reason the planner prints.
+BUILT_IN = {
+    "checkpoint_extra": (1 / 3, "arithmetic: the recomputed forward is a third of forward + backward"),
+    "lowbit_factor": (1.0, "not measured in fast mode: 8-bit Adam's step assumed to cost Adam's"),
+}
+
+
+def step_bytes(optimizer: str, precision: str, parameters: int) -> float:
+    """Bytes one optimizer step moves (``STEP_TENSORS``; bf16-true weights are 2 bytes, else 4)."""
+    width = 2 if precision in ("bf16-true", "16-true") else 4
+    return STEP_TENSORS[optimizer] * width * parameters
+
+
+PLAIN = {("adam", False, False, False), ("sgd", False, False, False), ("sgd", False, False, True)}
+
+
+@dataclasses.dataclass
+class SpeedModel:
+    """Seconds per optimizer step on one GPU kind (fast mode: every kernel of the step replayed from
+    one CUDA graph, so it is GPU time; eager adds Python's launches, measured per technique):
+
+        step = k x max(micro, host) + offload + optimizer
+        micro = precision factor x (fixed + per_image x m) x (1 + checkpoint_extra if checkpointed)
+        offload = k x bytes offloaded per micro-batch / offload bandwidth
+        optimizer = bytes the step moves / memory bandwidth (x lowbit_factor for 8-bit Adam)
+
+    ``host`` is 0 in fast mode. ``sources`` says where each constant came from."""
+
+    gpu: str
+    fixed_ms: float
+    per_image_ms: float
+    precision_factor: dict[str, float]
+    memory_gb_s: float
+    offload_gb_s: float
+    checkpoint_extra: float
+    lowbit_factor: float
+    host_ms: dict[tuple, float]
+    sources: dict[str, str]
+    flops_scale: float = 1.0  # another model's FLOPs per image over ViT-L/16's
+    own: int = 0  # constants determined by this kind's own runs (the rest: the reference kind's)
+
+    def micro_s(self, precision: str, sig: tuple, micro: int) -> float:
+        ms = self.precision_factor.get(precision, 1.0) * (self.fixed_ms + self.per_image_ms * micro)
+        return ms * self.flops_scale * (1 + self.checkpoint_extra * sig[1]) / 1e3
+
+    def step_s(self, precision, sig, micro, k, mode, offloaded_gb, parameters) -> float:
+        micro_s = self.micro_s(precision, sig, micro)
+        if mode == "eager":
+            micro_s = max(micro_s, self.host_ms.get(sig, statistics.median(self.host_ms.values())) / 1e3)
+        opt = step_bytes(sig[0], precision, parameters) / (self.memory_gb_s * 1e9)
+        opt *= self.lowbit_factor if sig[0] == "adamw8bit" else 1.0
+        return k * micro_s + k * (offloaded_gb or 0.0) / self.offload_gb_s + opt
+
+    def lines(self, sources: bool = True) -> list[str]:
+        """The model's constants; with ``sources``, each one's runs (fmr-estimate --verbose)."""
+        f = self.precision_factor
+        return [
+            f"per micro-batch of m images: {self.fixed_ms:.2f} ms + {self.per_image_ms:.3f} ms x m"
+            f" (bf16-true; x {f.get('16-mixed', 1):.2f} 16-mixed, x {f.get('32-true', 1):.2f} 32-true)"
+            + (f", x {self.flops_scale:.3g} for this model's FLOPs" if self.flops_scale != 1 else ""),
+            f"optimizer step: bytes moved / {self.memory_gb_s:.0f} GB/s; 8-bit Adam x {self.lowbit_factor:.2f}",
+            f"checkpointing +{100 * self.checkpoint_extra:.0f}%; offload {self.offload_gb_s:.1f} GB/s"
+            f" of saved activations; eager: at least {min(self.host_ms.values()):.0f}-"
+            f"{max(self.host_ms.values()):.0f} ms of host time per micro-batch (by technique)",
+            *(f"  {k}: {v}" for k, v in self.sources.items() if sources),
+        ]
+
+
+def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """(a, b) of y = a + b x by least squares on relative errors (weights 1/y^2)."""
+    w = [1 / y**2 for y in ys]
+    sw, sx, sy = (
+        sum(w),
+        sum(wi * x for wi, x in zip(w, xs, strict=True)),
+        sum(wi * y for wi, y in zip(w, ys, strict=True)),
+    )
+    sxx = sum(wi * x * x for wi, x in zip(w, xs, strict=True))
+    sxy = sum(wi * x * y for wi, x, y in zip(w, xs, ys, strict=True))
+    b = (sw * sxy - sx * sy) / (sw * sxx - sx * sx)
+    return (sy - b * sx) / sw, b
+
+
+def _median(values: list[float]) -> float | None:
+    values = [v for v in values if v is not None and v > 0]
+    return statistics.median(values) if values else None
+
+
+Constants = tuple[dict[str, tuple[float, str]], dict[tuple, float]]
+
+
+def _constants(runs: list[Measured], parameters: int) -> Constants:
+    """The model's constants that these runs (of one GPU kind, ViT-L/16) determine, each with its
+    source, and the eager host time per micro-batch by technique."""
+    got: dict[str, tuple[float, str]] = {}
+    host: dict[tuple, float] = {}
+    timed = [r for r in runs if r.images_per_s and r.model == "vit_l_16"]
+    graphed = [r for r in timed if r.mode == "fast"]
+    names = lambda rs: ", ".join(sorted({r.path for r in rs}))  # noqa: E731
+    # Memory bandwidth: fast runs that differ only in Adam vs SGD.
+    pairs = [
+        (a, s) for a in graphed for s in graphed
+        if a.signature == ("adam", False, False, False) and s.signature == ("sgd", False, False, False)
+        and (a.precision, a.batch_size, a.accumulation_steps) == (s.precision, s.batch_size, s.accumulation_steps)
+    ]  # fmt: skip
+    bw = _median([
+        (step_bytes("adam", a.precision, parameters) - step_bytes("sgd", a.precision, parameters))
+        / (a.step_s - s.step_s) / 1e9 for a, s in pairs if a.step_s > s.step_s
+    ])  # fmt: skip
+    if bw:
+        got["memory_gb_s"] = (
+            bw,
+            f"Adam vs SGD step time in fast mode: {names([x for p in pairs for x in p])}",
+        )
+    bw = bw or 1e12  # only to subtract the step below; stated nowhere
+
+    def per_micro(r: Measured) -> float:  # ms of forward + backward per micro-batch
+        opt = step_bytes(r.signature[0], r.precision, parameters) / (bw * 1e9)
+        return (r.step_s - opt) * 1e3 / r.accumulation_steps
+
+    # Forward + backward against the micro-batch: bf16-true plain rungs, graphed (any m) or compiled
+    # with m >= 64 (launches no longer matter there), a weighted least-squares line.
+    line = [r for r in timed if r.signature in PLAIN and r.precision == "bf16-true"
+            and (r.mode == "fast" or (r.mode == "compiled" and r.micro >= 64))]  # fmt: skip
+    if len({r.micro for r in line}) >= 2:
+        a, b = fit_line([r.micro for r in line], [per_micro(r) for r in line])
+        if a > 0 and b > 0:
+            src = f"weighted least squares over {names(line)}"
+            got["fixed_ms"], got["per_image_ms"] = (a, src), (b, src)
+    if "per_image_ms" not in got:
+        return got, host
+    a, b = got["fixed_ms"][0], got["per_image_ms"][0]
+    base = lambda r: a + b * r.micro  # noqa: E731
+    for prec in ("16-mixed", "bf16-mixed", "32-true"):
+        same = [r for r in timed if r.signature in PLAIN and r.precision == prec
+                and (r.mode == "fast" or (r.mode == "compiled" and r.micro >= 64))]  # fmt: skip
+        factor = _median([per_micro(r) / base(r) for r in same])
+        if factor:
+            got[f"precision:{prec}"] = (factor, names(same))
+    off = [r for r in graphed if r.signature[2] and not r.signature[1] and r.offloaded_gb]
+    gbs = _median([r.offloaded_gb / ((per_micro(r) - base(r)) / 1e3) for r in off if per_micro(r) > base(r)])
+    if gbs:
+        got["offload_gb_s"] = (gbs, f"offload vs compute time in fast mode: {names(off)}")
+    gbs = gbs or float("inf")
+    ckpt = [r for r in graphed if r.signature[1] and r.precision == "bf16-true"]
+    extra = _median([
+        (per_micro(r) - (r.offloaded_gb or 0.0) / gbs * 1e3) / base(r) - 1 for r in ckpt
+    ])  # fmt: skip
+    if extra:
+        got["checkpoint_extra"] = (extra, f"fast-mode runs with checkpointing: {names(ckpt)}")
+    low = [r for r in graphed if r.signature[0] == "adamw8bit" and r.precision == "bf16-true"]
+    adam = step_bytes("adam", "bf16-true", parameters) / (bw * 1e9) * 1e3
+    factor = _median([(per_micro(r) * r.accumulation_steps - base(r) * r.accumulation_steps + adam) / adam
+                      for r in low])  # fmt: skip
+    if factor:
+        got["lowbit_factor"] = (factor, f"8-bit Adam's step in fast mode: {names(low)}")
+    for sig in {r.signature for r in timed}:  # eager: host time per micro-batch, launch-bound runs only
+        eager = [
+            r for r in timed if r.mode == "eager" and r.signature == sig and per_micro(r) > 1.5 * base(r)
+        ]
+        ms = _median([per_micro(r) for r in eager])
+        if ms:
+            host[sig] = ms
+    return got, host
+
+
+@functools.cache
+def speed_model(gpu: str, model: str, parameters: int, runs: tuple[Measured, ...]) -> SpeedModel:
+    """The model for ``gpu``: each constant from that kind's runs, else from the reference kind's
+    (H100), else built in (:data:`BUILT_IN`); ``sources`` says which."""
+    mine, mine_host = _constants([r for r in runs if r.gpu == gpu], parameters)
+    ref, ref_host = (
+        _constants([r for r in runs if r.gpu == REFERENCE_GPU], parameters)
+        if gpu != REFERENCE_GPU
+        else ({}, {})
+    )
+    merged = {**ref, **mine}
+    sources: dict[str, str] = {}
+
+    def take(key: str, default: tuple[float, str] | None = None) -> float | None:
+        if key in mine:
+            value, src = mine[key]
+        elif key in ref:
+            value, src = ref[key][0], f"{REFERENCE_GPU} runs ({ref[key][1]})"
+        elif default is not None:
+            value, src = default
+        else:
+            return None
+        sources[key] = f"{value:.4g} from {src}" if key in mine or key in ref else f"{value:.4g}: {src}"
+        return value
+
+    missing = [k for k in ("fixed_ms", "per_image_ms", "memory_gb_s", "offload_gb_s") if k not in merged]
+    if missing:
+        raise LookupError(f"no committed {gpu} or {REFERENCE_GPU} runs determine {', '.join(missing)}")
+    host = mine_host or ref_host
+    if not host:
+        raise LookupError(
+            f"no committed eager {gpu} or {REFERENCE_GPU} runs give the host time of eager mode"
+        )
+    flops = 1.0
+    if model != "vit_l_16":
+        flops = models.training_flops(model, 1) / models.training_flops("vit_l_16", 1)
+    return SpeedModel(
+        gpu=gpu,
+        fixed_ms=take("fixed_ms"),
+        per_image_ms=take("per_image_ms"),
+        precision_factor={
+            "bf16-true": 1.0,
+            **{
+                p: v
+                for p in ("16-mixed", "bf16-mixed", "32-true")
+                if (v := take(f"precision:{p}")) is not None
+            },
+        },  # fmt: skip
+        memory_gb_s=take("memory_gb_s"),
+        offload_gb_s=take("offload_gb_s"),
+        checkpoint_extra=take("checkpoint_extra", BUILT_IN["checkpoint_extra"]),
+        lowbit_factor=take("lowbit_factor", BUILT_IN["lowbit_factor"]),
+        host_ms=host,
+        sources=sources,
+        flops_scale=flops,
+        own=len(mine) + bool(mine_host),
+    )

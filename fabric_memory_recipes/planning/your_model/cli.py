@@ -1,0 +1,176 @@
+"""``fmr-estimate --model torchvision:NAME | timm:NAME | hf:ID_OR_PATH``: the estimate for your own model
+(the flags of ``recipes/your_model.py``: the same technique set), and with ``--fit SIZE`` the planner.
+
+Exit codes: 0 done (with --fit: something fits), 1 nothing fits or the simulation failed, 2 bad input
+(one line on stderr: an unknown model or an architecture the runner cannot train, a malformed config, a
+hub id while offline, --seq-len beyond the model's positions, a card smaller than the weights, --measure
+without a CUDA GPU, a bad flag).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fabric_memory_recipes.config import Hardware, UsageError, at_least
+from fabric_memory_recipes.console import comma_list, fail
+from fabric_memory_recipes.paths import output_folder
+from fabric_memory_recipes.planning.planner import cli as fit_cli
+from fabric_memory_recipes.planning.your_model import measure
+from fabric_memory_recipes.planning.your_model.estimate import card, estimate, meta_model, plan_of
+from fabric_memory_recipes.planning.your_model.sets import MAY_CHANGE, UserPlanner
+from fabric_memory_recipes.training import cli
+from fabric_memory_recipes.training.your_model import models, runner
+
+
+def parse(argv: list[str] | None):
+    rung = runner.default_config()
+    parser = cli.build_parser(rung, __doc__.splitlines()[0])
+    parser.prog = "fmr-estimate --model SOURCE:NAME"
+    g = parser.add_argument_group("estimate and plan")
+    fit_cli.add_plan_arguments(g, required=False, precisions=None, optimizers=None,
+                               gpu_help="GPU kind whose measured card overhead and committed runs apply (h100, h200, ...)",
+                               fit_help="list the fastest technique sets that fit a card of SIZE (6GB, 512MB)")  # fmt: skip
+    g.add_argument("--may-change", type=comma_list(MAY_CHANGE), default=(), metavar="WHAT",
+                   help="with --fit: also try other precisions and/or optimizers (precision,optimizer); each such"
+                   " row shows the accuracy cost the convergence benchmark measured (default: keep yours)")  # fmt: skip
+    g.add_argument("--measure", action="store_true",
+                   help="with --fit: run the top sets on this machine's CUDA GPU, a few steps each on the emulated"
+                   " card, and rank them by measured samples/s")  # fmt: skip
+    g.add_argument("--measure-steps", type=at_least(4), default=15, metavar="N", help="optimizer steps per measured set")
+    g.add_argument("--measure-dir", type=output_folder("--measure-dir"), metavar="DIR",
+                   help="where --measure writes plan.json, plan.md and the runs (default: runs/fit/<model>-<SIZE>)")  # fmt: skip
+    args = parser.parse_args(fit_cli.join_fit_value(sys.argv[1:] if argv is None else argv))
+    flags = {f.name: getattr(args, f.name) for f in type(rung).flag_fields()}
+    try:
+        cfg = rung.with_flags(**flags).checked(Hardware.planned())  # 'auto': predict for a GPU
+    except (UsageError, ValueError) as e:
+        fail(str(e))
+    args.budget_gb = fit_cli.budget(args)
+    if (args.measure or args.may_change) and not args.fit:
+        fail("--measure and --may-change go with --fit SIZE")
+    if args.measure and cfg.world_size > 1:
+        fail("--measure runs each set on one GPU: leave out --devices for it (the FSDP sets are predicted only)")  # fmt: skip
+    if args.measure and not torch.cuda.is_available():
+        fail("--measure runs the candidates on a CUDA GPU, and this machine has none: leave it out for the"
+             " predicted ranking")  # fmt: skip
+    if args.fit and cfg.world_size > 1 and not meta_model(cfg.model)[2]:
+        fail(f"--fit with --devices {cfg.world_size}: FSDP shards the repeated blocks, and {cfg.model} has none found")  # fmt: skip
+    if args.measure and not measure.RUNNER.is_file():
+        fail(f"--measure runs {measure.RUNNER.relative_to(measure.REPO)}, which an installed wheel"
+             " does not have: run it from a checkout")  # fmt: skip
+    return args, cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, cfg = parse(argv)
+    try:
+        um, model, blocks, found_by = meta_model(cfg.model)
+        models.check_seq_len(um, cfg.seq_len)
+    except UsageError as e:
+        fail(str(e))
+    if args.fit:
+        return fit_main(args, cfg)
+    if cfg.checkpoint_blocks and not blocks:
+        fail(f"--checkpoint-blocks: no repeated blocks found in {cfg.model}")
+    est = estimate(model, um, plan_of(cfg, blocks), cfg.seq_len)
+    got = card(est, args.gpu, "eager", cfg.world_size if cfg.fsdp else 1)
+    about = {"model": um.ref, "task": um.task, "seq_len": cfg.seq_len if um.is_text else None,
+             "repeated_blocks": list(blocks), "blocks_found_by": found_by}  # fmt: skip
+    if args.json:
+        print(json.dumps({**about, **est.to_dict(), **got}, indent=2))
+        return 1 if est.error else 0
+    print(f"[{um.ref}] {um.task.replace('_', ' ')}" + (f", {cfg.seq_len} tokens per sample" if um.is_text else "")
+          + f"; repeated blocks: {', '.join(blocks) or 'none'} ({found_by})")  # fmt: skip
+    print(est.table())
+    if not est.error:
+        device = got["device_peak_gb"]
+        print(f"  {'peak reserved':<22}{got['peak_reserved_gb']:>11.3f}   the allocator replay's"
+              f" {got['replayed_reserved_gb']:.3f} x {got['reserved_residual']} (planning/reserved.py)")
+        print(f"  {'whole-device peak':<22}" + (f"{device:>11.3f}   + {got['overhead_gb']:.3f} GB outside the"
+              f" allocator ({got['overhead_source']})" if device is not None else f"{'unknown':>11}"))  # fmt: skip
+    return 1 if est.error else 0
+
+
+def fit_main(args: Any, cfg: runner.YourModelConfig) -> int:
+    planner = UserPlanner(cfg.model, cfg.batch_size, cfg.seq_len, args.gpu, precision=cfg.precision,
+                          optimizer=cfg.optimizer, may_change=args.may_change, devices=cfg.world_size)  # fmt: skip
+    if planner.weights_gb() >= args.budget_gb:
+        per_gpu = f" per GPU (sharded over {cfg.world_size})" if cfg.world_size > 1 else ""
+        fail(f"--fit {args.fit}: {planner.ref}'s weights alone take {planner.weights_gb():.2f} GB{per_gpu}"
+             f" ({planner.parameters / 1e6:.0f} M parameters in {cfg.precision if 'precision' not in args.may_change else 'bf16'}):"
+             " no technique set fits a smaller card")  # fmt: skip
+    try:
+        fits, rejected = planner.fit(args.budget_gb, args.top)
+    except RuntimeError as e:  # a simulation failed: one line, exit 1 (the contract above)
+        print(f"fmr-estimate: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 1
+    ref, seq = planner.ref, planner.seq_len
+    kept = [w for w in ("precision", "optimizer") if w not in args.may_change]
+    yours = {"precision": cfg.precision, "optimizer": cfg.optimizer}
+    if args.json and not args.measure:
+        smallest = None if fits else planner.smallest()
+        payload = {"budget_gb": args.budget_gb, "model": ref, "batch_size": cfg.batch_size, "seq_len": seq,
+                   "gpu": args.gpu, "kept": {w: yours[w] for w in kept}, "repeated_blocks": list(planner.blocks),
+                   "fits": [c.to_dict() for c in fits], "rejected": rejected.to_dict() if rejected else None,
+                   "smallest": smallest.to_dict() if smallest else None, "speed": planner.speed_lines(True)}  # fmt: skip
+        _print(json.dumps(payload, indent=2))
+        return 0 if fits else 1
+    if not fits:
+        s = planner.smallest()
+        _print(f"Nothing fits in {args.budget_gb:g} GB: the smallest predicted peak is {s.card_gb:.2f} GB"
+               f" ({s.label()}): {s.command}" + ("" if args.may_change else
+               "\n(--may-change precision,optimizer also tries other precisions and optimizers)"))  # fmt: skip
+        return 1
+    lines = [f"Which technique sets fit {args.budget_gb:g} GB? {ref}, batch {cfg.batch_size}"
+             + (f" x {seq} tokens" if seq else "") + f", repeated blocks {', '.join(planner.blocks) or 'none'}"
+             f" ({planner.found_by}), eager mode, {args.gpu}"
+             + (f", FSDP over {cfg.world_size} GPUs (card GB per GPU)" if cfg.world_size > 1 else ""),
+             "Kept as yours: " + (", ".join(f"{w} {yours[w]}" for w in kept) or "nothing (--may-change)")
+             + ("" if not kept else " (--may-change precision,optimizer lets the planner change them)"), "",
+             "   # samples/s  card GB  technique set\n       command"]  # fmt: skip
+    for i, c in enumerate(fits, 1):
+        lines.append(f"  {i:>2} {c.images_per_s:9.1f} {c.card_gb:8.2f}   {c.label()}\n       {c.command}")
+        lines += [f"       accuracy: {cost.line()}" for cost in c.changes]
+    if rejected:
+        lines += ["", f"Fastest rejected as too big: {rejected.label()}, {rejected.card_gb:.2f} GB,"
+                  f" {rejected.images_per_s:.1f} samples/s"]  # fmt: skip
+    lines += ["", "card GB = predicted peak reserved (the allocator replay, planning/your_model/estimate.py) + the"
+              " measured card overhead of the GPU kind in eager mode.", *planner.speed_lines(args.verbose)]  # fmt: skip
+    _print("\n".join(lines))
+    if args.measure:
+        return measure_main(args, cfg, fits)
+    return 0
+
+
+def measure_main(args: Any, cfg: runner.YourModelConfig, fits: list) -> int:
+    slug = re.sub(r"[^\w.+-]", "_", f"{cfg.model.split(':', 1)[1].rstrip('/').split('/')[-1]}-{args.fit}")
+    out = Path(args.measure_dir or Path("runs") / "fit" / slug)
+    rows = [{**c.to_dict(), "label": c.label(), "predicted_rank": i} for i, c in enumerate(fits, 1)]
+    _print(f"\nMeasuring the {len(rows)} sets on {torch.cuda.get_device_name()} as a {args.budget_gb:g} GB card,"
+           f" {args.measure_steps} steps each, one at a time -> {out}/")  # fmt: skip
+    best = measure.measure(rows, args.budget_gb, out, args.measure_steps, say=_print)
+    measure.write(out, rows, args.budget_gb, {"model": cfg.model, "batch_size": cfg.batch_size,
+                                                     "seq_len": cfg.seq_len, "gpu": torch.cuda.get_device_name()})  # fmt: skip
+    _print("\n" + measure.render(rows, args.budget_gb))
+    if not best:
+        _print("None of the measured sets fitted the card: see the statuses above.")
+        return 1
+    _print(f"Fastest measured that fits: {best[0]['command']} ({best[0]['measured_samples_per_s']:.1f} samples/s)"
+           f"\n-> {out}/plan.json, {out}/plan.md")  # fmt: skip
+    if args.json:
+        _print(json.dumps({"sets": rows, "measured_pick": best[0]["command"]}, indent=2))
+    return 0
+
+
+def _print(text: str) -> None:
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:  # the reader (head, a pager) stopped early
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -1,0 +1,121 @@
+"""The estimate for a model the user names (``--model torchvision:|timm:|hf:``): one simulated training
+step (:func:`~fabric_memory_recipes.planning.simulation.simulate.simulate`) of the model built on the meta device,
+with the batch of its task, and the card: peak reserved and the whole-device peak.
+
+Peak reserved = the simulated step's allocations and frees replayed through a model of the CUDA
+caching allocator (planning/simulation/allocator.py: the weights, a first step that creates the optimizer state,
+then steady steps) x the largest measured/replayed ratio of the committed eager runs
+(planning/reserved.py, 1.037). The replay is what tells a ResNet from a ViT: feature maps of many
+sizes strand cached blocks that one ratio for every model cannot know (docs/your_model.md has the
+measured rows). The whole-device peak adds the measured card overhead of the GPU kind
+(measurement/card_overhead.py).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from fabric_memory_recipes.config import RunConfig
+from fabric_memory_recipes.console import notice
+from fabric_memory_recipes.measurement.card_overhead import overhead_per_gpu
+from fabric_memory_recipes.measurement.results_file import gpu_slug
+from fabric_memory_recipes.planning.plan import Estimate, Plan, plan_for
+from fabric_memory_recipes.planning.simulation.allocator import RESIDUAL, RESIDUAL_SOURCE
+from fabric_memory_recipes.planning.simulation.simulate import failed, simulate
+from fabric_memory_recipes.training.your_model import models
+from fabric_memory_recipes.training.your_model.models import UserModel
+
+RESERVED_RULE = (
+    "the simulated step replayed through a model of the caching allocator (planning/simulation/allocator.py)"
+    " x the largest measured/replayed ratio of the committed eager runs (planning/reserved.py)"
+)
+
+
+@functools.cache
+def meta_model(ref: str) -> tuple[UserModel, Any, tuple[str, ...], str]:
+    """(the resolved model, the model on the meta device, its repeated blocks, how they were found)."""
+    um = models.resolve(ref)
+    with torch.device("meta"):
+        model = models.build(um)
+    return (um, model, *models.repeated_blocks(model))
+
+
+def text_batch(um: UserModel, micro_batch_size: int, seq_len: int):
+    """(make_batch, batch_fn) of a text model: token ids, an attention mask and the labels, padded to
+    ``seq_len`` as the runner's data are (training/data/text.py); the loss is the model's own."""
+
+    def make():
+        ids = torch.zeros(micro_batch_size, seq_len, dtype=torch.long)
+        mask = torch.ones(micro_batch_size, seq_len, dtype=torch.long)
+        shape = (micro_batch_size, seq_len) if um.task == "causal_lm" else (micro_batch_size,)
+        return ids, mask, torch.zeros(shape, dtype=torch.long)
+
+    def batch_fn(model, batch):
+        input_ids, attention_mask, labels = batch
+        out = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+        return out.loss, out.logits, labels
+
+    return make, batch_fn
+
+
+def plan_of(cfg: RunConfig, blocks: tuple[str, ...]) -> Plan:
+    """The runner's flags as the estimator's plan: checkpointing and FSDP units are the found blocks."""
+    sharding = "fsdp" if getattr(cfg, "fsdp", False) else "none"
+    return plan_for(
+        cfg, checkpoint=blocks if getattr(cfg, "checkpoint_blocks", False) else (), sharding=sharding,
+        shard_units=blocks, world_size=cfg.world_size if sharding != "none" else 1, compile=False,
+    )  # fmt: skip
+
+
+def estimate(model: Any, um: UserModel, plan: Plan, seq_len: int) -> Estimate:
+    """One simulated step of ``model`` (any device: only shapes are read) under ``plan``."""
+    make = batch_fn = None
+    if um.is_text:
+        make, batch_fn = text_batch(um, plan.micro_batch_size, seq_len)
+    return simulate(model, plan, make_batch=make, batch_fn=batch_fn, model_name=um.ref)
+
+
+def card(est: Estimate, gpu: str = "h100", mode: str = "eager", devices: int = 1) -> dict[str, Any]:
+    """Peak reserved and whole-device peak of ``est`` on a card of kind ``gpu`` (:data:`RESERVED_RULE`),
+    per GPU; ``devices`` > 1 (``--fsdp``): the measured overhead per GPU of that many processes."""
+    over = overhead_per_gpu(gpu, mode, devices)
+    if est.peak_gb is None:
+        return {"peak_reserved_gb": None, "device_peak_gb": None}
+    replayed = est.reserved_gb if est.reserved_gb is not None else est.peak_gb  # a CPU plan: no allocator
+    value = replayed * RESIDUAL
+    return {
+        "peak_reserved_gb": round(value, 6),
+        "device_peak_gb": None if over.gb is None else round(value + over.gb, 6),
+        "reserved_rule": RESERVED_RULE,
+        "replayed_reserved_gb": round(replayed, 6),
+        "reserved_residual": RESIDUAL,
+        "reserved_residual_source": RESIDUAL_SOURCE,
+        "overhead_gb": over.gb,
+        "overhead_source": over.source,
+        "gpu": gpu,
+        "mode": mode,
+        "devices": devices,
+    }
+
+
+def for_user_run(model: Any, um: UserModel, cfg: RunConfig, blocks: tuple[str, ...]) -> tuple[Estimate, dict]:
+    """What the runner records next to its measurement (never stops the run: a failed prediction is
+    recorded with its error)."""
+    plan = None
+    try:
+        plan = plan_of(cfg, blocks)
+        est = estimate(model, um, plan, getattr(cfg, "seq_len", 0))
+    except Exception as e:  # noqa: BLE001 - a failed prediction must not cost the measurement
+        est = failed(plan, um.ref, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    gpu = gpu_slug(torch.cuda.get_device_name()) if torch.cuda.is_available() else "h100"
+    devices = cfg.devices if getattr(cfg, "fsdp", False) else 1  # processes per machine, each a GPU
+    predicted = card(est, gpu, "fast" if cfg.cuda_graphs else "eager", devices)
+    if est.error:
+        notice(f"[estimate] could not estimate memory: {est.error}")
+    else:
+        notice(f"[estimate] predicted peak {est.peak_gb:.3g} GB allocated, {predicted['peak_reserved_gb']:.3g} GB"
+               f" reserved ({est.peak_phase}, {est.seconds:.1f} s)")  # fmt: skip
+    return est, predicted

@@ -1,0 +1,257 @@
+"""``fmr-estimate --model SOURCE:NAME --fit SIZE``: the fastest technique sets for your own model whose
+predicted whole-device peak fits a card of SIZE, each with the ``recipes/your_model.py`` command that
+trains it.
+
+By default a technique set changes only how memory is used, never what is trained: micro-batch x
+accumulation for the requested batch; checkpointing of the repeated blocks, activation offload and the
+step in backward (with the user's optimizer); with ``--devices N``, FSDP over the N GPUs (one unit per
+repeated block: weights, gradients and optimizer state sharded), with checkpointing or without, the
+memory per GPU. The precision and the optimizer stay the user's
+(``--precision``, ``--optimizer``) unless ``--may-change precision,optimizer`` lets the planner try
+others (bf16-true, bf16-mixed, 32-true; AdamW, SGD, 8-bit AdamW); each such row then carries the accuracy
+cost the convergence benchmark measured for the change (planning/planner/advice.py). Memory
+is simulated (planning/your_model/estimate.py: peak allocated, reserved from the allocator replay with its
+margin, + the card overhead); the runner runs eagerly, so the eager mode's overhead applies.
+
+Speed, for a model no committed run measured: the ladder's step model calibrated on the committed runs
+of the GPU kind (planning/planner/speed.py) with its per-micro-batch compute scaled by this model's training
+FLOPs per sample over ViT-L/16's per image (counted by ``torch.utils.flop_counter`` on the meta device)
+and eager mode's host time per micro-batch scaled by its number of modules over ViT-L/16's; the step in
+backward adds its per-parameter hooks (:data:`HOOK_MS`, measured on the runner). Ranking the technique
+sets of one model is what it is for; its absolute samples/s are an estimate: ``--measure`` runs the top
+ones on the GPU at hand and ranks them by what they did (planning/your_model/measure.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils.flop_counter import FlopCounterMode
+
+from fabric_memory_recipes.planning.check import meta_model as ladder_model
+from fabric_memory_recipes.planning.plan import GB, Plan
+from fabric_memory_recipes.planning.planner import advice, calibration, speed
+from fabric_memory_recipes.planning.planner.fit import (
+    Candidate,
+    divisors,
+    fastest,
+    search,
+    smallest,
+    static_bytes,
+    techniques,
+)
+from fabric_memory_recipes.planning.your_model.estimate import card, estimate, meta_model, text_batch
+from fabric_memory_recipes.training.your_model import runner as user_run
+
+PRECISIONS = ("bf16-true", "bf16-mixed", "32-true")
+OPTIMIZERS = ("adamw", "sgd", "adamw8bit")
+MAY_CHANGE = ("precision", "optimizer")  # what --may-change can allow; by default neither changes
+# (checkpoint the blocks, offload activations, step in backward)
+TECHNIQUES = ((False, False, False), (True, False, False), (False, True, False), (True, True, False),
+              (False, False, True), (True, False, True))  # fmt: skip
+FLAGS = ("--checkpoint-blocks", "--activation-offload", "--optimizer-in-backward")
+SPEED_SOURCE = "model: the ladder's step model, compute scaled by training FLOPs per sample"
+# The step in backward in eager mode: one optimizer.step() and zero_grad() per parameter tensor inside
+# backward, which the GPU waits for. Measured on the runner: ResNet-50, batch 128, bf16-true SGD, one
+# H100, 15 steps each: 3787 samples/s without a technique, 1270 with checkpointing + the step in
+# backward; less checkpointing's measured cost (x 1.384, the ladder's fast-mode runs), 54.0 ms over its
+# 161 parameter tensors (tests/test_planner.py recomputes it from the two files).
+HOOK_MS = 0.335
+HOOK_SOURCE = (
+    "results/published/h100/your-model/runs/yo-modeltorchvision_resnet50precisbf16-truebatchs128accumu1o*"
+    " (SGD without a technique, and with checkpointing + the step in backward)"
+)
+
+
+@dataclasses.dataclass
+class Choice(Candidate):
+    """One technique set for your own model, in the ladder planner's shape (:class:`fit.Candidate`: its
+    label, command, row and JSON): its rung is ``recipes/your_model.py``'s configuration with the set's
+    flags, its mode eager (the runner's only), its signature (optimizer, checkpointing, offload, step in
+    backward); ``changes`` are what it changes of the user's training (precision, optimizer), each with
+    its measured accuracy cost."""
+
+    seq_len: int | None = None  # text models: tokens per sample
+    changes: tuple[advice.Cost, ...] = ()
+    devices: int = 1  # > 1: FSDP over that many GPUs (--fsdp --devices N); memory is per GPU
+
+    @property
+    def key(self) -> tuple:
+        return (*super().key, self.devices)
+
+    def argv(self) -> list[str]:
+        r, (optimizer, *on) = self.rung, self.signature
+        out = ["--model", r.model] + (["--seq-len", str(self.seq_len)] if self.seq_len else [])
+        out += ["--precision", r.precision, "--batch-size", str(r.batch_size), "--accumulation-steps",
+                str(r.accumulation_steps), "--optimizer", optimizer]  # fmt: skip
+        out += [f for f, used in zip(FLAGS, on, strict=True) if used]
+        return out + (["--fsdp", "--devices", str(self.devices)] if self.devices > 1 else [])
+
+    def label(self) -> str:
+        changed = ", ".join(c.change for c in self.changes)
+        sharded = f", FSDP over {self.devices} GPUs" if self.devices > 1 else ""
+        return super().label() + sharded + (f" [changes {changed}]" if changed else "")
+
+    def to_dict(self) -> dict[str, Any]:
+        out = super().to_dict()
+        out["predicted_samples_per_s"] = out.pop("predicted_images_per_s")  # images or sequences
+        out["changes"] = [dataclasses.asdict(c) | {"line": c.line()} for c in self.changes]
+        out["devices"] = self.devices
+        return out
+
+
+def flops_per_sample(model: Any, um: Any, seq_len: int) -> float:
+    """Training FLOPs (forward + backward) of one sample, counted on fake tensors: no memory and no values,
+    and transformers treats fake tensors as traced (a causal LM's mask checks read no values)."""
+    with torch.device("cpu"), FakeTensorMode(allow_non_fake_inputs=True):
+        state = {n: torch.empty(t.shape, dtype=t.dtype if not t.is_floating_point() else torch.float32,
+                                requires_grad=t.requires_grad)
+                 for n, t in [*model.named_parameters(), *model.named_buffers()]}  # fmt: skip
+        with _reparametrize_module(model, state, tie_weights=True), FlopCounterMode(display=False) as counter:
+            if um.is_text:
+                ids, mask, labels = text_batch(um, 1, seq_len)[0]()
+                loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            else:
+                size = getattr(model, "image_size", 224)
+                loss = model(torch.empty(1, 3, size, size)).float().sum()
+            loss.backward()
+    return float(counter.get_total_flops())
+
+
+class UserPlanner:
+    """Predictions for one model, batch and sequence length on one GPU kind. ``precision`` and
+    ``optimizer`` are the user's; ``may_change`` (a subset of :data:`MAY_CHANGE`) lets the planner
+    try the others. ``devices`` > 1: every set is FSDP over that many GPUs, its memory per GPU (the
+    measured overhead of that many processes) and its samples/s those of all GPUs."""
+
+    def __init__(self, ref: str, batch_size: int, seq_len: int, gpu: str = "h100", *, precision: str = "bf16-mixed",
+                 optimizer: str = "adamw", may_change: tuple[str, ...] = (), devices: int = 1) -> None:  # fmt: skip
+        self.um, self.model, self.blocks, self.found_by = meta_model(ref)
+        self.ref, self.batch_size, self.gpu = ref, batch_size, gpu
+        self.precision, self.optimizer, self.may_change = precision, optimizer, tuple(may_change)
+        self.devices = devices
+        self.seq_len = seq_len if self.um.is_text else None
+        self.parameters = sum(p.numel() for p in self.model.parameters())
+        self.tensors = sum(p.requires_grad for p in self.model.parameters())
+        vit = ladder_model("vit_l_16")
+        runs = calibration.load_runs((str(calibration.RESULTS_DIR),))
+        base = speed.speed_model(gpu, "vit_l_16", sum(p.numel() for p in vit.parameters()), runs)
+        scale = flops_per_sample(self.model, self.um, seq_len) / _ladder_flops()
+        modules = len(list(self.model.modules())) / len(list(vit.modules()))
+        self.speed = dataclasses.replace(
+            base, flops_scale=scale, host_ms={k: v * modules for k, v in base.host_ms.items()}
+        )
+        self.modules_ratio = modules
+        self.simulated: dict[tuple, tuple[float, float, float]] = {}
+        floor = card(_Floor(), gpu, "eager", devices)  # the card overhead alone, per GPU
+        over, self.overhead_source = floor["overhead_gb"] or 0.0, floor["overhead_source"]
+        runner = user_run.default_config()
+        precisions = _first(precision, PRECISIONS if "precision" in self.may_change else ())
+        optimizers = _first(optimizer, OPTIMIZERS if "optimizer" in self.may_change else ())
+        self.choices = []
+        for prec in precisions:
+            for opt in optimizers:
+                changes = tuple(advice.cost(what, value, gpu) for what, value, mine in
+                                (("precision", prec, precision), ("optimizer", opt, optimizer)) if value != mine)  # fmt: skip
+                for t in TECHNIQUES:
+                    if t[0] and not self.blocks or devices > 1 and (t[1] or t[2]):
+                        continue  # FSDP: with checkpointing or without (the sharded rungs' sets)
+                    for k in [1] if t[2] else divisors(batch_size):
+                        rung = runner.with_flags(model=ref, precision=prec, batch_size=batch_size,
+                                                 accumulation_steps=k, optimizer=opt)  # fmt: skip
+                        sig = (opt, *t)
+                        lower = static_bytes(rung, sig, self.parameters) / GB / devices + over  # sharded
+                        c = Choice(rung, "eager", sig, lower, 0.0, speed_source=SPEED_SOURCE, overhead_gb=over,
+                                   seq_len=self.seq_len, changes=changes, devices=devices)  # fmt: skip
+                        c.speed_bound = self._speed(c, 0.0)
+                        self.choices.append(c)
+        self.choices.sort(key=lambda c: (-c.speed_bound, techniques(c), c.lower_bound_gb))
+
+    def weights_gb(self) -> float:
+        """The weights alone in the narrowest precision the planner may use: no card below this fits."""
+        narrow = "bf16-true" if "precision" in self.may_change else self.precision
+        return self.parameters * (2 if narrow in ("bf16-true", "16-true") else 4) / GB / self.devices
+
+    def _speed(self, c: Choice, offloaded_gb: float) -> float:
+        r = c.rung
+        prec = r.precision if r.precision in self.speed.precision_factor else "16-mixed"
+        step = self.speed.step_s(prec, c.signature, r.micro_batch_size, r.accumulation_steps, "eager", offloaded_gb,
+                                 self.parameters)  # fmt: skip
+        hooks = self.tensors * HOOK_MS / 1e3 if c.signature[3] else 0.0
+        return c.devices * r.batch_size / (step + hooks)  # every GPU its own batch (FSDP: no comms modelled)
+
+    def predict(self, c: Choice) -> Choice:
+        if c.predicted_gb is None:
+            r, (optimizer, ck, off, sib) = c.rung, c.signature
+            key = (r.precision, c.signature, r.micro_batch_size, min(r.accumulation_steps, 2), c.devices)
+            if key not in self.simulated:
+                plan = Plan(precision=r.precision, micro_batch_size=r.micro_batch_size,
+                            accumulation_steps=r.accumulation_steps, optimizer=optimizer,
+                            checkpoint=self.blocks if ck else (), activation_offload=off,
+                            optimizer_in_backward=sib, sharding="fsdp" if c.devices > 1 else "none",
+                            shard_units=self.blocks, world_size=c.devices)  # fmt: skip
+                try:
+                    est = estimate(self.model, self.um, plan, self.seq_len or 0)
+                except Exception as e:  # noqa: BLE001 - the model's own code failed on fake tensors: say which set
+                    raise RuntimeError(f"the simulation of {c.label()} failed: {type(e).__name__}: {str(e)[:200]}") from e
+                if est.error:
+                    raise RuntimeError(f"the simulation of {c.label()} failed: {est.error}")
+                got = card(est, self.gpu, "eager", c.devices)
+                self.simulated[key] = (est.peak_gb, got["peak_reserved_gb"], est.activations_host_gb)
+            c.simulated_gb, c.predicted_gb, c.offloaded_gb = self.simulated[key]
+            c.images_per_s = self._speed(c, c.offloaded_gb)
+        return c
+
+    def fit(self, budget_gb: float, top: int = 5) -> tuple[list[Choice], Choice | None]:
+        """The ``top`` fastest choices predicted to fit, and the fastest predicted not to fit among those
+        faster than the last pick (None if there is none): the ladder planner's search (planning/planner/fit.py)."""
+        fits, too_big, _ = search(self.choices, self.predict, budget_gb, top)
+        return fits, fastest(too_big, self.predict)
+
+    def smallest(self) -> Choice:
+        return smallest(self.choices, self.predict)
+
+    def speed_lines(self, verbose: bool = False) -> list[str]:
+        """How samples/s were predicted: two lines, or with ``verbose`` every constant and its source."""
+        what = "sample" + (f" of {self.seq_len} tokens" if self.seq_len else " (image)")
+        lines = [
+            f"samples/s: predicted, not measured (--measure runs them): the ladder's step model calibrated on"
+            f" the committed {self.gpu} runs (or h100's), compute x {self.speed.flops_scale:.3g} (training FLOPs"
+            f" per {what} over ViT-L/16's per image), eager host time x {self.modules_ratio:.3g} (modules),",
+            f"  the step in backward + {HOOK_MS} ms x {self.tensors} parameter tensors"
+            + ("." if verbose else " (--verbose: every constant and its source)."),
+        ]  # fmt: skip
+        if self.devices > 1:
+            lines.append(f"  FSDP over {self.devices} GPUs: {self.devices} x one GPU's samples/s (each its own batch);"
+                         " the gathers and reductions are not modelled, and every set here has them. Outside the"
+                         f" allocator per GPU: {self.overhead_source}.")  # fmt: skip
+        if verbose:
+            lines += [f"  {line}" for line in self.speed.lines(sources=True)] + [f"  hooks: {HOOK_MS} ms from {HOOK_SOURCE}"]
+        return lines
+
+
+@functools.cache
+def _ladder_flops() -> float:
+    """ViT-L/16's training FLOPs per image: what the ladder's speed model was calibrated on."""
+    return flops_per_sample(ladder_model("vit_l_16"), _Vision(), 0)
+
+
+def _first(mine: str, others: tuple[str, ...]) -> tuple[str, ...]:
+    """The user's value first, then the others allowed."""
+    return tuple(dict.fromkeys((mine, *others)))
+
+
+class _Vision:
+    is_text = False
+
+
+class _Floor:
+    """An estimate of nothing: :func:`card` of it gives the overhead alone."""
+
+    peak_gb = 0.0
+    reserved_gb = 0.0

@@ -1,0 +1,1 @@
+"""fmr-compare: the article's scripts against the rungs, on one GPU (reference.py); what it runs (plan.py), the rows it reads back (rows.py), and how one article script runs offline (runner.py, recorder.py, substitutions.py)."""

@@ -1,0 +1,256 @@
+"""Models a user names, built without weights: ``--model torchvision:NAME``, ``--model timm:NAME`` and
+``--model hf:ID_OR_PATH`` (a Hugging Face ``config.json``, or a folder holding one; a hub id when the
+hub is reachable).
+
+The task follows from the model: torchvision and timm models classify images (10 classes: the digits'
+labels); a Hugging Face config is a causal LM when its ``architectures`` say so (``*ForCausalLM``,
+``*LMHeadModel``), else a sequence classifier (2 labels: IMDb's) when transformers has that head for
+its model type, else a causal LM when it has that head. Every model is built with ``from_config`` /
+``weights=None`` / ``pretrained=False``: memory and speed do not depend on the weights' values.
+
+:func:`repeated_blocks` finds what activation checkpointing and FSDP wrap: Hugging Face's
+``_no_split_modules``, timm's ``blocks``, torchvision's ``encoder.layers``, else the class that fills
+the most ``ModuleList`` / ``Sequential`` containers whose children all share one class.
+"""
+
+from __future__ import annotations
+
+import collections
+import difflib
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch.nn as nn
+import torchvision.models as tvm
+
+from fabric_memory_recipes.config import UsageError
+from fabric_memory_recipes.training.hf_models import TokenIds, _cached, hub_online
+
+SOURCES = ("torchvision", "timm", "hf")
+IMAGE_CLASSES = 10  # the digits' labels: what the runner trains on
+TEXT_LABELS = 2  # IMDb's
+EXAMPLES = "torchvision:resnet50, timm:convnext_tiny, hf:path/to/config.json"
+
+
+class SourcePrefixed(tuple):
+    """``model_choices`` of a configuration that takes any ``SOURCE:NAME`` (``in`` checks the prefix);
+    its items are what an error message lists."""
+
+    def __contains__(self, name: object) -> bool:
+        return is_user_model(name)
+
+
+def is_user_model(name: object) -> bool:
+    """True for ``torchvision:...``, ``timm:...`` and ``hf:...``."""
+    return isinstance(name, str) and ":" in name and name.split(":", 1)[0] in SOURCES
+
+
+@dataclass(frozen=True, eq=False)
+class UserModel:
+    """What ``--model SOURCE:NAME`` resolved to."""
+
+    ref: str  # as the user wrote it
+    source: str
+    name: str
+    task: str  # image_classification | classification | causal_lm
+    hf_config: Any = None  # a transformers PretrainedConfig (source hf)
+
+    @property
+    def is_text(self) -> bool:
+        return self.task != "image_classification"
+
+    @property
+    def vocab_size(self) -> int | None:
+        return getattr(self.hf_config, "vocab_size", None)
+
+    @property
+    def num_labels(self) -> int:
+        """Classes of the loss: 10 digits, 2 IMDb labels, or the vocabulary of a causal LM."""
+        return {"image_classification": IMAGE_CLASSES, "classification": TEXT_LABELS}.get(
+            self.task, self.vocab_size or 0
+        )
+
+
+def resolve(ref: str) -> UserModel:
+    """``SOURCE:NAME`` -> :class:`UserModel`, or :class:`UsageError` (one line) for an unknown source,
+    model, a missing or malformed config, or a hub id while offline."""
+    if not is_user_model(ref):
+        raise UsageError(
+            f"--model {ref!r}: expected SOURCE:NAME with SOURCE one of {', '.join(SOURCES)} ({EXAMPLES})"
+        )
+    source, name = ref.split(":", 1)
+    if not name:
+        raise UsageError(f"--model {ref!r}: no model name after '{source}:'")
+    if source == "torchvision":
+        _known(ref, name, tvm.list_models(module=tvm))  # the classification models
+    elif source == "timm":
+        try:
+            import timm
+        except ImportError:
+            raise UsageError(
+                f"--model {ref}: timm is not installed (pip install 'fabric-memory-recipes[timm]')"
+            ) from None
+        if not timm.is_model(name):
+            _known(ref, name, timm.list_models())
+    else:
+        config = hf_config(ref, name)
+        if getattr(config, "is_encoder_decoder", False):
+            raise UsageError(f"--model {ref}: {config.model_type} is an encoder-decoder; the runner trains image"
+                             " classifiers, text classifiers and causal LMs (docs/your_model.md)")  # fmt: skip
+        return UserModel(ref, source, name, _hf_task(ref, config), config)
+    return UserModel(ref, source, name, "image_classification")
+
+
+POSITION_FIELDS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
+
+
+def check_seq_len(um: UserModel, seq_len: int) -> None:
+    """One line (:class:`UsageError`) when ``--seq-len`` exceeds the positions a text model's config has:
+    on fake tensors nothing would fail, and the estimate would describe a model that cannot run."""
+    if not um.is_text:
+        return
+    for name in POSITION_FIELDS:
+        positions = getattr(um.hf_config, name, None)
+        if isinstance(positions, int) and positions > 0:
+            if seq_len > positions:
+                raise UsageError(f"--seq-len {seq_len}: {um.ref} has {positions} positions ({name})")
+            return
+
+
+def _known(ref: str, name: str, names: list[str]) -> None:
+    if name not in names:
+        close = difflib.get_close_matches(name, names, n=3)
+        raise UsageError(f"--model {ref}: unknown model" + (f" (close: {', '.join(close)})" if close else ""))
+
+
+def hf_config(ref: str, name: str):
+    """A local ``config.json`` (or a folder with one), else the hub's config for an id, when online."""
+    if os.path.exists(name):
+        path = os.path.join(name, "config.json") if os.path.isdir(name) else name
+        try:
+            with open(path, encoding="utf-8") as f:
+                fields = json.load(f)
+        except (OSError, ValueError) as e:
+            raise UsageError(
+                f"--model {ref}: {path} is not a readable JSON config ({type(e).__name__}: {e})"
+            ) from None
+        if not isinstance(fields, dict) or not isinstance(fields.get("model_type"), str):
+            raise UsageError(f'--model {ref}: {path} has no "model_type" (not a Hugging Face config.json)')
+        from transformers import AutoConfig  # only hf: models pay for importing transformers
+
+        try:
+            return AutoConfig.for_model(fields.pop("model_type"), **fields)
+        except (ValueError, KeyError, TypeError) as e:
+            raise UsageError(f"--model {ref}: {path}: {str(e).splitlines()[0]}") from None
+    if name.endswith(".json") or name.startswith((".", "/", "~")) or name.count("/") > 1:
+        raise UsageError(f"--model {ref}: no such file or folder")
+    if not (_cached(name) or hub_online()):
+        raise UsageError(f"--model {ref}: not a local config.json or folder, and the Hugging Face hub is"
+                         " unreachable (offline): pass the path of a config.json")  # fmt: skip
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(name, local_files_only=not hub_online())
+    except Exception as e:  # noqa: BLE001 - any failure of the hub is one line for the user
+        raise UsageError(
+            f"--model {ref}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        ) from None
+
+
+def _hf_task(ref: str, config) -> str:
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING,
+        MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING,
+    )
+
+    if any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in (config.architectures or [])):
+        return "causal_lm"
+    if type(config) in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING:
+        return "classification"
+    if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return "causal_lm"
+    raise UsageError(f"--model {ref}: transformers has neither a sequence-classification nor a causal-LM"
+                     f" head for model type {config.model_type!r}")  # fmt: skip
+
+
+def build(um: UserModel) -> nn.Module:
+    """The model with random weights on the current default device and dtype (inside
+    ``fabric.init_module()``: on the accelerator, in the precision's dtype; under ``torch.device("meta")``:
+    shapes only). Vision models get ``image_size``, the resolution the data path resizes to."""
+    if um.source == "torchvision":
+        model = tvm.get_model(um.name, weights=None, num_classes=IMAGE_CLASSES)
+        model.image_size = _torchvision_size(um.name)
+        return model
+    if um.source == "timm":
+        import timm
+
+        model = timm.create_model(um.name, pretrained=False, num_classes=IMAGE_CLASSES)
+        model.image_size = int((model.pretrained_cfg or {}).get("input_size", (3, 224, 224))[-1])
+        return model
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    config = um.hf_config
+    config.use_cache = False  # training: a KV cache is a generation feature (and breaks recomputation)
+    if um.task == "classification":
+        config.num_labels = TEXT_LABELS
+        if config.pad_token_id is None:  # decoder classifiers find the last token through the pad id
+            config.pad_token_id = 0
+        return AutoModelForSequenceClassification.from_config(config)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def _torchvision_size(name: str) -> int:
+    """The crop size of the model's published weights (224 for most, 299 for Inception v3, ...)."""
+    try:
+        weights = next(iter(tvm.get_model_weights(name)))
+        return int(weights.transforms.keywords.get("crop_size", 224))
+    except (ValueError, StopIteration, AttributeError, TypeError):
+        return 224
+
+
+def repeated_blocks(model: nn.Module) -> tuple[tuple[str, ...], str]:
+    """(class names of the repeated blocks, how they were found); ``()`` when there are none."""
+    present = collections.Counter(type(m).__name__ for m in model.modules())
+    hf = [n for n in (getattr(model, "_no_split_modules", None) or []) if present[n] >= 2]  # not embeddings
+    if hf:
+        return tuple(sorted(hf)), "Hugging Face _no_split_modules"
+    for path, how in (("blocks", "timm: model.blocks"), ("encoder.layers", "torchvision: encoder.layers")):
+        found = _same_class(model.get_submodule(path)) if _has(model, path) else None
+        if found:
+            return (found,), how
+    counts: collections.Counter[str] = collections.Counter()
+    for m in model.modules():
+        cls = _same_class(m)
+        if cls:
+            counts[cls] += len(m)
+    if counts:
+        return (counts.most_common(1)[0][0],), "the ModuleList/Sequential children of one class"
+    return (), "no repeated blocks found"
+
+
+def _has(model: nn.Module, path: str) -> bool:
+    try:
+        model.get_submodule(path)
+        return True
+    except AttributeError:
+        return False
+
+
+def _same_class(m: nn.Module) -> str | None:
+    """The class of the children of a ModuleList/Sequential of at least two, all of one class."""
+    if not isinstance(m, nn.ModuleList | nn.Sequential) or len(m) < 2:
+        return None
+    kinds = {type(c) for c in m.children()}
+    return next(iter(kinds)).__name__ if len(kinds) == 1 else None
+
+
+def token_ids(um: UserModel):
+    """The special ids the synthetic token stand-in needs (training/data/text_samples.py)."""
+    vocab = um.vocab_size or 1024
+    pad = um.hf_config.pad_token_id if um.hf_config.pad_token_id is not None else 0
+    first = min(1000, max(8, vocab // 10))
+    if um.task == "causal_lm":
+        return TokenIds(pad=pad, cls=None, sep=None, first_regular=first, vocab_size=vocab)
+    return TokenIds(pad=pad, cls=1, sep=2, first_regular=first, vocab_size=vocab)

@@ -1,0 +1,177 @@
+"""The runner for a model the user names (``recipes/your_model.py``): its flags (:class:`YourModelConfig`:
+the shared ones plus the technique set as flags, which the estimator and ``--fit`` read too), its data
+and batch function, its optimizer and its activation checkpointing.
+
+Data: ``--data auto`` trains an image model on scikit-learn's digits (real, offline) and a text model on
+IMDb when present (training/data/text.py), else on the synthetic token stand-in of the same shape;
+``--data synthetic`` always takes the stand-in (CIFAR-shaped images, IMDb-like token ids).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, ClassVar
+
+import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    apply_activation_checkpointing,
+    checkpoint_wrapper,
+)
+
+from fabric_memory_recipes.config import BOOL, RunConfig, UsageError, at_least, flag
+from fabric_memory_recipes.training import data
+from fabric_memory_recipes.training.data import text
+from fabric_memory_recipes.training.your_model import models
+from fabric_memory_recipes.training.your_model.models import UserModel
+
+OPTIMIZERS = ("adamw", "adam", "sgd", "adamw8bit")
+
+
+@dataclasses.dataclass
+class YourModelConfig(RunConfig):
+    """The shared flags, ``--seq-len``, and the technique set as flags."""
+
+    seq_len: int = flag(256, "technique", "tokens per sequence (text models)", type=at_least(8))
+    optimizer: str = flag("adamw", "technique", "optimizer (adamw8bit needs torchao)", choices=OPTIMIZERS)
+    checkpoint_blocks: bool = flag(
+        False, "technique", "activation checkpointing of every repeated block of the model", action=BOOL
+    )
+    activation_offload: bool = flag(
+        False, "technique", "keep saved activations in pinned host memory (rung 11)", action=BOOL
+    )
+    optimizer_in_backward: bool = flag(
+        False, "technique", "one optimizer per parameter, stepped inside backward (rung 12; no accumulation)",
+        action=BOOL,
+    )  # fmt: skip
+    fsdp: bool = flag(
+        False,
+        "technique",
+        "shard with FSDP over --devices CUDA GPUs, one unit per repeated block",
+        action=BOOL,
+    )
+    tokenizer: str | None = flag(None, "technique", "tokenizer folder for real text (default: the model's)")
+
+    GROUPS: ClassVar[dict[str, str]] = {**RunConfig.GROUPS, "technique": "your model: the technique set"}
+    DATA_CHOICES: ClassVar[tuple[str, ...]] = ("auto", "digits", "imdb", "synthetic")
+    HELP: ClassVar[dict[str, str]] = {
+        "data": "auto: digits for image models; IMDb when present, else synthetic token ids, for text models",
+        "data_dir": "where IMDb is (aclImdb/ or imdb.csv)",
+        "model": f"torchvision:NAME, timm:NAME or hf:ID_OR_PATH (e.g. {models.EXAMPLES})",
+        "eval_batches": "limit validation/test to this many batches (default 20: a text model's test split"
+        " can take longer than its training)",
+    }
+
+    # Without a GPU, `--accelerator auto` is refused (faults.wrong_machine) with the same model and
+    # technique set at these small shapes, as the ladder's rungs suggest vit_tiny.
+    CPU_QUICK: ClassVar[tuple[str, ...]] = ("--batch-size", "2", "--seq-len", "64", "--max-steps", "2",
+                                            "--eval-batches", "2")  # fmt: skip
+
+    def technique_flags(self) -> list[str]:
+        """The technique set as flags (what the CPU suggestion keeps of a refused command)."""
+        names = ("checkpoint_blocks", "activation_offload", "optimizer_in_backward")
+        flags = ["--" + n.replace("_", "-") for n in names if getattr(self, n)]
+        return flags + (["--optimizer", self.optimizer] if self.optimizer != "adamw" else [])
+
+    def checked(self, hardware) -> YourModelConfig:
+        c = super().checked(hardware)
+        if c.compile or c.cuda_graphs:
+            raise UsageError("--compile/--cuda-graphs are not wired for your own model: it runs eagerly")
+        if c.fsdp and (c.world_size < 2 or c.accelerator != "cuda"):
+            raise UsageError("--fsdp shards over several CUDA GPUs: use it with --devices N (N >= 2) on CUDA")
+        c.sharding = "fsdp" if c.fsdp else "none"
+        return c
+
+
+def default_config() -> YourModelConfig:
+    """The runner's defaults (``recipes/your_model.py`` declares the same)."""
+    return YourModelConfig(recipe="your_model", model="torchvision:resnet50",
+                           model_choices=models.SourcePrefixed(models.SOURCES), batch_size=32,
+                           lr=1e-4, compile=False, cuda_graphs=False, eval_batches=20)  # fmt: skip
+
+
+def resolve(cfg: YourModelConfig) -> UserModel:
+    """``--model`` resolved; a model of the wrong kind for ``--data`` is refused (exit 2)."""
+    um = models.resolve(cfg.model)
+    if cfg.data == "digits" and um.is_text or cfg.data == "imdb" and not um.is_text:
+        raise UsageError(f"--data {cfg.data} does not fit {cfg.model} ({um.task.replace('_', ' ')})")
+    models.check_seq_len(um, cfg.seq_len)
+    return um
+
+
+def load_data(cfg: YourModelConfig, um: UserModel):
+    """(splits, batch_fn, num_classes) for the model's task."""
+    if not um.is_text:
+        splits = data.load("synthetic" if cfg.data == "synthetic" else "digits", cfg.data_dir)
+        return splits, None, data.NUM_CLASSES  # batch_fn: data.image_classification(model.image_size)
+    ids = models.token_ids(um)
+    choice = "synthetic" if cfg.data == "synthetic" else ("imdb" if cfg.data == "imdb" else "auto")
+    splits = text.load(choice, cfg.data_dir, cfg.seq_len, ids, lambda: _tokenizer(cfg, um), task=um.task,
+                       seed=cfg.seed)  # fmt: skip
+    if splits.vocab_size and splits.vocab_size > (um.vocab_size or 0):
+        raise UsageError(
+            f"the tokenizer's {splits.vocab_size} tokens exceed the model's vocabulary ({um.vocab_size})"
+        )
+    if um.task == "causal_lm":
+        return splits, text.causal_lm, um.vocab_size
+    return splits, text.sequence_classification, text.NUM_LABELS
+
+
+def _tokenizer(cfg: YourModelConfig, um: UserModel):
+    """``--tokenizer``, else the tokenizer beside a local config (its folder), else the hub's; None offline."""
+    from transformers import AutoTokenizer
+
+    where = cfg.tokenizer or (um.name if os.path.isdir(um.name) else os.path.dirname(um.name) or None)
+    try:
+        if where and os.path.isdir(where):
+            tok = AutoTokenizer.from_pretrained(where)
+        elif not os.path.exists(um.name):
+            tok = AutoTokenizer.from_pretrained(um.name)
+        else:
+            return None
+    except (OSError, ValueError):
+        return None
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def checkpoint_blocks(model: Any, blocks: tuple[str, ...]) -> int:
+    """Wrap every module of a class in ``blocks`` in non-reentrant activation checkpointing (torch's
+    ``checkpoint_wrapper``, what Fabric's ``activation_checkpointing_policy`` applies); returns how many."""
+    if not blocks:
+        raise UsageError("--checkpoint-blocks: no repeated blocks found in this model")
+    count = sum(type(m).__name__ in blocks for m in model.modules())
+    wrapper = lambda m: checkpoint_wrapper(m, checkpoint_impl=CheckpointImpl.NO_REENTRANT)  # noqa: E731
+    apply_activation_checkpointing(model, wrapper, check_fn=lambda m: type(m).__name__ in blocks)
+    return count
+
+
+def make_optimizer(cfg: YourModelConfig, params: list) -> Any:
+    """The optimizer the flags name (fused kernels where torch has them)."""
+    if cfg.optimizer == "adamw8bit":
+        try:
+            from torchao.optim import AdamW8bit
+        except ImportError:
+            raise UsageError(
+                "--optimizer adamw8bit needs torchao (pip install 'fabric-memory-recipes[lowbit]')"
+            ) from None
+        return AdamW8bit(params, lr=cfg.lr)
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, fused=True)
+    cls = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
+    return cls(params, lr=cfg.lr, fused=True)
+
+
+def step_in_backward(cfg: YourModelConfig, model: Any) -> dict:
+    """Rung 12's technique: one optimizer per parameter, stepped by a hook when its gradient is ready."""
+    optimizers = {p: make_optimizer(cfg, [p]) for p in model.parameters() if p.requires_grad}
+
+    def step(param):
+        optimizers[param].step()
+        optimizers[param].zero_grad(set_to_none=True)
+
+    for p in optimizers:
+        p.register_post_accumulate_grad_hook(step)
+    return optimizers
