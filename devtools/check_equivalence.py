@@ -48,12 +48,15 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
+import torch
+
 from fabric_memory_recipes.config import declared_rung
 from fabric_memory_recipes.console import Parser
 from fabric_memory_recipes.measurement.results_file import write_json_atomic
 from fabric_memory_recipes.paths import output_folder
 from fabric_memory_recipes.processes import project_env
 from fabric_memory_recipes.tools.compare.plan import SINGLE_GPU_RUNGS
+from fabric_memory_recipes.training import graphs, loop
 
 REPO = Path(__file__).resolve().parents[1]
 OWN_PRECISION = ("02", "03")  # graphs-only checks in the rung's own precision (and every compensated rung)
@@ -80,10 +83,6 @@ def recipe_path(rung: str) -> Path:
 # ----------------------------------------------------------------------------------------------- child
 def _run_recipe(path: Path, argv: list[str], results_dir: str) -> dict:
     """Run the recipe as __main__ with ``argv``; return its parameters before and after training."""
-    import torch
-
-    from fabric_memory_recipes.training import loop
-
     seen: dict = {}
     original_fit = loop.fit
 
@@ -122,8 +121,6 @@ def parameters_by_name(model) -> dict:
 
 def compare(eager: dict, fast: dict) -> dict:
     """The numbers of one row: largest element difference, the eager change it is measured against."""
-    import torch
-
     diff = change = 0.0
     diff_sq = change_sq = 0.0
     if set(eager["after"]) != set(fast["after"]):
@@ -173,10 +170,6 @@ def checks_for(rung: str) -> list[tuple[str, list[str], list[str]]]:
 def _control(path: Path, patch: str, argv: list[str], tmp: str) -> dict:
     """The fast run with a known bug (``patch``): the learning rates frozen at capture, or the rounding's
     random bits drawn from another generator state than the eager run's (reseeded after the capture)."""
-    import torch
-
-    from fabric_memory_recipes.training import graphs
-
     if patch == "lr":
         name, real = "sync", graphs.LearningRates.sync
 

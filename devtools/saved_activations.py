@@ -18,13 +18,12 @@ saved activations. The measured GPU numbers are in results/published/h100/bonus/
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 
 from fabric_memory_recipes.console import Parser
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from fabric_memory_recipes.planning import SavedTensorCounter
+from fabric_memory_recipes.training import hf_models
+from fabric_memory_recipes.training.data import text
 
 GB = 1e9
 
@@ -32,8 +31,6 @@ GB = 1e9
 def saved_bytes(model, batch: dict) -> int:
     """Exact bytes of the distinct storages autograd saves during ``model(**batch)``, leaving out the
     parameters and buffers (a Linear saves its weight; the weights are counted on their own line)."""
-    from fabric_memory_recipes.planning import SavedTensorCounter
-
     with SavedTensorCounter([*model.parameters(), *model.buffers()]) as saved:
         out = model(**batch)  # keeps the graph, hence the saved storages, alive until counted
     nbytes = saved.nbytes
@@ -42,9 +39,6 @@ def saved_bytes(model, batch: dict) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from fabric_memory_recipes.training import hf_models
-    from fabric_memory_recipes.training.data import text
-
     p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="distilbert-base-uncased", choices=sorted(hf_models.SPECS))
     p.add_argument("--max-length", type=int, default=512)

@@ -20,12 +20,14 @@ Every recipe runs with FMR_OFFLINE=1 (no network look-ups) and FMR_LOG_DIR in a 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import inspect
 import io
 import json
 import os
 import runpy
+import shlex
 import shutil
 import signal
 import subprocess
@@ -406,3 +408,27 @@ def _restore_matmul_precision():
     torch = sys.modules.get("torch")
     if torch is not None:
         torch.set_float32_matmul_precision(before)
+
+
+# ------------------------------------------------------------------------- shared by several test files
+@pytest.fixture
+def fabric():
+    import lightning as L  # here, not at import: collection stays quick (see conftest: background jobs)
+
+    return L.Fabric(accelerator="cpu", devices=1, precision="32-true")
+
+
+@functools.cache
+def run_estimate(command: str) -> tuple[int, str, str]:
+    """An ``fmr-estimate`` command of the README, in this interpreter: (exit code, stdout, stderr)."""
+    from fabric_memory_recipes.planning.__main__ import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(shlex.split(command)[1:]) or 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+        except Exception as e:  # noqa: BLE001 - a crash is this test's finding
+            code, _ = 1, err.write(f"{type(e).__name__}: {e}")
+    return code, out.getvalue(), err.getvalue()

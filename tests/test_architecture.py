@@ -24,6 +24,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 COMMON = REPO / "fabric_memory_recipes"
 RECIPES = REPO / "recipes"
+DEVTOOLS = REPO / "devtools"
 
 # Imports that may stay inside a function in fabric_memory_recipes/, and why.
 LAZY = {
@@ -176,9 +177,61 @@ def test_imports_are_at_the_top_and_lazy_ones_are_listed():
     assert not inside, f"imports inside functions (allowed only for {sorted(LAZY)}): {inside}"
 
 
+def _project_imports_inside_functions(path: Path) -> list[str]:
+    where = path.relative_to(REPO) if path.is_relative_to(REPO) else path.name
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            for inner in ast.walk(node):
+                if isinstance(inner, ast.ImportFrom) and (inner.module or "").startswith(("fabric_memory_recipes", "devtools")):
+                    found.append(f"{where}:{inner.lineno} {inner.module}")
+                elif isinstance(inner, ast.Import):
+                    found += [f"{where}:{inner.lineno} {a.name}" for a in inner.names
+                              if a.name.startswith(("fabric_memory_recipes", "devtools"))]  # fmt: skip
+    return sorted(set(found))
+
+
+def test_no_project_import_hides_inside_a_function():
+    """The package, its tools, devtools/, the recipes and experiments/ import the project at the top,
+    where a reader sees what a module depends on (and the layer test sees it too)."""
+    files = [*COMMON.rglob("*.py"), *DEVTOOLS.glob("*.py"), *RECIPES.glob("*.py"), *(REPO / "experiments").glob("*.py")]
+    assert len(files) > 100
+    hidden = [hit for path in files for hit in _project_imports_inside_functions(path)]
+    assert not hidden, hidden
+
+
+def test_the_finder_finds_a_hidden_import(tmp_path):
+    path = tmp_path / "probe.py"
+    path.write_text("def f():\n    from fabric_memory_recipes.training import loop\n    return loop\n")
+    assert _project_imports_inside_functions(path) == ["probe.py:2 fabric_memory_recipes.training"]
+
+
+def test_the_installed_package_holds_no_devtools_and_never_imports_them():
+    """Proof and maintenance tools live in devtools/, beside the package: not in a wheel (pyproject
+    installs fabric_memory_recipes* only), and nothing in the package imports them."""
+    pyproject = (REPO / "pyproject.toml").read_text()
+    assert 'include = ["fabric_memory_recipes*"]' in pyproject
+    assert not (COMMON / "tools" / "check_equivalence.py").exists() and (DEVTOOLS / "check_equivalence.py").exists()
+    graph_targets = {d for deps in import_graph().values() for d in deps}
+    assert not [d for d in graph_targets if d.startswith("devtools")]
+    for path in COMMON.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        mods = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        mods |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        assert not [m for m in mods if m.split(".")[0] == "devtools"], path
+
+
 # ------------------------------------------------------------------------------------------- sizes
+MAX_MODULES = 12  # per folder: more, and the folder is a bag that wants sub-folders
+
+
+def test_no_folder_of_the_package_or_devtools_holds_more_than_twelve_modules():
+    folders = [COMMON, *(p for p in COMMON.rglob("*") if p.is_dir() and p.name != "__pycache__"), DEVTOOLS]
+    counts = {str(f.relative_to(REPO)): len(list(f.glob("*.py"))) for f in folders}
+    assert counts["fabric_memory_recipes/training"] >= 5 and "fabric_memory_recipes/planning/planner" in counts
+    assert {f: n for f, n in counts.items() if n > MAX_MODULES} == {}
 def test_no_file_in_the_package_its_tools_or_experiments_is_over_400_lines():
-    files = [*common_modules(tools=True).values(), *(REPO / "experiments").glob("*.py")]
+    files = [*common_modules(tools=True).values(), *DEVTOOLS.glob("*.py"), *(REPO / "experiments").glob("*.py")]
     sizes = {str(p.relative_to(REPO)): len(p.read_text().splitlines()) for p in files}
     assert len(sizes) > 20
     assert "fabric_memory_recipes/tools/compare/reference.py" in sizes and "experiments/harness.py" in sizes

@@ -1,5 +1,5 @@
 """Every command the docs show works: README.md, docs/*.md and the workshop notebook, fenced shell blocks
-and inline `commands` alike (issue 36: `python -m tools.compare_reference`, shown four times, did not).
+and inline `commands` alike (a module path that no longer exists, shown four times in the README, did not run).
 
 Each command found is checked by what it is:
 
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import pytest
 import tomllib
-from conftest import REPO, load_recipe_module
+from conftest import REPO, load_recipe_module, run_estimate
 
 from fabric_memory_recipes.config import Hardware
 
@@ -285,7 +285,7 @@ def test_every_command_a_page_shows_works(page):
 
 def test_the_check_finds_what_was_wrong():
     """What the issue found: a module that is not there, a flag a recipe does not have, an extra."""
-    assert "no module tools.compare_reference" in check("python -m tools.compare_reference --reference X")
+    assert "no module nowhere.compare_reference" in check("python -m nowhere.compare_reference --reference X")
     assert "--no-such-flag" in check("python recipes/01_baseline.py --accelerator cpu --no-such-flag")
     assert "no extra [nope]" in check('python3 -m pip install -c constraints.txt -e ".[nope]"')
     assert check("python recipes/01_baseline.py --accelerator cpu --model vit_tiny --max-steps 2") is None
@@ -303,22 +303,6 @@ RUN_ON_CPU = {
     "fmr-estimate --model torchvision:resnet50 --batch-size 64 --precision bf16-mixed": None,
     "fmr-estimate --model hf:examples/configs/qwen2-0.5b --seq-len 512 --batch-size 8 --precision bf16-mixed --fit 16GB": None,
 }
-
-
-@functools.cache
-def run_estimate(command: str) -> tuple[int, str, str]:
-    """An ``fmr-estimate`` command of the README, in this interpreter: (exit code, stdout, stderr)."""
-    from fabric_memory_recipes.planning.__main__ import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(shlex.split(command)[1:]) or 0
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else 1
-        except Exception as e:  # noqa: BLE001 - a crash is this test's finding
-            code, _ = 1, err.write(f"{type(e).__name__}: {e}")
-    return code, out.getvalue(), err.getvalue()
 
 
 def test_readme_commands_that_run_on_cpu_are_the_ones_run_here():

@@ -42,7 +42,7 @@ from conftest import (
     submit,
     subprocess_env,
 )
-from test_data import write_cifar
+from tiny import write_cifar
 
 from fabric_memory_recipes import faults
 from fabric_memory_recipes.config import Hardware, RunConfig

@@ -14,7 +14,7 @@ import copy
 
 import pytest
 import torch
-from test_loop import batch_fn, fabric, loader, make_log, settings, tiny_data, tiny_model  # noqa: F401
+from tiny import batch_fn, loader, make_log, settings, tiny_data, tiny_model
 
 from fabric_memory_recipes.training import graphs, loop, loop_plumbing
 

@@ -8,52 +8,12 @@ import types
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from tiny import IN, OUT, batch_fn, loader, make_log, settings, tiny_data, tiny_model  # noqa: F401
 from torch.utils.data import DataLoader, TensorDataset
 
 from fabric_memory_recipes import faults
-from fabric_memory_recipes.config import RunConfig
-from fabric_memory_recipes.measurement.results import RunResults
 from fabric_memory_recipes.training import data, loop, models
-
-IN, OUT = 12, 10
-
-
-def make_log() -> RunResults:
-    return RunResults(RunConfig(recipe="test_loop", batch_size=8, accumulation_steps=2, results_dir="unused"))
-
-
-def settings(**flags) -> RunConfig:
-    """What the loop reads from a run's configuration: accumulation, epochs, max steps, logging, ..."""
-    return RunConfig(recipe="test_loop", **flags)
-
-
-@pytest.fixture
-def fabric():
-    import lightning as L  # here, not at import: collection stays quick (see conftest: background jobs)
-
-    return L.Fabric(accelerator="cpu", devices=1, precision="32-true")
-
-
-def tiny_model(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(IN, 16), nn.Tanh(), nn.Linear(16, OUT))
-
-
-def tiny_data(n: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, IN, generator=g), torch.randint(0, OUT, (n,), generator=g)
-
-
-def batch_fn(model, batch):
-    x, y = batch
-    logits = model(x)
-    return F.cross_entropy(logits, y), logits, y
-
-
-def loader(x, y, micro: int) -> DataLoader:
-    return DataLoader(TensorDataset(x, y), batch_size=micro, shuffle=False)
 
 
 def make_optimizer(kind: str, params, lr: float):

@@ -12,7 +12,7 @@ import json
 import re
 from pathlib import Path
 
-from test_doc_commands import run_estimate
+from conftest import run_estimate
 
 from fabric_memory_recipes.measurement.report import render
 

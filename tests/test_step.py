@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from test_loop import batch_fn, fabric, tiny_data, tiny_model  # noqa: F401
+from tiny import batch_fn, tiny_data, tiny_model
 
 from fabric_memory_recipes.training.step import accumulation_groups, train_step
 

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Issue 39's A/B on one GPU, one device command: `./run_all.sh --quick` of the code before the package
+# relayout (build/ab39-base: `git archive 40354b9`, carried) and of this checkout, back to back on one
+# machine, base first on cold compile caches. Results under $OUT: base.tgz, after.tgz (each run folder
+# with its console log and `time -v`).
+#
+#   OUT=... bash scripts/gpu/issue39.sh          # carry .whl (torchao, torch-optimi wheels), build/ab39-base
+set -u
+: "${OUT:?set OUT}"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 FMR_OFFLINE=1
+T0=$(date +%s)
+log() { echo "[issue39 $(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/issue39.log"; }
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site
+nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv > "$OUT/gpus.csv" 2>&1
+HERE=$(pwd)
+for side in base after; do
+  dir=$HERE; [ "$side" = base ] && dir=$HERE/build/ab39-base
+  (cd "$dir" && python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1) || log "$side: pip install -e failed"
+  log "$side: starting in $dir"
+  mkdir -p /tmp/E
+  (cd "$dir" && /usr/bin/time -v -o "/tmp/E/$side-time.txt" ./run_all.sh --quick --results-dir "/tmp/E/$side" \
+      > "/tmp/E/$side-console.log" 2> "/tmp/E/$side-stderr.log")
+  log "$side: exit $?"
+  tar -czf "$OUT/$side.tgz" -C /tmp/E "$side" "$side-console.log" "$side-time.txt" "$side-stderr.log"
+done
+log done
