@@ -12,7 +12,6 @@ import lightning as L
 import torch
 
 from fabric_memory_recipes import RunConfig, planning
-from fabric_memory_recipes.training.techniques import bf16
 from fabric_memory_recipes.training import data, lifecycle, loop, models
 
 RUNG = RunConfig(
@@ -54,10 +53,8 @@ def main(cfg: RunConfig, results) -> None:
         models.compile_blocks(model, cfg.compile)  # fast mode: one compiled graph shared by every block
         # rung 06: plain SGD keeps no state (Adam kept two extra tensors per parameter); fused: one kernel
         optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, fused=True)
-        results.estimate = planning.for_run(model, cfg, optimizer)  # the predicted peak
-        optimizer = bf16.updates(optimizer, cfg, results)  # --bf16-update, --lost-updates (training/techniques/bf16.py)
+        optimizer = planning.instrument(results, model, cfg, optimizer)  # records the estimate; --bf16-update
         model, optimizer = fabric.setup(model, optimizer)
-    results.set(parameters=models.count_parameters(model))
     if fabric.device.type == "cuda":  # on CPU the phases hold process RSS, which cannot be reset
         usual_gb, init_gb = (
             results.phases[p]["allocated"] / 1e9 for p in ("load_cpu_then_move", "model_load")

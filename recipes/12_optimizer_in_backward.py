@@ -45,7 +45,7 @@ def main(cfg: RunConfig, results) -> None:
         with fabric.init_module(empty_init=False):  # rung 07: on the device, in the target dtype
             model = models.build_model(cfg.model, weights, data.NUM_CLASSES, cfg.image_size)
         models.compile_blocks(model, cfg.compile)  # fast mode: one compiled graph shared by every block
-        results.estimate = planning.for_run(model, cfg)  # the predicted peak
+        planning.instrument(results, model, cfg)  # records the estimate and the model's size
         model = fabric.setup(model)
         # rung 12: one SGD per parameter, stepped by a hook as soon as that parameter's gradient is ready
         optimizers = {p: torch.optim.SGD([p], lr=cfg.lr, fused=True) for p in model.parameters()}
@@ -57,7 +57,6 @@ def main(cfg: RunConfig, results) -> None:
         optimizers = bf16.updates(optimizers, cfg, results)  # --bf16-update, --lost-updates
         for p in model.parameters():
             p.register_post_accumulate_grad_hook(step_in_backward)
-    results.set(parameters=models.count_parameters(model))
 
     train_loader, val_loader, test_loader = fabric.setup_dataloaders(*data.loaders(splits, cfg, fabric))
     batch_fn = data.image_classification(model.image_size)

@@ -46,7 +46,7 @@ def main(cfg: RunConfig, results) -> None:
         models.compile_blocks(model, cfg.compile)  # fast mode: one compiled graph shared by every block
         for i, block in enumerate(models.blocks(model)):  # rung 10: each block keeps its input only
             model.encoder.layers[i] = models.CheckpointedBlock(block)
-        results.estimate = planning.for_run(model, cfg)  # the predicted peak
+        planning.instrument(results, model, cfg)  # records the estimate and the model's size
         model = fabric.setup(model)
         # rung 12: one SGD per parameter, stepped by a hook as soon as that parameter's gradient is ready
         optimizers = {p: torch.optim.SGD([p], lr=cfg.lr, fused=True) for p in model.parameters()}
@@ -58,7 +58,6 @@ def main(cfg: RunConfig, results) -> None:
         optimizers = bf16.updates(optimizers, cfg, results)  # --bf16-update, --lost-updates
         for p in model.parameters():
             p.register_post_accumulate_grad_hook(step_in_backward)
-    results.set(parameters=models.count_parameters(model))
     train_loader, val_loader, test_loader = fabric.setup_dataloaders(*data.loaders(splits, cfg, fabric))
     image_batch = data.image_classification(model.image_size)
     offloaded = offload.offload_activations()  # rung 11: one set of pinned host buffers, reused

@@ -56,7 +56,7 @@ def main(cfg: SpeedConfig, results) -> None:
             model = models.build_model(cfg.model, weights, data.NUM_CLASSES, cfg.image_size)
         if cfg.fused_attention:  # rung 15: the same weights as one qkv Linear + scaled_dot_product_attention
             attention.fuse_attention(model)
-        results.estimate = planning.for_run(model, cfg)  # the predicted peak (float8 is not modelled)
+        planning.instrument(results, model, cfg)  # records the estimate (float8 is not modelled)
         results.extra["float8_linears"] = float8.convert(model, fabric.device) if cfg.float8 else 0
         image_size = model.image_size
         if cfg.compile:  # rung 15: the whole model as one graph (forward and backward each)
@@ -64,7 +64,6 @@ def main(cfg: SpeedConfig, results) -> None:
         optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr, fused=True)  # fused: one update kernel
         optimizer = bf16.updates(optimizer, cfg, results)  # --bf16-update, --lost-updates (training/techniques/bf16.py)
         model, optimizer = fabric.setup(model, optimizer)
-    results.set(parameters=models.count_parameters(model))
 
     train_loader, val_loader, test_loader = fabric.setup_dataloaders(*data.loaders(splits, cfg, fabric))
     batch_fn = data.image_classification(image_size)
