@@ -3,6 +3,7 @@
 Every later rung changes a few lines of this script; `diff` two neighbours to see one lesson.
 TF32 is ON: fp32 tensors and accumulation, but matrix products use the tensor cores' TF32 mode
 (about 3x faster on Ampere/Hopper, same memory). Pass --no-tf32 for strict fp32 matmuls.
+The training loop every rung shares: fabric_memory_recipes/training/loop.py: fit.
 """
 
 import fabric_memory_recipes  # noqa: F401, I001 - first: a Ctrl-C while torch loads is one line, exit 130

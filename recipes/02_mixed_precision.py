@@ -3,6 +3,7 @@
 Weights, gradients and Adam's state stay fp32; under autocast the matrix products run in fp16 and most
 saved activations are fp16, roughly halving activation memory and using the fp16 tensor cores. A loss
 scaler keeps small fp16 gradients from underflowing. --precision bf16-mixed needs no scaler.
+Fabric scales the loss in fabric.backward, called in fabric_memory_recipes/training/step.py: train_step.
 """
 
 import fabric_memory_recipes  # noqa: F401, I001 - first: a Ctrl-C while torch loads is one line, exit 130

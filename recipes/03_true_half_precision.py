@@ -3,6 +3,7 @@
 Now the weights, gradients, Adam's state and the activations are all bfloat16: half the bytes of every
 tensor fp32 kept. bfloat16 has fp32's exponent range, so no loss scaling is needed; its 8-bit mantissa
 is why this is a fine-tuning trick rather than a free lunch. --precision 16-true selects float16.
+The bf16 update rule (--bf16-update): fabric_memory_recipes/training/techniques/bf16.py: updates.
 """
 
 import fabric_memory_recipes  # noqa: F401, I001 - first: a Ctrl-C while torch loads is one line, exit 130

@@ -3,6 +3,7 @@
 Activations grow with the batch; weights, gradients and optimizer state do not. A quarter of the
 batch cuts the activation part of the peak by about four. The price is noisier, smaller updates; the
 next rung gets the batch of 16 back as an effective batch built from micro-batches.
+The batch size reaches the data loaders in fabric_memory_recipes/training/data/__init__.py: loaders.
 """
 
 import fabric_memory_recipes  # noqa: F401, I001 - first: a Ctrl-C while torch loads is one line, exit 130

@@ -2,9 +2,11 @@
 
 Only a micro-batch's activations are alive at once; gradients of the 4 micro-batches add up in the
 .grad buffers (each loss divided by 4) and the optimizer steps once per group, after the 4th
-micro-batch. The update equals one step on the batch of 16. The shared loop does the grouping: its
-blocks marked "rung 05" in fabric_memory_recipes/training/loop.py (fit); this recipe sets --accumulation-steps 4
-(micro-batch = batch-size / accumulation-steps).
+micro-batch. The update equals one step on the batch of 16. The shared code does it, in blocks marked
+"rung 05": fabric_memory_recipes/training/step.py: train_step (each loss divided, no gradient sync until
+the last micro-batch), grouped by fabric_memory_recipes/training/step.py: accumulation_groups (called in
+fabric_memory_recipes/training/loop.py: fit); this recipe sets --accumulation-steps 4 (micro-batch =
+batch-size / accumulation-steps).
 """
 
 import fabric_memory_recipes  # noqa: F401, I001 - first: a Ctrl-C while torch loads is one line, exit 130

@@ -2,7 +2,8 @@
 
 Adam keeps two extra tensors per parameter (first and second moments): twice the weights' bytes.
 Plain SGD keeps none. The cosine schedule (CosineAnnealingLR over the optimizer steps) makes up for
-part of what SGD loses in convergence.
+part of what SGD loses in convergence. The loop steps the schedule once per optimizer step (its block
+marked "rung 06" in fabric_memory_recipes/training/loop.py: fit).
 """
 
 import fabric_memory_recipes  # noqa: F401, I001 - first: a Ctrl-C while torch loads is one line, exit 130

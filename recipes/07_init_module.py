@@ -5,7 +5,8 @@ briefly holds the fp32 copy (2x the bf16 bytes) and the CPU holds it too. Inside
 parameters are allocated on the GPU directly in the target precision. The recipe measures the
 model-load peak both ways (phases "load_cpu_then_move" and "model_load") and then trains as rung 06.
 empty_init stays False: torchvision's ViT attention weights have no reset_parameters, so skipping
-initialisation leaves garbage in them (loss becomes NaN) unless real weights are loaded afterwards."""
+initialisation leaves garbage in them (loss becomes NaN) unless real weights are loaded afterwards.
+The model built inside it: fabric_memory_recipes/training/models.py: build_model."""
 
 import fabric_memory_recipes  # noqa: F401, I001 - first: a Ctrl-C while torch loads is one line, exit 130
 import lightning as L

@@ -9,7 +9,7 @@ the block during the backward pass. Each GPU trains on its own shard of the data
     python recipes/08_fsdp.py --devices 4                   # launches its 4 processes itself
     fabric run --accelerator cuda --devices 4 recipes/08_fsdp.py   # or let a launcher start them
     torchrun --nproc-per-node 4 recipes/08_fsdp.py --devices 4
-"""
+The strategy: recipes/08_fsdp.py: make_strategy."""
 
 import fabric_memory_recipes  # noqa: F401, I001 - first: a Ctrl-C while torch loads is one line, exit 130
 import lightning as L

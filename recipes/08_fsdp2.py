@@ -4,6 +4,8 @@ FSDP2 (torch.distributed.fsdp.fully_shard) shards each parameter as a DTensor al
 flattening a unit's parameters into one buffer (FSDP1), and frees memory more predictably; it runs on CPU
 (gloo) too. Faster at no more memory: compiled blocks (fast mode), rung 15's fused-qkv attention, and
 all-gathers issued a block ahead.   python recipes/08_fsdp2.py --devices 4   (or torchrun ... --devices 4)
+The sharding: recipes/08_fsdp2.py: parallelize; the attention:
+fabric_memory_recipes/training/techniques/attention.py: fuse_attention.
 """
 
 import fabric_memory_recipes  # noqa: F401, I001 - first: a Ctrl-C while torch loads is one line, exit 130

@@ -1,7 +1,8 @@
 """Rung 09 - offload to the CPU: rung 08 (FSDP2) with the shards in host memory and Adam on the CPU.
 
 CPUOffloadPolicy keeps each rank's shard of parameters, gradients and Adam state in pinned host memory,
-copied in before a block's all-gather and out after its reduce-scatter; Adam steps on the CPU."""
+copied in before a block's all-gather and out after its reduce-scatter; Adam steps on the CPU.
+The sharding and the offload policy: recipes/09_cpu_offload.py: parallelize."""
 
 import fabric_memory_recipes  # noqa: F401, I001 - first: a Ctrl-C while torch loads is one line, exit 130
 import os
@@ -59,7 +60,6 @@ def main(cfg: RunConfig, results) -> None:
         splits = data.load(cfg.data, cfg.data_dir)
     weights = models.resolve_weights(cfg.model, cfg.weights)
     results.set(data_source=splits.source, weights="pretrained" if weights else "random")
-
     with results.phase("model_load"):
         model = models.build_model(cfg.model, weights, data.NUM_CLASSES, cfg.image_size)
         attention.fuse_attention(model)  # rung 15: the same weights, one qkv Linear + SDPA per block

@@ -5,7 +5,8 @@ During the forward pass each block keeps only its input; the ~20 tensors it woul
 and recomputed block by block during the backward pass. Activation memory falls from "every block's
 insides" to "every block's input + one block's insides", for about one extra forward pass of compute.
 Non-reentrant checkpointing is the default; --reentrant selects the older implementation (see
-docs/10_activation_checkpointing.md for what each saves).
+docs/10_activation_checkpointing.md for what each saves). The wrapper:
+fabric_memory_recipes/training/models.py: CheckpointedBlock.
 """
 
 import fabric_memory_recipes  # noqa: F401, I001 - first: a Ctrl-C while torch loads is one line, exit 130

@@ -5,7 +5,8 @@ parameter's gradient is complete during the backward pass, then frees the gradie
 whole model (0.61 GB in bf16 for ViT-L/16) never exist at the same time: at most a few layers' worth.
 This cannot be combined with gradient accumulation: accumulating means keeping every gradient until
 the k-th micro-batch, which is exactly what this removes. So the batch here is the micro-batch, 4, with
-no accumulation (--accumulation-steps > 1 is refused).
+no accumulation (--accumulation-steps > 1 is refused). The shared step leaves the optimizer to the hooks:
+its block marked "rung 12" in fabric_memory_recipes/training/step.py: train_step.
 """
 
 import fabric_memory_recipes  # noqa: F401, I001 - first: a Ctrl-C while torch loads is one line, exit 130

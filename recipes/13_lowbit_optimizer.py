@@ -3,7 +3,9 @@
 Rung 06 dropped Adam to save its state: two tensors per parameter, 1.21 GB in bf16 for ViT-L/16.
 torchao's AdamW8bit keeps both moments block-wise quantised to 8 bits (plus one scale per block),
 a quarter of fp32 state and half of bf16 state, and dequantises them inside the update. Adam's
-convergence, at 0.61 GB of state. Needs torchao (`pip install -e ".[lowbit]"`).
+convergence, at 0.61 GB of state. Needs torchao (`pip install -e ".[lowbit]"`). The optimizer is torchao's;
+it steps in fabric_memory_recipes/training/step.py: train_step, and the planner reads its state size in
+fabric_memory_recipes/planning/simulation/built.py: optimizer_technique.
 """
 
 import fabric_memory_recipes  # noqa: F401, I001 - first: a Ctrl-C while torch loads is one line, exit 130

@@ -3,10 +3,11 @@
 Throughput is the goal here, with the same model, data and update rule (Adam):
 - bf16-true (rung 03), the model built on the GPU (rung 07), fused Adam (the update in one kernel);
 - the attention as one fused-qkv Linear + scaled_dot_product_attention instead of torchvision's general
-  nn.MultiheadAttention (training/techniques/attention.py: same weights and arithmetic; --no-fused-attention: stock);
+  nn.MultiheadAttention (fabric_memory_recipes/training/techniques/attention.py: fuse_attention; same weights and
+  arithmetic; --no-fused-attention: stock);
 - torch.compile of the whole model (fused elementwise kernels, few launches); uint8 images resized on the GPU;
 - batch 256: bigger matrix products, the optimizer step paid once per 256 images (try 64 or 128).
---float8 measures float8 matrix products (training/techniques/float8.py). MFU: model FLOPs/step time / bf16 peak."""
+--float8: float8 matmuls (fabric_memory_recipes/training/techniques/float8.py: convert). MFU: model FLOPs/s / bf16 peak."""
 
 import fabric_memory_recipes  # noqa: F401, I001 - first: a Ctrl-C while torch loads is one line, exit 130
 from dataclasses import dataclass
@@ -45,7 +46,6 @@ def main(cfg: SpeedConfig, results) -> None:
     fabric.launch()
     fabric.seed_everything(cfg.seed, verbose=False)  # the seed is in the results JSON
     results.attach(fabric)
-
     with fabric.rank_zero_first():
         splits = data.load(cfg.data, cfg.data_dir)
     weights = models.resolve_weights(cfg.model, cfg.weights)

@@ -3,6 +3,7 @@
 Each block's weights reach the GPU as a bf16 copy just before it runs (one block ahead) and leave after it;
 each gradient goes back as soon as backward makes it, and a CPU thread runs that block's fused Adam step on
 fp32 masters while the GPU goes on (not delayed). Rungs 10 and 11 keep the activations small.
+The streaming: fabric_memory_recipes/training/techniques/weights_offload.py: WeightsOnCPU.
 """
 
 import fabric_memory_recipes  # noqa: F401, I001 - first: a Ctrl-C while torch loads is one line, exit 130
