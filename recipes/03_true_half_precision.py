@@ -3,6 +3,7 @@
 Now the weights, gradients, Adam's state and the activations are all bfloat16: half the bytes of every
 tensor fp32 kept. bfloat16 has fp32's exponent range, so no loss scaling is needed; its 8-bit mantissa
 is why this is a fine-tuning trick rather than a free lunch. --precision 16-true selects float16.
+The bf16 update rule (--bf16-update): fabric_memory_recipes/training/techniques/bf16.py: updates.
 """
 
 import fabric_memory_recipes  # noqa: F401, I001 - first: a Ctrl-C while torch loads is one line, exit 130
@@ -10,7 +11,6 @@ import lightning as L
 import torch
 
 from fabric_memory_recipes import RunConfig, planning
-from fabric_memory_recipes.training.techniques import bf16
 from fabric_memory_recipes.training import data, lifecycle, loop, models
 
 RUNG = RunConfig(
@@ -40,10 +40,8 @@ def main(cfg: RunConfig, results) -> None:
         models.compile_blocks(model, cfg.compile)  # fast mode: one compiled graph shared by every block
         # fused: the whole update in one kernel, no temporary copies of the parameters
         optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr, fused=True)
-        results.estimate = planning.for_run(model, cfg, optimizer)  # the predicted peak
-        optimizer = bf16.updates(optimizer, cfg, results)  # --bf16-update, --lost-updates (training/techniques/bf16.py)
+        optimizer = planning.instrument(results, model, cfg, optimizer)  # records the estimate; --bf16-update
         model, optimizer = fabric.setup(model, optimizer)
-    results.set(parameters=models.count_parameters(model))
 
     train_loader, val_loader, test_loader = fabric.setup_dataloaders(*data.loaders(splits, cfg, fabric))
     batch_fn = data.image_classification(model.image_size)

@@ -2,9 +2,11 @@
 
 Only a micro-batch's activations are alive at once; gradients of the 4 micro-batches add up in the
 .grad buffers (each loss divided by 4) and the optimizer steps once per group, after the 4th
-micro-batch. The update equals one step on the batch of 16. The shared loop does the grouping: its
-blocks marked "rung 05" in fabric_memory_recipes/training/loop.py (fit); this recipe sets --accumulation-steps 4
-(micro-batch = batch-size / accumulation-steps).
+micro-batch. The update equals one step on the batch of 16. The shared code does it, in blocks marked
+"rung 05": fabric_memory_recipes/training/step.py: train_step (each loss divided, no gradient sync until
+the last micro-batch), grouped by fabric_memory_recipes/training/step.py: accumulation_groups (called in
+fabric_memory_recipes/training/loop.py: fit); this recipe sets --accumulation-steps 4 (micro-batch =
+batch-size / accumulation-steps).
 """
 
 import fabric_memory_recipes  # noqa: F401, I001 - first: a Ctrl-C while torch loads is one line, exit 130
@@ -12,7 +14,6 @@ import lightning as L
 import torch
 
 from fabric_memory_recipes import RunConfig, planning
-from fabric_memory_recipes.training.techniques import bf16
 from fabric_memory_recipes.training import data, lifecycle, loop, models
 
 RUNG = RunConfig(
@@ -43,10 +44,8 @@ def main(cfg: RunConfig, results) -> None:
         models.compile_blocks(model, cfg.compile)  # fast mode: one compiled graph shared by every block
         # fused: the whole update in one kernel, no temporary copies of the parameters
         optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr, fused=True)
-        results.estimate = planning.for_run(model, cfg, optimizer)  # the predicted peak
-        optimizer = bf16.updates(optimizer, cfg, results)  # --bf16-update, --lost-updates (training/techniques/bf16.py)
+        optimizer = planning.instrument(results, model, cfg, optimizer)  # records the estimate; --bf16-update
         model, optimizer = fabric.setup(model, optimizer)
-    results.set(parameters=models.count_parameters(model))
 
     train_loader, val_loader, test_loader = fabric.setup_dataloaders(*data.loaders(splits, cfg, fabric))
     batch_fn = data.image_classification(model.image_size)

@@ -2,7 +2,8 @@
 
 Adam keeps two extra tensors per parameter (first and second moments): twice the weights' bytes.
 Plain SGD keeps none. The cosine schedule (CosineAnnealingLR over the optimizer steps) makes up for
-part of what SGD loses in convergence.
+part of what SGD loses in convergence. The loop steps the schedule once per optimizer step (its block
+marked "rung 06" in fabric_memory_recipes/training/loop.py: fit).
 """
 
 import fabric_memory_recipes  # noqa: F401, I001 - first: a Ctrl-C while torch loads is one line, exit 130
@@ -10,7 +11,6 @@ import lightning as L
 import torch
 
 from fabric_memory_recipes import RunConfig, planning
-from fabric_memory_recipes.training.techniques import bf16
 from fabric_memory_recipes.training import data, lifecycle, loop, models
 
 RUNG = RunConfig(
@@ -42,10 +42,8 @@ def main(cfg: RunConfig, results) -> None:
         models.compile_blocks(model, cfg.compile)  # fast mode: one compiled graph shared by every block
         # rung 06: plain SGD keeps no state (Adam kept two extra tensors per parameter); fused: one kernel
         optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, fused=True)
-        results.estimate = planning.for_run(model, cfg, optimizer)  # the predicted peak
-        optimizer = bf16.updates(optimizer, cfg, results)  # --bf16-update, --lost-updates (training/techniques/bf16.py)
+        optimizer = planning.instrument(results, model, cfg, optimizer)  # records the estimate; --bf16-update
         model, optimizer = fabric.setup(model, optimizer)
-    results.set(parameters=models.count_parameters(model))
 
     train_loader, val_loader, test_loader = fabric.setup_dataloaders(*data.loaders(splits, cfg, fabric))
     batch_fn = data.image_classification(model.image_size)

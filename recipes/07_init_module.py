@@ -5,14 +5,14 @@ briefly holds the fp32 copy (2x the bf16 bytes) and the CPU holds it too. Inside
 parameters are allocated on the GPU directly in the target precision. The recipe measures the
 model-load peak both ways (phases "load_cpu_then_move" and "model_load") and then trains as rung 06.
 empty_init stays False: torchvision's ViT attention weights have no reset_parameters, so skipping
-initialisation leaves garbage in them (loss becomes NaN) unless real weights are loaded afterwards."""
+initialisation leaves garbage in them (loss becomes NaN) unless real weights are loaded afterwards.
+The model built inside it: fabric_memory_recipes/training/models.py: build_model."""
 
 import fabric_memory_recipes  # noqa: F401, I001 - first: a Ctrl-C while torch loads is one line, exit 130
 import lightning as L
 import torch
 
 from fabric_memory_recipes import RunConfig, planning
-from fabric_memory_recipes.training.techniques import bf16
 from fabric_memory_recipes.training import data, lifecycle, loop, models
 
 RUNG = RunConfig(
@@ -54,10 +54,8 @@ def main(cfg: RunConfig, results) -> None:
         models.compile_blocks(model, cfg.compile)  # fast mode: one compiled graph shared by every block
         # rung 06: plain SGD keeps no state (Adam kept two extra tensors per parameter); fused: one kernel
         optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, fused=True)
-        results.estimate = planning.for_run(model, cfg, optimizer)  # the predicted peak
-        optimizer = bf16.updates(optimizer, cfg, results)  # --bf16-update, --lost-updates (training/techniques/bf16.py)
+        optimizer = planning.instrument(results, model, cfg, optimizer)  # records the estimate; --bf16-update
         model, optimizer = fabric.setup(model, optimizer)
-    results.set(parameters=models.count_parameters(model))
     if fabric.device.type == "cuda":  # on CPU the phases hold process RSS, which cannot be reset
         usual_gb, init_gb = (
             results.phases[p]["allocated"] / 1e9 for p in ("load_cpu_then_move", "model_load")

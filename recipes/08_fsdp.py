@@ -9,7 +9,7 @@ the block during the backward pass. Each GPU trains on its own shard of the data
     python recipes/08_fsdp.py --devices 4                   # launches its 4 processes itself
     fabric run --accelerator cuda --devices 4 recipes/08_fsdp.py   # or let a launcher start them
     torchrun --nproc-per-node 4 recipes/08_fsdp.py --devices 4
-"""
+The strategy: recipes/08_fsdp.py: make_strategy."""
 
 import fabric_memory_recipes  # noqa: F401, I001 - first: a Ctrl-C while torch loads is one line, exit 130
 import lightning as L
@@ -63,9 +63,8 @@ def main(cfg: RunConfig, results) -> None:
     with results.phase("model_load"):
         model = models.build_model(cfg.model, weights, data.NUM_CLASSES, cfg.image_size)
         attention.fuse_attention(model)  # rung 15: the same weights, one qkv Linear + SDPA per block
-        results.estimate = planning.for_run(model, cfg)  # the predicted peak
+        planning.instrument(results, model, cfg)  # records the estimate and the model's size
         image_size = model.image_size
-        results.set(parameters=models.count_parameters(model))
         model = fabric.setup_module(model)  # rung 08: shard first, then build the optimizer over the shards
         optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=cfg.lr, fused=True))
     loaders = data.loaders(splits, cfg, fabric, shard=True)  # rung 08: every rank reads its own shard

@@ -4,6 +4,8 @@ FSDP2 (torch.distributed.fsdp.fully_shard) shards each parameter as a DTensor al
 flattening a unit's parameters into one buffer (FSDP1), and frees memory more predictably; it runs on CPU
 (gloo) too. Faster at no more memory: compiled blocks (fast mode), rung 15's fused-qkv attention, and
 all-gathers issued a block ahead.   python recipes/08_fsdp2.py --devices 4   (or torchrun ... --devices 4)
+The sharding: recipes/08_fsdp2.py: parallelize; the attention:
+fabric_memory_recipes/training/techniques/attention.py: fuse_attention.
 """
 
 import fabric_memory_recipes  # noqa: F401, I001 - first: a Ctrl-C while torch loads is one line, exit 130
@@ -61,9 +63,8 @@ def main(cfg: RunConfig, results) -> None:
     with results.phase("model_load"):
         model = models.build_model(cfg.model, weights, data.NUM_CLASSES, cfg.image_size)
         attention.fuse_attention(model)  # rung 15: the same weights, one qkv Linear + SDPA per block
-        results.estimate = planning.for_run(model, cfg)  # the predicted peak
+        planning.instrument(results, model, cfg)  # records the estimate and the model's size
         image_size = model.image_size
-        results.set(parameters=models.count_parameters(model))
         model = fabric.setup_module(model)  # rung 08: shard first, then build the optimizer over the shards
         optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=cfg.lr, fused=True))
     loaders = data.loaders(splits, cfg, fabric, shard=True)  # rung 08: every rank reads its own shard

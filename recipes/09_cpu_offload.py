@@ -1,7 +1,8 @@
 """Rung 09 - offload to the CPU: rung 08 (FSDP2) with the shards in host memory and Adam on the CPU.
 
 CPUOffloadPolicy keeps each rank's shard of parameters, gradients and Adam state in pinned host memory,
-copied in before a block's all-gather and out after its reduce-scatter; Adam steps on the CPU."""
+copied in before a block's all-gather and out after its reduce-scatter; Adam steps on the CPU.
+The sharding and the offload policy: recipes/09_cpu_offload.py: parallelize."""
 
 import fabric_memory_recipes  # noqa: F401, I001 - first: a Ctrl-C while torch loads is one line, exit 130
 import os
@@ -59,13 +60,11 @@ def main(cfg: RunConfig, results) -> None:
         splits = data.load(cfg.data, cfg.data_dir)
     weights = models.resolve_weights(cfg.model, cfg.weights)
     results.set(data_source=splits.source, weights="pretrained" if weights else "random")
-
     with results.phase("model_load"):
         model = models.build_model(cfg.model, weights, data.NUM_CLASSES, cfg.image_size)
         attention.fuse_attention(model)  # rung 15: the same weights, one qkv Linear + SDPA per block
-        results.estimate = planning.for_run(model, cfg)  # the predicted peak
+        planning.instrument(results, model, cfg)  # records the estimate and the model's size
         image_size = model.image_size
-        results.set(parameters=models.count_parameters(model))
         model = fabric.setup_module(model)  # rung 08: shard first, then build the optimizer over the shards
         optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=cfg.lr, fused=True))
     loaders = data.loaders(splits, cfg, fabric, shard=True)  # rung 08: every rank reads its own shard

@@ -5,7 +5,8 @@ During the forward pass each block keeps only its input; the ~20 tensors it woul
 and recomputed block by block during the backward pass. Activation memory falls from "every block's
 insides" to "every block's input + one block's insides", for about one extra forward pass of compute.
 Non-reentrant checkpointing is the default; --reentrant selects the older implementation (see
-docs/10_activation_checkpointing.md for what each saves).
+docs/10_activation_checkpointing.md for what each saves). The wrapper:
+fabric_memory_recipes/training/models.py: CheckpointedBlock.
 """
 
 import fabric_memory_recipes  # noqa: F401, I001 - first: a Ctrl-C while torch loads is one line, exit 130
@@ -16,7 +17,6 @@ import torch
 
 from fabric_memory_recipes import planning
 from fabric_memory_recipes.config import RunConfig, flag
-from fabric_memory_recipes.training.techniques import bf16
 from fabric_memory_recipes.training import data, lifecycle, loop, models
 
 
@@ -58,10 +58,8 @@ def main(cfg: CheckpointingConfig, results) -> None:
             model.encoder.layers[i] = models.CheckpointedBlock(block, use_reentrant=cfg.reentrant)
         # rung 06: plain SGD keeps no state (Adam kept two extra tensors per parameter); fused: one kernel
         optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, fused=True)
-        results.estimate = planning.for_run(model, cfg, optimizer)  # the predicted peak
-        optimizer = bf16.updates(optimizer, cfg, results)  # --bf16-update, --lost-updates (training/techniques/bf16.py)
+        optimizer = planning.instrument(results, model, cfg, optimizer)  # records the estimate; --bf16-update
         model, optimizer = fabric.setup(model, optimizer)
-    results.set(parameters=models.count_parameters(model))
     train_loader, val_loader, test_loader = fabric.setup_dataloaders(*data.loaders(splits, cfg, fabric))
     batch_fn = data.image_classification(model.image_size)
     num_steps = loop.planned_steps(len(train_loader), cfg.accumulation_steps, cfg.epochs, cfg.max_steps)

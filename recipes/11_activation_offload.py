@@ -1,7 +1,7 @@
 """Rung 11 - activation offloading: rung 07 with the tensors saved for backward kept in host memory.
 
-In training.offload.offload_activations(), each saved activation is copied to pinned CPU memory on a side
-stream and its GPU copy released; backward prefetches the next block's back on another stream. Activation
+In fabric_memory_recipes/training/techniques/offload.py: offload_activations, each saved activation is
+copied to pinned CPU memory on a side stream and its GPU copy released; backward prefetches the next block's back on another stream. Activation
 memory drops to what is in flight (--offload-window-mb each way, --resident-mb kept); price: PCIe, twice."""
 
 import fabric_memory_recipes  # noqa: F401, I001 - first: a Ctrl-C while torch loads is one line, exit 130
@@ -12,7 +12,7 @@ import torch
 
 from fabric_memory_recipes import RunConfig, planning
 from fabric_memory_recipes.config import at_least, flag
-from fabric_memory_recipes.training.techniques import bf16, offload
+from fabric_memory_recipes.training.techniques import offload
 from fabric_memory_recipes.training import data, lifecycle, loop, models
 
 
@@ -54,10 +54,8 @@ def main(cfg: OffloadConfig, results) -> None:
         models.compile_blocks(model, cfg.compile)  # fast mode: one compiled graph shared by every block
         # rung 06: plain SGD keeps no state (Adam kept two extra tensors per parameter); fused: one kernel
         optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, fused=True)
-        results.estimate = planning.for_run(model, cfg, optimizer)  # the predicted peak
-        optimizer = bf16.updates(optimizer, cfg, results)  # --bf16-update, --lost-updates (training/techniques/bf16.py)
+        optimizer = planning.instrument(results, model, cfg, optimizer)  # records the estimate; --bf16-update
         model, optimizer = fabric.setup(model, optimizer)
-    results.set(parameters=models.count_parameters(model))
 
     train_loader, val_loader, test_loader = fabric.setup_dataloaders(*data.loaders(splits, cfg, fabric))
     image_batch = data.image_classification(model.image_size)

@@ -5,7 +5,8 @@ parameter's gradient is complete during the backward pass, then frees the gradie
 whole model (0.61 GB in bf16 for ViT-L/16) never exist at the same time: at most a few layers' worth.
 This cannot be combined with gradient accumulation: accumulating means keeping every gradient until
 the k-th micro-batch, which is exactly what this removes. So the batch here is the micro-batch, 4, with
-no accumulation (--accumulation-steps > 1 is refused).
+no accumulation (--accumulation-steps > 1 is refused). The shared step leaves the optimizer to the hooks:
+its block marked "rung 12" in fabric_memory_recipes/training/step.py: train_step.
 """
 
 import fabric_memory_recipes  # noqa: F401, I001 - first: a Ctrl-C while torch loads is one line, exit 130
@@ -45,7 +46,7 @@ def main(cfg: RunConfig, results) -> None:
         with fabric.init_module(empty_init=False):  # rung 07: on the device, in the target dtype
             model = models.build_model(cfg.model, weights, data.NUM_CLASSES, cfg.image_size)
         models.compile_blocks(model, cfg.compile)  # fast mode: one compiled graph shared by every block
-        results.estimate = planning.for_run(model, cfg)  # the predicted peak
+        planning.instrument(results, model, cfg)  # records the estimate and the model's size
         model = fabric.setup(model)
         # rung 12: one SGD per parameter, stepped by a hook as soon as that parameter's gradient is ready
         optimizers = {p: torch.optim.SGD([p], lr=cfg.lr, fused=True) for p in model.parameters()}
@@ -57,7 +58,6 @@ def main(cfg: RunConfig, results) -> None:
         optimizers = bf16.updates(optimizers, cfg, results)  # --bf16-update, --lost-updates
         for p in model.parameters():
             p.register_post_accumulate_grad_hook(step_in_backward)
-    results.set(parameters=models.count_parameters(model))
 
     train_loader, val_loader, test_loader = fabric.setup_dataloaders(*data.loaders(splits, cfg, fabric))
     batch_fn = data.image_classification(model.image_size)

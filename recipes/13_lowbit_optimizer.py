@@ -3,7 +3,9 @@
 Rung 06 dropped Adam to save its state: two tensors per parameter, 1.21 GB in bf16 for ViT-L/16.
 torchao's AdamW8bit keeps both moments block-wise quantised to 8 bits (plus one scale per block),
 a quarter of fp32 state and half of bf16 state, and dequantises them inside the update. Adam's
-convergence, at 0.61 GB of state. Needs torchao (`pip install -e ".[lowbit]"`).
+convergence, at 0.61 GB of state. Needs torchao (`pip install -e ".[lowbit]"`). The optimizer is torchao's;
+it steps in fabric_memory_recipes/training/step.py: train_step, and the planner reads its state size in
+fabric_memory_recipes/planning/simulation/built.py: optimizer_technique.
 """
 
 import fabric_memory_recipes  # noqa: F401, I001 - first: a Ctrl-C while torch loads is one line, exit 130
@@ -12,7 +14,6 @@ import torch
 
 from fabric_memory_recipes import planning
 from fabric_memory_recipes.config import RunConfig, UsageError
-from fabric_memory_recipes.training.techniques import bf16
 from fabric_memory_recipes.training import data, lifecycle, loop, models
 
 RUNG = RunConfig(
@@ -48,10 +49,8 @@ def main(cfg: RunConfig, results) -> None:
             model = models.build_model(cfg.model, weights, data.NUM_CLASSES, cfg.image_size)
         models.compile_blocks(model, cfg.compile)  # fast mode: one compiled graph shared by every block
         optimizer = AdamW8bit(model.parameters(), lr=cfg.lr)  # rung 13: 8-bit moments, scaled per block
-        results.estimate = planning.for_run(model, cfg, optimizer)  # the predicted peak
-        optimizer = bf16.updates(optimizer, cfg, results)  # --bf16-update, --lost-updates (training/techniques/bf16.py)
+        optimizer = planning.instrument(results, model, cfg, optimizer)  # records the estimate; --bf16-update
         model, optimizer = fabric.setup(model, optimizer)
-    results.set(parameters=models.count_parameters(model))
 
     train_loader, val_loader, test_loader = fabric.setup_dataloaders(*data.loaders(splits, cfg, fabric))
     batch_fn = data.image_classification(model.image_size)

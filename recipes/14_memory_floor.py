@@ -1,8 +1,9 @@
 """Rung 14 - the memory floor: everything that lowers memory, combined, still a full fine-tune that learns.
 
 Lines marked `# rung NN` are those rungs' techniques: bf16-true weights built in place (03, 07), SGD (06),
-the step inside backward (12), checkpointed blocks (10) whose inputs go to host memory (11), micro-batch 4;
-plus expandable segments (reserved tracks allocated). On the GPU: the weights (0.61 GB), ~0.1 GB in flight."""
+the step inside backward (12), checkpointed blocks (10: fabric_memory_recipes/training/models.py:
+CheckpointedBlock) whose inputs go to host memory (11: fabric_memory_recipes/training/techniques/offload.py:
+offload_activations), micro-batch 4; plus expandable segments. On the GPU: 0.61 GB weights, ~0.1 GB in flight."""
 
 import fabric_memory_recipes  # noqa: F401, I001 - first: a Ctrl-C while torch loads is one line, exit 130
 import os
@@ -46,7 +47,7 @@ def main(cfg: RunConfig, results) -> None:
         models.compile_blocks(model, cfg.compile)  # fast mode: one compiled graph shared by every block
         for i, block in enumerate(models.blocks(model)):  # rung 10: each block keeps its input only
             model.encoder.layers[i] = models.CheckpointedBlock(block)
-        results.estimate = planning.for_run(model, cfg)  # the predicted peak
+        planning.instrument(results, model, cfg)  # records the estimate and the model's size
         model = fabric.setup(model)
         # rung 12: one SGD per parameter, stepped by a hook as soon as that parameter's gradient is ready
         optimizers = {p: torch.optim.SGD([p], lr=cfg.lr, fused=True) for p in model.parameters()}
@@ -58,7 +59,6 @@ def main(cfg: RunConfig, results) -> None:
         optimizers = bf16.updates(optimizers, cfg, results)  # --bf16-update, --lost-updates
         for p in model.parameters():
             p.register_post_accumulate_grad_hook(step_in_backward)
-    results.set(parameters=models.count_parameters(model))
     train_loader, val_loader, test_loader = fabric.setup_dataloaders(*data.loaders(splits, cfg, fabric))
     image_batch = data.image_classification(model.image_size)
     offloaded = offload.offload_activations()  # rung 11: one set of pinned host buffers, reused
@@ -66,7 +66,6 @@ def main(cfg: RunConfig, results) -> None:
     def batch_fn(model, batch):
         with offloaded:  # rung 11: what the checkpoints still save goes to host memory
             return image_batch(model, batch)
-
     num_steps = loop.planned_steps(len(train_loader), cfg.accumulation_steps, cfg.epochs, cfg.max_steps)
     schedulers = [torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=num_steps) for o in optimizers.values()]
     scheduler = loop.SchedulerGroup(schedulers)  # rung 12: one schedule per optimizer, stepped as one

@@ -3,10 +3,11 @@
 Throughput is the goal here, with the same model, data and update rule (Adam):
 - bf16-true (rung 03), the model built on the GPU (rung 07), fused Adam (the update in one kernel);
 - the attention as one fused-qkv Linear + scaled_dot_product_attention instead of torchvision's general
-  nn.MultiheadAttention (training/techniques/attention.py: same weights and arithmetic; --no-fused-attention: stock);
+  nn.MultiheadAttention (fabric_memory_recipes/training/techniques/attention.py: fuse_attention; same weights and
+  arithmetic; --no-fused-attention: stock);
 - torch.compile of the whole model (fused elementwise kernels, few launches); uint8 images resized on the GPU;
 - batch 256: bigger matrix products, the optimizer step paid once per 256 images (try 64 or 128).
---float8 measures float8 matrix products (training/techniques/float8.py). MFU: model FLOPs/step time / bf16 peak."""
+--float8: float8 matmuls (fabric_memory_recipes/training/techniques/float8.py: convert). MFU: model FLOPs/s / bf16 peak."""
 
 import fabric_memory_recipes  # noqa: F401, I001 - first: a Ctrl-C while torch loads is one line, exit 130
 from dataclasses import dataclass
@@ -45,7 +46,6 @@ def main(cfg: SpeedConfig, results) -> None:
     fabric.launch()
     fabric.seed_everything(cfg.seed, verbose=False)  # the seed is in the results JSON
     results.attach(fabric)
-
     with fabric.rank_zero_first():
         splits = data.load(cfg.data, cfg.data_dir)
     weights = models.resolve_weights(cfg.model, cfg.weights)
@@ -56,7 +56,7 @@ def main(cfg: SpeedConfig, results) -> None:
             model = models.build_model(cfg.model, weights, data.NUM_CLASSES, cfg.image_size)
         if cfg.fused_attention:  # rung 15: the same weights as one qkv Linear + scaled_dot_product_attention
             attention.fuse_attention(model)
-        results.estimate = planning.for_run(model, cfg)  # the predicted peak (float8 is not modelled)
+        planning.instrument(results, model, cfg)  # records the estimate (float8 is not modelled)
         results.extra["float8_linears"] = float8.convert(model, fabric.device) if cfg.float8 else 0
         image_size = model.image_size
         if cfg.compile:  # rung 15: the whole model as one graph (forward and backward each)
@@ -64,7 +64,6 @@ def main(cfg: SpeedConfig, results) -> None:
         optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr, fused=True)  # fused: one update kernel
         optimizer = bf16.updates(optimizer, cfg, results)  # --bf16-update, --lost-updates (training/techniques/bf16.py)
         model, optimizer = fabric.setup(model, optimizer)
-    results.set(parameters=models.count_parameters(model))
 
     train_loader, val_loader, test_loader = fabric.setup_dataloaders(*data.loaders(splits, cfg, fabric))
     batch_fn = data.image_classification(image_size)

@@ -3,6 +3,7 @@
 Each block's weights reach the GPU as a bf16 copy just before it runs (one block ahead) and leave after it;
 each gradient goes back as soon as backward makes it, and a CPU thread runs that block's fused Adam step on
 fp32 masters while the GPU goes on (not delayed). Rungs 10 and 11 keep the activations small.
+The streaming: fabric_memory_recipes/training/techniques/weights_offload.py: WeightsOnCPU.
 """
 
 import fabric_memory_recipes  # noqa: F401, I001 - first: a Ctrl-C while torch loads is one line, exit 130
@@ -52,13 +53,12 @@ def main(cfg: WeightsOnCPUConfig, results) -> None:
         model = models.build_model(cfg.model, weights, data.NUM_CLASSES, cfg.image_size)  # rung 16: CPU, fp32
         for i, block in enumerate(models.blocks(model) if cfg.checkpointing else []):  # rung 10
             model.encoder.layers[i] = models.CheckpointedBlock(block)
-        results.estimate = planning.for_run(model, cfg)  # the predicted peak
+        planning.instrument(results, model, cfg)  # records the estimate and the model's size
         adam = lambda params: torch.optim.Adam(params, lr=cfg.lr, fused=True)  # noqa: E731 - rung 16: CPU kernel
         # rung 16: the weights become fp32 masters on the host, one Adam per block; the model keeps bf16 views
         streamed = weights_offload.WeightsOnCPU(model, models.blocks(model), fabric.device, adam,
                                                 weights_offload.transfer_dtype(cfg.precision))  # fmt: skip
         model = fabric.setup(model)
-    results.set(parameters=models.count_parameters(model))
     train_loader, val_loader, test_loader = fabric.setup_dataloaders(*data.loaders(splits, cfg, fabric))
     image_batch = data.image_classification(model.image_size)
     offloaded = offload.offload_activations() if cfg.activation_offload else contextlib.nullcontext()

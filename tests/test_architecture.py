@@ -9,6 +9,7 @@
   01-15 are at most 80 lines, the bonus ones 120;
 - the loop's teaching core (``fabric_memory_recipes.training.loop.fit``) is at most 60 lines;
 - every numbered recipe declares its rung (``RUNG``) and marks its own technique with ``# rung NN``;
+- every numbered recipe's docstring points at the code of its technique (``path/to/file.py: function``);
 - nothing cites the team's notes, which a reader of the repository does not have.
 """
 
@@ -325,6 +326,42 @@ def test_recipes_name_the_loop_block_their_lesson_lives_in():
     ):
         assert f"# rung {rung}" in loop
         assert f'"rung {rung}"' in (RECIPES / f"{name}.py").read_text(), name
+
+
+# ``path/to/file.py: name``: where a recipe's docstring says its technique lives (a path from the repository root)
+CODE_REFERENCE = re.compile(r"((?:fabric_memory_recipes|recipes|devtools)/[\w/]+\.py):\s+([A-Za-z_]\w*)")
+
+
+def code_references(text: str) -> list[tuple[str, str]]:
+    """The ``path/to/file.py: function_name`` references in ``text`` (a reference may wrap at the colon)."""
+    return CODE_REFERENCE.findall(text)
+
+
+def defines(path: Path, name: str) -> bool:
+    """Whether the module at ``path`` defines a function or class ``name`` (at any depth)."""
+    kinds = ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef
+    return any(isinstance(n, kinds) and n.name == name for n in ast.walk(ast.parse(path.read_text())))
+
+
+def test_the_reference_finder_reads_a_wrapped_reference():
+    """Guard for the test below: references are found, also across a line break after the colon."""
+    text = "lives in fabric_memory_recipes/training/step.py: train_step, and in\nrecipes/08_fsdp.py:\nmake_strategy."
+    assert code_references(text) == [
+        ("fabric_memory_recipes/training/step.py", "train_step"), ("recipes/08_fsdp.py", "make_strategy"),
+    ]  # fmt: skip
+    assert defines(COMMON / "training" / "step.py", "train_step")
+    assert not defines(COMMON / "training" / "loop.py", "train_step")
+
+
+@pytest.mark.parametrize("path", sorted(RECIPES.glob("[0-9][0-9]_*.py")), ids=lambda p: p.stem)
+def test_a_recipe_docstring_points_at_the_code_of_its_technique(path):
+    """Every numbered recipe names, in its docstring, at least one ``path/to/file.py: name`` that holds
+    its technique, and every such reference names a file that exists and defines that function or class."""
+    docstring = ast.get_docstring(ast.parse(path.read_text())) or ""
+    found = code_references(docstring)
+    assert found, f"{path.name}: its docstring names no `path/to/file.py: function_name`"
+    wrong = [f"{file}: {name}" for file, name in found if not (REPO / file).is_file() or not defines(REPO / file, name)]
+    assert not wrong, f"{path.name} points at code that is not there: {wrong}"
 
 
 # -------------------------------------------------------------------------------------------- text

@@ -51,12 +51,13 @@ and eager runs (all within 3.6%).
 The package: ``plan`` (what decides the memory: :class:`Plan`, from a rung by :func:`plan_for`; the
 result: :class:`Estimate`), ``tracking`` and ``modelled`` (the storage counter and what fake tensors
 cannot show), ``simulate`` (the step, and :func:`for_run` for recipes), ``check`` (predicted against
-measured results), ``plots``, and ``__main__`` (the command line).
+measured results), ``instrument`` (what a recipe records of what it built), ``plots``, and ``__main__`` (the command line).
 """
 
 from __future__ import annotations
 
 from fabric_memory_recipes.planning.check import check_results, meta_model, render_check
+from fabric_memory_recipes.planning.instrument import instrument
 from fabric_memory_recipes.planning.plan import (
     ALLOCATOR_ROUND,
     ATTENTION_CHOICES,
@@ -75,6 +76,6 @@ from fabric_memory_recipes.planning.simulation.tracking import SavedTensorCounte
 
 __all__ = [
     "ALLOCATOR_ROUND", "ATTENTION_CHOICES", "COMPONENT_COLORS", "COMPONENTS", "CUDA_WORKSPACE_BYTES", "GB", "OPTIMIZERS", "Estimate", "Plan",
-    "SavedTensorCounter", "check_results", "failed", "for_run", "image_batch", "meta_model", "plan_for",
+    "SavedTensorCounter", "check_results", "failed", "for_run", "image_batch", "instrument", "meta_model", "plan_for",
     "plot_check", "plot_timeline", "render_check", "simulate",
 ]  # fmt: skip
