@@ -114,7 +114,7 @@ def test_large_vocabulary_estimate(qwen, capsys):
     assert {"weights", "gradients", "optimizer_state"} <= set(plain["static_gb"])
     assert plain["repeated_blocks"] == ["Qwen2DecoderLayer"]
     assert ckpt["activations_saved_gb"] < plain["activations_saved_gb"]
-    assert ckpt["assumptions"]["checkpoint"] == ["Qwen2DecoderLayer"]
+    assert ckpt["assumptions"]["activation_checkpointing"] == ["Qwen2DecoderLayer"]
     assert fsdp["components_gb"]["parameters"] == pytest.approx(
         plain["components_gb"]["parameters"] / 4, rel=1e-3
     )
@@ -172,7 +172,7 @@ def test_runner_trains_on_cpu_with_the_estimate(run_recipe, request, model, extr
     )
     assert result["timing"] and result["memory"]["peak_allocated_gb"] is not None
     if "--checkpoint-blocks" in extra:
-        assert result["extra"]["checkpointed_blocks"] >= 2 and result["estimate"]["assumptions"]["checkpoint"]
+        assert result["extra"]["checkpointed_blocks"] >= 2 and result["estimate"]["assumptions"]["activation_checkpointing"]
     assert result["provenance"]["data_source"] in ("digits", "synthetic")
 
 
@@ -318,7 +318,7 @@ def test_simulated_peak_is_a_real_cpu_steps_with_the_runners_checkpointing(ref, 
     from fabric_memory_recipes.training import data
 
     um, meta, blocks, _ = estimate.meta_model(ref)
-    plan = Plan(device="cpu", micro_batch_size=4, optimizer="sgd", checkpoint=blocks if checkpoint else ())
+    plan = Plan(device="cpu", micro_batch_size=4, optimizer="sgd", activation_checkpointing=blocks if checkpoint else ())
     torch.manual_seed(0)
     model = models.build(um)
     model.image_size = 96  # small images keep the CPU step quick

@@ -101,7 +101,7 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, RunConfig, dict[
     if args.optimizer:
         overrides["optimizer"] = args.optimizer
     if args.checkpoint:
-        overrides["checkpoint"] = tuple(c for c in args.checkpoint.split(",") if c)
+        overrides["activation_checkpointing"] = tuple(c for c in args.checkpoint.split(",") if c)
     if args.check or args.ladder:
         return args, rung, overrides, label
     if flags["model"] not in rung.model_choices:

@@ -65,7 +65,7 @@ def plan_of(cfg: RunConfig, blocks: tuple[str, ...]) -> Plan:
     """The runner's flags as the estimator's plan: checkpointing and FSDP units are the found blocks."""
     sharding = "fsdp" if getattr(cfg, "fsdp", False) else "none"
     return plan_for(
-        cfg, checkpoint=blocks if getattr(cfg, "checkpoint_blocks", False) else (), sharding=sharding,
+        cfg, activation_checkpointing=blocks if getattr(cfg, "checkpoint_blocks", False) else (), sharding=sharding,
         shard_units=blocks, world_size=cfg.world_size if sharding != "none" else 1, compile=False,
     )  # fmt: skip
 

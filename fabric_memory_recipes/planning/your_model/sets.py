@@ -192,7 +192,7 @@ class UserPlanner:
             if key not in self.simulated:
                 plan = Plan(precision=r.precision, micro_batch_size=r.micro_batch_size,
                             accumulation_steps=r.accumulation_steps, optimizer=optimizer,
-                            checkpoint=self.blocks if ck else (), activation_offload=off,
+                            activation_checkpointing=self.blocks if ck else (), activation_offload=off,
                             optimizer_in_backward=sib, sharding="fsdp" if c.devices > 1 else "none",
                             shard_units=self.blocks, world_size=c.devices)  # fmt: skip
                 try:
