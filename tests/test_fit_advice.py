@@ -142,7 +142,7 @@ def test_step_in_backward_hook_cost_is_what_the_committed_runs_give():
         d = json.loads(path.read_text())
         speeds[bool(d["config"]["optimizer_in_backward"])] = d["timing"]["images_per_s"]
     assert set(speeds) == {False, True}
-    vit = sets.ladder_model("vit_l_16")
+    vit = sets.meta_ladder_model("vit_l_16")
     model = sets.speed.speed_model("h100", "vit_l_16", sum(p.numel() for p in vit.parameters()),
                                        calibration.load_runs((str(calibration.RESULTS_DIR),)))  # fmt: skip
     plain, hooked = 128 / speeds[False], 128 / speeds[True]

@@ -35,8 +35,9 @@ RESERVED_RULE = (
 
 
 @functools.cache
-def meta_model(ref: str) -> tuple[UserModel, Any, tuple[str, ...], str]:
-    """(the resolved model, the model on the meta device, its repeated blocks, how they were found)."""
+def meta_user_model(ref: str) -> tuple[UserModel, Any, tuple[str, ...], str]:
+    """The user's model on the meta device: (the resolved model, the model, its repeated blocks, how
+    they were found)."""
     um = models.resolve(ref)
     with torch.device("meta"):
         model = models.build(um)
