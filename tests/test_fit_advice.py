@@ -1,4 +1,4 @@
-"""Advice a user can follow (issue 35): ``--fit`` for every model family the runner trains, the user's
+"""Advice a user can follow: ``--fit`` for every model family the runner trains, the user's
 precision and optimizer kept unless ``--may-change`` names them (each change with its measured accuracy
 cost), bad input as one line and exit 2, ``--measure``'s ranking, and planning from a wheel's data.
 
@@ -218,7 +218,7 @@ def test_mixed_precision_recomputes_under_the_same_autocast_policy(capsys):
 
 
 def test_the_ladders_fit_keeps_its_sources_for_verbose(capsys):
-    """Issue 36: two-thirds of --fit's output were calibration file lists; they are --verbose's now."""
+    """--fit lists the calibration files it read only with --verbose."""
     from fabric_memory_recipes.planning.planner import cli as fit_cli
 
     fit_cli.main(["--fit", "8GB"])

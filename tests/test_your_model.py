@@ -1,4 +1,4 @@
-"""Your own model (issue 28): --model torchvision:|timm:|hf: resolved, estimated, planned and trained on a CPU
+"""Your own model: --model torchvision:|timm:|hf: resolved, estimated, planned and trained on a CPU
 with tiny models and tiny configs written here (no network)."""
 
 from __future__ import annotations
