@@ -35,6 +35,7 @@ BF16_UPDATES = ("plain", "stochastic", "kahan")
 FAST_ALLOCATOR = "expandable_segments:True"
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
 DATA_DIR = Path(__file__).resolve().parent / "data"  # package data: what a wheel plans with (planning/planner/snapshot.py)
+RENAMED_FIELDS = {"checkpoint": "activation_checkpointing"}  # former name -> field: older files still read
 
 
 class UsageError(Exception):
@@ -208,7 +209,7 @@ class RunConfig:
     # The technique, for the estimator and the checks (no flags): what the rung's code does.
     optimizer: str = "adam"  # adam | adamw | adamw8bit | sgd | sgd-momentum | none
     optimizer_impl: str = "fused"  # fused | foreach | for-loop
-    checkpoint: tuple[str, ...] = ()  # module classes whose activations are recomputed in backward
+    activation_checkpointing: tuple[str, ...] = ()  # module classes whose activations are recomputed in backward
     sharding: str = "none"  # none | fsdp | fsdp2
     shard_units: tuple[str, ...] = ()  # module classes that are one FSDP unit each
     cpu_offload: bool = False  # FSDP keeps parameters, gradients and optimizer state in host memory
@@ -309,9 +310,8 @@ class RunConfig:
         if c.bf16_update not in ("plain", None) and c.precision != "bf16-true":
             raise UsageError(f"--bf16-update {c.bf16_update} needs --precision bf16-true, not {c.precision}")
         if c.snapshot and c.accelerator != "cuda":
-            raise UsageError(
-                "--snapshot needs CUDA: it records the CUDA caching allocator's history; on a CPU use --memory-timeline"
-            )
+            raise UsageError("--snapshot needs CUDA: it records the CUDA caching allocator's history;"
+                             " on a CPU use --memory-timeline")  # fmt: skip
         if c.weights == "pretrained" and c.model == "vit_tiny":
             raise UsageError(f"--weights pretrained: no pretrained weights exist for --model {c.model}")
         c._choose_mode()
@@ -358,12 +358,12 @@ class RunConfig:
 
 # ------------------------------------------------------------------------------- a recipe's declaration
 def _literals(call: ast.Call, known: set[str]) -> dict[str, Any]:
-    """The keyword arguments of ``call`` that name a field in ``known`` and whose value is a literal."""
+    """The literal keyword arguments of ``call`` that name a field in ``known`` (or a RENAMED_FIELDS key)."""
     values = {}
     for kw in call.keywords:
-        if kw.arg in known:
+        if (name := RENAMED_FIELDS.get(kw.arg, kw.arg)) in known:
             try:
-                values[kw.arg] = ast.literal_eval(kw.value)
+                values[name] = ast.literal_eval(kw.value)
             except ValueError:  # e.g. model_choices=hf_models.BIGBIRD: not needed without the recipe
                 continue
     return values
@@ -396,5 +396,5 @@ def declared_rung(name: str, folder: Path = RECIPES_DIR) -> tuple[RunConfig, str
     if len(matches) != 1:
         raise FileNotFoundError(f"recipe {name!r}: expected one match in {folder}, found {', '.join(matches) or 'none'}")
     got = shipped[matches[0]] if shipped is not None else recipe_literals(folder / f"{matches[0]}.py")
-    values = {k: tuple(v) if isinstance(v, list) else v for k, v in got["values"].items()}
+    values = {RENAMED_FIELDS.get(k, k): tuple(v) if isinstance(v, list) else v for k, v in got["values"].items()}
     return RunConfig(**values), got["doc"]

@@ -31,7 +31,7 @@ RUNG = RunConfig(
     cuda_graphs=False,  # sharded steps run eagerly
     sharding="fsdp",  # rung 08, for the estimate: one FSDP unit and one checkpoint per block
     shard_units=("EncoderBlock",),
-    checkpoint=("EncoderBlock",),
+    activation_checkpointing=("EncoderBlock",),
     cpu_variant="08_fsdp2",  # FSDPStrategy refuses the CPU; 08_fsdp2 runs the same sharding there
     fused_attention=True,  # rung 15's attention: one qkv Linear + scaled_dot_product_attention
 )

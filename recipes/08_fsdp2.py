@@ -26,7 +26,7 @@ RUNG = RunConfig(
     devices=4,  # rung 08: 4 processes, each holding a shard of every parameter, gradient and Adam state
     sharding="fsdp2",  # rung 08, for the estimate: one FSDP unit and one checkpoint per block
     shard_units=("EncoderBlock",),
-    checkpoint=("EncoderBlock",),
+    activation_checkpointing=("EncoderBlock",),
     fused_attention=True,  # rung 15's attention: one qkv Linear + scaled_dot_product_attention
 )
 

@@ -26,7 +26,7 @@ RUNG = RunConfig(
     optimizer="sgd",  # rung 06: SGD keeps no state (declared for the planner)
     optimizer_in_backward=True,  # rung 12: each gradient freed in backward (--accumulation-steps 1 only)
     activation_offload=True,  # rung 11
-    checkpoint=("EncoderBlock",),  # rung 10
+    activation_checkpointing=("EncoderBlock",),  # rung 10
 )
 
 

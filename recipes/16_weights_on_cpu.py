@@ -33,7 +33,7 @@ RUNG = WeightsOnCPUConfig(
     optimizer_in_backward=True,  # each gradient leaves the GPU during backward: no accumulation
     weights_offload=True,  # rung 16, for the estimate: weights, gradients and Adam state in host memory
     shard_units=("EncoderBlock",),  # rung 16, for the estimate: the blocks streamed one at a time
-    checkpoint=("EncoderBlock",),  # rung 10 (--no-checkpointing: none)
+    activation_checkpointing=("EncoderBlock",),  # rung 10 (--no-checkpointing: none)
 )
 
 

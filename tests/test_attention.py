@@ -116,10 +116,10 @@ def test_the_estimator_simulates_the_fused_model_as_a_real_forward_saves():
 def test_rung_15_is_estimated_with_its_fused_attention(capsys):
     rung, _ = declared_rung("15_speed")
     assert rung.fused_attention
-    model = planning.meta_model("vit_tiny", fused_attention=True)
+    model = planning.meta_ladder_model("vit_tiny", fused_attention=True)
     assert any(isinstance(m, attention.FusedQKVAttention) for m in model.modules())
     assert not any(
-        isinstance(m, attention.FusedQKVAttention) for m in planning.meta_model("vit_tiny").modules()
+        isinstance(m, attention.FusedQKVAttention) for m in planning.meta_ladder_model("vit_tiny").modules()
     )
     assert estimate_main(["--recipe", "15_speed", "--model", "vit_tiny", "--batch-size", "8", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["peak_allocated_gb"] > 0

@@ -142,7 +142,7 @@ def test_weights_offload_keeps_state_off_the_gpu_and_streams_two_units():
     prefetched one and one block's gradients on their way out (bf16), and the resident rest."""
     model = small_vit(layers=3)
     (batch, fn) = image_batch(model, 4)
-    kw = dict(micro_batch_size=4, precision="bf16-true", checkpoint=("EncoderBlock",))
+    kw = dict(micro_batch_size=4, precision="bf16-true", activation_checkpointing=("EncoderBlock",))
     plain = simulate(model, (lambda: batch, fn), **kw)
     streamed = simulate(model, (lambda: batch, fn), weights_offload=True, shard_units=("EncoderBlock",), **kw)
     assert set(streamed.static_gb.values()) == {0.0}
@@ -169,10 +169,10 @@ def test_plan_rejects_what_it_cannot_model():
 def test_a_rungs_plan_comes_from_its_config():
     """The plan is the rung's flags and its declared technique, nothing else (no second declaration)."""
     rung = RunConfig(recipe="x", precision="bf16-true", batch_size=16, accumulation_steps=4, devices=4,
-                     optimizer="sgd", sharding="fsdp2", shard_units=("EncoderBlock",), checkpoint=("EncoderBlock",))  # fmt: skip
+                     optimizer="sgd", sharding="fsdp2", shard_units=("EncoderBlock",), activation_checkpointing=("EncoderBlock",))  # fmt: skip
     plan = planning.plan_for(rung)
     assert (plan.precision, plan.micro_batch_size, plan.accumulation_steps) == ("bf16-true", 4, 4)
-    assert (plan.optimizer, plan.sharding, plan.world_size, plan.checkpoint) == (
+    assert (plan.optimizer, plan.sharding, plan.world_size, plan.activation_checkpointing) == (
         "sgd",
         "fsdp2",
         4,
@@ -255,7 +255,7 @@ def test_frozen_blocks_save_less_and_checkpointing_shrinks_activations():
     assert last[0] < first[0] < full[0]  # same trainable count for first and last, very different memory
     for p in model.parameters():
         p.requires_grad_(True)
-    ckpt = simulated_saved(model, batch, fn, checkpoint=("EncoderBlock",))
+    ckpt = simulated_saved(model, batch, fn, activation_checkpointing=("EncoderBlock",))
     assert ckpt[0] < full[0] / 3
     # a model that checkpoints itself (rung 10's CheckpointedBlock) saves what the plan predicts
     for i, block in enumerate(models.blocks(model)):
@@ -299,7 +299,7 @@ def test_simulated_peak_matches_a_real_cpu_step(k, optimizer, checkpoint):
         accumulation_steps=k,
         optimizer=optimizer,
         optimizer_impl="for-loop",
-        checkpoint=("EncoderBlock",) if checkpoint else (),
+        activation_checkpointing=("EncoderBlock",) if checkpoint else (),
     )
     predicted = planning.simulate(model, plan, make_batch=lambda: batch, batch_fn=fn).peak_gb * GB
     if checkpoint:

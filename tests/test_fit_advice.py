@@ -1,4 +1,4 @@
-"""Advice a user can follow (issue 35): ``--fit`` for every model family the runner trains, the user's
+"""Advice a user can follow: ``--fit`` for every model family the runner trains, the user's
 precision and optimizer kept unless ``--may-change`` names them (each change with its measured accuracy
 cost), bad input as one line and exit 2, ``--measure``'s ranking, and planning from a wheel's data.
 
@@ -142,7 +142,7 @@ def test_step_in_backward_hook_cost_is_what_the_committed_runs_give():
         d = json.loads(path.read_text())
         speeds[bool(d["config"]["optimizer_in_backward"])] = d["timing"]["images_per_s"]
     assert set(speeds) == {False, True}
-    vit = sets.ladder_model("vit_l_16")
+    vit = sets.meta_ladder_model("vit_l_16")
     model = sets.speed.speed_model("h100", "vit_l_16", sum(p.numel() for p in vit.parameters()),
                                        calibration.load_runs((str(calibration.RESULTS_DIR),)))  # fmt: skip
     plain, hooked = 128 / speeds[False], 128 / speeds[True]
@@ -218,7 +218,7 @@ def test_mixed_precision_recomputes_under_the_same_autocast_policy(capsys):
 
 
 def test_the_ladders_fit_keeps_its_sources_for_verbose(capsys):
-    """Issue 36: two-thirds of --fit's output were calibration file lists; they are --verbose's now."""
+    """--fit lists the calibration files it read only with --verbose."""
     from fabric_memory_recipes.planning.planner import cli as fit_cli
 
     fit_cli.main(["--fit", "8GB"])

@@ -1,4 +1,4 @@
-"""Your own model (issue 28): --model torchvision:|timm:|hf: resolved, estimated, planned and trained on a CPU
+"""Your own model: --model torchvision:|timm:|hf: resolved, estimated, planned and trained on a CPU
 with tiny models and tiny configs written here (no network)."""
 
 from __future__ import annotations
@@ -55,11 +55,11 @@ def test_sources_task_and_repeated_blocks(qwen, bert):
         bert: ("classification", ("BertLayer",), "_no_split_modules"),
     }
     for ref, (task, blocks, how) in cases.items():
-        um, model, found, found_by = estimate.meta_model(ref)
+        um, model, found, found_by = estimate.meta_user_model(ref)
         assert um.task == task and found == blocks and how in found_by, (ref, um.task, found, found_by)
         count = sum(type(m).__name__ in blocks for m in model.modules())
         assert count >= 2, ref
-    assert estimate.meta_model("timm:test_vit")[1].image_size == 160  # timm's input size, not 224
+    assert estimate.meta_user_model("timm:test_vit")[1].image_size == 160  # timm's input size, not 224
 
 
 @pytest.mark.parametrize(
@@ -114,7 +114,7 @@ def test_large_vocabulary_estimate(qwen, capsys):
     assert {"weights", "gradients", "optimizer_state"} <= set(plain["static_gb"])
     assert plain["repeated_blocks"] == ["Qwen2DecoderLayer"]
     assert ckpt["activations_saved_gb"] < plain["activations_saved_gb"]
-    assert ckpt["assumptions"]["checkpoint"] == ["Qwen2DecoderLayer"]
+    assert ckpt["assumptions"]["activation_checkpointing"] == ["Qwen2DecoderLayer"]
     assert fsdp["components_gb"]["parameters"] == pytest.approx(
         plain["components_gb"]["parameters"] / 4, rel=1e-3
     )
@@ -122,7 +122,7 @@ def test_large_vocabulary_estimate(qwen, capsys):
 
 def test_simulated_activations_match_a_real_forward(bert):
     """The bytes the simulation says a BERT forward saves are what a real CPU forward saves."""
-    um, meta, _, _ = estimate.meta_model(bert)
+    um, meta, _, _ = estimate.meta_user_model(bert)
     est = estimate.estimate(meta, um, Plan(micro_batch_size=2, device="cpu"), seq_len=32)
     torch.manual_seed(0)
     model = models.build(um)
@@ -172,7 +172,7 @@ def test_runner_trains_on_cpu_with_the_estimate(run_recipe, request, model, extr
     )
     assert result["timing"] and result["memory"]["peak_allocated_gb"] is not None
     if "--checkpoint-blocks" in extra:
-        assert result["extra"]["checkpointed_blocks"] >= 2 and result["estimate"]["assumptions"]["checkpoint"]
+        assert result["extra"]["checkpointed_blocks"] >= 2 and result["estimate"]["assumptions"]["activation_checkpointing"]
     assert result["provenance"]["data_source"] in ("digits", "synthetic")
 
 
@@ -317,8 +317,8 @@ def test_simulated_peak_is_a_real_cpu_steps_with_the_runners_checkpointing(ref, 
     tensors with the estimator's wrapper, is the real step's to a few KB."""
     from fabric_memory_recipes.training import data
 
-    um, meta, blocks, _ = estimate.meta_model(ref)
-    plan = Plan(device="cpu", micro_batch_size=4, optimizer="sgd", checkpoint=blocks if checkpoint else ())
+    um, meta, blocks, _ = estimate.meta_user_model(ref)
+    plan = Plan(device="cpu", micro_batch_size=4, optimizer="sgd", activation_checkpointing=blocks if checkpoint else ())
     torch.manual_seed(0)
     model = models.build(um)
     model.image_size = 96  # small images keep the CPU step quick

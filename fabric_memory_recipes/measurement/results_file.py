@@ -70,7 +70,7 @@ estimate                         the predicted peak (fabric_memory_recipes.plann
                                  the caching allocator, planning/simulation/allocator.py; null off CUDA), parameters
                                  {total, trainable}, assumptions {method, device,
                                  attention_kernel, compile, compile_modelled, precision, micro_batch_size,
-                                 accumulation_steps, optimizer, optimizer_impl, checkpoint, sharding,
+                                 accumulation_steps, optimizer, optimizer_impl, activation_checkpointing, sharding,
                                  shard_units, world_size, cpu_offload, weights_offload, workspace_gb},
                                  kernels, model, seconds, error}; null when the recipe made none. Compare it with
                                  memory.peak_allocated_gb (per device)

@@ -56,7 +56,7 @@ measured results), ``instrument`` (what a recipe records of what it built), ``pl
 
 from __future__ import annotations
 
-from fabric_memory_recipes.planning.check import check_results, meta_model, render_check
+from fabric_memory_recipes.planning.check import check_results, meta_ladder_model, render_check
 from fabric_memory_recipes.planning.instrument import instrument
 from fabric_memory_recipes.planning.plan import (
     ALLOCATOR_ROUND,
@@ -76,6 +76,7 @@ from fabric_memory_recipes.planning.simulation.tracking import SavedTensorCounte
 
 __all__ = [
     "ALLOCATOR_ROUND", "ATTENTION_CHOICES", "COMPONENT_COLORS", "COMPONENTS", "CUDA_WORKSPACE_BYTES", "GB", "OPTIMIZERS", "Estimate", "Plan",
-    "SavedTensorCounter", "check_results", "failed", "for_run", "image_batch", "instrument", "meta_model", "plan_for",
+    "SavedTensorCounter", "check_results", "failed", "for_run", "image_batch", "instrument", "meta_ladder_model",
+    "plan_for",
     "plot_check", "plot_timeline", "render_check", "simulate",
 ]  # fmt: skip

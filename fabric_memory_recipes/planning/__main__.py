@@ -18,7 +18,7 @@ from typing import Any
 from fabric_memory_recipes import paths
 from fabric_memory_recipes.config import Hardware, RunConfig, UsageError, declared_rung
 from fabric_memory_recipes.console import fail
-from fabric_memory_recipes.planning.check import check_results, meta_model, render_check
+from fabric_memory_recipes.planning.check import check_results, meta_ladder_model, render_check
 from fabric_memory_recipes.planning.ladder import predict_ladder
 from fabric_memory_recipes.planning.overhead import card_prediction
 from fabric_memory_recipes.planning.plan import ATTENTION_CHOICES, OPTIMIZERS, plan_for
@@ -101,7 +101,7 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, RunConfig, dict[
     if args.optimizer:
         overrides["optimizer"] = args.optimizer
     if args.checkpoint:
-        overrides["checkpoint"] = tuple(c for c in args.checkpoint.split(",") if c)
+        overrides["activation_checkpointing"] = tuple(c for c in args.checkpoint.split(",") if c)
     if args.check or args.ladder:
         return args, rung, overrides, label
     if flags["model"] not in rung.model_choices:
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         fail(str(e))
     est = simulate(
-        meta_model(cfg.model, fused_attention=cfg.fused_attention),
+        meta_ladder_model(cfg.model, fused_attention=cfg.fused_attention),
         plan,
         record_timeline=bool(args.plot),
         model_name=cfg.model,

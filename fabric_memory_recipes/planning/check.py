@@ -19,10 +19,11 @@ from fabric_memory_recipes.training.techniques import attention
 
 
 @functools.cache
-def meta_model(
+def meta_ladder_model(
     name: str, num_classes: int = 10, fused_attention: bool = False, image_size: int | None = None
 ) -> Any:
-    """The model built on the meta device: shapes only, no memory, no initialisation cost.
+    """A ladder model (``training.models.build_model``) on the meta device: shapes only, no memory, no
+    initialisation cost.
     ``fused_attention``: as rung 15 runs it (fabric_memory_recipes/training/techniques/attention.py)."""
     with torch.device("meta"):
         model = models.build_model(name, None, num_classes, image_size)
@@ -57,7 +58,7 @@ def check_results(dirs: list[str]) -> list[dict[str, Any]]:
                 recorded_flags = {k: v for k, v in config.items() if k in flags}
                 cfg = rung.with_flags(**{**recorded_flags, "accelerator": "cuda"})
                 plan = plan_for(cfg)
-                model = meta_model(
+                model = meta_ladder_model(
                     config.get("model", "vit_l_16"),
                     fused_attention=cfg.fused_attention,
                     image_size=config.get("image_size"),

@@ -22,7 +22,7 @@ from typing import Any
 
 from fabric_memory_recipes.config import RECIPES_DIR, Hardware, declared_rung
 from fabric_memory_recipes.measurement.results_file import PREDICTED_FILE, PREDICTED_LABEL, write_json_atomic
-from fabric_memory_recipes.planning.check import meta_model
+from fabric_memory_recipes.planning.check import meta_ladder_model
 from fabric_memory_recipes.planning.plan import plan_for
 from fabric_memory_recipes.planning.simulation.simulate import simulate
 
@@ -42,7 +42,7 @@ def predict(recipe: str) -> dict[str, Any]:
     try:
         cfg = gpu_config(recipe)
         est = simulate(
-            meta_model(cfg.model, fused_attention=cfg.fused_attention), plan_for(cfg), model_name=cfg.model
+            meta_ladder_model(cfg.model, fused_attention=cfg.fused_attention), plan_for(cfg), model_name=cfg.model
         )
     except Exception as e:  # noqa: BLE001 - reported in the row, the other rungs go on
         return {"recipe": recipe, "peak_allocated_gb": None, "error": f"{type(e).__name__}: {e}"}

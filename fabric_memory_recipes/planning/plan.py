@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from fabric_memory_recipes.config import RunConfig
+from fabric_memory_recipes.config import RENAMED_FIELDS, RunConfig
 
 GB = 1e9
 ALLOCATOR_ROUND = 512  # the CUDA caching allocator rounds every block up to a multiple of 512 bytes
@@ -77,9 +77,9 @@ class Plan:
     """Everything besides the model that decides a run's memory (a recipe's comes from its rung:
     :func:`plan_for`).
 
-    ``checkpoint`` and ``shard_units`` name module classes (``"EncoderBlock"``): every module of that
+    ``activation_checkpointing`` and ``shard_units`` name module classes (``"EncoderBlock"``): every module of that
     class is activation-checkpointed / is one FSDP unit (a model that checkpoints inside its own
-    forward, like rung 10's, needs no ``checkpoint``: the simulation runs it). ``world_size`` only
+    forward, like rung 10's, needs no ``activation_checkpointing``: the simulation runs it). ``world_size`` only
     matters when sharding. ``activation_offload`` models fabric_memory_recipes.training.techniques.offload.offload_activations (saved
     tensors of at least ``offload_min_bytes`` live in host memory, ``offload_window_bytes`` of them in flight
     on the GPU); ``optimizer_in_backward`` models a
@@ -95,7 +95,7 @@ class Plan:
     accumulation_steps: int = 1
     optimizer: str = "adam"
     optimizer_impl: str = "fused"
-    checkpoint: tuple[str, ...] = ()
+    activation_checkpointing: tuple[str, ...] = ()
     sharding: str = "none"
     shard_units: tuple[str, ...] = ()
     world_size: int = 1
@@ -129,7 +129,7 @@ class Plan:
             raise ValueError(
                 "weights_offload streams the shard_units of one unsharded model (sharding='none')"
             )
-        self.checkpoint = tuple(self.checkpoint)
+        self.activation_checkpointing = tuple(self.activation_checkpointing)
         self.shard_units = tuple(self.shard_units)
 
     @property
@@ -152,7 +152,7 @@ def plan_for(cfg: RunConfig, **overrides: Any) -> Plan:
         compile=bool(cfg.compile),
         optimizer=cfg.optimizer,
         optimizer_impl=cfg.optimizer_impl,
-        checkpoint=cfg.checkpoint,
+        activation_checkpointing=cfg.activation_checkpointing,
         sharding=cfg.sharding,
         shard_units=cfg.shard_units,
         cpu_offload=cfg.cpu_offload,
@@ -163,6 +163,18 @@ def plan_for(cfg: RunConfig, **overrides: Any) -> Plan:
     )
     fields.update(overrides)
     return Plan(**fields)
+
+
+def recorded_plan(assumptions: dict[str, Any]) -> Plan:
+    """The plan a results JSON's ``estimate.assumptions`` records. A field under its former name
+    (``checkpoint``: :data:`~fabric_memory_recipes.config.RENAMED_FIELDS`) is read where the current
+    name is missing, so that the committed results/ files still read."""
+    fields = {f.name for f in dataclasses.fields(Plan)}
+    values = {k: tuple(v) if isinstance(v, list) else v for k, v in assumptions.items() if k in fields}
+    for old, new in RENAMED_FIELDS.items():
+        if old in assumptions and new not in values:
+            values[new] = tuple(assumptions[old])
+    return Plan(**values)
 
 
 # -------------------------------------------------------------------------------------------- estimate
@@ -217,7 +229,7 @@ class Estimate:
                 "accumulation_steps": p.accumulation_steps,
                 "optimizer": p.optimizer,
                 "optimizer_impl": p.optimizer_impl,
-                "checkpoint": list(p.checkpoint),
+                "activation_checkpointing": list(p.activation_checkpointing),
                 "sharding": p.sharding,
                 "shard_units": list(p.shard_units),
                 "world_size": p.world_size,
@@ -241,7 +253,7 @@ class Estimate:
         lines = [
             f"Memory estimate: {self.model} | precision {p.precision} | micro-batch {p.micro_batch_size}"
             f" x {p.accumulation_steps} | optimizer {p.optimizer} ({p.optimizer_impl})"
-            + (f" | checkpoint {','.join(p.checkpoint)}" if p.checkpoint else "")
+            + (f" | checkpoint {','.join(p.activation_checkpointing)}" if p.activation_checkpointing else "")
             + (f" | {p.sharding} over {p.world_size}" if p.sharding != "none" else "")
             + (" + cpu offload" if p.cpu_offload else "")
             + (" + weights on the CPU" if p.weights_offload else ""),

@@ -22,7 +22,7 @@ import json
 from typing import Any
 
 from fabric_memory_recipes.config import RunConfig, declared_rung
-from fabric_memory_recipes.planning.check import meta_model
+from fabric_memory_recipes.planning.check import meta_ladder_model
 from fabric_memory_recipes.planning.plan import plan_for
 from fabric_memory_recipes.planning.planner import calibration
 from fabric_memory_recipes.planning.simulation.allocator import RESIDUAL
@@ -36,7 +36,7 @@ def replayed(run: calibration.Measured) -> float:
     rung, _ = declared_rung(run.recipe)
     flags = {f.name for f in RunConfig.flag_fields()}
     cfg = rung.with_flags(**{**{k: v for k, v in config.items() if k in flags}, "accelerator": "cuda"})
-    model = meta_model(config.get("model", "vit_l_16"), fused_attention=cfg.fused_attention,
+    model = meta_ladder_model(config.get("model", "vit_l_16"), fused_attention=cfg.fused_attention,
                        image_size=config.get("image_size"))  # fmt: skip
     return simulate(model, plan_for(cfg)).reserved_gb
 

@@ -46,7 +46,7 @@ BUILT_IN_RESERVED_RATIO = (1.15, "no committed run with an estimate found: assum
 def signature(rung: RunConfig) -> tuple[str, bool, bool, bool]:
     """A rung's technique as the planner combines them: (optimizer, checkpointing, activation
     offload, step in backward)."""
-    return (rung.optimizer, bool(rung.checkpoint), rung.activation_offload, rung.optimizer_in_backward)
+    return (rung.optimizer, bool(rung.activation_checkpointing), rung.activation_offload, rung.optimizer_in_backward)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -38,7 +38,7 @@ import torch
 from fabric_memory_recipes.config import DATA_DIR, RECIPES_DIR, RunConfig, declared_rung
 from fabric_memory_recipes.measurement.card_overhead import Overhead, card_overhead
 from fabric_memory_recipes.measurement.results_file import write_json_atomic
-from fabric_memory_recipes.planning.check import meta_model
+from fabric_memory_recipes.planning.check import meta_ladder_model
 from fabric_memory_recipes.planning.plan import CUDA_WORKSPACE_BYTES, GB, plan_for
 from fabric_memory_recipes.planning.planner import calibration
 from fabric_memory_recipes.planning.planner import speed as speed_mod
@@ -228,7 +228,7 @@ class SimulationCache:
     def get(self, c: Candidate) -> tuple[float, float]:
         key = json.dumps(c.key)
         if key not in self.entries:
-            est = simulate(meta_model(c.rung.model), plan_for(c.rung.with_flags(accelerator="cuda")),
+            est = simulate(meta_ladder_model(c.rung.model), plan_for(c.rung.with_flags(accelerator="cuda")),
                            model_name=c.rung.model)  # fmt: skip
             if est.error or est.peak_gb is None:
                 raise RuntimeError(f"the simulation of {c.command} failed: {est.error}")
@@ -280,7 +280,7 @@ class Planner:
         self.overheads = {m: card_overhead(gpu, m, overhead_table) for m in MODES}
         self.runs = calibration.load_runs(folders or (str(calibration.RESULTS_DIR),))
         self.ratios = calibration.reserved_ratios(self.runs)
-        self.parameters = sum(p.numel() for p in meta_model(model).parameters())
+        self.parameters = sum(p.numel() for p in meta_ladder_model(model).parameters())
         self.speed = speed_mod.speed_model(gpu, model, self.parameters, self.runs)
         self.cache = cache or SimulationCache()
         self.candidates = []

@@ -64,7 +64,7 @@ def built_technique(model: torch.nn.Module, cfg: RunConfig, optimizer: Any = Non
     wraps them later, at ``fabric.setup``) and, when given, the optimizer."""
     found: dict[str, Any] = {}
     if cfg.sharding == "none":
-        found["checkpoint"] = checkpointed_blocks(model)
+        found["activation_checkpointing"] = checkpointed_blocks(model)
     if optimizer is not None:
         found.update(optimizer_technique(optimizer))
     return found

@@ -23,7 +23,7 @@ from fabric_memory_recipes.console import comma_list, fail
 from fabric_memory_recipes.paths import output_folder
 from fabric_memory_recipes.planning.planner import cli as fit_cli
 from fabric_memory_recipes.planning.your_model import measure
-from fabric_memory_recipes.planning.your_model.estimate import card, estimate, meta_model, plan_of
+from fabric_memory_recipes.planning.your_model.estimate import card, estimate, meta_user_model, plan_of
 from fabric_memory_recipes.planning.your_model.sets import MAY_CHANGE, UserPlanner
 from fabric_memory_recipes.training import cli
 from fabric_memory_recipes.training.your_model import models, runner
@@ -60,7 +60,7 @@ def parse(argv: list[str] | None):
     if args.measure and not torch.cuda.is_available():
         fail("--measure runs the candidates on a CUDA GPU, and this machine has none: leave it out for the"
              " predicted ranking")  # fmt: skip
-    if args.fit and cfg.world_size > 1 and not meta_model(cfg.model)[2]:
+    if args.fit and cfg.world_size > 1 and not meta_user_model(cfg.model)[2]:
         fail(f"--fit with --devices {cfg.world_size}: FSDP shards the repeated blocks, and {cfg.model} has none found")  # fmt: skip
     if args.measure and not measure.RUNNER.is_file():
         fail(f"--measure runs {measure.RUNNER.relative_to(measure.REPO)}, which an installed wheel"
@@ -71,7 +71,7 @@ def parse(argv: list[str] | None):
 def main(argv: list[str] | None = None) -> int:
     args, cfg = parse(argv)
     try:
-        um, model, blocks, found_by = meta_model(cfg.model)
+        um, model, blocks, found_by = meta_user_model(cfg.model)
         models.check_seq_len(um, cfg.seq_len)
     except UsageError as e:
         fail(str(e))

@@ -35,8 +35,9 @@ RESERVED_RULE = (
 
 
 @functools.cache
-def meta_model(ref: str) -> tuple[UserModel, Any, tuple[str, ...], str]:
-    """(the resolved model, the model on the meta device, its repeated blocks, how they were found)."""
+def meta_user_model(ref: str) -> tuple[UserModel, Any, tuple[str, ...], str]:
+    """The user's model on the meta device: (the resolved model, the model, its repeated blocks, how
+    they were found)."""
     um = models.resolve(ref)
     with torch.device("meta"):
         model = models.build(um)
@@ -65,7 +66,7 @@ def plan_of(cfg: RunConfig, blocks: tuple[str, ...]) -> Plan:
     """The runner's flags as the estimator's plan: checkpointing and FSDP units are the found blocks."""
     sharding = "fsdp" if getattr(cfg, "fsdp", False) else "none"
     return plan_for(
-        cfg, checkpoint=blocks if getattr(cfg, "checkpoint_blocks", False) else (), sharding=sharding,
+        cfg, activation_checkpointing=blocks if getattr(cfg, "checkpoint_blocks", False) else (), sharding=sharding,
         shard_units=blocks, world_size=cfg.world_size if sharding != "none" else 1, compile=False,
     )  # fmt: skip
 

@@ -33,7 +33,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils.flop_counter import FlopCounterMode
 
-from fabric_memory_recipes.planning.check import meta_model as ladder_model
+from fabric_memory_recipes.planning.check import meta_ladder_model
 from fabric_memory_recipes.planning.plan import GB, Plan
 from fabric_memory_recipes.planning.planner import advice, calibration, speed
 from fabric_memory_recipes.planning.planner.fit import (
@@ -45,7 +45,7 @@ from fabric_memory_recipes.planning.planner.fit import (
     static_bytes,
     techniques,
 )
-from fabric_memory_recipes.planning.your_model.estimate import card, estimate, meta_model, text_batch
+from fabric_memory_recipes.planning.your_model.estimate import card, estimate, meta_user_model, text_batch
 from fabric_memory_recipes.training.your_model import runner as user_run
 
 PRECISIONS = ("bf16-true", "bf16-mixed", "32-true")
@@ -131,14 +131,14 @@ class UserPlanner:
 
     def __init__(self, ref: str, batch_size: int, seq_len: int, gpu: str = "h100", *, precision: str = "bf16-mixed",
                  optimizer: str = "adamw", may_change: tuple[str, ...] = (), devices: int = 1) -> None:  # fmt: skip
-        self.um, self.model, self.blocks, self.found_by = meta_model(ref)
+        self.um, self.model, self.blocks, self.found_by = meta_user_model(ref)
         self.ref, self.batch_size, self.gpu = ref, batch_size, gpu
         self.precision, self.optimizer, self.may_change = precision, optimizer, tuple(may_change)
         self.devices = devices
         self.seq_len = seq_len if self.um.is_text else None
         self.parameters = sum(p.numel() for p in self.model.parameters())
         self.tensors = sum(p.requires_grad for p in self.model.parameters())
-        vit = ladder_model("vit_l_16")
+        vit = meta_ladder_model("vit_l_16")
         runs = calibration.load_runs((str(calibration.RESULTS_DIR),))
         base = speed.speed_model(gpu, "vit_l_16", sum(p.numel() for p in vit.parameters()), runs)
         scale = flops_per_sample(self.model, self.um, seq_len) / _ladder_flops()
@@ -192,7 +192,7 @@ class UserPlanner:
             if key not in self.simulated:
                 plan = Plan(precision=r.precision, micro_batch_size=r.micro_batch_size,
                             accumulation_steps=r.accumulation_steps, optimizer=optimizer,
-                            checkpoint=self.blocks if ck else (), activation_offload=off,
+                            activation_checkpointing=self.blocks if ck else (), activation_offload=off,
                             optimizer_in_backward=sib, sharding="fsdp" if c.devices > 1 else "none",
                             shard_units=self.blocks, world_size=c.devices)  # fmt: skip
                 try:
@@ -238,7 +238,7 @@ class UserPlanner:
 @functools.cache
 def _ladder_flops() -> float:
     """ViT-L/16's training FLOPs per image: what the ladder's speed model was calibrated on."""
-    return flops_per_sample(ladder_model("vit_l_16"), _Vision(), 0)
+    return flops_per_sample(meta_ladder_model("vit_l_16"), _Vision(), 0)
 
 
 def _first(mine: str, others: tuple[str, ...]) -> tuple[str, ...]:

@@ -6,7 +6,7 @@ Times eager ViT-L/16 forward+backward (bf16-true, through Fabric and without it)
 steps. If forward+backward costs about the same at batch 4 and 16, and host self-CPU time exceeds GPU
 time in the profile, the step is launch-bound: the GPU waits for Python. Needs a CUDA GPU.
 
-    python devtools/host_overhead.py > host_overhead.log
+    python -m devtools.launch_bound > launch_bound.log
 """
 
 import time
@@ -35,7 +35,7 @@ def timeit(name: str, fn, n: int = 30, warm: int = 5) -> float:
 
 def main() -> None:
     if not torch.cuda.is_available():
-        raise SystemExit("host_overhead.py: error: needs a CUDA GPU")
+        raise SystemExit("launch_bound.py: error: needs a CUDA GPU")
     torch.set_float32_matmul_precision("high")
     fabric = L.Fabric(accelerator="cuda", devices=1, precision="bf16-true")
     fabric.launch()
