@@ -19,8 +19,9 @@ for side in base after; do
   (cd "$dir" && python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1) || log "$side: pip install -e failed"
   log "$side: starting in $dir"
   mkdir -p /tmp/E
-  (cd "$dir" && /usr/bin/time -v -o "/tmp/E/$side-time.txt" ./run_all.sh --quick --results-dir "/tmp/E/$side" \
-      > "/tmp/E/$side-console.log" 2> "/tmp/E/$side-stderr.log")
+  left=$(( ${LIMIT:-585} - ($(date +%s) - T0) - 15 ))  # the tars must come back before the call's limit
+  (cd "$dir" && timeout -s INT "$left" /usr/bin/time -v -o "/tmp/E/$side-time.txt" ./run_all.sh --quick \
+      --results-dir "/tmp/E/$side" > "/tmp/E/$side-console.log" 2> "/tmp/E/$side-stderr.log")
   log "$side: exit $?"
   tar -czf "$OUT/$side.tgz" -C /tmp/E "$side" "$side-console.log" "$side-time.txt" "$side-stderr.log"
 done
