@@ -75,7 +75,7 @@ def _help(name: str) -> str:
 def build() -> Parser:
     """The parser: the modes, then each mode's flags, then a run's flags by RunConfig's groups."""
     p = Parser(description=MODES_HELP)
-    m = p.add_argument_group("modes (none of these: a rung's estimate)")
+    m = p.add_argument_group("modes (none of these: a rung's estimate; --model SOURCE:NAME: your own model's)")
     m.add_argument("--recipe", help="estimate the configuration declared in recipes/<NAME>.py (its RUNG)")
     m.add_argument("--fit", metavar="SIZE", help="which configurations fit a card of SIZE (6GB, 6.5GB, 512MB, 8GiB),"
                    " fastest first: the ladder's, or your own model's technique sets with --model SOURCE:NAME")  # fmt: skip
