@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from fabric_memory_recipes.planning.__main__ import main as estimate_main
 from fabric_memory_recipes.planning.planner import advice, calibration, snapshot
-from fabric_memory_recipes.planning.your_model import cli as user_cli
 from fabric_memory_recipes.planning.your_model import measure, sets
 from fabric_memory_recipes.training import cli
 from fabric_memory_recipes.training.your_model import runner
@@ -48,7 +48,7 @@ def configs(tmp_path_factory) -> dict[str, str]:
 
 
 def _fit(capsys, argv: list[str]) -> dict:
-    assert user_cli.main([*argv, "--json"]) == 0
+    assert estimate_main([*argv, "--json"]) == 0
     return json.loads(capsys.readouterr().out)
 
 
@@ -127,7 +127,7 @@ def test_bad_input_is_one_line_and_exit_2(configs, capsys):
     }
     for words, argv in cases.items():
         with pytest.raises(SystemExit) as e:
-            user_cli.main(argv)
+            estimate_main(argv)
         err = capsys.readouterr().err.strip()
         assert e.value.code == 2 and len(err.splitlines()) == 1 and words in err, (words, err)
 
@@ -213,17 +213,15 @@ def test_mixed_precision_recomputes_under_the_same_autocast_policy(capsys):
         "--checkpoint-blocks",
         "--json",
     ]
-    assert user_cli.main(argv) == 0
+    assert estimate_main(argv) == 0
     assert json.loads(capsys.readouterr().out)["peak_allocated_gb"] > 0
 
 
 def test_the_ladders_fit_keeps_its_sources_for_verbose(capsys):
     """--fit lists the calibration files it read only with --verbose."""
-    from fabric_memory_recipes.planning.planner import cli as fit_cli
-
-    fit_cli.main(["--fit", "8GB"])
+    estimate_main(["--fit", "8GB"])
     short = capsys.readouterr().out
-    fit_cli.main(["--fit", "8GB", "--verbose"])
+    estimate_main(["--fit", "8GB", "--verbose"])
     long = capsys.readouterr().out
     assert "fixed_ms:" not in short and "--verbose" in short and "fixed_ms: " in long
     assert len(short.splitlines()) < len(long.splitlines()) and max(map(len, short.splitlines())) < 250
@@ -271,7 +269,7 @@ def test_several_gpus_plan_fsdp_sets_with_memory_per_gpu(configs, capsys):
         assert row["predicted_samples_per_s"] == pytest.approx(4 * alone["predicted_samples_per_s"])
     assert {r["technique"] for r in four["fits"]} == {"AdamW", "AdamW + checkpointing"}
     with pytest.raises(SystemExit) as e:
-        user_cli.main([*argv, "--devices", "4", "--measure"])
+        estimate_main([*argv, "--devices", "4", "--measure"])
     assert e.value.code == 2 and "--measure runs each set on one GPU" in capsys.readouterr().err
 
 

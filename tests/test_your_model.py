@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from fabric_memory_recipes.config import UsageError
+from fabric_memory_recipes.planning.__main__ import main as estimate_main
 from fabric_memory_recipes.planning.plan import Plan
 from fabric_memory_recipes.planning.simulation.allocator import RESIDUAL
 from fabric_memory_recipes.planning.simulation.tracking import SavedTensorCounter, Tracker
-from fabric_memory_recipes.planning.your_model import cli as user_cli
 from fabric_memory_recipes.planning.your_model import estimate
 from fabric_memory_recipes.training import cli
 from fabric_memory_recipes.training.your_model import models, runner
@@ -89,7 +89,7 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     for argv in (["--model", f"hf:{tmp_path / 'broken.json'}"], ["--model", "torchvision:nope"],
                  ["--model", "timm:test_vit", "--fit", "3XB"]):  # fmt: skip
         with pytest.raises(SystemExit) as e:
-            user_cli.main(argv)
+            estimate_main(argv)
         assert e.value.code == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and "error:" in err, err
@@ -102,7 +102,7 @@ def test_large_vocabulary_estimate(qwen, capsys):
     base = ["--model", qwen, "--seq-len", "64", "--batch-size", "4", "--precision", "bf16-true", "--json"]
 
     def run(*extra):
-        assert user_cli.main([*base, *extra]) == 0
+        assert estimate_main([*base, *extra]) == 0
         return json.loads(capsys.readouterr().out)
 
     plain, ckpt, fsdp = run(), run("--checkpoint-blocks"), run("--fsdp", "--devices", "4")
@@ -137,7 +137,7 @@ def test_simulated_activations_match_a_real_forward(bert):
 
 def test_fit_lists_commands_the_runner_accepts(bert, capsys):
     argv = ["--model", bert, "--seq-len", "32", "--batch-size", "4", "--may-change", "optimizer"]
-    assert user_cli.main([*argv, "--fit", "10GB", "--top", "2", "--json"]) == 0
+    assert estimate_main([*argv, "--fit", "10GB", "--top", "2", "--json"]) == 0
     answer = json.loads(capsys.readouterr().out)
     assert 1 <= len(answer["fits"]) <= 2 and all(f["predicted_device_peak_gb"] <= 10 for f in answer["fits"])
     assert "not measured" in answer["speed"][0]
@@ -148,7 +148,7 @@ def test_fit_lists_commands_the_runner_accepts(bert, capsys):
         assert words[:2] == ["python", "recipes/your_model.py"]
         parsed = cli.build_parser(runner.default_config()).parse_args(words[2:])
         assert parsed.model == bert and parsed.batch_size == 4
-    assert user_cli.main([*argv, "--fit", "1MB"]) == 1  # nothing fits: one line, the smallest peak
+    assert estimate_main([*argv, "--fit", "1MB"]) == 1  # nothing fits: one line, the smallest peak
     out = capsys.readouterr().out.strip()
     assert len(out.splitlines()) == 1 and out.startswith(
         "Nothing fits in 0.001 GB: the smallest predicted peak is"

@@ -1,4 +1,5 @@
-"""``python -m fabric_memory_recipes.planning --fit 6GB``: the planner's command line and what it prints.
+"""``python -m fabric_memory_recipes.planning --fit 6GB``: the planner's run and what it prints (its flags
+are fmr-estimate's one parser's, planning/arguments.py), and the parsing of ``--fit`` and ``--gpu`` values.
 
 Exit code: 0 something fits, 1 nothing fits (the smallest predicted peak and its command are printed),
 2 bad input (one line on stderr).
@@ -13,18 +14,10 @@ import re
 import sys
 from typing import Any
 
-from fabric_memory_recipes.config import VIT_MODELS, at_least
-from fabric_memory_recipes.console import Parser, comma_list, fail
+from fabric_memory_recipes.console import fail
 from fabric_memory_recipes.planning.plan import GB
 from fabric_memory_recipes.planning.planner import calibration
-from fabric_memory_recipes.planning.planner.fit import (
-    MODES,
-    OPTIMIZERS,
-    PRECISIONS,
-    Fit,
-    Planner,
-    SimulationCache,
-)
+from fabric_memory_recipes.planning.planner.fit import Fit, Planner, SimulationCache
 
 SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(gb|g|gib|mb|m|mib)?\s*$", re.IGNORECASE)
 UNITS = {"gb": 1.0, "g": 1.0, "gib": 2**30 / GB, "mb": 1e-3, "m": 1e-3, "mib": 2**20 / GB}
@@ -62,60 +55,12 @@ def join_fit_value(argv: list[str]) -> list[str]:
     return out
 
 
-def add_plan_arguments(p, *, required: bool, precisions: tuple[str, ...] | None, optimizers: tuple[str, ...] | None,
-                       gpu_help: str, fit_help: str = "the card's memory: 6GB, 6.5GB, 512MB, 8GiB") -> None:  # fmt: skip
-    """The planner's flags, shared by the ladder's ``--fit`` and your own model's (planning/your_model/cli.py,
-    which keeps the user's precision and optimizer: ``precisions``/``optimizers`` None)."""
-    p.add_argument("--fit", required=required, metavar="SIZE", help=fit_help)
-    p.add_argument("--gpu", type=gpu_kind, default=calibration.REFERENCE_GPU, help=gpu_help)
-    p.add_argument("--top", type=at_least(1), default=5, help="how many fitting configurations to print")
-    if precisions is not None:
-        p.add_argument("--precisions", type=comma_list(precisions), default=precisions, help="precisions to combine")
-    if optimizers is not None:
-        p.add_argument("--optimizers", type=comma_list(optimizers), default=optimizers,
-                       help="optimizers to combine (SGD and 8-bit Adam change the training: docs/06, docs/13)")  # fmt: skip
-    p.add_argument("--json", action="store_true", help="print the answer as JSON")
-    p.add_argument("--verbose", action="store_true", help="every speed constant with the runs it comes from")
-
-
 def budget(args: argparse.Namespace) -> float | None:
     """``--fit SIZE`` in GB (None without it); a malformed size is one line and exit 2."""
     try:
-        return parse_size(args.fit) if args.fit else None
+        return parse_size(args.fit) if args.fit is not None else None
     except ValueError as e:
         fail(str(e))
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    argv = join_fit_value(sys.argv[1:] if argv is None else argv)
-    p = Parser(
-        prog="python -m fabric_memory_recipes.planning --fit",
-        description="Which rungs does my GPU need? The fastest configurations of the ladder's techniques"
-        " whose predicted whole-device peak (peak reserved + the measured card overhead of the GPU kind)"
-        " fits a card of SIZE, each with the recipe command that runs it (prediction only: runs on a CPU"
-        " in seconds; simulations are cached).",
-    )
-    add_plan_arguments(p, required=True, precisions=PRECISIONS, optimizers=OPTIMIZERS,
-                       gpu_help="GPU kind whose committed runs give the throughput and the card overhead (h100, h200, ...)")  # fmt: skip
-    p.add_argument("--batch-size", type=at_least(1), default=16, help="effective batch per optimizer step")
-    p.add_argument(
-        "--model",
-        choices=VIT_MODELS,
-        default="vit_l_16",
-        help="a model of the ladder (your own model: fmr-estimate --model torchvision:|timm:|hf:NAME --fit SIZE)",
-    )
-    p.add_argument("--modes", type=comma_list(MODES), default=MODES, help="modes to combine")
-    p.add_argument(
-        "--results",
-        nargs="+",
-        default=[str(calibration.RESULTS_DIR)],
-        metavar="DIR",
-        help="folders of committed results JSON to calibrate on (read recursively)",
-    )
-    p.add_argument("--no-cache", action="store_true", help="simulate again instead of reading the cache")
-    args = p.parse_args(argv)
-    args.budget_gb = budget(args)
-    return args
 
 
 def to_json(fit: Fit) -> dict[str, Any]:
@@ -198,8 +143,10 @@ def render(fit: Fit, verbose: bool = False) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def run(args: argparse.Namespace) -> int:
+    """The ladder's planner for fmr-estimate's parsed flags (planning/arguments.py: --model and --batch-size
+    already the planner's own, vit_l_16 and 16, unless given)."""
+    args.budget_gb = budget(args)
     try:
         planner = Planner(args.batch_size, args.model, args.gpu, precisions=args.precisions, modes=args.modes, optimizers=args.optimizers,
                           folders=tuple(args.results), cache=SimulationCache(use_disk=not args.no_cache))  # fmt: skip

@@ -9,6 +9,7 @@ without a CUDA GPU, a bad flag).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -18,36 +19,24 @@ from typing import Any
 
 import torch
 
-from fabric_memory_recipes.config import Hardware, UsageError, at_least
-from fabric_memory_recipes.console import comma_list, fail
-from fabric_memory_recipes.paths import output_folder
+from fabric_memory_recipes.config import Hardware, UsageError
+from fabric_memory_recipes.console import fail
+from fabric_memory_recipes.planning import arguments
 from fabric_memory_recipes.planning.planner import cli as fit_cli
 from fabric_memory_recipes.planning.your_model import measure
 from fabric_memory_recipes.planning.your_model.estimate import card, estimate, meta_user_model, plan_of
-from fabric_memory_recipes.planning.your_model.sets import MAY_CHANGE, UserPlanner
-from fabric_memory_recipes.training import cli
+from fabric_memory_recipes.planning.your_model.sets import UserPlanner
 from fabric_memory_recipes.training.your_model import models, runner
 
 
-def parse(argv: list[str] | None):
+def parse(args: argparse.Namespace) -> tuple[argparse.Namespace, runner.YourModelConfig]:
+    """fmr-estimate's parsed flags (planning/arguments.py) as your model's checked configuration:
+    the flags given, the rest recipes/your_model.py's."""
     rung = runner.default_config()
-    parser = cli.build_parser(rung, __doc__.splitlines()[0])
-    parser.prog = "fmr-estimate --model SOURCE:NAME"
-    g = parser.add_argument_group("estimate and plan")
-    fit_cli.add_plan_arguments(g, required=False, precisions=None, optimizers=None,
-                               gpu_help="GPU kind whose measured card overhead and committed runs apply (h100, h200, ...)",
-                               fit_help="list the fastest technique sets that fit a card of SIZE (6GB, 512MB)")  # fmt: skip
-    g.add_argument("--may-change", type=comma_list(MAY_CHANGE), default=(), metavar="WHAT",
-                   help="with --fit: also try other precisions and/or optimizers (precision,optimizer); each such"
-                   " row shows the accuracy cost the convergence benchmark measured (default: keep yours)")  # fmt: skip
-    g.add_argument("--measure", action="store_true",
-                   help="with --fit: run the top sets on this machine's CUDA GPU, a few steps each on the emulated"
-                   " card, and rank them by measured samples/s")  # fmt: skip
-    g.add_argument("--measure-steps", type=at_least(4), default=15, metavar="N", help="optimizer steps per measured set")
-    g.add_argument("--measure-dir", type=output_folder("--measure-dir"), metavar="DIR",
-                   help="where --measure writes plan.json, plan.md and the runs (default: runs/fit/<model>-<SIZE>)")  # fmt: skip
-    args = parser.parse_args(fit_cli.join_fit_value(sys.argv[1:] if argv is None else argv))
-    flags = {f.name: getattr(args, f.name) for f in type(rung).flag_fields()}
+    if args.optimizer is not None and args.optimizer not in runner.OPTIMIZERS:
+        fail(f"argument --optimizer: invalid choice for your model: {args.optimizer!r}"
+             f" (choose from {', '.join(runner.OPTIMIZERS)})")  # fmt: skip
+    flags = arguments.filled(args, rung)
     try:
         cfg = rung.with_flags(**flags).checked(Hardware.planned())  # 'auto': predict for a GPU
     except (UsageError, ValueError) as e:
@@ -68,8 +57,8 @@ def parse(argv: list[str] | None):
     return args, cfg
 
 
-def main(argv: list[str] | None = None) -> int:
-    args, cfg = parse(argv)
+def run(parsed: argparse.Namespace) -> int:
+    args, cfg = parse(parsed)
     try:
         um, model, blocks, found_by = meta_user_model(cfg.model)
         models.check_seq_len(um, cfg.seq_len)
