@@ -4,7 +4,10 @@
 # machine, base first on cold compile caches. Results under $OUT: base.tgz, after.tgz (each run folder
 # with its console log and `time -v`).
 #
-#   OUT=... bash scripts/gpu/issue39.sh          # carry .whl (torchao, torch-optimi wheels), build/ab39-base
+#   OUT=... bash scripts/gpu/issue39.sh [SIDE ...]   # carry .whl (torchao, torch-optimi wheels), build/ab39-base
+#
+# SIDEs run in the order given (default: base after); a side named base* runs build/ab39-base, any other
+# this checkout, so `after base after2` measures both sides on warm caches, after a cold first run.
 set -u
 : "${OUT:?set OUT}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 FMR_OFFLINE=1
@@ -14,8 +17,9 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv > "$OUT/gpus.csv" 2>&1
 HERE=$(pwd)
-for side in base after; do
-  dir=$HERE; [ "$side" = base ] && dir=$HERE/build/ab39-base
+sides=("$@"); [ ${#sides[@]} -eq 0 ] && sides=(base after)
+for side in "${sides[@]}"; do
+  dir=$HERE; case $side in base*) dir=$HERE/build/ab39-base ;; esac
   (cd "$dir" && python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1) || log "$side: pip install -e failed"
   log "$side: starting in $dir"
   mkdir -p /tmp/E
