@@ -316,18 +316,6 @@ def test_a_recipe_declares_its_rung_and_marks_its_technique(path):
     assert f"# rung {number}" in path.read_text(), f"{path.name} marks no line with its rung"
 
 
-def test_recipes_name_the_loop_block_their_lesson_lives_in():
-    """Where the technique is in the shared loop, the recipe says so and the loop marks the block."""
-    loop = (COMMON / "training" / "loop.py").read_text()
-    for rung, name in (
-        ("05", "05_gradient_accumulation"),
-        ("06", "06_sgd_cosine"),
-        ("12", "12_optimizer_in_backward"),
-    ):
-        assert f"# rung {rung}" in loop
-        assert f'"rung {rung}"' in (RECIPES / f"{name}.py").read_text(), name
-
-
 # ``path/to/file.py: name``: where a recipe's docstring says its technique lives (a path from the repository root)
 CODE_REFERENCE = re.compile(r"((?:fabric_memory_recipes|recipes|devtools)/[\w/]+\.py):\s+([A-Za-z_]\w*)")
 
