@@ -11,6 +11,7 @@ import lightning as L
 import torch
 
 from fabric_memory_recipes import RunConfig, planning
+from fabric_memory_recipes.training.techniques import bf16
 from fabric_memory_recipes.training import data, lifecycle, loop, models
 
 RUNG = RunConfig(
@@ -42,7 +43,8 @@ def main(cfg: RunConfig, results) -> None:
         models.compile_blocks(model, cfg.compile)  # fast mode: one compiled graph shared by every block
         # rung 06: plain SGD keeps no state (Adam kept two extra tensors per parameter); fused: one kernel
         optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, fused=True)
-        optimizer = planning.instrument(results, model, cfg, optimizer)  # records the estimate; --bf16-update
+        planning.instrument(results, model, cfg, optimizer)  # records the estimate and the model's size
+        optimizer = bf16.updates(optimizer, cfg, results)  # --bf16-update (training/techniques/bf16.py)
         model, optimizer = fabric.setup(model, optimizer)
 
     train_loader, val_loader, test_loader = fabric.setup_dataloaders(*data.loaders(splits, cfg, fabric))

@@ -13,6 +13,7 @@ import lightning as L
 import torch
 
 from fabric_memory_recipes import RunConfig, planning
+from fabric_memory_recipes.training.techniques import bf16
 from fabric_memory_recipes.training import data, lifecycle, loop, models
 
 RUNG = RunConfig(
@@ -54,15 +55,15 @@ def main(cfg: RunConfig, results) -> None:
         models.compile_blocks(model, cfg.compile)  # fast mode: one compiled graph shared by every block
         # rung 06: plain SGD keeps no state (Adam kept two extra tensors per parameter); fused: one kernel
         optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, fused=True)
-        optimizer = planning.instrument(results, model, cfg, optimizer)  # records the estimate; --bf16-update
+        planning.instrument(results, model, cfg, optimizer)  # records the estimate and the model's size
+        optimizer = bf16.updates(optimizer, cfg, results)  # --bf16-update (training/techniques/bf16.py)
         model, optimizer = fabric.setup(model, optimizer)
     if fabric.device.type == "cuda":  # on CPU the phases hold process RSS, which cannot be reset
         usual_gb, init_gb = (
             results.phases[p]["allocated"] / 1e9 for p in ("load_cpu_then_move", "model_load")
         )
-        results.extra["model_load_peak_allocated_gb"] = {
-            "cpu_then_move": usual_gb, "init_module": init_gb, "ratio": init_gb / usual_gb,
-        }  # fmt: skip
+        results.extra["model_load_peak_allocated_gb"] = {"cpu_then_move": usual_gb, "init_module": init_gb,
+                                                         "ratio": init_gb / usual_gb}  # fmt: skip
 
     train_loader, val_loader, test_loader = fabric.setup_dataloaders(*data.loaders(splits, cfg, fabric))
     batch_fn = data.image_classification(model.image_size)

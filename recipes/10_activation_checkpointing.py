@@ -17,6 +17,7 @@ import torch
 
 from fabric_memory_recipes import planning
 from fabric_memory_recipes.config import RunConfig, flag
+from fabric_memory_recipes.training.techniques import bf16
 from fabric_memory_recipes.training import data, lifecycle, loop, models
 
 
@@ -58,7 +59,8 @@ def main(cfg: CheckpointingConfig, results) -> None:
             model.encoder.layers[i] = models.CheckpointedBlock(block, use_reentrant=cfg.reentrant)
         # rung 06: plain SGD keeps no state (Adam kept two extra tensors per parameter); fused: one kernel
         optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, fused=True)
-        optimizer = planning.instrument(results, model, cfg, optimizer)  # records the estimate; --bf16-update
+        planning.instrument(results, model, cfg, optimizer)  # records the estimate and the model's size
+        optimizer = bf16.updates(optimizer, cfg, results)  # --bf16-update (training/techniques/bf16.py)
         model, optimizer = fabric.setup(model, optimizer)
     train_loader, val_loader, test_loader = fabric.setup_dataloaders(*data.loaders(splits, cfg, fabric))
     batch_fn = data.image_classification(model.image_size)

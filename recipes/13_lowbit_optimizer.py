@@ -14,6 +14,7 @@ import torch
 
 from fabric_memory_recipes import planning
 from fabric_memory_recipes.config import RunConfig, UsageError
+from fabric_memory_recipes.training.techniques import bf16
 from fabric_memory_recipes.training import data, lifecycle, loop, models
 
 RUNG = RunConfig(
@@ -49,7 +50,8 @@ def main(cfg: RunConfig, results) -> None:
             model = models.build_model(cfg.model, weights, data.NUM_CLASSES, cfg.image_size)
         models.compile_blocks(model, cfg.compile)  # fast mode: one compiled graph shared by every block
         optimizer = AdamW8bit(model.parameters(), lr=cfg.lr)  # rung 13: 8-bit moments, scaled per block
-        optimizer = planning.instrument(results, model, cfg, optimizer)  # records the estimate; --bf16-update
+        planning.instrument(results, model, cfg, optimizer)  # records the estimate and the model's size
+        optimizer = bf16.updates(optimizer, cfg, results)  # --bf16-update (training/techniques/bf16.py)
         model, optimizer = fabric.setup(model, optimizer)
 
     train_loader, val_loader, test_loader = fabric.setup_dataloaders(*data.loaders(splits, cfg, fabric))
