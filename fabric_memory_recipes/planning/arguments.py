@@ -22,6 +22,7 @@ from fabric_memory_recipes.planning.planner import calibration
 from fabric_memory_recipes.planning.planner.cli import gpu_kind
 from fabric_memory_recipes.planning.planner.fit import MODES, OPTIMIZERS, PRECISIONS
 from fabric_memory_recipes.planning.your_model.sets import MAY_CHANGE
+from fabric_memory_recipes.training import cli
 from fabric_memory_recipes.training.your_model import models, runner
 
 MODES_HELP = """fmr-estimate: predicted peak memory, and what fits a card. Its modes:
@@ -114,17 +115,10 @@ def build() -> Parser:
     y.add_argument("--measure-steps", type=at_least(4), default=15, metavar="N", help="optimizer steps per measured set")
     y.add_argument("--measure-dir", type=output_folder("--measure-dir"), metavar="DIR",
                    help="where --measure writes plan.json, plan.md and the runs (default: runs/fit/<model>-<SIZE>)")  # fmt: skip
-    cls = runner.YourModelConfig  # RunConfig's flags and your model's technique set
-    titles = {**cls.GROUPS, "technique": "your model's technique set (--model SOURCE:NAME)"}
-    groups = {key: p.add_argument_group(title) for key, title in titles.items()}
-    for fld in cls.flag_fields():
-        if fld.name == "optimizer":  # the estimate's --optimizer above, for both
-            continue
-        options = {k: v for k, v in fld.metadata.items() if k not in ("group", "help")}
-        if fld.name == "data":
-            options["choices"] = tuple(dict.fromkeys((*RunConfig.DATA_CHOICES, *cls.DATA_CHOICES)))
-        flag = "--" + fld.name.replace("_", "-")
-        groups[fld.metadata["group"]].add_argument(flag, default=None, help=_help(fld.name), **options)
+    cls = runner.YourModelConfig  # RunConfig's flags and your model's technique set; the estimate's --optimizer
+    cli.add_flags(p, cls, help_of=_help, data_choices=tuple(dict.fromkeys((*RunConfig.DATA_CHOICES, *cls.DATA_CHOICES))),
+                  skip=("optimizer",), titles={**cls.GROUPS, "technique": "your model's technique set (--model SOURCE:NAME)"})  # fmt: skip
+    p.set_defaults(**{f.name: None for f in cls.flag_fields() if f.name != "optimizer"})  # filled after parsing
     return p
 
 

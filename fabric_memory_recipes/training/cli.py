@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -27,15 +27,26 @@ def build_parser(rung: RunConfig, description: str = "") -> argparse.ArgumentPar
     choices (``DATA_CHOICES``) and the help of ``--data``, ``--data-dir`` and ``--model`` (``HELP``)."""
     cls = type(rung)
     p = Parser(description=description)
-    groups = {key: p.add_argument_group(title) for key, title in cls.GROUPS.items()}
-    for f in cls.flag_fields():
-        options = {k: v for k, v in f.metadata.items() if k not in ("group", "help")}
-        help_text = cls.HELP.get(f.name, f.metadata["help"])
-        if f.name == "data":
-            options["choices"] = cls.DATA_CHOICES
-        groups[f.metadata["group"]].add_argument("--" + f.name.replace("_", "-"), help=help_text, **options)
+    add_flags(p, cls)
     p.set_defaults(**{f.name: getattr(rung, f.name) for f in cls.flag_fields()})
     return p
+
+
+def add_flags(p: argparse.ArgumentParser, cls: type[RunConfig], help_of: Callable[[str], str] | None = None,
+              data_choices: tuple[str, ...] | None = None, skip: tuple[str, ...] = (),
+              titles: dict[str, str] | None = None) -> None:  # fmt: skip
+    """``cls``'s flags (its fields with a flag, but ``skip``) into ``p``, one argument group per
+    ``cls.GROUPS`` key (``titles`` may add or retitle groups), each with its help (``help_of(name)``, else
+    ``cls.HELP`` or the field's) and ``--data`` choosing from ``data_choices`` (else ``cls.DATA_CHOICES``)."""
+    groups = {key: p.add_argument_group(title) for key, title in (titles or cls.GROUPS).items()}
+    for f in cls.flag_fields():
+        if f.name in skip:
+            continue
+        options = {k: v for k, v in f.metadata.items() if k not in ("group", "help")}
+        if f.name == "data":
+            options["choices"] = data_choices or cls.DATA_CHOICES
+        help_text = help_of(f.name) if help_of else cls.HELP.get(f.name, f.metadata["help"])
+        groups[f.metadata["group"]].add_argument("--" + f.name.replace("_", "-"), help=help_text, **options)
 
 
 def detect_hardware() -> Hardware:

@@ -49,8 +49,6 @@ def parse(args: argparse.Namespace) -> tuple[argparse.Namespace, runner.YourMode
     if args.measure and not torch.cuda.is_available():
         fail("--measure runs the candidates on a CUDA GPU, and this machine has none: leave it out for the"
              " predicted ranking")  # fmt: skip
-    if args.fit and cfg.world_size > 1 and not meta_user_model(cfg.model)[2]:
-        fail(f"--fit with --devices {cfg.world_size}: FSDP shards the repeated blocks, and {cfg.model} has none found")  # fmt: skip
     if args.measure and not measure.RUNNER.is_file():
         fail(f"--measure runs {measure.RUNNER.relative_to(measure.REPO)}, which an installed wheel"
              " does not have: run it from a checkout")  # fmt: skip
@@ -64,6 +62,8 @@ def run(parsed: argparse.Namespace) -> int:
         models.check_seq_len(um, cfg.seq_len)
     except UsageError as e:
         fail(str(e))
+    if args.fit and cfg.world_size > 1 and not blocks:
+        fail(f"--fit with --devices {cfg.world_size}: FSDP shards the repeated blocks, and {cfg.model} has none found")  # fmt: skip
     if args.fit:
         return fit_main(args, cfg)
     if cfg.checkpoint_blocks and not blocks:
