@@ -106,9 +106,6 @@ def _comparison_call(rows: list[dict]) -> dict:
     return next((r["call"] for r in rows if isinstance(r.get("call"), dict)), {})
 
 
-RUNNER = "fabric_memory_recipes/tools/compare/runner.py"  # where the recorded notes' runner lives now
-
-
 def _as_today(command: str) -> str:
     """A recorded comparison command as it is typed today: the console script instead of the module."""
     return re.sub(r"^python3? -m \S*compare[._]reference(?= |$)", "fmr-compare", command)
@@ -130,8 +127,7 @@ def render_comparison_markdown(rows: list[dict], image: str | None = None) -> st
         "batch ÷ median time between optimizer steps, after the warm-up steps."
     )
     if call.get("substitution_note"):
-        note = re.sub(r"(fabric_memory_recipes/)?tools/reference_runner\.py", RUNNER, call["substitution_note"])
-        out += ["", f"Reference runs: {note}"]
+        out += ["", f"Reference runs: {call['substitution_note']}"]
     notes = [(r["rung"], r["reference_note"]) for r in rows if r.get("reference") and r.get("reference_note")]
     for rung, note in notes:
         mark = "²" if not next(r for r in rows if r["rung"] == rung).get("like_for_like", True) else "¹"
