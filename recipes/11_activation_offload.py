@@ -1,8 +1,8 @@
 """Rung 11 - activation offloading: rung 07 with the tensors saved for backward kept in host memory.
 
-In fabric_memory_recipes/training/techniques/offload.py: offload_activations, each saved activation is
-copied to pinned CPU memory on a side stream and its GPU copy released; backward prefetches the next block's back on another stream. Activation
-memory drops to what is in flight (--offload-window-mb each way, --resident-mb kept); price: PCIe, twice."""
+In fabric_memory_recipes/training/techniques/offload.py: offload_activations, each saved activation is copied
+to pinned host memory on a side stream and freed on the GPU; backward prefetches them on another. Activation
+memory drops to what is in flight (--offload-window-mb, --resident-mb); price: PCIe, twice."""
 
 import fabric_memory_recipes  # noqa: F401, I001 - first: a Ctrl-C while torch loads is one line, exit 130
 from dataclasses import dataclass
