@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from fabric_memory_recipes.config import RENAMED_FIELDS, RunConfig
+from fabric_memory_recipes.config import RunConfig
 
 GB = 1e9
 ALLOCATOR_ROUND = 512  # the CUDA caching allocator rounds every block up to a multiple of 512 bytes
@@ -163,18 +163,6 @@ def plan_for(cfg: RunConfig, **overrides: Any) -> Plan:
     )
     fields.update(overrides)
     return Plan(**fields)
-
-
-def recorded_plan(assumptions: dict[str, Any]) -> Plan:
-    """The plan a results JSON's ``estimate.assumptions`` records. A field under its former name
-    (``checkpoint``: :data:`~fabric_memory_recipes.config.RENAMED_FIELDS`) is read where the current
-    name is missing, so that the committed results/ files still read."""
-    fields = {f.name for f in dataclasses.fields(Plan)}
-    values = {k: tuple(v) if isinstance(v, list) else v for k, v in assumptions.items() if k in fields}
-    for old, new in RENAMED_FIELDS.items():
-        if old in assumptions and new not in values:
-            values[new] = tuple(assumptions[old])
-    return Plan(**values)
 
 
 # -------------------------------------------------------------------------------------------- estimate
