@@ -26,7 +26,7 @@ import torch.nn as nn
 import torchvision.models as tvm
 
 from fabric_memory_recipes.config import UsageError
-from fabric_memory_recipes.training.hf_models import TokenIds, _cached, hub_online
+from fabric_memory_recipes.training.hf_models import TokenIds, _cached, hub_online, require_transformers
 
 SOURCES = ("torchvision", "timm", "hf")
 IMAGE_CLASSES = 10  # the digits' labels: what the runner trains on
@@ -127,6 +127,7 @@ def _known(ref: str, name: str, names: list[str]) -> None:
 
 def hf_config(ref: str, name: str):
     """A local ``config.json`` (or a folder with one), else the hub's config for an id, when online."""
+    require_transformers(f"--model {ref}")
     if os.path.exists(name):
         path = os.path.join(name, "config.json") if os.path.isdir(name) else name
         try:
