@@ -17,5 +17,7 @@ def adamw8bit(needed_by: str) -> type:
     try:
         from torchao.optim import AdamW8bit  # optional: only 8-bit Adam needs it
     except ImportError:
-        raise UsageError(f"{needed_by} needs torchao (the extra 'lowbit': python3 -m pip install -e '.[lowbit]')") from None
+        raise UsageError(
+            f"{needed_by} needs torchao (the extra 'lowbit': python3 -m pip install -e '.[lowbit]')"
+        ) from None
     return AdamW8bit
