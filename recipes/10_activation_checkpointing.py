@@ -5,8 +5,8 @@ During the forward pass each block keeps only its input; the ~20 tensors it woul
 and recomputed block by block during the backward pass. Activation memory falls from "every block's
 insides" to "every block's input + one block's insides", for about one extra forward pass of compute.
 Non-reentrant checkpointing is the default; --reentrant selects the older implementation (see
-docs/10_activation_checkpointing.md for what each saves). The wrapper:
-fabric_memory_recipes/training/models.py: CheckpointedBlock.
+docs/10_activation_checkpointing.md for what each saves). The wrapping:
+fabric_memory_recipes/training/techniques/checkpointing.py: checkpoint_blocks (a CheckpointedBlock per block).
 """
 
 import fabric_memory_recipes  # noqa: F401, I001 - first: a Ctrl-C while torch loads is one line, exit 130
@@ -17,7 +17,7 @@ import torch
 
 from fabric_memory_recipes import planning
 from fabric_memory_recipes.config import RunConfig, flag
-from fabric_memory_recipes.training.techniques import bf16
+from fabric_memory_recipes.training.techniques import bf16, checkpointing
 from fabric_memory_recipes.training import data, lifecycle, loop, models
 
 
@@ -55,8 +55,8 @@ def main(cfg: CheckpointingConfig, results) -> None:
         with fabric.init_module(empty_init=False):  # rung 07: on the device, in the target dtype
             model = models.build_model(cfg.model, weights, data.NUM_CLASSES, cfg.image_size)
         models.compile_blocks(model, cfg.compile)  # fast mode: one compiled graph shared by every block
-        for i, block in enumerate(models.blocks(model)):  # rung 10: each block keeps its input only
-            model.encoder.layers[i] = models.CheckpointedBlock(block, use_reentrant=cfg.reentrant)
+        # rung 10: every EncoderBlock wrapped in a CheckpointedBlock, which keeps the block's input only
+        checkpointing.checkpoint_blocks(model, ("EncoderBlock",), use_reentrant=cfg.reentrant)
         # rung 06: plain SGD keeps no state (Adam kept two extra tensors per parameter); fused: one kernel
         optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, fused=True)
         planning.instrument(results, model, cfg, optimizer)  # records the estimate and the model's size

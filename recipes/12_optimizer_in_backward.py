@@ -5,8 +5,9 @@ parameter's gradient is complete during the backward pass, then frees the gradie
 whole model (0.61 GB in bf16 for ViT-L/16) never exist at the same time: at most a few layers' worth.
 This cannot be combined with gradient accumulation: accumulating means keeping every gradient until
 the k-th micro-batch, which is exactly what this removes. So the batch here is the micro-batch, 4, with
-no accumulation (--accumulation-steps > 1 is refused). The shared step leaves the optimizer to the hooks:
-its block marked "rung 12" in fabric_memory_recipes/training/step.py: train_step.
+no accumulation (--accumulation-steps > 1 is refused). The optimizers and their hooks:
+fabric_memory_recipes/training/techniques/step_in_backward.py: register; the shared step leaves the optimizer
+to the hooks: its block marked "rung 12" in fabric_memory_recipes/training/step.py: train_step.
 """
 
 import fabric_memory_recipes  # noqa: F401, I001 - first: a Ctrl-C while torch loads is one line, exit 130
@@ -14,7 +15,7 @@ import lightning as L
 import torch
 
 from fabric_memory_recipes import RunConfig, planning
-from fabric_memory_recipes.training.techniques import bf16
+from fabric_memory_recipes.training.techniques import bf16, step_in_backward
 from fabric_memory_recipes.training import data, lifecycle, loop, models
 
 RUNG = RunConfig(
@@ -49,21 +50,15 @@ def main(cfg: RunConfig, results) -> None:
         planning.instrument(results, model, cfg)  # records the estimate and the model's size
         model = fabric.setup(model)
         # rung 12: one SGD per parameter, stepped by a hook as soon as that parameter's gradient is ready
-        optimizers = {p: torch.optim.SGD([p], lr=cfg.lr, fused=True) for p in model.parameters()}
-
-        def step_in_backward(param):
-            optimizers[param].step()
-            optimizers[param].zero_grad(set_to_none=True)  # rung 12: the gradient is freed right away
-
+        optimizers = step_in_backward.per_parameter(model, torch.optim.SGD, lr=cfg.lr, fused=True)
         optimizers = bf16.updates(optimizers, cfg, results)  # --bf16-update, --lost-updates
-        for p in model.parameters():
-            p.register_post_accumulate_grad_hook(step_in_backward)
+        step_in_backward.register(optimizers)  # rung 12: the hook steps, then frees the gradient right away
 
     train_loader, val_loader, test_loader = fabric.setup_dataloaders(*data.loaders(splits, cfg, fabric))
     batch_fn = data.image_classification(model.image_size)
     num_steps = loop.planned_steps(len(train_loader), cfg.accumulation_steps, cfg.epochs, cfg.max_steps)
     schedulers = [torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=num_steps) for o in optimizers.values()]
-    scheduler = loop.SchedulerGroup(schedulers)  # rung 12: one schedule per optimizer, stepped as one
+    scheduler = step_in_backward.SchedulerGroup(schedulers)  # rung 12: one schedule per optimizer, as one
 
     with results.phase("train"):  # the loop steps the schedule once per optimizer step ("rung 06" there)
         # rung 12: no optimizer for the loop to step (its "rung 12" block): the hooks did it in backward

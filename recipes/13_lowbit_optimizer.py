@@ -3,8 +3,9 @@
 Rung 06 dropped Adam to save its state: two tensors per parameter, 1.21 GB in bf16 for ViT-L/16.
 torchao's AdamW8bit keeps both moments block-wise quantised to 8 bits (plus one scale per block),
 a quarter of fp32 state and half of bf16 state, and dequantises them inside the update. Adam's
-convergence, at 0.61 GB of state. Needs torchao (`pip install -e ".[lowbit]"`). The optimizer is torchao's;
-it steps in fabric_memory_recipes/training/step.py: train_step, and the planner reads its state size in
+convergence, at 0.61 GB of state. Needs torchao (`pip install -e ".[lowbit]"`). The optimizer is torchao's
+(fabric_memory_recipes/training/techniques/lowbit.py: adamw8bit); it steps in
+fabric_memory_recipes/training/step.py: train_step, and the planner reads its state size in
 fabric_memory_recipes/planning/simulation/built.py: optimizer_technique.
 """
 
@@ -13,8 +14,8 @@ import lightning as L
 import torch
 
 from fabric_memory_recipes import planning
-from fabric_memory_recipes.config import RunConfig, UsageError
-from fabric_memory_recipes.training.techniques import bf16
+from fabric_memory_recipes.config import RunConfig
+from fabric_memory_recipes.training.techniques import bf16, lowbit
 from fabric_memory_recipes.training import data, lifecycle, loop, models
 
 RUNG = RunConfig(
@@ -29,10 +30,7 @@ RUNG = RunConfig(
 
 
 def main(cfg: RunConfig, results) -> None:
-    try:
-        from torchao.optim import AdamW8bit  # an optional dependency: only this rung needs it
-    except ImportError:
-        raise UsageError('this rung needs torchao: python3 -m pip install -e ".[lowbit]"') from None
+    AdamW8bit = lowbit.adamw8bit("rung 13")  # torchao's class: an optional dependency, asked for first
     torch.set_float32_matmul_precision("high" if cfg.tf32 else "highest")  # "high" = TF32 matmuls
     fabric = L.Fabric(accelerator=cfg.accelerator, devices=cfg.devices, num_nodes=cfg.num_nodes,
                       precision=cfg.precision, loggers=results.fabric_loggers())  # fmt: skip

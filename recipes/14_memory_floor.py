@@ -1,8 +1,8 @@
 """Rung 14 - the memory floor: everything that lowers memory, combined, still a full fine-tune that learns.
 
 Lines marked `# rung NN` are those rungs' techniques: bf16-true weights built in place (03, 07), SGD (06),
-the step inside backward (12), checkpointed blocks (10: fabric_memory_recipes/training/models.py:
-CheckpointedBlock) whose inputs go to host memory (11: fabric_memory_recipes/training/techniques/offload.py:
+the step inside backward (12), checkpointed blocks (10: fabric_memory_recipes/training/techniques/checkpointing.py:
+checkpoint_blocks) whose inputs go to host memory (11: fabric_memory_recipes/training/techniques/offload.py:
 offload_activations), micro-batch 4; plus expandable segments. On the GPU: 0.61 GB weights, ~0.1 GB in flight."""
 
 import fabric_memory_recipes  # noqa: F401, I001 - first: a Ctrl-C while torch loads is one line, exit 130
@@ -15,7 +15,7 @@ import torch
 
 from fabric_memory_recipes import RunConfig, planning
 from fabric_memory_recipes.training import data, lifecycle, loop, models
-from fabric_memory_recipes.training.techniques import bf16, offload
+from fabric_memory_recipes.training.techniques import bf16, checkpointing, offload, step_in_backward
 
 RUNG = RunConfig(
     recipe="14_memory_floor",
@@ -45,20 +45,13 @@ def main(cfg: RunConfig, results) -> None:
         with fabric.init_module(empty_init=False):  # rung 07: on the device, in the target dtype
             model = models.build_model(cfg.model, weights, data.NUM_CLASSES, cfg.image_size)
         models.compile_blocks(model, cfg.compile)  # fast mode: one compiled graph shared by every block
-        for i, block in enumerate(models.blocks(model)):  # rung 10: each block keeps its input only
-            model.encoder.layers[i] = models.CheckpointedBlock(block)
+        checkpointing.checkpoint_blocks(model, ("EncoderBlock",))  # rung 10: each block keeps its input only
         planning.instrument(results, model, cfg)  # records the estimate and the model's size
         model = fabric.setup(model)
         # rung 12: one SGD per parameter, stepped by a hook as soon as that parameter's gradient is ready
-        optimizers = {p: torch.optim.SGD([p], lr=cfg.lr, fused=True) for p in model.parameters()}
-
-        def step_in_backward(param):
-            optimizers[param].step()
-            optimizers[param].zero_grad(set_to_none=True)  # rung 12: the gradient is freed right away
-
+        optimizers = step_in_backward.per_parameter(model, torch.optim.SGD, lr=cfg.lr, fused=True)
         optimizers = bf16.updates(optimizers, cfg, results)  # --bf16-update, --lost-updates
-        for p in model.parameters():
-            p.register_post_accumulate_grad_hook(step_in_backward)
+        step_in_backward.register(optimizers)  # rung 12: the hook steps, then frees the gradient right away
     train_loader, val_loader, test_loader = fabric.setup_dataloaders(*data.loaders(splits, cfg, fabric))
     image_batch = data.image_classification(model.image_size)
     offloaded = offload.offload_activations()  # rung 11: one set of pinned host buffers, reused
@@ -68,7 +61,7 @@ def main(cfg: RunConfig, results) -> None:
             return image_batch(model, batch)
     num_steps = loop.planned_steps(len(train_loader), cfg.accumulation_steps, cfg.epochs, cfg.max_steps)
     schedulers = [torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=num_steps) for o in optimizers.values()]
-    scheduler = loop.SchedulerGroup(schedulers)  # rung 12: one schedule per optimizer, stepped as one
+    scheduler = step_in_backward.SchedulerGroup(schedulers)  # rung 12: one schedule per optimizer, as one
     with results.phase("train"):  # rung 12: no optimizer for the loop to step, the hooks did it
         loop.fit(fabric, model, None, train_loader, batch_fn, cfg, results, scheduler=scheduler)
     results.extra["offloaded_gb_per_micro_batch"] = offloaded.host_bytes() / 1e9  # to the host and back

@@ -16,7 +16,7 @@ import torch
 from fabric_memory_recipes import planning
 from fabric_memory_recipes.config import BOOL, RunConfig, UsageError, flag
 from fabric_memory_recipes.training import data, lifecycle, loop, models
-from fabric_memory_recipes.training.techniques import offload, weights_offload
+from fabric_memory_recipes.training.techniques import checkpointing, offload, weights_offload
 
 
 @dataclass
@@ -51,8 +51,8 @@ def main(cfg: WeightsOnCPUConfig, results) -> None:
     results.set(data_source=splits.source, weights="pretrained" if weights else "random")
     with results.phase("model_load"):
         model = models.build_model(cfg.model, weights, data.NUM_CLASSES, cfg.image_size)  # rung 16: CPU, fp32
-        for i, block in enumerate(models.blocks(model) if cfg.checkpointing else []):  # rung 10
-            model.encoder.layers[i] = models.CheckpointedBlock(block)
+        if cfg.checkpointing:  # rung 10: each block keeps its input only
+            checkpointing.checkpoint_blocks(model, ("EncoderBlock",))
         planning.instrument(results, model, cfg)  # records the estimate and the model's size
         adam = lambda params: torch.optim.Adam(params, lr=cfg.lr, fused=True)  # noqa: E731 - rung 16: CPU kernel
         # rung 16: the weights become fp32 masters on the host, one Adam per block; the model keeps bf16 views

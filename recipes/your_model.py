@@ -19,7 +19,7 @@ from lightning.fabric.strategies import FSDPStrategy
 
 from fabric_memory_recipes.planning.your_model import estimate
 from fabric_memory_recipes.training import data, lifecycle, loop
-from fabric_memory_recipes.training.techniques import offload
+from fabric_memory_recipes.training.techniques import checkpointing, offload, step_in_backward
 from fabric_memory_recipes.training.your_model import models, runner
 
 RUNG = runner.default_config()
@@ -47,11 +47,11 @@ def main(cfg: runner.YourModelConfig, results) -> None:
         with fabric.init_module(empty_init=False):  # on the device, in the precision's dtype
             model = models.build(um)
         results.estimate, results.extra["predicted_card"] = estimate.for_user_run(model, um, cfg, blocks)
-        if cfg.checkpoint_blocks:  # recompute each block's inside in backward; keep its input only
-            results.extra["checkpointed_blocks"] = runner.checkpoint_blocks(model, blocks)
+        if cfg.checkpoint_blocks:  # rung 10: recompute each block's inside in backward; keep its input only
+            results.extra["checkpointed_blocks"] = checkpointing.checkpoint_blocks(model, blocks)
         if cfg.optimizer_in_backward:  # rung 12: each parameter stepped as soon as its gradient is ready
             model = fabric.setup_module(model)
-            runner.step_in_backward(cfg, model)
+            step_in_backward.register(step_in_backward.per_parameter(model, lambda ps: runner.make_optimizer(cfg, ps)))
             optimizer = None
         else:
             model = fabric.setup_module(model)  # with FSDP: shard first, then the optimizer over the shards

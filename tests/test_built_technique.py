@@ -13,6 +13,7 @@ from fabric_memory_recipes.planning.simulation.built import (
 )
 from fabric_memory_recipes.planning.simulation.simulate import for_run
 from fabric_memory_recipes.training import models
+from fabric_memory_recipes.training.techniques.checkpointing import CheckpointedBlock
 
 
 class Block(torch.nn.Module):
@@ -45,7 +46,7 @@ def test_the_optimizer_is_read_from_the_built_one(make, expected):
 
 
 def test_checkpointed_blocks_are_the_wrapped_classes():
-    model = torch.nn.Sequential(models.CheckpointedBlock(Block()), Block())
+    model = torch.nn.Sequential(CheckpointedBlock(Block()), Block())
     assert checkpointed_blocks(model) == ("Block",)
     assert checkpointed_blocks(torch.nn.Sequential(Block())) == ()
 

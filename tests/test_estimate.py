@@ -17,6 +17,7 @@ from fabric_memory_recipes.config import RunConfig
 from fabric_memory_recipes.measurement.report import render
 from fabric_memory_recipes.planning.__main__ import main as estimate_main
 from fabric_memory_recipes.training import data, models
+from fabric_memory_recipes.training.techniques.checkpointing import CheckpointedBlock
 
 GB = 1e9
 
@@ -259,7 +260,7 @@ def test_frozen_blocks_save_less_and_checkpointing_shrinks_activations():
     assert ckpt[0] < full[0] / 3
     # a model that checkpoints itself (rung 10's CheckpointedBlock) saves what the plan predicts
     for i, block in enumerate(models.blocks(model)):
-        model.encoder.layers[i] = models.CheckpointedBlock(block)
+        model.encoder.layers[i] = CheckpointedBlock(block)
     assert real_saved(model, batch, fn) == ckpt
 
 
@@ -304,7 +305,7 @@ def test_simulated_peak_matches_a_real_cpu_step(k, optimizer, checkpoint):
     predicted = planning.simulate(model, plan, make_batch=lambda: batch, batch_fn=fn).peak_gb * GB
     if checkpoint:
         for i, block in enumerate(models.blocks(model)):
-            model.encoder.layers[i] = models.CheckpointedBlock(block)
+            model.encoder.layers[i] = CheckpointedBlock(block)
     cls = torch.optim.Adam if optimizer == "adam" else torch.optim.SGD
     measured = measured_cpu_peak(model, cls(model.parameters(), lr=1e-3, foreach=False), batch, fn, k)
     assert predicted == pytest.approx(measured, rel=0.02)

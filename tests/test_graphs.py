@@ -17,6 +17,7 @@ import torch
 from tiny import batch_fn, loader, make_log, settings, tiny_data, tiny_model
 
 from fabric_memory_recipes.training import graphs, loop, loop_plumbing
+from fabric_memory_recipes.training.techniques.step_in_backward import SchedulerGroup
 
 
 class FakeGraph:
@@ -128,7 +129,7 @@ def test_step_counters_move_to_the_device_and_capturable_is_set():
 def test_optimizers_behind_a_scheduler_group_are_found():
     params = [torch.nn.Parameter(torch.randn(2)) for _ in range(3)]
     opts = [torch.optim.SGD([p], lr=0.1) for p in params]
-    group = loop.SchedulerGroup(torch.optim.lr_scheduler.StepLR(o, 1) for o in opts)
+    group = SchedulerGroup(torch.optim.lr_scheduler.StepLR(o, 1) for o in opts)
     assert graphs.base_optimizers(None, group) == opts
     single = torch.optim.SGD(params, lr=0.1)
     assert graphs.base_optimizers(single, torch.optim.lr_scheduler.StepLR(single, 1)) == [single]

@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from fabric_memory_recipes import faults
 from fabric_memory_recipes.training import data, loop, models
+from fabric_memory_recipes.training.techniques.step_in_backward import SchedulerGroup
 
 
 def make_optimizer(kind: str, params, lr: float):
@@ -273,7 +274,7 @@ def test_warmup_multiplies_the_rungs_own_schedule(fabric, own):
     log = make_log()
     counter = StepCounter(opt, log)
     cosine = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=n) if own != "none" else None
-    sched = loop.SchedulerGroup([cosine]) if own == "per-parameter" else cosine
+    sched = SchedulerGroup([cosine]) if own == "per-parameter" else cosine
     model, opt = fabric.setup(model, opt)
     loop.fit(fabric, model, opt, loader(x, y, 2), batch_fn, settings(warmup_steps=warm), log, scheduler=sched)
     assert counter.calls == n

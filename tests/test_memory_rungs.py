@@ -1,13 +1,15 @@
 """Rungs 10-15 and resumable runs: each technique changes memory, never the numbers it computes.
 
 - the optimizer step fused into backward gives the parameters the ordinary step gives (SGD);
-- checkpointed blocks (reentrant or not) give the gradients of plain blocks;
+- checkpointed blocks (reentrant or not) give the gradients of plain blocks, whatever their calls;
 - offloaded activations give the gradients of the plain run, and the weights are never offloaded;
 - a run interrupted and resumed from its checkpoint ends with the uninterrupted run's parameters;
 - the new rungs run tiny on CPU and learn (in this interpreter: conftest.run_recipe_inprocess).
 """
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -16,9 +18,10 @@ import torch.nn.functional as F
 from conftest import describe, run_recipe_inprocess
 from torch.utils.data import DataLoader, TensorDataset
 
-from fabric_memory_recipes.config import RunConfig
+from fabric_memory_recipes.config import RunConfig, UsageError
 from fabric_memory_recipes.measurement.results import RunResults
 from fabric_memory_recipes.training import checkpoints, loop, models
+from fabric_memory_recipes.training.techniques import checkpointing, step_in_backward
 from fabric_memory_recipes.training.techniques.offload import offload_activations
 
 TINY = ("--accelerator", "cpu", "--model", "vit_tiny", "--data", "synthetic", "--weights", "none")
@@ -78,16 +81,14 @@ def test_optimizer_in_backward_equals_the_ordinary_step(fabric):
     loop.fit(fabric, m1, optimizer, fabric.setup_dataloaders(data_loader()), batch_fn, six, make_log())
 
     m2 = fabric.setup(fused)
-    optimizers = {p: torch.optim.SGD([p], lr=0.1) for p in m2.parameters()}
+    step_in_backward.register(step_in_backward.per_parameter(m2, torch.optim.SGD, lr=0.1))  # rungs 12, 14
     seen_grads = []
 
-    def step_in_backward(p):
-        optimizers[p].step()
-        optimizers[p].zero_grad(set_to_none=True)
+    def count_gradients(_):  # runs after the step's own hook: the gradients that still exist
         seen_grads.append(sum(q.grad is not None for q in m2.parameters()))
 
     for p in m2.parameters():
-        p.register_post_accumulate_grad_hook(step_in_backward)
+        p.register_post_accumulate_grad_hook(count_gradients)
     log = make_log()
     loop.fit(fabric, m2, None, fabric.setup_dataloaders(data_loader()), batch_fn, six, log)
 
@@ -108,8 +109,7 @@ def _vit_grads(wrap: str | None, seed: int = 0) -> tuple[torch.Tensor, dict[str,
     torch.manual_seed(seed)
     model = models.build_model("vit_tiny", None)
     if wrap is not None:
-        for i, block in enumerate(models.blocks(model)):
-            model.encoder.layers[i] = models.CheckpointedBlock(block, use_reentrant=wrap == "reentrant")
+        assert checkpointing.checkpoint_blocks(model, ("EncoderBlock",), use_reentrant=wrap == "reentrant") == 2
     x = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(1))
     loss = F.cross_entropy(model(x), torch.tensor([0, 1, 2, 3]))
     loss.backward()
@@ -132,8 +132,7 @@ def test_checkpointing_saves_fewer_activation_bytes():
         torch.manual_seed(0)
         model = models.build_model("vit_tiny", None)
         if wrap:
-            for i, block in enumerate(models.blocks(model)):
-                model.encoder.layers[i] = models.CheckpointedBlock(block)
+            checkpointing.checkpoint_blocks(model, ("EncoderBlock",))
         params = {p.data_ptr() for p in model.parameters()}
         total = 0
 
@@ -148,6 +147,38 @@ def test_checkpointing_saves_fewer_activation_bytes():
         return total
 
     assert saved_bytes(True) < 0.5 * saved_bytes(False)
+
+
+class _Layer(torch.nn.Module):
+    """A block called with keyword arguments, whose model reads an attribute of it (as transformers' do)."""
+
+    kind = "full_attention"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x, *, scale=1.0):
+        return torch.tanh(self.linear(x)) * scale
+
+
+def test_checkpoint_blocks_wraps_every_named_block_once_and_keeps_its_calls():
+    """The one checkpointing of the ladder and the your-model runner: every module of a named class, at any
+    depth, keyword arguments passed on, the block's attributes read through, the same gradients; a model
+    without such a block is refused in one line."""
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(_Layer(), torch.nn.Sequential(_Layer(), torch.nn.ReLU()))
+    wrapped = copy.deepcopy(plain)
+    assert checkpointing.checkpoint_blocks(wrapped, ("_Layer",)) == 2
+    assert [type(m).__name__ for m in wrapped.modules()].count("CheckpointedBlock") == 2
+    assert wrapped[0].kind == "full_attention" and isinstance(wrapped[1][0].block, _Layer)
+    x = torch.randn(3, 4)
+    for model in (plain, wrapped):
+        model[1][0](model[0](x), scale=2.0).sum().backward()
+    for a, b in zip(plain.parameters(), wrapped.parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad)
+    with pytest.raises(UsageError, match="no repeated blocks"):
+        checkpointing.checkpoint_blocks(torch.nn.Linear(2, 2), ("EncoderBlock",))
 
 
 def test_offloaded_activations_give_the_plain_gradients_and_skip_weights():

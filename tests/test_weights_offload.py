@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torchvision.models.vision_transformer import VisionTransformer
 
 from fabric_memory_recipes.training import models
+from fabric_memory_recipes.training.techniques.checkpointing import CheckpointedBlock
 from fabric_memory_recipes.training.techniques.weights_offload import WeightsOnCPU
 
 LR = 1e-3
@@ -26,7 +27,7 @@ def _model(checkpointing: bool = False, layers: int = 2) -> torch.nn.Module:
     )
     if checkpointing:
         for i, block in enumerate(models.blocks(model)):
-            model.encoder.layers[i] = models.CheckpointedBlock(block)
+            model.encoder.layers[i] = CheckpointedBlock(block)
     return model
 
 

@@ -17,6 +17,7 @@ from fabric_memory_recipes.planning.simulation.allocator import RESIDUAL
 from fabric_memory_recipes.planning.simulation.tracking import SavedTensorCounter, Tracker
 from fabric_memory_recipes.planning.your_model import estimate
 from fabric_memory_recipes.training import cli
+from fabric_memory_recipes.training.techniques import checkpointing
 from fabric_memory_recipes.training.your_model import models, runner
 
 VOCAB = 150_000  # a large vocabulary: the logits dominate
@@ -312,7 +313,7 @@ def real_step_peak(model, optimizer, batch, fn) -> float:
 @pytest.mark.parametrize("ref", ["torchvision:resnet18", "timm:test_convnext", "timm:test_vit"])
 @pytest.mark.parametrize("checkpoint", [False, True])
 def test_simulated_peak_is_a_real_cpu_steps_with_the_runners_checkpointing(ref, checkpoint):
-    """Convolutional and ViT models, checkpointed by the runner's own wrapper (user_run.checkpoint_blocks)
+    """Convolutional and ViT models, checkpointed by the runner's wrapper (the ladder's: checkpointing.checkpoint_blocks)
     around the blocks the estimator finds (one repeated_blocks list): the simulated peak, made on fake
     tensors with the estimator's wrapper, is the real step's to a few KB."""
     from fabric_memory_recipes.training import data
@@ -326,7 +327,7 @@ def test_simulated_peak_is_a_real_cpu_steps_with_the_runners_checkpointing(ref, 
     batch, fn = (images, torch.randint(0, 10, (4,))), data.image_classification(96)
     est = estimate.simulate(model, plan, make_batch=lambda: batch, batch_fn=fn)
     if checkpoint:
-        assert runner.checkpoint_blocks(model, blocks) >= 2
+        assert checkpointing.checkpoint_blocks(model, blocks) >= 2
     measured = real_step_peak(model, torch.optim.SGD(model.parameters(), lr=1e-3, fused=True), batch, fn)
     assert est.peak_gb * 1e9 == pytest.approx(measured, abs=16 * 1024)
     assert est.components_gb["activations"] > 0

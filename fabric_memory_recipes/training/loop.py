@@ -26,8 +26,9 @@ from fabric_memory_recipes.training.loop_plumbing import (
     planned_steps,
 )
 from fabric_memory_recipes.training.step import accumulation_groups, train_step
+from fabric_memory_recipes.training.techniques.step_in_backward import SchedulerGroup
 
-__all__ = ["SchedulerGroup", "evaluate", "evaluate_splits", "fit", "planned_steps", "with_warmup"]
+__all__ = ["evaluate", "evaluate_splits", "fit", "planned_steps", "with_warmup"]
 
 
 def fit(fabric, model, optimizer, train_loader, batch_fn: BatchFn, cfg: RunConfig, results: RunResults,
@@ -52,25 +53,6 @@ def fit(fabric, model, optimizer, train_loader, batch_fn: BatchFn, cfg: RunConfi
             scheduler.step()  # rung 06: the learning rate follows its schedule, once per optimizer step
         run.step_done(group)  # count, time, log, checkpoint; a stop request ends the loop here
     run.finish()  # raises faults.Interrupted if a signal stopped the run before its last step
-
-
-class SchedulerGroup:
-    """Several learning-rate schedulers stepped (and checkpointed) as one: with one optimizer per
-    parameter (rung 12: the optimizer step fused into backward) every optimizer has its own schedule."""
-
-    def __init__(self, schedulers) -> None:
-        self.schedulers = list(schedulers)
-
-    def step(self) -> None:
-        for scheduler in self.schedulers:
-            scheduler.step()
-
-    def state_dict(self) -> dict:
-        return {"schedulers": [s.state_dict() for s in self.schedulers]}
-
-    def load_state_dict(self, state: dict) -> None:
-        for scheduler, saved in zip(self.schedulers, state["schedulers"], strict=True):
-            scheduler.load_state_dict(saved)
 
 
 def with_warmup(optimizer, scheduler, steps: int):

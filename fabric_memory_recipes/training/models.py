@@ -11,7 +11,6 @@ import os
 import torch
 import torch.nn as nn
 import torchvision.models as tvm
-from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 from torchvision.models.vision_transformer import VisionTransformer
 
@@ -123,26 +122,6 @@ def compile_blocks(model, enabled: bool) -> None:
     if enabled:
         for block in blocks(model):
             block.compile()
-
-
-class CheckpointedBlock(torch.nn.Module):
-    """Rung 10: runs ``block`` under ``torch.utils.checkpoint``. In the forward pass only the block's
-    input is kept; the tensors inside the block are recomputed during the backward pass.
-
-    ``use_reentrant=False`` (the default here and PyTorch's recommendation) recomputes through
-    saved-tensor hooks: it works when the input does not require grad, supports keyword arguments,
-    and stops recomputing as soon as the tensors it needs are rebuilt. ``use_reentrant=True`` re-runs
-    the block inside a custom autograd Function during backward and needs an input that requires
-    grad; it is the older implementation.
-    """
-
-    def __init__(self, block: torch.nn.Module, use_reentrant: bool = False) -> None:
-        super().__init__()
-        self.block = block
-        self.use_reentrant = use_reentrant
-
-    def forward(self, x):
-        return checkpoint(self.block, x, use_reentrant=self.use_reentrant)
 
 
 def training_flops(name: str, batch_size: int, num_classes: int = 10) -> int:

@@ -1,6 +1,7 @@
 """The runner for a model the user names (``recipes/your_model.py``): its flags (:class:`YourModelConfig`:
 the shared ones plus the technique set as flags, which the estimator and ``--fit`` read too), its data
-and batch function, its optimizer and its activation checkpointing.
+and batch function, and its optimizer. The techniques it applies are the ladder's own
+(``training/techniques/``: checkpointing, offload, step_in_backward, lowbit).
 
 Data: ``--data auto`` trains an image model on scikit-learn's digits (real, offline) and a text model on
 IMDb when present (training/data/text.py), else on the synthetic token stand-in of the same shape;
@@ -14,15 +15,11 @@ import os
 from typing import Any, ClassVar
 
 import torch
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-    CheckpointImpl,
-    apply_activation_checkpointing,
-    checkpoint_wrapper,
-)
 
 from fabric_memory_recipes.config import BOOL, RunConfig, UsageError, at_least, flag
 from fabric_memory_recipes.training import data
 from fabric_memory_recipes.training.data import text
+from fabric_memory_recipes.training.techniques import lowbit
 from fabric_memory_recipes.training.your_model import models
 from fabric_memory_recipes.training.your_model.models import UserModel
 
@@ -137,41 +134,11 @@ def _tokenizer(cfg: YourModelConfig, um: UserModel):
     return tok
 
 
-def checkpoint_blocks(model: Any, blocks: tuple[str, ...]) -> int:
-    """Wrap every module of a class in ``blocks`` in non-reentrant activation checkpointing (torch's
-    ``checkpoint_wrapper``, what Fabric's ``activation_checkpointing_policy`` applies); returns how many."""
-    if not blocks:
-        raise UsageError("--checkpoint-blocks: no repeated blocks found in this model")
-    count = sum(type(m).__name__ in blocks for m in model.modules())
-    wrapper = lambda m: checkpoint_wrapper(m, checkpoint_impl=CheckpointImpl.NO_REENTRANT)  # noqa: E731
-    apply_activation_checkpointing(model, wrapper, check_fn=lambda m: type(m).__name__ in blocks)
-    return count
-
-
 def make_optimizer(cfg: YourModelConfig, params: list) -> Any:
     """The optimizer the flags name (fused kernels where torch has them)."""
-    if cfg.optimizer == "adamw8bit":
-        try:
-            from torchao.optim import AdamW8bit
-        except ImportError:
-            raise UsageError(
-                "--optimizer adamw8bit needs torchao (pip install 'fabric-memory-recipes[lowbit]')"
-            ) from None
-        return AdamW8bit(params, lr=cfg.lr)
+    if cfg.optimizer == "adamw8bit":  # rung 13's 8-bit state
+        return lowbit.adamw8bit("--optimizer adamw8bit")(params, lr=cfg.lr)
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, fused=True)
     cls = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
     return cls(params, lr=cfg.lr, fused=True)
-
-
-def step_in_backward(cfg: YourModelConfig, model: Any) -> dict:
-    """Rung 12's technique: one optimizer per parameter, stepped by a hook when its gradient is ready."""
-    optimizers = {p: make_optimizer(cfg, [p]) for p in model.parameters() if p.requires_grad}
-
-    def step(param):
-        optimizers[param].step()
-        optimizers[param].zero_grad(set_to_none=True)
-
-    for p in optimizers:
-        p.register_post_accumulate_grad_hook(step)
-    return optimizers

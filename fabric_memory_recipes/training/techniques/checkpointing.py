@@ -1,0 +1,72 @@
+"""Activation checkpointing (rung 10; rungs 14 and 16, and ``recipes/your_model.py --checkpoint-blocks``).
+
+:func:`checkpoint_blocks` wraps every module of the named classes (the model's repeated blocks) in a
+:class:`CheckpointedBlock`: in the forward pass only the block's input is kept, and the tensors inside
+the block are recomputed during the backward pass. The ladder's recipes and the your-model runner call
+it; the estimator finds the wrapped blocks by the wrapper's class name (``planning.plan.CHECKPOINT_WRAPPERS``).
+
+``mode`` says what a checkpointed block keeps: ``full`` keeps its input only (everything inside is
+recomputed). It is the one mode so far; a policy that keeps some of the inside (selective
+checkpointing) is another value of ``mode``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from fabric_memory_recipes.config import UsageError
+
+MODES = ("full",)  # what a checkpointed block keeps: "full", its input only
+
+
+class CheckpointedBlock(torch.nn.Module):
+    """Rung 10: runs ``block`` under ``torch.utils.checkpoint``. In the forward pass only the block's
+    input is kept; the tensors inside the block are recomputed during the backward pass.
+
+    ``use_reentrant=False`` (the default here and PyTorch's recommendation) recomputes through
+    saved-tensor hooks: it works when the input does not require grad, supports keyword arguments,
+    and stops recomputing as soon as the tensors it needs are rebuilt. ``use_reentrant=True`` re-runs
+    the block inside a custom autograd Function during backward and needs an input that requires
+    grad; it is the older implementation.
+
+    An attribute the wrapper lacks is read from the block (a model's forward may ask its layers for
+    one, as from any layer it built)."""
+
+    def __init__(self, block: torch.nn.Module, use_reentrant: bool = False) -> None:
+        super().__init__()
+        self.block = block
+        self.use_reentrant = use_reentrant
+
+    def forward(self, *args, **kwargs):
+        return checkpoint(self.block, *args, use_reentrant=self.use_reentrant, **kwargs)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "block":  # not yet set (during __init__): nothing to read through
+                raise
+            return getattr(self.block, name)
+
+
+def checkpoint_blocks(model: torch.nn.Module, blocks: tuple[str, ...], mode: str = "full",
+                      use_reentrant: bool = False) -> int:  # fmt: skip
+    """Wrap every module of ``model`` whose class is named in ``blocks`` in a :class:`CheckpointedBlock`
+    (in place, in its parent); returns how many were wrapped, and refuses (one line, exit 2) a model that
+    has none of them. ``mode``: :data:`MODES`."""
+    if mode not in MODES:
+        raise ValueError(f"checkpointing mode {mode!r}: expected one of {', '.join(MODES)}")
+    found = [
+        (parent, name, child)
+        for parent in model.modules()
+        if not isinstance(parent, CheckpointedBlock)
+        for name, child in parent.named_children()
+        if type(child).__name__ in blocks
+    ]
+    if not found:
+        named = ", ".join(blocks) or "none named"
+        raise UsageError(f"activation checkpointing: no repeated blocks found in this model ({named})")
+    for parent, name, child in found:
+        setattr(parent, name, CheckpointedBlock(child, use_reentrant=use_reentrant))
+    return len(found)
