@@ -152,7 +152,7 @@ def export_timeline(
     totals = [sum(v[j] for v in per_category.values()) for j in range(len(ms))]
     # What the profiler could not attribute to a tensor's role: on a CPU mostly the optimizer kernel's own
     # scratch (the fused Adam step's temporaries), whose size follows the CPU's kernels, not the model.
-    attributed = [t - u for t, u in zip(totals, per_category.get("unknown", [0.0] * len(ms)))]
+    attributed = [t - u for t, u in zip(totals, per_category.get("unknown", [0.0] * len(ms)), strict=True)]
     png = f"{prefix}.png"
     _plot(ms, per_category, spans, png, title, predicted, device)
     keep = max(1, len(ms) // MAX_POINTS)

@@ -46,7 +46,8 @@ WHERE = {
     FIT: "the ladder's --fit SIZE (your own model's: --model SOURCE:NAME --fit SIZE)",
     YOURS: "--model SOURCE:NAME",
 }
-YOURS_ONLY = ("seq_len", "checkpoint_blocks", "activation_offload", "optimizer_in_backward", "fsdp", "tokenizer")
+YOURS_ONLY = ("seq_len", "checkpoint_blocks", "checkpoint_mode", "fused_loss", "activation_offload", "optimizer_in_backward",
+              "fsdp", "tokenizer")
 FIT_BATCH = 16  # the ladder planner's effective batch unless --batch-size
 
 

@@ -27,6 +27,7 @@ import os
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
 
 from fabric_memory_recipes.config import UsageError
 from fabric_memory_recipes.training.data.text_samples import IGNORE_INDEX
@@ -72,14 +73,15 @@ def fuse_output_embeddings(model: torch.nn.Module) -> HiddenStates:
     return stand_in
 
 
-def backend(device: torch.device) -> str:
-    """The implementation a tensor on ``device`` gets: Liger's kernel on CUDA when installed, else torch."""
+def backend(hidden: torch.Tensor) -> str:
+    """The implementation ``hidden`` gets: Liger's kernel for a real CUDA tensor when liger-kernel is
+    installed, else torch (the CPU, and the estimator's fake tensors, which no kernel can read)."""
     forced = os.environ.get("FMR_FUSED_LOSS")
-    if forced is not None and forced not in BACKENDS:
+    if forced and forced not in BACKENDS:
         raise UsageError(f"FMR_FUSED_LOSS={forced}: one of {', '.join(BACKENDS)}")
-    if forced:
-        return forced
-    return "liger" if device.type == "cuda" and importlib.util.find_spec("liger_kernel") else "torch"
+    if is_fake(hidden) or hidden.device.type != "cuda":
+        return "torch"
+    return forced or ("liger" if importlib.util.find_spec("liger_kernel") else "torch")
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -89,7 +91,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
         dtype = torch.get_autocast_dtype(hidden.device.type)
         hidden, weight = hidden.to(dtype), weight.to(dtype)
     with torch.autocast(hidden.device.type, enabled=False):
-        if backend(hidden.device) == "liger":
+        if backend(hidden) == "liger":
             from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
             return LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX)(weight, hidden, targets)
@@ -111,12 +113,13 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         keep = targets != IGNORE_INDEX
         count = keep.sum().clamp(min=1)
         grad_hidden = torch.zeros_like(hidden) if hidden.requires_grad else None
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if weight.requires_grad else None
-        loss = torch.zeros((), device=hidden.device, dtype=torch.float32)
+        wide = torch.promote_types(hidden.dtype, torch.float32)  # the softmax's and the sums' dtype
+        grad_weight = torch.zeros_like(weight, dtype=wide) if weight.requires_grad else None
+        loss = torch.zeros((), device=hidden.device, dtype=wide)
         step = chunk_rows(rows, weight.shape[0], weight.shape[1])
         for start in range(0, rows, step):
             h, t = hidden[start : start + step], targets[start : start + step]
-            logits = (h @ weight.t()).float()
+            logits = (h @ weight.t()).to(wide)
             loss = loss + F.cross_entropy(logits, t, ignore_index=IGNORE_INDEX, reduction="sum")
             # d(sum of losses)/d(logits) = softmax - one-hot, zero on ignored rows; then / count
             grad = logits.softmax(dim=-1)
@@ -128,8 +131,9 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             if grad_hidden is not None:
                 grad_hidden[start : start + step] = grad @ weight
             if grad_weight is not None:
-                grad_weight += (grad.t() @ h).float()
+                grad_weight += (grad.t() @ h).to(wide)
         ctx.save_for_backward(grad_hidden, grad_weight, count)
+        ctx.weight_dtype = weight.dtype
         return loss / count
 
     @staticmethod
@@ -137,19 +141,30 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_hidden, grad_weight, count = ctx.saved_tensors
         scale = grad_loss / count
         gh = (grad_hidden * scale).to(grad_hidden.dtype) if grad_hidden is not None else None
-        gw = grad_weight * scale if grad_weight is not None else None
+        gw = (grad_weight * scale).to(ctx.weight_dtype) if grad_weight is not None else None
         return gh, gw, None
+
+
+def predicted_ids(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The most likely token of each row of ``hidden``, one chunk of logits at a time (evaluation)."""
+    step = chunk_rows(hidden.shape[0], weight.shape[0], weight.shape[1])
+    return torch.cat([(hidden[i : i + step] @ weight.t().to(hidden.dtype)).argmax(-1)
+                      for i in range(0, hidden.shape[0], step)])  # fmt: skip
 
 
 def causal_lm_loss(head: HiddenStates):
     """batch_fn for a causal LM whose output embeddings are fused (``fabric_memory_recipes.training.loop``):
-    next-token loss on the completion tokens. No logits exist, so it reports no token accuracy (None)."""
+    next-token loss on the completion tokens. Training makes no logits, so it reports no token accuracy
+    (None); evaluation (no gradients) predicts the tokens chunk by chunk for the accuracy."""
 
     def batch_fn(model, batch):
         input_ids, attention_mask, labels = batch
         hidden = model(input_ids=input_ids, attention_mask=attention_mask).logits  # the hidden states
-        targets = labels[:, 1:].reshape(-1)
-        loss = linear_cross_entropy(hidden[:, :-1].reshape(-1, hidden.shape[-1]), head.weight, targets)
-        return loss, None, None
+        hidden, targets = hidden[:, :-1].reshape(-1, hidden.shape[-1]), labels[:, 1:].reshape(-1)
+        loss = linear_cross_entropy(hidden, head.weight, targets)
+        if torch.is_grad_enabled():
+            return loss, None, None
+        keep = targets != IGNORE_INDEX
+        return loss, predicted_ids(hidden[keep], head.weight), targets[keep]
 
     return batch_fn

@@ -255,3 +255,16 @@ def token_ids(um: UserModel):
     if um.task == "causal_lm":
         return TokenIds(pad=pad, cls=None, sep=None, first_regular=first, vocab_size=vocab)
     return TokenIds(pad=pad, cls=1, sep=2, first_regular=first, vocab_size=vocab)
+
+
+def compile_repeated(model: nn.Module, blocks: tuple[str, ...]) -> int:
+    """Fast mode (regional compilation): ``torch.compile`` each repeated block in place (its checkpoint
+    wrapper, when it has one, so the recompute is compiled too); blocks of one class share their compiled
+    code. Returns how many were compiled."""
+    wrapped = [m for m in model.modules() if type(m).__name__ == "CheckpointedBlock"]
+    inside = {id(m.block) for m in wrapped}
+    chosen = wrapped + [m for m in model.modules() if type(m).__name__ in blocks and id(m) not in inside]
+    for module in chosen:
+        module.compile()
+    return len(chosen)
+
