@@ -8,8 +8,9 @@ element change).
 
 Rows: one model of each family the runner trains (torchvision, timm, a Hugging Face encoder, a Hugging
 Face causal LM), eager against fast (compiled repeated blocks; CUDA graphs too for image models), in
-fp32 with TF32 off so that only the fast machinery differs; and the causal LM with ``--fused-loss``
-against its own loss, eager.
+fp32 with TF32 off and dropout off so that only the fast machinery differs; the image model also eager
+against eager (the run-to-run spread of its kernels), compiled only and graphs only; and the causal LM
+with ``--fused-loss`` against its own loss, eager.
 """
 
 from __future__ import annotations
@@ -30,7 +31,13 @@ LM = "hf:examples/configs/llama-0.36b"
 ROWS = [  # (name, common flags, flags of the reference run, flags of the run checked)
     ("torchvision resnet18", ["--model", "torchvision:resnet18", "--batch-size", "32"], ["--mode", "eager"], ["--mode", "fast"]),
     ("timm vit_small", ["--model", "timm:vit_small_patch16_224", "--batch-size", "16"], ["--mode", "eager"], ["--mode", "fast"]),
-    ("hf bert-base", ["--model", "hf:examples/configs/bert-base-uncased", "--batch-size", "8", "--seq-len", "128"],
+    ("torchvision resnet18, eager twice", ["--model", "torchvision:resnet18", "--batch-size", "32"], ["--mode", "eager"],
+     ["--mode", "eager"]),
+    ("torchvision resnet18, compiled only", ["--model", "torchvision:resnet18", "--batch-size", "32"], ["--mode", "eager"],
+     ["--mode", "fast", "--no-cuda-graphs"]),
+    ("torchvision resnet18, graphs only", ["--model", "torchvision:resnet18", "--batch-size", "32"], ["--mode", "eager"],
+     ["--mode", "eager", "--cuda-graphs"]),
+    ("hf bert-base (dropout off)", ["--model", "hf:{bert}", "--batch-size", "8", "--seq-len", "128"],
      ["--mode", "eager"], ["--mode", "fast"]),
     ("hf llama-0.36b, fused loss + selective checkpointing", ["--model", LM, "--batch-size", "2", "--seq-len", "512",
      "--fused-loss", "--checkpoint-blocks", "--checkpoint-mode", "selective"], ["--mode", "eager"], ["--mode", "fast"]),
@@ -46,11 +53,16 @@ def main() -> int:
     p.add_argument("--only", default=None, help="rows whose name contains this")
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
+    # dropout draws other random bits in compiled code than in eager: off, so that only the machinery differs
+    bert = json.loads((REPO / "examples/configs/bert-base-uncased/config.json").read_text())
+    bert.update(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    bert_path = Path(tempfile.mkdtemp()) / "config.json"
+    bert_path.write_text(json.dumps(bert))
     rows, failed = [], 0
     for name, common, ref, checked in ROWS:
         if a.only and a.only not in name:
             continue
-        argv = [*common, *FP32, "--max-steps", str(a.steps), "--seed", "0"]
+        argv = [c.format(bert=bert_path) for c in common] + [*FP32, "--max-steps", str(a.steps), "--seed", "0"]
         try:
             with tempfile.TemporaryDirectory() as tmp:
                 base = _run_recipe(RECIPE, [*argv, *ref], tmp)
