@@ -9,7 +9,9 @@
 #   bash scripts/gpu/your_model_speed.sh lm       # the causal LMs on emulated cards, 8 x 1024 tokens,
 #                                                 # bf16-mixed AdamW: the 0.4 B GPT-NeoX shape at 10 GB
 #                                                 # (eager sets without the new levers, then with them)
-#                                                 # and the 0.36 B Llama shape at 8 GB; REPEAT=N rounds
+#                                                 # and the 0.36 B Llama shape at 8 GB; REPEAT=N: N rounds
+#                                                 # of the fastest eager set without the levers, the fast
+#                                                 # set with them, and the Llama set (a claim's spread)
 #
 # Carried (ignored path): .whl (liger-kernel, cut-cross-entropy wheels). Runs stop with SIGINT before the
 # call's limit (LIMIT, default 560 s), so what finished comes back.
@@ -42,7 +44,7 @@ case $part in
     LLAMA=(--model hf:examples/configs/llama-0.36b "${LM[@]}" --memory-budget-gb 8)
     for r in $(seq 1 "${REPEAT:-1}"); do
       run "neox-eager-ckpt-mb2x4-r$r" "${NEOX[@]}" --mode eager --checkpoint-blocks --accumulation-steps 4
-      run "neox-eager-ckpt-mb4x2-r$r" "${NEOX[@]}" --mode eager --checkpoint-blocks --accumulation-steps 2
+      [ "${REPEAT:-1}" = 1 ] && run "neox-eager-ckpt-mb4x2-r$r" "${NEOX[@]}" --mode eager --checkpoint-blocks --accumulation-steps 2
       run "neox-fast-fused-ckpt-mb8-r$r" "${NEOX[@]}" --mode fast --fused-loss --checkpoint-blocks
       run "llama-fast-fused-ckpt-mb8-r$r" "${LLAMA[@]}" --mode fast --fused-loss --checkpoint-blocks
       [ "${REPEAT:-1}" = 1 ] && run "neox-fast-fused-sel-mb4x2-r$r" "${NEOX[@]}" --mode fast --fused-loss \
