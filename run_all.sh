@@ -87,7 +87,7 @@ fi
 if [ "$gpus" = 0 ]; then
   if [ "$bonus" = 1 ]; then
     echo "No CUDA GPU found: running the quick CPU path of the bonus cases (tiny configs, synthetic data, 5 steps)."
-    echo "Its numbers show that every case runs end to end (tests/test_bonus.py checks that they learn); memory and speed figures need a GPU."
+    echo "Its numbers show that every case runs end to end (tests/recipes/test_bonus.py checks that they learn); memory and speed figures need a GPU."
   else
     echo "No CUDA GPU found: running the quick CPU path (vit_tiny, scikit-learn's digits, random init, $CPU_STEPS steps)."
     echo "It shows that every rung runs end to end; its memory columns are predicted for ViT-L/16 at each rung's GPU configuration (fabric_memory_recipes.planning), not measured: on a CPU only the process's RSS can be. $CPU_STEPS steps do not train a model (accuracy: python -m fabric_memory_recipes.tools.convergence.benchmark)."

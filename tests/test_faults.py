@@ -29,7 +29,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import (
+
+from fabric_memory_recipes import faults
+from fabric_memory_recipes.config import Hardware, RunConfig
+from fabric_memory_recipes.measurement.report import render
+from fabric_memory_recipes.measurement.results import RunResults
+from fabric_memory_recipes.training import checkpoints, cli, data, lifecycle, loop
+from tests.conftest import (
     RECIPES_DIR,
     REPO,
     Started,
@@ -42,13 +48,7 @@ from conftest import (
     submit,
     subprocess_env,
 )
-from tiny import write_cifar
-
-from fabric_memory_recipes import faults
-from fabric_memory_recipes.config import Hardware, RunConfig
-from fabric_memory_recipes.measurement.report import render
-from fabric_memory_recipes.measurement.results import RunResults
-from fabric_memory_recipes.training import checkpoints, cli, data, lifecycle, loop
+from tests.tiny import write_cifar
 
 pytestmark = pytest.mark.faults
 BACKGROUND_PRIORITY = 5  # the chains here wait for signals: start them first

@@ -9,11 +9,11 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny import IN, OUT, batch_fn, loader, make_log, settings, tiny_data, tiny_model  # noqa: F401
 from torch.utils.data import DataLoader, TensorDataset
 
 from fabric_memory_recipes import faults
 from fabric_memory_recipes.training import data, loop, models
+from tests.tiny import IN, OUT, batch_fn, loader, make_log, settings, tiny_data, tiny_model  # noqa: F401
 
 
 def make_optimizer(kind: str, params, lr: float):

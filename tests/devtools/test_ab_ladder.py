@@ -7,7 +7,7 @@ from pathlib import Path
 
 from devtools import ab_ladder
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _fake(speeds: dict[str, float], calls: list):

@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, describe, result, run_process, session_dir, submit, subprocess_env
 
 from fabric_memory_recipes.measurement.report import render
+from tests.conftest import REPO, describe, result, run_process, session_dir, submit, subprocess_env
 
 SCRIPT = REPO / "run_all.sh"
 HAVE_REPORT = (REPO / "fabric_memory_recipes" / "measurement" / "report" / "render.py").exists()

@@ -9,9 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import describe, run_recipe_inprocess
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.conftest import describe, run_recipe_inprocess
+
+REPO = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 TINY = ("--accelerator", "cpu", "--model", "vit_tiny", "--data", "synthetic", "--weights", "none")
 

@@ -35,9 +35,9 @@ from pathlib import Path
 
 import pytest
 import tomllib
-from conftest import REPO, load_recipe_module, run_estimate
 
 from fabric_memory_recipes.config import Hardware
+from tests.conftest import REPO, load_recipe_module, run_estimate
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 NOTEBOOK = REPO / "docs" / "workshop.ipynb"
@@ -273,7 +273,7 @@ def check(command: str) -> str | None:
         return f"./run_all.sh: {missing}" if missing else None
     if words[0] in SETUP or words[0] in ("python", "python3"):
         return check_setup(words)
-    return f"not a command this test knows: declare how to check {words[0]!r} (tests/test_doc_commands.py)"
+    return f"not a command this test knows: declare how to check {words[0]!r} (tests/docs/test_doc_commands.py)"
 
 
 @pytest.mark.parametrize("page", [*[str(p.relative_to(REPO)) for p in PAGES], "docs/workshop.ipynb"])

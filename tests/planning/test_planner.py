@@ -14,7 +14,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import load_recipe_module
 
 from devtools import planner_proof
 from fabric_memory_recipes.config import Hardware, RunConfig, UsageError
@@ -31,6 +30,7 @@ from fabric_memory_recipes.planning.planner.fit import (
     order,
 )
 from fabric_memory_recipes.training import cli, lifecycle
+from tests.conftest import load_recipe_module
 
 GPU_MACHINE = Hardware(cuda_devices=8, cpu_cores=4)
 TINY = dict(model="vit_tiny", precisions=("bf16-true",), modes=("fast", "eager"))

@@ -8,7 +8,11 @@ import os
 import sys
 
 import pytest
-from conftest import (
+
+from fabric_memory_recipes.config import FAST_ALLOCATOR, Hardware, RunConfig, UsageError, declared_rung
+from fabric_memory_recipes.training import cli, lifecycle
+from fabric_memory_recipes.training.data.text import TextConfig
+from tests.conftest import (
     CUDA_ONLY_RECIPES,
     REPO,
     describe,
@@ -16,10 +20,6 @@ from conftest import (
     recipe_names,
     run_recipe_inprocess,
 )
-
-from fabric_memory_recipes.config import FAST_ALLOCATOR, Hardware, RunConfig, UsageError, declared_rung
-from fabric_memory_recipes.training import cli, lifecycle
-from fabric_memory_recipes.training.data.text import TextConfig
 
 RECIPE = "01_baseline"
 QUICK = ["--accelerator", "cpu", "--model", "vit_tiny", "--data", "synthetic", "--weights", "none",

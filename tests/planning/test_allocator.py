@@ -18,7 +18,7 @@ from fabric_memory_recipes.planning.simulation.allocator import RESIDUAL, Cachin
 from fabric_memory_recipes.planning.your_model import estimate
 
 MiB = 1 << 20
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TRACE = REPO / "results/published/h100/snapshot/05_gradient_accumulation-snapshot.pickle.gz"
 
 

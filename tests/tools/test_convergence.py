@@ -13,13 +13,13 @@ import sys
 
 import numpy as np
 import torch
-from conftest import REPO, describe, result, run_process, session_dir, submit, subprocess_env
 
 from fabric_memory_recipes.config import RunConfig, declared_rung
 from fabric_memory_recipes.measurement.results import RunResults
 from fabric_memory_recipes.tools.convergence import benchmark, report
 from fabric_memory_recipes.training import data, loop, models
 from fabric_memory_recipes.training.data import digits
+from tests.conftest import REPO, describe, result, run_process, session_dir, submit, subprocess_env
 
 BACKGROUND_PRIORITY = 15
 BACKGROUND_TESTS = {

@@ -16,7 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import (
+
+from fabric_memory_recipes.config import UsageError
+from fabric_memory_recipes.measurement import results
+from fabric_memory_recipes.measurement.report import render
+from fabric_memory_recipes.training import hf_models
+from fabric_memory_recipes.training.data import text, text_samples
+from tests.conftest import (
     REPO,
     describe,
     load_recipe_module,
@@ -27,12 +33,6 @@ from conftest import (
     submit,
     subprocess_env,
 )
-
-from fabric_memory_recipes.config import UsageError
-from fabric_memory_recipes.measurement import results
-from fabric_memory_recipes.measurement.report import render
-from fabric_memory_recipes.training import hf_models
-from fabric_memory_recipes.training.data import text, text_samples
 
 BACKGROUND_PRIORITY = 20  # run_all.sh --bonus: one recipe process and the report
 BACKGROUND_TESTS = {"test_run_all_bonus_runs_a_row_of_the_llm_table"}

@@ -318,7 +318,7 @@ def test_the_sgd_step_compiles_as_one_graph():
     torch._dynamo.reset()
 
 
-RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+RECIPES = Path(__file__).resolve().parents[3] / "recipes"
 RUNGS = sorted(p.stem for p in RECIPES.glob("[0-9][0-9]_*.py"))
 COMPENSATED = ("04", "05", "06", "07", "10", "11", "12", "13", "14", "15")
 
@@ -364,8 +364,8 @@ def test_the_default_rounding_reaches_the_optimizer_and_other_precisions_run_the
         assert adam.bf16_stochastic_round and adam.param_groups[0]["weight_decay"] == 0
 
 
-AB_37 = Path(__file__).resolve().parents[1] / "results" / "published" / "h200x4" / "ab" / "issue37"
-CONVERGENCE_RUNS = Path(__file__).resolve().parents[1] / "results" / "published" / "h100" / "convergence" / "runs"
+AB_37 = Path(__file__).resolve().parents[3] / "results" / "published" / "h200x4" / "ab" / "issue37"
+CONVERGENCE_RUNS = Path(__file__).resolve().parents[3] / "results" / "published" / "h100" / "convergence" / "runs"
 
 
 @pytest.mark.parametrize("rung", COMPENSATED)

@@ -401,7 +401,7 @@ def test_cli_predicts_a_ladder_rung_in_seconds(capsys):
 def test_ladder_predicts_the_rungs_of_a_cpu_folder_at_full_size(tmp_path, capsys):
     """--ladder DIR: the rungs with results in DIR (tiny CPU runs), each predicted as ViT-L/16 in its
     GPU configuration, written to DIR/predicted.json (the CPU track's memory columns). One sharded rung
-    here (per GPU of its declared 4); tests/test_run_all.py and the notebook's test predict the rest."""
+    here (per GPU of its declared 4); tests/recipes/test_run_all.py and the notebook's test predict the rest."""
     (tmp_path / "08_fsdp2.json").write_text(json.dumps({"schema_version": 1, "recipe": "08_fsdp2"}))
     (tmp_path / "notes.json").write_text("[]")
     assert estimate_main(["--ladder", str(tmp_path)]) == 0

@@ -8,7 +8,8 @@ import json
 import tarfile
 
 import pytest
-from conftest import REPO
+
+from tests.conftest import REPO
 
 spec = importlib.util.spec_from_file_location(
     "issue38_publish", REPO / "scripts" / "gpu" / "issue38_publish.py"

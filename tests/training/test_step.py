@@ -8,9 +8,9 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny import batch_fn, tiny_data, tiny_model
 
 from fabric_memory_recipes.training.step import accumulation_groups, train_step
+from tests.tiny import batch_fn, tiny_data, tiny_model
 
 
 def _numbered(counts: list[int], pulled: list[tuple[int, int]]):

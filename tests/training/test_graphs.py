@@ -14,9 +14,9 @@ import copy
 
 import pytest
 import torch
-from tiny import batch_fn, loader, make_log, settings, tiny_data, tiny_model
 
 from fabric_memory_recipes.training import graphs, loop, loop_plumbing
+from tests.tiny import batch_fn, loader, make_log, settings, tiny_data, tiny_model
 
 
 class FakeGraph:

@@ -21,13 +21,13 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import REPO, describe, result, run_process, session_dir, submit, subprocess_env
 
 from fabric_memory_recipes import processes
 from fabric_memory_recipes.measurement.report import comparison, render
 from fabric_memory_recipes.tools.compare import plan
 from fabric_memory_recipes.tools.compare import reference as cmp
 from fabric_memory_recipes.tools.compare import rows as compare_rows
+from tests.conftest import REPO, describe, result, run_process, session_dir, submit, subprocess_env
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 TINY_VIT = "image_size=32,patch_size=8,num_layers=1,num_heads=2,mlp_dim=64"

@@ -12,10 +12,10 @@ import socket
 import numpy as np
 import pytest
 import torch
-from conftest import describe, load_recipe_module, result, submit_recipe
 
 from fabric_memory_recipes.config import RunConfig
 from fabric_memory_recipes.training import cli, data
+from tests.conftest import describe, load_recipe_module, result, submit_recipe
 
 FSDP2_ARGS = (
     "--accelerator", "cpu", "--devices", "2", "--model", "vit_tiny", "--data", "synthetic",

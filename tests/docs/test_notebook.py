@@ -8,7 +8,8 @@ import re
 import sys
 
 import nbformat
-from conftest import REPO, describe, result, run_process, session_dir, submit, subprocess_env
+
+from tests.conftest import REPO, describe, result, run_process, session_dir, submit, subprocess_env
 
 NOTEBOOK = REPO / "docs" / "workshop.ipynb"
 BACKGROUND_PRIORITY = 20

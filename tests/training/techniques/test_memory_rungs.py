@@ -13,13 +13,13 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import describe, run_recipe_inprocess
 from torch.utils.data import DataLoader, TensorDataset
 
 from fabric_memory_recipes.config import RunConfig
 from fabric_memory_recipes.measurement.results import RunResults
 from fabric_memory_recipes.training import checkpoints, loop, models
 from fabric_memory_recipes.training.techniques.offload import offload_activations
+from tests.conftest import describe, run_recipe_inprocess
 
 TINY = ("--accelerator", "cpu", "--model", "vit_tiny", "--data", "synthetic", "--weights", "none")
 LEARN = {

@@ -10,7 +10,7 @@ import pytest
 
 from fabric_memory_recipes.measurement.report import render
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 

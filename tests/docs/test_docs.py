@@ -11,7 +11,7 @@ import pytest
 
 from devtools import docs_diff
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs"
 PYTHON_BLOCK = re.compile(r"^( *)```python\n(.*?)^\1```", re.M | re.S)
 

@@ -16,7 +16,10 @@ import runpy
 import sys
 
 import pytest
-from conftest import (
+
+from fabric_memory_recipes.config import declared_rung
+from fabric_memory_recipes.planning.plan import plan_for
+from tests.conftest import (
     CPU_ARGS,
     CUDA_ONLY_RECIPES,
     RECIPES_DIR,
@@ -29,9 +32,6 @@ from conftest import (
     session_dir,
     submit_recipe,
 )
-
-from fabric_memory_recipes.config import declared_rung
-from fabric_memory_recipes.planning.plan import plan_for
 
 RECIPES = recipe_names()
 CPU_RECIPES = [n for n in RECIPES if n not in CUDA_ONLY_RECIPES]

@@ -12,11 +12,10 @@ import json
 import re
 from pathlib import Path
 
-from conftest import run_estimate
-
 from fabric_memory_recipes.measurement.report import render
+from tests.conftest import run_estimate
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 README = (REPO / "README.md").read_text()
 PUBLISHED = REPO / "results" / "published" / "h100"
 CHECK = "fmr-estimate --check results/published/h100/ladder"
