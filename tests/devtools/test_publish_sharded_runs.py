@@ -1,4 +1,4 @@
-"""scripts/gpu/issue38_publish.py: the GPU script's tar published (folders per GPU count, the rows in the
+"""scripts/gpu/publish_sharded_runs.py: the GPU script's tar published (folders per GPU count, the rows in the
 sharded rungs' pages, the overhead table rewritten) and the two-node loss comparison; bad input exits 2."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 from tests.conftest import REPO
 
 spec = importlib.util.spec_from_file_location(
-    "issue38_publish", REPO / "scripts" / "gpu" / "issue38_publish.py"
+    "publish_sharded_runs", REPO / "scripts" / "gpu" / "publish_sharded_runs.py"
 )
 publish = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(publish)
@@ -35,15 +35,15 @@ def _loss_run(curve, **prov):
 
 
 def test_the_tar_is_published_per_gpu_count_and_the_rows_reach_the_pages(tmp_path):
-    root = tmp_path / "out" / "issue38"
+    root = tmp_path / "out" / "sharded"
     for n, speed in (("4", 400.0), ("2", 300.0)):
         (root / f"x{n}" / "compare").mkdir(parents=True)
         rows = [_row("08-fsdp2", "08_fsdp2", speed, 3.9)]
         (root / f"x{n}" / "compare" / "comparison.json").write_text(json.dumps(rows))
     (root / "progress.log").write_text("[1 s] start\n")
-    tar = tmp_path / "issue38.tgz"
+    tar = tmp_path / "sharded.tgz"
     with tarfile.open(tar, "w:gz") as archive:
-        archive.add(root, arcname="issue38")
+        archive.add(root, arcname="sharded")
     docs = tmp_path / "docs"
     docs.mkdir()
     page = docs / "08_fsdp2.md"
@@ -57,7 +57,7 @@ def test_the_tar_is_published_per_gpu_count_and_the_rows_reach_the_pages(tmp_pat
     lines = publish.publish(tar, dest, docs, tmp_path / "table.json")
     assert (dest / "h100x4" / "compare" / "comparison.json").is_file()
     assert (dest / "h100x2" / "compare" / "comparison.json").is_file()
-    assert (dest / "h100x4" / "issue38" / "progress.log").is_file()
+    assert (dest / "h100x4" / "sharded" / "progress.log").is_file()
     text = page.read_text()
     assert "old" not in text and text.count("| the article's script | 4.00 | 100.0 |") == 2
     assert (

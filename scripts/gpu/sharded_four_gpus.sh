@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Issue 38 on one machine with 4 GPUs (H100 or H200), from the repository root, the project installed
+# The sharded rungs' GPU runs on one machine with 4 GPUs (H100 or H200), from the repository root, the project installed
 # (python3 -m pip install --no-deps --no-build-isolation -e .), the article's checkout at $REF:
 #
-#   OUT=/some/folder bash scripts/gpu/issue38.sh            # PARTS="gpu4 gpu2 yourmodel nodes" by default
-#   OUT=... PARTS="yourmodel nodes" bash scripts/gpu/issue38.sh   # a second call for what the first missed
+#   OUT=/some/folder bash scripts/gpu/sharded_four_gpus.sh            # PARTS="gpu4 gpu2 yourmodel nodes" by default
+#   OUT=... PARTS="yourmodel nodes" bash scripts/gpu/sharded_four_gpus.sh   # a second call for what the first missed
 #
-# Parts, in this order, each kept as soon as it ends (and every 20 s meanwhile) in $OUT/issue38.tgz (the
+# Parts, in this order, each kept as soon as it ends (and every 20 s meanwhile) in $OUT/sharded.tgz (the
 # only files in $OUT are that tar and progress.log; the runs' folders are packed from a scratch folder):
 #   gpu4       fmr-compare --devices 4: the article's 11_delay-allocation.py with cpu_offload off (rung 08's
 #              row) and as written (rung 09's row), 08_fsdp, 08_fsdp2, 09 in fast mode; every rung run
@@ -14,7 +14,7 @@
 #   yourmodel  recipes/your_model.py --fsdp on a 1.5 B causal LM (examples/configs/qwen2-1.5b), 4 then 2 GPUs
 #   nodes      08_fsdp2 eager: one torchrun node of 4 vs two torchrun "nodes" of 2 on this host, same
 #              steps, then their loss curves compared (nodes/equivalence.json)
-# Then: python3 scripts/gpu/issue38_publish.py $OUT/issue38.tgz (on any machine) publishes it.
+# Then: python3 scripts/gpu/publish_sharded_runs.py $OUT/sharded.tgz (on any machine) publishes it.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # no NVLink multicast
 export PYTHONUNBUFFERED=1 FMR_OFFLINE=1
@@ -25,13 +25,13 @@ PARTS=${PARTS-gpu4 gpu2 yourmodel nodes}
 DEADLINE=${DEADLINE:-530}   # seconds: no part starts after it, a compare gets only the time left
 PY=${PYTHON:-python3}
 SCRATCH=$(mktemp -d)
-WORK=$SCRATCH/issue38
+WORK=$SCRATCH/sharded
 mkdir -p "$WORK" "$OUT"
 T0=$(date +%s)
 elapsed() { echo $(( $(date +%s) - T0 )); }
 say() { echo "[$(elapsed) s] $*" | tee -a "$WORK/progress.log" "$OUT/progress.log"; }
 left() { echo $(( DEADLINE - $(elapsed) )); }
-pack() { tar -czf "$SCRATCH/issue38.tgz" -C "$SCRATCH" issue38 2>/dev/null; cp -f "$SCRATCH/issue38.tgz" "$OUT/.issue38.tgz" && mv -f "$OUT/.issue38.tgz" "$OUT/issue38.tgz"; }
+pack() { tar -czf "$SCRATCH/sharded.tgz" -C "$SCRATCH" sharded 2>/dev/null; cp -f "$SCRATCH/sharded.tgz" "$OUT/.sharded.tgz" && mv -f "$OUT/.sharded.tgz" "$OUT/sharded.tgz"; }
 wants() { case " $PARTS " in *" $1 "*) [ "$(left)" -gt 30 ] || { say "$1: not started (deadline)"; return 1; } ;; *) return 1 ;; esac; }
 
 ( while sleep 20; do pack; done ) & PACKER=$!
@@ -88,7 +88,7 @@ if wants nodes; then
   wait "${pids[@]}"
   say "nodes: two nodes done (exit $?)"
   bash -n docs/slurm_requeue.sbatch && say "docs/slurm_requeue.sbatch: shell syntax ok"
-  $PY scripts/gpu/issue38_publish.py --equivalence "$WORK/nodes" 2>&1 | tee -a "$WORK/progress.log"
+  $PY scripts/gpu/publish_sharded_runs.py --equivalence "$WORK/nodes" 2>&1 | tee -a "$WORK/progress.log"
   pack
 fi
 for n in 4 2; do [ -f "$WORK/x$n/compare/comparison.md" ] && { echo "== $n GPUs"; head -n 8 "$WORK/x$n/compare/comparison.md"; }; done

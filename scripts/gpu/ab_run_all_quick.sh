@@ -1,25 +1,26 @@
 #!/usr/bin/env bash
-# Issue 39's A/B on one GPU, one device command: `./run_all.sh --quick` of the code before the package
-# relayout (build/ab39-base: `git archive 40354b9`, carried) and of this checkout, back to back on one
-# machine, base first on cold compile caches. Results under $OUT: base.tgz, after.tgz (each run folder
-# with its console log and `time -v`).
+# A/B of `./run_all.sh --quick` on one GPU, one device command: a base checkout ($BASE, default
+# build/ab-base, e.g. `git archive 40354b9`, the code before the package relayout, carried) and this
+# checkout, back to back on one machine, base first on cold compile caches. Results under $OUT: base.tgz,
+# after.tgz (each run folder with its console log and `time -v`).
 #
-#   OUT=... bash scripts/gpu/issue39.sh [SIDE ...]   # carry .whl (torchao, torch-optimi wheels), build/ab39-base
+#   OUT=... bash scripts/gpu/ab_run_all_quick.sh [SIDE ...]   # carry .whl (torchao, torch-optimi wheels), $BASE
 #
-# SIDEs run in the order given (default: base after); a side named base* runs build/ab39-base, any other
+# SIDEs run in the order given (default: base after); a side named base* runs $BASE, any other
 # this checkout, so `after base after2` measures both sides on warm caches, after a cold first run.
 set -u
 : "${OUT:?set OUT}"
+BASE=${BASE:-build/ab-base}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 FMR_OFFLINE=1
 T0=$(date +%s)
-log() { echo "[issue39 $(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/issue39.log"; }
+log() { echo "[ab_run_all_quick $(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/ab_run_all_quick.log"; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv > "$OUT/gpus.csv" 2>&1
 HERE=$(pwd)
 sides=("$@"); [ ${#sides[@]} -eq 0 ] && sides=(base after)
 for side in "${sides[@]}"; do
-  dir=$HERE; case $side in base*) dir=$HERE/build/ab39-base ;; esac
+  dir=$HERE; case $side in base*) dir=$HERE/$BASE ;; esac
   (cd "$dir" && python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1) || log "$side: pip install -e failed"
   log "$side: starting in $dir"
   mkdir -p /tmp/E

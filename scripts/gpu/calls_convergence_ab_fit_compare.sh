@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
-# This round's GPU calls (issues 35, 36, 37), each one device command of at most 10 minutes, from the
-# repository root of a fresh GPU machine, results under $OUT (one tar per part: at most 8 files come back):
+# GPU calls for the convergence benchmark, the compensated bf16 default's A/B, the fit proof and the
+# comparison's rungs 11 and 15, each one device command of at most 10 minutes, from the repository root
+# of a fresh GPU machine, results under $OUT (one tar per part: at most 8 files come back):
 #
-#   bash scripts/gpu/round6.sh conv   # 4 GPUs: issue 37's convergence benchmark, resumed from .wt/conv
-#                                     #   (a copy of results/published/h100/convergence) -> conv.tgz
-#   bash scripts/gpu/round6.sh ab     # 4 GPUs: issue 37's A/B (plain base e81b449 at build/ab-base vs this
-#                                     #   checkout), a quarter of the rungs per GPU; then the stochastic
-#                                     #   fast == eager rows (GPU 2) and the learning-rate probes (GPU 3)
-#   bash scripts/gpu/round6.sh one    # 1 GPU: issue 35's fit proof for swin_t, then rung 11's convergence
-#                                     #   runs again (resumed from .wt/conv, the conv call's folder)
-#   bash scripts/gpu/round6.sh cmp    # 1 GPU: issue 36's comparison of rungs 11 and 15 (scripts/gpu/issue36.sh)
+#   bash scripts/gpu/calls_convergence_ab_fit_compare.sh conv  # 4 GPUs: the convergence benchmark (compensated_bf16_checks.sh
+#                                                         #   convergence), resumed from .wt/conv (a copy of
+#                                                         #   results/published/h100/convergence) -> conv.tgz
+#   bash scripts/gpu/calls_convergence_ab_fit_compare.sh ab    # 4 GPUs: the compensated default's A/B (plain base e81b449
+#                                                         #   at build/ab-base vs this checkout), a quarter of the
+#                                                         #   rungs per GPU; then the stochastic fast == eager rows
+#                                                         #   (GPU 2) and the learning-rate probes (GPU 3)
+#   bash scripts/gpu/calls_convergence_ab_fit_compare.sh one   # 1 GPU: the fit proof for swin_t, then rung 11's
+#                                                         #   convergence runs again (resumed from .wt/conv, the
+#                                                         #   conv call's folder)
+#   bash scripts/gpu/calls_convergence_ab_fit_compare.sh cmp   # 1 GPU: the comparison of rungs 11 and 15 (as
+#                                                         #   scripts/gpu/compare_rungs_11_15.sh)
 #
 # Carried (ignored paths): .whl (torchao, torch-optimi wheels), .ref (the article's scripts), .wt/conv,
 # build/ab-base. Every part stops its runs with SIGINT before the call's limit (LIMIT, default 570 s), so
@@ -20,7 +25,7 @@ part=${1:?conv, ab, one or cmp}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 FMR_OFFLINE=1
 T0=$(date +%s); LIMIT=${LIMIT:-570}
 left() { echo $(( LIMIT - ($(date +%s) - T0) )); }
-log() { echo "[round6 $part $(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/round6-$part.log"; }
+log() { echo "[calls $part $(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/calls-$part.log"; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1 || log "pip install -e . failed"
@@ -37,7 +42,7 @@ case $part in
   conv)
     mkdir -p /tmp/c && rm -rf /tmp/c/convergence && cp -r .wt/conv /tmp/c/convergence
     stop_at $(( LIMIT - 40 )) "recipes/[0-9][0-9]_"
-    bash scripts/gpu/issue37.sh convergence /tmp/c 4 --parallel 9 --deadline-s 60 > "$OUT/conv.log" 2>&1
+    bash scripts/gpu/compensated_bf16_checks.sh convergence /tmp/c 4 --parallel 9 --deadline-s 60 > "$OUT/conv.log" 2>&1
     log "convergence exit $?"
     tar -czf "$OUT/conv.tgz" -C /tmp/c convergence
     ;;
@@ -76,11 +81,11 @@ case $part in
     tar -czf "$OUT/fit.tgz" -C /tmp fit
     mkdir -p /tmp/c && rm -rf /tmp/c/convergence && cp -r .wt/conv /tmp/c/convergence
     stop_at $(( LIMIT - 30 )) "recipes/[0-9][0-9]_"
-    bash scripts/gpu/issue37.sh convergence /tmp/c 1 --rungs 11 --parallel 3 --no-memory > "$OUT/conv.log" 2>&1
+    bash scripts/gpu/compensated_bf16_checks.sh convergence /tmp/c 1 --rungs 11 --parallel 3 --no-memory > "$OUT/conv.log" 2>&1
     log "convergence exit $?"
     tar -czf "$OUT/conv.tgz" -C /tmp/c convergence
     ;;
-  cmp)  # issue 36: the comparison's rungs 11 and 15 again, one call of the tool each (11 first: it is short)
+  cmp)  # the comparison's rungs 11 and 15 again, one call of the tool each (11 first: it is short)
     mkdir -p /tmp/cmp/compare && cp -r results/published/h100/compare/. /tmp/cmp/compare/
     for r in 11 15; do
       timeout $(( $(left) - 8 )) python3 -m fabric_memory_recipes.tools.compare.reference \

@@ -1,28 +1,28 @@
 #!/usr/bin/env bash
-# Issue 37's GPU evidence: the rungs with the compensated bf16 default (stochastic rounding), measured.
+# GPU evidence for the compensated bf16 default: the rungs with it (stochastic rounding), measured.
 # Each part is one device command of at most 10 minutes; run from the repository root, results under OUT.
 #
-#   scripts/gpu/issue37.sh smoke      OUT   # ~4 GPU-min, 1 GPU: fast == eager on a small model, 3 rungs at 20 steps
-#   scripts/gpu/issue37.sh ab N       OUT   # A/B plain (main before issue 37) vs compensated default, 1 GPU,
+#   scripts/gpu/compensated_bf16_checks.sh smoke      OUT   # ~4 GPU-min, 1 GPU: fast == eager on a small model, 3 rungs at 20 steps
+#   scripts/gpu/compensated_bf16_checks.sh ab N       OUT   # A/B plain (the base below) vs compensated default, 1 GPU,
 #                                           #   N = 1, 2, 3 (a third of the rungs each, ~9 GPU-min each)
-#   scripts/gpu/issue37.sh equivalence OUT  # ~8 GPU-min, 1 GPU: every compensated rung, fast == eager (ViT-B/16)
-#   scripts/gpu/issue37.sh convergence OUT [GPUS] [tool flags...]
+#   scripts/gpu/compensated_bf16_checks.sh equivalence OUT  # ~8 GPU-min, 1 GPU: every compensated rung, fast == eager (ViT-B/16)
+#   scripts/gpu/compensated_bf16_checks.sh convergence OUT [GPUS] [tool flags...]
 #                                           # ViT-L/16 on digits, 30 epochs, 3 seeds, fast mode: the rungs
 #                                           #   whose default changed and rung 06's other rules. ~40 runs,
 #                                           #   ~25 GPU-min (the published benchmark: 45 runs, 26.5 GPU-min);
 #                                           #   GPUS=4: one 10-minute call. Resumable: call again with the
 #                                           #   same OUT and it runs only what is missing.
 #
-#   scripts/gpu/issue37.sh lr-probe   OUT   # ~8 GPU-min, 1 GPU: rungs 12/14 at SGD 0.0075, 04 at Adam 5e-5, seed 0
+#   scripts/gpu/compensated_bf16_checks.sh lr-probe   OUT   # ~8 GPU-min, 1 GPU: rungs 12/14 at SGD 0.0075, 04 at Adam 5e-5, seed 0
 #
-# The A/B base is the commit issue 37 started from (e81b449), as a git archive beside the checkout:
+# The A/B base is the commit the compensated default was built on (e81b449), as a git archive beside the checkout:
 #   git archive e81b449 --prefix=ab-base/ | tar -x -C build/     (then carry build/ab-base)
 # On the GPU machines torchao/torch-optimi come from carried wheels (.whl), as in docs/install.md.
 set -uo pipefail
 part=${1:?part: smoke, ab, equivalence or convergence}
 out=${2:?output folder}
 mkdir -p "$out"
-log() { echo "[issue37 $(date +%T)] $*" | tee -a "$out/issue37.log"; }
+log() { echo "[compensated_bf16 $(date +%T)] $*" | tee -a "$out/compensated_bf16.log"; }
 ALL="04 05 06 07 10 11 12 13 14 15"  # the rungs whose default is stochastic rounding (03 stays plain)
 QUICK=(--data synthetic --weights none --max-steps 20 --eval-batches 1)
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 36, item 8: re-run the comparison's rungs 11 and 15 on one H100 after the speed levers (rung 11's
+# Re-run the comparison's rungs 11 and 15 on one H100 after the speed levers (rung 11's
 # side streams, rung 15's fused-qkv attention), so the comparison agrees with today's ladder. Run from the
 # repository root on the GPU machine, with the article's scripts at .ref/pytorch-memory-optim (rungs 11 and
 # 15 have no reference script: only the project's eager and fast runs of them are made). About 3.5 GPU
@@ -14,5 +14,5 @@ set -euo pipefail
 mkdir -p "$OUT/compare"
 cp -r results/published/h100/compare/. "$OUT/compare/"
 python3 -m fabric_memory_recipes.tools.compare.reference --reference .ref/pytorch-memory-optim \
-  --rungs 11,15 --out "$OUT/compare" --budget 230 --timeout 150 2>&1 | tee "$OUT/compare/issue36.log"
-nvidia-smi --query-gpu=name,driver_version --format=csv > "$OUT/compare/issue36-gpu.txt" || true
+  --rungs 11,15 --out "$OUT/compare" --budget 230 --timeout 150 2>&1 | tee "$OUT/compare/compare-11-15.log"
+nvidia-smi --query-gpu=name,driver_version --format=csv > "$OUT/compare/gpu.txt" || true

@@ -1,12 +1,12 @@
-"""Publish what scripts/gpu/issue38.sh brought back: the tar's folders under results/published/<gpu>x<N>/,
+"""Publish what scripts/gpu/sharded_four_gpus.sh brought back: the tar's folders under results/published/<gpu>x<N>/,
 the rows into the sharded rungs' pages, the overhead table rewritten, and a summary against the targets.
 
-    python3 scripts/gpu/issue38_publish.py OUT/issue38.tgz [--dest results/published] [--docs docs]
-    python3 scripts/gpu/issue38_publish.py --equivalence FOLDER     # the GPU script's last part
+    python3 scripts/gpu/publish_sharded_runs.py OUT/sharded.tgz [--dest results/published] [--docs docs]
+    python3 scripts/gpu/publish_sharded_runs.py --equivalence FOLDER     # the GPU script's last part
 
-From the tar (its folder ``issue38/``): ``x4/compare`` and ``x2/compare`` (fmr-compare's folders) go to
+From the tar (its folder ``sharded/``): ``x4/compare`` and ``x2/compare`` (fmr-compare's folders) go to
 ``<dest>/<gpu>x4/compare`` and ``<dest>/<gpu>x2/compare``, ``x<N>/your-model`` beside them, ``nodes`` and
-the logs (progress.log, gpus.csv, env.txt, *.log) to ``<dest>/<gpu>x4/issue38/``. ``<gpu>`` is the
+the logs (progress.log, gpus.csv, env.txt, *.log) to ``<dest>/<gpu>x4/sharded/``. ``<gpu>`` is the
 kind the runs recorded (h100, h200). Each sharded rung's page (docs/<recipe>.md) gets its row in its
 ``sharded-<N>gpu`` block. The card overhead table is rewritten from ``results/`` (planning/overhead.py).
 Exit code: 0 done, 2 bad input (one line).
@@ -31,7 +31,7 @@ from fabric_memory_recipes.planning.check import check_results
 
 REPO = Path(__file__).resolve().parents[2]
 TOLERANCE = 1e-3  # relative: the same steps on the same samples, reduced over another NCCL topology
-TARGET_SPEED = 3.5  # issue 38: img/s at least 3.5x the article's, at no more peak reserved per GPU
+TARGET_SPEED = 3.5  # the target: img/s at least 3.5x the article's, at no more peak reserved per GPU
 
 
 def equivalence(folder: Path) -> dict:
@@ -62,10 +62,10 @@ def publish(tar: Path, dest: Path, docs: Path, table_file: Path = overhead.TABLE
     with tempfile.TemporaryDirectory() as tmp:
         with tarfile.open(tar) as archive:
             archive.extractall(tmp, filter="data")
-        root = Path(tmp) / "issue38"
+        root = Path(tmp) / "sharded"
         comparisons = sorted(root.glob("x*/compare/comparison.json"))
         if not comparisons:
-            fail(f"{tar}: no issue38/x*/compare/comparison.json inside (not the GPU script's tar?)")
+            fail(f"{tar}: no sharded/x*/compare/comparison.json inside (not the GPU script's tar?)")
         gpu = gpu_slug(
             next((r["call"].get("gpu_name") for p in comparisons for r in load_comparison(p)), None)
         )
@@ -74,7 +74,7 @@ def publish(tar: Path, dest: Path, docs: Path, table_file: Path = overhead.TABLE
             for part in sub.iterdir():
                 shutil.rmtree(target / part.name, ignore_errors=True)
                 shutil.copytree(part, target / part.name)
-        notes = dest / f"{gpu}x4" / "issue38"
+        notes = dest / f"{gpu}x4" / "sharded"
         notes.mkdir(parents=True, exist_ok=True)
         for item in root.iterdir():
             if item.is_file():
@@ -126,7 +126,7 @@ def _target_line(row: dict, n: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("tar", nargs="?", help="OUT/issue38.tgz from scripts/gpu/issue38.sh")
+    p.add_argument("tar", nargs="?", help="OUT/sharded.tgz from scripts/gpu/sharded_four_gpus.sh")
     p.add_argument("--dest", default=str(REPO / "results" / "published"), help="where the folders go")
     p.add_argument("--docs", default=str(REPO / "docs"), help="the rung pages")
     p.add_argument("--table", default=str(overhead.TABLE_FILE), help="the card overhead table to rewrite")
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 0
     if not args.tar or not Path(args.tar).is_file():
-        fail(f"{args.tar}: no such file (the GPU script's OUT/issue38.tgz)")
+        fail(f"{args.tar}: no such file (the GPU script's OUT/sharded.tgz)")
     for line in publish(Path(args.tar), Path(args.dest), Path(args.docs), Path(args.table)):
         print(line)
     return 0
