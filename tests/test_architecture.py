@@ -38,7 +38,7 @@ LAZY = {
     " (without it the sampler falls back to torch.cuda.mem_get_info)",
     "timm": "optional (extra 'timm'): only --model timm:NAME needs it",
     "transformers": "only the text models need it; importing it takes seconds (and scikit-learn with it,"
-    " when installed), which fmr-estimate for a torchvision or timm model must not pay (issue 28: < 30 s)",
+    " when installed), which fmr-estimate for a torchvision or timm model must not pay (its target: < 30 s)",
     "sklearn": "only --data digits reads scikit-learn's bundled set; ~0.5 s per process otherwise",
 }
 

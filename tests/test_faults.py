@@ -1146,9 +1146,9 @@ def test_ctrl_c_in_a_tool_is_one_line_and_exit_130():
 
 
 def test_sigterm_during_evaluation_stops_a_real_process_at_the_next_batch(tmp_path):
-    """Issue 36: a SIGTERM sent while a run evaluated was ignored for 16 minutes, until SIGKILL. A real
-    process: two training steps, then a test split long enough to be mid-evaluation when the signal comes;
-    it stops at the next batch, exits 143 and records where it stopped."""
+    """A SIGTERM sent while a run evaluates is not ignored until SIGKILL (it once was, for 16 minutes).
+    A real process: two training steps, then a test split long enough to be mid-evaluation when the signal
+    comes; it stops at the next batch, exits 143 and records where it stopped."""
     write_cifar(tmp_path / "data", n_train_files=1, per_batch=40, n_test=3000)
     results = tmp_path / "results"
     args = ["--accelerator", "cpu", "--model", "vit_tiny", "--weights", "none", "--batch-size", "4",

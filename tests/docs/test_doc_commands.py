@@ -16,7 +16,7 @@ Each command found is checked by what it is:
 
 The commands of README.md's sections are also run on this CPU, in this interpreter (they share its
 imports): :data:`RUN_ON_CPU`. A command that fails today because of a known bug is listed there with
-its issue (xfail).
+its reason (xfail).
 """
 
 from __future__ import annotations
@@ -284,7 +284,7 @@ def test_every_command_a_page_shows_works(page):
 
 
 def test_the_check_finds_what_was_wrong():
-    """What the issue found: a module that is not there, a flag a recipe does not have, an extra."""
+    """What the check must find: a module that is not there, a flag a recipe does not have, an extra."""
     assert "no module nowhere.compare_reference" in check("python -m nowhere.compare_reference --reference X")
     assert "--no-such-flag" in check("python recipes/01_baseline.py --accelerator cpu --no-such-flag")
     assert "no extra [nope]" in check('python3 -m pip install -c constraints.txt -e ".[nope]"')

@@ -1,4 +1,4 @@
-"""The README's numbers about the project's own runs are the committed results' (issue 36: it said
+"""The README's numbers about the project's own runs are the committed results' (it once said
 "+0.7 % to +8.6 % on all 13 rungs" while the command it cited printed 14 runs at -9.7 % to +11.4 %).
 
 The tables and the figure are rendered between ``<!-- results:... -->`` markers from results JSON; each
@@ -29,7 +29,7 @@ def prose() -> str:
     return re.sub(r"`[^`]*`", "", text)
 
 
-def test_the_readme_is_short_and_in_the_issues_order():
+def test_the_readme_is_short_and_its_sections_in_order():
     headings = [h for h in re.findall(r"^## (.*)$", README, re.M)]
     assert len(README.splitlines()) <= 200
     order = ["The ladder", "Two commands", "Will it fit", "Your own model", "Accuracy", "Links"]
@@ -123,7 +123,7 @@ def test_the_workshop_handout_is_what_the_check_prints():
 
 
 def test_the_workshop_times_are_the_committed_cpu_samples():
-    """Issue 36: the CPU sample is re-made from the lock, and the handout's times are its summary's."""
+    """The CPU sample is re-made from the lock, and the handout's times are its summary's."""
     log = (REPO / "results" / "published" / "cpu" / "ladder" / "console.log").read_text()
     summary = log[log.index("Summary (") :]
     secs = [int(s) for s in re.findall(r"^  \S+\s+ok\s+(\d+)s$", summary, re.M)]

@@ -376,8 +376,8 @@ def test_cpu_track_shows_the_predicted_full_size_memory_labelled_beside_the_tiny
 
 
 def test_a_cpu_folder_without_predictions_names_rss_as_rss_and_a_stopped_ladder_says_so(tmp_path):
-    """Issue 36: a CPU ladder stopped before its prediction labelled the process RSS 'peak reserved / peak
-    allocated' and did not say it had stopped."""
+    """A CPU ladder stopped before its prediction: the process RSS is not labelled 'peak reserved / peak
+    allocated', and the report says that the ladder stopped."""
     write_fixtures(tmp_path, {"01_baseline.json": cpu_run("01_baseline")})
     assert render.main([str(tmp_path)]) == 0
     markdown = (tmp_path / "README.md").read_text()
@@ -405,7 +405,7 @@ def test_the_table_is_written_without_matplotlib(tmp_path, monkeypatch, capsys):
 
 
 def test_the_cpu_speed_figure_carries_each_runs_spread():
-    """Issue 36: a noisy CPU step showed checkpointing 26x faster; the bars carry the p10-p90 rates."""
+    """A noisy CPU step can show checkpointing 26x faster: the bars carry the p10-p90 rates."""
     from fabric_memory_recipes.measurement.report import cpu as report_cpu
 
     run = with_steps(cpu_run("10_activation_checkpointing"), p10=0.01, median=0.02, p90=0.08)

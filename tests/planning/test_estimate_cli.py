@@ -1,4 +1,4 @@
-"""fmr-estimate's one parser (issue 39): every mode in one --help, the mode chosen from the parsed
+"""fmr-estimate's one parser: every mode in one --help, the mode chosen from the parsed
 namespace, no pre-parser or argv sniffing, and a flag the chosen mode ignores refused in one line."""
 
 from __future__ import annotations

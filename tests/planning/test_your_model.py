@@ -265,7 +265,7 @@ def test_model_proof_shares_the_gpu_between_estimate_runs_only(tmp_path, monkeyp
     assert [r["status"] for r in json.loads((out / "rows.json").read_text())] == ["ok", "ok", "ok"]
 
 
-def test_model_proof_rows_cover_the_issue():
+def test_model_proof_rows_cover_the_targets():
     """Five or more models outside the ladder (two vision, two text, a causal LM with a vocabulary over
     100k), three or more technique sets each, every flag of a row given once."""
     from devtools import model_proof, planner_proof

@@ -364,7 +364,7 @@ def test_the_default_rounding_reaches_the_optimizer_and_other_precisions_run_the
         assert adam.bf16_stochastic_round and adam.param_groups[0]["weight_decay"] == 0
 
 
-AB_37 = Path(__file__).resolve().parents[3] / "results" / "published" / "h200x4" / "ab" / "issue37"
+AB_COMPENSATED = Path(__file__).resolve().parents[3] / "results" / "published" / "h200x4" / "ab" / "issue37"
 CONVERGENCE_RUNS = Path(__file__).resolve().parents[3] / "results" / "published" / "h100" / "convergence" / "runs"
 
 
@@ -375,7 +375,7 @@ def test_each_compensated_rungs_page_states_its_committed_ab_and_accuracy(rung):
     import json
     import statistics
 
-    [new] = AB_37.glob(f"ab-gpu*/new/fast/{rung}_*.json")
+    [new] = AB_COMPENSATED.glob(f"ab-gpu*/new/fast/{rung}_*.json")
     base = Path(str(new).replace("/new/", "/base/"))
     b, n = json.loads(base.read_text()), json.loads(new.read_text())
     assert n["config"]["bf16_update"] == "stochastic" and b["config"].get("bf16_update", "plain") == "plain"
