@@ -119,6 +119,7 @@ def test_help_exits_0(tmp_path):
     proc = run_all("--help", tmp=tmp_path)
     assert proc.returncode == 0, describe(proc)
     assert "--only" in proc.stdout and "--cpu" in proc.stdout
+    assert "PYTHON=/path/to/python ./run_all.sh  the interpreter that runs the recipes" in proc.stdout
 
 
 def test_failing_recipe_makes_the_exit_code_non_zero():
