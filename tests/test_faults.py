@@ -48,6 +48,7 @@ from tests.conftest import (
     submit,
     subprocess_env,
 )
+from tests.measurement.test_report import make_result
 from tests.tiny import write_cifar
 
 pytestmark = pytest.mark.faults
@@ -959,8 +960,6 @@ def test_an_unsuccessful_run_never_replaces_a_successful_one(tmp_path, existing,
 
 
 def test_the_report_shows_both(tmp_path):
-    from test_report import make_result
-
     (tmp_path / "01_baseline.json").write_text(json.dumps(make_result("01_baseline")))
     stopped = make_result("01_baseline", status="interrupted")
     (tmp_path / "01_baseline.interrupted.json").write_text(json.dumps(stopped))
