@@ -65,7 +65,6 @@ from fabric_memory_recipes.planning.plan import (
     COMPONENTS,
     CUDA_WORKSPACE_BYTES,
     GB,
-    OPTIMIZERS,
     Estimate,
     Plan,
     plan_for,
@@ -75,7 +74,7 @@ from fabric_memory_recipes.planning.simulation.simulate import failed, for_run, 
 from fabric_memory_recipes.planning.simulation.tracking import SavedTensorCounter
 
 __all__ = [
-    "ALLOCATOR_ROUND", "ATTENTION_CHOICES", "COMPONENT_COLORS", "COMPONENTS", "CUDA_WORKSPACE_BYTES", "GB", "OPTIMIZERS", "Estimate", "Plan",
+    "ALLOCATOR_ROUND", "ATTENTION_CHOICES", "COMPONENT_COLORS", "COMPONENTS", "CUDA_WORKSPACE_BYTES", "GB", "Estimate", "Plan",
     "SavedTensorCounter", "check_results", "failed", "for_run", "image_batch", "instrument", "meta_ladder_model",
     "plan_for",
     "plot_check", "plot_timeline", "render_check", "simulate",
