@@ -21,6 +21,16 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+# What an installed wheel lacks: the recipes are scripts of the repository, beside the package in a checkout.
+NEEDS_CHECKOUT = (
+    "The commands above run in a checkout of the repository: the recipes are scripts beside the package, not"
+    " part of the installed wheel (clone the repository, then in it: python3 -m pip install -e .)"
+)
+
+
+def in_checkout(repo: Path = REPO) -> bool:
+    """Whether the package runs from a checkout (``recipes/`` and ``run_all.sh`` beside it), not a wheel."""
+    return (repo / "recipes").is_dir() and (repo / "run_all.sh").is_file()
 
 
 def project_env(code: Path | str = REPO, **extra: str) -> dict[str, str]:

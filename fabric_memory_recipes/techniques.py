@@ -76,6 +76,7 @@ OPTIMIZER_IN_BACKWARD = Technique(
     flag="--optimizer-in-backward",
     planned=True,
 )
+FUSED_LOSS = Technique("fused_loss", "fused loss", "fused_loss", "your_model", flag="--fused-loss")
 LOWBIT_STATE = Technique("adamw8bit", "8-bit Adam", "lowbit", "13_lowbit_optimizer")
 BF16_UPDATE = Technique("bf16_update", "bf16 updates", "bf16", "03_true_half_precision")
 FUSED_ATTENTION = Technique("fused_attention", "fused attention", "attention", "15_speed")
@@ -85,6 +86,7 @@ LLM_TOGGLES = Technique("llm_toggles", "the LLM fine-tune's toggles", "llm_toggl
 
 TECHNIQUES = (
     ACTIVATION_CHECKPOINTING,
+    FUSED_LOSS,
     ACTIVATION_OFFLOAD,
     OPTIMIZER_IN_BACKWARD,
     LOWBIT_STATE,

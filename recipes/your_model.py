@@ -19,7 +19,7 @@ from lightning.fabric.strategies import FSDPStrategy
 
 from fabric_memory_recipes.planning.your_model import estimate
 from fabric_memory_recipes.training import data, lifecycle, loop
-from fabric_memory_recipes.training.techniques import checkpointing, offload, step_in_backward
+from fabric_memory_recipes.training.techniques import checkpointing, fused_loss, offload, step_in_backward
 from fabric_memory_recipes.training.your_model import models, runner
 
 RUNG = runner.default_config()
@@ -47,8 +47,12 @@ def main(cfg: runner.YourModelConfig, results) -> None:
         with fabric.init_module(empty_init=False):  # on the device, in the precision's dtype
             model = models.build(um)
         results.estimate, results.extra["predicted_card"] = estimate.for_user_run(model, um, cfg, blocks)
-        if cfg.checkpoint_blocks:  # rung 10: recompute each block's inside in backward; keep its input only
-            results.extra["checkpointed_blocks"] = checkpointing.checkpoint_blocks(model, blocks)
+        if cfg.fused_loss:  # the loss of the output projection in chunks: the full logits never exist
+            batch_fn = fused_loss.causal_lm_loss(fused_loss.fuse_output_embeddings(model))
+        if cfg.checkpoint_blocks:  # rung 10: recompute each block's inside in backward (full: keep its input)
+            results.extra["checkpointed_blocks"] = checkpointing.checkpoint_blocks(model, blocks, cfg.checkpoint_mode)
+        if cfg.compile:  # fast mode: each repeated block compiled (CUDA graphs too, for image models)
+            results.extra["compiled_blocks"] = models.compile_repeated(model, blocks)
         if cfg.optimizer_in_backward:  # rung 12: each parameter stepped as soon as its gradient is ready
             model = fabric.setup_module(model)
             step_in_backward.register(step_in_backward.per_parameter(model, lambda ps: runner.make_optimizer(cfg, ps)))

@@ -55,11 +55,12 @@ def test_the_notebook_runs_on_a_cpu_and_its_predictions_land_near_its_measuremen
     text = _outputs(nb)
     assert "ERROR" not in text, text[-3000:]
     assert "-> exit 0" in text and "== 05_gradient_accumulation: OK" in text, text[-3000:]
-    # predict, then measure: the tiny CPU run against the profiler, the full size against the H100 JSON
+    # predict, then measure: the tiny CPU run against the profiler (what it attributes to tensors: the CPU's
+    # fused Adam scratch it leaves unattributed varies with the CPU's kernels), the full size against the H100 JSON
     tiny = re.search(r"tiny on CPU .* error ([+-][\d.]+)%", text)
     full = re.search(r"ViT-L/16 GPU .* error ([+-][\d.]+)%", text)
     assert tiny and full, text[-3000:]
-    assert abs(float(tiny.group(1))) < 25 and abs(float(full.group(1))) < 10, (tiny.group(0), full.group(0))
+    assert abs(float(tiny.group(1))) < 10 and abs(float(full.group(1))) < 10, (tiny.group(0), full.group(0))
     ladder = re.findall(r"^(\d\d_\w+) +predicted +([\d.]+) GB", text, re.M)
     assert [name[:2] for name, _ in ladder] == "01 02 03 04 05 06 07 10 11 12 13 14 15 16".split()
     predicted = {name[:2]: float(gb) for name, gb in ladder}

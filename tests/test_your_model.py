@@ -159,10 +159,12 @@ def test_fit_lists_commands_the_runner_accepts(bert, capsys):
 @pytest.mark.parametrize(
     "model, extra",
     [("timm:test_vit", ["--checkpoint-blocks", "--optimizer", "sgd"]),
-     ("bert", ["--seq-len", "32", "--optimizer-in-backward", "--data", "synthetic"])],
+     ("bert", ["--seq-len", "32", "--optimizer-in-backward", "--data", "synthetic"]),
+     ("qwen", ["--seq-len", "32", "--fused-loss", "--checkpoint-blocks", "--checkpoint-mode", "selective",
+               "--data", "synthetic"])],
 )  # fmt: skip
 def test_runner_trains_on_cpu_with_the_estimate(run_recipe, request, model, extra):
-    model = request.getfixturevalue(model) if model == "bert" else model
+    model = request.getfixturevalue(model) if model in ("bert", "qwen") else model
     proc, result = run_recipe("your_model", "--accelerator", "cpu", "--model", model, "--batch-size", "4",
                               "--max-steps", "2", "--eval-batches", "1", *extra)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -175,6 +177,9 @@ def test_runner_trains_on_cpu_with_the_estimate(run_recipe, request, model, extr
     if "--checkpoint-blocks" in extra:
         assert result["extra"]["checkpointed_blocks"] >= 2 and result["estimate"]["assumptions"]["activation_checkpointing"]
     assert result["provenance"]["data_source"] in ("digits", "synthetic")
+    if "--fused-loss" in extra:  # no logits in training: no token accuracy; evaluation predicts in chunks
+        assert result["accuracy"]["train"] is None and result["accuracy"]["test"] is not None
+        assert result["loss"]["first"] > 0 and result["estimate"]["assumptions"]["fused_loss"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without a CUDA GPU")

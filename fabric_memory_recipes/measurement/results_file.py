@@ -58,8 +58,9 @@ memory.warmup                    CUDA: {steps, peak_allocated_gb, peak_reserved_
                                  state created); null without it. The "train" phase peak is the larger of
                                  this and memory.steady
 memory.steady                    {peak_allocated_gb, peak_reserved_gb} after the warm-up steps
-memory.timeline                  --memory-timeline: {html, png, json, device, steps, phases_ms} files of the
-                                 torch.profiler memory timeline by category (next to this JSON), else null
+memory.timeline                  --memory-timeline: {html, png, json, device, peak_gb, peak_attributed_gb, steps}:
+                                 the torch.profiler memory timeline by category (files next to this JSON) and its
+                                 peak, whole and without what the profiler could not attribute; else null
 memory.snapshot                  --snapshot: path of the CUDA allocator history pickle (memory_viz), else null
 estimate                         the predicted peak (fabric_memory_recipes.planning, made before the run): {
                                  peak_allocated_gb, components_gb {parameters, gathered_parameters,

@@ -16,7 +16,7 @@ import tempfile
 import time
 from typing import Any
 
-from fabric_memory_recipes import paths
+from fabric_memory_recipes import paths, processes
 from fabric_memory_recipes.config import Hardware, RunConfig, UsageError, declared_rung
 from fabric_memory_recipes.console import fail
 from fabric_memory_recipes.planning import arguments
@@ -117,11 +117,13 @@ def main(argv: list[str] | None = None) -> int:
     then the mode it asks for: your own model (planning/your_model/cli.py), the ladder's ``--fit``
     planner (planning/planner/cli.py), ``--ladder``, ``--check``, or a rung's component table (or JSON)."""
     _, args, mode = arguments.parse(fit_cli.join_fit_value(sys.argv[1:] if argv is None else argv))
-    if mode == arguments.YOURS:
-        return user_cli.run(args)
-    if mode == arguments.FIT:
-        arguments.ladder_model(args)
-        return fit_cli.run(args)
+    if mode in (arguments.YOURS, arguments.FIT):
+        if mode == arguments.FIT:
+            arguments.ladder_model(args)
+        code = user_cli.run(args) if mode == arguments.YOURS else fit_cli.run(args)
+        if args.fit and not processes.in_checkout():  # the picks' commands name recipes/*.py
+            print(processes.NEEDS_CHECKOUT)
+        return code
     if mode == arguments.LADDER:
         return _ladder(args.ladder)
     if mode == arguments.CHECK:

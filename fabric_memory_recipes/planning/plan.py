@@ -110,6 +110,8 @@ class Plan:
     offload_window_bytes: int = 0
     optimizer_in_backward: bool = False
     weights_offload: bool = False
+    checkpoint_mode: str = "full"  # what a checkpointed block keeps (training/techniques/checkpointing.py)
+    fused_loss: bool = False  # a causal LM's loss without its logits (training/techniques/fused_loss.py)
 
     def __post_init__(self) -> None:
         if self.precision == "32":
@@ -219,6 +221,8 @@ class Estimate:
                 "optimizer": p.optimizer,
                 "optimizer_impl": p.optimizer_impl,
                 "activation_checkpointing": list(p.activation_checkpointing),
+                "checkpoint_mode": p.checkpoint_mode,
+                "fused_loss": p.fused_loss,
                 "sharding": p.sharding,
                 "shard_units": list(p.shard_units),
                 "world_size": p.world_size,

@@ -12,6 +12,7 @@ import os
 import sys
 from pathlib import Path
 
+from fabric_memory_recipes import processes
 from fabric_memory_recipes.console import fail
 
 CHECKOUT = Path(__file__).resolve().parents[2]
@@ -29,8 +30,12 @@ def run_all_script(checkout: Path = CHECKOUT) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    script = run_all_script()
     args = sys.argv[1:] if argv is None else argv
+    if not processes.in_checkout(CHECKOUT) and {"-h", "--help"} & set(args):
+        print(__doc__.strip() + f"\n\nThis install has no checkout beside it ({CHECKOUT}): clone the repository,"
+              " then in it: python3 -m pip install -e . && fmr-ladder --help")  # fmt: skip
+        return 0
+    script = run_all_script()
     env = {
         **os.environ,
         "PYTHON": os.environ.get("PYTHON", sys.executable),

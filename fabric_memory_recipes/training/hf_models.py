@@ -11,13 +11,13 @@ The ``*-tiny`` names are a few layers of width 64: the CPU path of ``run_all.sh`
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from huggingface_hub import try_to_load_from_cache
 
 from fabric_memory_recipes.config import UsageError
 from fabric_memory_recipes.console import notice
@@ -150,8 +150,19 @@ def config(spec: Spec, **fields: Any):
     return AutoConfig.for_model(spec.model_type, **{**spec.overrides, **fields})
 
 
+def require_transformers(what: str) -> None:
+    """One line and exit 2 when ``transformers`` is missing: it is an extra, not a dependency, so an
+    installed wheel estimates vision models without it (``--model hf:`` and the bonus cases need it)."""
+    if importlib.util.find_spec("transformers") is None:
+        raise UsageError(
+            f"{what} needs Hugging Face transformers: pip install 'fabric-memory-recipes[hf]'"
+        )
+
+
 def _cached(hub_id: str) -> bool:
     """True if the hub repository's config is in the local Hugging Face cache (usable offline)."""
+    from huggingface_hub import try_to_load_from_cache  # with transformers, an extra (require_transformers)
+
     return isinstance(try_to_load_from_cache(hub_id, "config.json"), str)
 
 

@@ -109,6 +109,7 @@ class TrainingRun:
         self.train_acc = accuracy_metric(fabric.device, num_classes)
         self.window_loss = torch.zeros((), device=fabric.device)
         self.window_batches = 0
+        self.accuracy_seen = False
         self.step, self.start_epoch, self.skip, self.saved = 0, 0, 0, None
         self.stateful = {"model": model}
         if optimizer is not None:
@@ -205,7 +206,9 @@ class TrainingRun:
         self.results.micro_batches += micro_batches
         self.window_loss += loss
         self.window_batches += micro_batches
-        self.train_acc.update(logits, targets)
+        if logits is not None:  # a fused loss makes no logits: no token accuracy
+            self.train_acc.update(logits, targets)
+            self.accuracy_seen = True
 
     def _close_window(self) -> float:
         mean = (self.window_loss / max(self.window_batches, 1)).item()
@@ -214,12 +217,15 @@ class TrainingRun:
             r.loss["first"] = mean
         r.loss["last"] = mean
         r.loss["curve"].append([self.step, mean])
-        r.accuracy["train"] = self.train_acc.compute().item()
-        metrics = {"train/loss": mean, "train/acc": r.accuracy["train"]}
+        r.accuracy["train"] = self.train_acc.compute().item() if self.accuracy_seen else None
+        metrics = {"train/loss": mean}
+        if r.accuracy["train"] is not None:
+            metrics["train/acc"] = r.accuracy["train"]
         if self.optimizer is not None:
             metrics["train/lr"] = float(self.optimizer.param_groups[0]["lr"])
         self.fabric.log_dict(metrics, step=self.step)
-        self.bar.set_postfix(loss=f"{mean:.4f}", acc=f"{r.accuracy['train']:.3f}")
+        acc = r.accuracy["train"]
+        self.bar.set_postfix(loss=f"{mean:.4f}", **({"acc": f"{acc:.3f}"} if acc is not None else {}))
         self.train_acc.reset()
         self.window_loss = torch.zeros((), device=self.fabric.device)
         self.window_batches = 0

@@ -46,7 +46,7 @@ def train_step(fabric, model, optimizer, batch_fn: Callable, group: Iterable, re
             with region("backward"):
                 fabric.backward(loss / group_size)  # rung 05: .grad sums to the group's mean
         if record is not None:
-            record(loss.detach().float(), logits.detach(), targets)
+            record(loss.detach().float(), None if logits is None else logits.detach(), targets)
     if optimizer is not None:  # rung 12: None, each parameter stepped inside backward
         with region("optimizer"):
             optimizer.step()

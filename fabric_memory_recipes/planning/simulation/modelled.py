@@ -12,9 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch._C import DispatchKey, DispatchKeySet
 from torch.utils._pytree import tree_map
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from fabric_memory_recipes.planning.plan import CHECKPOINT_WRAPPERS, LOW_PRECISION
+from fabric_memory_recipes.training.techniques import checkpointing
 
 
 @contextlib.contextmanager
@@ -111,12 +112,14 @@ def attention_kernel(kind: str, device: str, used: set[str]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def checkpointed(model, class_names: tuple[str, ...], keep: Callable[[torch.Tensor], None]) -> Iterator[int]:
+def checkpointed(model, class_names: tuple[str, ...], keep: Callable[[torch.Tensor], None],
+                 mode: str = "full") -> Iterator[int]:  # fmt: skip
     """Wrap the forward of every module whose class is named in ``class_names`` in non-reentrant
     activation checkpointing (what Fabric's ``activation_checkpointing_policy`` and ``checkpoint_wrapper``
     do), for the duration of the simulation. ``keep`` is told about each block input: checkpointing
     keeps it for the recompute, so it counts as saved."""
     wrapped = []
+    context = checkpointing.context_fn(mode) or noop_context_fn  # the run's own policy (selective: keep matmuls)
     already = {  # blocks the model checkpoints itself (rung 10's CheckpointedBlock, checkpoint_wrapper)
         id(child)
         for module in model.modules()
@@ -131,7 +134,7 @@ def checkpointed(model, class_names: tuple[str, ...], keep: Callable[[torch.Tens
                 for a in args:
                     if isinstance(a, torch.Tensor):
                         keep(a)
-                return checkpoint(_original, *args, use_reentrant=False, **kwargs)
+                return checkpoint(_original, *args, use_reentrant=False, context_fn=context, **kwargs)
 
             module.forward = forward
             wrapped.append(module)

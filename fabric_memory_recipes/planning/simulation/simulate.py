@@ -223,7 +223,7 @@ def simulate(
         # The fake weights stand in for the module's own for the whole step: checkpointed blocks
         # recompute in backward, after the forward call has returned.
         stack.enter_context(_reparametrize_module(model, fake_state, tie_weights=True))
-        stack.enter_context(checkpointed(model, plan.activation_checkpointing, counter.add))
+        stack.enter_context(checkpointed(model, plan.activation_checkpointing, counter.add, plan.checkpoint_mode))
         wrapped = Wrapped(model, precision)
         k = plan.accumulation_steps
         tracker.record_timeline = record_timeline

@@ -13,6 +13,7 @@ measured rows). The whole-device peak adds the measured card overhead of the GPU
 
 from __future__ import annotations
 
+import copy
 import functools
 from typing import Any
 
@@ -24,7 +25,8 @@ from fabric_memory_recipes.measurement.results_file import gpu_slug
 from fabric_memory_recipes.planning.plan import Estimate, Plan, plan_for
 from fabric_memory_recipes.planning.simulation.allocator import RESIDUAL, RESIDUAL_SOURCE
 from fabric_memory_recipes.planning.simulation.simulate import failed, simulate
-from fabric_memory_recipes.techniques import ACTIVATION_CHECKPOINTING
+from fabric_memory_recipes.techniques import ACTIVATION_CHECKPOINTING, FUSED_LOSS
+from fabric_memory_recipes.training.techniques import fused_loss
 from fabric_memory_recipes.training.your_model import models
 from fabric_memory_recipes.training.your_model.models import UserModel
 from fabric_memory_recipes.training.your_model.runner import YourModelConfig
@@ -69,6 +71,7 @@ def plan_of(cfg: YourModelConfig, blocks: tuple[str, ...]) -> Plan:
     return plan_for(
         cfg, activation_checkpointing=blocks if cfg.uses(ACTIVATION_CHECKPOINTING) else (), sharding=sharding,
         shard_units=blocks, world_size=cfg.world_size if sharding != "none" else 1, compile=False,
+        checkpoint_mode=cfg.checkpoint_mode, fused_loss=cfg.uses(FUSED_LOSS),
     )  # fmt: skip
 
 
@@ -77,6 +80,9 @@ def estimate(model: Any, um: UserModel, plan: Plan, seq_len: int) -> Estimate:
     make = batch_fn = None
     if um.is_text:
         make, batch_fn = text_batch(um, plan.micro_batch_size, seq_len)
+    if plan.fused_loss:  # the run's own loss on a copy (the model given may be shared): no logits
+        model = copy.deepcopy(model)
+        batch_fn = fused_loss.causal_lm_loss(fused_loss.fuse_output_embeddings(model))
     return simulate(model, plan, make_batch=make, batch_fn=batch_fn, model_name=um.ref)
 
 

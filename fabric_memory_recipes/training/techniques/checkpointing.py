@@ -6,18 +6,42 @@ the block are recomputed during the backward pass. The ladder's recipes and the 
 it; the estimator finds the wrapped blocks by the wrapper's class name (``planning.plan.CHECKPOINT_WRAPPERS``).
 
 ``mode`` says what a checkpointed block keeps: ``full`` keeps its input only (everything inside is
-recomputed). It is the one mode so far; a policy that keeps some of the inside (selective
-checkpointing) is another value of ``mode``.
+recomputed); ``selective`` also keeps the outputs of its matrix products and attention
+(torch.utils.checkpoint's selective checkpointing, :func:`context_fn`) and recomputes only the cheap
+pointwise ops (norms, activations, residual adds, dropout masks) in backward: most of full checkpointing's
+saving on a block whose saved tensors are mostly pointwise outputs, at a fraction of its recompute.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from fabric_memory_recipes.config import UsageError
 
-MODES = ("full",)  # what a checkpointed block keeps: "full", its input only
+MODES = ("full", "selective")  # what a checkpointed block keeps: its input only; also its matmuls and attention
+
+_aten = torch.ops.aten
+SAVED_OPS = frozenset(  # selective: the outputs kept (the costly ops); everything else is recomputed
+    getattr(_aten, name).default
+    for name in ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_scaled_dot_product_flash_attention",
+                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+                 "_scaled_dot_product_flash_attention_for_cpu", "convolution")  # fmt: skip
+    if hasattr(_aten, name)
+)
+
+
+def _keep_costly(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def context_fn(mode: str):
+    """``checkpoint(..., context_fn=...)`` for ``mode``: None for ``full`` (torch's default: recompute all)."""
+    if mode not in MODES:
+        raise ValueError(f"checkpointing mode {mode!r}: expected one of {', '.join(MODES)}")
+    return functools.partial(create_selective_checkpoint_contexts, _keep_costly) if mode == "selective" else None
 
 
 class CheckpointedBlock(torch.nn.Module):
@@ -33,13 +57,17 @@ class CheckpointedBlock(torch.nn.Module):
     An attribute the wrapper lacks is read from the block (a model's forward may ask its layers for
     one, as from any layer it built)."""
 
-    def __init__(self, block: torch.nn.Module, use_reentrant: bool = False) -> None:
+    def __init__(self, block: torch.nn.Module, use_reentrant: bool = False, mode: str = "full") -> None:
         super().__init__()
         self.block = block
         self.use_reentrant = use_reentrant
+        self.mode = mode
+        self._context = context_fn(mode)
 
     def forward(self, *args, **kwargs):
-        return checkpoint(self.block, *args, use_reentrant=self.use_reentrant, **kwargs)
+        if self._context is None:
+            return checkpoint(self.block, *args, use_reentrant=self.use_reentrant, **kwargs)
+        return checkpoint(self.block, *args, use_reentrant=False, context_fn=self._context, **kwargs)
 
     def __getattr__(self, name: str):
         try:
@@ -55,8 +83,7 @@ def checkpoint_blocks(model: torch.nn.Module, blocks: tuple[str, ...], mode: str
     """Wrap every module of ``model`` whose class is named in ``blocks`` in a :class:`CheckpointedBlock`
     (in place, in its parent); returns how many were wrapped, and refuses (one line, exit 2) a model that
     has none of them. ``mode``: :data:`MODES`."""
-    if mode not in MODES:
-        raise ValueError(f"checkpointing mode {mode!r}: expected one of {', '.join(MODES)}")
+    context_fn(mode)  # a known mode
     found = [
         (parent, name, child)
         for parent in model.modules()
@@ -68,5 +95,5 @@ def checkpoint_blocks(model: torch.nn.Module, blocks: tuple[str, ...], mode: str
         named = ", ".join(blocks) or "none named"
         raise UsageError(f"activation checkpointing: no repeated blocks found in this model ({named})")
     for parent, name, child in found:
-        setattr(parent, name, CheckpointedBlock(child, use_reentrant=use_reentrant))
+        setattr(parent, name, CheckpointedBlock(child, use_reentrant=use_reentrant, mode=mode))
     return len(found)

@@ -26,7 +26,7 @@ import torch.nn as nn
 import torchvision.models as tvm
 
 from fabric_memory_recipes.config import UsageError
-from fabric_memory_recipes.training.hf_models import TokenIds, _cached, hub_online
+from fabric_memory_recipes.training.hf_models import TokenIds, _cached, hub_online, require_transformers
 
 SOURCES = ("torchvision", "timm", "hf")
 IMAGE_CLASSES = 10  # the digits' labels: what the runner trains on
@@ -127,6 +127,7 @@ def _known(ref: str, name: str, names: list[str]) -> None:
 
 def hf_config(ref: str, name: str):
     """A local ``config.json`` (or a folder with one), else the hub's config for an id, when online."""
+    require_transformers(f"--model {ref}")
     if os.path.exists(name):
         path = os.path.join(name, "config.json") if os.path.isdir(name) else name
         try:
@@ -254,3 +255,16 @@ def token_ids(um: UserModel):
     if um.task == "causal_lm":
         return TokenIds(pad=pad, cls=None, sep=None, first_regular=first, vocab_size=vocab)
     return TokenIds(pad=pad, cls=1, sep=2, first_regular=first, vocab_size=vocab)
+
+
+def compile_repeated(model: nn.Module, blocks: tuple[str, ...]) -> int:
+    """Fast mode (regional compilation): ``torch.compile`` each repeated block in place (its checkpoint
+    wrapper, when it has one, so the recompute is compiled too); blocks of one class share their compiled
+    code. Returns how many were compiled."""
+    wrapped = [m for m in model.modules() if type(m).__name__ == "CheckpointedBlock"]
+    inside = {id(m.block) for m in wrapped}
+    chosen = wrapped + [m for m in model.modules() if type(m).__name__ in blocks and id(m) not in inside]
+    for module in chosen:
+        module.compile()
+    return len(chosen)
+

@@ -20,7 +20,7 @@ from fabric_memory_recipes import techniques
 from fabric_memory_recipes.config import BOOL, RunConfig, UsageError, at_least, flag
 from fabric_memory_recipes.training import data
 from fabric_memory_recipes.training.data import text
-from fabric_memory_recipes.training.techniques import lowbit
+from fabric_memory_recipes.training.techniques import checkpointing, lowbit
 from fabric_memory_recipes.training.your_model import models
 from fabric_memory_recipes.training.your_model.models import UserModel
 
@@ -37,6 +37,10 @@ class YourModelConfig(RunConfig):
     checkpoint_blocks: bool = flag(
         False, "technique", "activation checkpointing of every repeated block of the model", action=BOOL
     )
+    checkpoint_mode: str = flag("full", "technique", "what a checkpointed block keeps: full (its input only) or"
+                                " selective (also its matmuls and attention)", choices=checkpointing.MODES)  # fmt: skip
+    fused_loss: bool = flag(False, "technique", "causal LMs: the loss of the output projection in chunks,"
+                            " without the full logits (liger-kernel on CUDA)", action=BOOL)  # fmt: skip
     activation_offload: bool = flag(
         False, "technique", "keep saved activations in pinned host memory (rung 11)", action=BOOL
     )
@@ -73,13 +77,20 @@ class YourModelConfig(RunConfig):
 
     def technique_flags(self) -> list[str]:
         """The technique set as flags (what the CPU suggestion keeps of a refused command)."""
-        flags = [t.flag for t in techniques.PLANNED if self.uses(t)]
+        flags = [t.flag for t in techniques.TECHNIQUES if t.flag and self.uses(t)]
+        flags += ["--checkpoint-mode", self.checkpoint_mode] if self.checkpoint_mode != "full" else []
         return flags + (["--optimizer", self.optimizer] if self.optimizer != "adamw" else [])
 
     def checked(self, hardware) -> YourModelConfig:
+        graphs_asked = self.cuda_graphs  # None: fast mode decides
         c = super().checked(hardware)
-        if c.compile or c.cuda_graphs:
-            raise UsageError("--compile/--cuda-graphs are not wired for your own model: it runs eagerly")
+        if c.cuda_graphs and models.resolve(c.model).is_text:
+            if graphs_asked:
+                raise UsageError("--cuda-graphs: a text model's batch picks its tokens by a mask of data-dependent"
+                                 " size, which a CUDA graph cannot capture (fast mode compiles its blocks)")  # fmt: skip
+            c.cuda_graphs = False  # fast mode for a text model: compiled blocks, eager steps
+        if c.checkpoint_mode != "full" and not c.checkpoint_blocks:
+            raise UsageError(f"--checkpoint-mode {c.checkpoint_mode} goes with --checkpoint-blocks")
         if c.fsdp and (c.world_size < 2 or c.accelerator != "cuda"):
             raise UsageError("--fsdp shards over several CUDA GPUs: use it with --devices N (N >= 2) on CUDA")
         c.sharding = "fsdp" if c.fsdp else "none"
@@ -90,7 +101,7 @@ def default_config() -> YourModelConfig:
     """The runner's defaults (``recipes/your_model.py`` declares the same)."""
     return YourModelConfig(recipe="your_model", model="torchvision:resnet50",
                            model_choices=models.SourcePrefixed(models.SOURCES), batch_size=32,
-                           lr=1e-4, compile=False, cuda_graphs=False, eval_batches=20)  # fmt: skip
+                           lr=1e-4, eval_batches=20)  # fmt: skip
 
 
 def resolve(cfg: YourModelConfig) -> UserModel:
@@ -99,6 +110,9 @@ def resolve(cfg: YourModelConfig) -> UserModel:
     if cfg.data == "digits" and um.is_text or cfg.data == "imdb" and not um.is_text:
         raise UsageError(f"--data {cfg.data} does not fit {cfg.model} ({um.task.replace('_', ' ')})")
     models.check_seq_len(um, cfg.seq_len)
+    if cfg.fused_loss and um.task != "causal_lm":
+        raise UsageError(f"--fused-loss fuses a causal LM's output projection into its loss; {cfg.model} is"
+                         f" {um.task.replace('_', ' ')}")  # fmt: skip
     return um
 
 

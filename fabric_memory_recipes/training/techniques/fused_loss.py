@@ -1,0 +1,170 @@
+"""The fused linear cross-entropy (``--fused-loss``, your model's causal LMs): the loss of the output
+projection without the full logits.
+
+A causal LM's last layer projects every token's hidden state onto the vocabulary: at 8 x 1024 tokens and a
+49 k vocabulary the logits alone are 1.6 GB in fp32, their softmax and gradient as much again, and they
+dominate the step's peak. The fused loss walks the tokens in chunks: for each chunk it makes that chunk's
+logits, the loss and the gradients of the hidden states and of the projection's weight, then drops the
+logits. What stays from the forward pass to the backward pass is those two gradients (tokens x hidden, and
+the weight's shape), not tokens x vocabulary.
+
+Applied to any Hugging Face causal LM through its output embeddings (:func:`fuse_output_embeddings`): the
+projection's module is kept (its weight stays tied to the input embeddings) but returns its input, so the
+model's ``logits`` are the hidden states, and :func:`causal_lm_loss` projects them chunk by chunk.
+
+Backends, one call (:func:`linear_cross_entropy`): on CUDA Liger-Kernel's ``LigerFusedLinearCrossEntropyLoss``
+(``pip install liger-kernel``), which computes the same chunked gradients with a Triton softmax; elsewhere,
+and on the estimator's fake tensors, :class:`ChunkedLinearCrossEntropy` in plain torch, whose allocations
+follow Liger's (the gradients made in the forward pass, one chunk's logits at a time), so the estimate
+sees what the GPU run holds. ``FMR_FUSED_LOSS=torch`` forces the torch path on CUDA too.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
+
+from fabric_memory_recipes.config import UsageError
+from fabric_memory_recipes.training.data.text_samples import IGNORE_INDEX
+
+BACKENDS = ("liger", "torch")
+
+
+class HiddenStates(torch.nn.Module):
+    """The output projection's stand-in: holds the projection (its weight stays a parameter of the model,
+    tied where it was) and returns its input, the hidden states, in place of the logits."""
+
+    def __init__(self, projection: torch.nn.Linear) -> None:
+        super().__init__()
+        self.projection = projection
+
+    @property
+    def weight(self) -> torch.nn.Parameter:
+        return self.projection.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden
+
+
+def fuse_output_embeddings(model: torch.nn.Module) -> HiddenStates:
+    """Make ``model`` return hidden states instead of logits; one line when it cannot apply (no output
+    embeddings, a bias, or logits that the model rescales after the projection)."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if get is not None else None
+    if isinstance(head, HiddenStates):
+        return head
+    if not isinstance(head, torch.nn.Linear):
+        raise UsageError(f"--fused-loss: {type(model).__name__} has no output embeddings to fuse (a causal LM's"
+                         " linear projection onto the vocabulary)")  # fmt: skip
+    if head.bias is not None:
+        raise UsageError("--fused-loss: the output projection has a bias, which the fused loss does not add")
+    config = getattr(model, "config", None)
+    for field in ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale"):
+        if getattr(config, field, None) not in (None, 0, 1, 1.0):
+            raise UsageError(f"--fused-loss: the model rescales its logits ({field}), which the fused loss"
+                             " does not do")  # fmt: skip
+    stand_in = HiddenStates(head)
+    model.set_output_embeddings(stand_in)
+    return stand_in
+
+
+def backend(hidden: torch.Tensor) -> str:
+    """The implementation ``hidden`` gets: Liger's kernel for a real CUDA tensor when liger-kernel is
+    installed, else torch (the CPU, and the estimator's fake tensors, which no kernel can read)."""
+    forced = os.environ.get("FMR_FUSED_LOSS")
+    if forced and forced not in BACKENDS:
+        raise UsageError(f"FMR_FUSED_LOSS={forced}: one of {', '.join(BACKENDS)}")
+    if is_fake(hidden) or hidden.device.type != "cuda":
+        return "torch"
+    return forced or ("liger" if importlib.util.find_spec("liger_kernel") else "torch")
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of ``hidden @ weight.T`` against ``targets`` (``IGNORE_INDEX`` skipped), as
+    ``F.cross_entropy(F.linear(hidden, weight), targets)`` under the same autocast, without the logits."""
+    if torch.is_autocast_enabled(hidden.device.type):  # the dtype nn.Linear would compute in
+        dtype = torch.get_autocast_dtype(hidden.device.type)
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+    with torch.autocast(hidden.device.type, enabled=False):
+        if backend(hidden) == "liger":
+            from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+            return LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX)(weight, hidden, targets)
+        return ChunkedLinearCrossEntropy.apply(hidden, weight, targets)
+
+
+def chunk_rows(tokens: int, vocab: int, hidden: int) -> int:
+    """Tokens per chunk: about as many logits per chunk as the hidden states hold (Liger's choice)."""
+    return 2 ** max(0, math.ceil(math.log2(max(1, math.ceil(tokens / max(1, math.ceil(vocab / hidden)))))))
+
+
+class ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """The fused loss in torch: the gradients are made in the forward pass, one chunk of tokens at a time,
+    and the backward pass only scales them (so nothing of size tokens x vocabulary is saved)."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        rows = hidden.shape[0]
+        keep = targets != IGNORE_INDEX
+        count = keep.sum().clamp(min=1)
+        grad_hidden = torch.zeros_like(hidden) if hidden.requires_grad else None
+        wide = torch.promote_types(hidden.dtype, torch.float32)  # the softmax's and the sums' dtype
+        grad_weight = torch.zeros_like(weight, dtype=wide) if weight.requires_grad else None
+        loss = torch.zeros((), device=hidden.device, dtype=wide)
+        step = chunk_rows(rows, weight.shape[0], weight.shape[1])
+        for start in range(0, rows, step):
+            h, t = hidden[start : start + step], targets[start : start + step]
+            logits = (h @ weight.t()).to(wide)
+            loss = loss + F.cross_entropy(logits, t, ignore_index=IGNORE_INDEX, reduction="sum")
+            # d(sum of losses)/d(logits) = softmax - one-hot, zero on ignored rows; then / count
+            grad = logits.softmax(dim=-1)
+            valid = t != IGNORE_INDEX
+            rows_idx = torch.arange(t.shape[0], device=t.device)
+            grad[rows_idx, t.clamp(min=0)] -= 1.0
+            grad = (grad * valid.unsqueeze(1)).to(hidden.dtype)
+            del logits
+            if grad_hidden is not None:
+                grad_hidden[start : start + step] = grad @ weight
+            if grad_weight is not None:
+                grad_weight += (grad.t() @ h).to(wide)
+        ctx.save_for_backward(grad_hidden, grad_weight, count)
+        ctx.weight_dtype = weight.dtype
+        return loss / count
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        grad_hidden, grad_weight, count = ctx.saved_tensors
+        scale = grad_loss / count
+        gh = (grad_hidden * scale).to(grad_hidden.dtype) if grad_hidden is not None else None
+        gw = (grad_weight * scale).to(ctx.weight_dtype) if grad_weight is not None else None
+        return gh, gw, None
+
+
+def predicted_ids(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The most likely token of each row of ``hidden``, one chunk of logits at a time (evaluation)."""
+    step = chunk_rows(hidden.shape[0], weight.shape[0], weight.shape[1])
+    return torch.cat([(hidden[i : i + step] @ weight.t().to(hidden.dtype)).argmax(-1)
+                      for i in range(0, hidden.shape[0], step)])  # fmt: skip
+
+
+def causal_lm_loss(head: HiddenStates):
+    """batch_fn for a causal LM whose output embeddings are fused (``fabric_memory_recipes.training.loop``):
+    next-token loss on the completion tokens. Training makes no logits, so it reports no token accuracy
+    (None); evaluation (no gradients) predicts the tokens chunk by chunk for the accuracy."""
+
+    def batch_fn(model, batch):
+        input_ids, attention_mask, labels = batch
+        hidden = model(input_ids=input_ids, attention_mask=attention_mask).logits  # the hidden states
+        hidden, targets = hidden[:, :-1].reshape(-1, hidden.shape[-1]), labels[:, 1:].reshape(-1)
+        loss = linear_cross_entropy(hidden, head.weight, targets)
+        if torch.is_grad_enabled():
+            return loss, None, None
+        keep = targets != IGNORE_INDEX
+        return loss, predicted_ids(hidden[keep], head.weight), targets[keep]
+
+    return batch_fn

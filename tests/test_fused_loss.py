@@ -1,0 +1,75 @@
+"""The fused linear cross-entropy (training/techniques/fused_loss.py) against the plain loss: the same
+loss and gradients from a Hugging Face causal LM's own forward, and refusals for what it cannot fuse."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from fabric_memory_recipes.config import UsageError
+from fabric_memory_recipes.training.data.text_samples import IGNORE_INDEX
+from fabric_memory_recipes.training.techniques import fused_loss
+
+
+def test_chunked_loss_and_gradients_equal_the_plain_ones():
+    torch.manual_seed(0)
+    hidden = torch.randn(300, 32, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(1000, 32, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 1000, (300,))
+    targets[::7] = IGNORE_INDEX
+    assert fused_loss.chunk_rows(300, 1000, 32) < 300  # several chunks
+    plain = F.cross_entropy(hidden @ weight.t(), targets, ignore_index=IGNORE_INDEX)
+    g_plain = torch.autograd.grad(plain * 3, (hidden, weight))
+    fused = fused_loss.linear_cross_entropy(hidden, weight, targets)
+    g_fused = torch.autograd.grad(fused * 3, (hidden, weight))
+    assert torch.allclose(fused, plain, rtol=1e-10)
+    for a, b in zip(g_fused, g_plain, strict=True):
+        assert torch.allclose(a, b, rtol=1e-8, atol=1e-12)
+
+
+def _llama(tie: bool = True) -> LlamaForCausalLM:
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=500, tie_word_embeddings=tie)  # fmt: skip
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config)
+
+
+def test_a_causal_lm_through_its_output_embeddings_learns_as_with_its_own_loss():
+    plain = _llama()
+    fused = copy.deepcopy(plain)
+    head = fused_loss.fuse_output_embeddings(fused)
+    assert fused.get_output_embeddings() is head and head.weight is fused.get_input_embeddings().weight  # tied
+    ids = torch.randint(0, 500, (2, 16))
+    labels = ids.clone()
+    labels[:, :5] = IGNORE_INDEX  # the prompt
+    batch = (ids, torch.ones_like(ids), labels)
+    expected = plain(input_ids=ids, attention_mask=batch[1], labels=labels).loss
+    loss, predicted, targets = fused_loss.causal_lm_loss(head)(fused, batch)
+    assert predicted is None and targets is None  # training: no logits
+    assert torch.allclose(loss, expected, rtol=1e-5)
+    expected.backward()
+    loss.backward()
+    for (name, a), b in zip(plain.named_parameters(), fused.parameters(), strict=True):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-6), name
+    with torch.no_grad():  # evaluation: the predicted tokens, chunk by chunk, as the logits' argmax
+        _, predicted, targets = fused_loss.causal_lm_loss(head)(fused, batch)
+        logits = plain(input_ids=ids).logits[:, :-1].reshape(-1, 500)
+    keep = labels[:, 1:].reshape(-1) != IGNORE_INDEX
+    assert torch.equal(predicted, logits[keep].argmax(-1)) and torch.equal(targets, labels[:, 1:].reshape(-1)[keep])
+
+
+def test_what_cannot_be_fused_is_one_line():
+    with pytest.raises(UsageError, match="no output embeddings"):
+        fused_loss.fuse_output_embeddings(torch.nn.Linear(4, 4))
+    model = _llama(tie=False)
+    model.lm_head.bias = torch.nn.Parameter(torch.zeros(500))
+    with pytest.raises(UsageError, match="bias"):
+        fused_loss.fuse_output_embeddings(model)
+    model = _llama()
+    model.config.final_logit_softcapping = 30.0
+    with pytest.raises(UsageError, match="rescales its logits"):
+        fused_loss.fuse_output_embeddings(model)
