@@ -20,6 +20,9 @@ from dataclasses import dataclass
 PRECISIONS = ("32-true", "32", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "64-true")  # Fabric's
 MODES = ("fast", "eager")  # fast: compiled blocks and one CUDA graph per optimizer step
 BF16_UPDATES = ("plain", "stochastic", "kahan")  # how bf16-true weights store an update (bf16.py)
+# What changes what is trained, not only its memory: your model's planner tries other values only when asked
+# (fmr-estimate --model ... --fit SIZE --may-change precision,optimizer).
+MAY_CHANGE = ("precision", "optimizer")
 # The optimizers the estimate models, with the words a plan's row uses for each.
 OPTIMIZERS = {
     "adam": "Adam",

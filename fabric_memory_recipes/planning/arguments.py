@@ -20,8 +20,7 @@ from fabric_memory_recipes.planning.plan import ATTENTION_CHOICES
 from fabric_memory_recipes.planning.planner import calibration
 from fabric_memory_recipes.planning.planner.cli import gpu_kind
 from fabric_memory_recipes.planning.planner.fit import PLANNED_OPTIMIZERS, PLANNED_PRECISIONS
-from fabric_memory_recipes.planning.your_model.sets import MAY_CHANGE
-from fabric_memory_recipes.techniques import MODES, OPTIMIZERS
+from fabric_memory_recipes.techniques import MAY_CHANGE, MODES, OPTIMIZERS
 from fabric_memory_recipes.training import cli
 from fabric_memory_recipes.training.your_model import models, runner
 

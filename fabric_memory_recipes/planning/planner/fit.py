@@ -38,7 +38,6 @@ import torch
 from fabric_memory_recipes.config import DATA_DIR, RECIPES_DIR, RunConfig, declared_rung
 from fabric_memory_recipes.measurement.card_overhead import Overhead, card_overhead
 from fabric_memory_recipes.measurement.results_file import write_json_atomic
-from fabric_memory_recipes.planning.check import meta_ladder_model
 from fabric_memory_recipes.planning.plan import CUDA_WORKSPACE_BYTES, GB, plan_for
 from fabric_memory_recipes.planning.planner import calibration
 from fabric_memory_recipes.planning.planner import speed as speed_mod
@@ -53,6 +52,7 @@ from fabric_memory_recipes.techniques import (
     TechniqueSet,
     subset,
 )
+from fabric_memory_recipes.training.models import meta_ladder_model
 
 # What the ladder's planner combines: one precision of each memory and speed (bf16-mixed has 16-mixed's),
 # the optimizers the ladder's rungs run (AdamW's memory and speed are Adam's), every mode.

@@ -33,7 +33,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils.flop_counter import FlopCounterMode
 
-from fabric_memory_recipes.planning.check import meta_ladder_model
 from fabric_memory_recipes.planning.plan import GB, Plan
 from fabric_memory_recipes.planning.planner import advice, calibration, speed
 from fabric_memory_recipes.planning.planner.fit import (
@@ -54,13 +53,13 @@ from fabric_memory_recipes.techniques import (
     TechniqueSet,
     subset,
 )
+from fabric_memory_recipes.training.models import meta_ladder_model
 from fabric_memory_recipes.training.your_model import runner as user_run
 
 # What --may-change tries besides yours: one precision of each memory and speed (bf16-mixed, what a user of
 # their own model trains with, for 16-mixed), and one optimizer of each kind of state (AdamW for Adam too).
 PRECISIONS_TRIED = subset(PRECISIONS, "bf16-true", "bf16-mixed", "32-true")
 OPTIMIZERS_TRIED = subset(user_run.OPTIMIZERS, "adamw", "sgd", "adamw8bit")
-MAY_CHANGE = ("precision", "optimizer")  # what --may-change can allow; by default neither changes
 # The planned techniques each set turns on (their flags: Technique.flag): every combination but activation
 # offload with the step in backward.
 SETS = (
