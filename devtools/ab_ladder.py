@@ -26,7 +26,7 @@ from pathlib import Path
 from fabric_memory_recipes.console import Parser
 from fabric_memory_recipes.paths import output_folder
 from fabric_memory_recipes.processes import Run, execute, project_env
-from fabric_memory_recipes.tools.compare.plan import SINGLE_GPU_RUNGS
+from fabric_memory_recipes.tools.compare.plan import MODES, SINGLE_GPU_RUNGS
 
 Runner = Callable[[Run, dict, float], dict]  # processes.execute, or a test's stand-in
 
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None, runner: Runner = execute) -> int:
     p.add_argument("--base", required=True, type=Path, help="the earlier checkout")
     p.add_argument("--new", default=".", type=Path, help="the checkout under test (default: this one)")
     p.add_argument("--out", required=True, type=output_folder("--out"), help="output folder (e.g. runs/ab)")
-    p.add_argument("--modes", nargs="+", default=["eager", "fast"], choices=("eager", "fast"))
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--rungs", nargs="+", default=list(SINGLE_GPU_RUNGS))
     p.add_argument("--budget", type=float, default=540.0, help="seconds after which no new pair starts")
     p.add_argument("--timeout", type=float, default=180.0, help="seconds per run before it is killed")

@@ -49,8 +49,9 @@ from fabric_memory_recipes.console import Parser
 from fabric_memory_recipes.measurement.card_overhead import card_overhead
 from fabric_memory_recipes.measurement.results_file import write_json_atomic
 from fabric_memory_recipes.paths import output_folder
-from fabric_memory_recipes.planning.your_model.sets import MAY_CHANGE, UserPlanner
+from fabric_memory_recipes.planning.your_model.sets import UserPlanner
 from fabric_memory_recipes.processes import execute, run_env
+from fabric_memory_recipes.techniques import MAY_CHANGE
 
 REPO = Path(__file__).resolve().parents[1]
 QWEN, BERT = "hf:examples/configs/qwen2-0.5b", "hf:examples/configs/bert-base-uncased"

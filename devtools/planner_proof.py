@@ -55,14 +55,14 @@ from fabric_memory_recipes.measurement.results_file import write_json_atomic
 from fabric_memory_recipes.paths import output_folder
 from fabric_memory_recipes.planning.planner.cli import parse_size
 from fabric_memory_recipes.planning.planner.fit import (
-    MODES,
-    OPTIMIZERS,
-    PRECISIONS,
+    PLANNED_OPTIMIZERS,
+    PLANNED_PRECISIONS,
     Candidate,
     Planner,
     SimulationCache,
 )
 from fabric_memory_recipes.processes import Run, execute, run_env
+from fabric_memory_recipes.techniques import MODES
 from fabric_memory_recipes.tools.compare.rows import summarize_project
 
 REPO = Path(__file__).resolve().parents[1]
@@ -112,8 +112,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--optimizers",
-        type=comma_list(OPTIMIZERS),
-        default=OPTIMIZERS if lowbit else ("adam", "sgd"),
+        type=comma_list(PLANNED_OPTIMIZERS),
+        default=PLANNED_OPTIMIZERS if lowbit else ("adam", "sgd"),
         help="optimizers to plan with (default: adam,sgd,adamw8bit; without torchao installed, adam,sgd)",
     )
     p.add_argument("--steps", type=at_least(5), default=15, help="optimizer steps per run (default 15)")
@@ -150,7 +150,7 @@ def _row(budget: float, role: str, c: Candidate) -> dict[str, Any]:
 
 def make_plan(args: argparse.Namespace, planner: Planner | None = None) -> dict[str, Any]:
     """The rows (budget x role) and the distinct runs that measure them."""
-    planner = planner or Planner(args.batch_size, args.model, args.gpu, precisions=PRECISIONS, modes=MODES,
+    planner = planner or Planner(args.batch_size, args.model, args.gpu, precisions=PLANNED_PRECISIONS, modes=MODES,
                                  optimizers=args.optimizers, cache=SimulationCache())  # fmt: skip
     rows = []
     for budget in args.budgets:

@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `python experiments/x.py` from a plain checkout finds the package
     sys.path.insert(0, str(REPO))
 
-from fabric_memory_recipes import config, planning  # noqa: E402
+from fabric_memory_recipes import planning, techniques  # noqa: E402
 from fabric_memory_recipes.console import Parser  # noqa: E402
 from fabric_memory_recipes.measurement import results, results_file  # noqa: E402, F401 (results_file: for the experiments)
 from fabric_memory_recipes.measurement.profiling import Recorder  # noqa: E402
@@ -51,7 +51,7 @@ def parser(description: str, defaults: dict[str, Any]) -> argparse.ArgumentParse
     p = Parser(description=description)
     p.add_argument("--accelerator", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--model", choices=models.MODEL_NAMES, default=defaults.get("model", "vit_l_16"))
-    p.add_argument("--precision", choices=config.PRECISIONS, default=defaults.get("precision", "bf16-true"))
+    p.add_argument("--precision", choices=techniques.PRECISIONS, default=defaults.get("precision", "bf16-true"))
     p.add_argument("--batch-size", type=int, default=defaults.get("batch_size", 32))
     p.add_argument("--steps", type=int, default=defaults.get("steps", 8), help="training steps per variant")
     p.add_argument("--profile-steps", type=int, default=3, help="last steps, timed by the profiler")

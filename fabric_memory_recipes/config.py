@@ -7,8 +7,9 @@ help live here, once), parses it into a copy of the rung, and :meth:`RunConfig.c
 cannot run: one line, exit code 2, before any model, data or device memory is set up. The memory
 estimator plans from the same object (``fabric_memory_recipes.planning.plan_for``).
 
-This module imports nothing else from ``fabric_memory_recipes`` and no third-party package: the hardware the checks
-need (device counts, bf16 support) is handed to them as a :class:`Hardware`.
+This module imports nothing else from ``fabric_memory_recipes`` but the names of what a run chooses
+(``techniques.py``: the precisions, modes, optimizers and memory techniques), and no third-party package:
+the hardware the checks need (device counts, bf16 support) is handed to them as a :class:`Hardware`.
 """
 
 from __future__ import annotations
@@ -23,13 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-PRECISIONS = ("32-true", "32", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "64-true")
+from fabric_memory_recipes.techniques import BF16_UPDATES, MODES, PRECISIONS
+
 ACCELERATORS = ("auto", "cpu", "cuda", "gpu")
-MODES = ("fast", "eager")
 DATA_CHOICES = ("auto", "cifar10", "digits", "synthetic")
 WEIGHTS_CHOICES = ("auto", "pretrained", "none")
 VIT_MODELS = ("vit_l_16", "vit_b_16", "vit_tiny")  # the ladder's model, a smaller one, the CPU/test size
-BF16_UPDATES = ("plain", "stochastic", "kahan")
 # The caching allocator's setting in fast mode (read when CUDA starts): cached blocks left over from the
 # eager warm-up steps can be returned page by page before the CUDA graph's own pool is made.
 FAST_ALLOCATOR = "expandable_segments:True"
@@ -207,7 +207,7 @@ class RunConfig:
     )
 
     # The technique, for the estimator and the checks (no flags): what the rung's code does.
-    optimizer: str = "adam"  # adam | adamw | adamw8bit | sgd | sgd-momentum | none
+    optimizer: str = "adam"  # one of techniques.OPTIMIZERS
     optimizer_impl: str = "fused"  # fused | foreach | for-loop
     activation_checkpointing: tuple[str, ...] = ()  # module classes whose activations are recomputed in backward
     sharding: str = "none"  # none | fsdp | fsdp2

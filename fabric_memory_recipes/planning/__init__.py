@@ -56,7 +56,7 @@ measured results), ``instrument`` (what a recipe records of what it built), ``pl
 
 from __future__ import annotations
 
-from fabric_memory_recipes.planning.check import check_results, meta_ladder_model, render_check
+from fabric_memory_recipes.planning.check import check_results, render_check
 from fabric_memory_recipes.planning.instrument import instrument
 from fabric_memory_recipes.planning.plan import (
     ALLOCATOR_ROUND,
@@ -65,7 +65,6 @@ from fabric_memory_recipes.planning.plan import (
     COMPONENTS,
     CUDA_WORKSPACE_BYTES,
     GB,
-    OPTIMIZERS,
     Estimate,
     Plan,
     plan_for,
@@ -73,9 +72,10 @@ from fabric_memory_recipes.planning.plan import (
 from fabric_memory_recipes.planning.plots import plot_check, plot_timeline
 from fabric_memory_recipes.planning.simulation.simulate import failed, for_run, image_batch, simulate
 from fabric_memory_recipes.planning.simulation.tracking import SavedTensorCounter
+from fabric_memory_recipes.training.models import meta_ladder_model
 
 __all__ = [
-    "ALLOCATOR_ROUND", "ATTENTION_CHOICES", "COMPONENT_COLORS", "COMPONENTS", "CUDA_WORKSPACE_BYTES", "GB", "OPTIMIZERS", "Estimate", "Plan",
+    "ALLOCATOR_ROUND", "ATTENTION_CHOICES", "COMPONENT_COLORS", "COMPONENTS", "CUDA_WORKSPACE_BYTES", "GB", "Estimate", "Plan",
     "SavedTensorCounter", "check_results", "failed", "for_run", "image_batch", "instrument", "meta_ladder_model",
     "plan_for",
     "plot_check", "plot_timeline", "render_check", "simulate",

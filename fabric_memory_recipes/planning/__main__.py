@@ -20,7 +20,7 @@ from fabric_memory_recipes import paths, processes
 from fabric_memory_recipes.config import Hardware, RunConfig, UsageError, declared_rung
 from fabric_memory_recipes.console import fail
 from fabric_memory_recipes.planning import arguments
-from fabric_memory_recipes.planning.check import check_results, meta_ladder_model, render_check
+from fabric_memory_recipes.planning.check import check_results, render_check
 from fabric_memory_recipes.planning.ladder import predict_ladder
 from fabric_memory_recipes.planning.overhead import card_prediction
 from fabric_memory_recipes.planning.plan import plan_for
@@ -28,6 +28,7 @@ from fabric_memory_recipes.planning.planner import cli as fit_cli
 from fabric_memory_recipes.planning.plots import plot_check, plot_timeline
 from fabric_memory_recipes.planning.simulation.simulate import simulate
 from fabric_memory_recipes.planning.your_model import cli as user_cli
+from fabric_memory_recipes.training.models import meta_ladder_model
 from fabric_memory_recipes.training.your_model import models
 
 MODES_HELP = arguments.MODES_HELP

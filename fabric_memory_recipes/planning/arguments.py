@@ -17,11 +17,10 @@ from fabric_memory_recipes.config import VIT_MODELS, RunConfig, at_least
 from fabric_memory_recipes.console import Parser, comma_list, fail
 from fabric_memory_recipes.paths import output_folder
 from fabric_memory_recipes.planning.plan import ATTENTION_CHOICES
-from fabric_memory_recipes.planning.plan import OPTIMIZERS as PLAN_OPTIMIZERS
 from fabric_memory_recipes.planning.planner import calibration
 from fabric_memory_recipes.planning.planner.cli import gpu_kind
-from fabric_memory_recipes.planning.planner.fit import MODES, OPTIMIZERS, PRECISIONS
-from fabric_memory_recipes.planning.your_model.sets import MAY_CHANGE
+from fabric_memory_recipes.planning.planner.fit import PLANNED_OPTIMIZERS, PLANNED_PRECISIONS
+from fabric_memory_recipes.techniques import MAY_CHANGE, MODES, OPTIMIZERS
 from fabric_memory_recipes.training import cli
 from fabric_memory_recipes.training.your_model import models, runner
 
@@ -46,8 +45,11 @@ WHERE = {
     FIT: "the ladder's --fit SIZE (your own model's: --model SOURCE:NAME --fit SIZE)",
     YOURS: "--model SOURCE:NAME",
 }
-YOURS_ONLY = ("seq_len", "checkpoint_blocks", "checkpoint_mode", "fused_loss", "activation_offload", "optimizer_in_backward",
-              "fsdp", "tokenizer")
+# Your model's own flags (its technique set, --seq-len, ...): not flags of a rung. --optimizer is both.
+YOURS_ONLY = tuple(
+    f.name for f in runner.YourModelConfig.flag_fields()
+    if f.name not in {g.name for g in RunConfig.flag_fields()} and f.name != "optimizer"
+)  # fmt: skip
 FIT_BATCH = 16  # the ladder planner's effective batch unless --batch-size
 
 
@@ -93,15 +95,16 @@ def build() -> Parser:
                      help="a rung's estimate: write the simulated timeline as a PNG; --check: predicted vs measured")  # fmt: skip
     e = p.add_argument_group("a rung's estimate (--recipe NN)")
     e.add_argument("--attention", choices=ATTENTION_CHOICES, default="auto", help="attention kernel to model")
-    e.add_argument("--optimizer", choices=PLAN_OPTIMIZERS,
-                   help="override the recipe's optimizer (your model: one of adamw, adam, sgd, adamw8bit) (default: the"
+    e.add_argument("--optimizer", choices=tuple(OPTIMIZERS),
+                   help=f"override the recipe's optimizer (your model: one of {', '.join(runner.OPTIMIZERS)}) (default: the"
                    " --recipe rung's; your model: adamw)")  # fmt: skip
     e.add_argument("--checkpoint", help="comma-separated module classes to checkpoint (e.g. EncoderBlock)")
     f = p.add_argument_group("--fit SIZE (the ladder's planner; --top and --verbose also for your model's)")
     f.add_argument("--top", type=at_least(1), default=5, help="how many fitting configurations to print")
     f.add_argument("--verbose", action="store_true", help="every speed constant with the runs it comes from")
-    f.add_argument("--precisions", type=comma_list(PRECISIONS), default=PRECISIONS, help="precisions to combine")
-    f.add_argument("--optimizers", type=comma_list(OPTIMIZERS), default=OPTIMIZERS,
+    f.add_argument("--precisions", type=comma_list(PLANNED_PRECISIONS), default=PLANNED_PRECISIONS,
+                   help="precisions to combine")  # fmt: skip
+    f.add_argument("--optimizers", type=comma_list(PLANNED_OPTIMIZERS), default=PLANNED_OPTIMIZERS,
                    help="optimizers to combine (SGD and 8-bit Adam change the training: docs/06, docs/13)")  # fmt: skip
     f.add_argument("--modes", type=comma_list(MODES), default=MODES, help="modes to combine")
     f.add_argument("--results", nargs="+", default=[str(calibration.RESULTS_DIR)], metavar="DIR",

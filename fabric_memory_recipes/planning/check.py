@@ -2,34 +2,16 @@
 
 from __future__ import annotations
 
-import functools
 import json
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from fabric_memory_recipes.config import VIT_MODELS, RunConfig, declared_rung
 from fabric_memory_recipes.measurement.results_file import SCHEMA_VERSION, estimate_error_pct, gpu_slug
 from fabric_memory_recipes.planning.overhead import card_prediction
 from fabric_memory_recipes.planning.plan import plan_for
 from fabric_memory_recipes.planning.simulation.simulate import simulate
-from fabric_memory_recipes.training import models
-from fabric_memory_recipes.training.techniques import attention
-
-
-@functools.cache
-def meta_ladder_model(
-    name: str, num_classes: int = 10, fused_attention: bool = False, image_size: int | None = None
-) -> Any:
-    """A ladder model (``training.models.build_model``) on the meta device: shapes only, no memory, no
-    initialisation cost.
-    ``fused_attention``: as rung 15 runs it (fabric_memory_recipes/training/techniques/attention.py)."""
-    with torch.device("meta"):
-        model = models.build_model(name, None, num_classes, image_size)
-    if fused_attention:
-        attention.fuse_attention(model)
-    return model
+from fabric_memory_recipes.training.models import meta_ladder_model
 
 
 def check_results(dirs: list[str]) -> list[dict[str, Any]]:

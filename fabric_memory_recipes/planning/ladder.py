@@ -22,9 +22,9 @@ from typing import Any
 
 from fabric_memory_recipes.config import RECIPES_DIR, Hardware, declared_rung
 from fabric_memory_recipes.measurement.results_file import PREDICTED_FILE, PREDICTED_LABEL, write_json_atomic
-from fabric_memory_recipes.planning.check import meta_ladder_model
 from fabric_memory_recipes.planning.plan import plan_for
 from fabric_memory_recipes.planning.simulation.simulate import simulate
+from fabric_memory_recipes.training.models import meta_ladder_model
 
 LADDER_SCHEMA = 1
 

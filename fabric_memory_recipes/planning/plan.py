@@ -7,6 +7,8 @@ import dataclasses
 from typing import Any
 
 from fabric_memory_recipes.config import RunConfig
+from fabric_memory_recipes.techniques import OPTIMIZERS
+from fabric_memory_recipes.training.techniques.checkpointing import CheckpointedBlock
 
 GB = 1e9
 ALLOCATOR_ROUND = 512  # the CUDA caching allocator rounds every block up to a multiple of 512 bytes
@@ -50,14 +52,13 @@ COMPONENT_COLORS = {
     "inputs": "black",
     "workspace": "grey",
 }
-OPTIMIZERS = ("adam", "adamw", "adamw8bit", "sgd", "sgd-momentum", "none")
 OPTIMIZER_STATE_FACTOR = {"adam": 2, "adamw": 2, "adamw8bit": 2, "sgd": 0, "sgd-momentum": 1, "none": 0}
 LOWBIT_BLOCK = 256  # torchao's 8-bit optimizer: one fp32 scale per block of 256 values
 LOWBIT_MIN_NUMEL = 4096  # ...and smaller tensors keep full-precision state
 OPTIMIZER_IMPLS = ("fused", "foreach", "for-loop")
 ATTENTION_CHOICES = ("auto", "fused", "math")
 SHARDING_CHOICES = ("none", "fsdp", "fsdp2")
-CHECKPOINT_WRAPPERS = ("CheckpointedBlock", "CheckpointWrapper")  # modules that checkpoint their child
+CHECKPOINT_WRAPPERS = (CheckpointedBlock.__name__, "CheckpointWrapper")  # modules that checkpoint their child (torch's too)
 LOW_PRECISION = {
     "16-mixed": "float16",
     "bf16-mixed": "bfloat16",

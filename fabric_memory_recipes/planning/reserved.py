@@ -22,11 +22,11 @@ import json
 from typing import Any
 
 from fabric_memory_recipes.config import RunConfig, declared_rung
-from fabric_memory_recipes.planning.check import meta_ladder_model
 from fabric_memory_recipes.planning.plan import plan_for
 from fabric_memory_recipes.planning.planner import calibration
 from fabric_memory_recipes.planning.simulation.allocator import RESIDUAL
 from fabric_memory_recipes.planning.simulation.simulate import simulate
+from fabric_memory_recipes.training.models import meta_ladder_model
 
 
 def replayed(run: calibration.Measured) -> float:

@@ -21,18 +21,8 @@ import torch
 
 from fabric_memory_recipes.config import UsageError
 from fabric_memory_recipes.console import notice
-from fabric_memory_recipes.training.data.network import reachable
-
-
-@dataclass(frozen=True)
-class TokenIds:
-    """The special token ids a synthetic stand-in needs, and where ordinary tokens start."""
-
-    pad: int
-    cls: int | None  # prepended to a classifier's input (None: a causal LM has no [CLS])
-    sep: int | None  # appended to a classifier's input
-    first_regular: int  # ids below this are special, unused or single characters
-    vocab_size: int
+from fabric_memory_recipes.training.data.network import hub_online
+from fabric_memory_recipes.training.data.text_samples import TokenIds
 
 
 @dataclass(frozen=True)
@@ -45,6 +35,10 @@ class Spec:
     hub_id: str | None  # pretrained weights and tokenizer (None: random init only)
     ids: TokenIds
     overrides: dict[str, Any] = field(default_factory=dict)  # config fields on top of the type's defaults
+
+    def tokenizer(self, path: str | None = None):
+        """:func:`load_tokenizer` of this model (what the text data asks for real text)."""
+        return load_tokenizer(self, path)
 
 
 # Qwen2-0.5B-Instruct's shape (config.json of the hub repository); Qwen2Config's defaults are a 7B model.
@@ -164,12 +158,6 @@ def _cached(hub_id: str) -> bool:
     from huggingface_hub import try_to_load_from_cache  # with transformers, an extra (require_transformers)
 
     return isinstance(try_to_load_from_cache(hub_id, "config.json"), str)
-
-
-def hub_online() -> bool:
-    """Whether the Hugging Face hub may be used: HF_HUB_OFFLINE is unset (or 0) and huggingface.co
-    answers. The weights, the tokenizer and IMDb through ``datasets`` all take this one decision."""
-    return os.environ.get("HF_HUB_OFFLINE", "") in ("", "0") and reachable("huggingface.co")
 
 
 def resolve_weights(spec: Spec, weights: str) -> bool:

@@ -6,6 +6,7 @@ resolution to resize to on the device, and whose classification head has ``num_c
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -17,6 +18,7 @@ from torchvision.models.vision_transformer import VisionTransformer
 from fabric_memory_recipes.config import VIT_MODELS, UsageError
 from fabric_memory_recipes.console import notice
 from fabric_memory_recipes.training.data.network import reachable
+from fabric_memory_recipes.training.techniques import attention
 
 MODEL_NAMES = VIT_MODELS
 _PRETRAINED = {"vit_l_16": "ViT_L_16_Weights", "vit_b_16": "ViT_B_16_Weights"}
@@ -122,6 +124,20 @@ def compile_blocks(model, enabled: bool) -> None:
     if enabled:
         for block in blocks(model):
             block.compile()
+
+
+@functools.cache
+def meta_ladder_model(
+    name: str, num_classes: int = 10, fused_attention: bool = False, image_size: int | None = None
+) -> nn.Module:
+    """A ladder model (:func:`build_model`) on the meta device: shapes only, no memory, no
+    initialisation cost.
+    ``fused_attention``: as rung 15 runs it (fabric_memory_recipes/training/techniques/attention.py)."""
+    with torch.device("meta"):
+        model = build_model(name, None, num_classes, image_size)
+    if fused_attention:
+        attention.fuse_attention(model)
+    return model
 
 
 def training_flops(name: str, batch_size: int, num_classes: int = 10) -> int:

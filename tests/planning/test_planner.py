@@ -29,6 +29,13 @@ from fabric_memory_recipes.planning.planner.fit import (
     families,
     order,
 )
+from fabric_memory_recipes.techniques import (
+    ACTIVATION_CHECKPOINTING,
+    ACTIVATION_OFFLOAD,
+    LOWBIT_STATE,
+    OPTIMIZER_IN_BACKWARD,
+    TechniqueSet,
+)
 from fabric_memory_recipes.training import cli, lifecycle
 from tests.conftest import load_recipe_module
 
@@ -73,13 +80,14 @@ def test_bad_input_is_one_line_and_exit_2(argv, capsys):
 
 # ------------------------------------------------------------------------------------- enumeration
 def test_families_are_the_single_gpu_rungs_by_technique():
-    found = {sig: [r.recipe for r in rungs] for sig, rungs in families().items()}
-    assert found[("adam", False, False, False)] == [
+    found = {used: [r.recipe for r in rungs] for used, rungs in families().items()}
+    assert found[TechniqueSet.of("adam")] == [
         "01_baseline", "02_mixed_precision", "03_true_half_precision", "04_lower_batch_size",
         "05_gradient_accumulation",
     ]  # fmt: skip
-    assert found[("sgd", False, False, False)] == ["06_sgd_cosine"]  # 07 left out: it also loads in fp32
-    assert found[("sgd", True, True, True)] == ["14_memory_floor"]
+    assert found[TechniqueSet.of("sgd")] == ["06_sgd_cosine"]  # 07 left out: it also loads in fp32
+    floor = TechniqueSet.of("sgd", OPTIMIZER_IN_BACKWARD, ACTIVATION_OFFLOAD, ACTIVATION_CHECKPOINTING)
+    assert found[floor] == ["14_memory_floor"] and floor.label() == "SGD + checkpointing + offload + step in backward"
     assert len(found) == 7
     recipes = {r for rs in found.values() for r in rs}
     assert not recipes & {"07_init_module", "08_fsdp", "08_fsdp2", "09_cpu_offload", "15_speed"}
@@ -88,22 +96,20 @@ def test_families_are_the_single_gpu_rungs_by_technique():
 def test_enumeration_covers_every_split_of_the_batch_and_no_impossible_one():
     got = enumerate_candidates(16, "vit_l_16")
     assert len(got) == 2 * 3 * (5 * 5 + 2)  # modes x precisions x (5 families x 5 splits + 2 in-backward)
-    for rung, sig, mode in got:
+    for rung, used, mode in got:
         assert 16 % rung.accumulation_steps == 0 and rung.batch_size == 16
         assert rung.mode == mode and rung.model == "vit_l_16"
-        if sig[3]:  # the step in backward frees each gradient: no accumulation
+        if used.uses(OPTIMIZER_IN_BACKWARD):  # it frees each gradient: no accumulation
             assert rung.accumulation_steps == 1
-    splits = {
-        (r.precision, r.accumulation_steps) for r, sig, _ in got if sig == ("adam", False, False, False)
-    }
+    splits = {(r.precision, r.accumulation_steps) for r, used, _ in got if used == TechniqueSet.of("adam")}
     assert len(splits) == 3 * 5
     assert len(enumerate_candidates(16, "vit_l_16", optimizers=("sgd",))) == 2 * 3 * (3 * 5 + 2)
 
 
 def test_a_candidate_runs_in_the_rung_that_needs_the_fewest_flags():
     by_cmd = {
-        Candidate(rung, mode, sig, 0.0, 0.0).command
-        for rung, sig, mode in enumerate_candidates(4, "vit_tiny")
+        Candidate(rung, mode, used, 0.0, 0.0).command
+        for rung, used, mode in enumerate_candidates(4, "vit_tiny")
     }
     assert (
         "python recipes/05_gradient_accumulation.py --batch-size 4 --accumulation-steps 2 --model vit_tiny --mode fast"
@@ -128,7 +134,7 @@ def test_every_command_parses_as_the_recipes_own_flags(tiny, monkeypatch):
         cfg = cli.parse(rung, words[2:], hardware=GPU_MACHINE)  # checked as a GPU run would be
         got = (cfg.precision, cfg.batch_size, cfg.accumulation_steps, cfg.model, cfg.mode)
         assert got == (c.rung.precision, 4, c.rung.accumulation_steps, "vit_tiny", c.mode), c.command
-        assert calibration.signature(rung) == c.signature
+        assert TechniqueSet.of_config(rung) == c.techniques
 
 
 # ------------------------------------------------------------------------------------- the search
@@ -232,7 +238,7 @@ def test_reserved_ratio_is_the_largest_per_mode_read_from_any_folder(tmp_path):
     ratios = calibration.reserved_ratios(loaded)
     assert ratios["fast"].ratio == pytest.approx(1.1) and ratios["fast"].runs == 2
     assert ratios["eager"].ratio == pytest.approx(1.02)
-    assert calibration.measured_speed(loaded, "h100", "vit_l_16", ("sgd", False, False, False), "bf16-true",
+    assert calibration.measured_speed(loaded, "h100", "vit_l_16", TechniqueSet.of("sgd"), "bf16-true",
                                       16, 4, "fast")[0] == 500  # fmt: skip
 
 
@@ -268,10 +274,10 @@ def test_the_speed_model_reproduces_the_committed_fast_runs():
     rung 04 (batch 16 without accumulation, the only fast run at micro-batch 16): -10.9 %."""
     runs = calibration.load_runs()
     model = speed.speed_model("h100", "vit_l_16", 303_311_882, runs)
-    fast = [r for r in runs if r.mode == "fast" and r.gpu == "h100" and r.signature[0] != "adamw8bit"]
+    fast = [r for r in runs if r.mode == "fast" and r.gpu == "h100" and r.techniques.optimizer != LOWBIT_STATE.name]
     assert len(fast) >= 5
     for r in fast:
-        step = model.step_s(r.precision, r.signature, r.micro, r.accumulation_steps, "fast",
+        step = model.step_s(r.precision, r.techniques, r.micro, r.accumulation_steps, "fast",
                             r.offloaded_gb, 303_311_882)  # fmt: skip
         assert r.batch_size / step == pytest.approx(r.images_per_s, rel=0.12), r.path
 
@@ -394,8 +400,8 @@ def test_proof_writes_fit_json_rows_from_the_recipes_results(tmp_path, tiny, cap
 
 def test_proof_runs_a_command_needed_at_several_budgets_once():
     by_command = {}
-    for rung, sig, mode in enumerate_candidates(4, "vit_tiny"):
-        c = Candidate(rung, mode, sig, 0.0, 0.0, images_per_s=1.0, predicted_gb=1.0)
+    for rung, used, mode in enumerate_candidates(4, "vit_tiny"):
+        c = Candidate(rung, mode, used, 0.0, 0.0, images_per_s=1.0, predicted_gb=1.0)
         by_command[c.command] = c
     a, b, big = list(by_command.values())[:3]
 

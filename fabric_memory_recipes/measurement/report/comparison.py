@@ -13,10 +13,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from fabric_memory_recipes import techniques
 from fabric_memory_recipes.measurement.report.cells import DASH, num, write_into_block, write_text
 from fabric_memory_recipes.measurement.results_file import write_atomic
 
-COMPARISON_MODES = ("eager", "fast")
+COMPARISON_MODES = techniques.subset(techniques.MODES, "eager", "fast")  # the columns of a rung, in order
 
 
 def load_comparison(path: str | os.PathLike) -> list[dict]:

@@ -5,7 +5,7 @@ how fast a configuration trained (:func:`measured_speed`; ``fabric_memory_recipe
 Every results JSON below the folders given (by default the repository's ``results/``, recursively) is
 read the same way, so new runs (a ``results/published/h100/compare/`` call, say) count without a change here. A
 run counts if it succeeded on one CUDA device with a ViT model and its recipe declares a single-GPU
-rung; its technique is read from that rung (:func:`signature`).
+rung; its technique set is read from that rung (``techniques.TechniqueSet.of_config``).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any
 
 from fabric_memory_recipes.config import DATA_DIR, VIT_MODELS, RunConfig, declared_rung
 from fabric_memory_recipes.measurement.results_file import SCHEMA_VERSION, gpu_slug
+from fabric_memory_recipes.techniques import MODES, TechniqueSet
 
 REPO = Path(__file__).resolve().parents[3]  # the checkout
 RESULTS_DIR = REPO / "results"  # the committed runs (results/published/)
@@ -47,12 +48,6 @@ NOT_LOOKED_UP = {"15_speed"}
 BUILT_IN_RESERVED_RATIO = (1.15, "no committed run with an estimate found: assumed")
 
 
-def signature(rung: RunConfig) -> tuple[str, bool, bool, bool]:
-    """A rung's technique as the planner combines them: (optimizer, checkpointing, activation
-    offload, step in backward)."""
-    return (rung.optimizer, bool(rung.activation_checkpointing), rung.activation_offload, rung.optimizer_in_backward)
-
-
 @dataclasses.dataclass(frozen=True)
 class Measured:
     """One committed run, as the planner reads it."""
@@ -66,7 +61,7 @@ class Measured:
     accumulation_steps: int
     micro: int  # config.micro_batch_size: RunConfig works it out, the JSON records it
     mode: str  # fast (compiled + graphs) | eager | compiled | graphs
-    signature: tuple[str, bool, bool, bool]
+    techniques: TechniqueSet  # the rung's optimizer and planned techniques
     images_per_s: float | None
     reserved_gb: float  # the whole run's peak (model load, training with its warm-up, evaluation)
     estimate_gb: float | None  # the simulated peak allocated the run recorded
@@ -169,7 +164,7 @@ def _read(path: Path, root: Path) -> Measured | None:
         accumulation_steps=int(config.get("accumulation_steps") or 1),
         micro=int(config["micro_batch_size"]),
         mode=run_mode(config),
-        signature=signature(rung),
+        techniques=TechniqueSet.of_config(rung),
         images_per_s=None if shared_gpu(path, root) else timing.get("images_per_s"),
         reserved_gb=reserved,
         estimate_gb=(d.get("estimate") or {}).get("peak_allocated_gb"),
@@ -192,7 +187,7 @@ def load_runs(folders: tuple[str, ...] = (str(RESULTS_DIR), str(RUNS_DIR))) -> t
     for folder in folders:
         root = Path(folder)
         if root == RESULTS_DIR and not root.is_dir():  # an installed wheel: the runs it ships
-            found += [Measured(**{**r, "signature": tuple(r["signature"])}) for r in _shipped_runs()]
+            found += [Measured(**{**r, "techniques": TechniqueSet(**r["techniques"])}) for r in _shipped_runs()]
         if not root.is_dir():
             continue
         for path in sorted(root.rglob("*.json")):
@@ -225,7 +220,7 @@ class ReservedRatio:
 def reserved_ratios(runs: tuple[Measured, ...]) -> dict[str, ReservedRatio]:
     """For 'fast' (CUDA graphs: warm-up, compilation and the graph's pool included) and 'eager'."""
     out = {}
-    for mode in ("fast", "eager"):
+    for mode in MODES:
         pairs = [
             (r.reserved_gb / r.estimate_gb, r.path)
             for r in runs
@@ -245,7 +240,7 @@ def measured_speed(
     runs: tuple[Measured, ...],
     gpu: str,
     model: str,
-    sig: tuple,
+    techniques: TechniqueSet,
     precision: str,
     batch_size: int,
     accumulation_steps: int,
@@ -255,8 +250,8 @@ def measured_speed(
     same = [
         r for r in runs
         if r.images_per_s and r.recipe not in NOT_LOOKED_UP and r.gpu == gpu and r.model == model
-        and (r.signature, r.precision, r.batch_size, r.accumulation_steps, r.mode)
-        == (sig, precision, batch_size, accumulation_steps, mode)
+        and (r.techniques, r.precision, r.batch_size, r.accumulation_steps, r.mode)
+        == (techniques, precision, batch_size, accumulation_steps, mode)
     ]  # fmt: skip
     if not same:
         return None

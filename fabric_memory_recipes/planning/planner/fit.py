@@ -38,15 +38,26 @@ import torch
 from fabric_memory_recipes.config import DATA_DIR, RECIPES_DIR, RunConfig, declared_rung
 from fabric_memory_recipes.measurement.card_overhead import Overhead, card_overhead
 from fabric_memory_recipes.measurement.results_file import write_json_atomic
-from fabric_memory_recipes.planning.check import meta_ladder_model
 from fabric_memory_recipes.planning.plan import CUDA_WORKSPACE_BYTES, GB, plan_for
 from fabric_memory_recipes.planning.planner import calibration
 from fabric_memory_recipes.planning.planner import speed as speed_mod
 from fabric_memory_recipes.planning.simulation.simulate import simulate
+from fabric_memory_recipes.techniques import (
+    ACTIVATION_OFFLOAD,
+    LOWBIT_STATE,
+    MODES,
+    OPTIMIZER_IN_BACKWARD,
+    OPTIMIZERS,
+    PRECISIONS,
+    TechniqueSet,
+    subset,
+)
+from fabric_memory_recipes.training.models import meta_ladder_model
 
-PRECISIONS = ("bf16-true", "16-mixed", "32-true")  # bf16-mixed: 16-mixed's memory and speed
-OPTIMIZERS = ("adam", "sgd", "adamw8bit")
-MODES = ("fast", "eager")
+# What the ladder's planner combines: one precision of each memory and speed (bf16-mixed has 16-mixed's),
+# the optimizers the ladder's rungs run (AdamW's memory and speed are Adam's), every mode.
+PLANNED_PRECISIONS = subset(PRECISIONS, "bf16-true", "16-mixed", "32-true")
+PLANNED_OPTIMIZERS = subset(OPTIMIZERS, "adam", "sgd", LOWBIT_STATE.name)
 # Numbered rungs that are not the recipe of a planned command, and why.
 NOT_PLANNED = {
     "07_init_module": "rung 06's step; its comparison phase also builds the fp32 model on the GPU",
@@ -54,7 +65,6 @@ NOT_PLANNED = {
     "16_weights_on_cpu": "its step is the CPU's Adam step and the PCIe copies, which the speed model does not"
     " model (its memory: python -m fabric_memory_recipes.planning --recipe 16)",
 }
-TECHNIQUES = {"adam": "Adam", "adamw": "AdamW", "adamw8bit": "8-bit Adam", "sgd": "SGD"}
 CACHE_ENV = "FMR_PLAN_CACHE"
 SOURCES = (  # what a cached simulation depends on, relative to the package
     "planning/simulation/simulate.py",
@@ -73,23 +83,14 @@ def rung_names(folder: Path = RECIPES_DIR) -> list[str]:
     return sorted(json.loads((DATA_DIR / "rungs.json").read_text()))
 
 
-def families(folder: Path = RECIPES_DIR) -> dict[tuple, list[RunConfig]]:
-    """The single-GPU rungs by technique (:func:`~fabric_memory_recipes.planning.planner.calibration.signature`)."""
-    found: dict[tuple, list[RunConfig]] = {}
+def families(folder: Path = RECIPES_DIR) -> dict[TechniqueSet, list[RunConfig]]:
+    """The single-GPU rungs by technique set (``TechniqueSet.of_config``)."""
+    found: dict[TechniqueSet, list[RunConfig]] = {}
     for name in rung_names(folder):
         rung, _ = declared_rung(name, folder)
         if rung.sharding == "none" and not rung.cpu_variant and rung.recipe not in NOT_PLANNED:
-            found.setdefault(calibration.signature(rung), []).append(rung)
+            found.setdefault(TechniqueSet.of_config(rung), []).append(rung)
     return found
-
-
-def describe(sig: tuple) -> str:
-    """'SGD + checkpointing + offload + step in backward'."""
-    parts = [TECHNIQUES.get(sig[0], sig[0])]
-    parts += [
-        name for on, name in zip(sig[1:], ("checkpointing", "offload", "step in backward"), strict=True) if on
-    ]
-    return " + ".join(parts)
 
 
 @dataclasses.dataclass
@@ -98,7 +99,7 @@ class Candidate:
 
     rung: RunConfig  # the family's recipe, with this candidate's flags
     mode: str
-    signature: tuple
+    techniques: TechniqueSet
     lower_bound_gb: float  # predicted card peak from weights + gradients + optimizer state alone
     speed_bound: float  # img/s with nothing offloaded: no more than this
     images_per_s: float | None = None  # the prediction, once known
@@ -117,7 +118,8 @@ class Candidate:
     def key(self) -> tuple:
         """What the simulation depends on (later micro-batches repeat the second: k >= 2 share one)."""
         r = self.rung
-        return (r.model, r.precision, self.signature, r.micro_batch_size, min(r.accumulation_steps, 2))
+        t = self.techniques
+        return (r.model, r.precision, t.optimizer, t.used, r.micro_batch_size, min(r.accumulation_steps, 2))
 
     def argv(self) -> list[str]:
         """The recipe's flags that differ from its rung's defaults, and the mode."""
@@ -137,13 +139,13 @@ class Candidate:
         batch = f"{r.batch_size}" + (
             f" = {r.micro_batch_size} x {r.accumulation_steps}" if r.accumulation_steps > 1 else ""
         )
-        return f"{r.precision}, batch {batch}, {describe(self.signature)}, {self.mode}"
+        return f"{r.precision}, batch {batch}, {self.techniques.label()}, {self.mode}"
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "command": self.command, "recipe": self.rung.recipe, "argv": self.argv(), "mode": self.mode,
             "precision": self.rung.precision, "batch_size": self.rung.batch_size,
-            "accumulation_steps": self.rung.accumulation_steps, "technique": describe(self.signature),
+            "accumulation_steps": self.rung.accumulation_steps, "technique": self.techniques.label(),
             "predicted_peak_gb": self.predicted_gb, "simulated_peak_allocated_gb": self.simulated_gb,
             "overhead_gb": self.overhead_gb, "predicted_device_peak_gb": self.card_gb,
             "lower_bound_gb": self.lower_bound_gb, "predicted_images_per_s": self.images_per_s,
@@ -158,23 +160,18 @@ def pick_rung(family: list[RunConfig], precision: str, batch: int, k: int, model
     return best.with_flags(**want, model=model)
 
 
-def static_bytes(rung: RunConfig, sig: tuple, parameters: int) -> float:
+def static_bytes(rung: RunConfig, techniques: TechniqueSet, parameters: int) -> float:
     """Weights, plus gradients kept across micro-batches, plus optimizer state, plus the cuBLAS
     workspace: all alive at any steady-state peak, so the simulated peak is never below this."""
     width = 2 if rung.precision in ("bf16-true", "16-true") else 4
-    grads = width if rung.accumulation_steps > 1 and not sig[3] else 0
-    state = {"adam": 2 * width, "adamw": 2 * width, "adamw8bit": 2, "sgd-momentum": width}.get(sig[0], 0)
+    grads = width if rung.accumulation_steps > 1 and not techniques.uses(OPTIMIZER_IN_BACKWARD) else 0
+    state = {"adam": 2 * width, "adamw": 2 * width, "adamw8bit": 2, "sgd-momentum": width}.get(techniques.optimizer, 0)
     return parameters * (width + grads + state) + CUDA_WORKSPACE_BYTES
-
-
-def techniques(c: Candidate) -> int:
-    """How many memory techniques beyond the optimizer's choice (8-bit Adam counts as one)."""
-    return sum(c.signature[1:]) + (c.signature[0] == "adamw8bit")
 
 
 def order(c: Candidate) -> tuple:
     """Fastest first; on a tie, fewer techniques, then less memory."""
-    return (-c.images_per_s, techniques(c), c.card_gb)
+    return (-c.images_per_s, c.techniques.count(), c.card_gb)
 
 
 def divisors(n: int) -> list[int]:
@@ -184,20 +181,20 @@ def divisors(n: int) -> list[int]:
 def enumerate_candidates(
     batch_size: int,
     model: str,
-    precisions=PRECISIONS,
+    precisions=PLANNED_PRECISIONS,
     modes=MODES,
-    optimizers=OPTIMIZERS,
+    optimizers=PLANNED_OPTIMIZERS,
     folder: Path = RECIPES_DIR,
-) -> list[tuple[RunConfig, tuple, str]]:
-    """Every (rung with flags, technique, mode) the recipes can run for ``batch_size``."""
+) -> list[tuple[RunConfig, TechniqueSet, str]]:
+    """Every (rung with flags, technique set, mode) the recipes can run for ``batch_size``."""
     out = []
-    for sig, family in families(folder).items():
-        if sig[0] not in optimizers:
+    for used, family in families(folder).items():
+        if used.optimizer not in optimizers:
             continue
         for precision in precisions:
-            for k in [1] if sig[3] else divisors(batch_size):  # the step in backward cannot accumulate
+            for k in [1] if used.uses(OPTIMIZER_IN_BACKWARD) else divisors(batch_size):  # no accumulation
                 rung = pick_rung(family, precision, batch_size, k, model)
-                out += [(rung.with_flags(mode=mode), sig, mode) for mode in modes]
+                out += [(rung.with_flags(mode=mode), used, mode) for mode in modes]
     return out
 
 
@@ -273,7 +270,7 @@ class Planner:
     planner answers several budgets from the same simulations)."""
 
     def __init__(self, batch_size: int, model: str = "vit_l_16", gpu: str = calibration.REFERENCE_GPU, *,
-                 precisions=PRECISIONS, modes=MODES, optimizers=OPTIMIZERS, folders: tuple[str, ...] | None = None,
+                 precisions=PLANNED_PRECISIONS, modes=MODES, optimizers=PLANNED_OPTIMIZERS, folders: tuple[str, ...] | None = None,
                  cache: SimulationCache | None = None, recipes: Path = RECIPES_DIR,
                  overhead_table: dict | None = None) -> None:  # fmt: skip
         self.batch_size, self.model, self.gpu = batch_size, model, gpu
@@ -284,13 +281,13 @@ class Planner:
         self.speed = speed_mod.speed_model(gpu, model, self.parameters, self.runs)
         self.cache = cache or SimulationCache()
         self.candidates = []
-        for rung, sig, mode in enumerate_candidates(
+        for rung, used, mode in enumerate_candidates(
             batch_size, model, precisions, modes, optimizers, recipes
         ):
             ratio, over = self.ratios[mode].ratio, self.overheads[mode].gb or 0.0
-            c = Candidate(rung, mode, sig, ratio * static_bytes(rung, sig, self.parameters) / GB + over, 0.0,
+            c = Candidate(rung, mode, used, ratio * static_bytes(rung, used, self.parameters) / GB + over, 0.0,
                           overhead_gb=over)  # fmt: skip
-            measured = calibration.measured_speed(self.runs, gpu, model, sig, rung.precision, batch_size,
+            measured = calibration.measured_speed(self.runs, gpu, model, used, rung.precision, batch_size,
                                                   rung.accumulation_steps, mode)  # fmt: skip
             if measured:
                 c.images_per_s, files = measured
@@ -298,14 +295,14 @@ class Planner:
                 c.speed_bound = c.images_per_s
             else:
                 c.speed_bound = self._speed(c, 0.0)
-                if not sig[2]:
+                if not used.uses(ACTIVATION_OFFLOAD):  # offload's speed needs the simulated bytes
                     c.images_per_s = c.speed_bound
             self.candidates.append(c)
-        self.candidates.sort(key=lambda c: (-c.speed_bound, techniques(c), c.lower_bound_gb))
+        self.candidates.sort(key=lambda c: (-c.speed_bound, c.techniques.count(), c.lower_bound_gb))
 
     def _speed(self, c: Candidate, offloaded_gb: float) -> float:
         r = c.rung
-        step = self.speed.step_s(r.precision, c.signature, r.micro_batch_size, r.accumulation_steps, c.mode,
+        step = self.speed.step_s(r.precision, c.techniques, r.micro_batch_size, r.accumulation_steps, c.mode,
                                  offloaded_gb, self.parameters)  # fmt: skip
         return r.batch_size / step
 
@@ -349,7 +346,7 @@ class Planner:
 
     @staticmethod
     def _same_plan(c: Candidate, d: Candidate) -> bool:
-        same = (c.rung.precision, c.signature, c.mode) == (d.rung.precision, d.signature, d.mode)
+        same = (c.rung.precision, c.techniques, c.mode) == (d.rung.precision, d.techniques, d.mode)
         return same and min(c.rung.accumulation_steps, d.rung.accumulation_steps) >= 2
 
     def smallest(self) -> Candidate:

@@ -9,6 +9,15 @@ import functools
 import statistics
 
 from fabric_memory_recipes.planning.planner.calibration import REFERENCE_GPU, Measured
+from fabric_memory_recipes.techniques import (
+    ACTIVATION_CHECKPOINTING,
+    ACTIVATION_OFFLOAD,
+    LOWBIT_STATE,
+    OPTIMIZER_IN_BACKWARD,
+    PRECISIONS,
+    TechniqueSet,
+    subset,
+)
 from fabric_memory_recipes.training import models
 
 # Bytes read and written per parameter by one optimizer step, in units of the parameter's width: Adam
@@ -28,7 +37,11 @@ def step_bytes(optimizer: str, precision: str, parameters: int) -> float:
     return STEP_TENSORS[optimizer] * width * parameters
 
 
-PLAIN = {("adam", False, False, False), ("sgd", False, False, False), ("sgd", False, False, True)}
+# The precisions timed as a factor of bf16-true's compute (the others the planners run).
+FACTOR_PRECISIONS = subset(PRECISIONS, "16-mixed", "bf16-mixed", "32-true")
+# The sets that add no work to forward and backward: the compute per micro-batch is calibrated on them.
+ADAM, SGD = TechniqueSet.of("adam"), TechniqueSet.of("sgd")
+PLAIN = {ADAM, SGD, TechniqueSet.of("sgd", OPTIMIZER_IN_BACKWARD)}
 
 
 @dataclasses.dataclass
@@ -51,21 +64,23 @@ class SpeedModel:
     offload_gb_s: float
     checkpoint_extra: float
     lowbit_factor: float
-    host_ms: dict[tuple, float]
+    host_ms: dict[TechniqueSet, float]
     sources: dict[str, str]
     flops_scale: float = 1.0  # another model's FLOPs per image over ViT-L/16's
     own: int = 0  # constants determined by this kind's own runs (the rest: the reference kind's)
 
-    def micro_s(self, precision: str, sig: tuple, micro: int) -> float:
+    def micro_s(self, precision: str, techniques: TechniqueSet, micro: int) -> float:
         ms = self.precision_factor.get(precision, 1.0) * (self.fixed_ms + self.per_image_ms * micro)
-        return ms * self.flops_scale * (1 + self.checkpoint_extra * sig[1]) / 1e3
+        recompute = self.checkpoint_extra if techniques.uses(ACTIVATION_CHECKPOINTING) else 0.0
+        return ms * self.flops_scale * (1 + recompute) / 1e3
 
-    def step_s(self, precision, sig, micro, k, mode, offloaded_gb, parameters) -> float:
-        micro_s = self.micro_s(precision, sig, micro)
+    def step_s(self, precision, techniques: TechniqueSet, micro, k, mode, offloaded_gb, parameters) -> float:
+        micro_s = self.micro_s(precision, techniques, micro)
         if mode == "eager":
-            micro_s = max(micro_s, self.host_ms.get(sig, statistics.median(self.host_ms.values())) / 1e3)
-        opt = step_bytes(sig[0], precision, parameters) / (self.memory_gb_s * 1e9)
-        opt *= self.lowbit_factor if sig[0] == "adamw8bit" else 1.0
+            host = self.host_ms.get(techniques, statistics.median(self.host_ms.values()))
+            micro_s = max(micro_s, host / 1e3)
+        opt = step_bytes(techniques.optimizer, precision, parameters) / (self.memory_gb_s * 1e9)
+        opt *= self.lowbit_factor if techniques.optimizer == LOWBIT_STATE.name else 1.0
         return k * micro_s + k * (offloaded_gb or 0.0) / self.offload_gb_s + opt
 
     def lines(self, sources: bool = True) -> list[str]:
@@ -76,7 +91,8 @@ class SpeedModel:
             f" (bf16-true; x {f.get('16-mixed', 1):.2f} 16-mixed, x {f.get('32-true', 1):.2f} 32-true)"
             + (f", x {self.flops_scale:.3g} for this model's FLOPs" if self.flops_scale != 1 else ""),
             f"optimizer step: bytes moved / {self.memory_gb_s:.0f} GB/s; 8-bit Adam x {self.lowbit_factor:.2f}",
-            f"checkpointing +{100 * self.checkpoint_extra:.0f}%; offload {self.offload_gb_s:.1f} GB/s"
+            f"{ACTIVATION_CHECKPOINTING.label} +{100 * self.checkpoint_extra:.0f}%;"
+            f" {ACTIVATION_OFFLOAD.label} {self.offload_gb_s:.1f} GB/s"
             f" of saved activations; eager: at least {min(self.host_ms.values()):.0f}-"
             f"{max(self.host_ms.values()):.0f} ms of host time per micro-batch (by technique)",
             *(f"  {k}: {v}" for k, v in self.sources.items() if sources),
@@ -102,21 +118,21 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-Constants = tuple[dict[str, tuple[float, str]], dict[tuple, float]]
+Constants = tuple[dict[str, tuple[float, str]], dict[TechniqueSet, float]]
 
 
 def _constants(runs: list[Measured], parameters: int) -> Constants:
     """The model's constants that these runs (of one GPU kind, ViT-L/16) determine, each with its
     source, and the eager host time per micro-batch by technique."""
     got: dict[str, tuple[float, str]] = {}
-    host: dict[tuple, float] = {}
+    host: dict[TechniqueSet, float] = {}
     timed = [r for r in runs if r.images_per_s and r.model == "vit_l_16"]
     graphed = [r for r in timed if r.mode == "fast"]
     names = lambda rs: ", ".join(sorted({r.path for r in rs}))  # noqa: E731
     # Memory bandwidth: fast runs that differ only in Adam vs SGD.
     pairs = [
         (a, s) for a in graphed for s in graphed
-        if a.signature == ("adam", False, False, False) and s.signature == ("sgd", False, False, False)
+        if a.techniques == ADAM and s.techniques == SGD
         and (a.precision, a.batch_size, a.accumulation_steps) == (s.precision, s.batch_size, s.accumulation_steps)
     ]  # fmt: skip
     bw = _median([
@@ -131,12 +147,12 @@ def _constants(runs: list[Measured], parameters: int) -> Constants:
     bw = bw or 1e12  # only to subtract the step below; stated nowhere
 
     def per_micro(r: Measured) -> float:  # ms of forward + backward per micro-batch
-        opt = step_bytes(r.signature[0], r.precision, parameters) / (bw * 1e9)
+        opt = step_bytes(r.techniques.optimizer, r.precision, parameters) / (bw * 1e9)
         return (r.step_s - opt) * 1e3 / r.accumulation_steps
 
     # Forward + backward against the micro-batch: bf16-true plain rungs, graphed (any m) or compiled
     # with m >= 64 (launches no longer matter there), a weighted least-squares line.
-    line = [r for r in timed if r.signature in PLAIN and r.precision == "bf16-true"
+    line = [r for r in timed if r.techniques in PLAIN and r.precision == "bf16-true"
             and (r.mode == "fast" or (r.mode == "compiled" and r.micro >= 64))]  # fmt: skip
     if len({r.micro for r in line}) >= 2:
         a, b = fit_line([r.micro for r in line], [per_micro(r) for r in line])
@@ -147,36 +163,37 @@ def _constants(runs: list[Measured], parameters: int) -> Constants:
         return got, host
     a, b = got["fixed_ms"][0], got["per_image_ms"][0]
     base = lambda r: a + b * r.micro  # noqa: E731
-    for prec in ("16-mixed", "bf16-mixed", "32-true"):
-        same = [r for r in timed if r.signature in PLAIN and r.precision == prec
+    for prec in FACTOR_PRECISIONS:
+        same = [r for r in timed if r.techniques in PLAIN and r.precision == prec
                 and (r.mode == "fast" or (r.mode == "compiled" and r.micro >= 64))]  # fmt: skip
         factor = _median([per_micro(r) / base(r) for r in same])
         if factor:
             got[f"precision:{prec}"] = (factor, names(same))
-    off = [r for r in graphed if r.signature[2] and not r.signature[1] and r.offloaded_gb]
+    off = [r for r in graphed if r.techniques.uses(ACTIVATION_OFFLOAD) and not r.techniques.uses(ACTIVATION_CHECKPOINTING)
+           and r.offloaded_gb]  # fmt: skip
     gbs = _median([r.offloaded_gb / ((per_micro(r) - base(r)) / 1e3) for r in off if per_micro(r) > base(r)])
     if gbs:
         got["offload_gb_s"] = (gbs, f"offload vs compute time in fast mode: {names(off)}")
     gbs = gbs or float("inf")
-    ckpt = [r for r in graphed if r.signature[1] and r.precision == "bf16-true"]
+    ckpt = [r for r in graphed if r.techniques.uses(ACTIVATION_CHECKPOINTING) and r.precision == "bf16-true"]
     extra = _median([
         (per_micro(r) - (r.offloaded_gb or 0.0) / gbs * 1e3) / base(r) - 1 for r in ckpt
     ])  # fmt: skip
     if extra:
         got["checkpoint_extra"] = (extra, f"fast-mode runs with checkpointing: {names(ckpt)}")
-    low = [r for r in graphed if r.signature[0] == "adamw8bit" and r.precision == "bf16-true"]
+    low = [r for r in graphed if r.techniques.optimizer == LOWBIT_STATE.name and r.precision == "bf16-true"]
     adam = step_bytes("adam", "bf16-true", parameters) / (bw * 1e9) * 1e3
     factor = _median([(per_micro(r) * r.accumulation_steps - base(r) * r.accumulation_steps + adam) / adam
                       for r in low])  # fmt: skip
     if factor:
         got["lowbit_factor"] = (factor, f"8-bit Adam's step in fast mode: {names(low)}")
-    for sig in {r.signature for r in timed}:  # eager: host time per micro-batch, launch-bound runs only
+    for used in {r.techniques for r in timed}:  # eager: host time per micro-batch, launch-bound runs only
         eager = [
-            r for r in timed if r.mode == "eager" and r.signature == sig and per_micro(r) > 1.5 * base(r)
+            r for r in timed if r.mode == "eager" and r.techniques == used and per_micro(r) > 1.5 * base(r)
         ]
         ms = _median([per_micro(r) for r in eager])
         if ms:
-            host[sig] = ms
+            host[used] = ms
     return got, host
 
 
@@ -224,7 +241,7 @@ def speed_model(gpu: str, model: str, parameters: int, runs: tuple[Measured, ...
             "bf16-true": 1.0,
             **{
                 p: v
-                for p in ("16-mixed", "bf16-mixed", "32-true")
+                for p in FACTOR_PRECISIONS
                 if (v := take(f"precision:{p}")) is not None
             },
         },  # fmt: skip

@@ -26,6 +26,7 @@ from fabric_memory_recipes.planning.planner import cli as fit_cli
 from fabric_memory_recipes.planning.your_model import measure
 from fabric_memory_recipes.planning.your_model.estimate import card, estimate, meta_user_model, plan_of
 from fabric_memory_recipes.planning.your_model.sets import UserPlanner
+from fabric_memory_recipes.techniques import ACTIVATION_CHECKPOINTING
 from fabric_memory_recipes.training.your_model import models, runner
 
 
@@ -66,8 +67,8 @@ def run(parsed: argparse.Namespace) -> int:
         fail(f"--fit with --devices {cfg.world_size}: FSDP shards the repeated blocks, and {cfg.model} has none found")  # fmt: skip
     if args.fit:
         return fit_main(args, cfg)
-    if cfg.checkpoint_blocks and not blocks:
-        fail(f"--checkpoint-blocks: no repeated blocks found in {cfg.model}")
+    if cfg.uses(ACTIVATION_CHECKPOINTING) and not blocks:
+        fail(f"{ACTIVATION_CHECKPOINTING.flag}: no repeated blocks found in {cfg.model}")
     est = estimate(model, um, plan_of(cfg, blocks), cfg.seq_len)
     got = card(est, args.gpu, "eager", cfg.world_size if cfg.fsdp else 1)
     about = {"model": um.ref, "task": um.task, "seq_len": cfg.seq_len if um.is_text else None,

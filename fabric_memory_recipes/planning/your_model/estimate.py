@@ -19,16 +19,17 @@ from typing import Any
 
 import torch
 
-from fabric_memory_recipes.config import RunConfig
 from fabric_memory_recipes.console import notice
 from fabric_memory_recipes.measurement.card_overhead import overhead_per_gpu
 from fabric_memory_recipes.measurement.results_file import gpu_slug
 from fabric_memory_recipes.planning.plan import Estimate, Plan, plan_for
 from fabric_memory_recipes.planning.simulation.allocator import RESIDUAL, RESIDUAL_SOURCE
 from fabric_memory_recipes.planning.simulation.simulate import failed, simulate
+from fabric_memory_recipes.techniques import ACTIVATION_CHECKPOINTING, FUSED_LOSS
 from fabric_memory_recipes.training.techniques import fused_loss
 from fabric_memory_recipes.training.your_model import models
 from fabric_memory_recipes.training.your_model.models import UserModel
+from fabric_memory_recipes.training.your_model.runner import YourModelConfig
 
 RESERVED_RULE = (
     "the simulated step replayed through a model of the caching allocator (planning/simulation/allocator.py)"
@@ -64,13 +65,13 @@ def text_batch(um: UserModel, micro_batch_size: int, seq_len: int):
     return make, batch_fn
 
 
-def plan_of(cfg: RunConfig, blocks: tuple[str, ...]) -> Plan:
+def plan_of(cfg: YourModelConfig, blocks: tuple[str, ...]) -> Plan:
     """The runner's flags as the estimator's plan: checkpointing and FSDP units are the found blocks."""
-    sharding = "fsdp" if getattr(cfg, "fsdp", False) else "none"
+    sharding = "fsdp" if cfg.fsdp else "none"
     return plan_for(
-        cfg, activation_checkpointing=blocks if getattr(cfg, "checkpoint_blocks", False) else (), sharding=sharding,
+        cfg, activation_checkpointing=blocks if cfg.uses(ACTIVATION_CHECKPOINTING) else (), sharding=sharding,
         shard_units=blocks, world_size=cfg.world_size if sharding != "none" else 1, compile=False,
-        checkpoint_mode=getattr(cfg, "checkpoint_mode", "full"), fused_loss=getattr(cfg, "fused_loss", False),
+        checkpoint_mode=cfg.checkpoint_mode, fused_loss=cfg.uses(FUSED_LOSS),
     )  # fmt: skip
 
 
@@ -108,7 +109,7 @@ def card(est: Estimate, gpu: str = "h100", mode: str = "eager", devices: int = 1
     }
 
 
-def for_user_run(model: Any, um: UserModel, cfg: RunConfig, blocks: tuple[str, ...]) -> tuple[Estimate, dict]:
+def for_user_run(model: Any, um: UserModel, cfg: YourModelConfig, blocks: tuple[str, ...]) -> tuple[Estimate, dict]:
     """What the runner records next to its measurement (never stops the run: a failed prediction is
     recorded with its error)."""
     plan = None

@@ -33,7 +33,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils.flop_counter import FlopCounterMode
 
-from fabric_memory_recipes.planning.check import meta_ladder_model
 from fabric_memory_recipes.planning.plan import GB, Plan
 from fabric_memory_recipes.planning.planner import advice, calibration, speed
 from fabric_memory_recipes.planning.planner.fit import (
@@ -43,18 +42,34 @@ from fabric_memory_recipes.planning.planner.fit import (
     search,
     smallest,
     static_bytes,
-    techniques,
 )
 from fabric_memory_recipes.planning.your_model.estimate import card, estimate, meta_user_model, text_batch
+from fabric_memory_recipes.techniques import (
+    ACTIVATION_CHECKPOINTING,
+    ACTIVATION_OFFLOAD,
+    OPTIMIZER_IN_BACKWARD,
+    PLANNED,
+    PRECISIONS,
+    TechniqueSet,
+    subset,
+)
+from fabric_memory_recipes.training.models import meta_ladder_model
 from fabric_memory_recipes.training.your_model import runner as user_run
 
-PRECISIONS = ("bf16-true", "bf16-mixed", "32-true")
-OPTIMIZERS = ("adamw", "sgd", "adamw8bit")
-MAY_CHANGE = ("precision", "optimizer")  # what --may-change can allow; by default neither changes
-# (checkpoint the blocks, offload activations, step in backward)
-TECHNIQUES = ((False, False, False), (True, False, False), (False, True, False), (True, True, False),
-              (False, False, True), (True, False, True))  # fmt: skip
-FLAGS = ("--checkpoint-blocks", "--activation-offload", "--optimizer-in-backward")
+# What --may-change tries besides yours: one precision of each memory and speed (bf16-mixed, what a user of
+# their own model trains with, for 16-mixed), and one optimizer of each kind of state (AdamW for Adam too).
+PRECISIONS_TRIED = subset(PRECISIONS, "bf16-true", "bf16-mixed", "32-true")
+OPTIMIZERS_TRIED = subset(user_run.OPTIMIZERS, "adamw", "sgd", "adamw8bit")
+# The planned techniques each set turns on (their flags: Technique.flag): every combination but activation
+# offload with the step in backward.
+SETS = (
+    (),
+    (ACTIVATION_CHECKPOINTING,),
+    (ACTIVATION_OFFLOAD,),
+    (ACTIVATION_CHECKPOINTING, ACTIVATION_OFFLOAD),
+    (OPTIMIZER_IN_BACKWARD,),
+    (ACTIVATION_CHECKPOINTING, OPTIMIZER_IN_BACKWARD),
+)
 SPEED_SOURCE = "model: the ladder's step model, compute scaled by training FLOPs per sample"
 # The step in backward in eager mode: one optimizer.step() and zero_grad() per parameter tensor inside
 # backward, which the GPU waits for. Measured on the runner: ResNet-50, batch 128, bf16-true SGD, one
@@ -72,8 +87,7 @@ HOOK_SOURCE = (
 class Choice(Candidate):
     """One technique set for your own model, in the ladder planner's shape (:class:`fit.Candidate`: its
     label, command, row and JSON): its rung is ``recipes/your_model.py``'s configuration with the set's
-    flags, its mode eager (the runner's only), its signature (optimizer, checkpointing, offload, step in
-    backward); ``changes`` are what it changes of the user's training (precision, optimizer), each with
+    flags, its mode eager (the runner's only), its technique set; ``changes`` are what it changes of the user's training (precision, optimizer), each with
     its measured accuracy cost."""
 
     seq_len: int | None = None  # text models: tokens per sample
@@ -85,11 +99,11 @@ class Choice(Candidate):
         return (*super().key, self.devices)
 
     def argv(self) -> list[str]:
-        r, (optimizer, *on) = self.rung, self.signature
+        r, used = self.rung, self.techniques
         out = ["--model", r.model] + (["--seq-len", str(self.seq_len)] if self.seq_len else [])
         out += ["--precision", r.precision, "--batch-size", str(r.batch_size), "--accumulation-steps",
-                str(r.accumulation_steps), "--optimizer", optimizer]  # fmt: skip
-        out += [f for f, used in zip(FLAGS, on, strict=True) if used]
+                str(r.accumulation_steps), "--optimizer", used.optimizer]  # fmt: skip
+        out += [t.flag for t in PLANNED if used.uses(t)]
         return out + (["--fsdp", "--devices", str(self.devices)] if self.devices > 1 else [])
 
     def label(self) -> str:
@@ -151,26 +165,28 @@ class UserPlanner:
         floor = card(_Floor(), gpu, "eager", devices)  # the card overhead alone, per GPU
         over, self.overhead_source = floor["overhead_gb"] or 0.0, floor["overhead_source"]
         runner = user_run.default_config()
-        precisions = _first(precision, PRECISIONS if "precision" in self.may_change else ())
-        optimizers = _first(optimizer, OPTIMIZERS if "optimizer" in self.may_change else ())
+        precisions = _first(precision, PRECISIONS_TRIED if "precision" in self.may_change else ())
+        optimizers = _first(optimizer, OPTIMIZERS_TRIED if "optimizer" in self.may_change else ())
         self.choices = []
         for prec in precisions:
             for opt in optimizers:
                 changes = tuple(advice.cost(what, value, gpu) for what, value, mine in
                                 (("precision", prec, precision), ("optimizer", opt, optimizer)) if value != mine)  # fmt: skip
-                for t in TECHNIQUES:
-                    if t[0] and not self.blocks or devices > 1 and (t[1] or t[2]):
+                for on in SETS:
+                    used = TechniqueSet.of(opt, *on)
+                    if used.uses(ACTIVATION_CHECKPOINTING) and not self.blocks:
+                        continue
+                    if devices > 1 and (used.uses(ACTIVATION_OFFLOAD) or used.uses(OPTIMIZER_IN_BACKWARD)):
                         continue  # FSDP: with checkpointing or without (the sharded rungs' sets)
-                    for k in [1] if t[2] else divisors(batch_size):
+                    for k in [1] if used.uses(OPTIMIZER_IN_BACKWARD) else divisors(batch_size):
                         rung = runner.with_flags(model=ref, precision=prec, batch_size=batch_size,
                                                  accumulation_steps=k, optimizer=opt)  # fmt: skip
-                        sig = (opt, *t)
-                        lower = static_bytes(rung, sig, self.parameters) / GB / devices + over  # sharded
-                        c = Choice(rung, "eager", sig, lower, 0.0, speed_source=SPEED_SOURCE, overhead_gb=over,
+                        lower = static_bytes(rung, used, self.parameters) / GB / devices + over  # sharded
+                        c = Choice(rung, "eager", used, lower, 0.0, speed_source=SPEED_SOURCE, overhead_gb=over,
                                    seq_len=self.seq_len, changes=changes, devices=devices)  # fmt: skip
                         c.speed_bound = self._speed(c, 0.0)
                         self.choices.append(c)
-        self.choices.sort(key=lambda c: (-c.speed_bound, techniques(c), c.lower_bound_gb))
+        self.choices.sort(key=lambda c: (-c.speed_bound, c.techniques.count(), c.lower_bound_gb))
 
     def weights_gb(self) -> float:
         """The weights alone in the narrowest precision the planner may use: no card below this fits."""
@@ -180,20 +196,22 @@ class UserPlanner:
     def _speed(self, c: Choice, offloaded_gb: float) -> float:
         r = c.rung
         prec = r.precision if r.precision in self.speed.precision_factor else "16-mixed"
-        step = self.speed.step_s(prec, c.signature, r.micro_batch_size, r.accumulation_steps, "eager", offloaded_gb,
+        step = self.speed.step_s(prec, c.techniques, r.micro_batch_size, r.accumulation_steps, "eager", offloaded_gb,
                                  self.parameters)  # fmt: skip
-        hooks = self.tensors * HOOK_MS / 1e3 if c.signature[3] else 0.0
+        hooks = self.tensors * HOOK_MS / 1e3 if c.techniques.uses(OPTIMIZER_IN_BACKWARD) else 0.0
         return c.devices * r.batch_size / (step + hooks)  # every GPU its own batch (FSDP: no comms modelled)
 
     def predict(self, c: Choice) -> Choice:
         if c.predicted_gb is None:
-            r, (optimizer, ck, off, sib) = c.rung, c.signature
-            key = (r.precision, c.signature, r.micro_batch_size, min(r.accumulation_steps, 2), c.devices)
+            r, used = c.rung, c.techniques
+            key = (r.precision, used, r.micro_batch_size, min(r.accumulation_steps, 2), c.devices)
             if key not in self.simulated:
                 plan = Plan(precision=r.precision, micro_batch_size=r.micro_batch_size,
-                            accumulation_steps=r.accumulation_steps, optimizer=optimizer,
-                            activation_checkpointing=self.blocks if ck else (), activation_offload=off,
-                            optimizer_in_backward=sib, sharding="fsdp" if c.devices > 1 else "none",
+                            accumulation_steps=r.accumulation_steps, optimizer=used.optimizer,
+                            activation_checkpointing=self.blocks if used.uses(ACTIVATION_CHECKPOINTING) else (),
+                            activation_offload=used.uses(ACTIVATION_OFFLOAD),
+                            optimizer_in_backward=used.uses(OPTIMIZER_IN_BACKWARD),
+                            sharding="fsdp" if c.devices > 1 else "none",
                             shard_units=self.blocks, world_size=c.devices)  # fmt: skip
                 try:
                     est = estimate(self.model, self.um, plan, self.seq_len or 0)

@@ -54,6 +54,7 @@ from fabric_memory_recipes.console import Parser
 from fabric_memory_recipes.measurement.results_file import write_json_atomic
 from fabric_memory_recipes.paths import output_folder
 from fabric_memory_recipes.processes import DeviceSlots, project_env
+from fabric_memory_recipes.techniques import MODES
 from fabric_memory_recipes.tools.convergence.report import (  # noqa: F401 (the report, from this command too)
     BASELINE,
     render,
@@ -350,7 +351,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument(
         "--mode",
-        choices=("eager", "fast"),
+        choices=MODES,
         help="the recipes' --mode (default: theirs, fast on a GPU; the rungs in LOST_RUNGS then run"
         " without CUDA graphs, to measure lost updates)",
     )

@@ -31,3 +31,9 @@ def reachable(host: str, port: int = 443, timeout: float = 3.0) -> bool:
     worker.start()
     worker.join(timeout)
     return bool(result and result[0])
+
+
+def hub_online() -> bool:
+    """Whether the Hugging Face hub may be used: HF_HUB_OFFLINE is unset (or 0) and huggingface.co
+    answers. The weights, the tokenizer and IMDb through ``datasets`` all take this one decision."""
+    return os.environ.get("HF_HUB_OFFLINE", "") in ("", "0") and reachable("huggingface.co")

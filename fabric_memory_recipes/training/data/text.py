@@ -6,7 +6,7 @@ Real first, offline always. ``--data auto|imdb`` looks for IMDb in this order:
    ``sentiment``; labels 0/1 or negative/positive);
 2. ``--data-dir`` holds the original archive unpacked: ``aclImdb/{train,test}/{pos,neg}/*.txt``;
 3. ``datasets.load_dataset("imdb")`` when the ``datasets`` package is installed and the hub is online
-   (``hf_models.hub_online``: the same decision as for the weights, HF_HUB_OFFLINE honoured);
+   (``network.hub_online``: the same decision as for the weights, HF_HUB_OFFLINE honoured);
 4. the archive from ai.stanford.edu, unpacked into ``--data-dir``, when that host is reachable.
 
 All 50,000 labelled reviews are pooled and split 35k / 5k / 10k (train / val / test) with a fixed
@@ -37,7 +37,7 @@ import numpy as np
 
 from fabric_memory_recipes.config import RunConfig, UsageError, at_least, flag
 from fabric_memory_recipes.console import notice
-from fabric_memory_recipes.training.data.network import reachable
+from fabric_memory_recipes.training.data.network import hub_online, reachable
 from fabric_memory_recipes.training.data.text_samples import (
     IGNORE_INDEX,
     NUM_LABELS,
@@ -46,7 +46,6 @@ from fabric_memory_recipes.training.data.text_samples import (
     TextSplits,
     synthetic,
 )
-from fabric_memory_recipes.training.hf_models import Spec, hub_online, load_tokenizer
 
 DATA_CHOICES = ("auto", "imdb", "synthetic")
 SPLIT_FRACTIONS = (0.7, 0.1, 0.2)  # the same proportions as 35k / 5k / 10k, for a smaller CSV or folder
@@ -301,11 +300,11 @@ def causal_lm(model, batch):
     return out.loss, predicted[keep], targets[keep]
 
 
-def load_for(cfg: TextConfig, spec: Spec, task: str = "classification") -> TextSplits:
-    """A bonus recipe's data: :func:`load` with this model's token ids and tokenizer, from the flags
-    (--data, --data-dir, --max-length, --tokenizer, --seed). One call per recipe, as
-    ``fabric_memory_recipes.training.data.load`` is for the ladder."""
+def load_for(cfg: TextConfig, spec: Any, task: str = "classification") -> TextSplits:
+    """A bonus recipe's data: :func:`load` with this model's token ids and tokenizer (``spec``: a
+    ``training.hf_models.Spec``), from the flags (--data, --data-dir, --max-length, --tokenizer, --seed).
+    One call per recipe, as ``fabric_memory_recipes.training.data.load`` is for the ladder."""
     return load(
-        cfg.data, cfg.data_dir, cfg.max_length, spec.ids, lambda: load_tokenizer(spec, cfg.tokenizer),
+        cfg.data, cfg.data_dir, cfg.max_length, spec.ids, lambda: spec.tokenizer(cfg.tokenizer),
         task=task, seed=cfg.seed,
     )  # fmt: skip

@@ -15,8 +15,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from fabric_memory_recipes.training.hf_models import TokenIds
-
 NUM_LABELS = 2
 SPLIT_SIZES = (35_000, 5_000, 10_000)  # the article: 50k labelled reviews -> train / val / test
 IMDB_MEDIAN_TOKENS = 230  # WordPiece tokens per review, roughly (mean ~300, 99th percentile ~1200)
@@ -28,6 +26,17 @@ IGNORE_INDEX = -100  # label value that cross-entropy (and Hugging Face's causal
 # assumption, not a measurement).
 SFT_PROMPT_MEDIAN = 120
 SFT_COMPLETION_MEDIAN = 200
+
+
+@dataclass(frozen=True)
+class TokenIds:
+    """The special token ids a synthetic stand-in needs, and where ordinary tokens start."""
+
+    pad: int
+    cls: int | None  # prepended to a classifier's input (None: a causal LM has no [CLS])
+    sep: int | None  # appended to a classifier's input
+    first_regular: int  # ids below this are special, unused or single characters
+    vocab_size: int
 SFT_SIGMA = 0.5
 SFT_ANSWER_TOKENS = 256  # synthetic SFT: the completions' vocabulary (chance accuracy 1/256)
 MARKERS_PER_LABEL = 8  # synthetic reviews: "positive"/"negative" words per label

@@ -43,8 +43,7 @@ from fabric_memory_recipes.config import (
     UsageError,  # a --bf16-update the optimizer cannot honour: one line, exit 2
 )
 from fabric_memory_recipes.console import notice
-
-UPDATES = ("plain", "stochastic", "kahan")
+from fabric_memory_recipes.techniques import BF16_UPDATES
 
 
 # ------------------------------------------------------------------------------------------- rounding
@@ -197,8 +196,8 @@ def replace(optimizer: torch.optim.Optimizer, update: str) -> torch.optim.Optimi
     way of storing bf16 weights. ``plain`` returns ``optimizer`` itself."""
     if update == "plain":
         return optimizer
-    if update not in UPDATES:
-        raise UsageError(f"--bf16-update {update!r}: expected one of {', '.join(UPDATES)}")
+    if update not in BF16_UPDATES:
+        raise UsageError(f"--bf16-update {update!r}: expected one of {', '.join(BF16_UPDATES)}")
     params, g = _hyper(optimizer)
     lr = float(g["lr"])
     kind = type(optimizer).__name__

@@ -26,7 +26,9 @@ import torch.nn as nn
 import torchvision.models as tvm
 
 from fabric_memory_recipes.config import UsageError
-from fabric_memory_recipes.training.hf_models import TokenIds, _cached, hub_online, require_transformers
+from fabric_memory_recipes.training.data.network import hub_online
+from fabric_memory_recipes.training.data.text_samples import TokenIds
+from fabric_memory_recipes.training.hf_models import _cached, require_transformers
 
 SOURCES = ("torchvision", "timm", "hf")
 IMAGE_CLASSES = 10  # the digits' labels: what the runner trains on

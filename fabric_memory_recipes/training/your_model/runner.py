@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from fabric_memory_recipes import techniques
 from fabric_memory_recipes.config import BOOL, RunConfig, UsageError, at_least, flag
 from fabric_memory_recipes.training import data
 from fabric_memory_recipes.training.data import text
@@ -23,7 +24,8 @@ from fabric_memory_recipes.training.techniques import checkpointing, lowbit
 from fabric_memory_recipes.training.your_model import models
 from fabric_memory_recipes.training.your_model.models import UserModel
 
-OPTIMIZERS = ("adamw", "adam", "sgd", "adamw8bit")
+# What make_optimizer builds: SGD with momentum has no flag here, and no optimizer is --optimizer-in-backward's.
+OPTIMIZERS = techniques.subset(techniques.OPTIMIZERS, "adamw", "adam", "sgd", techniques.LOWBIT_STATE.name)
 
 
 @dataclasses.dataclass
@@ -69,10 +71,13 @@ class YourModelConfig(RunConfig):
     CPU_QUICK: ClassVar[tuple[str, ...]] = ("--batch-size", "2", "--seq-len", "64", "--max-steps", "2",
                                             "--eval-batches", "2")  # fmt: skip
 
+    def uses(self, technique: techniques.Technique) -> bool:
+        """Whether the technique's flag (``technique.flag``) is on."""
+        return bool(getattr(self, technique.flag.removeprefix("--").replace("-", "_")))
+
     def technique_flags(self) -> list[str]:
         """The technique set as flags (what the CPU suggestion keeps of a refused command)."""
-        names = ("checkpoint_blocks", "fused_loss", "activation_offload", "optimizer_in_backward")
-        flags = ["--" + n.replace("_", "-") for n in names if getattr(self, n)]
+        flags = [t.flag for t in techniques.TECHNIQUES if t.flag and self.uses(t)]
         flags += ["--checkpoint-mode", self.checkpoint_mode] if self.checkpoint_mode != "full" else []
         return flags + (["--optimizer", self.optimizer] if self.optimizer != "adamw" else [])
 

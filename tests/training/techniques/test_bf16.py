@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from fabric_memory_recipes.config import RunConfig, UsageError
+from fabric_memory_recipes.techniques import BF16_UPDATES
 from fabric_memory_recipes.training import cli
 from fabric_memory_recipes.training.techniques import bf16
 
@@ -40,7 +41,7 @@ def train_ones(optimizer: str, update: str) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
-@pytest.mark.parametrize("update", bf16.UPDATES)
+@pytest.mark.parametrize("update", BF16_UPDATES)
 def test_plain_bf16_loses_small_updates_and_the_fixes_keep_them(optimizer, update):
     if not fix_available(update, optimizer):
         pytest.skip(f"--bf16-update {update} needs a package that is not installed")
