@@ -33,6 +33,8 @@ DEVTOOLS = REPO / "devtools"
 
 # Imports that may stay inside a function in fabric_memory_recipes/, and why.
 LAZY = {
+    "huggingface_hub": "optional (comes with the 'hf' extra's transformers): an installed wheel plans without it",
+    "liger_kernel": "optional, CUDA only: --fused-loss's kernel; the chunked torch path runs without it",
     "torchao": "optional (extra 'lowbit'/'bf16'): only rung 13 and --bf16-update stochastic need it",
     "optimi": "optional (extra 'bf16'): only --bf16-update kahan needs it",
     "datasets": "optional: IMDb through the hub only; the GPU machines behind the results lack it",

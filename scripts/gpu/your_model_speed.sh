@@ -3,9 +3,9 @@
 # each under 10 minutes, from the repository root of a fresh GPU machine; results under $OUT as one tar:
 #
 #   bash scripts/gpu/your_model_speed.sh check    # the fused-loss implementations compared
-#                                                 # (devtools/fused_loss_bench.py), then fast == eager per
+#                                                 # (devtools/your_model/fused_loss_bench.py), then fast == eager per
 #                                                 # model family and fused == plain loss
-#                                                 # (devtools/your_model_equivalence.py)
+#                                                 # (devtools/your_model/equivalence.py)
 #   bash scripts/gpu/your_model_speed.sh lm       # the causal LMs on emulated cards, 8 x 1024 tokens,
 #                                                 # bf16-mixed AdamW: the 0.4 B GPT-NeoX shape at 10 GB
 #                                                 # (eager sets without the new levers, then with them)
@@ -36,8 +36,8 @@ run() { local name=$1; shift; log "start $name: $*"
 LM=(--seq-len 1024 --batch-size 8 --precision bf16-mixed --data synthetic --max-steps 14 --eval-batches 1)
 case $part in
   check)
-    [ -n "${SKIP_BENCH:-}" ] || { python3 -m devtools.fused_loss_bench --out "$RUNS" > "$RUNS/fused_loss_bench.log" 2>&1; log "bench: exit $?"; }
-    python3 -m devtools.your_model_equivalence --out "$RUNS" > "$RUNS/equivalence.log" 2>&1; log "equivalence: exit $?"
+    [ -n "${SKIP_BENCH:-}" ] || { python3 -m devtools.your_model.fused_loss_bench --out "$RUNS" > "$RUNS/fused_loss_bench.log" 2>&1; log "bench: exit $?"; }
+    python3 -m devtools.your_model.equivalence --out "$RUNS" > "$RUNS/equivalence.log" 2>&1; log "equivalence: exit $?"
     ;;
   lm)
     NEOX=(--model hf:examples/configs/gpt-neox-0.4b "${LM[@]}" --memory-budget-gb 10)

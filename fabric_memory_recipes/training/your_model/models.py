@@ -265,7 +265,7 @@ def compile_repeated(model: nn.Module, blocks: tuple[str, ...]) -> int:
     code. Returns how many were compiled.
 
     Blocks that hold BatchNorm stay eager: a compiled ResNet-18 block in training mode was not shown equal
-    to eager (devtools/your_model_equivalence.py: 18 % of the eager change apart after 6 fp32 Adam steps, the
+    to eager (devtools/your_model/equivalence.py: 18 % of the eager change apart after 6 fp32 Adam steps, the
     same on an H100 and an H200, while eager twice and CUDA graphs alone matched exactly), so such a
     model's fast mode is its CUDA graphs."""
     wrapped = [m for m in model.modules() if type(m).__name__ == "CheckpointedBlock"]

@@ -4,7 +4,7 @@ run twice from the same start (same seed, weights and batches), parameters compa
 the eager run's change over all parameters, the largest element difference at most half the largest
 element change).
 
-    python -m devtools.your_model_equivalence --out runs/your-model-equivalence     # on a CUDA GPU
+    python -m devtools.your_model.equivalence --out runs/your-model-equivalence     # on a CUDA GPU
 
 Rows: one model of each family the runner trains (torchvision, timm, a Hugging Face encoder, a Hugging
 Face causal LM), eager against fast (compiled repeated blocks; CUDA graphs too for image models), in
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from devtools.check_equivalence import _run_recipe, compare
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "recipes" / "your_model.py"
 FP32 = ["--precision", "32-true", "--no-tf32", "--data", "synthetic", "--eval-batches", "1"]
 LM = "hf:examples/configs/llama-0.36b"

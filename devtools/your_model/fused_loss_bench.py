@@ -3,7 +3,7 @@ for each implementation against the plain one (``F.linear`` then ``F.cross_entro
 Hugging Face causal LM computes): peak memory of forward + backward above what the inputs hold, time
 (median of ``--repeats``), and the loss and gradients' difference from the plain ones.
 
-    python -m devtools.fused_loss_bench --out runs/fused-loss        # on a CUDA GPU
+    python -m devtools.your_model.fused_loss_bench --out runs/fused-loss        # on a CUDA GPU
 
 Implementations: ``plain``; ``liger`` (liger-kernel's LigerFusedLinearCrossEntropyLoss), ``cce``
 (cut-cross-entropy's linear_cross_entropy), ``torch`` (this project's chunked fallback,
