@@ -21,6 +21,7 @@ import torch
 
 from fabric_memory_recipes.config import Hardware, UsageError
 from fabric_memory_recipes.console import fail
+from fabric_memory_recipes.measurement.results_file import peak_bf16_flops
 from fabric_memory_recipes.planning import arguments
 from fabric_memory_recipes.planning.planner import cli as fit_cli
 from fabric_memory_recipes.planning.your_model import measure
@@ -120,19 +121,24 @@ def fit_main(args: Any, cfg: runner.YourModelConfig) -> int:
         return 1
     lines = [f"Which technique sets fit {args.budget_gb:g} GB? {ref}, batch {cfg.batch_size}"
              + (f" x {seq} tokens" if seq else "") + f", repeated blocks {', '.join(planner.blocks) or 'none'}"
-             f" ({planner.found_by}), eager mode, {args.gpu}"
+             f" ({planner.found_by}), {args.gpu}"
              + (f", FSDP over {cfg.world_size} GPUs (card GB per GPU)" if cfg.world_size > 1 else ""),
              "Kept as yours: " + (", ".join(f"{w} {yours[w]}" for w in kept) or "nothing (--may-change)")
              + ("" if not kept else " (--may-change precision,optimizer lets the planner change them)"), "",
-             "   # samples/s  card GB  technique set\n       command"]  # fmt: skip
+             "Each set once, at its largest micro-batch that fits (batch = micro-batch x accumulation):",
+             "   # samples/s    MFU  card GB  technique set\n       command"]  # fmt: skip
+    peak = peak_bf16_flops(args.gpu.upper())
     for i, c in enumerate(fits, 1):
-        lines.append(f"  {i:>2} {c.images_per_s:9.1f} {c.card_gb:8.2f}   {c.label()}\n       {c.command}")
+        mfu = c.mfu(peak)
+        lines.append(f"  {i:>2} {c.images_per_s:9.1f} {f'{100 * mfu:5.1f}%' if mfu else '    —':>6} {c.card_gb:8.2f}"
+                     f"   {c.label()}\n       {c.command}")  # fmt: skip
         lines += [f"       accuracy: {cost.line()}" for cost in c.changes]
     if rejected:
         lines += ["", f"Fastest rejected as too big: {rejected.label()}, {rejected.card_gb:.2f} GB,"
                   f" {rejected.images_per_s:.1f} samples/s"]  # fmt: skip
     lines += ["", "card GB = predicted peak reserved (the allocator replay, planning/your_model/estimate.py) + the"
-              " measured card overhead of the GPU kind in eager mode.", *planner.speed_lines(args.verbose)]  # fmt: skip
+              " measured card overhead of the GPU kind in the set's mode. MFU = the model's training FLOPs per"
+              " sample (recompute not counted) x samples/s over the GPU's bf16 peak.", *planner.speed_lines(args.verbose)]  # fmt: skip
     _print("\n".join(lines))
     if args.measure:
         return measure_main(args, cfg, fits)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from typing import Any
 
 import torch
@@ -39,7 +40,6 @@ from fabric_memory_recipes.planning.planner.fit import (
     Candidate,
     divisors,
     fastest,
-    search,
     smallest,
     static_bytes,
 )
@@ -47,6 +47,8 @@ from fabric_memory_recipes.planning.your_model.estimate import card, estimate, m
 from fabric_memory_recipes.techniques import (
     ACTIVATION_CHECKPOINTING,
     ACTIVATION_OFFLOAD,
+    FUSED_LOSS,
+    MODES,
     OPTIMIZER_IN_BACKWARD,
     PLANNED,
     PRECISIONS,
@@ -54,6 +56,7 @@ from fabric_memory_recipes.techniques import (
     subset,
 )
 from fabric_memory_recipes.training.models import meta_ladder_model
+from fabric_memory_recipes.training.techniques import checkpointing
 from fabric_memory_recipes.training.your_model import runner as user_run
 
 # What --may-change tries besides yours: one precision of each memory and speed (bf16-mixed, what a user of
@@ -70,6 +73,10 @@ SETS = (
     (OPTIMIZER_IN_BACKWARD,),
     (ACTIVATION_CHECKPOINTING, OPTIMIZER_IN_BACKWARD),
 )
+# The runner's other choices each set is tried with: its mode, what a checkpointed block keeps, and (a causal
+# LM's) the fused loss.
+MODES_TRIED = subset(MODES, "fast", "eager")
+CHECKPOINT_MODES = checkpointing.MODES
 SPEED_SOURCE = "model: the ladder's step model, compute scaled by training FLOPs per sample"
 # The step in backward in eager mode: one optimizer.step() and zero_grad() per parameter tensor inside
 # backward, which the GPU waits for. Measured on the runner: ResNet-50, batch 128, bf16-true SGD, one
@@ -93,29 +100,53 @@ class Choice(Candidate):
     seq_len: int | None = None  # text models: tokens per sample
     changes: tuple[advice.Cost, ...] = ()
     devices: int = 1  # > 1: FSDP over that many GPUs (--fsdp --devices N); memory is per GPU
+    fused_loss: bool = False  # --fused-loss (a causal LM's loss without its logits)
+    checkpoint_mode: str = "full"  # --checkpoint-mode, with checkpointing
+    model_flops: float = 0.0  # training FLOPs per sample (the model's, without recompute): for the MFU
 
     @property
     def key(self) -> tuple:
-        return (*super().key, self.devices)
+        return (*super().key, self.devices, self.fused_loss, self.checkpoint_mode)
 
+    @property
+    def family(self) -> tuple:
+        """The set without its micro-batch: what the table shows once, at its largest micro-batch that fits."""
+        r = self.rung
+        return (r.precision, self.techniques, self.mode, self.devices, self.fused_loss, self.checkpoint_mode)
+
+    def mfu(self, peak_flops: float | None) -> float | None:
+        """Model FLOPs utilisation the predicted speed means (the model's FLOPs, not the recompute's)."""
+        if not peak_flops or not self.images_per_s or not self.model_flops:
+            return None
+        return self.images_per_s * self.model_flops / peak_flops
     def argv(self) -> list[str]:
         r, used = self.rung, self.techniques
         out = ["--model", r.model] + (["--seq-len", str(self.seq_len)] if self.seq_len else [])
         out += ["--precision", r.precision, "--batch-size", str(r.batch_size), "--accumulation-steps",
                 str(r.accumulation_steps), "--optimizer", used.optimizer]  # fmt: skip
         out += [t.flag for t in PLANNED if used.uses(t)]
+        out += ["--checkpoint-mode", self.checkpoint_mode] if self.checkpoint_mode != "full" else []
+        out += [FUSED_LOSS.flag] if self.fused_loss else []
+        out += ["--mode", self.mode]
         return out + (["--fsdp", "--devices", str(self.devices)] if self.devices > 1 else [])
 
     def label(self) -> str:
         changed = ", ".join(c.change for c in self.changes)
         sharded = f", FSDP over {self.devices} GPUs" if self.devices > 1 else ""
-        return super().label() + sharded + (f" [changes {changed}]" if changed else "")
+        label = super().label()
+        if self.checkpoint_mode != "full":
+            label = label.replace(ACTIVATION_CHECKPOINTING.label, f"{self.checkpoint_mode} {ACTIVATION_CHECKPOINTING.label}")
+        if self.fused_loss:
+            label = label.replace(f", {self.mode}", f" + {FUSED_LOSS.label}, {self.mode}")
+        return label + sharded + (f" [changes {changed}]" if changed else "")
 
     def to_dict(self) -> dict[str, Any]:
         out = super().to_dict()
         out["predicted_samples_per_s"] = out.pop("predicted_images_per_s")  # images or sequences
         out["changes"] = [dataclasses.asdict(c) | {"line": c.line()} for c in self.changes]
         out["devices"] = self.devices
+        out["fused_loss"], out["checkpoint_mode"] = self.fused_loss, self.checkpoint_mode
+        out["micro_batch_size"] = self.rung.micro_batch_size
         return out
 
 
@@ -155,37 +186,41 @@ class UserPlanner:
         vit = meta_ladder_model("vit_l_16")
         runs = calibration.load_runs((str(calibration.RESULTS_DIR),))
         base = speed.speed_model(gpu, "vit_l_16", sum(p.numel() for p in vit.parameters()), runs)
-        scale = flops_per_sample(self.model, self.um, seq_len) / _ladder_flops()
+        self.flops = flops_per_sample(self.model, self.um, seq_len)
+        scale = self.flops / _ladder_flops()
         modules = len(list(self.model.modules())) / len(list(vit.modules()))
         self.speed = dataclasses.replace(
             base, flops_scale=scale, host_ms={k: v * modules for k, v in base.host_ms.items()}
         )
         self.modules_ratio = modules
         self.simulated: dict[tuple, tuple[float, float, float]] = {}
-        floor = card(_Floor(), gpu, "eager", devices)  # the card overhead alone, per GPU
-        over, self.overhead_source = floor["overhead_gb"] or 0.0, floor["overhead_source"]
+        modes = MODES_TRIED if devices == 1 else ("eager",)  # the sharded runner runs eagerly
+        overhead = {m: card(_Floor(), gpu, m, devices) for m in modes}  # the card overhead alone, per GPU
+        self.overhead_source = "; ".join(f"{m}: {o['overhead_source']}" for m, o in overhead.items())
         runner = user_run.default_config()
         precisions = _first(precision, PRECISIONS_TRIED if "precision" in self.may_change else ())
         optimizers = _first(optimizer, OPTIMIZERS_TRIED if "optimizer" in self.may_change else ())
+        fused = (False, True) if self.um.task == "causal_lm" else (False,)
         self.choices = []
-        for prec in precisions:
-            for opt in optimizers:
-                changes = tuple(advice.cost(what, value, gpu) for what, value, mine in
-                                (("precision", prec, precision), ("optimizer", opt, optimizer)) if value != mine)  # fmt: skip
-                for on in SETS:
-                    used = TechniqueSet.of(opt, *on)
-                    if used.uses(ACTIVATION_CHECKPOINTING) and not self.blocks:
-                        continue
-                    if devices > 1 and (used.uses(ACTIVATION_OFFLOAD) or used.uses(OPTIMIZER_IN_BACKWARD)):
-                        continue  # FSDP: with checkpointing or without (the sharded rungs' sets)
-                    for k in [1] if used.uses(OPTIMIZER_IN_BACKWARD) else divisors(batch_size):
-                        rung = runner.with_flags(model=ref, precision=prec, batch_size=batch_size,
-                                                 accumulation_steps=k, optimizer=opt)  # fmt: skip
-                        lower = static_bytes(rung, used, self.parameters) / GB / devices + over  # sharded
-                        c = Choice(rung, "eager", used, lower, 0.0, speed_source=SPEED_SOURCE, overhead_gb=over,
-                                   seq_len=self.seq_len, changes=changes, devices=devices)  # fmt: skip
-                        c.speed_bound = self._speed(c, 0.0)
-                        self.choices.append(c)
+        for prec, opt, mode, fuse, on in itertools.product(precisions, optimizers, modes, fused, SETS):
+            changes = tuple(advice.cost(what, value, gpu) for what, value, mine in
+                            (("precision", prec, precision), ("optimizer", opt, optimizer)) if value != mine)  # fmt: skip
+            used = TechniqueSet.of(opt, *on)
+            if used.uses(ACTIVATION_CHECKPOINTING) and not self.blocks:
+                continue
+            if devices > 1 and (used.uses(ACTIVATION_OFFLOAD) or used.uses(OPTIMIZER_IN_BACKWARD)):
+                continue  # FSDP: with checkpointing or without (the sharded rungs' sets)
+            over = overhead[mode]["overhead_gb"] or 0.0
+            for keeps in CHECKPOINT_MODES if used.uses(ACTIVATION_CHECKPOINTING) else ("full",):
+                for k in [1] if used.uses(OPTIMIZER_IN_BACKWARD) else divisors(batch_size):
+                    rung = runner.with_flags(model=ref, precision=prec, batch_size=batch_size,
+                                             accumulation_steps=k, optimizer=opt)  # fmt: skip
+                    lower = static_bytes(rung, used, self.parameters) / GB / devices + over  # sharded
+                    c = Choice(rung, mode, used, lower, 0.0, speed_source=SPEED_SOURCE, overhead_gb=over,
+                               seq_len=self.seq_len, changes=changes, devices=devices, fused_loss=fuse,
+                               checkpoint_mode=keeps, model_flops=self.flops)  # fmt: skip
+                    c.speed_bound = self._speed(c, 0.0)
+                    self.choices.append(c)
         self.choices.sort(key=lambda c: (-c.speed_bound, c.techniques.count(), c.lower_bound_gb))
 
     def weights_gb(self) -> float:
@@ -196,7 +231,7 @@ class UserPlanner:
     def _speed(self, c: Choice, offloaded_gb: float) -> float:
         r = c.rung
         prec = r.precision if r.precision in self.speed.precision_factor else "16-mixed"
-        step = self.speed.step_s(prec, c.techniques, r.micro_batch_size, r.accumulation_steps, "eager", offloaded_gb,
+        step = self.speed.step_s(prec, c.techniques, r.micro_batch_size, r.accumulation_steps, c.mode, offloaded_gb,
                                  self.parameters)  # fmt: skip
         hooks = self.tensors * HOOK_MS / 1e3 if c.techniques.uses(OPTIMIZER_IN_BACKWARD) else 0.0
         return c.devices * r.batch_size / (step + hooks)  # every GPU its own batch (FSDP: no comms modelled)
@@ -204,22 +239,23 @@ class UserPlanner:
     def predict(self, c: Choice) -> Choice:
         if c.predicted_gb is None:
             r, used = c.rung, c.techniques
-            key = (r.precision, used, r.micro_batch_size, min(r.accumulation_steps, 2), c.devices)
+            key = (r.precision, used, r.micro_batch_size, min(r.accumulation_steps, 2), c.devices, c.fused_loss,
+                   c.checkpoint_mode, c.mode)  # fmt: skip
             if key not in self.simulated:
                 plan = Plan(precision=r.precision, micro_batch_size=r.micro_batch_size,
                             accumulation_steps=r.accumulation_steps, optimizer=used.optimizer,
                             activation_checkpointing=self.blocks if used.uses(ACTIVATION_CHECKPOINTING) else (),
                             activation_offload=used.uses(ACTIVATION_OFFLOAD),
                             optimizer_in_backward=used.uses(OPTIMIZER_IN_BACKWARD),
-                            sharding="fsdp" if c.devices > 1 else "none",
-                            shard_units=self.blocks, world_size=c.devices)  # fmt: skip
+                            sharding="fsdp" if c.devices > 1 else "none", checkpoint_mode=c.checkpoint_mode,
+                            fused_loss=c.fused_loss, shard_units=self.blocks, world_size=c.devices)  # fmt: skip
                 try:
                     est = estimate(self.model, self.um, plan, self.seq_len or 0)
                 except Exception as e:  # noqa: BLE001 - the model's own code failed on fake tensors: say which set
                     raise RuntimeError(f"the simulation of {c.label()} failed: {type(e).__name__}: {str(e)[:200]}") from e
                 if est.error:
                     raise RuntimeError(f"the simulation of {c.label()} failed: {est.error}")
-                got = card(est, self.gpu, "eager", c.devices)
+                got = card(est, self.gpu, c.mode, c.devices)
                 self.simulated[key] = (est.peak_gb, got["peak_reserved_gb"], est.activations_host_gb)
             c.simulated_gb, c.predicted_gb, c.offloaded_gb = self.simulated[key]
             c.images_per_s = self._speed(c, c.offloaded_gb)
@@ -228,7 +264,23 @@ class UserPlanner:
     def fit(self, budget_gb: float, top: int = 5) -> tuple[list[Choice], Choice | None]:
         """The ``top`` fastest choices predicted to fit, and the fastest predicted not to fit among those
         faster than the last pick (None if there is none): the ladder planner's search (planning/planner/fit.py)."""
-        fits, too_big, _ = search(self.choices, self.predict, budget_gb, top)
+        shown: dict[tuple, Choice] = {}  # each set once, at its fastest (its largest) micro-batch that fits
+        too_big = []
+        for c in self.choices:  # fastest bound first
+            ranked = sorted(shown.values(), key=lambda x: -x.images_per_s)
+            if len(ranked) >= top and ranked[top - 1].images_per_s >= c.speed_bound:
+                break  # nothing left can be faster than the picks
+            if c.family in shown:
+                continue  # a faster micro-batch of this set fits already
+            if c.lower_bound_gb > budget_gb:
+                too_big.append(c)
+                continue
+            self.predict(c)
+            if c.card_gb <= budget_gb:
+                shown[c.family] = c
+            else:
+                too_big.append(c)
+        fits = sorted(shown.values(), key=lambda x: -x.images_per_s)[:top]
         return fits, fastest(too_big, self.predict)
 
     def smallest(self) -> Choice:
