@@ -19,6 +19,8 @@
 #   ./run_all.sh --bonus                 the bonus cases instead, into runs/bonus (CPU: runs/cpu/bonus;
 #                                        committed: results/published/h100/bonus): DistilBERT and BigBird
 #                                        on IMDb before/after, and the LLM fine-tuning toggles table
+#   PYTHON=/path/to/python ./run_all.sh  the interpreter that runs the recipes and the report (default:
+#                                        python3; fmr-ladder passes the one it runs in, as the tests do)
 #
 # A recipe that fails or runs out of memory does not stop the ladder; the script exits non-zero at the
 # end with a one-line-per-recipe summary. A recipe's status is the one its results JSON of this run
@@ -47,7 +49,7 @@ extra=()
 jobs=""
 QUICK_JOBS=6  # GPU --quick: recipes at once (their training loops one at a time)
 
-usage() { sed -n '2,31p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,33p' "$0" | sed 's/^# \{0,1\}//'; }
 # A signal while a recipe runs reaches the recipe too (one process group); bash acts on the trap once
 # the recipe has stopped. Between recipes it stops the ladder before the next one starts.
 stopped=0
@@ -79,7 +81,7 @@ esac
 
 gpus=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)' 2>/dev/null)
 if [ -z "$gpus" ]; then
-  echo "run_all.sh: cannot import torch with $PYTHON; install the project first: python3 -m pip install -e ." >&2
+  echo "run_all.sh: cannot import torch with $PYTHON; install the project first (python3 -m pip install -e .) or set PYTHON to the interpreter that has it" >&2
   exit 2
 fi
 [ "$force_cpu" = 1 ] && gpus=0
@@ -87,7 +89,7 @@ fi
 if [ "$gpus" = 0 ]; then
   if [ "$bonus" = 1 ]; then
     echo "No CUDA GPU found: running the quick CPU path of the bonus cases (tiny configs, synthetic data, 5 steps)."
-    echo "Its numbers show that every case runs end to end (tests/test_bonus.py checks that they learn); memory and speed figures need a GPU."
+    echo "Its numbers show that every case runs end to end (tests/recipes/test_bonus.py checks that they learn); memory and speed figures need a GPU."
   else
     echo "No CUDA GPU found: running the quick CPU path (vit_tiny, scikit-learn's digits, random init, $CPU_STEPS steps)."
     echo "It shows that every rung runs end to end; its memory columns are predicted for ViT-L/16 at each rung's GPU configuration (fabric_memory_recipes.planning), not measured: on a CPU only the process's RSS can be. $CPU_STEPS steps do not train a model (accuracy: python -m fabric_memory_recipes.tools.convergence.benchmark)."

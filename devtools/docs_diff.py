@@ -6,7 +6,7 @@
 A rung page quotes the diff under "The diff from rung NN"; a page that names two recipes as
 ``diff recipes/A.py recipes/B.py`` quotes it in the block that follows. The docstrings differ on every
 pair and are shown by their first line only; the rest of the diff is
-every changed line, hunks separated by `` ...``. tests/test_docs.py checks that every page's block is
+every changed line, hunks separated by `` ...``. tests/docs/test_docs.py checks that every page's block is
 what this prints, so a recipe change that is not carried to its page fails the suite.
 """
 

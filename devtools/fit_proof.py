@@ -1,4 +1,4 @@
-"""Prove the advice on GPUs (issue 35): ``fmr-estimate --model M --fit SIZE --measure`` for models outside the
+"""Prove the advice on GPUs: ``fmr-estimate --model M --fit SIZE --measure`` for models outside the
 published proof, two card sizes each, and check the targets.
 
     python -m devtools.fit_proof --out DIR --gpus 0,1,2,3   # on a GPU machine

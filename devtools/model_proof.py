@@ -1,4 +1,4 @@
-"""Prove the estimate and ``--fit`` for models outside the ladder on a GPU (issue 28).
+"""Prove the estimate and ``--fit`` for models outside the ladder on a GPU.
 
     python -m devtools.model_proof --out runs/your-model --deadline 480
     FMR_PUBLISH=1 python -m devtools.model_proof --out results/published/h100/your-model
@@ -166,7 +166,7 @@ def fit_plan(args: argparse.Namespace) -> dict[str, Any]:
                 return stored
         except (OSError, ValueError):
             pass
-    planner = UserPlanner(args.fit_model, args.fit_batch, args.fit_seq_len, args.gpu, may_change=MAY_CHANGE)  # issue 28's search
+    planner = UserPlanner(args.fit_model, args.fit_batch, args.fit_seq_len, args.gpu, may_change=MAY_CHANGE)  # --fit's search
     rows = []
     runs: dict[tuple, dict[str, Any]] = {}
     for budget in args.budgets:

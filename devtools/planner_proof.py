@@ -255,7 +255,7 @@ def fmt(value: Any, spec: str) -> str:
 
 
 def render(rows: list[dict[str, Any]]) -> str:
-    """fit.md: the rows, then each budget against the issue's targets."""
+    """fit.md: the rows, then each budget against its targets (check_targets)."""
     lines = ["| card GB | role | command | predicted reserved GB | measured reserved GB | predicted device GB |"
              " measured device GB | predicted img/s | measured img/s | status | measured at |",
              "|---:|---|---|---:|---:|---:|---:|---:|---:|---|---:|"]  # fmt: skip

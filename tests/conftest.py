@@ -94,6 +94,9 @@ def subprocess_env(log_dir: str | os.PathLike | None = None, **extra: str) -> di
     env["FMR_OFFLINE"] = "1"
     env["FMR_LOG_DIR"] = str(log_dir or _LOG_DIR)
     env["PYTHONUNBUFFERED"] = "1"
+    # run_all.sh starts recipes with $PYTHON: the interpreter running pytest (not python3 on
+    # PATH, which may lack torch when pytest runs as venv/bin/python -m pytest without an activated venv)
+    env["PYTHON"] = sys.executable
     # `fabric_memory_recipes` importable from a plain checkout too (as run_all.sh does), not only after pip install -e .
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     # Several recipe processes run at once on few cores: one intra-op thread each avoids thrashing.

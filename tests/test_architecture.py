@@ -12,7 +12,10 @@
 - every numbered recipe declares its rung (``RUNG``) and marks its own technique with ``# rung NN``;
 - every numbered recipe's docstring points at the code of its technique (``path/to/file.py: function``);
 - a technique is its record (``techniques.py``), its module (``training/techniques/``) and its recipe;
-- nothing cites the team's notes, which a reader of the repository does not have.
+- nothing cites the team's notes, which a reader of the repository does not have;
+- ``results/`` holds no code (a script that made a result lives in ``scripts/`` or ``devtools/``), and every
+  project module a script, tool, recipe, experiment or test imports exists;
+- ``tests/`` folders, like the package's, hold at most 12 modules each.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ DEVTOOLS = REPO / "devtools"
 
 # Imports that may stay inside a function in fabric_memory_recipes/, and why.
 LAZY = {
+    "huggingface_hub": "optional (comes with the 'hf' extra's transformers): an installed wheel plans without it",
+    "liger_kernel": "optional, CUDA only: --fused-loss's kernel; the chunked torch path runs without it",
     "torchao": "optional (extra 'lowbit'/'bf16'): only rung 13 and --bf16-update stochastic need it",
     "optimi": "optional (extra 'bf16'): only --bf16-update kahan needs it",
     "datasets": "optional: IMDb through the hub only; the GPU machines behind the results lack it",
@@ -41,7 +46,7 @@ LAZY = {
     " (without it the sampler falls back to torch.cuda.mem_get_info)",
     "timm": "optional (extra 'timm'): only --model timm:NAME needs it",
     "transformers": "only the text models need it; importing it takes seconds (and scikit-learn with it,"
-    " when installed), which fmr-estimate for a torchvision or timm model must not pay (issue 28: < 30 s)",
+    " when installed), which fmr-estimate for a torchvision or timm model must not pay (its target: < 30 s)",
     "sklearn": "only --data digits reads scikit-learn's bundled set; ~0.5 s per process otherwise",
 }
 
@@ -230,10 +235,13 @@ def test_the_installed_package_holds_no_devtools_and_never_imports_them():
 MAX_MODULES = 12  # per folder: more, and the folder is a bag that wants sub-folders
 
 
-def test_no_folder_of_the_package_or_devtools_holds_more_than_twelve_modules():
-    folders = [COMMON, *(p for p in COMMON.rglob("*") if p.is_dir() and p.name != "__pycache__"), DEVTOOLS]
+def test_no_folder_of_the_package_devtools_or_tests_holds_more_than_twelve_modules():
+    tests = REPO / "tests"
+    folders = [COMMON, DEVTOOLS, tests]
+    folders += [p for r in (COMMON, tests) for p in r.rglob("*") if p.is_dir() and p.name != "__pycache__"]
     counts = {str(f.relative_to(REPO)): len(list(f.glob("*.py"))) for f in folders}
     assert counts["fabric_memory_recipes/training"] >= 5 and "fabric_memory_recipes/planning/planner" in counts
+    assert counts["tests/training"] >= 5
     assert {f: n for f, n in counts.items() if n > MAX_MODULES} == {}
 def test_no_file_in_the_package_its_tools_or_experiments_is_over_400_lines():
     files = [*common_modules(tools=True).values(), *DEVTOOLS.glob("*.py"), *(REPO / "experiments").glob("*.py")]
@@ -398,3 +406,55 @@ def test_nothing_cites_notes_the_repository_does_not_hold():
             if CITATIONS.search(line) and path.name != "test_architecture.py":
                 found.append(f"{rel}:{i}: {line.strip()[:100]}")
     assert not found, "\n".join(found)
+
+
+# ------------------------------------------------------------------------------------------- code
+def test_no_code_lives_under_results():
+    """results/ is evidence; the script that made a result lives in scripts/ or devtools/ and the result's
+    NOTES.md names it (a script kept beside its result stops running when the modules it imports move)."""
+    assert (REPO / "results" / "published").is_dir()
+    code = sorted(str(p.relative_to(REPO)) for p in (REPO / "results").rglob("*.py"))
+    assert code == []
+
+
+PROJECT = ("fabric_memory_recipes", "devtools")
+
+
+def missing_project_modules(path: Path) -> list[str]:
+    """The ``fabric_memory_recipes`` / ``devtools`` modules that ``path`` imports and the repository lacks."""
+    where = path.relative_to(REPO) if path.is_relative_to(REPO) else path.name
+    missing = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""]
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        else:
+            continue
+        for name in names:
+            if name.split(".")[0] in PROJECT:
+                module = REPO.joinpath(*name.split("."))
+                if not (module.with_suffix(".py").is_file() or (module / "__init__.py").is_file()):
+                    missing.append(f"{where}:{node.lineno} {name}")
+    return missing
+
+
+def test_the_module_finder_finds_a_module_that_moved(tmp_path):
+    """Guard for the test below: an import of a module that is not there is reported, one that is is not."""
+    path = tmp_path / "probe.py"
+    path.write_text(
+        "from fabric_memory_recipes.training.weights_offload import WeightsOnCPU\n"
+        "from fabric_memory_recipes.training.techniques.weights_offload import WeightsOnCPU\n"
+        "import devtools.check_equivalence\nimport torch\n"
+    )
+    assert missing_project_modules(path) == ["probe.py:1 fabric_memory_recipes.training.weights_offload"]
+
+
+def test_every_project_module_a_script_imports_exists():
+    """scripts/, devtools/, recipes/, experiments/ and tests/ import only project modules that exist
+    (the package's own imports are checked by the import graph above)."""
+    roots = ("scripts", "devtools", "recipes", "experiments", "tests")
+    files = [p for root in roots for p in (REPO / root).rglob("*.py")]
+    assert len(files) > 60 and REPO / "scripts" / "gpu" / "weights_offload_equivalence.py" in files
+    missing = [hit for path in files for hit in missing_project_modules(path)]
+    assert not missing, missing

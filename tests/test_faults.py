@@ -29,7 +29,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import (
+
+from fabric_memory_recipes import faults
+from fabric_memory_recipes.config import Hardware, RunConfig
+from fabric_memory_recipes.measurement.report import render
+from fabric_memory_recipes.measurement.results import RunResults
+from fabric_memory_recipes.training import checkpoints, cli, data, lifecycle, loop
+from tests.conftest import (
     RECIPES_DIR,
     REPO,
     Started,
@@ -42,13 +48,8 @@ from conftest import (
     submit,
     subprocess_env,
 )
-from tiny import write_cifar
-
-from fabric_memory_recipes import faults
-from fabric_memory_recipes.config import Hardware, RunConfig
-from fabric_memory_recipes.measurement.report import render
-from fabric_memory_recipes.measurement.results import RunResults
-from fabric_memory_recipes.training import checkpoints, cli, data, lifecycle, loop
+from tests.measurement.test_report import make_result
+from tests.tiny import write_cifar
 
 pytestmark = pytest.mark.faults
 BACKGROUND_PRIORITY = 5  # the chains here wait for signals: start them first
@@ -959,8 +960,6 @@ def test_an_unsuccessful_run_never_replaces_a_successful_one(tmp_path, existing,
 
 
 def test_the_report_shows_both(tmp_path):
-    from test_report import make_result
-
     (tmp_path / "01_baseline.json").write_text(json.dumps(make_result("01_baseline")))
     stopped = make_result("01_baseline", status="interrupted")
     (tmp_path / "01_baseline.interrupted.json").write_text(json.dumps(stopped))
@@ -1146,9 +1145,9 @@ def test_ctrl_c_in_a_tool_is_one_line_and_exit_130():
 
 
 def test_sigterm_during_evaluation_stops_a_real_process_at_the_next_batch(tmp_path):
-    """Issue 36: a SIGTERM sent while a run evaluated was ignored for 16 minutes, until SIGKILL. A real
-    process: two training steps, then a test split long enough to be mid-evaluation when the signal comes;
-    it stops at the next batch, exits 143 and records where it stopped."""
+    """A SIGTERM sent while a run evaluates is not ignored until SIGKILL (it once was, for 16 minutes).
+    A real process: two training steps, then a test split long enough to be mid-evaluation when the signal
+    comes; it stops at the next batch, exits 143 and records where it stopped."""
     write_cifar(tmp_path / "data", n_train_files=1, per_batch=40, n_test=3000)
     results = tmp_path / "results"
     args = ["--accelerator", "cpu", "--model", "vit_tiny", "--weights", "none", "--batch-size", "4",

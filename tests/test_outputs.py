@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CPU_ARGS, REPO, describe, result, run_process, session_dir, submit, subprocess_env
 
 from devtools import check_equivalence, same_parameters
 from fabric_memory_recipes import paths
@@ -28,6 +27,7 @@ from fabric_memory_recipes.planning import __main__ as estimator
 from fabric_memory_recipes.tools.compare import reference
 from fabric_memory_recipes.tools.convergence import benchmark
 from fabric_memory_recipes.training import cli, lifecycle
+from tests.conftest import CPU_ARGS, REPO, describe, result, run_process, session_dir, submit, subprocess_env
 
 BACKGROUND_TESTS = {"test_default_runs_leave_a_clean_checkout_clean"}
 BACKGROUND_PRIORITY = 20  # a recipe, then run_all.sh (a recipe, the prediction, the report)

@@ -11,10 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO
 
 from fabric_memory_recipes import console
 from fabric_memory_recipes.tools import ladder
+from tests.conftest import REPO
 
 SCRIPTS = ("fmr-ladder", "fmr-estimate", "fmr-report", "fmr-compare", "fmr-convergence")
 

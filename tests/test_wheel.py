@@ -13,9 +13,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, describe, result, session_dir, submit
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+
+from tests.conftest import REPO, describe, result, session_dir, submit
 
 DIST = "fabric-memory-recipes"
 QWEN = str(REPO / "examples" / "configs" / "qwen2-0.5b")

@@ -150,7 +150,7 @@ def measure(folders: list[str | Path]) -> dict[str, Any]:
             resolved = path.resolve()
             shown = resolved.relative_to(REPO) if resolved.is_relative_to(REPO) else resolved
             if str(shown).startswith(SHARED_THROUGH_MPS) or "/wip/" in str(shown):
-                continue  # MPS clients hold another overhead; wip/: code whose issue is still open
+                continue  # MPS clients hold another overhead; wip/: code still being worked on
             sample = sample_of(payload, str(shown))
             if sample is not None:
                 samples.append(sample)

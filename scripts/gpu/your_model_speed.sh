@@ -3,13 +3,15 @@
 # each under 10 minutes, from the repository root of a fresh GPU machine; results under $OUT as one tar:
 #
 #   bash scripts/gpu/your_model_speed.sh check    # the fused-loss implementations compared
-#                                                 # (devtools/fused_loss_bench.py), then fast == eager per
+#                                                 # (devtools/your_model/fused_loss_bench.py), then fast == eager per
 #                                                 # model family and fused == plain loss
-#                                                 # (devtools/your_model_equivalence.py)
+#                                                 # (devtools/your_model/equivalence.py)
 #   bash scripts/gpu/your_model_speed.sh lm       # the causal LMs on emulated cards, 8 x 1024 tokens,
 #                                                 # bf16-mixed AdamW: the 0.4 B GPT-NeoX shape at 10 GB
 #                                                 # (eager sets without the new levers, then with them)
-#                                                 # and the 0.36 B Llama shape at 8 GB; REPEAT=N rounds
+#                                                 # and the 0.36 B Llama shape at 8 GB; REPEAT=N: N rounds
+#                                                 # of the fastest eager set without the levers, the fast
+#                                                 # set with them, and the Llama set (a claim's spread)
 #
 # Carried (ignored path): .whl (liger-kernel, cut-cross-entropy wheels). Runs stop with SIGINT before the
 # call's limit (LIMIT, default 560 s), so what finished comes back.
@@ -34,15 +36,15 @@ run() { local name=$1; shift; log "start $name: $*"
 LM=(--seq-len 1024 --batch-size 8 --precision bf16-mixed --data synthetic --max-steps 14 --eval-batches 1)
 case $part in
   check)
-    [ -n "${SKIP_BENCH:-}" ] || { python3 -m devtools.fused_loss_bench --out "$RUNS" > "$RUNS/fused_loss_bench.log" 2>&1; log "bench: exit $?"; }
-    python3 -m devtools.your_model_equivalence --out "$RUNS" > "$RUNS/equivalence.log" 2>&1; log "equivalence: exit $?"
+    [ -n "${SKIP_BENCH:-}" ] || { python3 -m devtools.your_model.fused_loss_bench --out "$RUNS" > "$RUNS/fused_loss_bench.log" 2>&1; log "bench: exit $?"; }
+    python3 -m devtools.your_model.equivalence --out "$RUNS" > "$RUNS/equivalence.log" 2>&1; log "equivalence: exit $?"
     ;;
   lm)
     NEOX=(--model hf:examples/configs/gpt-neox-0.4b "${LM[@]}" --memory-budget-gb 10)
     LLAMA=(--model hf:examples/configs/llama-0.36b "${LM[@]}" --memory-budget-gb 8)
     for r in $(seq 1 "${REPEAT:-1}"); do
       run "neox-eager-ckpt-mb2x4-r$r" "${NEOX[@]}" --mode eager --checkpoint-blocks --accumulation-steps 4
-      run "neox-eager-ckpt-mb4x2-r$r" "${NEOX[@]}" --mode eager --checkpoint-blocks --accumulation-steps 2
+      [ "${REPEAT:-1}" = 1 ] && run "neox-eager-ckpt-mb4x2-r$r" "${NEOX[@]}" --mode eager --checkpoint-blocks --accumulation-steps 2
       run "neox-fast-fused-ckpt-mb8-r$r" "${NEOX[@]}" --mode fast --fused-loss --checkpoint-blocks
       run "llama-fast-fused-ckpt-mb8-r$r" "${LLAMA[@]}" --mode fast --fused-loss --checkpoint-blocks
       [ "${REPEAT:-1}" = 1 ] && run "neox-fast-fused-sel-mb4x2-r$r" "${NEOX[@]}" --mode fast --fused-loss \

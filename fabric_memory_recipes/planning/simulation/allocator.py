@@ -23,7 +23,7 @@ more than a ViT, whose blocks repeat one set of sizes. The rules modelled here:
 state at its optimizer step, after that step's forward and backward have fragmented the pool; later
 steps reuse the cached segments. Checked against the allocator's own record of a committed run
 (``results/published/h100/snapshot/``: its trace replayed here reserves the segments the GPU reserved,
-tests/test_allocator.py) and against the committed runs' measured peaks (docs/your_model.md).
+tests/planning/test_allocator.py) and against the committed runs' measured peaks (docs/your_model.md).
 """
 
 from __future__ import annotations

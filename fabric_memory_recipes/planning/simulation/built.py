@@ -4,7 +4,7 @@ A rung's technique is declared in its ``RUNG`` for the estimators that never run
 predicted ladder, the check of older results read it from the source: ``config.declared_rung``). The
 estimate a run records (``simulate.for_run``) reads the model and the optimizer the run's code built
 instead, so a recipe does not tell it a second time and a change to the code is what it predicts;
-tests/test_recipes.py checks that every rung's declaration is what its code builds.
+tests/recipes/test_recipes.py checks that every rung's declaration is what its code builds.
 
 What cannot be read from the built objects stays declared: activation offload is a context around the
 forward pass, the step inside backward and rung 16's streamed weights are hooks made after the estimate,

@@ -75,7 +75,7 @@ SPEED_SOURCE = "model: the ladder's step model, compute scaled by training FLOPs
 # backward, which the GPU waits for. Measured on the runner: ResNet-50, batch 128, bf16-true SGD, one
 # H100, 15 steps each: 3787 samples/s without a technique, 1270 with checkpointing + the step in
 # backward; less checkpointing's measured cost (x 1.384, the ladder's fast-mode runs), 54.0 ms over its
-# 161 parameter tensors (tests/test_planner.py recomputes it from the two files).
+# 161 parameter tensors (tests/planning/test_planner.py recomputes it from the two files).
 HOOK_MS = 0.335
 HOOK_SOURCE = (
     "results/published/h100/your-model/runs/yo-modeltorchvision_resnet50precisbf16-truebatchs128accumu1o*"

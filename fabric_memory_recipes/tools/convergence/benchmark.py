@@ -124,7 +124,7 @@ class Job:
 
 def single_gpu_rungs() -> list[str]:
     """The numbered recipes that train on one device (08/09 default to several GPUs). Rung 16 (weights on
-    the CPU) is left out: its update is an ordinary Adam step on fp32 masters (tests/test_weights_offload.py), at
+    the CPU) is left out: its update is an ordinary Adam step on fp32 masters (tests/training/techniques/test_weights_offload.py), at
     the pace of a CPU Adam step, too slow for a benchmark of thousands of steps; --rungs can still ask."""
     names = sorted(p.stem for p in (REPO / "recipes").glob("[0-9][0-9]_*.py"))
     return [n for n in names if declared_rung(n)[0].devices == 1 and not declared_rung(n)[0].weights_offload]

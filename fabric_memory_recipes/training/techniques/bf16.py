@@ -165,7 +165,7 @@ def fused_cpu_sgd_drops_bf16_updates() -> bool:
     """Whether this torch's fused SGD kernel on the CPU leaves bf16 weights where they were, where the
     plain kernel moves them. torch 2.11's does: from zero weights, with lr 0.05 and gradients of ~1e-2
     (updates of ~5e-4, far above bf16's resolution there) it moved none of them, and the tiny SGD rungs
-    stopped learning on a CPU (tests/test_memory_rungs.py); torch 2.14.1's moves all of them. A probe of
+    stopped learning on a CPU (tests/training/techniques/test_memory_rungs.py); torch 2.14.1's moves all of them. A probe of
     the kernel, not a version check: one step each, from the same start, counted against fp32."""
     grad = (torch.randn(256, generator=torch.Generator().manual_seed(0)) * 1e-2).to(torch.bfloat16)
     moved = {}

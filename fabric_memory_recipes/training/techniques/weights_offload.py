@@ -21,7 +21,7 @@ out, its GPU weights are freed and a CPU thread runs that unit's optimizer step:
 Semantics: the update is *not* delayed. Every unit's step uses this step's gradient and is finished
 before the unit's weights are sent again (the forward pre-hook waits for it), so the parameters equal
 those of an ordinary step of the same optimizer on fp32 master weights whose forward and backward run
-in the transfer dtype (tests/test_weights_offload.py checks this on the CPU, and equality with plain
+in the transfer dtype (tests/training/techniques/test_weights_offload.py checks this on the CPU, and equality with plain
 fp32 training when the transfer dtype is float32). The overlap comes from the order: the CPU steps the
 units as backward finishes them (the last blocks first) while the GPU runs backward on the earlier ones,
 and the thread takes the lowest-numbered unit whose gradients are in, so after backward it steps the

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# A/B of `./run_all.sh --quick` on one GPU, one device command: a base checkout ($BASE, default
+# build/ab-base, e.g. `git archive 40354b9`, the code before the package relayout, carried) and this
+# checkout, back to back on one machine, base first on cold compile caches. Results under $OUT: base.tgz,
+# after.tgz (each run folder with its console log and `time -v`).
+#
+#   OUT=... bash scripts/gpu/ab_run_all_quick.sh [SIDE ...]   # carry .whl (torchao, torch-optimi wheels), $BASE
+#
+# SIDEs run in the order given (default: base after); a side named base* runs $BASE, any other
+# this checkout, so `after base after2` measures both sides on warm caches, after a cold first run.
+set -u
+: "${OUT:?set OUT}"
+BASE=${BASE:-build/ab-base}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 FMR_OFFLINE=1
+T0=$(date +%s)
+log() { echo "[ab_run_all_quick $(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/ab_run_all_quick.log"; }
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site
+nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv > "$OUT/gpus.csv" 2>&1
+HERE=$(pwd)
+sides=("$@"); [ ${#sides[@]} -eq 0 ] && sides=(base after)
+for side in "${sides[@]}"; do
+  dir=$HERE; case $side in base*) dir=$HERE/$BASE ;; esac
+  (cd "$dir" && python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1) || log "$side: pip install -e failed"
+  log "$side: starting in $dir"
+  mkdir -p /tmp/E
+  left=$(( ${LIMIT:-585} - ($(date +%s) - T0) - 15 ))  # the tars must come back before the call's limit
+  (cd "$dir" && timeout -s INT "$left" /usr/bin/time -v -o "/tmp/E/$side-time.txt" ./run_all.sh --quick \
+      --results-dir "/tmp/E/$side" > "/tmp/E/$side-console.log" 2> "/tmp/E/$side-stderr.log")
+  log "$side: exit $?"
+  tar -czf "$OUT/$side.tgz" -C /tmp/E "$side" "$side-console.log" "$side-time.txt" "$side-stderr.log"
+done
+log done

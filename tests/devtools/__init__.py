@@ -1,0 +1,1 @@
+"""devtools/ and scripts/: the proof tools and the GPU scripts, on a CPU."""

@@ -1,0 +1,1 @@
+"""fabric_memory_recipes/tools/: the reference comparison and the convergence benchmark."""

@@ -1,0 +1,1 @@
+"""fabric_memory_recipes/training/techniques/ and the rungs that use them."""
