@@ -11,6 +11,7 @@
 - the loop's teaching core (``fabric_memory_recipes.training.loop.fit``) is at most 60 lines;
 - every numbered recipe declares its rung (``RUNG``) and marks its own technique with ``# rung NN``;
 - every numbered recipe's docstring points at the code of its technique (``path/to/file.py: function``);
+- a technique is its record (``techniques.py``), its module (``training/techniques/``) and its recipe;
 - nothing cites the team's notes, which a reader of the repository does not have;
 - ``results/`` holds no code (a script that made a result lives in ``scripts/`` or ``devtools/``), and every
   project module a script, tool, recipe, experiment or test imports exists;
@@ -20,6 +21,7 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import re
 import subprocess
 from pathlib import Path
@@ -154,9 +156,8 @@ def test_each_layer_imports_only_the_layers_above_it():
 
 
 def test_config_imports_only_the_names_of_what_a_run_chooses():
-    graph = import_graph()
-    assert graph["fabric_memory_recipes.config"] == {"fabric_memory_recipes.techniques"}
-    assert graph["fabric_memory_recipes.techniques"] == set()
+    graph = {k.removeprefix("fabric_memory_recipes."): v for k, v in import_graph().items()}
+    assert (graph["config"], graph["techniques"]) == ({"fabric_memory_recipes.techniques"}, set())
 
 
 def test_imports_are_at_the_top_and_lazy_ones_are_listed():
@@ -361,6 +362,33 @@ def test_a_recipe_docstring_points_at_the_code_of_its_technique(path):
     assert found, f"{path.name}: its docstring names no `path/to/file.py: function_name`"
     wrong = [f"{file}: {name}" for file, name in found if not (REPO / file).is_file() or not defines(REPO / file, name)]
     assert not wrong, f"{path.name} points at code that is not there: {wrong}"
+
+
+# ------------------------------------------------------------------------------------- techniques
+def test_a_technique_is_its_record_its_module_and_its_recipe():
+    from fabric_memory_recipes.techniques import OPTIMIZERS, TECHNIQUES  # records: module, field, recipe, row
+    from fabric_memory_recipes.training.your_model.runner import YourModelConfig
+
+    names = {f.name for f in dataclasses.fields(YourModelConfig)} | set(OPTIMIZERS)
+    table = (REPO / "docs" / "architecture.md").read_text().split("## Where each technique lives")[1]
+    modules = {p.stem for p in (COMMON / "training" / "techniques").glob("[!_]*.py")}
+    assert modules == {t.module for t in TECHNIQUES} and len({t.name for t in TECHNIQUES}) == len(TECHNIQUES)
+    for t in TECHNIQUES:
+        recipe = (RECIPES / f"{t.rung}.py").read_text()
+        assert re.search(rf"techniques(\.| import [\w, ]*\b){t.module}\b", recipe), t  # it imports the module
+        assert (t.name in names or t.name in recipe) and f"training/techniques/{t.module}.py" in table, t
+
+
+def test_technique_code_is_in_training_techniques_or_the_estimates_model_only():
+    calls = {"checkpoint", "checkpoint_wrapper", "create_selective_checkpoint_contexts",
+             "register_post_accumulate_grad_hook", "save_on_cpu", "saved_tensors_hooks"}  # fmt: skip
+    found = lambda paths: [f"{path.relative_to(REPO)}:{n.lineno}" for path in paths  # noqa: E731
+                           for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Call)
+                           and getattr(n.func, "attr", getattr(n.func, "id", "")) in calls
+                           or isinstance(n, ast.ImportFrom) and re.match(r"torch\..*checkpoint", n.module or "")]  # fmt: skip
+    own = (COMMON / "training" / "techniques", COMMON / "planning" / "simulation")
+    assert found([own[0] / "step_in_backward.py", own[0] / "checkpointing.py"])  # the finder finds
+    assert found(p for p in COMMON.rglob("*.py") if not any(p.is_relative_to(o) for o in own)) == []
 
 
 # -------------------------------------------------------------------------------------------- text

@@ -7,6 +7,7 @@ answer (``--fit`` for ViT-L/16) is checked once with its simulations cached for 
 
 from __future__ import annotations
 
+import ast
 import json
 import shlex
 from pathlib import Path
@@ -79,6 +80,32 @@ def test_bad_input_is_one_line_and_exit_2(argv, capsys):
 
 
 # ------------------------------------------------------------------------------------- enumeration
+SET_NAMES = {"sig", "signature", "techniques", "used"}  # what code calls a technique set
+
+
+def positional_reads(source: str) -> list[int]:
+    """The lines of ``source`` that read a technique set by position (``c.signature[3]``, ``sig[0]``)."""
+    return [n.lineno for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Subscript)
+            and isinstance(n.slice, ast.Constant) and isinstance(n.slice.value, int)
+            and getattr(n.value, "attr", getattr(n.value, "id", "")) in SET_NAMES]  # fmt: skip
+
+
+def test_a_technique_set_is_read_by_name_never_by_position():
+    """One set whatever the order its techniques are named in, an unknown name refused, no positions to
+    read; and nothing in planning/ reads a set by an index (the finder finds the old ``c.signature[3]``)."""
+    used = TechniqueSet("sgd", ("optimizer_in_backward", "activation_offload"))
+    assert used == TechniqueSet.of("sgd", ACTIVATION_OFFLOAD, OPTIMIZER_IN_BACKWARD) and used.count() == 2
+    assert used.label() == "SGD + offload + step in backward" and not used.uses(ACTIVATION_CHECKPOINTING)
+    assert TechniqueSet.of(LOWBIT_STATE.name).count() == 1  # 8-bit state counts as a technique
+    with pytest.raises(ValueError, match="not a planned technique"):
+        TechniqueSet("sgd", ("bf16_update",))
+    with pytest.raises(TypeError):
+        used[0]  # noqa: B018 - a set has no positions
+    assert positional_reads("x = c.signature[3] + sig[0] + d.techniques.used[1]\ny = sizes[2]") == [1, 1, 1]
+    planning = Path(calibration.__file__).parents[1]
+    assert {str(p): positional_reads(p.read_text()) for p in planning.rglob("*.py") if positional_reads(p.read_text())} == {}
+
+
 def test_families_are_the_single_gpu_rungs_by_technique():
     found = {used: [r.recipe for r in rungs] for used, rungs in families().items()}
     assert found[TechniqueSet.of("adam")] == [
