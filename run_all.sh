@@ -23,9 +23,11 @@
 # A recipe that fails or runs out of memory does not stop the ladder; the script exits non-zero at the
 # end with a one-line-per-recipe summary. A recipe's status is the one its results JSON of this run
 # records (ok, oom, interrupted, error); without one, its exit code: 0 ok, 2 bad flags, 3 out of memory,
-# 130/143/138 stopped by SIGINT/SIGTERM/SIGUSR1. Ctrl-C (or SIGTERM to the process group) stops the
-# ladder: the running recipe stops at its next optimizer step and records what it measured, then the
-# summary is printed, the report of what exists is rendered, and the script exits 130 (143 for SIGTERM).
+# 130/143/138/129 stopped by SIGINT/SIGTERM/SIGUSR1/SIGHUP. Ctrl-C (or SIGTERM or SIGHUP to the process
+# group: a closed terminal, a dropped ssh session) stops the ladder: the running recipe stops at its next
+# optimizer step and records what it measured, then the summary is printed, the report of what exists is
+# rendered, and the script exits 130 (143 for SIGTERM, 129 for SIGHUP). After SIGHUP, what would go to
+# the closed terminal goes to DIR/run_all.log.
 # DIR/run_all.json records this invocation (its start, the recipes it started): the report shows the
 # results this invocation wrote in its table and figure, and any others in DIR, left by earlier runs,
 # in a section of their own, "Earlier runs".
@@ -47,12 +49,18 @@ extra=()
 jobs=""
 QUICK_JOBS=6  # GPU --quick: recipes at once (their training loops one at a time)
 
-usage() { sed -n '2,31p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; }  # the comment above
 # A signal while a recipe runs reaches the recipe too (one process group); bash acts on the trap once
 # the recipe has stopped. Between recipes it stops the ladder before the next one starts.
 stopped=0
+hangup_log=/dev/null  # where the output goes once the terminal is gone (DIR/run_all.log once DIR exists)
+# SIGHUP: a terminal that closed fails every write; the rest of the ladder's output goes to the log.
+hang_up() { stopped=129; if [ -t 1 ] || [ -t 2 ]; then exec >>"$hangup_log" 2>&1; fi; }
 trap 'stopped=130' INT
 trap 'stopped=143' TERM
+trap 'hang_up' HUP
+# The name of a stop's exit code, for the summary ("stopped (SIGTERM)"); empty for any other code.
+stop_signal() { case $1 in 129) echo SIGHUP ;; 130) echo SIGINT ;; 138) echo SIGUSR1 ;; 143) echo SIGTERM ;; esac; }
 
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -191,6 +199,7 @@ if [ -e "$results_dir" ] && [ ! -d "$results_dir" ]; then
   exit 2
 fi
 mkdir -p "$results_dir" || { echo "run_all.sh: --results-dir $results_dir: cannot be created" >&2; exit 2; }
+hangup_log=$results_dir/run_all.log
 ladder_start=$(date +%s)
 
 # DIR/run_all.json: this invocation's start and the recipes it started (the report tells this run's
@@ -253,15 +262,26 @@ prepare() {
   fi
   return 0
 }
+# The status of a step after the recipes (the prediction, the report) that ended with exit code $1:
+# ok, stopped by a signal (which stops the ladder), or failed (which makes the exit code non-zero); into
+# $status (not printed: a $(...) would lose what it sets).
+step_status() {
+  local rc=$1 name
+  name=$(stop_signal "$rc")
+  if [ "$rc" = 0 ]; then status=ok
+  elif [ -n "$name" ]; then [ "$stopped" = 0 ] && stopped=$rc; status="stopped ($name)"
+  else failed=1; status="failed (exit $rc)"
+  fi
+}
 # A recipe has ended with exit code $2 after $3 seconds: its status line in the summary.
 finished() {
   local label=$1 rc=$2 secs=$3 recorded status
   echo "$label $secs" >> "$markers/walls"
-  case $rc in 130|138|143) [ "$stopped" = 0 ] && stopped=$rc ;; esac
+  case $rc in 129|130|138|143) [ "$stopped" = 0 ] && stopped=$rc ;; esac
   recorded=$(recorded_status "$label")
   case "$recorded:$rc" in
     ok:0) status=ok ;;
-    ok:130|ok:138|ok:143) status="ok (stopped after: exit $rc)" ;;  # the signal came after its results
+    ok:129|ok:130|ok:138|ok:143) status="ok (stopped after: exit $rc)" ;;  # the signal came after its results
     ok:*) status="ok (recorded; then exit $rc)"; failed=1 ;;
     oom:*) status="out of memory (recorded)"; failed=1 ;;
     interrupted:*) status="interrupted (exit $rc)"; failed=1 ;;
@@ -269,7 +289,7 @@ finished() {
     *:0) status=ok ;;
     *:2) status="bad flags (exit 2)"; failed=1 ;;
     *:3) status="out of memory (recorded)"; failed=1 ;;
-    *:130|*:138|*:143) status="interrupted (exit $rc)"; failed=1 ;;
+    *:129|*:130|*:138|*:143) status="interrupted (exit $rc)"; failed=1 ;;
     *) status="failed (exit $rc)"; failed=1 ;;
   esac
   summary+=("$(printf '%-34s %-30s %5ss' "$label" "$status" "$secs")")
@@ -288,6 +308,7 @@ if [ "$jobs" -gt 1 ]; then
   echo "Running up to $jobs recipes at once; their training loops take turns on the GPU."
   trap 'stopped=130; [ ${#pids[@]} -gt 0 ] && kill -TERM "${pids[@]}" 2>/dev/null' INT
   trap 'stopped=143; [ ${#pids[@]} -gt 0 ] && kill -TERM "${pids[@]}" 2>/dev/null' TERM
+  trap 'hang_up; [ ${#pids[@]} -gt 0 ] && kill -HUP "${pids[@]}" 2>/dev/null' HUP
 fi
 # Wait until one of them has ended, report it, and forget it.
 reap() {
@@ -336,22 +357,24 @@ if [ "$mode" = cpu ] && [ "$bonus" = 0 ] && [ "$stopped" = 0 ]; then
   echo
   echo ">>> predicting each rung at full size: $PYTHON -m fabric_memory_recipes.planning --ladder $results_dir"
   start=$(date +%s)
-  if "$PYTHON" -m fabric_memory_recipes.planning --ladder "$results_dir"; then status=ok; else status=failed; failed=1; fi
+  "$PYTHON" -m fabric_memory_recipes.planning --ladder "$results_dir"
+  step_status $?
   summary+=("$(printf '%-34s %-30s %5ss' "predicted ladder (ViT-L/16)" "$status" "$(( $(date +%s) - start ))")")
 fi
 
 if [ "$stopped" != 0 ]; then write_manifest stopped; else write_manifest finished; fi
 echo
 echo "Rendering the report from $results_dir ..."
-if ! "$PYTHON" -m fabric_memory_recipes.measurement.report.render "$results_dir"; then
-  summary+=("$(printf '%-34s %s' report 'failed')")
-  failed=1
-fi
+"$PYTHON" -m fabric_memory_recipes.measurement.report.render "$results_dir"
+step_status $?
+[ "$status" = ok ] || summary+=("$(printf '%-34s %s' report "$status")")
 
 if [ "$mode" != cpu ] && [ "$bonus" = 0 ] && [ -s "$markers/walls" ]; then
   echo
   "$PYTHON" -m fabric_memory_recipes.measurement.time_breakdown "$results_dir" "$markers/walls" || true
 fi
+# A signal during the prediction or the report: the ladder was stopped, whatever the manifest said then.
+[ "$stopped" != 0 ] && write_manifest stopped
 echo
 echo "Summary ($mode path, results in $results_dir$([ "$jobs" -gt 1 ] && echo ", $jobs recipes at a time")):"
 printf '  %s\n' "${summary[@]}"

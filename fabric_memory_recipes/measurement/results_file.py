@@ -12,7 +12,7 @@ recipe, tag, description         which script ran (tag: the --tag suffix or null
 mode                             "fast" (CUDA: compiled blocks, each optimizer step one CUDA graph where the
                                  rung uses them; config.compile / config.cuda_graphs say which) | "eager"
 status                           "ok" | "oom" (CUDA out of memory, caught) | "error" | "interrupted"
-                                 (stopped by SIGINT/SIGTERM/SIGUSR1 at an optimizer-step boundary: the
+                                 (stopped by SIGINT/SIGTERM/SIGUSR1/SIGHUP at an optimizer-step boundary: the
                                  measurements cover the steps taken)
 error                            first line of the error ("SIGTERM at step 7 of 100" when interrupted),
                                  or null
