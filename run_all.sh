@@ -194,6 +194,28 @@ case "$abs_dir/" in
       exit 2
     fi ;;
 esac
+# A folder the file system cannot hold, refused before anything is made (as fabric_memory_recipes/paths.py):
+# not UTF-8, a folder name over 255 bytes, or over 3840 bytes in all (room for its files under 4096).
+path_problem() {
+  local LC_ALL=C part parts
+  if command -v iconv > /dev/null && ! printf '%s' "$1" | iconv -f UTF-8 -t UTF-8 > /dev/null 2>&1; then
+    echo "is not UTF-8 text (undecodable bytes in a folder name): choose a name in UTF-8"; return
+  fi
+  IFS=/ read -ra parts <<< "$1"
+  for part in "${parts[@]}"; do
+    if [ ${#part} -gt 255 ]; then
+      echo "a folder name is ${#part} bytes long (${part:0:24}…): at most 255 bytes each"; return
+    fi
+  done
+  [ ${#1} -le 3840 ] || echo "${#1} bytes long: an output folder is at most 3840, to leave room for its files under the 4096 bytes of a path"
+}
+problem=$(path_problem "$results_dir")
+if [ -n "$problem" ]; then
+  shown=$results_dir
+  [ ${#shown} -le 120 ] || shown="${shown:0:60}…${shown: -60} (${#results_dir} characters)"
+  echo "run_all.sh: --results-dir $shown: $problem" >&2
+  exit 2
+fi
 if [ -e "$results_dir" ] && [ ! -d "$results_dir" ]; then
   echo "run_all.sh: --results-dir $results_dir: is a file, not a folder" >&2
   exit 2

@@ -400,3 +400,21 @@ def test_a_signal_after_the_recipes_is_a_stop_not_a_failure(tmp_path, module, si
     summary = proc.stdout[proc.stdout.index("Summary (cpu path") :]
     assert re.search(line, summary) and "failed" not in summary, summary
     assert json.loads((results / "run_all.json").read_text())["state"] == "stopped"
+
+
+@pytest.mark.parametrize(
+    ("name", "said"),
+    [("a" * 300, "a folder name is 300 bytes long"), ("x\udcff", "is not UTF-8 text")],
+)
+def test_a_results_dir_the_file_system_cannot_hold_is_refused_before_anything_runs(tmp_path, name, said):
+    fake = tmp_path / "fakepython"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    calls, target = tmp_path / "calls.txt", tmp_path / "out" / name
+    env = subprocess_env(tmp_path / "logs", PYTHON=str(fake), CALLS=str(calls))
+    proc = subprocess.run([str(SCRIPT), "--cpu", "--only", "02", "--results-dir", os.fsencode(target)],
+                          env=env, capture_output=True, timeout=60)  # fmt: skip
+    err = proc.stderr.decode(errors="replace").strip()
+    assert proc.returncode == 2 and len(err.splitlines()) == 1 and said in err, err
+    assert err.startswith("run_all.sh: --results-dir ")
+    assert not (tmp_path / "out").exists() and not calls.exists()
