@@ -48,7 +48,9 @@ from fabric_memory_recipes.measurement.report.figure import render_figure
 from fabric_memory_recipes.measurement.results_file import PREDICTED_FILE, SCHEMA_VERSION, estimate_error_pct
 
 STANDARD_PHASES = {"train", "eval", "model_load"}
-RANK_FILE = re.compile(r"\.rank\d+\.json$")
+# JSON beside the results that is not a run: other ranks' files, timelines, the prediction, run_all.json
+COMPANION = re.compile(rf"\.rank\d+\.json$|-timeline\.json$|^({PREDICTED_FILE}|{run_manifest.MANIFEST_FILE})$")
+JSON_TYPES = {dict: "an object without schema_version", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
 # timed step intervals needed before a speed cell shows a range (p10 and p90 of fewer say little)
 MIN_RANGE = 5
 CPU_MARK = "¹"  # footnote marker on memory cells that hold process RSS, not GPU memory
@@ -58,12 +60,12 @@ def load_results(results_dir: str | os.PathLike, select=None) -> list[dict]:
     """Read the schema-1 results JSON files directly inside `results_dir` (those ``select(path)`` keeps,
     when given), sorted by recipe then tag.
 
-    Per-rank side files (`*.rankN.json`) and JSON that is not a results file are skipped silently;
-    unreadable files and other schema versions are skipped with a one-line warning on stderr.
+    The files beside the results that are not runs (``COMPANION``) are passed over; any other JSON that
+    is unreadable, of the wrong shape or of another schema version is skipped with a line on stderr.
     """
     results = []
     for path in sorted(Path(results_dir).glob("*.json")):
-        if RANK_FILE.search(path.name) or path.name == PREDICTED_FILE or not path.is_file():
+        if COMPANION.search(path.name) or not path.is_file():
             continue
         if select is not None and not select(path):
             continue
@@ -74,6 +76,8 @@ def load_results(results_dir: str | os.PathLike, select=None) -> list[dict]:
             print(f"report: skipping {path}: unreadable ({reason})", file=sys.stderr)
             continue
         if not isinstance(payload, dict) or "schema_version" not in payload:
+            shape = JSON_TYPES.get(type(payload), "a number")
+            print(f"report: skipping {path}: not a results file (wrong shape: {shape})", file=sys.stderr)
             continue
         if payload["schema_version"] != SCHEMA_VERSION or not payload.get("recipe"):
             print(f"report: skipping {path}: not a schema-{SCHEMA_VERSION} results file", file=sys.stderr)
@@ -386,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     markdown = render_markdown(results, figure and figure.name, predicted, (note, earlier), stopped)
     write_text(results_dir / "README.md", markdown)
     also, where = f" (and {len(earlier)} earlier, apart)" if earlier else "", results_dir / "README.md"
-    print(f"report: {len(results)} runs{also} -> {where}" + (f", {figure}" if figure else ""))
+    print(f"report: {len(results)} run{'s' * (len(results) != 1)}{also} -> {where}" + (f", {figure}" if figure else ""))
     if args.readme:
         return write_into_block(args.readme, render_table(results), "table")
     return 0
