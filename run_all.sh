@@ -108,8 +108,8 @@ if [ "$gpus" = 0 ]; then
     base=(--accelerator cpu --data synthetic --weights none --max-steps 5 --eval-batches 2)
   fi
   results_dir=${results_dir:-runs/cpu}
-  # No compilation on the CPU path (recipes already default to --no-compile there); this also keeps
-  # torchao's 8-bit Adam (rung 13) from compiling its update step, which takes minutes on a CPU.
+  # No compilation on the CPU path: an eager CPU run compiles nothing, torchao's optimizer steps included
+  # (fabric_memory_recipes/training/lifecycle.py: compiling_as_asked); kept for the tools run here too.
   export TORCHDYNAMO_DISABLE=${TORCHDYNAMO_DISABLE:-1}
 elif [ "$quick" = 1 ] && [ "$bonus" = 0 ]; then
   echo "Found $gpus CUDA GPU(s): running the quick single-GPU ladder (01-07, 10-16) at full size, $QUICK_STEPS steps each, synthetic data, random init."

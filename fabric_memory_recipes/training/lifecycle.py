@@ -146,6 +146,15 @@ def apply_memory_budget(cfg: RunConfig) -> dict | None:
     }
 
 
+def compiling_as_asked(cfg: RunConfig) -> contextlib.AbstractContextManager:
+    """An eager run on the CPU (the CPU's default mode) compiles nothing: what a library compiles on its
+    own runs eagerly too (torchao's Adam compiles its step, which on a CPU cost ~20 s of a 10 s run, and
+    a Ctrl-C waited for it). On CUDA the rungs keep what they measured with; ``--compile`` compiles."""
+    if cfg.accelerator == "cpu" and not cfg.compile:
+        return torch.compiler.set_stance("force_eager")
+    return contextlib.nullcontext()
+
+
 def caused_by_oom(error: BaseException) -> bool:
     """A CUDA out-of-memory error, or one raised while handling it (torch.compile and CUDA graph
     capture wrap the allocator's error in their own)."""
@@ -167,7 +176,8 @@ def _run_main(
         budget = apply_memory_budget(cfg)
         if budget is not None:
             results.extra["memory_budget"] = budget
-        main(cfg, results)
+        with compiling_as_asked(cfg):
+            main(cfg, results)
     except faults.Interrupted as stop:
         # Every process stopped after the same step (the loop agrees on it): gathering is safe.
         results.extra["stopped"] = stop.record()
