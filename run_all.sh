@@ -30,7 +30,8 @@
 # the closed terminal goes to DIR/run_all.log.
 # DIR/run_all.json records this invocation (its start, the recipes it started): the report shows the
 # results this invocation wrote in its table and figure, and any others in DIR, left by earlier runs,
-# in a section of their own, "Earlier runs".
+# in a section of their own, "Earlier runs". One ladder at a time per DIR: a second one into it refuses at
+# its start (exit 2).
 set -u
 caller=$PWD  # a relative --results-dir is the caller's, as with any command (fmr-ladder runs from anywhere)
 cd "$(dirname "$0")"
@@ -222,6 +223,18 @@ if [ -e "$results_dir" ] && [ ! -d "$results_dir" ]; then
 fi
 mkdir -p "$results_dir" || { echo "run_all.sh: --results-dir $results_dir: cannot be created" >&2; exit 2; }
 hangup_log=$results_dir/run_all.log
+# One ladder per folder: a second ./run_all.sh into it would mix its runs and run_all.json with this one's
+# (each recipe's own lock would turn the rungs they share into "bad flags"). An flock on DIR/.run_all.lock,
+# held by this shell and its recipes; the kernel releases it however the ladder ends.
+lock=$results_dir/.run_all.lock
+if command -v flock > /dev/null; then
+  exec 9>> "$lock" || { echo "run_all.sh: --results-dir $results_dir: cannot create $lock" >&2; exit 2; }
+  if ! flock -n 9; then
+    echo "run_all.sh: another ./run_all.sh (pid $(head -c 20 "$lock" | tr -dc 0-9)) is writing to $results_dir: wait for it to end, or give this one another --results-dir" >&2
+    exit 2
+  fi
+  echo $$ > "$lock"
+fi
 ladder_start=$(date +%s)
 
 # DIR/run_all.json: this invocation's start and the recipes it started (the report tells this run's
@@ -239,7 +252,7 @@ write_manifest() {
 # <run>.<status>.json, newer than the marker touched when the recipe started); empty when it wrote none
 # (then its exit code tells).
 markers=$(mktemp -d "${TMPDIR:-/tmp}/run_all.XXXXXX")
-trap 'rm -rf "$markers"' EXIT
+trap 'rm -rf "$markers"; rm -f "$lock"' EXIT  # the lock file goes while still held
 recorded_status() {
   local f
   for f in "$results_dir/$1.json" "$results_dir/$1".*.json; do

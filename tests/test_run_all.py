@@ -418,3 +418,45 @@ def test_a_results_dir_the_file_system_cannot_hold_is_refused_before_anything_ru
     assert proc.returncode == 2 and len(err.splitlines()) == 1 and said in err, err
     assert err.startswith("run_all.sh: --results-dir ")
     assert not (tmp_path / "out").exists() and not calls.exists()
+
+
+WAITING_PYTHON = """#!/usr/bin/env bash
+# Stands in for python: every recipe records its call; 04 waits until the test opens the gate.
+if [ "$1" = -c ]; then echo 0; exit 0; fi
+echo "$*" >> "$CALLS"
+case "$1" in recipes/04_*) while [ ! -e "$GATE" ]; do sleep 0.05; done ;; esac
+exit 0
+"""
+
+
+def test_a_second_ladder_into_the_same_folder_is_refused_in_one_line(tmp_path):
+    """Two ladders into one folder were not refused: the rungs each could not run (their own locks)
+    were reported as "bad flags (exit 2)", and run_all.json kept one ladder's list."""
+    fake = tmp_path / "fakepython"
+    fake.write_text(WAITING_PYTHON)
+    fake.chmod(0o755)
+    results, calls, gate = tmp_path / "results", tmp_path / "calls.txt", tmp_path / "gate"
+    env = subprocess_env(tmp_path / "logs", PYTHON=str(fake), CALLS=str(calls), GATE=str(gate))
+    first = subprocess.Popen([str(SCRIPT), "--cpu", "--only", "04", "--results-dir", str(results)], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not (calls.exists() and "recipes/04_" in calls.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        second = run_process([SCRIPT, "--cpu", "--only", "01,05", "--results-dir", results], env, timeout=60)
+        gate.touch()
+        out, err = first.communicate(timeout=60)
+    finally:
+        gate.touch()
+        if first.poll() is None:
+            os.killpg(first.pid, 9)
+    assert second.returncode == 2, describe(second)
+    (line,) = second.stderr.strip().splitlines()
+    assert line == (
+        f"run_all.sh: another ./run_all.sh (pid {first.pid}) is writing to {results}: wait for it to end,"
+        " or give this one another --results-dir"
+    ), line
+    assert first.returncode == 0, out + err
+    assert not any(c.startswith(("recipes/01_", "recipes/05_")) for c in calls.read_text().splitlines())
+    assert json.loads((results / "run_all.json").read_text())["recipes"] == ["04_lower_batch_size"]
+    assert not (results / ".run_all.lock").exists(), "the lock goes with the ladder"
