@@ -291,3 +291,17 @@ def test_the_fit_proof_shares_its_jobs_over_the_named_gpus(tmp_path, monkeypatch
     ran.clear()
     fit_proof.run(tmp_path, ["0"], 4, ("swin_t",), deadline=0)
     assert ran == []
+
+
+def test_the_fit_legend_says_measured_only_where_it_was(configs, capsys):
+    """--fit --devices 2 on an H100 took the overhead of "h200 x4 compiled" (the largest of all) and said
+    "the measured card overhead": now the closest measurement (same mode and process count) is assumed,
+    and said to be (card_overhead.Overhead.phrase); "(or h100's)" is not said of h100 runs."""
+    argv = ["--model", configs["llama"], "--seq-len", "32", "--batch-size", "4", "--fit", "8GB", "--gpu", "h100"]
+    assert estimate_main([*argv, "--devices", "2"]) == 0
+    two = capsys.readouterr().out
+    assert "(or h100's)" not in two and "h100's where" not in two
+    legend = next(ln for ln in two.splitlines() if ln.startswith("card GB = "))
+    assert "a card overhead assumed for h100 x2 eager, which no run measured" in legend, legend
+    assert "(h200 x2 eager, 1.68 GB per GPU" in legend and "measured for" not in legend, legend
+    assert "NCCL" in two  # why a small model's card per GPU can be above one GPU's

@@ -60,10 +60,36 @@ class SpeedModel:
         ms = self.precision_factor.get(precision, 1.0) * (self.fixed_ms + self.per_image_ms * micro)
         return ms * self.flops_scale * (1 + self.checkpoint_extra * sig[1]) / 1e3
 
+    def host_s(self, sig: tuple) -> float:
+        """Eager mode's host time per micro-batch of technique set ``sig``: measured for it where a run
+        did (AdamW as Adam: the same launches); else the optimizer's plain host time (the median of the
+        plain ones where none) times what the techniques cost where they were measured, relative to the
+        plain set of the same optimizer, each technique alone where its combination was not. So a
+        technique costs the same share in every set (checkpointing once read as free with AdamW, whose
+        sets no run measured, and as doubling the time with SGD)."""
+        opt, *on = sig
+        opt = "adam" if opt == "adamw" else opt
+        if (opt, *on) in self.host_ms:
+            return self.host_ms[(opt, *on)] / 1e3
+        plain = {o: v for (o, *t), v in self.host_ms.items() if not any(t)}
+        base = plain.get(opt) or statistics.median(plain.values() or self.host_ms.values())
+
+        def factor(techniques: tuple) -> float | None:
+            ratios = [v / plain[o] for (o, *t), v in self.host_ms.items() if tuple(t) == techniques and o in plain]
+            return statistics.median(ratios) if ratios else None
+
+        whole = factor(tuple(on))
+        if whole is None:  # each technique alone, where measured
+            whole = 1.0
+            for i, used in enumerate(on):
+                alone = tuple(j == i for j in range(len(on)))
+                whole *= (factor(alone) or 1.0) if used else 1.0
+        return base * whole / 1e3
+
     def step_s(self, precision, sig, micro, k, mode, offloaded_gb, parameters) -> float:
         micro_s = self.micro_s(precision, sig, micro)
         if mode == "eager":
-            micro_s = max(micro_s, self.host_ms.get(sig, statistics.median(self.host_ms.values())) / 1e3)
+            micro_s = max(micro_s, self.host_s(sig))
         opt = step_bytes(sig[0], precision, parameters) / (self.memory_gb_s * 1e9)
         opt *= self.lowbit_factor if sig[0] == "adamw8bit" else 1.0
         return k * micro_s + k * (offloaded_gb or 0.0) / self.offload_gb_s + opt

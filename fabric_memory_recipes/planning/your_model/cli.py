@@ -130,8 +130,8 @@ def fit_main(args: Any, cfg: runner.YourModelConfig) -> int:
     if rejected:
         lines += ["", f"Fastest rejected as too big: {rejected.label()}, {rejected.card_gb:.2f} GB,"
                   f" {rejected.images_per_s:.1f} samples/s"]  # fmt: skip
-    lines += ["", "card GB = predicted peak reserved (the allocator replay, planning/your_model/estimate.py) + the"
-              " measured card overhead of the GPU kind in eager mode.", *planner.speed_lines(args.verbose)]  # fmt: skip
+    lines += ["", "card GB = predicted peak reserved (the allocator replay, planning/your_model/estimate.py) + "
+              f"{planner.overhead_legend}.", *planner.speed_lines(args.verbose)]  # fmt: skip
     _print("\n".join(lines))
     if args.measure:
         return measure_main(args, cfg, fits)
