@@ -174,7 +174,7 @@ def test_cli_nothing_fits_exit_1_and_json(capsys, cache_file, monkeypatch):
     args = ["--batch-size", "4", "--model", "vit_tiny", "--precisions", "bf16-true"]
     assert estimate_main(["--fit", "1MB", *args]) == 1
     out = capsys.readouterr().out
-    assert "Nothing fits in 0.001 GB" in out and "python recipes/" in out and "Traceback" not in out
+    assert "Nothing fits in 1MB = 0.001 GB" in out and "python recipes/" in out and "Traceback" not in out
     assert estimate_main(["--fit", "10GB", "--json", "--top", "2", *args]) == 0
     answer = json.loads(capsys.readouterr().out)
     assert len(answer["fits"]) == 2 and answer["smallest"] is None
@@ -460,3 +460,14 @@ def test_a_technique_costs_the_same_share_of_eager_host_time_with_every_optimize
     assert eager_ms(("adamw", True, False, False)) == pytest.approx(180.0)  # x 2, as SGD's measured
     assert eager_ms(("adamw", True, True, False)) == pytest.approx(90.0 * 2 * 1.2)  # each alone, where measured
     assert eager_ms(("adamw8bit", False, False, True)) == pytest.approx(70.0)  # nothing known: plain median
+
+
+@pytest.mark.parametrize(("written", "shown"), [("8GiB", "8GiB = 8.59 GB"), ("6GB", "6 GB"), ("6.5", "6.5 GB"),
+                                                ("512MB", "512MB = 0.51 GB"), ("0.001", "0.001 GB")])  # fmt: skip
+def test_a_budget_reads_as_written_and_no_pick_under_it_reads_as_over(written, shown):
+    """--fit 8GiB printed "8.58993 GB" above a pick of "8.59" (8.5899 GB, under it)."""
+    gb = fit_cli.parse_size(written)
+    assert fit_cli.budget_text(gb, written) == shown
+    if gb >= 0.1:  # every card under the budget, as the rows print it (two decimals), is <= the budget shown
+        budget_shown = float(shown.split("= ")[-1].removesuffix(" GB"))
+        assert all(float(f"{gb * f:.2f}") <= budget_shown for f in (0.999, 0.99999, 1.0))

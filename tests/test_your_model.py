@@ -151,7 +151,7 @@ def test_fit_lists_commands_the_runner_accepts(bert, capsys):
     assert estimate_main([*argv, "--fit", "1MB"]) == 1  # nothing fits: one line, the smallest peak
     out = capsys.readouterr().out.strip()
     assert len(out.splitlines()) == 1 and out.startswith(
-        "Nothing fits in 0.001 GB: the smallest predicted peak is"
+        "Nothing fits in 1MB = 0.001 GB: the smallest predicted peak is"
     )
 
 
