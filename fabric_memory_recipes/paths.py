@@ -99,6 +99,14 @@ def refusal(path: str | os.PathLike, what: str) -> str | None:
     return None
 
 
+def shared_mode() -> int:
+    """The mode an ordinary new file gets (0666 less the umask, e.g. 0644): for a file written through
+    ``tempfile.mkstemp`` (0600) and renamed into place, which other users and jobs read like any output."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def shown(path: str | os.PathLike, limit: int = 120) -> str:
     """``path`` for a one-line message: printable (undecodable bytes as ``\\xNN``), and a long one cut
     in the middle."""

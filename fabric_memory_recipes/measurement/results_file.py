@@ -174,9 +174,7 @@ def write_atomic(path: str | os.PathLike, write: Any, binary: bool = False) -> N
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.splitext(str(path))[1], dir=folder)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; results are meant to be shared like any file
+    os.chmod(tmp, paths.shared_mode())  # mkstemp makes 0600; results are meant to be shared like any file
     try:
         with os.fdopen(fd, "wb" if binary else "w") as f:
             write(f)
