@@ -237,6 +237,16 @@ def _speed(t: dict[str, Any]) -> str:
     return f"{_fmt(t.get('images_per_s'), '.1f')} img/s"
 
 
+def _steps(p: dict[str, Any]) -> str:
+    """The steps the speed line's median and loop time cover: this process's (a resumed run's count
+    includes the steps before its checkpoint, which another process ran)."""
+    steps = p["timing"]["optimizer_steps"]
+    resumed = ((p.get("extra") or {}).get("resumed_from") or {}).get("step")
+    if not resumed:
+        return f"{steps} steps"
+    return f"{steps - resumed} steps in this process, resumed at step {resumed} of {steps}"
+
+
 def summary(p: dict[str, Any], path: str | None = None) -> str:
     """The one summary block every run prints (same shape for every recipe)."""
     prov, mem, t, acc = p["provenance"], p["memory"], p["timing"], p["accuracy"]
@@ -258,7 +268,7 @@ def summary(p: dict[str, Any], path: str | None = None) -> str:
             else ""
         ),
         f"   speed         {_speed(t)} (median step {_fmt(t['median_step_s'], '.4f')} s,"
-        f" {t['optimizer_steps']} steps, loop {_fmt(t['train_wall_s'], '.1f')} s)",
+        f" {_steps(p)}, loop {_fmt(t['train_wall_s'], '.1f')} s)",
         f"   accuracy      train {_fmt(acc.get('train'), '.3f')} | val {_fmt(acc.get('val'), '.3f')}"
         f" | test {_fmt(acc.get('test'), '.3f')}",
     ]
