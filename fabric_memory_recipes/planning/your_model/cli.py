@@ -108,7 +108,8 @@ def fit_main(args: Any, cfg: runner.YourModelConfig) -> int:
         payload = {"budget_gb": args.budget_gb, "model": ref, "batch_size": cfg.batch_size, "seq_len": seq,
                    "gpu": args.gpu, "kept": {w: yours[w] for w in kept}, "repeated_blocks": list(planner.blocks),
                    "fits": [c.to_dict() for c in fits], "rejected": rejected.to_dict() if rejected else None,
-                   "smallest": smallest.to_dict() if smallest else None, "speed": planner.speed_lines(True)}  # fmt: skip
+                   "smallest": smallest.to_dict() if smallest else None, "card_overhead": planner.overhead_legend,
+                   "speed": planner.speed_lines(True)}  # fmt: skip
         _print(json.dumps(payload, indent=2))
         return 0 if fits else 1
     if not fits:
