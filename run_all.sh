@@ -25,12 +25,15 @@
 # A recipe that fails or runs out of memory does not stop the ladder; the script exits non-zero at the
 # end with a one-line-per-recipe summary. A recipe's status is the one its results JSON of this run
 # records (ok, oom, interrupted, error); without one, its exit code: 0 ok, 2 bad flags, 3 out of memory,
-# 130/143/138 stopped by SIGINT/SIGTERM/SIGUSR1. Ctrl-C (or SIGTERM to the process group) stops the
-# ladder: the running recipe stops at its next optimizer step and records what it measured, then the
-# summary is printed, the report of what exists is rendered, and the script exits 130 (143 for SIGTERM).
+# 130/143/138/129 stopped by SIGINT/SIGTERM/SIGUSR1/SIGHUP. Ctrl-C (or SIGTERM or SIGHUP to the process
+# group: a closed terminal, a dropped ssh session) stops the ladder: the running recipe stops at its next
+# optimizer step and records what it measured, then the summary is printed, the report of what exists is
+# rendered, and the script exits 130 (143 for SIGTERM, 129 for SIGHUP). After SIGHUP, what would go to
+# the closed terminal goes to DIR/run_all.log.
 # DIR/run_all.json records this invocation (its start, the recipes it started): the report shows the
 # results this invocation wrote in its table and figure, and any others in DIR, left by earlier runs,
-# in a section of their own, "Earlier runs".
+# in a section of their own, "Earlier runs". One ladder at a time per DIR: a second one into it refuses at
+# its start (exit 2).
 set -u
 caller=$PWD  # a relative --results-dir is the caller's, as with any command (fmr-ladder runs from anywhere)
 cd "$(dirname "$0")"
@@ -49,12 +52,18 @@ extra=()
 jobs=""
 QUICK_JOBS=6  # GPU --quick: recipes at once (their training loops one at a time)
 
-usage() { sed -n '2,33p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; }  # the comment above
 # A signal while a recipe runs reaches the recipe too (one process group); bash acts on the trap once
 # the recipe has stopped. Between recipes it stops the ladder before the next one starts.
 stopped=0
+hangup_log=/dev/null  # where the output goes once the terminal is gone (DIR/run_all.log once DIR exists)
+# SIGHUP: a terminal that closed fails every write; the rest of the ladder's output goes to the log.
+hang_up() { stopped=129; if [ -t 1 ] || [ -t 2 ]; then exec >>"$hangup_log" 2>&1; fi; }
 trap 'stopped=130' INT
 trap 'stopped=143' TERM
+trap 'hang_up' HUP
+# The name of a stop's exit code, for the summary ("stopped (SIGTERM)"); empty for any other code.
+stop_signal() { case $1 in 129) echo SIGHUP ;; 130) echo SIGINT ;; 138) echo SIGUSR1 ;; 143) echo SIGTERM ;; esac; }
 
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -102,8 +111,8 @@ if [ "$gpus" = 0 ]; then
     base=(--accelerator cpu --data synthetic --weights none --max-steps 5 --eval-batches 2)
   fi
   results_dir=${results_dir:-runs/cpu}
-  # No compilation on the CPU path (recipes already default to --no-compile there); this also keeps
-  # torchao's 8-bit Adam (rung 13) from compiling its update step, which takes minutes on a CPU.
+  # No compilation on the CPU path: an eager CPU run compiles nothing, torchao's optimizer steps included
+  # (fabric_memory_recipes/training/lifecycle.py: compiling_as_asked); kept for the tools run here too.
   export TORCHDYNAMO_DISABLE=${TORCHDYNAMO_DISABLE:-1}
 elif [ "$quick" = 1 ] && [ "$bonus" = 0 ]; then
   echo "Found $gpus CUDA GPU(s): running the quick single-GPU ladder (01-07, 10-16) at full size, $QUICK_STEPS steps each, synthetic data, random init."
@@ -188,11 +197,46 @@ case "$abs_dir/" in
       exit 2
     fi ;;
 esac
+# A folder the file system cannot hold, refused before anything is made (as fabric_memory_recipes/paths.py):
+# not UTF-8, a folder name over 255 bytes, or over 3840 bytes in all (room for its files under 4096).
+path_problem() {
+  local LC_ALL=C part parts
+  if command -v iconv > /dev/null && ! printf '%s' "$1" | iconv -f UTF-8 -t UTF-8 > /dev/null 2>&1; then
+    echo "is not UTF-8 text (undecodable bytes in a folder name): choose a name in UTF-8"; return
+  fi
+  IFS=/ read -ra parts <<< "$1"
+  for part in "${parts[@]}"; do
+    if [ ${#part} -gt 255 ]; then
+      echo "a folder name is ${#part} bytes long (${part:0:24}…): at most 255 bytes each"; return
+    fi
+  done
+  [ ${#1} -le 3840 ] || echo "${#1} bytes long: an output folder is at most 3840, to leave room for its files under the 4096 bytes of a path"
+}
+problem=$(path_problem "$results_dir")
+if [ -n "$problem" ]; then
+  shown=$results_dir
+  [ ${#shown} -le 120 ] || shown="${shown:0:60}…${shown: -60} (${#results_dir} characters)"
+  echo "run_all.sh: --results-dir $shown: $problem" >&2
+  exit 2
+fi
 if [ -e "$results_dir" ] && [ ! -d "$results_dir" ]; then
   echo "run_all.sh: --results-dir $results_dir: is a file, not a folder" >&2
   exit 2
 fi
 mkdir -p "$results_dir" || { echo "run_all.sh: --results-dir $results_dir: cannot be created" >&2; exit 2; }
+hangup_log=$results_dir/run_all.log
+# One ladder per folder: a second ./run_all.sh into it would mix its runs and run_all.json with this one's
+# (each recipe's own lock would turn the rungs they share into "bad flags"). An flock on DIR/.run_all.lock,
+# held by this shell and its recipes; the kernel releases it however the ladder ends.
+lock=$results_dir/.run_all.lock
+if command -v flock > /dev/null; then
+  exec 9>> "$lock" || { echo "run_all.sh: --results-dir $results_dir: cannot create $lock" >&2; exit 2; }
+  if ! flock -n 9; then
+    echo "run_all.sh: another ./run_all.sh (pid $(head -c 20 "$lock" | tr -dc 0-9)) is writing to $results_dir: wait for it to end, or give this one another --results-dir" >&2
+    exit 2
+  fi
+  echo $$ > "$lock"
+fi
 ladder_start=$(date +%s)
 
 # DIR/run_all.json: this invocation's start and the recipes it started (the report tells this run's
@@ -210,7 +254,7 @@ write_manifest() {
 # <run>.<status>.json, newer than the marker touched when the recipe started); empty when it wrote none
 # (then its exit code tells).
 markers=$(mktemp -d "${TMPDIR:-/tmp}/run_all.XXXXXX")
-trap 'rm -rf "$markers"' EXIT
+trap 'rm -rf "$markers"; rm -f "$lock"' EXIT  # the lock file goes while still held
 recorded_status() {
   local f
   for f in "$results_dir/$1.json" "$results_dir/$1".*.json; do
@@ -255,15 +299,26 @@ prepare() {
   fi
   return 0
 }
+# The status of a step after the recipes (the prediction, the report) that ended with exit code $1:
+# ok, stopped by a signal (which stops the ladder), or failed (which makes the exit code non-zero); into
+# $status (not printed: a $(...) would lose what it sets).
+step_status() {
+  local rc=$1 name
+  name=$(stop_signal "$rc")
+  if [ "$rc" = 0 ]; then status=ok
+  elif [ -n "$name" ]; then [ "$stopped" = 0 ] && stopped=$rc; status="stopped ($name)"
+  else failed=1; status="failed (exit $rc)"
+  fi
+}
 # A recipe has ended with exit code $2 after $3 seconds: its status line in the summary.
 finished() {
   local label=$1 rc=$2 secs=$3 recorded status
   echo "$label $secs" >> "$markers/walls"
-  case $rc in 130|138|143) [ "$stopped" = 0 ] && stopped=$rc ;; esac
+  case $rc in 129|130|138|143) [ "$stopped" = 0 ] && stopped=$rc ;; esac
   recorded=$(recorded_status "$label")
   case "$recorded:$rc" in
     ok:0) status=ok ;;
-    ok:130|ok:138|ok:143) status="ok (stopped after: exit $rc)" ;;  # the signal came after its results
+    ok:129|ok:130|ok:138|ok:143) status="ok (stopped after: exit $rc)" ;;  # the signal came after its results
     ok:*) status="ok (recorded; then exit $rc)"; failed=1 ;;
     oom:*) status="out of memory (recorded)"; failed=1 ;;
     interrupted:*) status="interrupted (exit $rc)"; failed=1 ;;
@@ -271,7 +326,7 @@ finished() {
     *:0) status=ok ;;
     *:2) status="bad flags (exit 2)"; failed=1 ;;
     *:3) status="out of memory (recorded)"; failed=1 ;;
-    *:130|*:138|*:143) status="interrupted (exit $rc)"; failed=1 ;;
+    *:129|*:130|*:138|*:143) status="interrupted (exit $rc)"; failed=1 ;;
     *) status="failed (exit $rc)"; failed=1 ;;
   esac
   summary+=("$(printf '%-34s %-30s %5ss' "$label" "$status" "$secs")")
@@ -290,6 +345,7 @@ if [ "$jobs" -gt 1 ]; then
   echo "Running up to $jobs recipes at once; their training loops take turns on the GPU."
   trap 'stopped=130; [ ${#pids[@]} -gt 0 ] && kill -TERM "${pids[@]}" 2>/dev/null' INT
   trap 'stopped=143; [ ${#pids[@]} -gt 0 ] && kill -TERM "${pids[@]}" 2>/dev/null' TERM
+  trap 'hang_up; [ ${#pids[@]} -gt 0 ] && kill -HUP "${pids[@]}" 2>/dev/null' HUP
 fi
 # Wait until one of them has ended, report it, and forget it.
 reap() {
@@ -338,22 +394,24 @@ if [ "$mode" = cpu ] && [ "$bonus" = 0 ] && [ "$stopped" = 0 ]; then
   echo
   echo ">>> predicting each rung at full size: $PYTHON -m fabric_memory_recipes.planning --ladder $results_dir"
   start=$(date +%s)
-  if "$PYTHON" -m fabric_memory_recipes.planning --ladder "$results_dir"; then status=ok; else status=failed; failed=1; fi
+  "$PYTHON" -m fabric_memory_recipes.planning --ladder "$results_dir"
+  step_status $?
   summary+=("$(printf '%-34s %-30s %5ss' "predicted ladder (ViT-L/16)" "$status" "$(( $(date +%s) - start ))")")
 fi
 
 if [ "$stopped" != 0 ]; then write_manifest stopped; else write_manifest finished; fi
 echo
 echo "Rendering the report from $results_dir ..."
-if ! "$PYTHON" -m fabric_memory_recipes.measurement.report.render "$results_dir"; then
-  summary+=("$(printf '%-34s %s' report 'failed')")
-  failed=1
-fi
+"$PYTHON" -m fabric_memory_recipes.measurement.report.render "$results_dir"
+step_status $?
+[ "$status" = ok ] || summary+=("$(printf '%-34s %s' report "$status")")
 
 if [ "$mode" != cpu ] && [ "$bonus" = 0 ] && [ -s "$markers/walls" ]; then
   echo
   "$PYTHON" -m fabric_memory_recipes.measurement.time_breakdown "$results_dir" "$markers/walls" || true
 fi
+# A signal during the prediction or the report: the ladder was stopped, whatever the manifest said then.
+[ "$stopped" != 0 ] && write_manifest stopped
 echo
 echo "Summary ($mode path, results in $results_dir$([ "$jobs" -gt 1 ] && echo ", $jobs recipes at a time")):"
 printf '  %s\n' "${summary[@]}"

@@ -179,7 +179,7 @@ class RunConfig:
                               " in --checkpoint-dir")  # fmt: skip
     checkpoint_on_stop: bool | None = flag(
         None, "checkpoints",
-        "save a checkpoint when stopped by SIGINT/SIGTERM/SIGUSR1 (default: on with --checkpoint-every or --resume)",
+        "save a checkpoint when stopped by SIGINT/SIGTERM/SIGUSR1/SIGHUP (default: on with --checkpoint-every or --resume)",
         action=BOOL,
     )  # fmt: skip
     keep_checkpoints: int = flag(

@@ -37,6 +37,10 @@ def program(argv0: str | None = None) -> str:
     ``fmr-report`` for an installed console script, ``python -m fabric_memory_recipes.measurement.report.render``
     for a module of this package run with ``-m`` (whose ``sys.argv[0]`` is the module's file path)."""
     argv0 = sys.argv[0] if argv0 is None else argv0
+    if argv0 == "-m":  # python -m MODULE while MODULE's packages are still being imported
+        orig = getattr(sys, "orig_argv", [])
+        if "-m" in orig[:-1]:
+            return "python -m " + orig[orig.index("-m") + 1]
     name = os.path.basename(argv0)
     path = os.path.abspath(argv0)
     if name.endswith(".py") and path.startswith(PACKAGE_DIR + os.sep):
@@ -101,6 +105,18 @@ def comma_list(choices: tuple[str, ...] | None = None):
 
 
 _ctrl_c = False  # a Ctrl-C came: what it breaks on its way out (a half-imported numpy) is its doing
+ENDING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # outside a run they end the process, in one line
+_HANDLER_PID = os.getpid()  # a process forked from this one (a data worker) keeps the default
+
+
+class Ended(BaseException):
+    """SIGTERM (``kill``, a scheduler) or SIGHUP (the terminal closed) outside a run, where there is
+    nothing to save: raised where the program is, so that its ``finally`` blocks run (a tool's child
+    processes are ended), then :func:`one_line_ctrl_c` says so in one line and exits 128 + the signal."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
 def _note_ctrl_c(signum, frame) -> None:
@@ -110,14 +126,50 @@ def _note_ctrl_c(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+def _note_end(signum, frame) -> None:
+    if os.getpid() != _HANDLER_PID:  # inherited by a fork: end as the signal's default does
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
+    if signum == signal.SIGHUP:
+        detach_from_terminal()
+    raise Ended(signum)
+
+
+def detach_from_terminal(fds: tuple[int, ...] = (1, 2)) -> None:
+    """After SIGHUP: point the output descriptors that are a terminal at /dev/null. A closed terminal
+    makes every write fail (EIO), which would turn the rest of a stop, the results included, into an
+    error. Safe in a signal handler (open, dup2, close)."""
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+    except OSError:
+        return
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            if os.isatty(fd):
+                os.dup2(null, fd)
+    os.close(null)
+
+
+def _say(text: str) -> None:
+    with contextlib.suppress(OSError, ValueError):  # a closed terminal or stream takes nothing
+        sys.stderr.write(text)
+
+
 def one_line_ctrl_c(kind, value, tb, previous=sys.excepthook) -> None:
     """``sys.excepthook``: a Ctrl-C that no run handles (while torch and Lightning load, most of a CPU
-    rung's seconds; in a tool) ends with one line and exit code 130, not a 70-line traceback. Installed
-    when the package is imported, which every recipe does first and every console script does by being
-    in it. Inside a run, ``faults.handling_signals`` owns SIGINT: it stops at a step or batch boundary."""
-    if not (issubclass(kind, KeyboardInterrupt) or _ctrl_c):  # a Ctrl-C mid-import may end as another error
+    rung's seconds; in a tool) ends with one line and exit code 130, not a 70-line traceback; SIGTERM and
+    SIGHUP likewise (143, 129). Installed when the package is imported, which every recipe does first and
+    every console script does by being in it. Inside a run, ``faults.handling_signals`` owns these
+    signals: it stops at a step or batch boundary."""
+    if isinstance(value, Ended):
+        _say(f"\n{program()}: stopped by {value}\n")
+        code = 128 + value.signum
+    elif issubclass(kind, KeyboardInterrupt) or _ctrl_c:  # a Ctrl-C mid-import may end as another error
+        _say(f"\n{program()}: interrupted (Ctrl-C)\n")
+        code = 130
+    else:
         return previous(kind, value, tb)
-    sys.stderr.write(f"\n{program()}: interrupted (Ctrl-C)\n")
     try:  # what a normal exit runs; a module the Ctrl-C left half-imported may fail in it: say nothing
         with contextlib.redirect_stderr(io.StringIO()):
             atexit._run_exitfuncs()
@@ -128,10 +180,14 @@ def one_line_ctrl_c(kind, value, tb, previous=sys.excepthook) -> None:
             stream.flush()
         except (OSError, ValueError):  # a closed pipe or stream has nothing left to say
             pass
-    os._exit(130)
+    os._exit(code)
 
 
 sys.excepthook = one_line_ctrl_c
 if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # an ignored SIGINT stays ignored
     with contextlib.suppress(ValueError):  # imported outside the main thread: Python's own stays
         signal.signal(signal.SIGINT, _note_ctrl_c)
+for _signal in ENDING_SIGNALS:
+    if signal.getsignal(_signal) == signal.SIG_DFL:  # nohup's ignored SIGHUP stays ignored
+        with contextlib.suppress(ValueError):
+            signal.signal(_signal, _note_end)

@@ -2,7 +2,9 @@
 written, two runs of one rung at once, a GPU-sized run on a machine without a GPU.
 
 Stopping. ``lifecycle.run_recipe`` installs handlers for SIGINT (Ctrl-C), SIGTERM (what SLURM and Kubernetes send
-on preemption) and SIGUSR1 (what SLURM's ``--signal`` can send ahead of a time limit). The first signal
+on preemption), SIGUSR1 (what SLURM's ``--signal`` can send ahead of a time limit) and SIGHUP (the terminal
+closed, an ssh session dropped; after it, output that would go to the closed terminal goes to /dev/null,
+and a SIGHUP ignored at the start, as under ``nohup``, stays ignored). The first signal
 only records a stop request; the training loop acts on it at the next optimizer-step boundary, where
 every process agrees on it (``training.loop_plumbing.StopCheck``), saves a checkpoint when the run
 checkpoints, and raises :class:`Interrupted`. ``lifecycle.run_recipe`` then writes the results JSON with ``"status": "interrupted"``
@@ -16,7 +18,11 @@ signal      exit code  meaning
 SIGINT      130        Ctrl-C; a second Ctrl-C exits at once (130), writing nothing more
 SIGTERM     143        terminated (preemption, ``kill``, ``scancel``)
 SIGUSR1     138        the scheduler's warning ahead of a time limit (requeue and resume)
+SIGHUP      129        the terminal closed (a dropped ssh session, a closed window)
 ==========  =========  ==========================================================================
+
+Outside a run (while a recipe imports torch, after its results are written, in a tool) these signals
+end the process at once in one line with the same exit codes (``console.one_line_ctrl_c``).
 
 This module needs neither torch nor Lightning: the report and the tools that read results use it.
 """
@@ -35,10 +41,10 @@ from collections.abc import Iterator, Sequence
 
 from fabric_memory_recipes import paths
 from fabric_memory_recipes.config import UsageError
-from fabric_memory_recipes.console import program
+from fabric_memory_recipes.console import detach_from_terminal, program
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
-EXIT_CODES = {int(s): 128 + int(s) for s in STOP_SIGNALS}  # the shell's convention: 130, 143, 138
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
+EXIT_CODES = {int(s): 128 + int(s) for s in STOP_SIGNALS}  # the shell's convention: 130, 143, 138, 129
 _pending: int | None = None  # the signal of the stop request, set by the handler
 _boundary = "optimizer-step boundary"  # where the running phase acts on a stop request (stopping_at)
 
@@ -114,6 +120,8 @@ def _handle(signum: int, frame) -> None:
     if first_process():
         again = " (Ctrl-C again to exit at once)" if signum == signal.SIGINT else ""
         _write(1, f"\n[stop] {signal_name(signum)}: stopping at the next {_boundary}{again}\n")
+    if signum == signal.SIGHUP:  # a closed terminal fails every write: the stop must not fail with it
+        detach_from_terminal()
 
 
 def request_stop(signum: int | None) -> None:
@@ -149,6 +157,8 @@ def handling_signals() -> Iterator[None]:
     previous = {}
     try:
         for sig in STOP_SIGNALS:
+            if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
+                continue  # nohup: the run goes on when the terminal closes
             previous[sig] = signal.signal(sig, _handle)
     except ValueError:  # not the main thread
         pass
@@ -253,7 +263,10 @@ class RunLock:
 
     def acquire(self) -> RunLock:
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as e:  # the folder was checked (check_writable); a name too long, say
+                raise BadInput(f"cannot create the lock {paths.shown(self.path)} ({e.strerror or e})") from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

@@ -207,7 +207,7 @@ def run_recipe_inprocess(
     )
     tag = _option(args, "--tag")
     json_path = Path(where) / (f"{name}-{tag}.json" if tag else f"{name}.json")
-    payload = json.loads(json_path.read_text()) if json_path.exists() else None
+    payload = json.loads(json_path.read_text()) if os.path.exists(json_path) else None  # a too-long path: none
     return proc, payload
 
 

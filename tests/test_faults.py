@@ -926,6 +926,50 @@ def test_a_stop_at_the_last_step_completes_the_run(tmp_path):
     assert log.optimizer_steps == 30 and not any(tmp_path.iterdir())
 
 
+def test_sighup_stops_a_run_at_the_step_boundary_like_sigterm(tmp_path):
+    """A closed terminal (SIGHUP) killed a recipe with no line and no results JSON: now it is a stop
+    request like SIGTERM's, acted on at the next step, exit 129. A real signal, sent to this process
+    only once the run's handler holds it."""
+    fabric = _fabric()
+    with faults.handling_signals():
+        assert signal.getsignal(signal.SIGHUP) is faults._handle  # else the signal below ends pytest
+        original = faults.request_stop
+        try:  # _train requests SIGTERM at step 4; the real SIGHUP must be the request instead
+            faults.request_stop = lambda signum: signal.raise_signal(signal.SIGHUP) if signum else original(None)
+            with pytest.raises(faults.Interrupted) as exc:
+                _train(fabric, tmp_path, stop_at=4, checkpoint_on_stop=False)
+        finally:
+            faults.request_stop = original
+    assert (exc.value.signum, exc.value.step, exc.value.exit_code) == (signal.SIGHUP, 4, 129)
+
+
+def test_sighup_ignored_at_the_start_stays_ignored():
+    """Under nohup a run goes on when the terminal closes."""
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with faults.handling_signals():
+            assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) is faults._handle
+    finally:
+        signal.signal(signal.SIGHUP, before)
+
+
+def test_after_a_hangup_the_terminal_outputs_go_to_dev_null(tmp_path):
+    """A closed terminal makes every write fail (EIO): the stop that follows must not fail with it."""
+    from fabric_memory_recipes import console
+
+    master, terminal = os.openpty()
+    plain = os.open(tmp_path / "log", os.O_WRONLY | os.O_CREAT)
+    try:
+        console.detach_from_terminal((terminal, plain))
+        null = os.stat(os.devnull)
+        assert os.path.samestat(os.fstat(terminal), null) and not os.isatty(terminal)
+        assert not os.path.samestat(os.fstat(plain), null), "a file or pipe is kept"
+    finally:
+        for fd in (master, terminal, plain):
+            os.close(fd)
+
+
 def test_interrupted_lines():
     stop = faults.Interrupted(signal.SIGUSR1, 7, 100, "ck/step-000007.ckpt")
     line = faults.interrupted_line(stop, ["recipes/05_x.py", "--max-steps", "100", "--resume", "ck/a.ckpt"])
@@ -1142,6 +1186,26 @@ def test_ctrl_c_in_a_tool_is_one_line_and_exit_130():
     code = "import fabric_memory_recipes, os, signal; os.kill(os.getpid(), signal.SIGINT); import time; time.sleep(30)"
     proc = python_c(code)
     assert proc.returncode == 130 and proc.stderr.strip() == "-c: interrupted (Ctrl-C)", describe(proc)
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 143), (signal.SIGHUP, 129)])
+def test_sigterm_or_sighup_outside_a_run_is_one_line(sig, code):
+    """In a recipe's first seconds (importing torch), after its results are written, or in a tool
+    (fmr-estimate): the process ended with no line."""
+    code_text = f"import fabric_memory_recipes, os, time; os.kill(os.getpid(), {int(sig)}); time.sleep(30)"
+    proc = python_c(code_text)
+    name = signal.Signals(sig).name
+    assert proc.returncode == code and proc.stderr.strip() == f"-c: stopped by {name}", describe(proc)
+
+
+def test_a_module_run_with_dash_m_is_named_while_its_package_imports(monkeypatch):
+    """``python -m fabric_memory_recipes.planning`` stopped while its package imported said "-m: ...":
+    Python's sys.argv[0] is "-m" until the module is found."""
+    from fabric_memory_recipes import console
+
+    monkeypatch.setattr(sys, "argv", ["-m", "--ladder", "runs/cpu"])
+    monkeypatch.setattr(sys, "orig_argv", ["python3", "-m", "fabric_memory_recipes.planning", "--ladder", "runs/cpu"])
+    assert console.program() == "python -m fabric_memory_recipes.planning"
 
 
 def test_sigterm_during_evaluation_stops_a_real_process_at_the_next_batch(tmp_path):

@@ -217,6 +217,41 @@ def test_output_folders_that_are_files_are_one_line(run_recipe, tmp_path):
     )
 
 
+LONG_PATHS = {
+    "a folder name over 255 bytes": ("a" * 300, "a folder name is 300 bytes long"),
+    "a path over 4096 bytes": ("/".join(["b" * 200] * 25), "bytes long: an output folder is at most 3840"),
+    "undecodable bytes": ("x\udcff", "is not UTF-8 text"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LONG_PATHS))
+def test_a_results_dir_the_file_system_cannot_hold_is_one_line_before_anything_is_made(run_recipe, tmp_path, case):
+    """They ended in a traceback (OSError: [Errno 36] File name too long, from the output folder's
+    check and the run's lock); undecodable bytes made the folder, then failed on printing its name."""
+    name, said = LONG_PATHS[case]
+    proc, _ = run_recipe("01_baseline", *QUICK, "--results-dir", tmp_path / "out" / name)
+    assert proc.returncode == 2, describe(proc)
+    assert said in one_error_line(proc.stderr, "01_baseline.py: error: --results-dir "), proc.stderr
+    assert not (tmp_path / "out").exists(), "nothing is created"
+
+
+def test_a_300_character_tag_is_one_line(run_recipe, tmp_path):
+    """A tag that long passed the name check and failed at the lock (File name too long)."""
+    proc, _ = run_recipe("01_baseline", *QUICK, "--tag", "t" * 300, "--results-dir", tmp_path / "out")
+    assert proc.returncode == 2, describe(proc)
+    assert "a plain name is at most 100 characters (this one has 300)" in one_error_line(
+        proc.stderr, "01_baseline.py: error: --tag "
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_lock_that_cannot_be_made_is_one_line(tmp_path):
+    from fabric_memory_recipes import faults
+
+    with pytest.raises(faults.BadInput, match="cannot create the lock .*File name too long"):
+        faults.RunLock(str(tmp_path), "r" * 300).acquire()
+
+
 # ---------------------------------------------------------------------------------------- resume
 def test_resume_of_a_missing_file_says_what_is_there(tmp_path, capsys):
     ckpt = tmp_path / "ckpt"

@@ -51,9 +51,20 @@ class Overhead:
     mode: str
     gb: float | None  # None: nothing measured anywhere
     source: str  # one line: the measurement, or the fallback and why
+    measured: bool = True  # False: another kind's, mode's or process count's value, assumed
 
     def to_dict(self) -> dict[str, Any]:
-        return {"gpu": self.gpu, "mode": self.mode, "overhead_gb": self.gb, "source": self.source}
+        return {"gpu": self.gpu, "mode": self.mode, "overhead_gb": self.gb, "source": self.source,
+                "measured": self.measured}  # fmt: skip
+
+    def phrase(self, processes: int = 1) -> str:
+        """How a planner's legend names it: 'measured' only when it was, for this kind, mode and count."""
+        what = f"{self.gpu}{f' x{processes}' if processes > 1 else ''} {self.mode}"
+        if self.gb is None:
+            return f"no card overhead ({what}: none measured)"
+        if self.measured:
+            return f"the card overhead measured for {what} ({self.gb:.2f} GB{' per GPU' * (processes > 1)})"
+        return f"a card overhead assumed for {what}, which no run measured: {self.source.split(': ', 1)[-1]}"
 
 
 def card_overhead(gpu: str, mode: str, table: dict[str, Any] | None = None) -> Overhead:
@@ -70,18 +81,19 @@ def card_overhead(gpu: str, mode: str, table: dict[str, Any] | None = None) -> O
                         f" run(s) ({', '.join(entry['methods'])}; largest: {entry['largest_from']}; {where})")  # fmt: skip
     known = [(e["overhead_gb"], g, m) for g, modes in kinds.items() for m, e in modes.items()]
     if not known:
-        return Overhead(gpu, mode, None, f"no measured overhead in {where}: the whole-device peak is unknown")
+        return Overhead(gpu, mode, None, f"no measured overhead in {where}: the whole-device peak is unknown", False)
     value, g, m = max(known)
-    return Overhead(gpu, mode, value, f"no {gpu} {mode} measurement: the largest measured overhead is assumed"
+    return Overhead(gpu, mode, value, measured=False, source=f"no {gpu} {mode} measurement: the largest measured overhead is assumed"
                     f" ({g} {m}, {value:.2f} GB; {where})")  # fmt: skip
 
 
 def overhead_per_gpu(gpu: str, mode: str, devices: int, table: dict[str, Any] | None = None) -> Overhead:
     """What one GPU of a run with ``devices`` processes on the machine holds outside the caching
     allocator: :func:`card_overhead` for one process; for several, the largest measured by committed runs
-    of ``devices`` processes of that kind and mode. Without one: the largest measured with several
-    processes on that kind, else on any kind (as :func:`card_overhead` assumes another kind's for one
-    process; said in ``source``), else None (never the one-process value, which lacks NCCL)."""
+    of ``devices`` processes of that kind and mode. Without one: the closest measurement of several
+    processes, the same mode first (compiled and eager differ most), then the same process count, then
+    the same kind, the largest among equally close ones (said in ``source``, ``measured`` False); else
+    None (never the one-process value, which lacks NCCL)."""
     if devices <= 1:
         return card_overhead(gpu, mode, table)
     table = load_table() if table is None else table
@@ -93,12 +105,12 @@ def overhead_per_gpu(gpu: str, mode: str, devices: int, table: dict[str, Any] | 
         return Overhead(gpu, mode, entry["overhead_gb"],
                         f"{gpu} x{devices} {mode}: {entry['overhead_gb']:.2f} GB per GPU, the largest of"
                         f" {entry['runs']} measured sharded run(s) ({entry['largest_from']}; {where})")  # fmt: skip
-    known = [(e["overhead_gb"], gpu, n, m) for n, modes in kind.items() for m, e in modes.items()]
-    known = known or [(e["overhead_gb"], g, n, m) for g, ns in (table.get("sharded") or {}).items()
-                      for n, modes in ns.items() for m, e in modes.items()]  # fmt: skip
+    known = [((m == mode, n == str(devices), g == gpu, e["overhead_gb"]), g, n, m)
+             for g, ns in (table.get("sharded") or {}).items() for n, modes in ns.items() for m, e in modes.items()]  # fmt: skip
     if not known:
         return Overhead(gpu, mode, None, f"no run of several processes measured in {where}: the whole-device"
-                        " peak per GPU is unknown (NCCL's buffers are outside the allocator)")  # fmt: skip
-    value, g, n, m = max(known)
-    return Overhead(gpu, mode, value, f"no {gpu} x{devices} {mode} measurement: the largest measured with"
-                    f" several processes is assumed ({g} x{n} {m}, {value:.2f} GB per GPU; {where})")  # fmt: skip
+                        " peak per GPU is unknown (NCCL's buffers are outside the allocator)", False)  # fmt: skip
+    (*_, value), g, n, m = max(known)
+    return Overhead(gpu, mode, value, measured=False,
+                    source=f"no {gpu} x{devices} {mode} measurement: the closest measured is assumed"
+                    f" ({g} x{n} {m}, {value:.2f} GB per GPU; {where})")  # fmt: skip

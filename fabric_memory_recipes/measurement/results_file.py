@@ -12,7 +12,7 @@ recipe, tag, description         which script ran (tag: the --tag suffix or null
 mode                             "fast" (CUDA: compiled blocks, each optimizer step one CUDA graph where the
                                  rung uses them; config.compile / config.cuda_graphs say which) | "eager"
 status                           "ok" | "oom" (CUDA out of memory, caught) | "error" | "interrupted"
-                                 (stopped by SIGINT/SIGTERM/SIGUSR1 at an optimizer-step boundary: the
+                                 (stopped by SIGINT/SIGTERM/SIGUSR1/SIGHUP at an optimizer-step boundary: the
                                  measurements cover the steps taken)
 error                            first line of the error ("SIGTERM at step 7 of 100" when interrupted),
                                  or null
@@ -175,9 +175,7 @@ def write_atomic(path: str | os.PathLike, write: Any, binary: bool = False) -> N
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.splitext(str(path))[1], dir=folder)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; results are meant to be shared like any file
+    os.chmod(tmp, paths.shared_mode())  # mkstemp makes 0600; results are meant to be shared like any file
     try:
         with os.fdopen(fd, "wb" if binary else "w") as f:
             write(f)
@@ -240,6 +238,16 @@ def _speed(t: dict[str, Any]) -> str:
     return f"{_fmt(t.get('images_per_s'), '.1f')} img/s"
 
 
+def _steps(p: dict[str, Any]) -> str:
+    """The steps the speed line's median and loop time cover: this process's (a resumed run's count
+    includes the steps before its checkpoint, which another process ran)."""
+    steps = p["timing"]["optimizer_steps"]
+    resumed = ((p.get("extra") or {}).get("resumed_from") or {}).get("step")
+    if not resumed:
+        return f"{steps} steps"
+    return f"{steps - resumed} steps in this process, resumed at step {resumed} of {steps}"
+
+
 def summary(p: dict[str, Any], path: str | None = None) -> str:
     """The one summary block every run prints (same shape for every recipe)."""
     prov, mem, t, acc = p["provenance"], p["memory"], p["timing"], p["accuracy"]
@@ -261,7 +269,7 @@ def summary(p: dict[str, Any], path: str | None = None) -> str:
             else ""
         ),
         f"   speed         {_speed(t)} (median step {_fmt(t['median_step_s'], '.4f')} s,"
-        f" {t['optimizer_steps']} steps, loop {_fmt(t['train_wall_s'], '.1f')} s)",
+        f" {_steps(p)}, loop {_fmt(t['train_wall_s'], '.1f')} s)",
         f"   accuracy      train {_fmt(acc.get('train'), '.3f')} | val {_fmt(acc.get('val'), '.3f')}"
         f" | test {_fmt(acc.get('test'), '.3f')}",
     ]

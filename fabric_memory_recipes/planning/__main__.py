@@ -78,11 +78,14 @@ def _check(args: argparse.Namespace) -> int:
     missing = [d for d in args.check if not os.path.isdir(d)]
     if missing:
         fail(f"--check: no such folder: {', '.join(missing)}")
-    rows = check_results(args.check)
+    # the files it skipped that could not be read, or why nothing was compared: on stderr
+    rows = check_results(args.check, say=lambda line: print(line, file=sys.stderr))
+    if not rows:
+        return 2
     print(json.dumps(rows, indent=2) if args.json else render_check(rows))
-    if args.plot and rows:
+    if args.plot:
         plot_check(rows, args.plot)
-    return 0 if rows else 2
+    return 0
 
 
 def _unwritable(folder: str) -> str | None:

@@ -84,7 +84,9 @@ def build() -> Parser:
     m.add_argument("--fit", metavar="SIZE", help="which configurations fit a card of SIZE (6GB, 6.5GB, 512MB, 8GiB),"
                    " fastest first: the ladder's, or your own model's technique sets with --model SOURCE:NAME")  # fmt: skip
     m.add_argument("--check", nargs="+", metavar="DIR",
-                   help="predict every results JSON in DIR from its config and compare with its measured peak")  # fmt: skip
+                   help="predict every results JSON in DIR from its config and compare with its measured peak (ViT rungs"
+                   " measured on a CUDA GPU with status ok; files it cannot read are named on stderr; exit 2, with"
+                   " the reason, when nothing can be compared)")  # fmt: skip
     m.add_argument("--ladder", metavar="DIR", help="predict every rung with a results JSON in DIR (none there: every"
                    " rung) at full size (ViT-L/16, GPU config) and write DIR/predicted.json for the report")  # fmt: skip
     out = p.add_argument_group("output and card (every mode but --ladder)")

@@ -3,36 +3,89 @@
 from __future__ import annotations
 
 import json
+import re
+from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from fabric_memory_recipes.config import VIT_MODELS, RunConfig, declared_rung
+from fabric_memory_recipes.console import program
 from fabric_memory_recipes.measurement.results_file import SCHEMA_VERSION, estimate_error_pct, gpu_slug
 from fabric_memory_recipes.planning.overhead import card_prediction
 from fabric_memory_recipes.planning.plan import plan_for
 from fabric_memory_recipes.planning.simulation.simulate import simulate
 from fabric_memory_recipes.training.models import meta_ladder_model
 
+# JSON files that sit beside the results and are not runs: the ladder's manifest and prediction,
+# timelines, the other ranks' files
+COMPANION = re.compile(r"^(run_all|predicted)\.json$|-timeline\.json$|\.rank\d+\.json$")
+UNREADABLE, NOT_RESULTS = "unreadable", f"not a schema-{SCHEMA_VERSION} results file"  # the reasons that name their file
 
-def check_results(dirs: list[str]) -> list[dict[str, Any]]:
+
+def why_unreadable(error: Exception) -> str:
+    """A JSON file that could not be read, in a few words: empty, truncated, not UTF-8, or the OS error."""
+    if isinstance(error, json.JSONDecodeError):
+        return "empty" if not error.doc.strip() else f"truncated or not JSON: {error.msg}, line {error.lineno}"
+    if isinstance(error, OSError):
+        return error.strerror or type(error).__name__
+    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+
+
+def skipped_summary(dirs: list[str], skipped: list[tuple[str, str]], compared: int) -> list[str]:
+    """What ``--check`` says about the files it did not compare, on stderr: with nothing compared, one
+    line saying why; otherwise one line naming the files that could not be read or are not results
+    (the runs it does not compare by design, CPU or unsuccessful ones, are counted in that line only
+    when nothing was compared)."""
+    named = [f"{Path(f).name}: {why}" for f, why in skipped if why.startswith((UNREADABLE, NOT_RESULTS))]
+    if compared:
+        return [f"--check: skipped {len(named)} file(s): {'; '.join(named)}"] if named else []
+    counts = Counter(why for _, why in skipped if not why.startswith((UNREADABLE, NOT_RESULTS)))
+    found = [f"{n} {why}" for why, n in sorted(counts.items())] + named
+    return [
+        f"--check {' '.join(dirs)}: nothing to compare: no results JSON of a ViT rung measured on a CUDA GPU"
+        f" with status ok (found: {'; '.join(found) or 'no JSON files'})"
+    ]
+
+
+def _skip_reason(result: Any) -> str | None:
+    """Why a parsed JSON is not compared (a short phrase, counted in the summary line), or None."""
+    if not isinstance(result, dict) or result.get("schema_version") != SCHEMA_VERSION or not result.get("recipe"):
+        return NOT_RESULTS
+    if result.get("status") != "ok":
+        return f"status {result.get('status')}"
+    if (result.get("memory") or {}).get("kind") != "cuda":
+        return "measured on the CPU"
+    return None
+
+
+def check_results(
+    dirs: list[str], skipped: list[tuple[str, str]] | None = None, say: Callable[[str], None] | None = None
+) -> list[dict[str, Any]]:
     """Compare every results JSON in ``dirs`` with its prediction: the one the recipe recorded
     (``estimate``), or, for runs made before recipes recorded one, a prediction from the recorded
     config and the recipe's declared rung. Only runs measured on CUDA with status ok are compared, and
-    only the ViT rungs (the estimator does not model the Hugging Face bonus models)."""
+    only the ViT rungs (the estimator does not model the Hugging Face bonus models). ``skipped``, when
+    given, receives (file, why) for every other JSON file (its companions excepted: ``COMPANION``);
+    ``say``, when given, takes :func:`skipped_summary`'s lines, each starting with the program's name."""
+    skipped = [] if skipped is None else skipped
     rows = []
     for d in dirs:
         for path in sorted(Path(d).glob("*.json")):
+            if COMPANION.search(path.name):
+                continue
             try:
                 result = json.loads(path.read_text())
-            except (OSError, ValueError):
+            except (OSError, ValueError) as e:
+                skipped.append((str(path), f"{UNREADABLE} ({why_unreadable(e)})"))
                 continue
-            if not isinstance(result, dict) or result.get("schema_version") != SCHEMA_VERSION:
-                continue
-            if result.get("status") != "ok" or (result.get("memory") or {}).get("kind") != "cuda":
+            reason = _skip_reason(result)
+            if reason is None and declared_rung(result["recipe"])[0].model not in VIT_MODELS:
+                reason = "a model the estimator does not check (not a ViT rung)"
+            if reason is not None:
+                skipped.append((str(path), reason))
                 continue
             rung, _ = declared_rung(result["recipe"])
-            if rung.model not in VIT_MODELS:
-                continue
             config = result.get("config") or {}
             recorded = result.get("estimate") or {}
             if recorded.get("peak_allocated_gb") is None:
@@ -61,6 +114,8 @@ def check_results(dirs: list[str]) -> list[dict[str, Any]]:
                     "activations_saved_gb": recorded.get("activations_saved_gb"),
                 }
             )
+    for line in skipped_summary(dirs, skipped, len(rows)) if say is not None else []:
+        say(f"{program()}: {line}")
     return rows
 
 

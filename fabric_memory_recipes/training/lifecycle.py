@@ -12,6 +12,7 @@ stderr and exit code 2, before any model, data or device memory is set up.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
@@ -38,9 +39,9 @@ def run_recipe(main: Main, rung: RunConfig, description: str, argv: Sequence[str
 
     A CUDA out-of-memory error is caught here and written as ``"status": "oom"`` with its config, so a
     ladder run loses nothing; the process then exits 3 (``run_all.sh`` reports it and moves on).
-    SIGINT, SIGTERM and SIGUSR1 stop the run at the next optimizer step (fabric_memory_recipes/faults.py): it is
-    recorded as ``"status": "interrupted"``, one line says where it stopped and how to resume, and the
-    process exits 130, 143 or 138. A bad input file (data, checkpoint) is one line and exit code 2.
+    SIGINT, SIGTERM, SIGUSR1 and SIGHUP stop the run at the next optimizer step (fabric_memory_recipes/faults.py):
+    it is recorded as ``"status": "interrupted"``, one line says where it stopped and how to resume, and the
+    process exits 130, 143, 138 or 129. A bad input file (data, checkpoint) is one line and exit code 2.
     """
     with faults.handling_signals():  # from here on, a signal stops the run at an optimizer-step boundary
         # Whole-device memory is sampled from here, before anything (a flag check, the budget, the
@@ -145,6 +146,15 @@ def apply_memory_budget(cfg: RunConfig) -> dict | None:
     }
 
 
+def compiling_as_asked(cfg: RunConfig) -> contextlib.AbstractContextManager:
+    """An eager run on the CPU (the CPU's default mode) compiles nothing: what a library compiles on its
+    own runs eagerly too (torchao's Adam compiles its step, which on a CPU cost ~20 s of a 10 s run, and
+    a Ctrl-C waited for it). On CUDA the rungs keep what they measured with; ``--compile`` compiles."""
+    if cfg.accelerator == "cpu" and not cfg.compile:
+        return torch.compiler.set_stance("force_eager")
+    return contextlib.nullcontext()
+
+
 def caused_by_oom(error: BaseException) -> bool:
     """A CUDA out-of-memory error, or one raised while handling it (torch.compile and CUDA graph
     capture wrap the allocator's error in their own)."""
@@ -166,13 +176,15 @@ def _run_main(
         budget = apply_memory_budget(cfg)
         if budget is not None:
             results.extra["memory_budget"] = budget
-        main(cfg, results)
+        with compiling_as_asked(cfg):
+            main(cfg, results)
     except faults.Interrupted as stop:
         # Every process stopped after the same step (the loop agrees on it): gathering is safe.
         results.extra["stopped"] = stop.record()
         results.finish(status="interrupted", error=str(stop), gather=True)
         if results.fabric is None or results.fabric.global_rank == 0:
-            print(faults.interrupted_line(stop), file=sys.stderr, flush=True)
+            with contextlib.suppress(OSError):  # the terminal may be gone (SIGHUP): the results are written
+                print(faults.interrupted_line(stop), file=sys.stderr, flush=True)
         outlive_launcher(results.fabric)
         return stop.exit_code
     except (UsageError, faults.BadInput) as e:

@@ -9,7 +9,7 @@ epoch (and the CUDA generators, for dropout on a GPU) to ``<checkpoint-dir>/step
 trained on are skipped, so the resumed run continues exactly where the interrupted one stopped.
 Checkpoints are written atomically and only the newest ``--keep-checkpoints`` stay (fabric_memory_recipes/training/checkpoints.py).
 
-Stopping: a stop request (SIGINT/SIGTERM/SIGUSR1, fabric_memory_recipes/faults.py) is honoured at the next
+Stopping: a stop request (SIGINT/SIGTERM/SIGUSR1/SIGHUP, fabric_memory_recipes/faults.py) is honoured at the next
 optimizer-step boundary, on every process at the same step (:class:`StopCheck`): with
 ``--checkpoint-on-stop`` a checkpoint is saved there, the measurement window is closed, and
 ``faults.Interrupted`` is raised for ``lifecycle.run_recipe``.
@@ -53,7 +53,7 @@ class StopCheck:
 
     A signal may reach one process only (``kill`` of rank 0, a scheduler signalling one task), so with
     several processes every step boundary all-reduces the local request (MAX over the signal numbers:
-    SIGTERM > SIGUSR1 > SIGINT) and all of them stop after the same step. The reduction is one int32 on
+    SIGTERM > SIGUSR1 > SIGINT > SIGHUP) and all of them stop after the same step. The reduction is one int32 on
     the CPU through gloo (the default group when it is gloo, else a gloo group made once): no GPU
     synchronisation, a few tens of microseconds on one host. With one process it is a variable read.
     """

@@ -299,3 +299,16 @@ def test_summary_of_an_oom_without_timings():
     assert lines[0] == "== 02_y: OOM (CUDA out of memory.)"
     assert "n/a img/s" in lines[3] and "0 steps" in lines[3]
     assert "train n/a | val n/a | test n/a" in lines[4]
+
+
+def test_a_resumed_runs_speed_line_counts_this_processs_steps():
+    """It said "30 steps" for a process that resumed at step 11 and ran 19: the median and the loop time
+    are this process's."""
+    log = RunResults(_cfg("05_x"))
+    log.optimizer_steps = 30
+    log.extra["resumed_from"] = {"path": "ck/step-000011.ckpt", "step": 11}
+    speed = next(ln for ln in summary(log.payload(gather=False)).splitlines() if "speed" in ln)
+    assert "19 steps in this process, resumed at step 11 of 30," in speed, speed
+    fresh = RunResults(_cfg("05_x"))
+    fresh.optimizer_steps = 30
+    assert ", 30 steps, loop" in summary(fresh.payload(gather=False))

@@ -243,10 +243,16 @@ def test_bad_files_are_skipped_with_a_warning(tmp_path, capsys):
     (tmp_path / "01_baseline.rank1.json").write_text(json.dumps(make_result("01_rankfile")))
     (tmp_path / "other.json").write_text(json.dumps({"not": "a result"}))
     (tmp_path / "future.json").write_text(json.dumps({**make_result("09_future"), "schema_version": 2}))
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "01_baseline-timeline.json").write_text(json.dumps({"events": []}))  # beside a run: not one
     assert render.main([str(tmp_path)]) == 0
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     assert "02_broken.json" in err and "future.json" in err
-    assert "rank1" not in err and "other.json" not in err
+    # JSON of the wrong shape was dropped without a word
+    assert f"skipping {tmp_path / 'other.json'}: not a results file (wrong shape: an object without schema_version)" in err
+    assert f"skipping {tmp_path / 'list.json'}: not a results file (wrong shape: an array)" in err
+    assert "rank1" not in err and "timeline" not in err
+    assert "report: 1 run -> " in out, out  # not "1 runs"
     rows = table_rows((tmp_path / "README.md").read_text())
     assert list(rows) == ["01_baseline"]
 

@@ -124,6 +124,28 @@ def test_the_overhead_per_gpu_is_the_measured_one_for_that_many_processes_and_sa
     assert unknown.gb is None and "NCCL" in unknown.source
 
 
+def _entry(gb: float, source: str) -> dict:
+    return {"overhead_gb": gb, "runs": 1, "smallest_gb": gb, "largest_from": source, "methods": ["nvml-process"]}
+
+
+def test_without_a_measurement_the_closest_sharded_one_is_assumed_and_said_to_be():
+    """h100 x2 eager took h200 x4 compiled's 2.09 GB (the largest of all), which raised a small model's
+    card per GPU: the same mode and process count come first now (h200 x2 eager, 1.68)."""
+    table = {"kinds": {}, "sharded": {"h200": {
+        "2": {"eager": _entry(1.68, "a.json"), "compiled": _entry(2.09, "b.json")},
+        "4": {"compiled": _entry(2.09, "c.json"), "eager": _entry(1.70, "d.json")},
+    }}}  # fmt: skip
+    two = card_overhead.overhead_per_gpu("h100", "eager", 2, table)
+    assert (two.gb, two.measured) == (1.68, False) and "(h200 x2 eager, 1.68 GB per GPU" in two.source
+    assert card_overhead.overhead_per_gpu("h100", "eager", 8, table).gb == 1.70  # same mode, the largest
+    exact = card_overhead.overhead_per_gpu("h200", "compiled", 4, table)
+    assert exact.measured and exact.phrase(4) == "the card overhead measured for h200 x4 compiled (2.09 GB per GPU)"
+    assert two.phrase(2).startswith("a card overhead assumed for h100 x2 eager, which no run measured:")
+    one = card_overhead.card_overhead("h100", "eager", TABLE)
+    assert one.measured and one.phrase() == "the card overhead measured for h100 eager (0.80 GB)"
+    assert not card_overhead.card_overhead("a100", "eager", TABLE).measured  # another kind's, assumed
+
+
 def test_a_sharded_prediction_uses_the_sharded_ratio_and_the_overhead_per_gpu(tmp_path):
     ratio = calibration.ReservedRatio("sharded", 1.08, 3, 1.0, "s.json")
     card = overhead.card_prediction(

@@ -450,6 +450,50 @@ def test_check_and_report_compare_prediction_with_measurement(tmp_path, capsys):
     assert rows[0]["predicted_gb"] == 0.084 and rows[0]["error_pct"] == pytest.approx(5.0)
 
 
+CHECKED_RUN = {
+    "schema_version": 1, "recipe": "05_gradient_accumulation", "status": "ok",
+    "config": {"precision": "bf16-true", "batch_size": 16, "accumulation_steps": 4, "micro_batch_size": 4,
+               "devices": 1, "num_nodes": 1, "compile": False, "model": "vit_tiny", "accelerator": "cuda"},
+    "provenance": {"gpu_name": "NVIDIA H100 80GB HBM3", "world_size": 1},
+    "memory": {"kind": "cuda", "peak_allocated_gb": 0.08},
+    "estimate": {"peak_allocated_gb": 0.084, "peak_phase": "backward", "assumptions": {}},
+}  # fmt: skip
+
+
+def test_check_of_a_folder_with_nothing_to_compare_says_why_in_one_line(tmp_path, capsys):
+    """It printed an empty table header and exited 2 with no reason (a CPU ladder, an empty folder,
+    broken files)."""
+    cpu = {**CHECKED_RUN, "memory": {"kind": "cpu_rss", "peak_allocated_gb": 0.1}}
+    (tmp_path / "05_gradient_accumulation.json").write_text(json.dumps(cpu))
+    (tmp_path / "01_baseline.json").write_text("")
+    (tmp_path / "run_all.json").write_text(json.dumps({"started": 0, "recipes": []}))  # not a run: not named
+    assert estimate_main(["--check", str(tmp_path)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "", "no empty table"
+    (line,) = err.strip().splitlines()
+    assert f"--check {tmp_path}: nothing to compare: no results JSON" in line, line
+    assert "1 measured on the CPU" in line and "01_baseline.json: unreadable (empty)" in line, line
+    assert "run_all.json" not in line
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert estimate_main(["--check", str(empty)]) == 2
+    assert "(found: no JSON files)" in capsys.readouterr().err
+
+
+def test_check_names_the_files_it_could_not_read(tmp_path, capsys):
+    """With good rows beside them, truncated and empty JSON files were dropped without a word."""
+    good = json.dumps(CHECKED_RUN, indent=2)
+    (tmp_path / "05_gradient_accumulation.json").write_text(good)
+    (tmp_path / "01_baseline.json").write_text(good[:200])
+    (tmp_path / "02_mixed_precision.json").write_text("")
+    assert estimate_main(["--check", str(tmp_path)]) == 0
+    out, err = capsys.readouterr()
+    assert "05_gradient_accumulation" in out
+    (line,) = err.strip().splitlines()
+    assert "skipped 2 file(s): 01_baseline.json: unreadable (truncated or not JSON" in line, line
+    assert "02_mixed_precision.json: unreadable (empty)" in line, line
+
+
 def test_ladder_of_a_folder_without_results_is_every_rung(tmp_path, monkeypatch):
     from fabric_memory_recipes.planning import ladder
 

@@ -268,6 +268,11 @@ def test_several_gpus_plan_fsdp_sets_with_memory_per_gpu(configs, capsys):
         assert row["overhead_gb"] > alone["overhead_gb"]  # four processes' contexts and NCCL, measured
         assert row["predicted_samples_per_s"] == pytest.approx(4 * alone["predicted_samples_per_s"])
     assert {r["technique"] for r in four["fits"]} == {"AdamW", "AdamW + checkpointing"}
+    # no h100 x4 eager run measured the overhead: the closest measurement (same mode and count) is assumed
+    # and said to be, where "h200 x4 compiled" (the largest of all) was taken and called measured
+    assert four["card_overhead"].startswith("a card overhead assumed for h100 x4 eager, which no run measured")
+    assert "(h200 x4 eager, 1.68 GB per GPU" in four["card_overhead"], four["card_overhead"]
+    assert "NCCL" in " ".join(four["speed"]) and "(or h100's)" not in " ".join(four["speed"])
     with pytest.raises(SystemExit) as e:
         estimate_main([*argv, "--devices", "4", "--measure"])
     assert e.value.code == 2 and "--measure runs each set on one GPU" in capsys.readouterr().err
@@ -291,3 +296,4 @@ def test_the_fit_proof_shares_its_jobs_over_the_named_gpus(tmp_path, monkeypatch
     ran.clear()
     fit_proof.run(tmp_path, ["0"], 4, ("swin_t",), deadline=0)
     assert ran == []
+

@@ -85,6 +85,16 @@ def test_malformed_configs_and_offline_hub(tmp_path, monkeypatch):
         models.resolve("hf:some-org/some-model-never-cached")
 
 
+def test_an_unknown_model_type_names_the_closest_ones_in_a_short_line(tmp_path):
+    """transformers' own error listed every type it knows: a 10,067-character line."""
+    (tmp_path / "config.json").write_text('{"model_type": "lamma", "architectures": ["LlamaForCausalLM"]}')
+    with pytest.raises(UsageError) as e:
+        models.resolve(f"hf:{tmp_path}")
+    line = str(e.value)
+    assert 'model_type "lamma" is not one this transformers knows (closest: llama' in line, line
+    assert len(line) < 300 and "\n" not in line
+
+
 def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     (tmp_path / "broken.json").write_text("{")
     for argv in (["--model", f"hf:{tmp_path / 'broken.json'}"], ["--model", "torchvision:nope"],
@@ -152,7 +162,7 @@ def test_fit_lists_commands_the_runner_accepts(bert, capsys):
     assert estimate_main([*argv, "--fit", "1MB"]) == 1  # nothing fits: one line, the smallest peak
     out = capsys.readouterr().out.strip()
     assert len(out.splitlines()) == 1 and out.startswith(
-        "Nothing fits in 0.001 GB: the smallest predicted peak is"
+        "Nothing fits in 1MB = 0.001 GB: the smallest predicted peak is"
     )
 
 

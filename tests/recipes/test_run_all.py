@@ -335,3 +335,129 @@ def test_results_dir_inside_published_is_refused_unless_publishing(tmp_path):
     )
     assert proc.returncode == 0, describe(proc)
     assert (tmp_path / "calls.txt").read_text().startswith("recipes/02_mixed_precision.py ")
+
+
+HANGING_UP_PYTHON = """#!/usr/bin/env bash
+# Stands in for python: 01 writes an ok result; 04 is running when the terminal closes (SIGHUP to the
+# process group) and ends by it; the report is the real one.
+if [ "$1" = -c ]; then echo 0; exit 0; fi   # run_all's "how many GPUs?" probe
+if [ "$1" = -m ]; then exec "$REAL_PYTHON" "$@"; fi
+case "$1" in
+  recipes/01_*) cp "$FRESH/01_baseline.json" "$RESULTS/"; exit 0 ;;
+  recipes/04_*) kill -HUP 0; sleep 5; exit 0 ;;
+  *) exit 0 ;;
+esac
+"""
+
+
+def test_sighup_stops_the_ladder_with_its_summary_report_and_manifest(tmp_path):
+    """A closed terminal (SIGHUP to the process group) killed ./run_all.sh with no summary and no report,
+    leaving run_all.json at "running"."""
+    fake = tmp_path / "fakepython"
+    fake.write_text(HANGING_UP_PYTHON)
+    fake.chmod(0o755)
+    results, fresh = tmp_path / "results", tmp_path / "fresh"
+    _result_json(fresh, "01_baseline")
+    env = subprocess_env(tmp_path / "logs", PYTHON=str(fake), REAL_PYTHON=sys.executable,
+                         FRESH=str(fresh), RESULTS=str(results))  # fmt: skip
+    proc = run_process([SCRIPT, "--cpu", "--only", "01,04,05", "--results-dir", results], env, timeout=120)
+    assert proc.returncode == 129, describe(proc)
+    summary = proc.stdout[proc.stdout.index("Summary (cpu path") :]
+    assert re.search(r"04_lower_batch_size +interrupted \(exit 129\)", summary), summary
+    assert "stopped before: 05_gradient_accumulation" in summary, summary
+    assert json.loads((results / "run_all.json").read_text())["state"] == "stopped"
+    assert "| 01_baseline | ok |" in (results / "README.md").read_text()
+
+
+STOPPED_STEP_PYTHON = """#!/usr/bin/env bash
+# Stands in for python: every recipe succeeds; the module named by $STOP_IN is stopped by $SIGNAL sent
+# to the process group (Ctrl-C or kill while it runs); the other modules succeed.
+if [ "$1" = -c ]; then echo 0; exit 0; fi
+if [ "$1" = -m ]; then
+  case "$2" in "$STOP_IN") kill -"$SIGNAL" 0; sleep 5 ;; esac
+  exit 0
+fi
+exit 0
+"""
+
+
+@pytest.mark.parametrize(
+    ("module", "sig", "code", "line"),
+    [
+        ("fabric_memory_recipes.planning", "INT", 130, r"predicted ladder \(ViT-L/16\) +stopped \(SIGINT\)"),
+        ("fabric_memory_recipes.measurement.report.render", "TERM", 143, r"report +stopped \(SIGTERM\)"),
+    ],
+)
+def test_a_signal_after_the_recipes_is_a_stop_not_a_failure(tmp_path, module, sig, code, line):
+    """SIGINT during the prediction was summarised as "failed"; SIGTERM while the report rendered left
+    run_all.json at "finished" with exit 143."""
+    fake = tmp_path / "fakepython"
+    fake.write_text(STOPPED_STEP_PYTHON)
+    fake.chmod(0o755)
+    results = tmp_path / "results"
+    env = subprocess_env(tmp_path / "logs", PYTHON=str(fake), STOP_IN=module, SIGNAL=sig)
+    proc = run_process([SCRIPT, "--cpu", "--only", "04", "--results-dir", results], env, timeout=60)
+    assert proc.returncode == code, describe(proc)
+    summary = proc.stdout[proc.stdout.index("Summary (cpu path") :]
+    assert re.search(line, summary) and "failed" not in summary, summary
+    assert json.loads((results / "run_all.json").read_text())["state"] == "stopped"
+
+
+@pytest.mark.parametrize(
+    ("name", "said"),
+    [("a" * 300, "a folder name is 300 bytes long"), ("x\udcff", "is not UTF-8 text")],
+)
+def test_a_results_dir_the_file_system_cannot_hold_is_refused_before_anything_runs(tmp_path, name, said):
+    fake = tmp_path / "fakepython"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    calls, target = tmp_path / "calls.txt", tmp_path / "out" / name
+    env = subprocess_env(tmp_path / "logs", PYTHON=str(fake), CALLS=str(calls))
+    proc = subprocess.run([str(SCRIPT), "--cpu", "--only", "02", "--results-dir", os.fsencode(target)],
+                          env=env, capture_output=True, timeout=60)  # fmt: skip
+    err = proc.stderr.decode(errors="replace").strip()
+    assert proc.returncode == 2 and len(err.splitlines()) == 1 and said in err, err
+    assert err.startswith("run_all.sh: --results-dir ")
+    assert not (tmp_path / "out").exists() and not calls.exists()
+
+
+WAITING_PYTHON = """#!/usr/bin/env bash
+# Stands in for python: every recipe records its call; 04 waits until the test opens the gate.
+if [ "$1" = -c ]; then echo 0; exit 0; fi
+echo "$*" >> "$CALLS"
+case "$1" in recipes/04_*) while [ ! -e "$GATE" ]; do sleep 0.05; done ;; esac
+exit 0
+"""
+
+
+def test_a_second_ladder_into_the_same_folder_is_refused_in_one_line(tmp_path):
+    """Two ladders into one folder were not refused: the rungs each could not run (their own locks)
+    were reported as "bad flags (exit 2)", and run_all.json kept one ladder's list."""
+    fake = tmp_path / "fakepython"
+    fake.write_text(WAITING_PYTHON)
+    fake.chmod(0o755)
+    results, calls, gate = tmp_path / "results", tmp_path / "calls.txt", tmp_path / "gate"
+    env = subprocess_env(tmp_path / "logs", PYTHON=str(fake), CALLS=str(calls), GATE=str(gate))
+    first = subprocess.Popen([str(SCRIPT), "--cpu", "--only", "04", "--results-dir", str(results)], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not (calls.exists() and "recipes/04_" in calls.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        second = run_process([SCRIPT, "--cpu", "--only", "01,05", "--results-dir", results], env, timeout=60)
+        gate.touch()
+        out, err = first.communicate(timeout=60)
+    finally:
+        gate.touch()
+        if first.poll() is None:
+            os.killpg(first.pid, 9)
+    assert second.returncode == 2, describe(second)
+    (line,) = second.stderr.strip().splitlines()
+    assert line == (
+        f"run_all.sh: another ./run_all.sh (pid {first.pid}) is writing to {results}: wait for it to end,"
+        " or give this one another --results-dir"
+    ), line
+    assert first.returncode == 0, out + err
+    assert not any(c.startswith(("recipes/01_", "recipes/05_")) for c in calls.read_text().splitlines())
+    assert json.loads((results / "run_all.json").read_text())["recipes"] == ["04_lower_batch_size"]
+    assert not (results / ".run_all.lock").exists(), "the lock goes with the ladder"

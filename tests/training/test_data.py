@@ -3,6 +3,9 @@ offline fallback, the synthetic stand-in, the device-side input transform and th
 
 from __future__ import annotations
 
+import os
+import stat
+
 import numpy as np
 import pytest
 import torch
@@ -150,6 +153,18 @@ def test_synthetic_shapes_dtypes_classes():
         assert y.shape == (n,) and y.dtype == np.int64
         assert set(np.unique(y).tolist()) == set(range(data.NUM_CLASSES)), "every class appears"
     assert s.train[0].std() > 10, "images are not constant"
+
+
+def test_the_synthetic_cache_is_readable_by_others_as_any_file(tmp_path, monkeypatch):
+    """It was written with mkstemp's 0600: another user or job sharing --data-dir could not read it."""
+    monkeypatch.setattr(data, "synthetic", lambda: data.Splits(*[(np.zeros((2, 3, 4, 4), np.float32),
+                                                                   np.zeros(2, np.int64))] * 3, "synthetic"))  # fmt: skip
+    before = os.umask(0o022)
+    try:
+        data.synthetic_cached(str(tmp_path))
+    finally:
+        os.umask(before)
+    assert stat.S_IMODE((tmp_path / data.SYNTHETIC_CACHE).stat().st_mode) == 0o644
 
 
 def test_synthetic_is_deterministic():

@@ -411,3 +411,28 @@ def test_max_steps_beyond_the_epochs_says_it_is_cut(fabric, capsys):
     assert (
         "[steps] --max-steps 200: 1 epoch(s) hold 10 optimizer steps; running 10" in capsys.readouterr().out
     )
+
+
+@pytest.mark.parametrize(("flags", "graphs"), [((), 0), (("--compile",), 1)])
+def test_an_eager_cpu_run_compiles_nothing_a_library_compiles(monkeypatch, tmp_path, flags, graphs):
+    """Eager, the CPU's default mode, compiled torchao's Adam step anyway (rung 05's CPU command: 33 s
+    instead of 9.5 s, "No CUDA runtime is found", a Ctrl-C waiting for the compiler); only ./run_all.sh
+    avoided it, with TORCHDYNAMO_DISABLE=1. A function compiled inside the run, as torchao compiles its
+    step, runs eagerly now; --compile still compiles."""
+    from torch._dynamo.utils import counters
+
+    from fabric_memory_recipes.config import RunConfig
+    from fabric_memory_recipes.training import lifecycle
+
+    monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)  # the suite turns dynamo off (conftest)
+    monkeypatch.setattr(torch._dynamo.config, "disable", False, raising=False)
+    torch._dynamo.reset()
+    counters.clear()
+
+    def main(cfg, results) -> None:
+        step = torch.compile(lambda x: x * 2 + 1, backend="eager", fullgraph=True)  # as a library would
+        assert step(torch.ones(3)).tolist() == [3.0, 3.0, 3.0]
+
+    argv = ["--accelerator", "cpu", "--model", "vit_tiny", "--results-dir", str(tmp_path), *flags]
+    assert lifecycle.run_recipe(main, RunConfig(recipe="05_gradient_accumulation"), "doc", argv) == 0
+    assert counters["stats"]["unique_graphs"] == graphs

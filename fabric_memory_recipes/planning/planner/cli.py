@@ -31,6 +31,17 @@ def parse_size(text: str) -> float:
     return float(match.group(1)) * UNITS[(match.group(2) or "gb").lower()]
 
 
+def budget_text(gb: float, written: str | None = None) -> str:
+    """A budget as the answer shows it: in GB to the cards' two decimals, so that a pick under it never
+    reads as over (8GiB is 8.589934592 GB: shown as 8.58993 beside a pick of 8.59, it read as over), with
+    the size as the user wrote it when that was in another unit: '8GiB = 8.59 GB'."""
+    shown = f"{gb:.2f}".rstrip("0").rstrip(".") if gb >= 0.1 else f"{gb:g}"  # 0.001 GB stays 0.001
+    match = SIZE.match(written or "")
+    if match and (match.group(2) or "gb").lower() not in ("gb", "g"):
+        return f"{written.strip()} = {shown} GB"
+    return f"{shown} GB"
+
+
 GPU_KIND = re.compile(r"^[a-z]{1,4}\d{1,4}[a-z]?$")  # what results_file.gpu_slug makes of a GPU's name
 
 
@@ -97,21 +108,23 @@ def _budget_lines(fit: Fit) -> list[str]:
     ]
 
 
-def render(fit: Fit, verbose: bool = False) -> str:
+def render(fit: Fit, verbose: bool = False, written: str | None = None) -> str:
+    """The answer as text; ``written``: ``--fit``'s size as given (:func:`budget_text`)."""
+    size = budget_text(fit.budget_gb, written)
     lines = [
-        f"Which configurations fit {fit.budget_gb:g} GB? {fit.model}, effective batch {fit.batch_size},"
+        f"Which configurations fit {size}? {fit.model}, effective batch {fit.batch_size},"
         f" throughput on {fit.gpu}",
         *_budget_lines(fit),
         "",
     ]
     header = "   # img/s   source    card GB   configuration\n       command"
     if fit.fits:
-        lines += [f"Fastest that fit (predicted whole-device peak <= {fit.budget_gb:g} GB):", header]
+        lines += [f"Fastest that fit (predicted whole-device peak <= {size}):", header]
         lines += [_row(i, c) for i, c in enumerate(fit.fits, 1)]
     else:
         s = fit.smallest
         lines += [
-            f"Nothing fits in {fit.budget_gb:g} GB. The smallest predicted peak is {s.card_gb:.2f} GB"
+            f"Nothing fits in {size}. The smallest predicted peak is {s.card_gb:.2f} GB"
             f" (simulated {s.simulated_gb:.2f} GB allocated x {fit.ratios[s.mode].ratio:.3f}"
             f" + {s.overhead_gb:.2f} GB outside the allocator):",
             header, _row("-", s),
@@ -154,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
         fail(str(e))
     fit = planner.fit(args.budget_gb, args.top)
     try:
-        print(json.dumps(to_json(fit), indent=2) if args.json else render(fit, args.verbose), flush=True)
+        print(json.dumps(to_json(fit), indent=2) if args.json else render(fit, args.verbose, args.fit), flush=True)
     except BrokenPipeError:  # the reader (head, a pager) stopped early: not an error of the planner
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0 if fit.fits else 1

@@ -74,11 +74,34 @@ class SpeedModel:
         recompute = self.checkpoint_extra if techniques.uses(ACTIVATION_CHECKPOINTING) else 0.0
         return ms * self.flops_scale * (1 + recompute) / 1e3
 
+    def host_s(self, techniques: TechniqueSet) -> float:
+        """Eager mode's host time per micro-batch of ``techniques``: measured for it where a run did (AdamW
+        as Adam: the same launches); else the optimizer's plain host time (the median of the plain ones
+        where none) times what the techniques cost where they were measured, relative to the plain set of
+        the same optimizer, each technique alone where its combination was not. So a technique costs the
+        same share in every set (checkpointing once read as free with AdamW, whose sets no run measured,
+        and as doubling the time with SGD)."""
+        opt = "adam" if techniques.optimizer == "adamw" else techniques.optimizer
+        if (key := TechniqueSet(opt, techniques.used)) in self.host_ms:
+            return self.host_ms[key] / 1e3
+        plain = {t.optimizer: v for t, v in self.host_ms.items() if not t.used}
+        base = plain.get(opt) or statistics.median(list(plain.values()) or list(self.host_ms.values()))
+
+        def factor(used: tuple[str, ...]) -> float | None:
+            ratios = [v / plain[t.optimizer] for t, v in self.host_ms.items() if t.used == used and t.optimizer in plain]
+            return statistics.median(ratios) if ratios else None
+
+        whole = factor(techniques.used)
+        if whole is None:  # each technique alone, where measured
+            whole = 1.0
+            for name in techniques.used:
+                whole *= factor((name,)) or 1.0
+        return base * whole / 1e3
+
     def step_s(self, precision, techniques: TechniqueSet, micro, k, mode, offloaded_gb, parameters) -> float:
         micro_s = self.micro_s(precision, techniques, micro)
         if mode == "eager":
-            host = self.host_ms.get(techniques, statistics.median(self.host_ms.values()))
-            micro_s = max(micro_s, host / 1e3)
+            micro_s = max(micro_s, self.host_s(techniques))
         opt = step_bytes(techniques.optimizer, precision, parameters) / (self.memory_gb_s * 1e9)
         opt *= self.lowbit_factor if techniques.optimizer == LOWBIT_STATE.name else 1.0
         return k * micro_s + k * (offloaded_gb or 0.0) / self.offload_gb_s + opt

@@ -110,16 +110,17 @@ def fit_main(args: Any, cfg: runner.YourModelConfig) -> int:
         payload = {"budget_gb": args.budget_gb, "model": ref, "batch_size": cfg.batch_size, "seq_len": seq,
                    "gpu": args.gpu, "kept": {w: yours[w] for w in kept}, "repeated_blocks": list(planner.blocks),
                    "fits": [c.to_dict() for c in fits], "rejected": rejected.to_dict() if rejected else None,
-                   "smallest": smallest.to_dict() if smallest else None, "speed": planner.speed_lines(True)}  # fmt: skip
+                   "smallest": smallest.to_dict() if smallest else None, "card_overhead": planner.overhead_legend,
+                   "speed": planner.speed_lines(True)}  # fmt: skip
         _print(json.dumps(payload, indent=2))
         return 0 if fits else 1
     if not fits:
         s = planner.smallest()
-        _print(f"Nothing fits in {args.budget_gb:g} GB: the smallest predicted peak is {s.card_gb:.2f} GB"
+        _print(f"Nothing fits in {fit_cli.budget_text(args.budget_gb, args.fit)}: the smallest predicted peak is {s.card_gb:.2f} GB"
                f" ({s.label()}): {s.command}" + ("" if args.may_change else
                "\n(--may-change precision,optimizer also tries other precisions and optimizers)"))  # fmt: skip
         return 1
-    lines = [f"Which technique sets fit {args.budget_gb:g} GB? {ref}, batch {cfg.batch_size}"
+    lines = [f"Which technique sets fit {fit_cli.budget_text(args.budget_gb, args.fit)}? {ref}, batch {cfg.batch_size}"
              + (f" x {seq} tokens" if seq else "") + f", repeated blocks {', '.join(planner.blocks) or 'none'}"
              f" ({planner.found_by}), {args.gpu}"
              + (f", FSDP over {cfg.world_size} GPUs (card GB per GPU)" if cfg.world_size > 1 else ""),
@@ -136,9 +137,9 @@ def fit_main(args: Any, cfg: runner.YourModelConfig) -> int:
     if rejected:
         lines += ["", f"Fastest rejected as too big: {rejected.label()}, {rejected.card_gb:.2f} GB,"
                   f" {rejected.images_per_s:.1f} samples/s"]  # fmt: skip
-    lines += ["", "card GB = predicted peak reserved (the allocator replay, planning/your_model/estimate.py) + the"
-              " measured card overhead of the GPU kind in the set's mode. MFU = the model's training FLOPs per"
-              " sample (recompute not counted) x samples/s over the GPU's bf16 peak.", *planner.speed_lines(args.verbose)]  # fmt: skip
+    lines += ["", "card GB = predicted peak reserved (the allocator replay, planning/your_model/estimate.py) + "
+              f"{planner.overhead_legend}. MFU = the model's training FLOPs per sample (recompute not counted) x"
+              " samples/s over the GPU's bf16 peak.", *planner.speed_lines(args.verbose)]  # fmt: skip
     _print("\n".join(lines))
     if args.measure:
         return measure_main(args, cfg, fits)
@@ -149,7 +150,7 @@ def measure_main(args: Any, cfg: runner.YourModelConfig, fits: list) -> int:
     slug = re.sub(r"[^\w.+-]", "_", f"{cfg.model.split(':', 1)[1].rstrip('/').split('/')[-1]}-{args.fit}")
     out = Path(args.measure_dir or Path("runs") / "fit" / slug)
     rows = [{**c.to_dict(), "label": c.label(), "predicted_rank": i} for i, c in enumerate(fits, 1)]
-    _print(f"\nMeasuring the {len(rows)} sets on {torch.cuda.get_device_name()} as a {args.budget_gb:g} GB card,"
+    _print(f"\nMeasuring the {len(rows)} sets on {torch.cuda.get_device_name()} as a {fit_cli.budget_text(args.budget_gb, args.fit)} card,"
            f" {args.measure_steps} steps each, one at a time -> {out}/")  # fmt: skip
     best = measure.measure(rows, args.budget_gb, out, args.measure_steps, say=_print)
     measure.write(out, rows, args.budget_gb, {"model": cfg.model, "batch_size": cfg.batch_size,

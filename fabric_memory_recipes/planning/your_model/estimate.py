@@ -91,7 +91,7 @@ def card(est: Estimate, gpu: str = "h100", mode: str = "eager", devices: int = 1
     per GPU; ``devices`` > 1 (``--fsdp``): the measured overhead per GPU of that many processes."""
     over = overhead_per_gpu(gpu, mode, devices)
     if est.peak_gb is None:
-        return {"peak_reserved_gb": None, "device_peak_gb": None}
+        return {"peak_reserved_gb": None, "device_peak_gb": None, "overhead_legend": over.phrase(devices)}
     replayed = est.reserved_gb if est.reserved_gb is not None else est.peak_gb  # a CPU plan: no allocator
     value = replayed * RESIDUAL
     return {
@@ -103,6 +103,7 @@ def card(est: Estimate, gpu: str = "h100", mode: str = "eager", devices: int = 1
         "reserved_residual_source": RESIDUAL_SOURCE,
         "overhead_gb": over.gb,
         "overhead_source": over.source,
+        "overhead_legend": over.phrase(devices),  # 'measured' only where it was
         "gpu": gpu,
         "mode": mode,
         "devices": devices,

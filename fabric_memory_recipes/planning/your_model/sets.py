@@ -197,6 +197,7 @@ class UserPlanner:
         modes = MODES_TRIED if devices == 1 else ("eager",)  # the sharded runner runs eagerly
         overhead = {m: card(_Floor(), gpu, m, devices) for m in modes}  # the card overhead alone, per GPU
         self.overhead_source = "; ".join(f"{m}: {o['overhead_source']}" for m, o in overhead.items())
+        self.overhead_legend = "; ".join(f"{m} mode: {o['overhead_legend']}" for m, o in overhead.items())
         runner = user_run.default_config()
         precisions = _first(precision, PRECISIONS_TRIED if "precision" in self.may_change else ())
         optimizers = _first(optimizer, OPTIMIZERS_TRIED if "optimizer" in self.may_change else ())
@@ -286,12 +287,18 @@ class UserPlanner:
     def smallest(self) -> Choice:
         return smallest(self.choices, self.predict)
 
+    def _reference(self) -> str:
+        """Where the step model's constants came from besides this kind's own runs, if anywhere."""
+        if self.gpu == calibration.REFERENCE_GPU:
+            return ""
+        return f" ({calibration.REFERENCE_GPU}'s where it has none)"
+
     def speed_lines(self, verbose: bool = False) -> list[str]:
         """How samples/s were predicted: two lines, or with ``verbose`` every constant and its source."""
         what = "sample" + (f" of {self.seq_len} tokens" if self.seq_len else " (image)")
         lines = [
             f"samples/s: predicted, not measured (--measure runs them): the ladder's step model calibrated on"
-            f" the committed {self.gpu} runs (or h100's), compute x {self.speed.flops_scale:.3g} (training FLOPs"
+            f" the committed {self.gpu} runs{self._reference()}, compute x {self.speed.flops_scale:.3g} (training FLOPs"
             f" per {what} over ViT-L/16's per image), eager host time x {self.modules_ratio:.3g} (modules),",
             f"  the step in backward + {HOOK_MS} ms x {self.tensors} parameter tensors"
             + ("." if verbose else " (--verbose: every constant and its source)."),
@@ -299,7 +306,8 @@ class UserPlanner:
         if self.devices > 1:
             lines.append(f"  FSDP over {self.devices} GPUs: {self.devices} x one GPU's samples/s (each its own batch);"
                          " the gathers and reductions are not modelled, and every set here has them. Outside the"
-                         f" allocator per GPU: {self.overhead_source}.")  # fmt: skip
+                         " allocator each GPU holds NCCL's buffers besides its context: for a small model the card"
+                         " per GPU can be above what one GPU alone needs (leave out --devices to compare).")  # fmt: skip
         if verbose:
             lines += [f"  {line}" for line in self.speed.lines(sources=True)] + [f"  hooks: {HOOK_MS} ms from {HOOK_SOURCE}"]
         return lines

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from torchvision.datasets import CIFAR10
 
+from fabric_memory_recipes import paths
 from fabric_memory_recipes.config import RunConfig, UsageError
 from fabric_memory_recipes.console import notice
 from fabric_memory_recipes.faults import BadInput
@@ -213,6 +214,7 @@ def synthetic_cached(data_dir: str) -> Splits:
     try:
         os.makedirs(data_dir, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".npz", dir=data_dir)
+        os.fchmod(fd, paths.shared_mode())  # mkstemp makes 0600: other users and jobs read the cache too
         with os.fdopen(fd, "wb") as f:
             np.savez(f, **arrays)
         os.replace(tmp, path)

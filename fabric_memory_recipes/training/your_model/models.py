@@ -142,11 +142,19 @@ def hf_config(ref: str, name: str):
         if not isinstance(fields, dict) or not isinstance(fields.get("model_type"), str):
             raise UsageError(f'--model {ref}: {path} has no "model_type" (not a Hugging Face config.json)')
         from transformers import AutoConfig  # only hf: models pay for importing transformers
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+        kind = fields.pop("model_type")
+        if kind not in CONFIG_MAPPING:  # transformers' own error lists all of its ~700 types in one line
+            close = difflib.get_close_matches(kind, list(CONFIG_MAPPING.keys()), n=3)
+            raise UsageError(
+                f'--model {ref}: {path}: model_type "{kind}" is not one this transformers knows'
+                + (f" (closest: {', '.join(close)})" if close else "")
+            )
         try:
-            return AutoConfig.for_model(fields.pop("model_type"), **fields)
+            return AutoConfig.for_model(kind, **fields)
         except (ValueError, KeyError, TypeError) as e:
-            raise UsageError(f"--model {ref}: {path}: {str(e).splitlines()[0]}") from None
+            raise UsageError(f"--model {ref}: {path}: {str(e).splitlines()[0][:300]}") from None
     if name.endswith(".json") or name.startswith((".", "/", "~")) or name.count("/") > 1:
         raise UsageError(f"--model {ref}: no such file or folder")
     if not (_cached(name) or hub_online()):
