@@ -16,6 +16,7 @@ from fabric_memory_recipes.planning.plan import Plan
 from fabric_memory_recipes.planning.simulation.allocator import RESIDUAL
 from fabric_memory_recipes.planning.simulation.tracking import SavedTensorCounter, Tracker
 from fabric_memory_recipes.planning.your_model import estimate
+from fabric_memory_recipes.planning.your_model.sets import UserPlanner
 from fabric_memory_recipes.training import cli
 from fabric_memory_recipes.training.techniques import checkpointing
 from fabric_memory_recipes.training.your_model import models, runner
@@ -129,6 +130,51 @@ def test_large_vocabulary_estimate(qwen, capsys):
     assert fsdp["components_gb"]["parameters"] == pytest.approx(
         plain["components_gb"]["parameters"] / 4, rel=1e-3
     )
+
+
+def test_the_estimate_sees_the_fused_loss_and_selective_checkpointing(qwen, tmp_path, capsys):
+    """Each lever's saving is predicted by running it on fake tensors: the fused loss drops the logits (a
+    150k vocabulary: they are the step's peak); where the activations dominate (a small vocabulary, long
+    sequences), selective checkpointing's peak lies between full checkpointing's and none's. The plan
+    records both."""
+
+    def peak(ref, seq, *extra):
+        argv = ["--model", ref, "--seq-len", str(seq), "--batch-size", "4", "--precision", "bf16-mixed", "--json"]
+        assert estimate_main([*argv, *extra]) == 0
+        got = json.loads(capsys.readouterr().out)
+        return got["peak_allocated_gb"], got["assumptions"]
+
+    plain, fused = peak(qwen, 32), peak(qwen, 32, "--fused-loss")
+    logits_fp32 = 4 * 31 * VOCAB * 4 / 1e9
+    assert plain[0] - fused[0] > logits_fp32 and fused[1]["fused_loss"] and not plain[1]["fused_loss"]
+    small = "hf:" + write_config(tmp_path / "small", model_type="qwen2", architectures=["Qwen2ForCausalLM"],
+                                 hidden_size=64, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                                 num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=True)  # fmt: skip
+    none, full = peak(small, 256, "--fused-loss"), peak(small, 256, "--fused-loss", "--checkpoint-blocks")
+    selective = peak(small, 256, "--fused-loss", "--checkpoint-blocks", "--checkpoint-mode", "selective")
+    assert full[0] < selective[0] < none[0] and selective[1]["checkpoint_mode"] == "selective"
+
+
+def test_fit_combines_the_modes_and_the_causal_lm_levers(qwen):
+    planner = UserPlanner(qwen, 2, 32, precision="bf16-mixed")
+    found = {(c.mode, c.fused_loss, c.checkpoint_mode) for c in planner.choices}
+    assert {("fast", True, "selective"), ("eager", False, "full"), ("fast", False, "full")} <= found
+    c = next(c for c in planner.choices if c.fused_loss and c.checkpoint_mode == "selective" and c.mode == "fast")
+    parsed = cli.build_parser(runner.default_config()).parse_args(c.argv())
+    assert parsed.fused_loss and parsed.checkpoint_mode == "selective" and parsed.mode == "fast"
+    assert "fused loss" in c.label() and "selective checkpointing" in c.label()
+    fits, _ = planner.fit(64.0, top=2)
+    assert len({c.family for c in fits}) == len(fits)  # each set once, at its largest micro-batch
+    assert all(c.mfu(989.4e12) > 0 for c in fits)
+
+
+def test_fast_mode_compiles_the_repeated_blocks_but_not_batchnorm_ones():
+    with torch.device("meta"):
+        vit = models.build(models.resolve("timm:test_vit"))
+        resnet = models.build(models.resolve("torchvision:resnet18"))
+    blocks, _ = models.repeated_blocks(vit)
+    assert models.compile_repeated(vit, blocks) >= 2
+    assert models.compile_repeated(resnet, models.repeated_blocks(resnet)[0]) == 0  # not shown equal to eager
 
 
 def test_simulated_activations_match_a_real_forward(bert):
