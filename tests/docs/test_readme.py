@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 README = (REPO / "README.md").read_text()
 PUBLISHED = REPO / "results" / "published" / "h100"
 CHECK = "fmr-estimate --check results/published/h100/ladder"
-CHECKED = {"±10 %", "±10%", "-9.7%", "+11.4%"}  # the numbers the tests below check, as the prose writes them
+CHECKED = {"±10 %", "±10%", "-9.7%", "+11.4%", "8 ×"}  # the numbers the tests below check, as the prose writes them
 
 
 def prose() -> str:
@@ -99,6 +99,25 @@ def test_the_fit_proof_claim_is_the_committed_proof():
     text = " ".join(README.split())
     assert "all 39 measured sets" in text and "fastest measured in 5 of 8 cases" in text
     assert "it ran at 0.65–0.86 of the fastest" in text
+
+
+def test_your_models_speed_is_the_committed_runs():
+    """The README's your-model speeds are the medians and ranges of the committed H100 runs."""
+    import statistics
+
+    runs = PUBLISHED / "your-model-speed" / "lm"
+
+    def rates(name: str) -> list[float]:
+        found = [json.loads(f.read_text()) for f in sorted(runs.glob(f"your_model-{name}-r*.json"))]
+        assert len(found) >= 3 and all(r["status"] == "ok" for r in found)
+        assert all(r["config"]["seq_len"] == 1024 and r["config"]["batch_size"] == 8 for r in found)  # 8 × 1024
+        return [r["timing"]["samples_per_s"] for r in found]
+
+    fast, eager, llama = rates("neox-fast-fused-ckpt-mb8"), rates("neox-eager-ckpt-mb2x4"), rates("llama-fast-fused-ckpt-mb8")
+    text = " ".join(README.split())
+    assert f"trained at {statistics.median(fast):.1f} samples/s with both (3 runs, {min(fast):.1f}–{max(fast):.1f})" in text
+    assert f"against {statistics.median(eager):.1f} for the fastest eager set" in text
+    assert f"fits an 8 GB card at {statistics.median(llama):.1f} samples/s" in text
 
 
 def test_every_number_in_the_prose_is_checked():
