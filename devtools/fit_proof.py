@@ -88,7 +88,9 @@ def run(out: Path, gpus: list[str], steps: int, only: tuple[str, ...], deadline:
             print(f"[fit_proof {time.perf_counter() - start:5.0f} s] GPU {gpu}: {name} ...", flush=True)
             with open(out / f"{name}.log", "w") as log:
                 code = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
-            print(f"[fit_proof {time.perf_counter() - start:5.0f} s] GPU {gpu}: {name} exit {code}", flush=True)
+            print(
+                f"[fit_proof {time.perf_counter() - start:5.0f} s] GPU {gpu}: {name} exit {code}", flush=True
+            )
             write_report(out)
         finally:
             slots.release(gpu)
@@ -150,7 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--out", type=output_folder("--out"), required=True, metavar="DIR", help="where the jobs write"
     )
-    p.add_argument("--gpus", default="0", help="comma-separated GPU indices to share the jobs over (one job per GPU)")
+    p.add_argument(
+        "--gpus", default="0", help="comma-separated GPU indices to share the jobs over (one job per GPU)"
+    )
     p.add_argument("--deadline", type=float, default=1e9, help="seconds after which no job starts")
     p.add_argument("--steps", type=at_least(4), default=12, help="optimizer steps per measured set")
     p.add_argument("--only", default="", help="comma-separated job models (default: all of MATRIX)")

@@ -111,8 +111,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=at_least(3), default=8, help="optimizer steps per --fit run (default 8)")
     p.add_argument("--timeout", type=at_least(1), default=120, help="seconds per run (default 120)")
     p.add_argument("--deadline", type=float, default=None, help="seconds after which no run starts")
-    p.add_argument("--jobs", type=at_least(1), default=1, help="estimate runs at a time on the GPU (each"
-                   " measures its own process; speeds of those runs are then not the GPU's alone; default 1)")
+    p.add_argument(
+        "--jobs",
+        type=at_least(1),
+        default=1,
+        help="estimate runs at a time on the GPU (each"
+        " measures its own process; speeds of those runs are then not the GPU's alone; default 1)",
+    )
     p.add_argument("--redo", action="store_true", help="run again what --out already holds")
     p.add_argument("--dry-run", action="store_true", help="plan and print the runs; run nothing")
     args = p.parse_args(argv)
@@ -136,7 +141,9 @@ def estimate_runs(models: str | None) -> list[dict[str, Any]]:
         for flags in sets:
             argv = ["--model", ref, *flags]
             if repeated_flags(argv):
-                raise ValueError(f"model_proof row {shlex.join(argv)}: {', '.join(repeated_flags(argv))} twice")
+                raise ValueError(
+                    f"model_proof row {shlex.join(argv)}: {', '.join(repeated_flags(argv))} twice"
+                )
             runs.append({"part": "estimate", "model": ref, "recipe": "your_model", "argv": argv,
                          "budget_gb": CARD_GB, "expect": "ok", "steps": ESTIMATE_STEPS})  # fmt: skip
     return runs
@@ -166,7 +173,9 @@ def fit_plan(args: argparse.Namespace) -> dict[str, Any]:
                 return stored
         except (OSError, ValueError):
             pass
-    planner = UserPlanner(args.fit_model, args.fit_batch, args.fit_seq_len, args.gpu, may_change=MAY_CHANGE)  # --fit's search
+    planner = UserPlanner(
+        args.fit_model, args.fit_batch, args.fit_seq_len, args.gpu, may_change=MAY_CHANGE
+    )  # --fit's search
     rows = []
     runs: dict[tuple, dict[str, Any]] = {}
     for budget in args.budgets:
@@ -236,7 +245,9 @@ def render(runs: list[dict[str, Any]], fit_rows: list[dict[str, Any]]) -> str:
                      f" {pct(r.get('predicted_device_gb'), r.get('measured_device_peak_gb'))} |")  # fmt: skip
     shared = {r.get("jobs") for r in runs if r["part"] == "estimate"} - {None, 1}
     if shared:  # runs that shared the GPU: only a per-process whole-device reading is theirs alone
-        methods = sorted({str(r.get("device_method")) for r in runs if r["part"] == "estimate" and r.get("status") == "ok"})
+        methods = sorted(
+            {str(r.get("device_method")) for r in runs if r["part"] == "estimate" and r.get("status") == "ok"}
+        )
         lines += ["", f"Estimate runs shared the GPU ({', '.join(map(str, sorted(shared)))} at a time); whole device"
                   f" read by: {', '.join(methods)} (nvml-process: the process's own)."]  # fmt: skip
     if fit_rows:
@@ -269,7 +280,10 @@ def main(argv: list[str] | None = None, runner=None) -> int:
         plan = fit_plan(args)
         runs += plan["runs"]
         fit_rows = plan["rows"]
-        print(f"model_proof: --fit plan for {args.fit_model} ready after {time.perf_counter() - t0:.0f} s", flush=True)
+        print(
+            f"model_proof: --fit plan for {args.fit_model} ready after {time.perf_counter() - t0:.0f} s",
+            flush=True,
+        )
     done = {} if args.redo else earlier_runs(args.out)
     for run in runs:  # a previous call's results: kept, not run again
         run.update({k: v for k, v in done.pop(run_key(run), {}).items() if k not in run})

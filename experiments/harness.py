@@ -51,7 +51,9 @@ def parser(description: str, defaults: dict[str, Any]) -> argparse.ArgumentParse
     p = Parser(description=description)
     p.add_argument("--accelerator", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--model", choices=models.MODEL_NAMES, default=defaults.get("model", "vit_l_16"))
-    p.add_argument("--precision", choices=techniques.PRECISIONS, default=defaults.get("precision", "bf16-true"))
+    p.add_argument(
+        "--precision", choices=techniques.PRECISIONS, default=defaults.get("precision", "bf16-true")
+    )
     p.add_argument("--batch-size", type=int, default=defaults.get("batch_size", 32))
     p.add_argument("--steps", type=int, default=defaults.get("steps", 8), help="training steps per variant")
     p.add_argument("--profile-steps", type=int, default=3, help="last steps, timed by the profiler")

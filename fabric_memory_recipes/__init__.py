@@ -11,7 +11,7 @@ Each layer imports only the layers listed above it.
 """
 
 # console first: importing it makes an unhandled Ctrl-C one line and exit 130 (console.one_line_ctrl_c)
-from fabric_memory_recipes import console  # noqa: F401, I001
+from fabric_memory_recipes import console  # noqa: F401
 from fabric_memory_recipes.config import RunConfig
 
 __all__ = ["RunConfig"]

@@ -34,7 +34,9 @@ VIT_MODELS = ("vit_l_16", "vit_b_16", "vit_tiny")  # the ladder's model, a small
 # eager warm-up steps can be returned page by page before the CUDA graph's own pool is made.
 FAST_ALLOCATOR = "expandable_segments:True"
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
-DATA_DIR = Path(__file__).resolve().parent / "data"  # package data: what a wheel plans with (planning/planner/snapshot.py)
+DATA_DIR = (
+    Path(__file__).resolve().parent / "data"
+)  # package data: what a wheel plans with (planning/planner/snapshot.py)
 RENAMED_FIELDS = {"checkpoint": "activation_checkpointing"}  # former name -> field: older files still read
 
 
@@ -209,15 +211,23 @@ class RunConfig:
     # The technique, for the estimator and the checks (no flags): what the rung's code does.
     optimizer: str = "adam"  # one of techniques.OPTIMIZERS
     optimizer_impl: str = "fused"  # fused | foreach | for-loop
-    activation_checkpointing: tuple[str, ...] = ()  # module classes whose activations are recomputed in backward
+    activation_checkpointing: tuple[
+        str, ...
+    ] = ()  # module classes whose activations are recomputed in backward
     sharding: str = "none"  # none | fsdp | fsdp2
     shard_units: tuple[str, ...] = ()  # module classes that are one FSDP unit each
     cpu_offload: bool = False  # FSDP keeps parameters, gradients and optimizer state in host memory
-    activation_offload: bool = False  # saved activations in pinned host memory (training/techniques/offload.py)
+    activation_offload: bool = (
+        False  # saved activations in pinned host memory (training/techniques/offload.py)
+    )
     optimizer_in_backward: bool = False  # one optimizer per parameter, stepped in backward: no accumulation
     fused_attention: bool = False  # rung 15: fused-qkv + SDPA attention (training/techniques/attention.py)
-    offload_window_mb: int = 0  # rung 11: MiB of copies in flight per side stream (training/techniques/offload.py)
-    weights_offload: bool = False  # weights, gradients, optimizer state in host memory, blocks streamed (rung 16)
+    offload_window_mb: int = (
+        0  # rung 11: MiB of copies in flight per side stream (training/techniques/offload.py)
+    )
+    weights_offload: bool = (
+        False  # weights, gradients, optimizer state in host memory, blocks streamed (rung 16)
+    )
     model_choices: tuple[str, ...] = VIT_MODELS
     cpu_variant: str | None = None  # a rung that needs CUDA: the recipe that runs its technique on a CPU
 
@@ -346,12 +356,16 @@ class RunConfig:
             if self.accelerator != "cuda":
                 raise UsageError("--cuda-graphs needs CUDA (on a CPU the fast mode is the eager mode)")
             if not one_device:
-                raise UsageError("--cuda-graphs works on one device; with several, leave it out (DDP/FSDP run eagerly)")
+                raise UsageError(
+                    "--cuda-graphs works on one device; with several, leave it out (DDP/FSDP run eagerly)"
+                )
             if self.bf16_update == "kahan":
                 raise UsageError("--cuda-graphs with --bf16-update kahan: torch-optimi's Kahan step reads"
                                  " the learning rate as a Python number, which a graph cannot replay")  # fmt: skip
             if profiling:
-                raise UsageError("--cuda-graphs with --memory-timeline/--snapshot: profile the eager steps (--no-cuda-graphs)")
+                raise UsageError(
+                    "--cuda-graphs with --memory-timeline/--snapshot: profile the eager steps (--no-cuda-graphs)"
+                )
         if self.cuda_graphs and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
             os.environ["PYTORCH_CUDA_ALLOC_CONF"] = FAST_ALLOCATOR
 
@@ -394,7 +408,11 @@ def declared_rung(name: str, folder: Path = RECIPES_DIR) -> tuple[RunConfig, str
     names = sorted(shipped) if shipped is not None else [m.stem for m in sorted(folder.glob(f"{name}*.py"))]
     matches = [name] if name in names else [n for n in names if n.startswith(name)]
     if len(matches) != 1:
-        raise FileNotFoundError(f"recipe {name!r}: expected one match in {folder}, found {', '.join(matches) or 'none'}")
+        raise FileNotFoundError(
+            f"recipe {name!r}: expected one match in {folder}, found {', '.join(matches) or 'none'}"
+        )
     got = shipped[matches[0]] if shipped is not None else recipe_literals(folder / f"{matches[0]}.py")
-    values = {RENAMED_FIELDS.get(k, k): tuple(v) if isinstance(v, list) else v for k, v in got["values"].items()}
+    values = {
+        RENAMED_FIELDS.get(k, k): tuple(v) if isinstance(v, list) else v for k, v in got["values"].items()
+    }
     return RunConfig(**values), got["doc"]

@@ -173,7 +173,7 @@ def one_line_ctrl_c(kind, value, tb, previous=sys.excepthook) -> None:
     try:  # what a normal exit runs; a module the Ctrl-C left half-imported may fail in it: say nothing
         with contextlib.redirect_stderr(io.StringIO()):
             atexit._run_exitfuncs()
-    except BaseException:  # noqa: BLE001 - the one line above is all this exit says
+    except BaseException:
         pass
     for stream in (sys.stdout, sys.stderr):
         try:

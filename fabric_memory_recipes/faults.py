@@ -266,7 +266,9 @@ class RunLock:
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             except OSError as e:  # the folder was checked (check_writable); a name too long, say
-                raise BadInput(f"cannot create the lock {paths.shown(self.path)} ({e.strerror or e})") from None
+                raise BadInput(
+                    f"cannot create the lock {paths.shown(self.path)} ({e.strerror or e})"
+                ) from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

@@ -111,7 +111,11 @@ def shown(path: str | os.PathLike, limit: int = 120) -> str:
     """``path`` for a one-line message: printable (undecodable bytes as ``\\xNN``), and a long one cut
     in the middle."""
     text = os.fsencode(path).decode("utf-8", errors="backslashreplace")
-    return text if len(text) <= limit else f"{text[: limit // 2]}…{text[-(limit // 2) :]} ({len(text)} characters)"
+    return (
+        text
+        if len(text) <= limit
+        else f"{text[: limit // 2]}…{text[-(limit // 2) :]} ({len(text)} characters)"
+    )
 
 
 def path_problem(path: str | os.PathLike) -> str | None:

@@ -34,7 +34,9 @@ RUNG = CheckpointingConfig(
     accumulation_steps=4,  # rung 05: 4 micro-batches of 4; the loop's "rung 05" blocks group them
     lr=0.01,
     optimizer="sgd",  # rung 06: SGD keeps no state (declared for the planner)
-    activation_checkpointing=("EncoderBlock",),  # rung 10: every block checkpointed (declared for the planner)
+    activation_checkpointing=(
+        "EncoderBlock",
+    ),  # rung 10: every block checkpointed (declared for the planner)
 )
 
 

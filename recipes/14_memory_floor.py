@@ -59,6 +59,7 @@ def main(cfg: RunConfig, results) -> None:
     def batch_fn(model, batch):
         with offloaded:  # rung 11: what the checkpoints still save goes to host memory
             return image_batch(model, batch)
+
     num_steps = loop.planned_steps(len(train_loader), cfg.accumulation_steps, cfg.epochs, cfg.max_steps)
     schedulers = [torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=num_steps) for o in optimizers.values()]
     scheduler = step_in_backward.SchedulerGroup(schedulers)  # rung 12: one schedule per optimizer, as one

@@ -50,12 +50,16 @@ def main(cfg: runner.YourModelConfig, results) -> None:
         if cfg.fused_loss:  # the loss of the output projection in chunks: the full logits never exist
             batch_fn = fused_loss.causal_lm_loss(fused_loss.fuse_output_embeddings(model))
         if cfg.checkpoint_blocks:  # rung 10: recompute each block's inside in backward (full: keep its input)
-            results.extra["checkpointed_blocks"] = checkpointing.checkpoint_blocks(model, blocks, cfg.checkpoint_mode)
+            results.extra["checkpointed_blocks"] = checkpointing.checkpoint_blocks(
+                model, blocks, cfg.checkpoint_mode
+            )
         if cfg.compile:  # fast mode: each repeated block compiled (CUDA graphs too, for image models)
             results.extra["compiled_blocks"] = models.compile_repeated(model, blocks)
         if cfg.optimizer_in_backward:  # rung 12: each parameter stepped as soon as its gradient is ready
             model = fabric.setup_module(model)
-            step_in_backward.register(step_in_backward.per_parameter(model, lambda ps: runner.make_optimizer(cfg, ps)))
+            step_in_backward.register(
+                step_in_backward.per_parameter(model, lambda ps: runner.make_optimizer(cfg, ps))
+            )
             optimizer = None
         else:
             model = fabric.setup_module(model)  # with FSDP: shard first, then the optimizer over the shards

@@ -197,7 +197,7 @@ def run_recipe_inprocess(
                 runpy.run_path(str(path), run_name="__main__")
             except SystemExit as e:
                 code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-            except Exception:  # noqa: BLE001 - reported as the interpreter would: traceback, exit 1
+            except Exception:
                 traceback.print_exc()
                 code = 1
     finally:
@@ -207,7 +207,9 @@ def run_recipe_inprocess(
     )
     tag = _option(args, "--tag")
     json_path = Path(where) / (f"{name}-{tag}.json" if tag else f"{name}.json")
-    payload = json.loads(json_path.read_text()) if os.path.exists(json_path) else None  # a too-long path: none
+    payload = (
+        json.loads(json_path.read_text()) if os.path.exists(json_path) else None
+    )  # a too-long path: none
     return proc, payload
 
 
@@ -375,7 +377,7 @@ def pytest_collection_finish(session):
         try:
             takes_names = len(inspect.signature(start).parameters) > 0
             start(selected[module]) if takes_names else start()
-        except Exception as exc:  # noqa: BLE001 - reported by the tests that wait for these jobs
+        except Exception as exc:
             _START_ERRORS[module.__name__] = exc
 
 
@@ -432,6 +434,6 @@ def run_estimate(command: str) -> tuple[int, str, str]:
             code = main(shlex.split(command)[1:]) or 0
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else 1
-        except Exception as e:  # noqa: BLE001 - a crash is this test's finding
+        except Exception as e:
             code, _ = 1, err.write(f"{type(e).__name__}: {e}")
     return code, out.getvalue(), err.getvalue()

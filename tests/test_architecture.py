@@ -193,7 +193,9 @@ def _project_imports_inside_functions(path: Path) -> list[str]:
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
             for inner in ast.walk(node):
-                if isinstance(inner, ast.ImportFrom) and (inner.module or "").startswith(("fabric_memory_recipes", "devtools")):
+                if isinstance(inner, ast.ImportFrom) and (inner.module or "").startswith(
+                    ("fabric_memory_recipes", "devtools")
+                ):
                     found.append(f"{where}:{inner.lineno} {inner.module}")
                 elif isinstance(inner, ast.Import):
                     found += [f"{where}:{inner.lineno} {a.name}" for a in inner.names
@@ -204,7 +206,12 @@ def _project_imports_inside_functions(path: Path) -> list[str]:
 def test_no_project_import_hides_inside_a_function():
     """The package, its tools, devtools/, the recipes and experiments/ import the project at the top,
     where a reader sees what a module depends on (and the layer test sees it too)."""
-    files = [*COMMON.rglob("*.py"), *DEVTOOLS.glob("*.py"), *RECIPES.glob("*.py"), *(REPO / "experiments").glob("*.py")]
+    files = [
+        *COMMON.rglob("*.py"),
+        *DEVTOOLS.glob("*.py"),
+        *RECIPES.glob("*.py"),
+        *(REPO / "experiments").glob("*.py"),
+    ]
     assert len(files) > 100
     hidden = [hit for path in files for hit in _project_imports_inside_functions(path)]
     assert not hidden, hidden
@@ -221,7 +228,10 @@ def test_the_installed_package_holds_no_devtools_and_never_imports_them():
     installs fabric_memory_recipes* only), and nothing in the package imports them."""
     pyproject = (REPO / "pyproject.toml").read_text()
     assert 'include = ["fabric_memory_recipes*"]' in pyproject
-    assert not (COMMON / "tools" / "check_equivalence.py").exists() and (DEVTOOLS / "check_equivalence.py").exists()
+    assert (
+        not (COMMON / "tools" / "check_equivalence.py").exists()
+        and (DEVTOOLS / "check_equivalence.py").exists()
+    )
     graph_targets = {d for deps in import_graph().values() for d in deps}
     assert not [d for d in graph_targets if d.startswith("devtools")]
     for path in COMMON.rglob("*.py"):
@@ -240,11 +250,19 @@ def test_no_folder_of_the_package_devtools_or_tests_holds_more_than_twelve_modul
     folders = [COMMON, DEVTOOLS, tests]
     folders += [p for r in (COMMON, tests) for p in r.rglob("*") if p.is_dir() and p.name != "__pycache__"]
     counts = {str(f.relative_to(REPO)): len(list(f.glob("*.py"))) for f in folders}
-    assert counts["fabric_memory_recipes/training"] >= 5 and "fabric_memory_recipes/planning/planner" in counts
+    assert (
+        counts["fabric_memory_recipes/training"] >= 5 and "fabric_memory_recipes/planning/planner" in counts
+    )
     assert counts["tests/training"] >= 5
     assert {f: n for f, n in counts.items() if n > MAX_MODULES} == {}
+
+
 def test_no_file_in_the_package_its_tools_or_experiments_is_over_400_lines():
-    files = [*common_modules(tools=True).values(), *DEVTOOLS.glob("*.py"), *(REPO / "experiments").glob("*.py")]
+    files = [
+        *common_modules(tools=True).values(),
+        *DEVTOOLS.glob("*.py"),
+        *(REPO / "experiments").glob("*.py"),
+    ]
     sizes = {str(p.relative_to(REPO)): len(p.read_text().splitlines()) for p in files}
     assert len(sizes) > 20
     assert "fabric_memory_recipes/tools/compare/reference.py" in sizes and "experiments/harness.py" in sizes
@@ -360,7 +378,11 @@ def test_a_recipe_docstring_points_at_the_code_of_its_technique(path):
     docstring = ast.get_docstring(ast.parse(path.read_text())) or ""
     found = code_references(docstring)
     assert found, f"{path.name}: its docstring names no `path/to/file.py: function_name`"
-    wrong = [f"{file}: {name}" for file, name in found if not (REPO / file).is_file() or not defines(REPO / file, name)]
+    wrong = [
+        f"{file}: {name}"
+        for file, name in found
+        if not (REPO / file).is_file() or not defines(REPO / file, name)
+    ]
     assert not wrong, f"{path.name} points at code that is not there: {wrong}"
 
 

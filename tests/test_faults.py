@@ -935,7 +935,9 @@ def test_sighup_stops_a_run_at_the_step_boundary_like_sigterm(tmp_path):
         assert signal.getsignal(signal.SIGHUP) is faults._handle  # else the signal below ends pytest
         original = faults.request_stop
         try:  # _train requests SIGTERM at step 4; the real SIGHUP must be the request instead
-            faults.request_stop = lambda signum: signal.raise_signal(signal.SIGHUP) if signum else original(None)
+            faults.request_stop = lambda signum: (
+                signal.raise_signal(signal.SIGHUP) if signum else original(None)
+            )
             with pytest.raises(faults.Interrupted) as exc:
                 _train(fabric, tmp_path, stop_at=4, checkpoint_on_stop=False)
         finally:
@@ -1176,11 +1178,11 @@ def test_ctrl_c_while_a_recipe_imports_is_one_line_and_exit_130(tmp_path):
     assert proc.stderr.strip().splitlines() == ["01_baseline.py: interrupted (Ctrl-C)"], describe(proc)
 
 
-
 def python_c(code: str) -> subprocess.CompletedProcess:
     """``python -c code``, started as from a terminal (SIGINT at its default): the Ctrl-C tests' child."""
     return subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True,
                           timeout=60, preexec_fn=as_from_a_terminal)  # fmt: skip
+
 
 def test_ctrl_c_in_a_tool_is_one_line_and_exit_130():
     code = "import fabric_memory_recipes, os, signal; os.kill(os.getpid(), signal.SIGINT); import time; time.sleep(30)"
@@ -1204,7 +1206,9 @@ def test_a_module_run_with_dash_m_is_named_while_its_package_imports(monkeypatch
     from fabric_memory_recipes import console
 
     monkeypatch.setattr(sys, "argv", ["-m", "--ladder", "runs/cpu"])
-    monkeypatch.setattr(sys, "orig_argv", ["python3", "-m", "fabric_memory_recipes.planning", "--ladder", "runs/cpu"])
+    monkeypatch.setattr(
+        sys, "orig_argv", ["python3", "-m", "fabric_memory_recipes.planning", "--ladder", "runs/cpu"]
+    )
     assert console.program() == "python -m fabric_memory_recipes.planning"
 
 
@@ -1217,7 +1221,9 @@ def test_sigterm_during_evaluation_stops_a_real_process_at_the_next_batch(tmp_pa
     args = ["--accelerator", "cpu", "--model", "vit_tiny", "--weights", "none", "--batch-size", "4",
             "--max-steps", "2", "--data", "cifar10", "--data-dir", tmp_path / "data", "--results-dir", results]  # fmt: skip
     run = Running("01_baseline", args, tmp_path / "logs")
-    in_test = run.wait_until(lambda out, err: re.search(r"test accuracy: +\d+%\|.*\| *[1-9]\d*/", err) is not None)
+    in_test = run.wait_until(
+        lambda out, err: re.search(r"test accuracy: +\d+%\|.*\| *[1-9]\d*/", err) is not None
+    )
     run.send(signal.SIGTERM)
     start = time.monotonic()
     proc = run.wait()

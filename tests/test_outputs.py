@@ -225,7 +225,9 @@ LONG_PATHS = {
 
 
 @pytest.mark.parametrize("case", sorted(LONG_PATHS))
-def test_a_results_dir_the_file_system_cannot_hold_is_one_line_before_anything_is_made(run_recipe, tmp_path, case):
+def test_a_results_dir_the_file_system_cannot_hold_is_one_line_before_anything_is_made(
+    run_recipe, tmp_path, case
+):
     """They ended in a traceback (OSError: [Errno 36] File name too long, from the output folder's
     check and the run's lock); undecodable bytes made the folder, then failed on printing its name."""
     name, said = LONG_PATHS[case]

@@ -26,6 +26,8 @@ def test_an_old_results_json_reads_its_activation_checkpointing(tmp_path):
 
 def test_a_rung_declared_under_the_old_name_reads(tmp_path):
     assert RENAMED_FIELDS["checkpoint"] == "activation_checkpointing"
-    (tmp_path / "99_old.py").write_text('"""An old rung."""\nRUNG = RunConfig(recipe="99_old", checkpoint=("Block",))\n')
+    (tmp_path / "99_old.py").write_text(
+        '"""An old rung."""\nRUNG = RunConfig(recipe="99_old", checkpoint=("Block",))\n'
+    )
     rung, doc = declared_rung("99", folder=tmp_path)
     assert rung.activation_checkpointing == ("Block",) and doc == "An old rung."

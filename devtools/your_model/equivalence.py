@@ -62,13 +62,19 @@ def main() -> int:
     for name, common, ref, checked in ROWS:
         if a.only and a.only not in name:
             continue
-        argv = [c.format(bert=bert_path) for c in common] + [*FP32, "--max-steps", str(a.steps), "--seed", "0"]
+        argv = [c.format(bert=bert_path) for c in common] + [
+            *FP32,
+            "--max-steps",
+            str(a.steps),
+            "--seed",
+            "0",
+        ]
         try:
             with tempfile.TemporaryDirectory() as tmp:
                 base = _run_recipe(RECIPE, [*argv, *ref], tmp)
                 other = _run_recipe(RECIPE, [*argv, *checked], tmp)
             row = {"row": name, "steps": a.steps, **compare(base, other)}
-        except Exception as e:  # noqa: BLE001 - a row that cannot run is reported, the rest go on
+        except Exception as e:
             row = {"row": name, "ok": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
         failed += not row["ok"]
         rows.append(row)

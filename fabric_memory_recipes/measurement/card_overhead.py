@@ -81,7 +81,9 @@ def card_overhead(gpu: str, mode: str, table: dict[str, Any] | None = None) -> O
                         f" run(s) ({', '.join(entry['methods'])}; largest: {entry['largest_from']}; {where})")  # fmt: skip
     known = [(e["overhead_gb"], g, m) for g, modes in kinds.items() for m, e in modes.items()]
     if not known:
-        return Overhead(gpu, mode, None, f"no measured overhead in {where}: the whole-device peak is unknown", False)
+        return Overhead(
+            gpu, mode, None, f"no measured overhead in {where}: the whole-device peak is unknown", False
+        )
     value, g, m = max(known)
     return Overhead(gpu, mode, value, measured=False, source=f"no {gpu} {mode} measurement: the largest measured overhead is assumed"
                     f" ({g} {m}, {value:.2f} GB; {where})")  # fmt: skip

@@ -203,7 +203,7 @@ class DeviceSampler:
             try:
                 self.reader = factory()
                 return
-            except Exception as e:  # noqa: BLE001 - any failure means: try the next method
+            except Exception as e:
                 self.failures.append(f"{getattr(factory, '__name__', 'reader')}: {type(e).__name__}: {e}")
 
     def _run(self) -> None:
@@ -222,7 +222,7 @@ class DeviceSampler:
             try:
                 value = reader.read()
                 process = reader.read_process() if isinstance(reader, NvmlReader) else None
-            except Exception as e:  # noqa: BLE001 - a measurement must never stop the run
+            except Exception as e:
                 self.failures.append(f"{reader.method}: {type(e).__name__}: {e}")
                 recent = self.failures[-MAX_FAILURES:]
                 if len(recent) == MAX_FAILURES and all(f.startswith(reader.method) for f in recent):
@@ -354,7 +354,7 @@ def start_for_run() -> DeviceSampler | None:
         if not torch.cuda.is_available():
             return None
         return DeviceSampler().start()
-    except Exception:  # noqa: BLE001 - never stop a run for its measurement
+    except Exception:
         return None
 
 

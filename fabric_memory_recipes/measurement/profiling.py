@@ -190,7 +190,7 @@ class Recorder:
                 f"({time.perf_counter() - start:.0f} s to categorise)",
                 flush=True,
             )
-        except Exception as e:  # noqa: BLE001 - a failed export must not cost the run's measurements
+        except Exception as e:
             self.timeline_files = {"error": f"{type(e).__name__}: {e}"}
             print(f"[memory-timeline] export failed: {e}", flush=True)
 

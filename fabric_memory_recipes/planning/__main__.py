@@ -51,8 +51,10 @@ def _estimate_config(args: argparse.Namespace) -> tuple[RunConfig, dict[str, Any
     if args.checkpoint:
         overrides["activation_checkpointing"] = tuple(c for c in args.checkpoint.split(",") if c)
     if flags["model"] not in rung.model_choices:
-        fail(f"--model {flags['model']!r} is not one of: {', '.join(rung.model_choices)}; your own model:"
-             f" {models.EXAMPLES} (docs/your_model.md)")
+        fail(
+            f"--model {flags['model']!r} is not one of: {', '.join(rung.model_choices)}; your own model:"
+            f" {models.EXAMPLES} (docs/your_model.md)"
+        )
     try:
         cfg = rung.with_flags(**flags).checked(Hardware.planned())  # 'auto': predict for a GPU
     except UsageError as e:

@@ -73,13 +73,19 @@ def _help(name: str) -> str:
         extra = f"; your model: {_shown(getattr(yours, name))}" if getattr(yours, name) != ladder else ""
         extra += f"; --fit: {FIT_BATCH}" if name == "batch_size" else ""
         text += f" (default: the --recipe rung's, else {_shown(ladder)}{extra})"
-    return text + (f"; your model: {cls.HELP[name]}" if cls.HELP.get(name, text) != RunConfig.HELP.get(name, text) else "")
+    return text + (
+        f"; your model: {cls.HELP[name]}"
+        if cls.HELP.get(name, text) != RunConfig.HELP.get(name, text)
+        else ""
+    )
 
 
 def build() -> Parser:
     """The parser: the modes, then each mode's flags, then a run's flags by RunConfig's groups."""
     p = Parser(description=MODES_HELP)
-    m = p.add_argument_group("modes (none of these: a rung's estimate; --model SOURCE:NAME: your own model's)")
+    m = p.add_argument_group(
+        "modes (none of these: a rung's estimate; --model SOURCE:NAME: your own model's)"
+    )
     m.add_argument("--recipe", help="estimate the configuration declared in recipes/<NAME>.py (its RUNG)")
     m.add_argument("--fit", metavar="SIZE", help="which configurations fit a card of SIZE (6GB, 6.5GB, 512MB, 8GiB),"
                    " fastest first: the ladder's, or your own model's technique sets with --model SOURCE:NAME")  # fmt: skip
@@ -118,13 +124,19 @@ def build() -> Parser:
                    " accuracy cost the convergence benchmark measured (default: keep yours)")  # fmt: skip
     y.add_argument("--measure", action="store_true", help="run the top sets on this machine's CUDA GPU, a few steps"
                    " each on the emulated card, and rank them by measured samples/s")  # fmt: skip
-    y.add_argument("--measure-steps", type=at_least(4), default=15, metavar="N", help="optimizer steps per measured set")
+    y.add_argument(
+        "--measure-steps", type=at_least(4), default=15, metavar="N", help="optimizer steps per measured set"
+    )
     y.add_argument("--measure-dir", type=output_folder("--measure-dir"), metavar="DIR",
                    help="where --measure writes plan.json, plan.md and the runs (default: runs/fit/<model>-<SIZE>)")  # fmt: skip
-    cls = runner.YourModelConfig  # RunConfig's flags and your model's technique set; the estimate's --optimizer
+    cls = (
+        runner.YourModelConfig
+    )  # RunConfig's flags and your model's technique set; the estimate's --optimizer
     cli.add_flags(p, cls, help_of=_help, data_choices=tuple(dict.fromkeys((*RunConfig.DATA_CHOICES, *cls.DATA_CHOICES))),
                   skip=("optimizer",), titles={**cls.GROUPS, "technique": "your model's technique set (--model SOURCE:NAME)"})  # fmt: skip
-    p.set_defaults(**{f.name: None for f in cls.flag_fields() if f.name != "optimizer"})  # filled after parsing
+    p.set_defaults(
+        **{f.name: None for f in cls.flag_fields() if f.name != "optimizer"}
+    )  # filled after parsing
     return p
 
 
@@ -148,7 +160,10 @@ def allowed(mode: str) -> set[str]:
         CHECK: {"check", "json", "plot"},
         LADDER: {"ladder"},
         FIT: fit | {"precisions", "optimizers", "modes", "results", "no_cache", "batch_size", "model"},
-        YOURS: run | set(YOURS_ONLY) | fit | {"optimizer", "may_change", "measure", "measure_steps", "measure_dir"},
+        YOURS: run
+        | set(YOURS_ONLY)
+        | fit
+        | {"optimizer", "may_change", "measure", "measure_steps", "measure_dir"},
     }[mode]
 
 
@@ -159,7 +174,9 @@ def refuse_foreign(parser: Parser, args: argparse.Namespace, mode: str) -> None:
         if action.dest in ok or not action.option_strings or action.dest == "help":
             continue
         if getattr(args, action.dest) != action.default:
-            fail(f"{action.option_strings[0]} does nothing with {WHERE[mode]} (--help lists each mode's flags)")
+            fail(
+                f"{action.option_strings[0]} does nothing with {WHERE[mode]} (--help lists each mode's flags)"
+            )
 
 
 def filled(args: argparse.Namespace, base: RunConfig) -> dict[str, Any]:
@@ -167,7 +184,9 @@ def filled(args: argparse.Namespace, base: RunConfig) -> dict[str, Any]:
     values = {f.name: getattr(args, f.name) for f in type(base).flag_fields()}
     values = {k: getattr(base, k) if v is None else v for k, v in values.items()}
     if values["data"] not in base.DATA_CHOICES:
-        fail(f"argument --data: invalid choice: {values['data']!r} (choose from {', '.join(base.DATA_CHOICES)})")
+        fail(
+            f"argument --data: invalid choice: {values['data']!r} (choose from {', '.join(base.DATA_CHOICES)})"
+        )
     return values
 
 

@@ -20,13 +20,18 @@ from fabric_memory_recipes.training.models import meta_ladder_model
 # JSON files that sit beside the results and are not runs: the ladder's manifest and prediction,
 # timelines, the other ranks' files
 COMPANION = re.compile(r"^(run_all|predicted)\.json$|-timeline\.json$|\.rank\d+\.json$")
-UNREADABLE, NOT_RESULTS = "unreadable", f"not a schema-{SCHEMA_VERSION} results file"  # the reasons that name their file
+UNREADABLE, NOT_RESULTS = (
+    "unreadable",
+    f"not a schema-{SCHEMA_VERSION} results file",
+)  # the reasons that name their file
 
 
 def why_unreadable(error: Exception) -> str:
     """A JSON file that could not be read, in a few words: empty, truncated, not UTF-8, or the OS error."""
     if isinstance(error, json.JSONDecodeError):
-        return "empty" if not error.doc.strip() else f"truncated or not JSON: {error.msg}, line {error.lineno}"
+        return (
+            "empty" if not error.doc.strip() else f"truncated or not JSON: {error.msg}, line {error.lineno}"
+        )
     if isinstance(error, OSError):
         return error.strerror or type(error).__name__
     return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
@@ -50,7 +55,11 @@ def skipped_summary(dirs: list[str], skipped: list[tuple[str, str]], compared: i
 
 def _skip_reason(result: Any) -> str | None:
     """Why a parsed JSON is not compared (a short phrase, counted in the summary line), or None."""
-    if not isinstance(result, dict) or result.get("schema_version") != SCHEMA_VERSION or not result.get("recipe"):
+    if (
+        not isinstance(result, dict)
+        or result.get("schema_version") != SCHEMA_VERSION
+        or not result.get("recipe")
+    ):
         return NOT_RESULTS
     if result.get("status") != "ok":
         return f"status {result.get('status')}"

@@ -42,9 +42,11 @@ def predict(recipe: str) -> dict[str, Any]:
     try:
         cfg = gpu_config(recipe)
         est = simulate(
-            meta_ladder_model(cfg.model, fused_attention=cfg.fused_attention), plan_for(cfg), model_name=cfg.model
+            meta_ladder_model(cfg.model, fused_attention=cfg.fused_attention),
+            plan_for(cfg),
+            model_name=cfg.model,
         )
-    except Exception as e:  # noqa: BLE001 - reported in the row, the other rungs go on
+    except Exception as e:
         return {"recipe": recipe, "peak_allocated_gb": None, "error": f"{type(e).__name__}: {e}"}
     return {
         "recipe": recipe,

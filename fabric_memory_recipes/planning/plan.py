@@ -58,7 +58,10 @@ LOWBIT_MIN_NUMEL = 4096  # ...and smaller tensors keep full-precision state
 OPTIMIZER_IMPLS = ("fused", "foreach", "for-loop")
 ATTENTION_CHOICES = ("auto", "fused", "math")
 SHARDING_CHOICES = ("none", "fsdp", "fsdp2")
-CHECKPOINT_WRAPPERS = (CheckpointedBlock.__name__, "CheckpointWrapper")  # modules that checkpoint their child (torch's too)
+CHECKPOINT_WRAPPERS = (
+    CheckpointedBlock.__name__,
+    "CheckpointWrapper",
+)  # modules that checkpoint their child (torch's too)
 LOW_PRECISION = {
     "16-mixed": "float16",
     "bf16-mixed": "bfloat16",

@@ -177,7 +177,7 @@ def load(fabric, path: str, stateful: dict, total: int | None = None) -> dict:
         raise BadInput(f"--resume {path}: {reason}")
     try:
         saved = fabric.load(path, stateful)
-    except Exception as e:  # noqa: BLE001 - whatever torch/Fabric raise, the user needs the file and the reason
+    except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise BadInput(
             f"--resume {path}: cannot be loaded into this run ({type(e).__name__}: {first[:300]})"

@@ -148,9 +148,7 @@ def require_transformers(what: str) -> None:
     """One line and exit 2 when ``transformers`` is missing: it is an extra, not a dependency, so an
     installed wheel estimates vision models without it (``--model hf:`` and the bonus cases need it)."""
     if importlib.util.find_spec("transformers") is None:
-        raise UsageError(
-            f"{what} needs Hugging Face transformers: pip install 'fabric-memory-recipes[hf]'"
-        )
+        raise UsageError(f"{what} needs Hugging Face transformers: pip install 'fabric-memory-recipes[hf]'")
 
 
 def _cached(hub_id: str) -> bool:

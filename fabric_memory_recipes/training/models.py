@@ -70,7 +70,9 @@ def build_model(name: str, weights: object | None, num_classes: int = 10, image_
         if image_size % patch:
             raise UsageError(f"--image-size {image_size}: {name} needs a multiple of its patch size, {patch}")
         if weights is not None and image_size != 224:
-            raise UsageError(f"--image-size {image_size}: pretrained {name} weights are for 224 px (use --weights none)")
+            raise UsageError(
+                f"--image-size {image_size}: pretrained {name} weights are for 224 px (use --weights none)"
+            )
     if name == "vit_tiny":
         # 32x32 input, 8x8 patches -> 16 tokens + class token; a few thousand parameters per block.
         return _same_start(

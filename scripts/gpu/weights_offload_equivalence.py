@@ -42,12 +42,17 @@ def model(device: torch.device, checkpointed: bool) -> torch.nn.Module:
 
 def make_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
-    return [(torch.randn(16, 3, 32, 32, generator=g), torch.randint(0, 10, (16,), generator=g)) for _ in range(STEPS)]
+    return [
+        (torch.randn(16, 3, 32, 32, generator=g), torch.randint(0, 10, (16,), generator=g))
+        for _ in range(STEPS)
+    ]
 
 
 def streamed(device, batches, dtype, checkpointed) -> dict[str, torch.Tensor]:
     m = model(device, checkpointed)
-    s = WeightsOnCPU(m, models.blocks(m), device, lambda p: torch.optim.Adam(p, lr=LR, fused=True), dtype=dtype)
+    s = WeightsOnCPU(
+        m, models.blocks(m), device, lambda p: torch.optim.Adam(p, lr=LR, fused=True), dtype=dtype
+    )
     for x, y in batches:
         F.cross_entropy(m(x.to(device, dtype)), y.to(device)).backward()
     out = {n: t.clone() for n, t in s.master_parameters().items()}
@@ -92,7 +97,9 @@ def compare(device: torch.device) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     batches = make_batches()
-    start = {c: {n: p.detach().clone() for n, p in model(device, c).named_parameters()} for c in (False, True)}
+    start = {
+        c: {n: p.detach().clone() for n, p in model(device, c).named_parameters()} for c in (False, True)
+    }
     t = time.perf_counter()
     bf16 = torch.bfloat16
     return {

@@ -273,7 +273,9 @@ def check(command: str) -> str | None:
         return f"./run_all.sh: {missing}" if missing else None
     if words[0] in SETUP or words[0] in ("python", "python3"):
         return check_setup(words)
-    return f"not a command this test knows: declare how to check {words[0]!r} (tests/docs/test_doc_commands.py)"
+    return (
+        f"not a command this test knows: declare how to check {words[0]!r} (tests/docs/test_doc_commands.py)"
+    )
 
 
 @pytest.mark.parametrize("page", [*[str(p.relative_to(REPO)) for p in PAGES], "docs/workshop.ipynb"])

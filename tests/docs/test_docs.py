@@ -25,9 +25,7 @@ def test_every_rung_page_with_a_diff_section_is_found():
 def test_a_pages_diff_is_the_diff_of_the_recipes(page, old, new):
     start, end = docs_diff.block(page)
     quoted = page.read_text()[start:end]
-    assert quoted == docs_diff.render(old, new), (
-        f"run: python -m devtools.docs_diff --write ({page.name})"
-    )
+    assert quoted == docs_diff.render(old, new), f"run: python -m devtools.docs_diff --write ({page.name})"
 
 
 def _code_lines() -> set[str]:

@@ -24,7 +24,13 @@ REPO = Path(__file__).resolve().parents[2]
 README = (REPO / "README.md").read_text()
 PUBLISHED = REPO / "results" / "published" / "h100"
 CHECK = "fmr-estimate --check results/published/h100/ladder"
-CHECKED = {"±10 %", "±10%", "-9.7%", "+11.4%", "8 ×"}  # the numbers the tests below check, as the prose writes them
+CHECKED = {
+    "±10 %",
+    "±10%",
+    "-9.7%",
+    "+11.4%",
+    "8 ×",
+}  # the numbers the tests below check, as the prose writes them
 
 
 def prose() -> str:
@@ -110,12 +116,21 @@ def test_your_models_speed_is_the_committed_runs():
     def rates(name: str) -> list[float]:
         found = [json.loads(f.read_text()) for f in sorted(runs.glob(f"your_model-{name}-r*.json"))]
         assert len(found) >= 3 and all(r["status"] == "ok" for r in found)
-        assert all(r["config"]["seq_len"] == 1024 and r["config"]["batch_size"] == 8 for r in found)  # 8 × 1024
+        assert all(
+            r["config"]["seq_len"] == 1024 and r["config"]["batch_size"] == 8 for r in found
+        )  # 8 × 1024
         return [r["timing"]["samples_per_s"] for r in found]
 
-    fast, eager, llama = rates("neox-fast-fused-ckpt-mb8"), rates("neox-eager-ckpt-mb2x4"), rates("llama-fast-fused-ckpt-mb8")
+    fast, eager, llama = (
+        rates("neox-fast-fused-ckpt-mb8"),
+        rates("neox-eager-ckpt-mb2x4"),
+        rates("llama-fast-fused-ckpt-mb8"),
+    )
     text = " ".join(README.split())
-    assert f"trained at {statistics.median(fast):.1f} samples/s with both (3 runs, {min(fast):.1f}–{max(fast):.1f})" in text
+    assert (
+        f"trained at {statistics.median(fast):.1f} samples/s with both (3 runs, {min(fast):.1f}–{max(fast):.1f})"
+        in text
+    )
     assert f"against {statistics.median(eager):.1f} for the fastest eager set" in text
     assert f"fits an 8 GB card at {statistics.median(llama):.1f} samples/s" in text
 
@@ -196,7 +211,9 @@ def test_the_pages_the_render_commands_rewrite_name_a_command_that_runs():
             else:
                 assert words[:2] == ["python", "-m"], command
                 spec = importlib.util.find_spec(words[2])
-                runnable = spec.submodule_search_locations is None or importlib.util.find_spec(f"{words[2]}.__main__")
+                runnable = spec.submodule_search_locations is None or importlib.util.find_spec(
+                    f"{words[2]}.__main__"
+                )
                 assert runnable, f"{page}: `{command}` names a package without __main__"
 
 
@@ -208,7 +225,7 @@ def test_the_cpu_only_torch_command_comes_before_the_install_command():
 
 
 def test_the_estimators_time_is_what_was_measured():
-    """"In seconds" was 26.6 s and 53.9 s on a first run after the install, 7-15 s warm; 12.5 s and 22 s
+    """ "In seconds" was 26.6 s and 53.9 s on a first run after the install, 7-15 s warm; 12.5 s and 22 s
     warm on two busy cores."""
     section = README[README.index("## Will it fit my card?") : README.index("## Your own model")]
     text = " ".join(section.split())

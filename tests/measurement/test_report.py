@@ -249,7 +249,10 @@ def test_bad_files_are_skipped_with_a_warning(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert "02_broken.json" in err and "future.json" in err
     # JSON of the wrong shape was dropped without a word
-    assert f"skipping {tmp_path / 'other.json'}: not a results file (wrong shape: an object without schema_version)" in err
+    assert (
+        f"skipping {tmp_path / 'other.json'}: not a results file (wrong shape: an object without schema_version)"
+        in err
+    )
     assert f"skipping {tmp_path / 'list.json'}: not a results file (wrong shape: an array)" in err
     assert "rank1" not in err and "timeline" not in err
     assert "report: 1 run -> " in out, out  # not "1 runs"
@@ -302,9 +305,13 @@ def test_end_to_end_with_a_real_run(tmp_path):
     start = next(i for i, line in enumerate(lines) if line.startswith("| recipe |"))
     header = [c.strip() for c in lines[start].strip("|").split("|")]
     row = dict(zip(header, (c.strip() for c in lines[start + 2].strip("|").split("|")), strict=True))
-    assert row["recipe"] == "01_baseline" and row["tiny run: status"] == "ok" and row["precision"] == "32-true"
+    assert (
+        row["recipe"] == "01_baseline" and row["tiny run: status"] == "ok" and row["precision"] == "32-true"
+    )
     assert row["batch"] == "64" and row["optimizer steps"] == "3" and row["img/s (range)"] != "—"
-    assert float(row["peak RSS GB (process)"]) > 0 and "peak reserved GB" not in markdown  # RSS, named as such
+    assert (
+        float(row["peak RSS GB (process)"]) > 0 and "peak reserved GB" not in markdown
+    )  # RSS, named as such
     assert "GPU config predicted" not in row and "no full-size prediction here" in markdown
     assert_png(tmp_path / "ladder.png")
 

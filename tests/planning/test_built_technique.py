@@ -54,8 +54,12 @@ def test_checkpointed_blocks_are_the_wrapped_classes():
 def test_a_sharding_strategy_keeps_the_declared_checkpoints():
     """FSDP wraps the blocks at fabric.setup, after the estimate: the model shows none yet."""
     model = torch.nn.Sequential(Block())
-    assert built_technique(model, RunConfig(activation_checkpointing=("Block",))) == {"activation_checkpointing": ()}
-    assert "activation_checkpointing" not in built_technique(model, RunConfig(activation_checkpointing=("Block",), sharding="fsdp"))
+    assert built_technique(model, RunConfig(activation_checkpointing=("Block",))) == {
+        "activation_checkpointing": ()
+    }
+    assert "activation_checkpointing" not in built_technique(
+        model, RunConfig(activation_checkpointing=("Block",), sharding="fsdp")
+    )
 
 
 def test_the_recorded_estimate_follows_the_code_not_the_declaration():

@@ -125,7 +125,13 @@ def test_the_overhead_per_gpu_is_the_measured_one_for_that_many_processes_and_sa
 
 
 def _entry(gb: float, source: str) -> dict:
-    return {"overhead_gb": gb, "runs": 1, "smallest_gb": gb, "largest_from": source, "methods": ["nvml-process"]}
+    return {
+        "overhead_gb": gb,
+        "runs": 1,
+        "smallest_gb": gb,
+        "largest_from": source,
+        "methods": ["nvml-process"],
+    }
 
 
 def test_without_a_measurement_the_closest_sharded_one_is_assumed_and_said_to_be():
@@ -139,7 +145,10 @@ def test_without_a_measurement_the_closest_sharded_one_is_assumed_and_said_to_be
     assert (two.gb, two.measured) == (1.68, False) and "(h200 x2 eager, 1.68 GB per GPU" in two.source
     assert card_overhead.overhead_per_gpu("h100", "eager", 8, table).gb == 1.70  # same mode, the largest
     exact = card_overhead.overhead_per_gpu("h200", "compiled", 4, table)
-    assert exact.measured and exact.phrase(4) == "the card overhead measured for h200 x4 compiled (2.09 GB per GPU)"
+    assert (
+        exact.measured
+        and exact.phrase(4) == "the card overhead measured for h200 x4 compiled (2.09 GB per GPU)"
+    )
     assert two.phrase(2).startswith("a card overhead assumed for h100 x2 eager, which no run measured:")
     one = card_overhead.card_overhead("h100", "eager", TABLE)
     assert one.measured and one.phrase() == "the card overhead measured for h100 eager (0.80 GB)"

@@ -45,9 +45,15 @@ def test_one_parser_and_no_argv_sniffing():
                 constructions.append(f"{name}:{node.lineno}")
             if isinstance(node, ast.Call) and called == "parse_known_args":
                 sniffs.append(f"{name}:{node.lineno}")
-        sniffs += [f"{name}: {m}" for m in re.findall(r'a == "--\w+"|startswith\("--\w+', source)
-                   if "--fit" not in m or name != "planner/cli.py"]  # fmt: skip  (join_fit_value: a value, not a mode)
-    assert constructions == [c for c in constructions if c.startswith("arguments.py")] and len(constructions) == 1
+        sniffs += [
+            f"{name}: {m}"
+            for m in re.findall(r'a == "--\w+"|startswith\("--\w+', source)
+            if "--fit" not in m or name != "planner/cli.py"
+        ]  # fmt: skip  (join_fit_value: a value, not a mode)
+    assert (
+        constructions == [c for c in constructions if c.startswith("arguments.py")]
+        and len(constructions) == 1
+    )
     assert not sniffs, sniffs
 
 

@@ -270,7 +270,9 @@ def test_several_gpus_plan_fsdp_sets_with_memory_per_gpu(configs, capsys):
     assert {r["technique"] for r in four["fits"]} == {"AdamW", "AdamW + checkpointing"}
     # no h100 x4 eager run measured the overhead: the closest measurement (same mode and count) is assumed
     # and said to be, where "h200 x4 compiled" (the largest of all) was taken and called measured
-    assert four["card_overhead"].startswith("a card overhead assumed for h100 x4 eager, which no run measured")
+    assert four["card_overhead"].startswith(
+        "a card overhead assumed for h100 x4 eager, which no run measured"
+    )
     assert "(h200 x4 eager, 1.68 GB per GPU" in four["card_overhead"], four["card_overhead"]
     assert "NCCL" in " ".join(four["speed"]) and "(or h100's)" not in " ".join(four["speed"])
     with pytest.raises(SystemExit) as e:
@@ -291,9 +293,13 @@ def test_the_fit_proof_shares_its_jobs_over_the_named_gpus(tmp_path, monkeypatch
 
     monkeypatch.setattr(fit_proof.subprocess, "run", fake_run)
     fit_proof.run(tmp_path, ["2", "3"], 4, ("swin_t", "roberta-base"), deadline=1e9)
-    assert sorted(Path(d).name for d, _ in ran) == ["roberta-base-6GB", "roberta-base-8GB", "swin_t-3GB", "swin_t-5GB"]
+    assert sorted(Path(d).name for d, _ in ran) == [
+        "roberta-base-6GB",
+        "roberta-base-8GB",
+        "swin_t-3GB",
+        "swin_t-5GB",
+    ]
     assert {gpu for _, gpu in ran} <= {"2", "3"}
     ran.clear()
     fit_proof.run(tmp_path, ["0"], 4, ("swin_t",), deadline=0)
     assert ran == []
-

@@ -100,10 +100,14 @@ def test_a_technique_set_is_read_by_name_never_by_position():
     with pytest.raises(ValueError, match="not a planned technique"):
         TechniqueSet("sgd", ("bf16_update",))
     with pytest.raises(TypeError):
-        used[0]  # noqa: B018 - a set has no positions
+        used[0]
     assert positional_reads("x = c.signature[3] + sig[0] + d.techniques.used[1]\ny = sizes[2]") == [1, 1, 1]
     planning = Path(calibration.__file__).parents[1]
-    assert {str(p): positional_reads(p.read_text()) for p in planning.rglob("*.py") if positional_reads(p.read_text())} == {}
+    assert {
+        str(p): positional_reads(p.read_text())
+        for p in planning.rglob("*.py")
+        if positional_reads(p.read_text())
+    } == {}
 
 
 def test_families_are_the_single_gpu_rungs_by_technique():
@@ -114,7 +118,10 @@ def test_families_are_the_single_gpu_rungs_by_technique():
     ]  # fmt: skip
     assert found[TechniqueSet.of("sgd")] == ["06_sgd_cosine"]  # 07 left out: it also loads in fp32
     floor = TechniqueSet.of("sgd", OPTIMIZER_IN_BACKWARD, ACTIVATION_OFFLOAD, ACTIVATION_CHECKPOINTING)
-    assert found[floor] == ["14_memory_floor"] and floor.label() == "SGD + checkpointing + offload + step in backward"
+    assert (
+        found[floor] == ["14_memory_floor"]
+        and floor.label() == "SGD + checkpointing + offload + step in backward"
+    )
     assert len(found) == 7
     recipes = {r for rs in found.values() for r in rs}
     assert not recipes & {"07_init_module", "08_fsdp", "08_fsdp2", "09_cpu_offload", "15_speed"}
@@ -301,7 +308,11 @@ def test_the_speed_model_reproduces_the_committed_fast_runs():
     rung 04 (batch 16 without accumulation, the only fast run at micro-batch 16): -10.9 %."""
     runs = calibration.load_runs()
     model = speed.speed_model("h100", "vit_l_16", 303_311_882, runs)
-    fast = [r for r in runs if r.mode == "fast" and r.gpu == "h100" and r.techniques.optimizer != LOWBIT_STATE.name]
+    fast = [
+        r
+        for r in runs
+        if r.mode == "fast" and r.gpu == "h100" and r.techniques.optimizer != LOWBIT_STATE.name
+    ]
     assert len(fast) >= 5
     for r in fast:
         step = model.step_s(r.precision, r.techniques, r.micro, r.accumulation_steps, "fast",

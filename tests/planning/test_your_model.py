@@ -139,7 +139,17 @@ def test_the_estimate_sees_the_fused_loss_and_selective_checkpointing(qwen, tmp_
     records both."""
 
     def peak(ref, seq, *extra):
-        argv = ["--model", ref, "--seq-len", str(seq), "--batch-size", "4", "--precision", "bf16-mixed", "--json"]
+        argv = [
+            "--model",
+            ref,
+            "--seq-len",
+            str(seq),
+            "--batch-size",
+            "4",
+            "--precision",
+            "bf16-mixed",
+            "--json",
+        ]
         assert estimate_main([*argv, *extra]) == 0
         got = json.loads(capsys.readouterr().out)
         return got["peak_allocated_gb"], got["assumptions"]
@@ -159,7 +169,9 @@ def test_fit_combines_the_modes_and_the_causal_lm_levers(qwen):
     planner = UserPlanner(qwen, 2, 32, precision="bf16-mixed")
     found = {(c.mode, c.fused_loss, c.checkpoint_mode) for c in planner.choices}
     assert {("fast", True, "selective"), ("eager", False, "full"), ("fast", False, "full")} <= found
-    c = next(c for c in planner.choices if c.fused_loss and c.checkpoint_mode == "selective" and c.mode == "fast")
+    c = next(
+        c for c in planner.choices if c.fused_loss and c.checkpoint_mode == "selective" and c.mode == "fast"
+    )
     parsed = cli.build_parser(runner.default_config()).parse_args(c.argv())
     assert parsed.fused_loss and parsed.checkpoint_mode == "selective" and parsed.mode == "fast"
     assert "fused loss" in c.label() and "selective checkpointing" in c.label()
@@ -231,7 +243,10 @@ def test_runner_trains_on_cpu_with_the_estimate(run_recipe, request, model, extr
     )
     assert result["timing"] and result["memory"]["peak_allocated_gb"] is not None
     if "--checkpoint-blocks" in extra:
-        assert result["extra"]["checkpointed_blocks"] >= 2 and result["estimate"]["assumptions"]["activation_checkpointing"]
+        assert (
+            result["extra"]["checkpointed_blocks"] >= 2
+            and result["estimate"]["assumptions"]["activation_checkpointing"]
+        )
     assert result["provenance"]["data_source"] in ("digits", "synthetic")
     if "--fused-loss" in extra:  # no logits in training: no token accuracy; evaluation predicts in chunks
         assert result["accuracy"]["train"] is None and result["accuracy"]["test"] is not None
@@ -380,7 +395,12 @@ def test_simulated_peak_is_a_real_cpu_steps_with_the_runners_checkpointing(ref, 
     from fabric_memory_recipes.training import data
 
     um, meta, blocks, _ = estimate.meta_user_model(ref)
-    plan = Plan(device="cpu", micro_batch_size=4, optimizer="sgd", activation_checkpointing=blocks if checkpoint else ())
+    plan = Plan(
+        device="cpu",
+        micro_batch_size=4,
+        optimizer="sgd",
+        activation_checkpointing=blocks if checkpoint else (),
+    )
     torch.manual_seed(0)
     model = models.build(um)
     model.image_size = 96  # small images keep the CPU step quick

@@ -156,7 +156,9 @@ def test_recipe_runs_on_cpu_and_writes_results(name):
     built = p["estimate"]["assumptions"]
     declared = plan_for(declared_rung(name)[0])
     assert (built["optimizer"], built["optimizer_impl"], tuple(built["activation_checkpointing"])) == (
-        declared.optimizer, declared.optimizer_impl, declared.activation_checkpointing
+        declared.optimizer,
+        declared.optimizer_impl,
+        declared.activation_checkpointing,
     ), "RUNG declares another technique than the recipe builds"
 
     # The summary block is printed on stdout (once, by rank 0) and names the file written.

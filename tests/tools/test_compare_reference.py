@@ -181,9 +181,7 @@ def _torchrun_job():
     tmp = session_dir("reference-runner-torchrun")
     ref = write_reference(tmp / "ref", {"11_fake.py": FAKE_FSDP_SCRIPT})
     mapping = {"09": plan.Reference("11_fake.py", devices=4, cpu_offload=False)}
-    (run,) = plan.plan_runs(
-        ["09"], [], ref, tmp, steps=6, python=sys.executable, mapping=mapping, devices=2
-    )
+    (run,) = plan.plan_runs(["09"], [], ref, tmp, steps=6, python=sys.executable, mapping=mapping, devices=2)
     env = subprocess_env(tmp / "logs", REFERENCE_RUNNER_VIT_ARCH=TINY_VIT)
     return run_process(run.cmd, env), run.json
 
@@ -593,7 +591,9 @@ def test_report_renders_the_comparison_into_the_readme(tmp_path, monkeypatch):
     folder.mkdir(parents=True)
     (folder / "comparison.json").write_text(json.dumps(_rows()))
     readme = tmp_path / "README.md"
-    readme.write_text("intro\n<!-- results:comparison:start -->\nSTALE TABLE\n<!-- results:comparison:end -->\nend\n")
+    readme.write_text(
+        "intro\n<!-- results:comparison:start -->\nSTALE TABLE\n<!-- results:comparison:end -->\nend\n"
+    )
     code = render.main(["--comparison", str(folder / "comparison.json"), "--readme", f"{readme}:comparison"])
     assert code == 0
     text = readme.read_text()

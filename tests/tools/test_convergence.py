@@ -161,7 +161,10 @@ def test_tool_plans_every_single_gpu_rung_with_its_kind_of_learning_rate():
     assert mixed.args[mixed.args.index("--precision") + 1] == "bf16-mixed", "fp16 autocast needs CUDA"
     assert {j.variant for j in jobs if j.recipe == "06_sgd_cosine"} == {"default", "plain", "kahan", "mixed"}  # fmt: skip
     rules = {(j.recipe[:2], j.variant): j.rule for j in jobs}
-    assert rules[("06", "default")] == rules[("12", "default")] == "stochastic" and rules[("03", "default")] == "plain"
+    assert (
+        rules[("06", "default")] == rules[("12", "default")] == "stochastic"
+        and rules[("03", "default")] == "plain"
+    )
     assert rules[("14", "default")] == "stochastic"  # the floor too: its peak is plain rounding's (docs/14)
     assert rules[("06", "plain")] == rules[("06", "mixed")] == "plain" and rules[("03", "kahan")] == "kahan"
     assert not [j for j in jobs if j.seed is None], "no ViT-L/16 memory runs without CUDA"
@@ -201,7 +204,9 @@ def test_gpu_plan_trains_vit_l_16_at_one_budget_and_measures_lost_updates_where_
     assert len([j for j in jobs if j.variant == "default"]) == 13 * 3, "every rung, 3 seeds"
     n_train = len(digits.split_indices(digits.raw()[1])[0])
     for j in jobs:
-        value = {flag: nxt for flag, nxt in zip(j.args, [*j.args[1:], ""], strict=True) if flag.startswith("--")}
+        value = {
+            flag: nxt for flag, nxt in zip(j.args, [*j.args[1:], ""], strict=True) if flag.startswith("--")
+        }
         assert value["--model"] == "vit_l_16" and value["--image-size"] == str(preset["image_size"])
         assert value["--epochs"] == str(preset["epochs"]) and value["--mode"] == "fast"
         rung, _ = declared_rung(j.recipe)
@@ -210,7 +215,11 @@ def test_gpu_plan_trains_vit_l_16_at_one_budget_and_measures_lost_updates_where_
         measured = "--lost-updates" in j.args
         assert measured == (j.recipe in benchmark.LOST_RUNGS and j.seed == 0), (j.recipe, j.seed)
         assert ("--no-cuda-graphs" in j.args) == measured, "lost updates read weights between steps"
-    assert {j.variant for j in jobs if j.recipe == "03_true_half_precision"} == {"default", "stochastic", "kahan"}
+    assert {j.variant for j in jobs if j.recipe == "03_true_half_precision"} == {
+        "default",
+        "stochastic",
+        "kahan",
+    }
 
 
 def test_a_later_call_runs_only_what_is_missing_and_is_recorded(tmp_path, monkeypatch):
@@ -226,7 +235,18 @@ def test_a_later_call_runs_only_what_is_missing_and_is_recorded(tmp_path, monkey
 
     monkeypatch.setattr(benchmark, "run_job", fake_run)
     monkeypatch.setattr(benchmark, "render", lambda out, readme=None: 0)
-    argv = ["--out", str(out), "--model", "vit_tiny", "--rungs", "01", "--no-variants", "--", "--accelerator", "cpu"]
+    argv = [
+        "--out",
+        str(out),
+        "--model",
+        "vit_tiny",
+        "--rungs",
+        "01",
+        "--no-variants",
+        "--",
+        "--accelerator",
+        "cpu",
+    ]
     assert benchmark.main([*argv[:4], "--seed-list", "0", *argv[4:]]) == 0
     assert ran == ["default-s0"]
     assert benchmark.main([*argv[:4], "--seed-list", "0,1", *argv[4:]]) == 0
@@ -255,7 +275,17 @@ def test_a_run_with_another_rule_is_run_again_and_gpus_share_out_the_runs(tmp_pa
 
     monkeypatch.setattr(benchmark, "run_job", fake_run)
     monkeypatch.setattr(benchmark, "render", lambda out, readme=None: 0)
-    argv = ["--out", str(out), "--model", "vit_tiny", "--rungs", "06,07", "--no-variants", "--seed-list", "0,1"]
+    argv = [
+        "--out",
+        str(out),
+        "--model",
+        "vit_tiny",
+        "--rungs",
+        "06,07",
+        "--no-variants",
+        "--seed-list",
+        "0,1",
+    ]
     assert benchmark.main([*argv, "--gpus", "2", "--", "--accelerator", "cpu"]) == 0
     assert sorted(tag for tag, _ in seen) == ["06-default-s0", "07-default-s0", "07-default-s1"]
     assert {gpu for _, gpu in seen} <= {"0", "1"} and None not in {gpu for _, gpu in seen}

@@ -371,14 +371,19 @@ def test_cuda_graphs_only_where_they_can_run(monkeypatch):
     assert several.cuda_graphs is False  # fast mode with several devices: compiled, no graphs
     profiled = cli.parse(RunConfig(), ["--accelerator", "cuda", "--memory-timeline"])
     assert profiled.cuda_graphs is False  # the profiler records the eager steps
-    kahan = cli.parse(RunConfig(), ["--accelerator", "cuda", "--precision", "bf16-true", "--bf16-update", "kahan"])
+    kahan = cli.parse(
+        RunConfig(), ["--accelerator", "cuda", "--precision", "bf16-true", "--bf16-update", "kahan"]
+    )
     assert (kahan.compile, kahan.cuda_graphs) == (True, False)  # optimi's Kahan step is not capturable
     gpus = Hardware(cuda_devices=8, cpu_cores=2)
     for argv, word in (
         (["--accelerator", "cpu", "--cuda-graphs"], "CUDA"),
         (["--accelerator", "cuda", "--devices", "2", "--cuda-graphs"], "one device"),
         (["--accelerator", "cuda", "--snapshot", "--cuda-graphs"], "--no-cuda-graphs"),
-        (["--accelerator", "cuda", "--precision", "bf16-true", "--bf16-update", "kahan", "--cuda-graphs"], "Kahan"),
+        (
+            ["--accelerator", "cuda", "--precision", "bf16-true", "--bf16-update", "kahan", "--cuda-graphs"],
+            "Kahan",
+        ),
     ):
         ns = cli.build_parser(RunConfig()).parse_args(argv)
         with pytest.raises(UsageError, match=word):

@@ -13,7 +13,7 @@ import torch
 from fabric_memory_recipes.training import data
 from fabric_memory_recipes.training.cli import UsageError
 from fabric_memory_recipes.training.data import digits, network
-from tests.tiny import N_TEST, N_TRAIN_FILES, PER_BATCH, write_cifar  # noqa: F401
+from tests.tiny import N_TEST, N_TRAIN_FILES, PER_BATCH, write_cifar
 
 
 def _image_id(images: np.ndarray) -> np.ndarray:

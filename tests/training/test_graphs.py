@@ -75,7 +75,7 @@ def _train(fab, model, opt_fn, sched_fn, dl, k, epochs, graphed, monkeypatch, ma
         ("adam", 14, 1, 1, 1),  # no accumulation: the whole step is one graph
     ],
 )
-def test_graphed_steps_equal_eager_steps(fabric, monkeypatch, opt, num_micro, k, epochs, graphs_captured):  # noqa: F811
+def test_graphed_steps_equal_eager_steps(fabric, monkeypatch, opt, num_micro, k, epochs, graphs_captured):
     micro = 4
     x, y = tiny_data(num_micro * micro)
     model0 = tiny_model()

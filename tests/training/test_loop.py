@@ -394,8 +394,7 @@ def test_the_your_model_runner_bounds_evaluation_by_default():
     cfg = cli.parse(runner.default_config(), ["--accelerator", "cpu"])
     assert cfg.eval_batches == 20
     assert (
-        cli.parse(runner.default_config(), ["--accelerator", "cpu", "--eval-batches", "3"]).eval_batches
-        == 3
+        cli.parse(runner.default_config(), ["--accelerator", "cpu", "--eval-batches", "3"]).eval_batches == 3
     )
 
 

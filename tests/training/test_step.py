@@ -46,7 +46,7 @@ def test_a_group_reads_its_micro_batches_only_as_the_step_needs_them():
     assert pulled == [(0, 0), (0, 1)]  # one micro-batch at a time, as a loop over the loader
 
 
-def test_one_step_over_a_group_is_one_step_over_the_big_batch(fabric):  # noqa: F811
+def test_one_step_over_a_group_is_one_step_over_the_big_batch(fabric):
     x, y = tiny_data(12)
     model0 = tiny_model()
     reference = copy.deepcopy(model0)
@@ -71,7 +71,7 @@ def test_one_step_over_a_group_is_one_step_over_the_big_batch(fabric):  # noqa: 
     assert [r[1].shape[0] for r in records] == [4, 4, 4] and not records[0][1].requires_grad
 
 
-def test_without_an_optimizer_the_step_only_runs_backward(fabric):  # noqa: F811
+def test_without_an_optimizer_the_step_only_runs_backward(fabric):
     """Rung 12: the update happened inside backward; the step leaves the gradients to the hooks."""
     model = fabric.setup(tiny_model())
     x, y = tiny_data(4)

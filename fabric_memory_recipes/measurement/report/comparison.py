@@ -135,8 +135,11 @@ def render_comparison_markdown(rows: list[dict], image: str | None = None) -> st
         out += ["", f"{mark} {rung}: {note}"]
     commands = [_as_today(c) for c in dict.fromkeys((r.get("call") or {}).get("command") for r in rows) if c]
     if commands:
-        out += ["", "Produced by " + "; ".join(f"`{c}`" for c in commands) + " (each row's `call.command` "
-                "holds the command as it ran, under the tool's module path of its day)."]
+        out += [
+            "",
+            "Produced by " + "; ".join(f"`{c}`" for c in commands) + " (each row's `call.command` "
+            "holds the command as it ran, under the tool's module path of its day).",
+        ]
     return "\n".join(out) + "\n"
 
 

@@ -49,7 +49,9 @@ def render_cpu_table(results: list[dict], predicted: dict[str, dict], speed_cell
         "precision", "batch", "peak RSS GB (process)", "img/s (range)", "optimizer steps", "train acc",
         "val acc",
     ]  # fmt: skip
-    keep = slice(1, None) if predicted else slice(3, None)  # no prediction (a stopped ladder): no such columns
+    keep = (
+        slice(1, None) if predicted else slice(3, None)
+    )  # no prediction (a stopped ladder): no such columns
     lines = ["| " + " | ".join([header[0], *header[keep]]) + " |",
              "|---|" + "|".join(["---:", "---", "---", "---", "---:", "---:", "---:", "---:", "---:", "---:"][keep.start - 1 :]) + "|"]  # fmt: skip
     for r in sorted(results, key=sort_key):
@@ -110,7 +112,9 @@ def render_predicted_figure(results: list[dict], predicted: dict[str, dict], pat
     # the spread: img/s at the p90 and p10 step times (a noisy CPU step shows as a long bar, not a lever)
     low = [max(0.0, v - _rate(r, "p90", v)) for r, v in zip(results, speed, strict=True)]
     high = [max(0.0, _rate(r, "p10", v) - v) for r, v in zip(results, speed, strict=True)]
-    speed_bars = ax_speed.bar(xs, speed, width=0.6, color="#31a354", yerr=[low, high], capsize=3, ecolor="#555")
+    speed_bars = ax_speed.bar(
+        xs, speed, width=0.6, color="#31a354", yerr=[low, high], capsize=3, ecolor="#555"
+    )
     ax_speed.bar_label(speed_bars, labels=[f"{v:.0f}" if v else "" for v in speed], fontsize=8)
     positive = [v for v in speed if v > 0]
     if positive and max(positive) / min(positive) > 30:

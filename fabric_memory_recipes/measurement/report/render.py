@@ -49,8 +49,16 @@ from fabric_memory_recipes.measurement.results_file import PREDICTED_FILE, SCHEM
 
 STANDARD_PHASES = {"train", "eval", "model_load"}
 # JSON beside the results that is not a run: other ranks' files, timelines, the prediction, run_all.json
-COMPANION = re.compile(rf"\.rank\d+\.json$|-timeline\.json$|^({PREDICTED_FILE}|{run_manifest.MANIFEST_FILE})$")
-JSON_TYPES = {dict: "an object without schema_version", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
+COMPANION = re.compile(
+    rf"\.rank\d+\.json$|-timeline\.json$|^({PREDICTED_FILE}|{run_manifest.MANIFEST_FILE})$"
+)
+JSON_TYPES = {
+    dict: "an object without schema_version",
+    list: "an array",
+    str: "a string",
+    bool: "a boolean",
+    type(None): "null",
+}
 # timed step intervals needed before a speed cell shows a range (p10 and p90 of fewer say little)
 MIN_RANGE = 5
 CPU_MARK = "¹"  # footnote marker on memory cells that hold process RSS, not GPU memory
@@ -237,7 +245,11 @@ def render_estimates(results: list[dict]) -> str | None:
 
 def cpu_track(results: list[dict], predicted: dict[str, dict] | None) -> bool:
     """Every run is a CPU ladder run: the report's CPU track (its GB column the predicted ladder, if any)."""
-    return bool(results) and all(_is_cpu(r) for r in results) and (predicted is not None or not any(map(is_text, results)))
+    return (
+        bool(results)
+        and all(_is_cpu(r) for r in results)
+        and (predicted is not None or not any(map(is_text, results)))
+    )
 
 
 def render_markdown(
@@ -322,7 +334,10 @@ def render_markdown(
             for key, value in r["extra"].items():
                 out.append(f"- **{label(r)}** `{key}`: {format_extra(value)}")
     if stopped:  # run_all.json's state: Ctrl-C or SIGTERM ended the ladder
-        out[1:1] = ["", f"> **Stopped before it finished**: this `./run_all.sh` was interrupted after {len(results)} run(s)."]
+        out[1:1] = [
+            "",
+            f"> **Stopped before it finished**: this `./run_all.sh` was interrupted after {len(results)} run(s).",
+        ]
     if earlier and earlier[1]:
         out += ["", "## Earlier runs", "", earlier[0], "", render_table(earlier[1])]
     elif earlier and earlier[0]:  # every row is an earlier run: said under the title
@@ -390,7 +405,10 @@ def main(argv: list[str] | None = None) -> int:
     markdown = render_markdown(results, figure and figure.name, predicted, (note, earlier), stopped)
     write_text(results_dir / "README.md", markdown)
     also, where = f" (and {len(earlier)} earlier, apart)" if earlier else "", results_dir / "README.md"
-    print(f"report: {len(results)} run{'s' * (len(results) != 1)}{also} -> {where}" + (f", {figure}" if figure else ""))
+    print(
+        f"report: {len(results)} run{'s' * (len(results) != 1)}{also} -> {where}"
+        + (f", {figure}" if figure else "")
+    )
     if args.readme:
         return write_into_block(args.readme, render_table(results), "table")
     return 0

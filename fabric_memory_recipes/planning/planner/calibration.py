@@ -144,9 +144,7 @@ def _read(path: Path, root: Path) -> Measured | None:
     if config.get("memory_budget_gb"):
         return None  # capped (devtools.planner_proof): its peak shows the cap, and it tests the planner
     if config.get("bf16_update") not in (None, "plain"):
-        return (
-            None  # another optimizer implementation (fabric_memory_recipes/training/techniques/bf16.py) than the rung's
-        )
+        return None  # another optimizer implementation (fabric_memory_recipes/training/techniques/bf16.py) than the rung's
     if rung.sharding != "none" or config.get("model") not in VIT_MODELS or not memory.get("peak_reserved_gb"):
         return None
     if rung.weights_offload:
@@ -187,7 +185,9 @@ def load_runs(folders: tuple[str, ...] = (str(RESULTS_DIR), str(RUNS_DIR))) -> t
     for folder in folders:
         root = Path(folder)
         if root == RESULTS_DIR and not root.is_dir():  # an installed wheel: the runs it ships
-            found += [Measured(**{**r, "techniques": TechniqueSet(**r["techniques"])}) for r in _shipped_runs()]
+            found += [
+                Measured(**{**r, "techniques": TechniqueSet(**r["techniques"])}) for r in _shipped_runs()
+            ]
         if not root.is_dir():
             continue
         for path in sorted(root.rglob("*.json")):

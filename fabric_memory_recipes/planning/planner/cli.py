@@ -167,7 +167,10 @@ def run(args: argparse.Namespace) -> int:
         fail(str(e))
     fit = planner.fit(args.budget_gb, args.top)
     try:
-        print(json.dumps(to_json(fit), indent=2) if args.json else render(fit, args.verbose, args.fit), flush=True)
+        print(
+            json.dumps(to_json(fit), indent=2) if args.json else render(fit, args.verbose, args.fit),
+            flush=True,
+        )
     except BrokenPipeError:  # the reader (head, a pager) stopped early: not an error of the planner
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0 if fit.fits else 1

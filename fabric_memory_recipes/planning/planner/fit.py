@@ -165,7 +165,9 @@ def static_bytes(rung: RunConfig, techniques: TechniqueSet, parameters: int) -> 
     workspace: all alive at any steady-state peak, so the simulated peak is never below this."""
     width = 2 if rung.precision in ("bf16-true", "16-true") else 4
     grads = width if rung.accumulation_steps > 1 and not techniques.uses(OPTIMIZER_IN_BACKWARD) else 0
-    state = {"adam": 2 * width, "adamw": 2 * width, "adamw8bit": 2, "sgd-momentum": width}.get(techniques.optimizer, 0)
+    state = {"adam": 2 * width, "adamw": 2 * width, "adamw8bit": 2, "sgd-momentum": width}.get(
+        techniques.optimizer, 0
+    )
     return parameters * (width + grads + state) + CUDA_WORKSPACE_BYTES
 
 

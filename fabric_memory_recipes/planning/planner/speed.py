@@ -88,7 +88,11 @@ class SpeedModel:
         base = plain.get(opt) or statistics.median(list(plain.values()) or list(self.host_ms.values()))
 
         def factor(used: tuple[str, ...]) -> float | None:
-            ratios = [v / plain[t.optimizer] for t, v in self.host_ms.items() if t.used == used and t.optimizer in plain]
+            ratios = [
+                v / plain[t.optimizer]
+                for t, v in self.host_ms.items()
+                if t.used == used and t.optimizer in plain
+            ]
             return statistics.median(ratios) if ratios else None
 
         whole = factor(techniques.used)
@@ -262,11 +266,7 @@ def speed_model(gpu: str, model: str, parameters: int, runs: tuple[Measured, ...
         per_image_ms=take("per_image_ms"),
         precision_factor={
             "bf16-true": 1.0,
-            **{
-                p: v
-                for p in FACTOR_PRECISIONS
-                if (v := take(f"precision:{p}")) is not None
-            },
+            **{p: v for p in FACTOR_PRECISIONS if (v := take(f"precision:{p}")) is not None},
         },  # fmt: skip
         memory_gb_s=take("memory_gb_s"),
         offload_gb_s=take("offload_gb_s"),

@@ -119,7 +119,9 @@ def checkpointed(model, class_names: tuple[str, ...], keep: Callable[[torch.Tens
     do), for the duration of the simulation. ``keep`` is told about each block input: checkpointing
     keeps it for the recompute, so it counts as saved."""
     wrapped = []
-    context = checkpointing.context_fn(mode) or noop_context_fn  # the run's own policy (selective: keep matmuls)
+    context = (
+        checkpointing.context_fn(mode) or noop_context_fn
+    )  # the run's own policy (selective: keep matmuls)
     already = {  # blocks the model checkpoints itself (rung 10's CheckpointedBlock, checkpoint_wrapper)
         id(child)
         for module in model.modules()
@@ -151,7 +153,9 @@ class Precision:
 
     def __init__(self, precision: str, cuda_policy: bool) -> None:
         self.cuda_policy = cuda_policy
-        self.policy_held = False  # simulate() holds CUDA's autocast policy for the whole step (recomputes too)
+        self.policy_held = (
+            False  # simulate() holds CUDA's autocast policy for the whole step (recomputes too)
+        )
         low = getattr(torch, LOW_PRECISION[precision]) if precision in LOW_PRECISION else None
         self.mixed = precision.endswith("-mixed")
         self.low = low
@@ -179,7 +183,10 @@ class Precision:
     def forward_context(self) -> Iterator[None]:
 
         if self.mixed:
-            with torch.autocast("cpu", dtype=self.low), cuda_autocast_policy(self.cuda_policy and not self.policy_held):
+            with (
+                torch.autocast("cpu", dtype=self.low),
+                cuda_autocast_policy(self.cuda_policy and not self.policy_held),
+            ):
                 yield
         elif self.input_dtype != torch.float32:
             previous = torch.get_default_dtype()

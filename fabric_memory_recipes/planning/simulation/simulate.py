@@ -183,7 +183,9 @@ def simulate(
         stack.enter_context(tracker)
         stack.enter_context(attention_kernel(plan.attention_kernel, plan.device, kernels))
         stack.enter_context(torch.compiler.set_stance("force_eager"))  # compiled blocks run eagerly here
-        if precision.mixed and precision.cuda_policy:  # checkpointed blocks recompute in backward under it too
+        if (
+            precision.mixed and precision.cuda_policy
+        ):  # checkpointed blocks recompute in backward under it too
             stack.enter_context(cuda_autocast_policy(True))
             precision.policy_held = True
 
@@ -223,7 +225,9 @@ def simulate(
         # The fake weights stand in for the module's own for the whole step: checkpointed blocks
         # recompute in backward, after the forward call has returned.
         stack.enter_context(_reparametrize_module(model, fake_state, tie_weights=True))
-        stack.enter_context(checkpointed(model, plan.activation_checkpointing, counter.add, plan.checkpoint_mode))
+        stack.enter_context(
+            checkpointed(model, plan.activation_checkpointing, counter.add, plan.checkpoint_mode)
+        )
         wrapped = Wrapped(model, precision)
         k = plan.accumulation_steps
         tracker.record_timeline = record_timeline
@@ -284,7 +288,9 @@ def simulate(
         kernels=sorted(kernels),
         timeline=tracker.timeline,
         largest_temporary_gb=tracker.largest_temporary / GB,
-        reserved_gb=replay(tracker.events, tracker.marks).peak_reserved / GB if plan.device == "cuda" else None,
+        reserved_gb=replay(tracker.events, tracker.marks).peak_reserved / GB
+        if plan.device == "cuda"
+        else None,
     )
 
 
@@ -319,7 +325,7 @@ def for_run(model: Any, cfg: RunConfig, optimizer: Any = None) -> Estimate:
     try:
         plan = plan_for(cfg, **built_technique(model, cfg, optimizer))
         est = simulate(model, plan, model_name=name)
-    except Exception as e:  # noqa: BLE001 - a failed prediction must not cost the measurement
+    except Exception as e:
         est = failed(plan, name, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     if est.error:
         notice(f"[estimate] could not estimate memory: {est.error}")

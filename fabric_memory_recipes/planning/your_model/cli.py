@@ -82,8 +82,10 @@ def run(parsed: argparse.Namespace) -> int:
     print(est.table())
     if not est.error:
         device = got["device_peak_gb"]
-        print(f"  {'peak reserved':<22}{got['peak_reserved_gb']:>11.3f}   the allocator replay's"
-              f" {got['replayed_reserved_gb']:.3f} x {got['reserved_residual']} (planning/reserved.py)")
+        print(
+            f"  {'peak reserved':<22}{got['peak_reserved_gb']:>11.3f}   the allocator replay's"
+            f" {got['replayed_reserved_gb']:.3f} x {got['reserved_residual']} (planning/reserved.py)"
+        )
         print(f"  {'whole-device peak':<22}" + (f"{device:>11.3f}   + {got['overhead_gb']:.3f} GB outside the"
               f" allocator ({got['overhead_source']})" if device is not None else f"{'unknown':>11}"))  # fmt: skip
     return 1 if est.error else 0

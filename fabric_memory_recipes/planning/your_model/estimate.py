@@ -110,14 +110,16 @@ def card(est: Estimate, gpu: str = "h100", mode: str = "eager", devices: int = 1
     }
 
 
-def for_user_run(model: Any, um: UserModel, cfg: YourModelConfig, blocks: tuple[str, ...]) -> tuple[Estimate, dict]:
+def for_user_run(
+    model: Any, um: UserModel, cfg: YourModelConfig, blocks: tuple[str, ...]
+) -> tuple[Estimate, dict]:
     """What the runner records next to its measurement (never stops the run: a failed prediction is
     recorded with its error)."""
     plan = None
     try:
         plan = plan_of(cfg, blocks)
         est = estimate(model, um, plan, getattr(cfg, "seq_len", 0))
-    except Exception as e:  # noqa: BLE001 - a failed prediction must not cost the measurement
+    except Exception as e:
         est = failed(plan, um.ref, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     gpu = gpu_slug(torch.cuda.get_device_name()) if torch.cuda.is_available() else "h100"
     devices = cfg.devices if getattr(cfg, "fsdp", False) else 1  # processes per machine, each a GPU

@@ -119,6 +119,7 @@ class Choice(Candidate):
         if not peak_flops or not self.images_per_s or not self.model_flops:
             return None
         return self.images_per_s * self.model_flops / peak_flops
+
     def argv(self) -> list[str]:
         r, used = self.rung, self.techniques
         out = ["--model", r.model] + (["--seq-len", str(self.seq_len)] if self.seq_len else [])
@@ -135,7 +136,9 @@ class Choice(Candidate):
         sharded = f", FSDP over {self.devices} GPUs" if self.devices > 1 else ""
         label = super().label()
         if self.checkpoint_mode != "full":
-            label = label.replace(ACTIVATION_CHECKPOINTING.label, f"{self.checkpoint_mode} {ACTIVATION_CHECKPOINTING.label}")
+            label = label.replace(
+                ACTIVATION_CHECKPOINTING.label, f"{self.checkpoint_mode} {ACTIVATION_CHECKPOINTING.label}"
+            )
         if self.fused_loss:
             label = label.replace(f", {self.mode}", f" + {FUSED_LOSS.label}, {self.mode}")
         return label + sharded + (f" [changes {changed}]" if changed else "")
@@ -252,8 +255,10 @@ class UserPlanner:
                             fused_loss=c.fused_loss, shard_units=self.blocks, world_size=c.devices)  # fmt: skip
                 try:
                     est = estimate(self.model, self.um, plan, self.seq_len or 0)
-                except Exception as e:  # noqa: BLE001 - the model's own code failed on fake tensors: say which set
-                    raise RuntimeError(f"the simulation of {c.label()} failed: {type(e).__name__}: {str(e)[:200]}") from e
+                except Exception as e:
+                    raise RuntimeError(
+                        f"the simulation of {c.label()} failed: {type(e).__name__}: {str(e)[:200]}"
+                    ) from e
                 if est.error:
                     raise RuntimeError(f"the simulation of {c.label()} failed: {est.error}")
                 got = card(est, self.gpu, c.mode, c.devices)
@@ -309,7 +314,9 @@ class UserPlanner:
                          " allocator each GPU holds NCCL's buffers besides its context: for a small model the card"
                          " per GPU can be above what one GPU alone needs (leave out --devices to compare).")  # fmt: skip
         if verbose:
-            lines += [f"  {line}" for line in self.speed.lines(sources=True)] + [f"  hooks: {HOOK_MS} ms from {HOOK_SOURCE}"]
+            lines += [f"  {line}" for line in self.speed.lines(sources=True)] + [
+                f"  hooks: {HOOK_MS} ms from {HOOK_SOURCE}"
+            ]
         return lines
 
 

@@ -102,7 +102,9 @@ RUNGS: dict[str, Rung] = {
 # equivalence check (check_equivalence) run. Rung 16 runs eagerly only (no graph to compare with eager).
 SINGLE_GPU_RUNGS = ("01", "02", "03", "04", "05", "06", "07", "10", "11", "12", "13", "14", "15")
 SHARDED_RUNGS = ("08", "08-fsdp2", "09")  # several GPUs: --devices N (default: each rung's own, 4)
-MODES = techniques.subset(techniques.MODES, "eager", "fast")  # every mode, in the order each rung's rows show them
+MODES = techniques.subset(
+    techniques.MODES, "eager", "fast"
+)  # every mode, in the order each rung's rows show them
 # The flags of every project run, and those of each mode ({mode} is replaced). `--eval-batches 2` keeps
 # the evaluation short; it still runs, so its memory is in the whole-run peak.
 PROJECT_ARGS = ("--data", "synthetic", "--weights", "none", "--eval-batches", "2")

@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             except SystemExit as e:  # the script called sys.exit() before the last step
                 status = "error"
                 error = f"the script exited ({e.code}) after {len(recorder.marks)} of {args.steps} optimizer steps"
-            except Exception as e:  # noqa: BLE001 - recorded, with the traceback on stderr
+            except Exception as e:
                 traceback.print_exc()
                 status, error = "error", _first_line(e)
     wall = time.perf_counter() - start

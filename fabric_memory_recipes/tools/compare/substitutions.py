@@ -73,7 +73,9 @@ class RandomCIFAR10(torchvision.datasets.cifar.CIFAR10):
 # ------------------------------------------------------------------------------------ substitutions
 def _stub_module(name: str) -> types.ModuleType:
     module = types.ModuleType(name)
-    module.__doc__ = f"Stand-in for {name}, installed by fabric_memory_recipes.tools.compare.runner because it is missing."
+    module.__doc__ = (
+        f"Stand-in for {name}, installed by fabric_memory_recipes.tools.compare.runner because it is missing."
+    )
     if name == "watermark":
 
         def watermark(packages: str = "", python: bool = False, **_: Any) -> str:

@@ -322,7 +322,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if "--" in argv:
         i = argv.index("--")
         argv, extra = argv[:i], argv[i + 1 :]
-    p = Parser(prog="python -m fabric_memory_recipes.tools.convergence.benchmark", description=__doc__.splitlines()[0])
+    p = Parser(
+        prog="python -m fabric_memory_recipes.tools.convergence.benchmark",
+        description=__doc__.splitlines()[0],
+    )
     p.add_argument("--out", default="runs/convergence", type=output_folder("--out"), help="results folder")
     p.add_argument("--logs", help="log folder (default: OUT/logs)")
     p.add_argument("--report", metavar="DIR", type=output_folder("--report"), help="only render DIR's report")

@@ -87,7 +87,7 @@ def read_cifar10_batch(path: str) -> tuple[np.ndarray, np.ndarray]:
         images = np.asarray(data, dtype=np.uint8).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
         if len(images) != len(labels):
             raise ValueError(f"{len(images)} images but {len(labels)} labels")
-    except Exception as e:  # noqa: BLE001 - unpickling a damaged file raises many kinds of error
+    except Exception as e:
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise BadInput(
             f"{path}: not a readable CIFAR-10 batch file ({reason}); restore it, or delete"

@@ -141,7 +141,7 @@ def _download_aclimdb(data_dir: str) -> str:
         if hasattr(tarfile, "data_filter"):  # Python >= 3.10.12: refuse paths outside data_dir
             tar.extractall(data_dir, filter="data")
         else:
-            tar.extractall(data_dir)  # noqa: S202 - a fixed, well-known archive
+            tar.extractall(data_dir)
     return os.path.join(data_dir, "aclImdb")
 
 

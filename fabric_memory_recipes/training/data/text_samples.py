@@ -37,6 +37,8 @@ class TokenIds:
     sep: int | None  # appended to a classifier's input
     first_regular: int  # ids below this are special, unused or single characters
     vocab_size: int
+
+
 SFT_SIGMA = 0.5
 SFT_ANSWER_TOKENS = 256  # synthetic SFT: the completions' vocabulary (chance accuracy 1/256)
 MARKERS_PER_LABEL = 8  # synthetic reviews: "positive"/"negative" words per label

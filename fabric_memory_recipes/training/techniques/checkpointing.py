@@ -21,14 +21,26 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from fabric_memory_recipes.config import UsageError
 
-MODES = ("full", "selective")  # what a checkpointed block keeps: its input only; also its matmuls and attention
+MODES = (
+    "full",
+    "selective",
+)  # what a checkpointed block keeps: its input only; also its matmuls and attention
 
 _aten = torch.ops.aten
 SAVED_OPS = frozenset(  # selective: the outputs kept (the costly ops); everything else is recomputed
     getattr(_aten, name).default
-    for name in ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_scaled_dot_product_flash_attention",
-                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-                 "_scaled_dot_product_flash_attention_for_cpu", "convolution")  # fmt: skip
+    for name in (
+        "mm",
+        "addmm",
+        "bmm",
+        "baddbmm",
+        "_scaled_mm",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "convolution",
+    )  # fmt: skip
     if hasattr(_aten, name)
 )
 
@@ -41,7 +53,9 @@ def context_fn(mode: str):
     """``checkpoint(..., context_fn=...)`` for ``mode``: None for ``full`` (torch's default: recompute all)."""
     if mode not in MODES:
         raise ValueError(f"checkpointing mode {mode!r}: expected one of {', '.join(MODES)}")
-    return functools.partial(create_selective_checkpoint_contexts, _keep_costly) if mode == "selective" else None
+    return (
+        functools.partial(create_selective_checkpoint_contexts, _keep_costly) if mode == "selective" else None
+    )
 
 
 class CheckpointedBlock(torch.nn.Module):

@@ -112,7 +112,7 @@ class Traffic:
         }
 
 
-class offload_activations(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 (a context manager)
+class offload_activations(torch.autograd.graph.saved_tensors_hooks):
     """``with offload_activations(): loss = model(x)`` - saved activations live in pinned host memory."""
 
     def __init__(self, window_bytes: int | None = None, resident_bytes: int = 0, min_bytes: int = 1 << 16,

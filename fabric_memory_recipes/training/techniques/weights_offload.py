@@ -248,7 +248,7 @@ class WeightsOnCPU:
                 unit.master.grad.copy_(unit.grad_host)  # bf16 -> fp32
                 unit.optimizer.step()  # on the fp32 master, in host memory
                 unit.host.copy_(unit.master)  # fp32 -> bf16: what the next forward sends
-            except BaseException as e:  # noqa: BLE001 - reported by the main thread at its next fetch
+            except BaseException as e:
                 self.error = e
             finally:
                 self.step_s += time.perf_counter() - start

@@ -164,7 +164,7 @@ def hf_config(ref: str, name: str):
 
     try:
         return AutoConfig.from_pretrained(name, local_files_only=not hub_online())
-    except Exception as e:  # noqa: BLE001 - any failure of the hub is one line for the user
+    except Exception as e:
         raise UsageError(
             f"--model {ref}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         ) from None
@@ -279,8 +279,9 @@ def compile_repeated(model: nn.Module, blocks: tuple[str, ...]) -> int:
     wrapped = [m for m in model.modules() if type(m).__name__ == "CheckpointedBlock"]
     inside = {id(m.block) for m in wrapped}
     chosen = wrapped + [m for m in model.modules() if type(m).__name__ in blocks and id(m) not in inside]
-    chosen = [m for m in chosen if not any(isinstance(x, nn.modules.batchnorm._BatchNorm) for x in m.modules())]
+    chosen = [
+        m for m in chosen if not any(isinstance(x, nn.modules.batchnorm._BatchNorm) for x in m.modules())
+    ]
     for module in chosen:
         module.compile()
     return len(chosen)
-

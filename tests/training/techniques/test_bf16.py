@@ -366,7 +366,9 @@ def test_the_default_rounding_reaches_the_optimizer_and_other_precisions_run_the
 
 
 AB_COMPENSATED = Path(__file__).resolve().parents[3] / "results" / "published" / "h200x4" / "ab" / "issue37"
-CONVERGENCE_RUNS = Path(__file__).resolve().parents[3] / "results" / "published" / "h100" / "convergence" / "runs"
+CONVERGENCE_RUNS = (
+    Path(__file__).resolve().parents[3] / "results" / "published" / "h100" / "convergence" / "runs"
+)
 
 
 @pytest.mark.parametrize("rung", COMPENSATED)
@@ -382,7 +384,10 @@ def test_each_compensated_rungs_page_states_its_committed_ab_and_accuracy(rung):
     assert n["config"]["bf16_update"] == "stochastic" and b["config"].get("bf16_update", "plain") == "plain"
     rb, rn = b["memory"]["peak_reserved_gb"], n["memory"]["peak_reserved_gb"]
     ib, i_n = b["timing"]["images_per_s"], n["timing"]["images_per_s"]
-    accuracy = [json.loads(p.read_text())["accuracy"]["test"] for p in CONVERGENCE_RUNS.glob(f"{rung}_*-default-s*.json")]
+    accuracy = [
+        json.loads(p.read_text())["accuracy"]["test"]
+        for p in CONVERGENCE_RUNS.glob(f"{rung}_*-default-s*.json")
+    ]
     assert len(accuracy) == 3
     [page] = (RECIPES.parent / "docs").glob(f"{rung}_*.md")
     text = page.read_text()

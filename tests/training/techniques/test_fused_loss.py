@@ -42,7 +42,9 @@ def test_a_causal_lm_through_its_output_embeddings_learns_as_with_its_own_loss()
     plain = _llama()
     fused = copy.deepcopy(plain)
     head = fused_loss.fuse_output_embeddings(fused)
-    assert fused.get_output_embeddings() is head and head.weight is fused.get_input_embeddings().weight  # tied
+    assert (
+        fused.get_output_embeddings() is head and head.weight is fused.get_input_embeddings().weight
+    )  # tied
     ids = torch.randint(0, 500, (2, 16))
     labels = ids.clone()
     labels[:, :5] = IGNORE_INDEX  # the prompt
@@ -59,7 +61,9 @@ def test_a_causal_lm_through_its_output_embeddings_learns_as_with_its_own_loss()
         _, predicted, targets = fused_loss.causal_lm_loss(head)(fused, batch)
         logits = plain(input_ids=ids).logits[:, :-1].reshape(-1, 500)
     keep = labels[:, 1:].reshape(-1) != IGNORE_INDEX
-    assert torch.equal(predicted, logits[keep].argmax(-1)) and torch.equal(targets, labels[:, 1:].reshape(-1)[keep])
+    assert torch.equal(predicted, logits[keep].argmax(-1)) and torch.equal(
+        targets, labels[:, 1:].reshape(-1)[keep]
+    )
 
 
 def test_what_cannot_be_fused_is_one_line():

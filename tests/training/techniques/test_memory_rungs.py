@@ -109,7 +109,9 @@ def _vit_grads(wrap: str | None, seed: int = 0) -> tuple[torch.Tensor, dict[str,
     torch.manual_seed(seed)
     model = models.build_model("vit_tiny", None)
     if wrap is not None:
-        assert checkpointing.checkpoint_blocks(model, ("EncoderBlock",), use_reentrant=wrap == "reentrant") == 2
+        assert (
+            checkpointing.checkpoint_blocks(model, ("EncoderBlock",), use_reentrant=wrap == "reentrant") == 2
+        )
     x = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(1))
     loss = F.cross_entropy(model(x), torch.tensor([0, 1, 2, 3]))
     loss.backward()
