@@ -50,8 +50,8 @@ from pathlib import Path
 
 import torch
 
-from fabric_memory_recipes.config import declared_rung
 from fabric_memory_recipes.console import Parser
+from fabric_memory_recipes.declarations import declared_rung
 from fabric_memory_recipes.measurement.results_file import write_json_atomic
 from fabric_memory_recipes.paths import output_folder
 from fabric_memory_recipes.processes import project_env

@@ -15,9 +15,7 @@ the hardware the checks need (device counts, bf16 support) is handed to them as 
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
-import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,9 +32,8 @@ VIT_MODELS = ("vit_l_16", "vit_b_16", "vit_tiny")  # the ladder's model, a small
 # eager warm-up steps can be returned page by page before the CUDA graph's own pool is made.
 FAST_ALLOCATOR = "expandable_segments:True"
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
-DATA_DIR = (
-    Path(__file__).resolve().parent / "data"
-)  # package data: what a wheel plans with (planning/planner/snapshot.py)
+# package data: what a wheel plans with (planning/planner/snapshot.py)
+DATA_DIR = Path(__file__).resolve().parent / "data"
 RENAMED_FIELDS = {"checkpoint": "activation_checkpointing"}  # former name -> field: older files still read
 
 
@@ -211,23 +208,15 @@ class RunConfig:
     # The technique, for the estimator and the checks (no flags): what the rung's code does.
     optimizer: str = "adam"  # one of techniques.OPTIMIZERS
     optimizer_impl: str = "fused"  # fused | foreach | for-loop
-    activation_checkpointing: tuple[
-        str, ...
-    ] = ()  # module classes whose activations are recomputed in backward
+    activation_checkpointing: tuple[str, ...] = ()  # module classes whose activations are recomputed
     sharding: str = "none"  # none | fsdp | fsdp2
     shard_units: tuple[str, ...] = ()  # module classes that are one FSDP unit each
     cpu_offload: bool = False  # FSDP keeps parameters, gradients and optimizer state in host memory
-    activation_offload: bool = (
-        False  # saved activations in pinned host memory (training/techniques/offload.py)
-    )
+    activation_offload: bool = False  # rung 11: saved activations in pinned host memory
     optimizer_in_backward: bool = False  # one optimizer per parameter, stepped in backward: no accumulation
     fused_attention: bool = False  # rung 15: fused-qkv + SDPA attention (training/techniques/attention.py)
-    offload_window_mb: int = (
-        0  # rung 11: MiB of copies in flight per side stream (training/techniques/offload.py)
-    )
-    weights_offload: bool = (
-        False  # weights, gradients, optimizer state in host memory, blocks streamed (rung 16)
-    )
+    offload_window_mb: int = 0  # rung 11: MiB of copies in flight per side stream
+    weights_offload: bool = False  # rung 16: weights, gradients, optimizer state on the host, blocks streamed
     model_choices: tuple[str, ...] = VIT_MODELS
     cpu_variant: str | None = None  # a rung that needs CUDA: the recipe that runs its technique on a CPU
 
@@ -368,51 +357,3 @@ class RunConfig:
                 )
         if self.cuda_graphs and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
             os.environ["PYTORCH_CUDA_ALLOC_CONF"] = FAST_ALLOCATOR
-
-
-# ------------------------------------------------------------------------------- a recipe's declaration
-def _literals(call: ast.Call, known: set[str]) -> dict[str, Any]:
-    """The literal keyword arguments of ``call`` that name a field in ``known`` (or a RENAMED_FIELDS key)."""
-    values = {}
-    for kw in call.keywords:
-        if (name := RENAMED_FIELDS.get(kw.arg, kw.arg)) in known:
-            try:
-                values[name] = ast.literal_eval(kw.value)
-            except ValueError:  # e.g. model_choices=hf_models.BIGBIRD: not needed without the recipe
-                continue
-    return values
-
-
-def recipe_literals(path: Path) -> dict[str, Any]:
-    """``{"values": the literal keywords of the RUNG = <SomeConfig>(...) in path, "doc": its docstring's
-    first line}``, read from the source without running it."""
-    tree = ast.parse(path.read_text())
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["RUNG"] \
-                and isinstance(node.value, ast.Call):  # fmt: skip
-            doc = (ast.get_docstring(tree) or "").splitlines()
-            return {"values": _literals(node.value, {f.name for f in dataclasses.fields(RunConfig)}),
-                    "doc": doc[0] if doc else ""}  # fmt: skip
-    raise ValueError(f"{path}: no `RUNG = RunConfig(...)` declaration")
-
-
-def declared_rung(name: str, folder: Path = RECIPES_DIR) -> tuple[RunConfig, str]:
-    """The ``RUNG = <SomeConfig>(...)`` of ``recipes/<name>.py`` (a unique prefix such as ``05`` is
-    enough) and the first line of its docstring, read from the source without running it.
-
-    The estimator and the convergence tool need a rung's configuration but neither Lightning nor the
-    recipe's own imports (seconds per process); a rung's declaration is a call with keyword values,
-    and those that are literals for :class:`RunConfig` fields make the configuration (a recipe's own
-    flags, e.g. rung 10's ``reentrant``, do not change what is estimated). A wheel reads data/rungs.json."""
-    shipped = json.loads((DATA_DIR / "rungs.json").read_text()) if not folder.is_dir() else None
-    names = sorted(shipped) if shipped is not None else [m.stem for m in sorted(folder.glob(f"{name}*.py"))]
-    matches = [name] if name in names else [n for n in names if n.startswith(name)]
-    if len(matches) != 1:
-        raise FileNotFoundError(
-            f"recipe {name!r}: expected one match in {folder}, found {', '.join(matches) or 'none'}"
-        )
-    got = shipped[matches[0]] if shipped is not None else recipe_literals(folder / f"{matches[0]}.py")
-    values = {
-        RENAMED_FIELDS.get(k, k): tuple(v) if isinstance(v, list) else v for k, v in got["values"].items()
-    }
-    return RunConfig(**values), got["doc"]

@@ -62,9 +62,7 @@ def main(cfg: SpeedConfig, results) -> None:
         if cfg.compile:  # rung 15: the whole model as one graph (forward and backward each)
             model = torch.compile(model)
         optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr, fused=True)  # fused: one update kernel
-        optimizer = bf16.updates(
-            optimizer, cfg, results
-        )  # --bf16-update, --lost-updates (training/techniques/bf16.py)
+        optimizer = bf16.updates(optimizer, cfg, results)  # --bf16-update, --lost-updates
         model, optimizer = fabric.setup(model, optimizer)
 
     train_loader, val_loader, test_loader = fabric.setup_dataloaders(*data.loaders(splits, cfg, fabric))

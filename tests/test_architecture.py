@@ -338,7 +338,7 @@ def test_the_step_finder_finds_a_step(tmp_path):
 # ------------------------------------------------------------------------------------------ recipes
 @pytest.mark.parametrize("path", sorted(RECIPES.glob("[0-9][0-9]_*.py")), ids=lambda p: p.stem)
 def test_a_recipe_declares_its_rung_and_marks_its_technique(path):
-    from fabric_memory_recipes.config import declared_rung
+    from fabric_memory_recipes.declarations import declared_rung
 
     rung, description = declared_rung(path.stem)
     assert rung.recipe == path.stem and description.startswith("Rung ")

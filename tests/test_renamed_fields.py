@@ -8,7 +8,8 @@ import json
 import shutil
 from pathlib import Path
 
-from fabric_memory_recipes.config import RENAMED_FIELDS, declared_rung
+from fabric_memory_recipes.config import RENAMED_FIELDS
+from fabric_memory_recipes.declarations import declared_rung
 from fabric_memory_recipes.planning.check import check_results
 
 REPO = Path(__file__).resolve().parents[1]

@@ -17,8 +17,9 @@ import time
 from typing import Any
 
 from fabric_memory_recipes import paths, processes
-from fabric_memory_recipes.config import Hardware, RunConfig, UsageError, declared_rung
+from fabric_memory_recipes.config import Hardware, RunConfig, UsageError
 from fabric_memory_recipes.console import fail
+from fabric_memory_recipes.declarations import declared_rung
 from fabric_memory_recipes.planning import arguments
 from fabric_memory_recipes.planning.check import check_results, render_check
 from fabric_memory_recipes.planning.ladder import predict_ladder

@@ -9,8 +9,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fabric_memory_recipes.config import VIT_MODELS, RunConfig, declared_rung
+from fabric_memory_recipes.config import VIT_MODELS, RunConfig
 from fabric_memory_recipes.console import program
+from fabric_memory_recipes.declarations import declared_rung
 from fabric_memory_recipes.measurement.results_file import SCHEMA_VERSION, estimate_error_pct, gpu_slug
 from fabric_memory_recipes.planning.overhead import card_prediction
 from fabric_memory_recipes.planning.plan import plan_for

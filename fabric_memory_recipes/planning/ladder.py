@@ -20,7 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fabric_memory_recipes.config import RECIPES_DIR, Hardware, declared_rung
+from fabric_memory_recipes.config import RECIPES_DIR, Hardware
+from fabric_memory_recipes.declarations import declared_rung
 from fabric_memory_recipes.measurement.results_file import PREDICTED_FILE, PREDICTED_LABEL, write_json_atomic
 from fabric_memory_recipes.planning.plan import plan_for
 from fabric_memory_recipes.planning.simulation.simulate import simulate

@@ -21,7 +21,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from fabric_memory_recipes.config import RunConfig, declared_rung
+from fabric_memory_recipes.config import RunConfig
+from fabric_memory_recipes.declarations import declared_rung
 from fabric_memory_recipes.planning.plan import plan_for
 from fabric_memory_recipes.planning.planner import calibration
 from fabric_memory_recipes.planning.simulation.allocator import RESIDUAL

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from fabric_memory_recipes.config import declared_rung
+from fabric_memory_recipes.declarations import declared_rung
 from fabric_memory_recipes.planning.plan import plan_for
 from tests.conftest import (
     CPU_ARGS,

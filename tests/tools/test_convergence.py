@@ -14,7 +14,8 @@ import sys
 import numpy as np
 import torch
 
-from fabric_memory_recipes.config import RunConfig, declared_rung
+from fabric_memory_recipes.config import RunConfig
+from fabric_memory_recipes.declarations import declared_rung
 from fabric_memory_recipes.measurement.results import RunResults
 from fabric_memory_recipes.tools.convergence import benchmark, report
 from fabric_memory_recipes.training import data, loop, models

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from fabric_memory_recipes.config import FAST_ALLOCATOR, Hardware, RunConfig, UsageError, declared_rung
+from fabric_memory_recipes.config import FAST_ALLOCATOR, Hardware, RunConfig, UsageError
+from fabric_memory_recipes.declarations import declared_rung
 from fabric_memory_recipes.training import cli, lifecycle
 from fabric_memory_recipes.training.data.text import TextConfig
 from tests.conftest import (

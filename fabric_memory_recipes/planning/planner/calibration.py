@@ -17,7 +17,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from fabric_memory_recipes.config import DATA_DIR, VIT_MODELS, RunConfig, declared_rung
+from fabric_memory_recipes.config import DATA_DIR, VIT_MODELS, RunConfig
+from fabric_memory_recipes.declarations import declared_rung
 from fabric_memory_recipes.measurement.results_file import SCHEMA_VERSION, gpu_slug
 from fabric_memory_recipes.techniques import MODES, TechniqueSet
 

@@ -35,7 +35,8 @@ from typing import Any
 
 import torch
 
-from fabric_memory_recipes.config import DATA_DIR, RECIPES_DIR, RunConfig, declared_rung
+from fabric_memory_recipes.config import DATA_DIR, RECIPES_DIR, RunConfig
+from fabric_memory_recipes.declarations import declared_rung
 from fabric_memory_recipes.measurement.card_overhead import Overhead, card_overhead
 from fabric_memory_recipes.measurement.results_file import write_json_atomic
 from fabric_memory_recipes.planning.plan import CUDA_WORKSPACE_BYTES, GB, plan_for

@@ -6,7 +6,7 @@ wheel has none of those folders, so their distilled content is package data (``f
 
 * ``planner_runs.json``: every run :func:`~fabric_memory_recipes.planning.planner.calibration.load_runs` reads
   from ``results/``, as the planner reads it;
-* ``rungs.json``: the literal ``RUNG = ...`` keywords of every numbered recipe (:func:`config.declared_rung`);
+* ``rungs.json``: the literal ``RUNG = ...`` keywords of every numbered recipe (:func:`declarations.declared_rung`);
 * ``accuracy.json``: the convergence benchmark's mean test accuracy per rung and variant
   (``results/published/<gpu>/convergence/runs/``), which :mod:`~fabric_memory_recipes.planning.planner.advice` turns
   into the cost of each change.
@@ -27,8 +27,9 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from fabric_memory_recipes.config import DATA_DIR, RECIPES_DIR, recipe_literals
+from fabric_memory_recipes.config import DATA_DIR, RECIPES_DIR
 from fabric_memory_recipes.console import Parser
+from fabric_memory_recipes.declarations import recipe_literals
 from fabric_memory_recipes.measurement.results_file import write_json_atomic
 from fabric_memory_recipes.planning.planner import calibration
 

@@ -1,7 +1,7 @@
 """What a run built, read for its estimate: the blocks it checkpointed and the optimizer it made.
 
 A rung's technique is declared in its ``RUNG`` for the estimators that never run it (the planner, the
-predicted ladder, the check of older results read it from the source: ``config.declared_rung``). The
+predicted ladder, the check of older results read it from the source: ``declarations.declared_rung``). The
 estimate a run records (``simulate.for_run``) reads the model and the optimizer the run's code built
 instead, so a recipe does not tell it a second time and a change to the code is what it predicts;
 tests/recipes/test_recipes.py checks that every rung's declaration is what its code builds.

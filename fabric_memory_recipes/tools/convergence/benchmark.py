@@ -49,8 +49,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fabric_memory_recipes.config import declared_rung
 from fabric_memory_recipes.console import Parser
+from fabric_memory_recipes.declarations import declared_rung
 from fabric_memory_recipes.measurement.results_file import write_json_atomic
 from fabric_memory_recipes.paths import output_folder
 from fabric_memory_recipes.processes import DeviceSlots, project_env
@@ -107,9 +107,7 @@ class Job:
     variant: str
     seed: int | None  # None: a memory run
     args: list[str]
-    micro_batches: int = (
-        0  # planned forward+backward passes (x3 without CUDA graphs): the longest start first
-    )
+    micro_batches: int = 0  # planned forward+backward passes (x3 without CUDA graphs): longest start first
     rule: str = "plain"  # the --bf16-update it runs with (a finished run with another rule is run again)
     returncode: int | None = None
     wall_s: float | None = None

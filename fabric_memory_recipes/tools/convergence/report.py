@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from fabric_memory_recipes.measurement.report.cells import DASH, write_into_block
-from fabric_memory_recipes.measurement.report.render import load_results
+from fabric_memory_recipes.measurement.report.loading import load_results
 from fabric_memory_recipes.measurement.results_file import write_atomic
 from fabric_memory_recipes.tools.convergence.figure import render_figure
 

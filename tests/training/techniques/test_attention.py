@@ -18,7 +18,8 @@ from torch import nn
 from torchvision.models.vision_transformer import VisionTransformer
 
 from fabric_memory_recipes import planning
-from fabric_memory_recipes.config import UsageError, declared_rung
+from fabric_memory_recipes.config import UsageError
+from fabric_memory_recipes.declarations import declared_rung
 from fabric_memory_recipes.planning.__main__ import main as estimate_main
 from fabric_memory_recipes.training import data
 from fabric_memory_recipes.training.techniques import attention, float8

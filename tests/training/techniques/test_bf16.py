@@ -326,7 +326,7 @@ COMPENSATED = ("04", "05", "06", "07", "10", "11", "12", "13", "14", "15")
 
 @pytest.mark.parametrize("name", RUNGS)
 def test_the_rungs_after_03_default_to_stochastic_rounding_and_rung_03_stays_plain(name):
-    from fabric_memory_recipes.config import declared_rung
+    from fabric_memory_recipes.declarations import declared_rung
 
     rung = declared_rung(name)[0]
     expected = "stochastic" if name[:2] in COMPENSATED else "plain"
