@@ -15,7 +15,6 @@ with ``--fused-loss`` against its own loss, eager.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -23,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 from devtools.check_equivalence import _run_recipe, compare
+from fabric_memory_recipes.console import Parser
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "recipes" / "your_model.py"
@@ -47,7 +47,7 @@ ROWS = [  # (name, common flags, flags of the reference run, flags of the run ch
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m devtools.your_model.equivalence", description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--out", default="runs/your-model-equivalence")
     p.add_argument("--only", default=None, help="rows whose name contains this")

@@ -13,7 +13,6 @@ Shapes: ``--tokens`` rows of ``--hidden`` features onto ``--vocab`` classes, bf1
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -22,6 +21,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from fabric_memory_recipes.console import Parser
 from fabric_memory_recipes.training.techniques import fused_loss
 
 
@@ -68,7 +68,7 @@ def measure(fn, h, w, t, repeats: int) -> dict:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m devtools.your_model.fused_loss_bench", description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=8 * 1023)
     p.add_argument("--hidden", type=int, default=960)
     p.add_argument("--vocab", type=int, default=49152)
