@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
 
 import pytest
 import torch
@@ -156,21 +157,26 @@ def stored() -> dict:
 
 def test_the_stored_calibration_states_its_errors_and_holds_its_target_on_most_runs():
     entry = stored()
-    fitted = [r for r in entry["runs"] if r["fitted"]]
-    assert len(fitted) >= 30 and len({r["model"] for r in fitted}) >= 7
-    errors = sorted(abs(r["error"]) for r in fitted)
+    core = [r for r in entry["runs"] if r["fitted"] and r["fitted_for"] != "host_bandwidth"]
+    assert len(core) >= 40 and len({r["model"] for r in core}) >= 8  # 4 vision, 4 text models
+    errors = sorted(abs(r["error"]) for r in core)
     summary = entry["summary"]["fitted"]
     assert summary["max_abs_error"] == pytest.approx(errors[-1], abs=1e-4)
-    assert summary["within_25_percent"] == sum(e <= 0.25 for e in errors)
+    assert summary["within_25_percent"] == sum(e <= 0.25 for e in errors) >= 0.9 * len(core)
     assert summary["median_abs_error"] <= 0.15
-    for row in entry["runs"]:  # every run it names is committed, measured as it says
-        for path in row["paths"]:
-            timing = json.loads((REPO / path).read_text())["timing"]
-            assert row["measured_s"] > 0 and timing["median_step_s"] > 0
+    for row in entry["runs"]:  # every run it names is committed and measured what the table says
+        medians = [json.loads((REPO / path).read_text())["timing"]["median_step_s"] for path in row["paths"]]
+        assert row["measured_s"] == pytest.approx(statistics.median(medians))
+        assert row["error"] == pytest.approx(row["measured_s"] / row["predicted_s"] - 1, abs=1e-3)
 
 
-@pytest.mark.parametrize("configuration", ["hf:examples/configs/bert-base-uncased eager your_model precision=bf16-true",
-                                           "vit_l_16 graphs 12_optimizer_in_backward"])  # fmt: skip
+@pytest.mark.parametrize(
+    "configuration",
+    [
+        "hf:examples/configs/bert-base-uncased eager your_model precision=bf16-true",
+        "vit_l_16 graphs 12_optimizer_in_backward",
+    ],
+)
 def test_the_stored_calibration_reproduces_its_predictions(configuration):
     entry = stored()
     (row,) = [r for r in entry["runs"] if r["configuration"].startswith(configuration)]
