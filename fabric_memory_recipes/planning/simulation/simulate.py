@@ -29,6 +29,7 @@ from fabric_memory_recipes.planning.plan import (
 )
 from fabric_memory_recipes.planning.simulation.allocator import replay
 from fabric_memory_recipes.planning.simulation.built import built_technique
+from fabric_memory_recipes.planning.simulation.costs import OpCosts
 from fabric_memory_recipes.planning.simulation.modelled import (
     Precision,
     Wrapped,
@@ -142,6 +143,7 @@ def simulate(
     batch_fn: Callable | None = None,
     record_timeline: bool = False,
     model_name: str | None = None,
+    op_costs: OpCosts | None = None,
 ) -> Estimate:
     """Run one steady-state optimizer step of ``model`` under ``plan`` on fake tensors; return the estimate.
 
@@ -155,6 +157,11 @@ def simulate(
     gradients allocated (``zero_grad(set_to_none=True)`` freed them); with accumulation a second
     micro-batch runs with the gradients kept; then the optimizer step. Later micro-batches repeat the
     second, so two are enough to find the peak.
+
+    ``op_costs`` (an :class:`~fabric_memory_recipes.planning.simulation.costs.OpCosts`) records what each
+    op of the forward and backward passes costs, per simulated micro-batch (0, then 1 for the later
+    ones) and pass, and the optimizer step's bytes in its ``optimizer``; the estimate is the same with
+    it or without.
     """
     start = time.perf_counter()
     if make_batch is None or batch_fn is None:
@@ -180,6 +187,8 @@ def simulate(
         stack.enter_context(_neutral_defaults())
         stack.enter_context(_fresh_normalisation_cache())
         stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+        if op_costs is not None:  # records nothing until a micro-batch's section is set
+            stack.enter_context(op_costs)
         stack.enter_context(tracker)
         stack.enter_context(attention_kernel(plan.attention_kernel, plan.device, kernels))
         stack.enter_context(torch.compiler.set_stance("force_eager"))  # compiled blocks run eagerly here
@@ -238,13 +247,20 @@ def simulate(
             batch = make_batch()
             for t in tree_leaves(batch):
                 tracker.retag(t, "inputs")
+            if op_costs is not None:
+                op_costs.section = (micro, "forward")
             with counter:
                 loss = batch_fn(wrapped, batch)[0]
             if micro == 0:  # read while the graph is alive, as a real run's counter is read
                 saved_bytes, saved_rounded = counter.nbytes, counter.rounded_nbytes
             tracker.phase = f"backward, {label}"
-            (loss / k).backward()
-            del loss, batch
+            scaled = loss / k
+            if op_costs is not None:
+                op_costs.section = (micro, "backward")
+            scaled.backward()
+            del loss, batch, scaled
+            if op_costs is not None:
+                op_costs.section = None
 
         tracker.mark("update")
         tracker.phase = "optimizer step"
@@ -258,6 +274,11 @@ def simulate(
         if plan.optimizer_in_backward or plan.weights_offload:
             transient = 0  # already done inside backward (rung 16: on the CPU)
         transient = int(transient * scales.get("optimizer_state", 1.0))
+        if op_costs is not None:  # what the step reads and writes: weights, gradients, state (per GPU)
+            shard = scales.get("parameters", 1.0)
+            op_costs.optimizer = {"parameter_bytes": n_train * pbytes * shard, "gradient_bytes": n_train * pbytes * shard,
+                                  "state_bytes": state_bytes * shard, "tensors": len(trainable),
+                                  "in_backward": plan.optimizer_in_backward}  # fmt: skip
         tracker.add_constant("temporaries", transient)
         tracker.add_constant("temporaries", -transient)
         tracker.phase = "zero_grad(set_to_none=True)"

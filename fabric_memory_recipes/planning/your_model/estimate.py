@@ -24,6 +24,7 @@ from fabric_memory_recipes.measurement.card_overhead import overhead_per_gpu
 from fabric_memory_recipes.measurement.results_file import gpu_slug
 from fabric_memory_recipes.planning.plan import Estimate, Plan, plan_for
 from fabric_memory_recipes.planning.simulation.allocator import RESIDUAL, RESIDUAL_SOURCE
+from fabric_memory_recipes.planning.simulation.costs import OpCosts
 from fabric_memory_recipes.planning.simulation.simulate import failed, simulate
 from fabric_memory_recipes.techniques import ACTIVATION_CHECKPOINTING, FUSED_LOSS
 from fabric_memory_recipes.training.techniques import fused_loss
@@ -75,15 +76,18 @@ def plan_of(cfg: YourModelConfig, blocks: tuple[str, ...]) -> Plan:
     )  # fmt: skip
 
 
-def estimate(model: Any, um: UserModel, plan: Plan, seq_len: int) -> Estimate:
-    """One simulated step of ``model`` (any device: only shapes are read) under ``plan``."""
+def estimate(
+    model: Any, um: UserModel, plan: Plan, seq_len: int, op_costs: OpCosts | None = None
+) -> Estimate:
+    """One simulated step of ``model`` (any device: only shapes are read) under ``plan``; ``op_costs``
+    collects what each of its ops costs (planning/simulation/costs.py)."""
     make = batch_fn = None
     if um.is_text:
         make, batch_fn = text_batch(um, plan.micro_batch_size, seq_len)
     if plan.fused_loss:  # the run's own loss on a copy (the model given may be shared): no logits
         model = copy.deepcopy(model)
         batch_fn = fused_loss.causal_lm_loss(fused_loss.fuse_output_embeddings(model))
-    return simulate(model, plan, make_batch=make, batch_fn=batch_fn, model_name=um.ref)
+    return simulate(model, plan, make_batch=make, batch_fn=batch_fn, model_name=um.ref, op_costs=op_costs)
 
 
 def card(est: Estimate, gpu: str = "h100", mode: str = "eager", devices: int = 1) -> dict[str, Any]:

@@ -1,0 +1,154 @@
+"""What each op of a simulated training step costs the GPU: :class:`OpCosts`, a dispatch mode that
+records, for every aten op run while it is collecting, its FLOPs, the bytes it reads and writes, its
+kind and whether it launches a kernel.
+
+``simulate(..., op_costs=OpCosts())`` enters it beside the fake mode and switches it on for the forward
+and backward passes of each simulated micro-batch (checkpointed blocks recompute in backward, so their
+forward ops count twice, as they run twice on the GPU); the optimizer step is not recorded: its cost
+follows from the state's bytes (planning/planner/step_time.py).
+
+* FLOPs: torch's own formulas (``torch.utils.flop_counter.flop_registry``: matmuls, convolutions and
+  their backward, the fused attention kernels and their backward); 0 for every other op.
+* bytes: the tensor inputs' and outputs' bytes (a broadcast input counts its stored elements once), what
+  an unfused kernel moves through memory at least.
+* kind: ``matmul`` for the ops of the registry (tensor-core work), ``memory`` for the rest.
+* kernels: 1 per op, 0 for ops that only make a view or an uninitialised tensor, or return no tensor
+  (a query such as ``prim.device``): no kernel runs.
+
+The ops are kept one row each, in the order they ran, per section (the micro-batch's index and the
+pass): the step time model weighs each op against the GPU's ceilings, which a sum over ops could not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry
+
+aten = torch.ops.aten
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+# Ops that run no kernel: a new tensor's metadata only, or a query.
+NO_KERNEL = {
+    aten.empty.memory_format,
+    aten.empty_strided.default,
+    aten.empty_like.default,
+    aten.new_empty.default,
+    aten.new_empty_strided.default,
+    aten.lift_fresh.default,
+    aten.detach.default,
+    aten.alias.default,
+    aten._unsafe_view.default,  # a view whose schema does not say so
+    aten.set_.source_Storage_storage_offset,
+    aten.resize_.default,
+    aten.is_same_size.default,
+    aten._has_compatible_shallow_copy_type.default,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class OpCost:
+    """One op as the GPU would run it."""
+
+    name: str
+    flops: float
+    bytes: float
+    matmul: bool  # tensor-core work (the FLOP registry's ops); else memory-bound
+    low_precision: bool  # its first floating-point input is fp16/bf16 (tensor cores at full rate)
+    kernels: int  # 0: a view or metadata only
+    backward: bool = False  # run by the backward pass (autograd's engine, no Python module around it)
+    recompute: bool = False  # a forward op run again in backward by activation checkpointing
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes an op reads or writes of ``t``: its elements once each (a broadcast dimension, stride 0,
+    stores one)."""
+    numel = 1
+    for size, stride in zip(t.shape, t.stride(), strict=True):
+        numel *= size if stride != 0 else min(size, 1)
+    return numel * t.element_size()
+
+
+def op_cost(func: Any, args: tuple, kwargs: dict, out: Any) -> OpCost:
+    """The cost of one op from its inputs and outputs (fake tensors are enough: only shapes are read)."""
+    name = str(func.overloadpacket.__name__) if hasattr(func, "overloadpacket") else str(func)
+    tensors_out = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+    if func in NO_KERNEL or getattr(func, "is_view", False) or not tensors_out:  # views, queries (.device)
+        return OpCost(name, 0.0, 0.0, False, False, 0)
+    tensors_in = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    nbytes = sum(tensor_bytes(t) for t in tensors_in) + sum(tensor_bytes(t) for t in tensors_out)
+    packet = getattr(func, "overloadpacket", None)
+    formula = flop_registry.get(packet)
+    flops = float(formula(*args, **kwargs, out_val=out)) if formula is not None else 0.0
+    floats = [t for t in tensors_in if t.is_floating_point()]
+    low = bool(floats) and floats[0].dtype in LOW_PRECISION
+    return OpCost(name, flops, float(nbytes), formula is not None, low, 1)
+
+
+class OpCosts(TorchDispatchMode):
+    """Records :class:`OpCost` rows while ``section`` is set (None: nothing is recorded). Enter it
+    under the fake mode (it reads shapes only and passes every op on unchanged).
+
+    ``section`` is ``(micro-batch, "forward" | "backward")``. An op that autograd's engine runs with
+    gradients enabled is a checkpointed block's recompute (the engine runs the backward ops themselves
+    with gradients off; the recompute turns them on to rebuild the block's graph): it is marked ``recompute``,
+    so that the model FLOPs of :meth:`model_flops` leave it out, as model FLOPs utilisation does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.section: Any = None
+        self.ops: dict[Any, list[OpCost]] = defaultdict(list)
+        self.optimizer: dict[str, float] = {}  # the optimizer step's bytes and tensors (simulate fills it)
+        self.modules: dict[Any, int] = defaultdict(int)  # module calls per section (forward and recompute)
+        self._module_hook = None
+
+    def __enter__(self) -> OpCosts:
+        self._module_hook = torch.nn.modules.module.register_module_forward_pre_hook(self._module_called)
+        return super().__enter__()
+
+    def __exit__(self, *exc) -> None:
+        if self._module_hook is not None:
+            self._module_hook.remove()
+            self._module_hook = None
+        super().__exit__(*exc)
+
+    def _module_called(self, module: torch.nn.Module, args: Any) -> None:
+        if self.section is not None:
+            self.modules[self.section] += 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.section is not None and isinstance(func, torch._ops.OpOverload):
+            cost = op_cost(func, args, kwargs, out)
+            if self.section[-1] == "backward":  # recompute: inside autograd's engine, gradients on
+                recompute = torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1
+                cost = dataclasses.replace(cost, backward=True, recompute=recompute)
+            self.ops[self.section].append(cost)
+        return out
+
+    def of(self, micro: int) -> list[OpCost]:
+        """The ops of one micro-batch, forward then backward (empty if it did not run)."""
+        return [*self.ops.get((micro, "forward"), []), *self.ops.get((micro, "backward"), [])]
+
+    def module_calls(self, micro: int) -> int:
+        """Module calls of one micro-batch: its forward and the recompute of checkpointed blocks."""
+        return self.modules.get((micro, "forward"), 0) + self.modules.get((micro, "backward"), 0)
+
+    def model_flops(self, micro: int = 0) -> float:
+        """FLOPs of one micro-batch's forward and backward passes, without the recompute."""
+        return sum(r.flops for r in self.of(micro) if not r.recompute)
+
+    def totals(self, micro: int | None = None) -> dict[str, float]:
+        """FLOPs, bytes, kernels and ops summed over one micro-batch, or over all."""
+        rows = [r for s, ops in self.ops.items() if micro is None or s[0] == micro for r in ops]
+        return {
+            "flops": sum(r.flops for r in rows),
+            "bytes": sum(r.bytes for r in rows),
+            "kernels": sum(r.kernels for r in rows),
+            "ops": len(rows),
+        }

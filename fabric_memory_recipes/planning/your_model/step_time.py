@@ -1,0 +1,235 @@
+"""The time of one training step, predicted from the simulated step itself: :func:`predict_step_s`, and
+the model FLOPs utilisation it means (:func:`mfu`).
+
+The simulation (planning/simulation/simulate.py) runs the step on fake tensors; its op-cost collector
+(planning/simulation/costs.py) records each op of the forward and backward passes, checkpointing's
+recompute included: its FLOPs, the bytes it reads and writes, whether it is tensor-core work (matmul,
+convolution, fused attention), whether it launches a kernel, and which pass issued it; and the module
+calls. On a GPU kind's calibrated ceilings (:class:`Ceilings`) each op takes
+
+    on the GPU   d = max(FLOPs / F, bytes / B) + g        a matmul-like op (fp32: F x TF32_RATIO)
+                 d = bytes / B + g                        any other op with a kernel
+                 fast mode: the second kind x phi         (compiled blocks fuse the pointwise ops)
+    on the host  h = L_py (+ L_mod x module calls / Python ops)   eager, an op Python issues (forward, recompute)
+                 h = L_ag                                 eager, an op autograd or autocast issues
+                 h = L_fast                               fast mode (compiled blocks launched from Python)
+                 h = 0                                    fast mode with CUDA graphs (vision models)
+
+and a recomputed block costs the host C more in eager mode (checkpoint's saved-tensor hooks in Python).
+The host issues ops one after another and the GPU runs them in order, each when issued and when the one
+before is done, so a micro-batch takes max over ops i of (host time until op i is issued + GPU time of
+ops i..n): launch-bound where the host is slower, GPU-bound where it is faster. A step is the first
+micro-batch, k - 1 times a later one (the gradients accumulate: the simulation's second micro-batch),
+and the optimizer step, which reads the weights, gradients and state and writes the weights and state:
+(2 x (weights + state) + gradients) / B; the step in backward adds H per parameter tensor on the host
+(not under CUDA graphs), activation offload 2 x offloaded bytes / B_host per micro-batch.
+
+The ceilings of a GPU kind are fitted on its committed runs and stored with them and their errors in
+``fabric_memory_recipes/data/step_time.json`` (planning/your_model/step_calibration.py, which says how).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fabric_memory_recipes.config import DATA_DIR
+from fabric_memory_recipes.measurement.results_file import peak_bf16_flops
+from fabric_memory_recipes.planning.plan import Plan
+from fabric_memory_recipes.planning.simulation.costs import OpCost, OpCosts
+from fabric_memory_recipes.planning.your_model.estimate import estimate
+from fabric_memory_recipes.training.your_model.models import UserModel
+
+CALIBRATION_FILE = Path(DATA_DIR) / "step_time.json"
+MODES = ("eager", "fast")
+# Dense TF32 over dense bf16 tensor-core peak of the H100 SXM datasheet (494.7 / 989.4 TFLOP/s): an fp32
+# matmul (TF32 allowed, as every run here sets) runs at this share of a bf16 one.
+TF32_RATIO = 0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class Ceilings:
+    """What one GPU kind (and its host) reaches, fitted on its committed runs (the module's docstring)."""
+
+    matmul_flops: float  # F: bf16 FLOP/s of matmul-like ops
+    bandwidth: float  # B: bytes/s of memory-bound ops
+    kernel_s: float  # g: each kernel's fixed time on the GPU
+    python_op_s: float  # L_py: host time of an op Python issues, eager mode
+    module_s: float  # L_mod: host time of a module call, eager mode
+    autograd_op_s: float  # L_ag: host time of an op autograd or autocast issues, eager mode
+    recompute_block_s: float  # C: host time of a checkpointed block's recompute, eager mode
+    fast_op_s: float  # L_fast: host time per op of the eager step, fast mode without CUDA graphs
+    fusion: float  # phi: the share of memory-bound bytes and kernels left after fusion, fast mode
+    hook_s: float  # H: per parameter tensor, the step in backward (host)
+    host_bandwidth: float  # B_host: bytes/s of activation offload's copies
+
+    def to_dict(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class MicroBatch:
+    """One micro-batch's ops as arrays (one entry per op)."""
+
+    flops: np.ndarray  # FLOPs at the bf16 rate (an fp32 matmul's / TF32_RATIO)
+    bytes: np.ndarray
+    kernels: np.ndarray
+    matmul: np.ndarray  # bool
+    python: np.ndarray  # bool: issued by Python code (a forward op or a recompute; no autocast cast)
+    recompute_starts: np.ndarray  # bool: the first op of a recomputed block
+    module_calls: int
+
+    @classmethod
+    def of(cls, ops: list[OpCost], module_calls: int) -> MicroBatch:
+        rc = np.array([o.recompute for o in ops], dtype=bool)
+        starts = rc & ~np.concatenate(([False], rc[:-1])) if len(rc) else rc
+        return cls(
+            flops=np.array([o.flops / (1.0 if o.low_precision else TF32_RATIO) for o in ops], dtype=float),
+            bytes=np.array([o.bytes for o in ops], dtype=float),
+            kernels=np.array([o.kernels for o in ops], dtype=float),
+            matmul=np.array([o.matmul for o in ops], dtype=bool),
+            python=np.array(
+                [(not o.backward or o.recompute) and o.name != "_to_copy" for o in ops], dtype=bool
+            ),
+            recompute_starts=starts,
+            module_calls=module_calls,
+        )
+
+    def seconds(self, c: Ceilings, mode: str, graphs: bool) -> float:
+        """The queue of :mod:`step_time`'s docstring: max over ops of issue time + the GPU time left."""
+        memory = self.bytes / c.bandwidth
+        launched = self.kernels * c.kernel_s
+        other = memory * (self.kernels > 0) + launched
+        gpu = np.where(self.matmul, np.maximum(self.flops / c.matmul_flops, memory) + launched,
+                       other if mode == "eager" else c.fusion * other)  # fmt: skip
+        if mode == "fast" and graphs:
+            return float(gpu.sum())
+        if mode == "eager":
+            python_ops = max(1.0, float((self.kernels * self.python).sum()))
+            per_python = c.python_op_s + c.module_s * self.module_calls / python_ops
+            host = self.kernels * np.where(self.python, per_python, c.autograd_op_s)
+            host = host + c.recompute_block_s * self.recompute_starts
+        else:
+            host = self.kernels * c.fast_op_s
+        if not len(host):
+            return 0.0
+        gpu_left = np.cumsum(gpu[::-1])[::-1]
+        return float((np.cumsum(host) + gpu_left).max())
+
+
+@dataclasses.dataclass
+class StepCosts:
+    """One simulated step's costs, as the time model reads them."""
+
+    micro: list[MicroBatch]  # [the first micro-batch, a later one (with accumulation)]
+    accumulation_steps: int
+    optimizer: dict[str, Any]  # parameter_bytes, gradient_bytes, state_bytes, tensors, in_backward
+    offloaded_bytes: float  # per micro-batch, to host memory and back (activation offload)
+    model_flops: float  # per step: forward and backward, no recompute
+    simulated_flops: float  # per step, recompute included
+
+
+def costs_of(collector: OpCosts, plan: Plan, offloaded_bytes: float = 0.0) -> StepCosts:
+    """The costs ``collector`` recorded in a simulation of ``plan``."""
+    k = plan.accumulation_steps
+    sections = [0, 1] if k > 1 else [0]
+    micro = [MicroBatch.of(collector.of(s), collector.module_calls(s)) for s in sections]
+    later = k - 1 if k > 1 else 0
+    flops = collector.model_flops(0) + later * (collector.model_flops(1) if k > 1 else 0.0)
+    simulated = sum(o.flops for o in collector.of(0)) + later * sum(o.flops for o in collector.of(1))
+    return StepCosts(micro, k, dict(collector.optimizer), offloaded_bytes, flops, float(simulated))
+
+
+def simulated_costs(model: Any, um: UserModel, plan: Plan, seq_len: int) -> StepCosts:
+    """Simulate one step of ``model`` under ``plan`` (planning/your_model/estimate.py's step: the batch of
+    the model's task, the fused loss when the plan has it) and return its costs."""
+    collector = OpCosts()
+    est = estimate(model, um, plan, seq_len, op_costs=collector)
+    if est.error:
+        raise RuntimeError(est.error)
+    offloaded = (est.activations_host_gb or 0.0) * 1e9 if plan.activation_offload else 0.0
+    return costs_of(collector, plan, offloaded)
+
+
+def step_seconds(
+    costs: StepCosts, c: Ceilings, mode: str = "eager", graphs: bool = False
+) -> tuple[float, dict]:
+    """(seconds, how they add up) of the step ``costs`` describes, in ``mode`` (eager | fast; ``graphs``:
+    fast mode with CUDA graphs, as your model's runner does for a vision model)."""
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r}: expected one of {', '.join(MODES)}")
+    graphs = graphs and mode == "fast"
+    per_micro = [m.seconds(c, mode, graphs) for m in costs.micro]
+    k = costs.accumulation_steps
+    passes = per_micro[0] + (k - 1) * (per_micro[-1] if k > 1 else 0.0)
+    opt = costs.optimizer
+    optimizer = (2 * (opt["parameter_bytes"] + opt["state_bytes"]) + opt["gradient_bytes"]) / c.bandwidth
+    hooks = opt["tensors"] * c.hook_s if opt.get("in_backward") and not graphs else 0.0
+    offload = k * 2 * costs.offloaded_bytes / c.host_bandwidth
+    total = passes + optimizer + hooks + offload
+    first = costs.micro[0]
+    return total, {
+        "mode": mode + (" (CUDA graphs)" if graphs else ""),
+        "step_s": total,
+        "forward_backward_s": passes,
+        "per_micro_batch_s": per_micro,
+        "optimizer_s": optimizer,
+        "step_in_backward_s": hooks,
+        "offload_s": offload,
+        "model_flops_per_step": costs.model_flops,
+        "simulated_flops_per_step": costs.simulated_flops,
+        "kernels_per_micro_batch": int(first.kernels.sum()),
+        "bytes_per_micro_batch": float(first.bytes.sum()),
+        "module_calls_per_micro_batch": first.module_calls,
+    }
+
+
+@functools.cache
+def load_calibration(path: str = str(CALIBRATION_FILE)) -> dict[str, Any]:
+    """The stored calibration ({"kinds": {gpu: {"ceilings": ..., "runs": [...], ...}}}), empty if missing."""
+    try:
+        table = json.loads(Path(path).read_text())
+        return table if isinstance(table.get("kinds"), dict) else {"kinds": {}}
+    except (OSError, ValueError, AttributeError):
+        return {"kinds": {}}
+
+
+def ceilings(gpu: str, table: dict[str, Any] | None = None) -> tuple[Ceilings, str]:
+    """The ceilings of ``gpu`` and where they come from; a kind without runs takes h100's (said so)."""
+    table = load_calibration() if table is None else table
+    kinds = table.get("kinds") or {}
+    if not kinds:
+        raise RuntimeError(f"no step-time calibration in {CALIBRATION_FILE}: run python -m"
+                           " fabric_memory_recipes.planning.your_model.step_calibration --write")  # fmt: skip
+    kind = gpu if gpu in kinds else ("h100" if "h100" in kinds else sorted(kinds)[0])
+    entry = kinds[kind]
+    fitted = sum(1 for r in entry["runs"] if r.get("fitted"))
+    source = f"{kind}: fitted on {fitted} committed configurations ({CALIBRATION_FILE.name})"
+    return Ceilings(**entry["ceilings"]), source if kind == gpu else f"no {gpu} runs: {source}"
+
+
+def predict_step_s(model: Any, um: UserModel, plan: Plan, seq_len: int, gpu: str = "h100", mode: str = "eager",
+                   cuda_graphs: bool | None = None) -> tuple[float, dict[str, Any]]:  # fmt: skip
+    """The predicted time of one optimizer step of ``model`` (built anywhere; the meta device will do)
+    under ``plan`` on a GPU of kind ``gpu`` in ``mode`` (eager | fast): (seconds, detail), the detail
+    with the model FLOPs per step, the MFU they mean, the terms of the sum and the ceilings' source.
+    ``cuda_graphs`` (fast mode): None does what your model's runner does, graphs for a vision model and
+    none for a text model (its batch's mask has a data-dependent size)."""
+    c, source = ceilings(gpu)
+    graphs = (not um.is_text) if cuda_graphs is None else cuda_graphs
+    seconds, detail = step_seconds(simulated_costs(model, um, plan, seq_len), c, mode, graphs)
+    detail.update(mfu=mfu(detail["model_flops_per_step"], seconds, gpu), gpu=gpu, ceilings_source=source)
+    return seconds, detail
+
+
+def mfu(model_flops_per_step: float, step_s: float, gpu: str = "h100") -> float | None:
+    """Model FLOPs utilisation: model FLOPs per step over the step's time, against the GPU's datasheet
+    dense bf16 peak (measurement/results_file.py's ``PEAK_BF16_FLOPS``, the one the runs record; None
+    for an unknown kind)."""
+    peak = peak_bf16_flops(gpu.upper())
+    return model_flops_per_step / step_s / peak if peak and step_s > 0 else None

@@ -1,0 +1,188 @@
+"""The step-time model: the op-cost collector (planning/simulation/costs.py) against hand-counted FLOPs
+and bytes, checkpointing's recompute, fast against eager, and the stored calibration
+(fabric_memory_recipes/data/step_time.json) against the committed runs it names
+(planning/your_model/step_time.py, step_calibration.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+
+import pytest
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from fabric_memory_recipes import planning
+from fabric_memory_recipes.measurement.results_file import PEAK_BF16_FLOPS
+from fabric_memory_recipes.planning.planner.calibration import REPO
+from fabric_memory_recipes.planning.simulation.costs import OpCosts
+from fabric_memory_recipes.planning.your_model import step_calibration, step_time
+from fabric_memory_recipes.planning.your_model.estimate import meta_user_model
+
+F32 = 4
+
+
+class Block(nn.Module):
+    """A linear layer and a tail of pointwise ops (what fast mode fuses)."""
+
+    def __init__(self, width: int = 64, pointwise: int = 0) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.pointwise = pointwise
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.linear(x)
+        for _ in range(self.pointwise):
+            x = torch.sigmoid(x) * x + 1.0
+        return x
+
+
+def simulated(model: nn.Module, batch: int = 8, width: int = 64, **plan) -> tuple[planning.Estimate, OpCosts]:
+    collector = OpCosts()
+    plan = planning.Plan(device="cpu", optimizer_impl="foreach", micro_batch_size=batch, **plan)
+    est = planning.simulate(model, plan, make_batch=lambda: (torch.empty(batch, width),),
+                            batch_fn=lambda m, b: (m(b[0]).pow(2).mean(),), op_costs=collector)  # fmt: skip
+    return est, collector
+
+
+def test_the_collector_counts_a_linears_flops_and_bytes():
+    linear = nn.Linear(8, 16)
+    collector = OpCosts()
+    with FakeTensorMode(allow_non_fake_inputs=True), collector:
+        x = torch.empty(4, 8)
+        collector.section = (0, "forward")
+        y = linear(x)
+        collector.section = (0, "backward")
+        y.backward(torch.ones_like(y))
+    forward = [r for r in collector.ops[(0, "forward")] if r.kernels]
+    assert [r.name for r in forward] == ["addmm"]  # the weight's transpose is a view: no kernel
+    (addmm,) = forward
+    assert addmm.flops == 2 * 4 * 8 * 16 and addmm.matmul and not addmm.low_precision
+    assert addmm.bytes == F32 * (16 + 4 * 8 + 8 * 16 + 4 * 16)  # bias, input, weight read; output written
+    backward = [r for r in collector.ops[(0, "backward")] if r.flops]
+    assert [r.name for r in backward] == ["mm"]  # the input needs no gradient: only the weight's
+    assert backward[0].flops == 2 * 4 * 8 * 16 and not backward[0].recompute
+    assert collector.model_flops(0) == 2 * 2 * 4 * 8 * 16
+
+
+def test_checkpointing_recomputes_the_forward_ops_in_backward_and_the_estimate_is_unchanged():
+    model = nn.Sequential(Block(pointwise=2), Block(pointwise=2))
+    plain_est, plain = simulated(model)
+    ckpt_est, ckpt = simulated(model, activation_checkpointing=("Block",))
+    block = [r.name for r in ckpt.ops[(0, "forward")] if r.kernels][:7]
+    assert block == ["addmm", "sigmoid", "mul", "add", "sigmoid", "mul", "add"]
+    runs, run = [], []  # the recomputed ops, block by block (backward meets the second block first)
+    for r in ckpt.ops[(0, "backward")]:
+        if r.recompute and r.kernels:
+            run.append(r.name)
+        elif run and r.kernels:
+            runs, run = [*runs, run], []
+    # each block runs its forward again up to the last tensor its backward needs (checkpoint's early stop)
+    assert runs == [block[:5], block[:5]]
+    recomputed = [r for r in ckpt.of(0) if r.recompute]
+    assert sum(r.flops for r in recomputed) == 2 * 2 * 8 * 64 * 64  # each block's addmm again
+    assert sum(r.flops for r in ckpt.of(0)) == sum(r.flops for r in plain.of(0)) + sum(
+        r.flops for r in recomputed
+    )
+    assert ckpt.model_flops(0) == plain.model_flops(0) > 0  # model FLOPs leave the recompute out
+    assert ckpt.module_calls(0) == plain.module_calls(0) + 2  # each block is called again
+    assert not any(r.recompute for r in plain.of(0))
+    # the collector changes no estimate
+    for with_costs, plan in ((plain_est, {}), (ckpt_est, {"activation_checkpointing": ("Block",)})):
+        without = planning.simulate(model, planning.Plan(device="cpu", optimizer_impl="foreach", micro_batch_size=8, **plan),
+                                    make_batch=lambda: (torch.empty(8, 64),), batch_fn=lambda m, b: (m(b[0]).pow(2).mean(),))  # fmt: skip
+        assert (with_costs.peak_gb, with_costs.components_gb) == (without.peak_gb, without.components_gb)
+
+
+def test_accumulation_records_a_later_micro_batch_and_the_optimizer_bytes():
+    model = nn.Sequential(Block(), Block())
+    _, collector = simulated(model, accumulation_steps=4, optimizer="adamw")
+    costs = step_time.costs_of(collector, planning.Plan(accumulation_steps=4))
+    assert len(costs.micro) == 2 and costs.model_flops == 4 * collector.model_flops(0)
+    weights = sum(p.numel() for p in model.parameters()) * F32
+    assert collector.optimizer == {"parameter_bytes": weights, "gradient_bytes": weights, "state_bytes": 2 * weights,
+                                   "tensors": 4, "in_backward": False}  # fmt: skip
+    c, _ = step_time.ceilings("h100")
+    one, _ = step_time.step_seconds(step_time.costs_of(collector, planning.Plan()), c)
+    four, detail = step_time.step_seconds(costs, c)
+    assert four == pytest.approx(
+        detail["per_micro_batch_s"][0] + 3 * detail["per_micro_batch_s"][1] + detail["optimizer_s"]
+    )
+    assert four > one
+
+
+def test_fast_mode_is_faster_than_eager_for_a_pointwise_heavy_block():
+    _, collector = simulated(nn.Sequential(Block(width=256, pointwise=8)), batch=512, width=256)
+    costs = step_time.costs_of(collector, planning.Plan())
+    c, _ = step_time.ceilings("h100")
+    eager, _ = step_time.step_seconds(costs, c, "eager")
+    fast, _ = step_time.step_seconds(costs, c, "fast")
+    graphs, _ = step_time.step_seconds(costs, c, "fast", graphs=True)
+    assert graphs < fast < eager
+    # with nothing to fuse and no launch cost fast and eager are the same
+    free = dataclasses.replace(
+        c, fusion=1.0, kernel_s=0.0, python_op_s=0.0, module_s=0.0, autograd_op_s=0.0, fast_op_s=0.0
+    )
+    assert step_time.step_seconds(costs, free, "fast")[0] == pytest.approx(
+        step_time.step_seconds(costs, free, "eager")[0]
+    )
+
+
+def test_mfu_is_model_flops_over_time_against_the_datasheet_peak():
+    assert step_time.mfu(PEAK_BF16_FLOPS["H100"] * 0.25, 0.5, "h100") == pytest.approx(0.5)
+    assert step_time.mfu(1e12, 1.0, "no-such-gpu") is None
+
+
+def test_predict_step_s_of_a_user_model_gives_its_flops_and_mfu():
+    um, model, blocks, _ = meta_user_model("torchvision:resnet18")
+    plan = planning.Plan(precision="bf16-mixed", micro_batch_size=32, optimizer="adamw")
+    eager, detail = step_time.predict_step_s(model, um, plan, 0, "h100", "eager")
+    fast, fast_detail = step_time.predict_step_s(model, um, plan, 0, "h100", "fast")
+    assert 0 < fast < eager
+    assert fast_detail["mode"] == "fast (CUDA graphs)"  # a vision model: graphs, as the runner does
+    macs = 1.82e9  # ResNet-18's multiply-adds per 224 x 224 image (its model card)
+    assert detail["model_flops_per_step"] == pytest.approx(
+        32 * 3 * 2 * macs, rel=0.1
+    )  # forward + 2 x backward
+    assert detail["mfu"] == pytest.approx(step_time.mfu(detail["model_flops_per_step"], eager, "h100"))
+    assert "fitted on" in detail["ceilings_source"]
+
+
+# ---------------------------------------------------------------------------- the stored calibration
+def stored() -> dict:
+    return step_time.load_calibration()["kinds"]["h100"]
+
+
+def test_the_stored_calibration_states_its_errors_and_holds_its_target_on_most_runs():
+    entry = stored()
+    core = [r for r in entry["runs"] if r["fitted"] and r["fitted_for"] != "host_bandwidth"]
+    assert len(core) >= 40 and len({r["model"] for r in core}) >= 8  # 4 vision, 4 text models
+    errors = sorted(abs(r["error"]) for r in core)
+    summary = entry["summary"]["fitted"]
+    assert summary["max_abs_error"] == pytest.approx(errors[-1], abs=1e-4)
+    assert summary["within_25_percent"] == sum(e <= 0.25 for e in errors) >= 0.9 * len(core)
+    assert summary["median_abs_error"] <= 0.15
+    for row in entry["runs"]:  # every run it names is committed and measured what the table says
+        medians = [json.loads((REPO / path).read_text())["timing"]["median_step_s"] for path in row["paths"]]
+        assert row["measured_s"] == pytest.approx(statistics.median(medians))
+        assert row["error"] == pytest.approx(row["measured_s"] / row["predicted_s"] - 1, abs=1e-3)
+
+
+@pytest.mark.parametrize(
+    "configuration",
+    [
+        "hf:examples/configs/bert-base-uncased eager your_model precision=bf16-true",
+        "vit_l_16 graphs 12_optimizer_in_backward",
+    ],
+)
+def test_the_stored_calibration_reproduces_its_predictions(configuration):
+    entry = stored()
+    (row,) = [r for r in entry["runs"] if r["configuration"].startswith(configuration)]
+    runs = [r for r in step_calibration.read_runs("h100") if r.path in row["paths"]]
+    costs = step_calibration.run_costs(runs[0])
+    c = step_time.Ceilings(**entry["ceilings"])
+    predicted = step_calibration.predicted_s(runs[0], costs, c)
+    assert predicted == pytest.approx(row["predicted_s"], rel=1e-4)
+    assert abs(row["measured_s"] / predicted - 1) <= entry["summary"]["fitted"]["max_abs_error"] + 1e-4
