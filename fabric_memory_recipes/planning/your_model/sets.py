@@ -43,6 +43,8 @@ from fabric_memory_recipes.planning.planner.fit import (
     smallest,
     static_bytes,
 )
+from fabric_memory_recipes.planning.simulation.costs import OpCosts
+from fabric_memory_recipes.planning.your_model import step_time
 from fabric_memory_recipes.planning.your_model.estimate import card, estimate, meta_user_model, text_batch
 from fabric_memory_recipes.techniques import (
     ACTIVATION_CHECKPOINTING,
@@ -189,6 +191,7 @@ class UserPlanner:
         vit = meta_ladder_model("vit_l_16")
         runs = calibration.load_runs((str(calibration.RESULTS_DIR),))
         base = speed.speed_model(gpu, "vit_l_16", sum(p.numel() for p in vit.parameters()), runs)
+        self.ceilings, self.ceilings_source = step_time.ceilings(gpu)
         self.flops = flops_per_sample(self.model, self.um, seq_len)
         scale = self.flops / _ladder_flops()
         modules = len(list(self.model.modules())) / len(list(vit.modules()))
@@ -253,8 +256,11 @@ class UserPlanner:
                             optimizer_in_backward=used.uses(OPTIMIZER_IN_BACKWARD),
                             sharding="fsdp" if c.devices > 1 else "none", checkpoint_mode=c.checkpoint_mode,
                             fused_loss=c.fused_loss, shard_units=self.blocks, world_size=c.devices)  # fmt: skip
+                collector = (
+                    OpCosts()
+                )  # the same simulation gives the op costs the step time is predicted from
                 try:
-                    est = estimate(self.model, self.um, plan, self.seq_len or 0)
+                    est = estimate(self.model, self.um, plan, self.seq_len or 0, op_costs=collector)
                 except Exception as e:
                     raise RuntimeError(
                         f"the simulation of {c.label()} failed: {type(e).__name__}: {str(e)[:200]}"
@@ -262,10 +268,30 @@ class UserPlanner:
                 if est.error:
                     raise RuntimeError(f"the simulation of {c.label()} failed: {est.error}")
                 got = card(est, self.gpu, c.mode, c.devices)
-                self.simulated[key] = (est.peak_gb, got["peak_reserved_gb"], est.activations_host_gb)
-            c.simulated_gb, c.predicted_gb, c.offloaded_gb = self.simulated[key]
-            c.images_per_s = self._speed(c, c.offloaded_gb)
+                self.simulated[key] = (
+                    est.peak_gb,
+                    got["peak_reserved_gb"],
+                    est.activations_host_gb,
+                    collector,
+                )
+            c.simulated_gb, c.predicted_gb, c.offloaded_gb, collector = self.simulated[key]
+            c.images_per_s = self._step_speed(c, collector)
         return c
+
+    def _step_speed(self, c: Choice, collector: OpCosts) -> float:
+        """samples/s from the simulated step's op costs on the GPU kind's fitted ceilings
+        (planning/your_model/step_time.py); the set's own accumulation (the simulation ran two of its
+        micro-batches: later ones repeat the second)."""
+        r = c.rung
+        plan = Plan(
+            accumulation_steps=r.accumulation_steps, activation_offload=c.techniques.uses(ACTIVATION_OFFLOAD)
+        )
+        costs = step_time.costs_of(collector, plan, (c.offloaded_gb or 0.0) * 1e9)
+        graphs = c.mode == "fast" and not self.um.is_text and c.devices == 1  # the runner's fast mode
+        seconds, detail = step_time.step_seconds(costs, self.ceilings, c.mode, graphs)
+        c.model_flops = detail["model_flops_per_step"] / r.batch_size
+        c.speed_source = f"model: the simulated step's op costs ({self.ceilings_source})"
+        return c.devices * r.batch_size / seconds
 
     def fit(self, budget_gb: float, top: int = 5) -> tuple[list[Choice], Choice | None]:
         """The ``top`` fastest choices predicted to fit, and the fastest predicted not to fit among those
@@ -300,13 +326,15 @@ class UserPlanner:
 
     def speed_lines(self, verbose: bool = False) -> list[str]:
         """How samples/s were predicted: two lines, or with ``verbose`` every constant and its source."""
-        what = "sample" + (f" of {self.seq_len} tokens" if self.seq_len else " (image)")
+        summary = step_time.load_calibration()["kinds"].get(self.gpu, {}).get("summary", {})
+        held = summary.get("leave_one_model_out") or {}
         lines = [
-            f"samples/s: predicted, not measured (--measure runs them): the ladder's step model calibrated on"
-            f" the committed {self.gpu} runs{self._reference()}, compute x {self.speed.flops_scale:.3g} (training FLOPs"
-            f" per {what} over ViT-L/16's per image), eager host time x {self.modules_ratio:.3g} (modules),",
-            f"  the step in backward + {HOOK_MS} ms x {self.tensors} parameter tensors"
-            + ("." if verbose else " (--verbose: every constant and its source)."),
+            "samples/s: predicted, not measured (--measure runs them): each set's simulated step, op by op (FLOPs and"
+            " bytes against the GPU kind's fitted ceilings, and in eager mode the host's time to launch them;"
+            f" planning/your_model/step_time.py), {self.ceilings_source}"
+            + (f"; each model left out of the fit, the error was {100 * held['median_abs_error']:.0f} % (median),"
+               f" {100 * held['max_abs_error']:.0f} % at most" if held else "")
+            + ("." if verbose else " (--verbose: the ceilings)."),
         ]  # fmt: skip
         if self.devices > 1:
             lines.append(f"  FSDP over {self.devices} GPUs: {self.devices} x one GPU's samples/s (each its own batch);"
@@ -314,9 +342,7 @@ class UserPlanner:
                          " allocator each GPU holds NCCL's buffers besides its context: for a small model the card"
                          " per GPU can be above what one GPU alone needs (leave out --devices to compare).")  # fmt: skip
         if verbose:
-            lines += [f"  {line}" for line in self.speed.lines(sources=True)] + [
-                f"  hooks: {HOOK_MS} ms from {HOOK_SOURCE}"
-            ]
+            lines += [f"  {name}: {value:.4g}" for name, value in dataclasses.asdict(self.ceilings).items()]
         return lines
 
 
