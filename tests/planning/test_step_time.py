@@ -186,3 +186,17 @@ def test_the_stored_calibration_reproduces_its_predictions(configuration):
     predicted = step_calibration.predicted_s(runs[0], costs, c)
     assert predicted == pytest.approx(row["predicted_s"], rel=1e-4)
     assert abs(row["measured_s"] / predicted - 1) <= entry["summary"]["fitted"]["max_abs_error"] + 1e-4
+
+
+def test_step_times_docstring_shows_the_stored_table():
+    """The accuracy table in planning/your_model/step_time.py's docstring is the stored one (after a
+    ``step_calibration --write``, paste ``notes_lines`` there)."""
+    doc = [line.strip() for line in step_time.__doc__.splitlines()]
+    for line in step_calibration.notes_lines(stored()):
+        assert line.strip() in doc, line
+    summary = stored()["summary"]
+    fitted, held_out = summary["fitted"], summary["leave_one_model_out"]
+    assert f"median |error| {fitted['median_abs_error']:.0%}".replace("%", " %") in step_time.__doc__.replace(
+        "\n", " "
+    )
+    assert f"max {held_out['max_abs_error']:.0%}".replace("%", " %") in step_time.__doc__
