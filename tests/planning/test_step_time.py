@@ -111,6 +111,15 @@ def test_accumulation_records_a_later_micro_batch_and_the_optimizer_bytes():
         detail["per_micro_batch_s"][0] + 3 * detail["per_micro_batch_s"][1] + detail["optimizer_s"]
     )
     assert four > one
+    _, two = simulated(
+        model, accumulation_steps=2, optimizer="adamw"
+    )  # later micro-batches repeat the second
+    again = step_time.costs_of(two, planning.Plan(accumulation_steps=2)).with_accumulation(4)
+    assert (
+        step_time.step_seconds(again, c)[0] == pytest.approx(four) and again.model_flops == costs.model_flops
+    )
+    with pytest.raises(ValueError, match="later micro-batch"):
+        step_time.costs_of(collector, planning.Plan()).with_accumulation(2)
 
 
 def test_fast_mode_is_faster_than_eager_for_a_pointwise_heavy_block():

@@ -211,19 +211,41 @@ class StepCosts:
     accumulation_steps: int
     optimizer: dict[str, Any]  # parameter_bytes, gradient_bytes, state_bytes, tensors, in_backward
     offloaded_bytes: float  # per micro-batch, to host memory and back (activation offload)
-    model_flops: float  # per step: forward and backward, no recompute
-    simulated_flops: float  # per step, recompute included
+    micro_model_flops: list[float]  # as ``micro``: forward and backward, no recompute
+    micro_simulated_flops: list[float]  # as ``micro``, recompute included
+
+    def per_step(self, values: list[float]) -> float:
+        """A per-micro-batch quantity over the step: the first, and k - 1 times a later one."""
+        return values[0] + (self.accumulation_steps - 1) * values[-1]
+
+    @property
+    def model_flops(self) -> float:
+        return self.per_step(self.micro_model_flops)
+
+    @property
+    def simulated_flops(self) -> float:
+        return self.per_step(self.micro_simulated_flops)
+
+    def with_accumulation(self, k: int) -> StepCosts:
+        """The same micro-batches accumulated over ``k`` (a simulation with accumulation has both kinds of
+        micro-batch, one without only the first: it serves k = 1 alone)."""
+        if k > 1 and len(self.micro) < 2:
+            raise ValueError(
+                "costs simulated without accumulation have no later micro-batch: simulate k >= 2"
+            )
+        return dataclasses.replace(self, accumulation_steps=k)
 
 
 def costs_of(collector: OpCosts, plan: Plan, offloaded_bytes: float = 0.0) -> StepCosts:
-    """The costs ``collector`` recorded in a simulation of ``plan``."""
-    k = plan.accumulation_steps
-    sections = [0, 1] if k > 1 else [0]
+    """The costs ``collector`` recorded in a simulation of ``plan`` (``offloaded_bytes``: the estimate's
+    ``activations_host_gb`` x 1e9 with activation offload)."""
+    sections = [0, 1] if plan.accumulation_steps > 1 else [0]
     micro = [MicroBatch.of(collector.of(s), collector.module_calls(s)) for s in sections]
-    later = k - 1 if k > 1 else 0
-    flops = collector.model_flops(0) + later * (collector.model_flops(1) if k > 1 else 0.0)
-    simulated = sum(o.flops for o in collector.of(0)) + later * sum(o.flops for o in collector.of(1))
-    return StepCosts(micro, k, dict(collector.optimizer), offloaded_bytes, flops, float(simulated))
+    model = [collector.model_flops(s) for s in sections]
+    simulated = [float(sum(o.flops for o in collector.of(s))) for s in sections]
+    return StepCosts(
+        micro, plan.accumulation_steps, dict(collector.optimizer), offloaded_bytes, model, simulated
+    )
 
 
 def simulated_costs(model: Any, um: UserModel, plan: Plan, seq_len: int) -> StepCosts:
@@ -247,7 +269,7 @@ def step_seconds(
     graphs = graphs and mode == "fast"
     per_micro = [m.seconds(c, mode, graphs) for m in costs.micro]
     k = costs.accumulation_steps
-    passes = per_micro[0] + (k - 1) * (per_micro[-1] if k > 1 else 0.0)
+    passes = costs.per_step(per_micro)
     opt = costs.optimizer
     optimizer = (2 * (opt["parameter_bytes"] + opt["state_bytes"]) + opt["gradient_bytes"]) / c.bandwidth
     hooks = opt["tensors"] * c.hook_s if opt.get("in_backward") and not graphs else 0.0
@@ -300,10 +322,21 @@ def predict_step_s(model: Any, um: UserModel, plan: Plan, seq_len: int, gpu: str
     under ``plan`` on a GPU of kind ``gpu`` in ``mode`` (eager | fast): (seconds, detail), the detail
     with the model FLOPs per step, the MFU they mean, the terms of the sum and the ceilings' source.
     ``cuda_graphs`` (fast mode): None does what your model's runner does, graphs for a vision model and
-    none for a text model (its batch's mask has a data-dependent size)."""
-    c, source = ceilings(gpu)
+    none for a text model (its batch's mask has a data-dependent size).
+
+    A planner that simulates the step for its memory anyway can time the same simulation: pass an
+    :class:`OpCosts` to ``estimate(..., op_costs=collector)``, then :func:`predict_costs` of
+    ``costs_of(collector, plan, offloaded_bytes)``."""
     graphs = (not um.is_text) if cuda_graphs is None else cuda_graphs
-    seconds, detail = step_seconds(simulated_costs(model, um, plan, seq_len), c, mode, graphs)
+    return predict_costs(simulated_costs(model, um, plan, seq_len), gpu, mode, graphs)
+
+
+def predict_costs(
+    costs: StepCosts, gpu: str = "h100", mode: str = "eager", graphs: bool = False
+) -> tuple[float, dict]:
+    """:func:`step_seconds` on the stored ceilings of ``gpu``, with the MFU and the ceilings' source."""
+    c, source = ceilings(gpu)
+    seconds, detail = step_seconds(costs, c, mode, graphs)
     detail.update(mfu=mfu(detail["model_flops_per_step"], seconds, gpu), gpu=gpu, ceilings_source=source)
     return seconds, detail
 
