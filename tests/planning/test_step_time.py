@@ -209,3 +209,11 @@ def test_step_times_docstring_shows_the_stored_table():
         "\n", " "
     )
     assert f"max {held_out['max_abs_error']:.0%}".replace("%", " %") in step_time.__doc__
+
+
+def test_the_calibration_without_runs_fails_in_one_line(monkeypatch, capsys):
+    monkeypatch.setattr(step_calibration, "read_runs", lambda gpu: [])
+    with pytest.raises(SystemExit) as stop:
+        step_calibration.main(["--gpu", "h100"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and len(err.strip().splitlines()) == 1 and "from a checkout" in err

@@ -31,7 +31,7 @@ import numpy as np
 from scipy.optimize import least_squares
 
 from fabric_memory_recipes.config import RunConfig, declared_rung
-from fabric_memory_recipes.console import Parser
+from fabric_memory_recipes.console import Parser, fail
 from fabric_memory_recipes.measurement.results_file import gpu_slug, write_json_atomic
 from fabric_memory_recipes.planning.plan import plan_for
 from fabric_memory_recipes.planning.planner.calibration import REPO
@@ -304,7 +304,10 @@ def main(argv: list[str] | None = None) -> int:
         "--leave-one-out", action="store_true", help="also fit without each model, and predict it"
     )
     args = parser.parse_args(argv)
-    pts = points(read_runs(args.gpu))
+    runs = read_runs(args.gpu)
+    if not runs:
+        fail(f"no committed {args.gpu} runs under {REPO / 'results'}: the calibration runs from a checkout")
+    pts = points(runs)
     entry = calibrate(pts, args.leave_one_out)
     print("\n".join(table_lines(entry)))
     print("ceilings: " + ", ".join(f"{k}={v:.4g}" for k, v in entry["ceilings"].items()))
