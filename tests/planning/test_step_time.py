@@ -111,6 +111,15 @@ def test_accumulation_records_a_later_micro_batch_and_the_optimizer_bytes():
         detail["per_micro_batch_s"][0] + 3 * detail["per_micro_batch_s"][1] + detail["optimizer_s"]
     )
     assert four > one
+    _, two = simulated(
+        model, accumulation_steps=2, optimizer="adamw"
+    )  # later micro-batches repeat the second
+    again = step_time.costs_of(two, planning.Plan(accumulation_steps=2)).with_accumulation(4)
+    assert (
+        step_time.step_seconds(again, c)[0] == pytest.approx(four) and again.model_flops == costs.model_flops
+    )
+    with pytest.raises(ValueError, match="later micro-batch"):
+        step_time.costs_of(collector, planning.Plan()).with_accumulation(2)
 
 
 def test_fast_mode_is_faster_than_eager_for_a_pointwise_heavy_block():
@@ -186,3 +195,25 @@ def test_the_stored_calibration_reproduces_its_predictions(configuration):
     predicted = step_calibration.predicted_s(runs[0], costs, c)
     assert predicted == pytest.approx(row["predicted_s"], rel=1e-4)
     assert abs(row["measured_s"] / predicted - 1) <= entry["summary"]["fitted"]["max_abs_error"] + 1e-4
+
+
+def test_step_times_docstring_shows_the_stored_table():
+    """The accuracy table in planning/your_model/step_time.py's docstring is the stored one (after a
+    ``step_calibration --write``, paste ``notes_lines`` there)."""
+    doc = [line.strip() for line in step_time.__doc__.splitlines()]
+    for line in step_calibration.notes_lines(stored()):
+        assert line.strip() in doc, line
+    summary = stored()["summary"]
+    fitted, held_out = summary["fitted"], summary["leave_one_model_out"]
+    assert f"median |error| {fitted['median_abs_error']:.0%}".replace("%", " %") in step_time.__doc__.replace(
+        "\n", " "
+    )
+    assert f"max {held_out['max_abs_error']:.0%}".replace("%", " %") in step_time.__doc__
+
+
+def test_the_calibration_without_runs_fails_in_one_line(monkeypatch, capsys):
+    monkeypatch.setattr(step_calibration, "read_runs", lambda gpu: [])
+    with pytest.raises(SystemExit) as stop:
+        step_calibration.main(["--gpu", "h100"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and len(err.strip().splitlines()) == 1 and "from a checkout" in err

@@ -31,7 +31,7 @@ import numpy as np
 from scipy.optimize import least_squares
 
 from fabric_memory_recipes.config import RunConfig, declared_rung
-from fabric_memory_recipes.console import Parser
+from fabric_memory_recipes.console import Parser, fail
 from fabric_memory_recipes.measurement.results_file import gpu_slug, write_json_atomic
 from fabric_memory_recipes.planning.plan import plan_for
 from fabric_memory_recipes.planning.planner.calibration import REPO
@@ -268,6 +268,30 @@ def table_lines(entry: dict[str, Any]) -> list[str]:
     return lines
 
 
+SHORT = (("hf:examples/configs/", ""), ("your_model ", ""), ("precision=", ""), ("batch_size=", "b"),
+         (" accumulation_steps=", "/k"), ("seq_len=", "s"), ("optimizer=", ""), ("checkpoint_blocks=True", "ckpt"),
+         (" checkpoint_mode=full", ""), ("checkpoint_mode=", "ckpt-"), ("fused_loss=True", "fused-loss"),
+         ("activation_offload=True", "offload"), ("optimizer_in_backward=True", "step-in-backward"))  # fmt: skip
+
+
+def notes_lines(entry: dict[str, Any]) -> list[str]:
+    """The stored table as step_time.py's docstring shows it: one short line per configuration."""
+    lines = ["measured predicted  error held out  configuration (step s; error: samples/s)"]
+    for r in entry["runs"]:
+        name = r["configuration"]
+        for old, new in SHORT:
+            name = name.replace(old, new)
+        lomo = r["leave_one_model_out_error"]
+        tag = (
+            " [not fitted]"
+            if not r["fitted"]
+            else (" [B_host]" if r["fitted_for"] == "host_bandwidth" else "")
+        )
+        lines.append(f"{r['measured_s']:8.4f} {r['predicted_s']:9.4f} {r['error']:+6.0%}"
+                     f"  {'' if lomo is None else format(lomo, '+.0%'):>8}  {name}{tag}")  # fmt: skip
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -280,7 +304,10 @@ def main(argv: list[str] | None = None) -> int:
         "--leave-one-out", action="store_true", help="also fit without each model, and predict it"
     )
     args = parser.parse_args(argv)
-    pts = points(read_runs(args.gpu))
+    runs = read_runs(args.gpu)
+    if not runs:
+        fail(f"no committed {args.gpu} runs under {REPO / 'results'}: the calibration runs from a checkout")
+    pts = points(runs)
     entry = calibrate(pts, args.leave_one_out)
     print("\n".join(table_lines(entry)))
     print("ceilings: " + ", ".join(f"{k}={v:.4g}" for k, v in entry["ceilings"].items()))
