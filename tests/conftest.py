@@ -415,6 +415,23 @@ def _restore_matmul_precision():
 
 # ------------------------------------------------------------------------- shared by several test files
 @pytest.fixture
+def dynamo_on(monkeypatch):
+    """torch.compile traces during this test (the suite turns dynamo off: TORCHDYNAMO_DISABLE=1 above, which
+    ``torch.compile`` reads at each call and then returns the function untraced), with a fresh cache.
+
+    ``torch._dynamo.config`` is patched with its own ``patch``: pytest's ``monkeypatch.setattr`` reads the
+    old value from the module's ``__dict__``, where torch's config keeps none, and its undo then deletes
+    ``disable``, which hides it ("torch._dynamo.config.disable does not exist") for the rest of the process."""
+    import torch
+
+    monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(disable=False):
+        yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
 def fabric():
     import lightning as L  # here, not at import: collection stays quick (see conftest: background jobs)
 
