@@ -56,6 +56,11 @@ os.environ["FMR_OFFLINE"] = "1"
 # 8-bit Adam (rung 13) compiles its update step; with dynamo disabled it runs the same step eagerly.
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 os.environ["FMR_LOG_DIR"] = str(_LOG_DIR)
+# The environment the processes the tests start inherit: the session's, as it began. Not os.environ at the
+# time of the start: background jobs start their processes while in-process tests run, and what such a test
+# sets meanwhile (monkeypatch.setenv("FMR_PUBLISH", "1"), or PL_GLOBAL_SEED, OMP_NUM_THREADS and
+# PYTORCH_CUDA_ALLOC_CONF, which Lightning and the recipes export) would reach whichever process started then.
+_SESSION_ENV = dict(os.environ)
 
 # The flags that make any recipe a quick CPU run (see run_all.sh's CPU path).
 CPU_ARGS = (
@@ -90,7 +95,9 @@ def load_recipe_module(name: str):
 
 # ---------------------------------------------------------------------------------------- subprocesses
 def subprocess_env(log_dir: str | os.PathLike | None = None, **extra: str) -> dict[str, str]:
-    env = os.environ.copy()
+    """The environment of a process a test starts: the session's (``_SESSION_ENV``), never what a test
+    running at the time has set, plus the settings below and ``extra``."""
+    env = dict(_SESSION_ENV)
     env["FMR_OFFLINE"] = "1"
     env["FMR_LOG_DIR"] = str(log_dir or _LOG_DIR)
     env["PYTHONUNBUFFERED"] = "1"
@@ -404,18 +411,75 @@ def _one_torch_thread():
     torch.set_num_threads(before)
 
 
+_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _torch_state() -> tuple | None:
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    return (torch.get_default_dtype(), torch.get_num_threads(), torch.get_float32_matmul_precision(),
+            torch.is_grad_enabled())  # fmt: skip
+
+
+@contextlib.contextmanager
+def process_state_kept():
+    """Put back, on leaving, what code run inside set for the rest of its process: the environment, the
+    working folder, the stop signals' handlers, and torch's default dtype, thread count, float32 matmul
+    precision and grad mode (only what changed is set again)."""
+    env, cwd, torch_state = dict(os.environ), os.getcwd(), _torch_state()
+    handlers = {sig: signal.getsignal(sig) for sig in _SIGNALS}
+    try:
+        yield
+    finally:
+        if os.environ != env:
+            for name in set(os.environ) - set(env):
+                del os.environ[name]
+            os.environ.update(env)
+        if os.getcwd() != cwd:
+            os.chdir(cwd)
+        for sig, handler in handlers.items():
+            if signal.getsignal(sig) != handler and handler is not None:  # None: not installed from Python
+                signal.signal(sig, handler)
+        if torch_state is not None and _torch_state() != torch_state:
+            import torch
+
+            dtype, threads, precision, grad = torch_state
+            torch.set_default_dtype(dtype)
+            torch.set_num_threads(threads)
+            torch.set_float32_matmul_precision(precision)
+            torch.set_grad_enabled(grad)
+
+
 @pytest.fixture(autouse=True)
-def _restore_matmul_precision():
-    """Recipes' main() sets torch's float32 matmul precision globally; keep tests independent."""
-    torch = sys.modules.get("torch")
-    before = torch.get_float32_matmul_precision() if torch else "highest"
-    yield
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        torch.set_float32_matmul_precision(before)
+def _process_state_restored():
+    """Each test leaves the process as it found it (:func:`process_state_kept`), so that none depends on
+    what ran before it. In-process recipe runs and the libraries they call set process-wide state meant
+    for a recipe's own process: the recipes torch's float32 matmul precision, rung 09 its thread count
+    (Adam runs on the CPU), Lightning's seed_everything PL_GLOBAL_SEED and PL_SEED_WORKERS, its launcher
+    OMP_NUM_THREADS, fast mode PYTORCH_CUDA_ALLOC_CONF."""
+    with process_state_kept():
+        yield
 
 
 # ------------------------------------------------------------------------- shared by several test files
+@pytest.fixture
+def dynamo_on(monkeypatch):
+    """torch.compile traces during this test (the suite turns dynamo off: TORCHDYNAMO_DISABLE=1 above, which
+    ``torch.compile`` reads at each call and then returns the function untraced), with a fresh cache.
+
+    ``torch._dynamo.config`` is patched with its own ``patch``: pytest's ``monkeypatch.setattr`` reads the
+    old value from the module's ``__dict__``, where torch's config keeps none, and its undo then deletes
+    ``disable``, which hides it ("torch._dynamo.config.disable does not exist") for the rest of the process."""
+    import torch
+
+    monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(disable=False):
+        yield
+    torch._dynamo.reset()
+
+
 @pytest.fixture
 def fabric():
     import lightning as L  # here, not at import: collection stays quick (see conftest: background jobs)

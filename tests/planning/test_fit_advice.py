@@ -269,10 +269,12 @@ def test_several_gpus_plan_fsdp_sets_with_memory_per_gpu(configs, capsys):
         assert row["predicted_samples_per_s"] == pytest.approx(4 * alone["predicted_samples_per_s"])
     assert {r["technique"] for r in four["fits"]} == {"AdamW", "AdamW + checkpointing"}
     # no h100 x4 eager run measured the overhead: the closest measurement (same mode and count) is assumed
-    # and said to be, where "h200 x4 compiled" (the largest of all) was taken and called measured
+    # and said to be, where "h200 x4 compiled" (the largest of all) was taken and called measured; the legend
+    # names each mode the sets were planned in (several GPUs: the sharded runner's eager mode only)
     assert four["card_overhead"].startswith(
-        "a card overhead assumed for h100 x4 eager, which no run measured"
-    )
+        "eager mode: a card overhead assumed for h100 x4 eager, which no run measured"
+    ), four["card_overhead"]
+    assert four["card_overhead"].count(" mode: ") == 1, four["card_overhead"]  # one mode
     assert "(h200 x4 eager, 1.68 GB per GPU" in four["card_overhead"], four["card_overhead"]
     assert "NCCL" in " ".join(four["speed"]) and "(or h100's)" not in " ".join(four["speed"])
     with pytest.raises(SystemExit) as e:

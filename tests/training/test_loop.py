@@ -291,16 +291,13 @@ def test_no_warmup_leaves_the_scheduler_alone():
 
 
 @pytest.mark.parametrize("entry", ["evaluate", "evaluate_splits"])
-def test_evaluation_runs_without_autograd_and_without_compiling(monkeypatch, entry):
+def test_evaluation_runs_without_autograd_and_without_compiling(dynamo_on, entry):
     """Both evaluation entry points run a compiled model's original code (eval mode + no_grad would
     compile new graphs) and record no autograd graph: evaluate_splits once ran with gradients on, and
     rung 15's evaluation then held 82 GB against its training's 42 GB."""
     from torch._dynamo.utils import counters
 
     from fabric_memory_recipes.training import loop
-
-    monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)  # the suite turns dynamo off (conftest)
-    monkeypatch.setattr(torch._dynamo.config, "disable", False, raising=False)
 
     class _Fabric:
         device = torch.device("cpu")
@@ -413,7 +410,7 @@ def test_max_steps_beyond_the_epochs_says_it_is_cut(fabric, capsys):
 
 
 @pytest.mark.parametrize(("flags", "graphs"), [((), 0), (("--compile",), 1)])
-def test_an_eager_cpu_run_compiles_nothing_a_library_compiles(monkeypatch, tmp_path, flags, graphs):
+def test_an_eager_cpu_run_compiles_nothing_a_library_compiles(dynamo_on, tmp_path, flags, graphs):
     """Eager, the CPU's default mode, compiled torchao's Adam step anyway (rung 05's CPU command: 33 s
     instead of 9.5 s, "No CUDA runtime is found", a Ctrl-C waiting for the compiler); only ./run_all.sh
     avoided it, with TORCHDYNAMO_DISABLE=1. A function compiled inside the run, as torchao compiles its
@@ -423,8 +420,6 @@ def test_an_eager_cpu_run_compiles_nothing_a_library_compiles(monkeypatch, tmp_p
     from fabric_memory_recipes.config import RunConfig
     from fabric_memory_recipes.training import lifecycle
 
-    monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)  # the suite turns dynamo off (conftest)
-    monkeypatch.setattr(torch._dynamo.config, "disable", False, raising=False)
     torch._dynamo.reset()
     counters.clear()
 

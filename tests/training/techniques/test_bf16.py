@@ -305,18 +305,20 @@ def test_the_stochastic_sgd_reads_a_tensor_learning_rate_as_a_captured_step_does
     assert moved == pytest.approx([0.1, 0.1 * (1 + 2**-0.5) / 2, 0.05, 0.1 * (1 - 2**-0.5) / 2], rel=1e-4)
 
 
-def test_the_sgd_step_compiles_as_one_graph():
+def test_the_sgd_step_compiles_as_one_graph(dynamo_on):
     """On CUDA each parameter's step runs compiled with ``fullgraph=True``: a graph break would fail
     there; traced here with dynamo (the eager backend: no compiler on the CPU), for both roundings."""
-    torch._dynamo.reset()
-    with torch._dynamo.config.patch(disable=False):  # the config's own patch: monkeypatch's undo can drop it
-        traced = torch.compile(bf16.sgd_update, fullgraph=True, dynamic=False, backend="eager")
-        for rounding in (bf16.round_stochastic, bf16.library_rounding(), None):
-            p, g = torch.ones(64, dtype=torch.bfloat16), torch.full((64,), 0.5, dtype=torch.bfloat16)
-            buf = torch.zeros_like(p)
-            traced(p, g, buf, torch.tensor(0.25), 0.9, 0.0, 0.0, False, True, rounding)
-            assert torch.all(p.float() == 0.875) and torch.all(buf.float() == 0.5)  # exact: no rounding due
-    torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    traced = torch.compile(bf16.sgd_update, fullgraph=True, dynamic=False, backend="eager")
+    roundings = (bf16.round_stochastic, bf16.library_rounding(), None)
+    for rounding in roundings:
+        p, g = torch.ones(64, dtype=torch.bfloat16), torch.full((64,), 0.5, dtype=torch.bfloat16)
+        buf = torch.zeros_like(p)
+        traced(p, g, buf, torch.tensor(0.25), 0.9, 0.0, 0.0, False, True, rounding)
+        assert torch.all(p.float() == 0.875) and torch.all(buf.float() == 0.5)  # exact: no rounding due
+    assert counters["stats"]["unique_graphs"] == len(set(roundings))  # traced: one graph per rounding
 
 
 RECIPES = Path(__file__).resolve().parents[3] / "recipes"
