@@ -30,8 +30,9 @@ from typing import Any
 import numpy as np
 from scipy.optimize import least_squares
 
-from fabric_memory_recipes.config import RunConfig, declared_rung
+from fabric_memory_recipes.config import RunConfig
 from fabric_memory_recipes.console import Parser, fail
+from fabric_memory_recipes.declarations import declared_rung
 from fabric_memory_recipes.measurement.results_file import gpu_slug, write_json_atomic
 from fabric_memory_recipes.planning.plan import plan_for
 from fabric_memory_recipes.planning.planner.calibration import REPO
