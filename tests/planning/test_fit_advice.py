@@ -251,10 +251,15 @@ def test_an_installed_package_plans_without_the_checkout(tmp_path):
 
 def test_several_gpus_plan_fsdp_sets_with_memory_per_gpu(configs, capsys):
     """--devices N: every set is FSDP over the N GPUs (with checkpointing or without), kept to the user's
-    precision and optimizer, its memory per GPU below the same set's on one GPU and its samples/s N GPUs'."""
+    precision and optimizer, eager, its memory per GPU below the same set's on one GPU and its samples/s
+    above one GPU's."""
     argv = ["--model", configs["llama"], "--seq-len", "32", "--batch-size", "4", "--precision", "bf16-mixed",
             "--fit", "8GB", "--top", "40", "--gpu", "h100"]  # fmt: skip
-    one = {(r["technique"], r["accumulation_steps"]): r for r in _fit(capsys, argv)["fits"]}
+
+    def key(r):
+        return r["technique"], r["accumulation_steps"], r["mode"], r["fused_loss"], r["checkpoint_mode"]
+
+    one = {key(r): r for r in _fit(capsys, argv)["fits"]}
     four = _fit(capsys, [*argv, "--devices", "4"])
     assert four["fits"] and four["kept"] == {"precision": "bf16-mixed", "optimizer": "adamw"}
     for row in four["fits"]:
@@ -263,11 +268,17 @@ def test_several_gpus_plan_fsdp_sets_with_memory_per_gpu(configs, capsys):
         assert "--activation-offload" not in cmd and "--optimizer-in-backward" not in cmd
         parsed = cli.build_parser(runner.default_config()).parse_args(cmd[2:])
         assert parsed.fsdp and parsed.devices == 4 and parsed.precision == "bf16-mixed"
-        alone = one[(row["technique"], row["accumulation_steps"])]
+        assert row["mode"] == "eager"  # the sharded runner runs eagerly
+        alone = one[key(row)]
         assert row["simulated_peak_allocated_gb"] < alone["simulated_peak_allocated_gb"]  # sharded state
         assert row["overhead_gb"] > alone["overhead_gb"]  # four processes' contexts and NCCL, measured
-        assert row["predicted_samples_per_s"] == pytest.approx(4 * alone["predicted_samples_per_s"])
-    assert {r["technique"] for r in four["fits"]} == {"AdamW", "AdamW + checkpointing"}
+        # each GPU its own batch at the sharded step's predicted time (no communication modelled)
+        assert (
+            alone["predicted_samples_per_s"]
+            < row["predicted_samples_per_s"]
+            < 8 * alone["predicted_samples_per_s"]
+        )
+    assert {r["technique"] for r in four["fits"]} <= {"AdamW", "AdamW + checkpointing"}
     # no h100 x4 eager run measured the overhead: the closest measurement (same mode and count) is assumed
     # and said to be, where "h200 x4 compiled" (the largest of all) was taken and called measured; the legend
     # names each mode the sets were planned in (several GPUs: the sharded runner's eager mode only)
