@@ -117,10 +117,13 @@ _LIVE_LOCK = threading.Lock()
 
 
 def as_from_a_terminal() -> None:
-    """``preexec_fn`` of the processes the tests start: SIGINT at its default, as a terminal's shell starts
-    a command. A suite started in the background (``pytest &``, a CI runner) has SIGINT ignored, which its
-    children inherit: Python then installs no KeyboardInterrupt, and a Ctrl-C test would see nothing."""
+    """``preexec_fn`` of the processes the tests start: SIGINT and SIGHUP at their defaults, as a terminal's
+    shell starts a command. A suite started in the background (``pytest &``, a CI runner) has SIGINT
+    ignored, one started under ``nohup`` SIGHUP, which its children inherit: Python then installs no
+    KeyboardInterrupt, a run keeps an ignored SIGHUP ignored (as it should under nohup), and the Ctrl-C and
+    hang-up tests would see nothing."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
 def run_process(

@@ -36,6 +36,23 @@ class Scripted(Reader):
         self.closed = True
 
 
+@pytest.fixture(autouse=True)
+def _samplers_stopped(monkeypatch):
+    """Every sampler a test starts is stopped when the test ends, whatever it asserted: one left polling is
+    a live thread that test_the_thread_polls_and_stops_cleanly finds if it runs later."""
+    started = []
+    start = DeviceSampler.start
+
+    def recorded(self):
+        started.append(self)
+        return start(self)
+
+    monkeypatch.setattr(DeviceSampler, "start", recorded)
+    yield
+    for sampler in started:
+        sampler.stop()
+
+
 def manual(*readers) -> DeviceSampler:
     """A sampler whose readings the test takes itself (the thread polls once an hour)."""
     return DeviceSampler([lambda r=r: r for r in readers], interval_s=3600.0, index=0).start()
