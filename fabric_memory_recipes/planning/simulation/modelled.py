@@ -151,7 +151,7 @@ class Precision:
     """What Fabric's precision plugin does to the module, its inputs and its forward (see
     lightning.fabric.plugins.precision: HalfPrecision, MixedPrecision), replayed on fake tensors."""
 
-    def __init__(self, precision: str, cuda_policy: bool) -> None:
+    def __init__(self, precision: str, cuda_policy: bool, sharding: str = "none") -> None:
         self.cuda_policy = cuda_policy
         self.policy_held = (
             False  # simulate() holds CUDA's autocast policy for the whole step (recomputes too)
@@ -166,6 +166,16 @@ class Precision:
         else:
             self.param_dtype = torch.float32
         self.input_dtype = low if low is not None else self.param_dtype
+        # The sharded parameters, their gradients and the optimizer's state keep param_dtype; what the
+        # module computes with may differ. Lightning's FSDPStrategy (sharding "fsdp") hands FSDP
+        # MixedPrecision(param_dtype=low, reduce_dtype=low, buffer_dtype=low) for "-mixed" too
+        # (lightning.fabric.plugins.precision.fsdp: mixed_precision_config): every unit is all-gathered
+        # in low precision, so forward and backward see low-precision weights and buffers (autocast has
+        # no weight to copy) and the gradients are reduce-scattered in it, then cast to the fp32 shard.
+        # FSDP2 here (sharding "fsdp2", no MixedPrecisionPolicy) gathers the fp32 parameters.
+        self.master_dtype = self.param_dtype
+        if sharding == "fsdp" and self.mixed and low is not None:
+            self.param_dtype = low
 
     def convert(self, data):
         def cast(t):

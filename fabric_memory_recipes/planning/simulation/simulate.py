@@ -63,8 +63,9 @@ def _unit_bytes(model: Any, class_names: tuple[str, ...], dtype_bytes: int) -> t
     return largest * dtype_bytes, root * dtype_bytes
 
 
-def _optimizer_state(p: torch.Tensor, plan: Plan) -> list[torch.Tensor]:
-    """The state tensors the optimizer keeps for parameter ``p`` from its first step on."""
+def _optimizer_state(p: torch.Tensor, plan: Plan, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """The state tensors the optimizer keeps for parameter ``p`` (of ``dtype``, default ``p``'s: FSDP's
+    mixed precision computes in low precision, its sharded parameters stay fp32) from its first step on."""
     if plan.optimizer == "adamw8bit" and p.numel() >= LOWBIT_MIN_NUMEL and p.numel() % LOWBIT_BLOCK == 0:
         state = []  # torchao OptimState8bit: uint8 codes, one fp32 scale per block, a 256-entry qmap
         for _ in range(2):
@@ -72,7 +73,9 @@ def _optimizer_state(p: torch.Tensor, plan: Plan) -> list[torch.Tensor]:
             state.append(torch.empty(p.numel() // LOWBIT_BLOCK, dtype=torch.float32))
             state.append(torch.empty(256, dtype=torch.float32))
         return state
-    state = [torch.zeros_like(p) for _ in range(OPTIMIZER_STATE_FACTOR[plan.optimizer])]
+    state = [
+        torch.zeros(p.shape, dtype=dtype or p.dtype) for _ in range(OPTIMIZER_STATE_FACTOR[plan.optimizer])
+    ]
     if plan.optimizer in ("adam", "adamw") and plan.optimizer_impl == "fused":
         state.append(torch.zeros((), dtype=torch.float32))  # the step count lives on the device
     return state
@@ -169,8 +172,9 @@ def simulate(
         make_batch = make_batch or default_make
         batch_fn = batch_fn or default_fn
 
-    precision = Precision(plan.precision, cuda_policy=plan.device == "cuda")
-    pbytes = torch.empty((), dtype=precision.param_dtype, device="meta").element_size()
+    precision = Precision(plan.precision, cuda_policy=plan.device == "cuda", sharding=plan.sharding)
+    pbytes = torch.empty((), dtype=precision.param_dtype, device="meta").element_size()  # computed with
+    master_bytes = torch.empty((), dtype=precision.master_dtype, device="meta").element_size()  # kept
     named_params = dict(model.named_parameters())
     trainable = [n for n, p in named_params.items() if p.requires_grad]
     n_total = sum(p.numel() for p in named_params.values())
@@ -178,7 +182,10 @@ def simulate(
     scales: dict[str, float] = {"host": 0.0}  # offloaded activations live in host memory
     if plan.sharding != "none" or plan.weights_offload:
         shard = 0.0 if plan.cpu_offload or plan.weights_offload else 1.0 / plan.world_size
-        scales.update({"parameters": shard, "gradients": shard, "optimizer_state": shard})
+        # the fake weights and their gradients have the dtype the module computes with; the shards kept
+        # between steps have the master dtype (FSDP's mixed precision: bf16 views, fp32 shards)
+        master = shard * master_bytes / pbytes
+        scales.update({"parameters": master, "gradients": master, "optimizer_state": shard})
     tracker = Tracker(scales)  # the timeline is recorded from the first forward to zero_grad
     kernels: set[str] = set()
     saved_bytes = saved_rounded = None
@@ -226,7 +233,9 @@ def simulate(
         tracker.mark("state")
         tracker.phase = "optimizer state"  # as it is from the first optimizer step on
         with tracker.creating("optimizer_state"):
-            state = [t for n in trainable for t in _optimizer_state(fake_state[n], plan)]
+            state = [
+                t for n in trainable for t in _optimizer_state(fake_state[n], plan, precision.master_dtype)
+            ]
         state_bytes = sum(t.untyped_storage().nbytes() for t in state if t.dim() > 0)  # no step counters
 
         params_and_buffers = list(fake_state.values())
@@ -266,17 +275,19 @@ def simulate(
         tracker.phase = "optimizer step"
         transient = 0  # fused kernels and SGD update in place
         if plan.optimizer in ("adam", "adamw") and plan.optimizer_impl == "foreach":
-            transient = n_train * pbytes  # torch._foreach_sqrt(exp_avg_sq): a list as large as the grads
+            transient = (
+                n_train * master_bytes
+            )  # torch._foreach_sqrt(exp_avg_sq): a list as large as the grads
         elif plan.optimizer in ("adam", "adamw") and plan.optimizer_impl == "for-loop":
-            transient = max((named_params[n].numel() for n in trainable), default=0) * pbytes
+            transient = max((named_params[n].numel() for n in trainable), default=0) * master_bytes
         elif plan.optimizer == "adamw8bit":  # per tensor: the two moments dequantised + the update, fp32
             transient = 3 * 4 * max((named_params[n].numel() for n in trainable), default=0)
         if plan.optimizer_in_backward or plan.weights_offload:
             transient = 0  # already done inside backward (rung 16: on the CPU)
         transient = int(transient * scales.get("optimizer_state", 1.0))
         if op_costs is not None:  # what the step reads and writes: weights, gradients, state (per GPU)
-            shard = scales.get("parameters", 1.0)
-            op_costs.optimizer = {"parameter_bytes": n_train * pbytes * shard, "gradient_bytes": n_train * pbytes * shard,
+            shard = scales.get("optimizer_state", 1.0)
+            op_costs.optimizer = {"parameter_bytes": n_train * master_bytes * shard, "gradient_bytes": n_train * master_bytes * shard,
                                   "state_bytes": state_bytes * shard, "tensors": len(trainable),
                                   "in_backward": plan.optimizer_in_backward}  # fmt: skip
         tracker.add_constant("temporaries", transient)
@@ -288,10 +299,10 @@ def simulate(
         tracker.record_timeline = False
         del state, fake_state, params_and_buffers, wrapped, counter
 
-    shard = scales.get("parameters", 1.0)
+    shard = scales.get("optimizer_state", 1.0)
     static = {  # the arithmetic, exactly
-        "weights": n_total * pbytes * shard / GB,
-        "gradients": n_train * pbytes * shard / GB,
+        "weights": n_total * master_bytes * shard / GB,
+        "gradients": n_train * master_bytes * shard / GB,
         "optimizer_state": state_bytes * shard / GB,
     }
     return Estimate(
