@@ -2,10 +2,10 @@
 
 CPUOffloadPolicy keeps each rank's shard of parameters, gradients and Adam state in pinned host memory,
 copied in before a block's all-gather and out after its reduce-scatter; Adam steps on the CPU.
-The sharding and the offload policy: recipes/09_cpu_offload.py: parallelize."""
+The sharding and the offload policy: recipes/09_cpu_offload.py: parallelize; each process's own host cores:
+fabric_memory_recipes/training/host_cores.py: share_out."""
 
 import fabric_memory_recipes  # noqa: F401, I001 - first: a Ctrl-C while torch loads is one line, exit 130
-import os
 
 import lightning as L
 import torch
@@ -15,7 +15,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
 from fabric_memory_recipes import RunConfig, planning
 from fabric_memory_recipes.training.techniques import attention
-from fabric_memory_recipes.training import data, lifecycle, loop, models
+from fabric_memory_recipes.training import data, host_cores, lifecycle, loop, models
 
 RUNG = RunConfig(
     recipe="09_cpu_offload",
@@ -47,13 +47,13 @@ def parallelize(model, device_mesh, compile_blocks: bool = False):
 
 def main(cfg: RunConfig, results) -> None:
     torch.set_float32_matmul_precision("high" if cfg.tf32 else "highest")  # "high" = TF32 matmuls
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // cfg.devices))  # rung 09: Adam runs here
     strategy = ModelParallelStrategy(  # rung 08: every process holds a shard (data parallel only)
         lambda model, mesh: parallelize(model, mesh, cfg.compile), cfg.world_size, tensor_parallel_size=1
     )
     fabric = L.Fabric(accelerator=cfg.accelerator, devices=cfg.devices, num_nodes=cfg.num_nodes,
                       strategy=strategy, precision=cfg.precision, loggers=results.fabric_loggers())  # fmt: skip
-    fabric.launch()
+    fabric.launch()  # then each process binds to its own cores, where its Adam steps (rung 09)
+    results.extra.update(host_cores=host_cores.share_out(fabric.local_rank, cfg.devices))
     fabric.seed_everything(cfg.seed, verbose=False)  # the seed is in the results JSON
     results.attach(fabric)
     with fabric.rank_zero_first():

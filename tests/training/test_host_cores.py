@@ -1,0 +1,50 @@
+"""Rung 09's share of the host's cores per process (training/host_cores.py), on made-up NUMA layouts."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from fabric_memory_recipes.training import host_cores
+
+
+def test_four_ranks_on_two_nodes_get_disjoint_halves_of_their_node():
+    nodes = [list(range(0, 32)), list(range(32, 64))]
+    shares = [host_cores.cores_of(r, 4, nodes) for r in range(4)]
+    assert shares == [list(range(0, 16)), list(range(16, 32)), list(range(32, 48)), list(range(48, 64))]
+
+
+def test_interleaved_nodes_and_fewer_ranks_than_nodes():
+    nodes = [list(range(0, 16, 2)), list(range(1, 16, 2))]  # even and odd cores: two nodes
+    assert host_cores.cores_of(1, 4, nodes) == [8, 10, 12, 14]
+    assert host_cores.cores_of(0, 1, nodes) == list(range(0, 16, 2)) + list(range(1, 16, 2))
+    three = [host_cores.cores_of(r, 3, [list(range(10))]) for r in range(3)]
+    assert three == [[0, 1, 2], [3, 4, 5], [6, 7, 8, 9]]
+
+
+def test_more_ranks_than_cores_still_gives_each_one_core():
+    assert [host_cores.cores_of(r, 4, [[0, 1]]) for r in range(4)] == [[0], [1], [0], [1]]
+    with pytest.raises(ValueError, match="local rank 4 of 4"):
+        host_cores.cores_of(4, 4, [[0, 1]])
+
+
+def test_numa_nodes_reads_cpulist_files_and_keeps_the_allowed_cores(tmp_path):
+    for node, text in ((0, "0-3,8\n"), (1, "4-7\n"), (10, "9\n")):
+        (tmp_path / f"node{node}").mkdir()
+        (tmp_path / f"node{node}" / "cpulist").write_text(text)
+    pattern = str(tmp_path / "node[0-9]*" / "cpulist")
+    assert host_cores.numa_nodes([0, 1, 2, 3, 4, 5, 8, 9], pattern) == [[0, 1, 2, 3, 8], [4, 5], [9]]
+    assert host_cores.numa_nodes([0, 1], str(tmp_path / "none" / "*")) == [[0, 1]]
+
+
+def test_share_out_binds_this_process_and_sets_its_threads():
+    before, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    try:
+        cores = host_cores.share_out(0, 1)
+        assert set(cores) == before == os.sched_getaffinity(0)
+        assert torch.get_num_threads() == len(cores)
+    finally:
+        os.sched_setaffinity(0, before)
+        torch.set_num_threads(threads)
