@@ -326,6 +326,7 @@ class RunResults:
             "warmup_steps": warmup,
             "timed_intervals": len(steady),
             "step_s": _quantiles(steady),
+            "intervals_s": [round(x, 6) for x in intervals],  # every step, warm-up included
         }
 
     def payload(self, status: str = "ok", error: str | None = None, gather: bool = True) -> dict[str, Any]:

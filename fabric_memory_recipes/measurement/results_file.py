@@ -85,6 +85,7 @@ timing.tokens_per_s              text runs: samples_per_s x provenance.tokens_pe
 timing.optimizer_steps           optimizer steps taken; micro_batches, images_seen (per rank x world size)
 timing.warmup_steps              steps left out of the median (first steps pay for allocation/autotuning)
 timing.step_s                    {min, p10, median, p90, max} of the timed step intervals (s): the spread
+timing.intervals_s               every interval between consecutive optimizer steps (s), warm-up included
 accuracy.{train,val,test}        fraction correct (train: over the last logged window of the run;
                                  bonus_llm_finetune: next-token accuracy on completion tokens)
 loss.{first,last}                training loss of the first and last logged window

@@ -181,6 +181,7 @@ def test_step_timing_from_fake_clock(monkeypatch):
     t = log.payload(gather=False)["timing"]
     assert t["warmup_steps"] == results_file.WARMUP_STEPS == 3
     assert t["timed_intervals"] == 4
+    assert t["intervals_s"] == pytest.approx([10, 5, 1, 1, 1.5, 1, 1.5])  # each step, for its spread
     assert t["median_step_s"] == pytest.approx(1.25)  # median of [1, 1.5, 1, 1.5]: warm-up left out
     assert t["images_per_s"] == pytest.approx(16 / 1.25)  # effective batch x world / median step
     assert t["optimizer_steps"] == 8 and t["micro_batches"] == 32
