@@ -60,7 +60,7 @@ def parse(args: argparse.Namespace) -> tuple[argparse.Namespace, runner.YourMode
 def run(parsed: argparse.Namespace) -> int:
     args, cfg = parse(parsed)
     try:
-        um, model, blocks, found_by = meta_user_model(cfg.model)
+        um, model, blocks, found_by = meta_user_model(cfg.model, cfg.lora_rank, cfg.lora_targets)
         models.check_seq_len(um, cfg.seq_len)
     except UsageError as e:
         fail(str(e))
@@ -93,7 +93,8 @@ def run(parsed: argparse.Namespace) -> int:
 
 def fit_main(args: Any, cfg: runner.YourModelConfig) -> int:
     planner = UserPlanner(cfg.model, cfg.batch_size, cfg.seq_len, args.gpu, precision=cfg.precision,
-                          optimizer=cfg.optimizer, may_change=args.may_change, devices=cfg.world_size)  # fmt: skip
+                          optimizer=cfg.optimizer, may_change=args.may_change, devices=cfg.world_size,
+                          lora_rank=cfg.lora_rank, lora_targets=cfg.lora_targets)  # fmt: skip
     if planner.weights_gb() >= args.budget_gb:
         per_gpu = f" per GPU (sharded over {cfg.world_size})" if cfg.world_size > 1 else ""
         fail(f"--fit {args.fit}: {planner.ref}'s weights alone take {planner.weights_gb():.2f} GB{per_gpu}"
