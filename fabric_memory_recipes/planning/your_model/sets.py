@@ -154,6 +154,7 @@ class Choice(Candidate):
         out["devices"] = self.devices
         out["fused_loss"], out["checkpoint_mode"] = self.fused_loss, self.checkpoint_mode
         out["micro_batch_size"] = self.rung.micro_batch_size
+        out["lora"] = list(self.lora)
         return out
 
 
