@@ -24,7 +24,7 @@ from fabric_memory_recipes.console import fail
 from fabric_memory_recipes.measurement.results_file import peak_bf16_flops
 from fabric_memory_recipes.planning import arguments
 from fabric_memory_recipes.planning.planner import cli as fit_cli
-from fabric_memory_recipes.planning.your_model import measure
+from fabric_memory_recipes.planning.your_model import measure, saved_file
 from fabric_memory_recipes.planning.your_model.estimate import card, estimate, meta_user_model, plan_of
 from fabric_memory_recipes.planning.your_model.sets import UserPlanner
 from fabric_memory_recipes.techniques import ACTIVATION_CHECKPOINTING
@@ -74,8 +74,10 @@ def run(parsed: argparse.Namespace) -> int:
     got = card(est, args.gpu, "eager", cfg.world_size if cfg.fsdp else 1)
     about = {"model": um.ref, "task": um.task, "seq_len": cfg.seq_len if um.is_text else None,
              "repeated_blocks": list(blocks), "blocks_found_by": found_by}  # fmt: skip
+    saved = None if cfg.fsdp else saved_file.predict(model, cfg)  # FSDP saves a folder of shards
     if args.json:
-        print(json.dumps({**about, **est.to_dict(), **got}, indent=2))
+        checkpoint = {"saved_checkpoint": saved.to_dict() if saved else None}
+        print(json.dumps({**about, **est.to_dict(), **got, **checkpoint}, indent=2))
         return 1 if est.error else 0
     print(f"[{um.ref}] {um.task.replace('_', ' ')}" + (f", {cfg.seq_len} tokens per sample" if um.is_text else "")
           + f"; repeated blocks: {', '.join(blocks) or 'none'} ({found_by})")  # fmt: skip
@@ -88,6 +90,9 @@ def run(parsed: argparse.Namespace) -> int:
         )
         print(f"  {'whole-device peak':<22}" + (f"{device:>11.3f}   + {got['overhead_gb']:.3f} GB outside the"
               f" allocator ({got['overhead_source']})" if device is not None else f"{'unknown':>11}"))  # fmt: skip
+    if saved:
+        print(f"  {'checkpoint file':<22}{saved.total_bytes / 1e9:>11.3f}   on disk, each --checkpoint-every N:"
+              f" {saved.line().split(': ', 1)[1]} (planning/your_model/saved_file.py)")  # fmt: skip
     return 1 if est.error else 0
 
 

@@ -26,6 +26,7 @@ from fabric_memory_recipes.planning.plan import Estimate, Plan, plan_for
 from fabric_memory_recipes.planning.simulation.allocator import RESIDUAL, RESIDUAL_SOURCE
 from fabric_memory_recipes.planning.simulation.costs import OpCosts
 from fabric_memory_recipes.planning.simulation.simulate import failed, simulate
+from fabric_memory_recipes.planning.your_model import saved_file
 from fabric_memory_recipes.techniques import ACTIVATION_CHECKPOINTING, FUSED_LOSS
 from fabric_memory_recipes.training.techniques import fused_loss, lora
 from fabric_memory_recipes.training.your_model import models
@@ -134,6 +135,13 @@ def for_user_run(
     gpu = gpu_slug(torch.cuda.get_device_name()) if torch.cuda.is_available() else "h100"
     devices = cfg.devices if getattr(cfg, "fsdp", False) else 1  # processes per machine, each a GPU
     predicted = card(est, gpu, "fast" if cfg.cuda_graphs else "eager", devices)
+    if not getattr(
+        cfg, "fsdp", False
+    ):  # the checkpoint file --checkpoint-every writes (FSDP: a folder of shards)
+        try:
+            predicted["checkpoint_file"] = saved_file.predict(model, cfg).to_dict()
+        except Exception as e:
+            predicted["checkpoint_file"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
     if est.error:
         notice(f"[estimate] could not estimate memory: {est.error}")
     else:
