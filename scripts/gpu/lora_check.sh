@@ -84,10 +84,10 @@ row() { local name=$1 ck=$2; shift 2
 C=examples/configs
 if [ "$SIZE" = full ]; then
   LM512=(--seq-len 512 --batch-size 8); LM1K=(--seq-len 1024 --batch-size 8); ENC=(--seq-len 512 --batch-size 32)
-  VIT=(--batch-size 64); VITM=timm:vit_base_patch16_224; DEV=()
+  TL=(--seq-len 1024 --batch-size 4); VIT=(--batch-size 64); VITM=timm:vit_base_patch16_224; DEV=()
 else
   LM512=(--seq-len 32 --batch-size 2); LM1K=(--seq-len 32 --batch-size 2); ENC=(--seq-len 32 --batch-size 2)
-  VIT=(--batch-size 2); VITM=timm:test_vit; DEV=(--accelerator cpu)
+  TL=(--seq-len 32 --batch-size 2); VIT=(--batch-size 2); VITM=timm:test_vit; DEV=(--accelerator cpu)
   C=$RUNS/tiny  # each example config shrunk: 2 layers of width 64, a 1000-token vocabulary
   $PY - "$C" <<'EOF'
 import json, pathlib, sys
@@ -110,5 +110,5 @@ row neox-r32-qkv   -    --model hf:$C/gpt-neox-0.4b "${LM1K[@]}" --precision bf1
 row bert-r8        ckpt --model hf:$C/bert-base-uncased "${ENC[@]}" --precision bf16-mixed --lora-rank 8 "${DEV[@]}"
 row vitb-r8        -    --model $VITM "${VIT[@]}" --precision bf16-mixed --lora-rank 8 "${DEV[@]}"
 row roberta-r16    ckpt --model hf:$C/roberta-base "${ENC[@]}" --precision 32-true --lora-rank 16 "${DEV[@]}"
-row tinyllama-r16  -    --model hf:$C/tinyllama-1.1b --seq-len 1024 --batch-size 4 --precision bf16-true --lora-rank 16 "${DEV[@]}"
+row tinyllama-r16  -    --model hf:$C/tinyllama-1.1b "${TL[@]}" --precision bf16-true --lora-rank 16 "${DEV[@]}"
 log "done"
