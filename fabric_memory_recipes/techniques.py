@@ -86,6 +86,7 @@ FUSED_ATTENTION = Technique("fused_attention", "fused attention", "attention", "
 FLOAT8 = Technique("float8", "float8 matrix products", "float8", "15_speed")
 WEIGHTS_OFFLOAD = Technique("weights_offload", "weights on the CPU", "weights_offload", "16_weights_on_cpu")
 LLM_TOGGLES = Technique("llm_toggles", "the LLM fine-tune's toggles", "llm_toggles", "bonus_llm_finetune")
+LORA = Technique("lora_rank", "LoRA", "lora", "your_model", flag="--lora-rank")  # its value: the rank
 
 TECHNIQUES = (
     ACTIVATION_CHECKPOINTING,
@@ -98,6 +99,7 @@ TECHNIQUES = (
     FLOAT8,
     WEIGHTS_OFFLOAD,
     LLM_TOGGLES,
+    LORA,
 )
 PLANNED = tuple(t for t in TECHNIQUES if t.planned)  # in the order a label names them
 

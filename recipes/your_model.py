@@ -19,7 +19,7 @@ from lightning.fabric.strategies import FSDPStrategy
 
 from fabric_memory_recipes.planning.your_model import estimate
 from fabric_memory_recipes.training import data, lifecycle, loop
-from fabric_memory_recipes.training.techniques import checkpointing, fused_loss, offload, step_in_backward
+from fabric_memory_recipes.training.techniques import checkpointing, fused_loss, lora, offload, step_in_backward  # fmt: skip
 from fabric_memory_recipes.training.your_model import models, runner
 
 RUNG = runner.default_config()
@@ -46,6 +46,9 @@ def main(cfg: runner.YourModelConfig, results) -> None:
     with results.phase("model_load"):
         with fabric.init_module(empty_init=False):  # on the device, in the precision's dtype
             model = models.build(um)
+            if cfg.lora_rank:  # LoRA: every weight frozen; low-rank adapters and a classifier's head train
+                results.extra["lora"] = lora.add_adapters(model, um.source, um.task, blocks, cfg.lora_rank,
+                                                          cfg.lora_targets)  # fmt: skip
         results.estimate, results.extra["predicted_card"] = estimate.for_user_run(model, um, cfg, blocks)
         if cfg.fused_loss:  # the loss of the output projection in chunks: the full logits never exist
             batch_fn = fused_loss.causal_lm_loss(fused_loss.fuse_output_embeddings(model))
@@ -65,6 +68,7 @@ def main(cfg: runner.YourModelConfig, results) -> None:
             model = fabric.setup_module(model)  # with FSDP: shard first, then the optimizer over the shards
             optimizer = fabric.setup_optimizers(runner.make_optimizer(cfg, list(model.parameters())))
     results.set(parameters=sum(p.numel() for p in model.parameters()))
+    results.extra["trainable_parameters"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
 
     train_loader, val_loader, test_loader = fabric.setup_dataloaders(
         *data.loaders(splits, cfg, fabric, shard=cfg.fsdp)

@@ -39,6 +39,7 @@ LAZY = {
     "liger_kernel": "optional, CUDA only: --fused-loss's kernel; the chunked torch path runs without it",
     "torchao": "optional (extra 'lowbit'/'bf16'): only rung 13 and --bf16-update stochastic need it",
     "optimi": "optional (extra 'bf16'): only --bf16-update kahan needs it",
+    "peft": "optional (extras 'peft', 'bonus'): only --lora-rank needs it, and importing it imports transformers",
     "datasets": "optional: IMDb through the hub only; the GPU machines behind the results lack it",
     "matplotlib": "figures only; importing pyplot picks a backend, which a library must not do on import,"
     " and costs every recipe process that draws nothing",

@@ -24,7 +24,7 @@ from fabric_memory_recipes.console import fail
 from fabric_memory_recipes.measurement.results_file import peak_bf16_flops
 from fabric_memory_recipes.planning import arguments
 from fabric_memory_recipes.planning.planner import cli as fit_cli
-from fabric_memory_recipes.planning.your_model import measure
+from fabric_memory_recipes.planning.your_model import measure, saved_file
 from fabric_memory_recipes.planning.your_model.estimate import card, estimate, meta_user_model, plan_of
 from fabric_memory_recipes.planning.your_model.sets import UserPlanner
 from fabric_memory_recipes.techniques import ACTIVATION_CHECKPOINTING
@@ -60,7 +60,7 @@ def parse(args: argparse.Namespace) -> tuple[argparse.Namespace, runner.YourMode
 def run(parsed: argparse.Namespace) -> int:
     args, cfg = parse(parsed)
     try:
-        um, model, blocks, found_by = meta_user_model(cfg.model)
+        um, model, blocks, found_by = meta_user_model(cfg.model, cfg.lora_rank, cfg.lora_targets)
         models.check_seq_len(um, cfg.seq_len)
     except UsageError as e:
         fail(str(e))
@@ -74,8 +74,10 @@ def run(parsed: argparse.Namespace) -> int:
     got = card(est, args.gpu, "eager", cfg.world_size if cfg.fsdp else 1)
     about = {"model": um.ref, "task": um.task, "seq_len": cfg.seq_len if um.is_text else None,
              "repeated_blocks": list(blocks), "blocks_found_by": found_by}  # fmt: skip
+    saved = None if cfg.fsdp else saved_file.predict(model, cfg)  # FSDP saves a folder of shards
     if args.json:
-        print(json.dumps({**about, **est.to_dict(), **got}, indent=2))
+        checkpoint = {"saved_checkpoint": saved.to_dict() if saved else None}
+        print(json.dumps({**about, **est.to_dict(), **got, **checkpoint}, indent=2))
         return 1 if est.error else 0
     print(f"[{um.ref}] {um.task.replace('_', ' ')}" + (f", {cfg.seq_len} tokens per sample" if um.is_text else "")
           + f"; repeated blocks: {', '.join(blocks) or 'none'} ({found_by})")  # fmt: skip
@@ -88,12 +90,16 @@ def run(parsed: argparse.Namespace) -> int:
         )
         print(f"  {'whole-device peak':<22}" + (f"{device:>11.3f}   + {got['overhead_gb']:.3f} GB outside the"
               f" allocator ({got['overhead_source']})" if device is not None else f"{'unknown':>11}"))  # fmt: skip
+    if saved:
+        print(f"  {'checkpoint file':<22}{saved.total_bytes / 1e9:>11.3f}   on disk, each --checkpoint-every N:"
+              f" {saved.line().split(': ', 1)[1]} (planning/your_model/saved_file.py)")  # fmt: skip
     return 1 if est.error else 0
 
 
 def fit_main(args: Any, cfg: runner.YourModelConfig) -> int:
     planner = UserPlanner(cfg.model, cfg.batch_size, cfg.seq_len, args.gpu, precision=cfg.precision,
-                          optimizer=cfg.optimizer, may_change=args.may_change, devices=cfg.world_size)  # fmt: skip
+                          optimizer=cfg.optimizer, may_change=args.may_change, devices=cfg.world_size,
+                          lora_rank=cfg.lora_rank, lora_targets=cfg.lora_targets)  # fmt: skip
     if planner.weights_gb() >= args.budget_gb:
         per_gpu = f" per GPU (sharded over {cfg.world_size})" if cfg.world_size > 1 else ""
         fail(f"--fit {args.fit}: {planner.ref}'s weights alone take {planner.weights_gb():.2f} GB{per_gpu}"

@@ -26,8 +26,9 @@ from fabric_memory_recipes.planning.plan import Estimate, Plan, plan_for
 from fabric_memory_recipes.planning.simulation.allocator import RESIDUAL, RESIDUAL_SOURCE
 from fabric_memory_recipes.planning.simulation.costs import OpCosts
 from fabric_memory_recipes.planning.simulation.simulate import failed, simulate
+from fabric_memory_recipes.planning.your_model import saved_file
 from fabric_memory_recipes.techniques import ACTIVATION_CHECKPOINTING, FUSED_LOSS
-from fabric_memory_recipes.training.techniques import fused_loss
+from fabric_memory_recipes.training.techniques import fused_loss, lora
 from fabric_memory_recipes.training.your_model import models
 from fabric_memory_recipes.training.your_model.models import UserModel
 from fabric_memory_recipes.training.your_model.runner import YourModelConfig
@@ -39,13 +40,19 @@ RESERVED_RULE = (
 
 
 @functools.cache
-def meta_user_model(ref: str) -> tuple[UserModel, Any, tuple[str, ...], str]:
+def meta_user_model(
+    ref: str, lora_rank: int = 0, lora_targets: str | None = None
+) -> tuple[UserModel, Any, tuple[str, ...], str]:
     """The user's model on the meta device: (the resolved model, the model, its repeated blocks, how
-    they were found)."""
+    they were found); with ``lora_rank``, LoRA's adapters added as the runner adds them
+    (training/techniques/lora.py), so that only they and the head train."""
     um = models.resolve(ref)
     with torch.device("meta"):
         model = models.build(um)
-    return (um, model, *models.repeated_blocks(model))
+        blocks, found_by = models.repeated_blocks(model)
+        if lora_rank:
+            lora.add_adapters(model, um.source, um.task, blocks, lora_rank, lora_targets)
+    return um, model, blocks, found_by
 
 
 def text_batch(um: UserModel, micro_batch_size: int, seq_len: int):
@@ -128,6 +135,13 @@ def for_user_run(
     gpu = gpu_slug(torch.cuda.get_device_name()) if torch.cuda.is_available() else "h100"
     devices = cfg.devices if getattr(cfg, "fsdp", False) else 1  # processes per machine, each a GPU
     predicted = card(est, gpu, "fast" if cfg.cuda_graphs else "eager", devices)
+    if not getattr(
+        cfg, "fsdp", False
+    ):  # the checkpoint file --checkpoint-every writes (FSDP: a folder of shards)
+        try:
+            predicted["checkpoint_file"] = saved_file.predict(model, cfg).to_dict()
+        except Exception as e:
+            predicted["checkpoint_file"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
     if est.error:
         notice(f"[estimate] could not estimate memory: {est.error}")
     else:

@@ -50,6 +50,7 @@ from fabric_memory_recipes.techniques import (
     ACTIVATION_CHECKPOINTING,
     ACTIVATION_OFFLOAD,
     FUSED_LOSS,
+    LORA,
     MODES,
     OPTIMIZER_IN_BACKWARD,
     PLANNED,
@@ -105,6 +106,7 @@ class Choice(Candidate):
     fused_loss: bool = False  # --fused-loss (a causal LM's loss without its logits)
     checkpoint_mode: str = "full"  # --checkpoint-mode, with checkpointing
     model_flops: float = 0.0  # training FLOPs per sample (the model's, without recompute): for the MFU
+    lora: tuple[str, ...] = ()  # the user's --lora-rank R [--lora-targets NAMES], kept in every set
 
     @property
     def key(self) -> tuple:
@@ -130,13 +132,13 @@ class Choice(Candidate):
         out += [t.flag for t in PLANNED if used.uses(t)]
         out += ["--checkpoint-mode", self.checkpoint_mode] if self.checkpoint_mode != "full" else []
         out += [FUSED_LOSS.flag] if self.fused_loss else []
-        out += ["--mode", self.mode]
+        out += [*self.lora, "--mode", self.mode]
         return out + (["--fsdp", "--devices", str(self.devices)] if self.devices > 1 else [])
 
     def label(self) -> str:
         changed = ", ".join(c.change for c in self.changes)
         sharded = f", FSDP over {self.devices} GPUs" if self.devices > 1 else ""
-        label = super().label()
+        label = super().label() + (f" + {LORA.label}" if self.lora else "")
         if self.checkpoint_mode != "full":
             label = label.replace(
                 ACTIVATION_CHECKPOINTING.label, f"{self.checkpoint_mode} {ACTIVATION_CHECKPOINTING.label}"
@@ -152,6 +154,7 @@ class Choice(Candidate):
         out["devices"] = self.devices
         out["fused_loss"], out["checkpoint_mode"] = self.fused_loss, self.checkpoint_mode
         out["micro_batch_size"] = self.rung.micro_batch_size
+        out["lora"] = list(self.lora)
         return out
 
 
@@ -180,14 +183,18 @@ class UserPlanner:
     measured overhead of that many processes) and its samples/s those of all GPUs."""
 
     def __init__(self, ref: str, batch_size: int, seq_len: int, gpu: str = "h100", *, precision: str = "bf16-mixed",
-                 optimizer: str = "adamw", may_change: tuple[str, ...] = (), devices: int = 1) -> None:  # fmt: skip
-        self.um, self.model, self.blocks, self.found_by = meta_user_model(ref)
+                 optimizer: str = "adamw", may_change: tuple[str, ...] = (), devices: int = 1,
+                 lora_rank: int = 0, lora_targets: str | None = None) -> None:  # fmt: skip
+        self.um, self.model, self.blocks, self.found_by = meta_user_model(ref, lora_rank, lora_targets)
+        lora = [LORA.flag, str(lora_rank)] if lora_rank else []
+        lora += ["--lora-targets", lora_targets] if lora_rank and lora_targets else []
         self.ref, self.batch_size, self.gpu = ref, batch_size, gpu
         self.precision, self.optimizer, self.may_change = precision, optimizer, tuple(may_change)
         self.devices = devices
         self.seq_len = seq_len if self.um.is_text else None
         self.parameters = sum(p.numel() for p in self.model.parameters())
         self.tensors = sum(p.requires_grad for p in self.model.parameters())
+        self.trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         vit = meta_ladder_model("vit_l_16")
         runs = calibration.load_runs((str(calibration.RESULTS_DIR),))
         base = speed.speed_model(gpu, "vit_l_16", sum(p.numel() for p in vit.parameters()), runs)
@@ -222,10 +229,13 @@ class UserPlanner:
                 for k in [1] if used.uses(OPTIMIZER_IN_BACKWARD) else divisors(batch_size):
                     rung = runner.with_flags(model=ref, precision=prec, batch_size=batch_size,
                                              accumulation_steps=k, optimizer=opt)  # fmt: skip
-                    lower = static_bytes(rung, used, self.parameters) / GB / devices + over  # sharded
+                    frozen = (self.parameters - self.trainable) * (
+                        2 if prec in ("bf16-true", "16-true") else 4
+                    )
+                    lower = (static_bytes(rung, used, self.trainable) + frozen) / GB / devices + over  # fmt: skip
                     c = Choice(rung, mode, used, lower, 0.0, speed_source=SPEED_SOURCE, overhead_gb=over,
                                seq_len=self.seq_len, changes=changes, devices=devices, fused_loss=fuse,
-                               checkpoint_mode=keeps, model_flops=self.flops)  # fmt: skip
+                               checkpoint_mode=keeps, model_flops=self.flops, lora=tuple(lora))  # fmt: skip
                     c.speed_bound = self._speed(c, 0.0)
                     self.choices.append(c)
         self.choices.sort(key=lambda c: (-c.speed_bound, c.techniques.count(), c.lower_bound_gb))
@@ -239,7 +249,7 @@ class UserPlanner:
         r = c.rung
         prec = r.precision if r.precision in self.speed.precision_factor else "16-mixed"
         step = self.speed.step_s(prec, c.techniques, r.micro_batch_size, r.accumulation_steps, c.mode, offloaded_gb,
-                                 self.parameters)  # fmt: skip
+                                 self.trainable)  # fmt: skip
         hooks = self.tensors * HOOK_MS / 1e3 if c.techniques.uses(OPTIMIZER_IN_BACKWARD) else 0.0
         return c.devices * r.batch_size / (step + hooks)  # every GPU its own batch (FSDP: no comms modelled)
 

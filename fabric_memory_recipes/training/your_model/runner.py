@@ -1,7 +1,7 @@
 """The runner for a model the user names (``recipes/your_model.py``): its flags (:class:`YourModelConfig`:
 the shared ones plus the technique set as flags, which the estimator and ``--fit`` read too), its data
 and batch function, and its optimizer. The techniques it applies are the ladder's own
-(``training/techniques/``: checkpointing, offload, step_in_backward, lowbit).
+(``training/techniques/``: checkpointing, offload, step_in_backward, lowbit), and LoRA (lora).
 
 Data: ``--data auto`` trains an image model on scikit-learn's digits (real, offline) and a text model on
 IMDb when present (training/data/text.py), else on the synthetic token stand-in of the same shape;
@@ -20,7 +20,7 @@ from fabric_memory_recipes import techniques
 from fabric_memory_recipes.config import BOOL, RunConfig, UsageError, at_least, flag
 from fabric_memory_recipes.training import data
 from fabric_memory_recipes.training.data import text
-from fabric_memory_recipes.training.techniques import checkpointing, lowbit
+from fabric_memory_recipes.training.techniques import checkpointing, lora, lowbit
 from fabric_memory_recipes.training.your_model import models
 from fabric_memory_recipes.training.your_model.models import UserModel
 
@@ -55,6 +55,10 @@ class YourModelConfig(RunConfig):
         action=BOOL,
     )
     tokenizer: str | None = flag(None, "technique", "tokenizer folder for real text (default: the model's)")
+    lora_rank: int = flag(0, "technique", "LoRA: freeze the weights and train rank-R adapters (and a classifier's"
+                          " head); 0: train every weight (training/techniques/lora.py)", type=at_least(0))  # fmt: skip
+    lora_targets: str | None = flag(None, "technique", "with --lora-rank: the layers adapted, comma-separated module"
+                                    " names (default: chosen per architecture)")  # fmt: skip
 
     GROUPS: ClassVar[dict[str, str]] = {**RunConfig.GROUPS, "technique": "your model: the technique set"}
     DATA_CHOICES: ClassVar[tuple[str, ...]] = ("auto", "digits", "imdb", "synthetic")
@@ -77,7 +81,11 @@ class YourModelConfig(RunConfig):
 
     def technique_flags(self) -> list[str]:
         """The technique set as flags (what the CPU suggestion keeps of a refused command)."""
-        flags = [t.flag for t in techniques.TECHNIQUES if t.flag and self.uses(t)]
+        flags = [
+            t.flag for t in techniques.TECHNIQUES if t.flag and self.uses(t) and t is not techniques.LORA
+        ]
+        flags += [techniques.LORA.flag, str(self.lora_rank)] if self.lora_rank else []
+        flags += ["--lora-targets", self.lora_targets] if self.lora_rank and self.lora_targets else []
         flags += ["--checkpoint-mode", self.checkpoint_mode] if self.checkpoint_mode != "full" else []
         return flags + (["--optimizer", self.optimizer] if self.optimizer != "adamw" else [])
 
@@ -93,6 +101,12 @@ class YourModelConfig(RunConfig):
             raise UsageError(f"--checkpoint-mode {c.checkpoint_mode} goes with --checkpoint-blocks")
         if c.fsdp and (c.world_size < 2 or c.accelerator != "cuda"):
             raise UsageError("--fsdp shards over several CUDA GPUs: use it with --devices N (N >= 2) on CUDA")
+        if c.lora_targets and not c.lora_rank:
+            raise UsageError("--lora-targets goes with --lora-rank R")
+        if c.lora_rank and c.fsdp:
+            raise UsageError("--lora-rank trains on one GPU here: leave out --fsdp")
+        if c.lora_rank:
+            lora.require_peft()
         c.sharding = "fsdp" if c.fsdp else "none"
         return c
 
@@ -154,7 +168,9 @@ def _tokenizer(cfg: YourModelConfig, um: UserModel):
 
 
 def make_optimizer(cfg: YourModelConfig, params: list) -> Any:
-    """The optimizer the flags name (fused kernels where torch has them)."""
+    """The optimizer the flags name (fused kernels where torch has them), over the trainable ``params``
+    (LoRA's frozen weights get no state)."""
+    params = [p for p in params if p.requires_grad]
     if cfg.optimizer == "adamw8bit":  # rung 13's 8-bit state
         return lowbit.adamw8bit("--optimizer adamw8bit")(params, lr=cfg.lr)
     if cfg.optimizer == "sgd":
