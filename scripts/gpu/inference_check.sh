@@ -34,14 +34,14 @@ C=examples/configs
 # name | model | batch | prompt (or sequence) | new tokens | precision | KV cache dtype
 ROWS_ALL="
 neox-prefill|hf:$C/gpt-neox-0.4b|64|1024|8|bf16-true|auto
-qwen05-prefill|hf:$C/qwen2-0.5b|32|2048|8|bf16-true|auto
-tinyllama-prefill|hf:$C/tinyllama-1.1b|32|1024|8|bf16-true|auto
-neox-decode|hf:$C/gpt-neox-0.4b|32|128|256|bf16-true|auto
-llama036-decode|hf:$C/llama-0.36b|64|64|256|bf16-true|auto
-qwen15-decode|hf:$C/qwen2-1.5b|16|128|256|bf16-true|auto
-gpt2-decode|hf:$RUNS/cfg/gpt2.json|32|256|192|bf16-true|auto
-neox-decode-fp8kv|hf:$C/gpt-neox-0.4b|32|128|256|bf16-true|fp8
-tinyllama-fp16|hf:$C/tinyllama-1.1b|16|256|128|16-true|auto
+qwen05-prefill|hf:$C/qwen2-0.5b|64|2048|8|bf16-true|auto
+tinyllama-prefill|hf:$C/tinyllama-1.1b|64|2048|8|bf16-true|auto
+neox-decode|hf:$C/gpt-neox-0.4b|64|128|256|bf16-true|auto
+llama036-decode|hf:$C/llama-0.36b|128|64|256|bf16-true|auto
+qwen15-decode|hf:$C/qwen2-1.5b|64|128|256|bf16-true|auto
+gpt2-decode|hf:$RUNS/cfg/gpt2.json|128|256|192|bf16-true|auto
+neox-decode-fp8kv|hf:$C/gpt-neox-0.4b|64|128|256|bf16-true|fp8
+tinyllama-fp16|hf:$C/tinyllama-1.1b|64|256|128|16-true|auto
 bert|hf:$C/bert-base-uncased|256|512|0|bf16-true|auto
 roberta-fp32|hf:$C/roberta-base|128|512|0|32-true|auto
 vit-base|timm:vit_base_patch16_224|512|0|0|bf16-true|auto

@@ -28,7 +28,8 @@ def row(path: Path, payload: dict[str, Any]) -> dict[str, Any] | None:
     )
     out = {"run": payload.get("tag") or path.stem, "file": str(path), "status": payload.get("status"),
            "model": extra.get("model"), "task": extra.get("task"), "precision": cfg.get("precision"),
-           "batch_size": cfg.get("batch_size"), "seq_len": cfg.get("seq_len"),
+           "batch_size": cfg.get("batch_size"),
+           "seq_len": cfg.get("seq_len") if extra.get("task") != "image_classification" else None,
            "new_tokens": cfg.get("new_tokens") if extra.get("task") == "causal_lm" else None,
            "kv_cache_dtype": cfg.get("kv_cache_dtype") if extra.get("task") == "causal_lm" else None,
            "peak_phase": pred.get("peak_phase"), "prediction_error": pred.get("error"),
@@ -66,8 +67,10 @@ def render(rows: list[dict[str, Any]]) -> str:
     lines = ["| run | model | shape | phase | allocated GB pred / meas | reserved GB pred / meas | whole device GB pred / meas | device error |",
              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
-        shape = f"{r['batch_size']} x {r['seq_len']}" + (
-            f" + {r['new_tokens']} new, KV {r['kv_cache_dtype']}" if r["new_tokens"] else ""
+        shape = (
+            f"{r['batch_size']}"
+            + (f" x {r['seq_len']}" if r["seq_len"] else "")
+            + (f" + {r['new_tokens']} new, KV {r['kv_cache_dtype']}" if r["new_tokens"] else "")
         )
         status = "" if r["status"] == "ok" else f" ({r['status']})"
         lines.append(f"| {r['run']}{status} | {r['model']} ({r['precision']}) | {shape} | {r['peak_phase'] or '—'} | "

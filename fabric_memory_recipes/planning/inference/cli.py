@@ -15,6 +15,7 @@ from typing import Any
 
 from fabric_memory_recipes.config import UsageError
 from fabric_memory_recipes.console import fail
+from fabric_memory_recipes.measurement.card_overhead import overhead_per_gpu
 from fabric_memory_recipes.planning.inference.estimate import InferenceEstimate, estimate
 from fabric_memory_recipes.planning.planner import cli as fit_cli
 from fabric_memory_recipes.planning.your_model.estimate import meta_user_model
@@ -24,13 +25,12 @@ from fabric_memory_recipes.training.your_model.models import POSITION_FIELDS
 MOST = 1 << 20  # the search's ceiling for a batch or a count of tokens
 
 
-def predict(
-    cfg: Any, gpu: str = "h100", batch_size: int | None = None, new_tokens: int | None = None
-) -> InferenceEstimate:
+def predict(cfg: Any, gpu: str = "h100", batch_size: int | None = None, new_tokens: int | None = None,
+            capacity_gb: float | None = None) -> InferenceEstimate:  # fmt: skip
     """The estimate of ``cfg``'s inference call (its batch and new tokens unless given)."""
     um, model, _, _ = meta_user_model(cfg.model)
     return estimate(model, um, batch_size or cfg.batch_size, cfg.seq_len, new_tokens or cfg.new_tokens,
-                    cfg.precision, cfg.kv_cache_dtype, gpu)  # fmt: skip
+                    cfg.precision, cfg.kv_cache_dtype, gpu, capacity_gb)  # fmt: skip
 
 
 def for_run(cfg: Any) -> dict:
@@ -68,10 +68,12 @@ def fit(cfg: Any, budget_gb: float, gpu: str) -> dict[str, Any]:
     """The largest batch at ``cfg``'s tokens, and for a causal LM the most new tokens at its batch, that fit."""
     seen: dict[tuple[int, int], InferenceEstimate] = {}
 
-    def fits(batch: int, new: int) -> bool:
+    overhead = overhead_per_gpu(gpu, "eager", 1).gb or 0.0
+
+    def fits(batch: int, new: int) -> bool:  # the replay on the card never runs out of memory
         if (batch, new) not in seen:
-            seen[batch, new] = predict(cfg, gpu, batch, new)
-        return seen[batch, new].device_peak_gb <= budget_gb
+            seen[batch, new] = predict(cfg, gpu, batch, new, capacity_gb=budget_gb - overhead)
+        return seen[batch, new].out_of_memory is None
 
     lm = meta_user_model(cfg.model)[0].task == "causal_lm"
     batch = largest(lambda b: fits(b, cfg.new_tokens))

@@ -230,7 +230,9 @@ def decode_steps(rec: Recording, new_tokens: int) -> Iterator[tuple[str, Any, in
         if kind == "free" and not a <= handle < end:
             raise ValueError("a decode step frees what an earlier step than the one before made")
     grow = {
-        i: rec.raw[q[1]] - rec.raw[p[1]] for i, (p, q) in enumerate(zip(previous, last, strict=True)) if p[0] == "alloc"
+        i: rec.raw[q[1]] - rec.raw[p[1]]
+        for i, (p, q) in enumerate(zip(previous, last, strict=True))
+        if p[0] == "alloc"
     }
     for step in range(recorded, new_tokens):  # step k: the k-th forward (0 is the prefill)
         ahead = step - recorded + 1
