@@ -23,6 +23,7 @@ from fabric_memory_recipes.config import Hardware, UsageError
 from fabric_memory_recipes.console import fail
 from fabric_memory_recipes.measurement.results_file import peak_bf16_flops
 from fabric_memory_recipes.planning import arguments
+from fabric_memory_recipes.planning.inference import cli as inference_cli
 from fabric_memory_recipes.planning.planner import cli as fit_cli
 from fabric_memory_recipes.planning.your_model import measure, saved_file
 from fabric_memory_recipes.planning.your_model.estimate import card, estimate, meta_user_model, plan_of
@@ -59,6 +60,8 @@ def parse(args: argparse.Namespace) -> tuple[argparse.Namespace, runner.YourMode
 
 def run(parsed: argparse.Namespace) -> int:
     args, cfg = parse(parsed)
+    if cfg.infer:  # generate() or a forward pass under inference_mode (planning/inference/)
+        return inference_cli.run(args, cfg)
     try:
         um, model, blocks, found_by = meta_user_model(cfg.model, cfg.lora_rank, cfg.lora_targets)
         models.check_seq_len(um, cfg.seq_len)

@@ -21,7 +21,7 @@ from fabric_memory_recipes.config import BOOL, RunConfig, UsageError, at_least, 
 from fabric_memory_recipes.training import data
 from fabric_memory_recipes.training.data import text
 from fabric_memory_recipes.training.techniques import checkpointing, lora, lowbit
-from fabric_memory_recipes.training.your_model import models
+from fabric_memory_recipes.training.your_model import inference, models
 from fabric_memory_recipes.training.your_model.models import UserModel
 
 # What make_optimizer builds: SGD with momentum has no flag here, and no optimizer is --optimizer-in-backward's.
@@ -59,8 +59,17 @@ class YourModelConfig(RunConfig):
                           " head); 0: train every weight (training/techniques/lora.py)", type=at_least(0))  # fmt: skip
     lora_targets: str | None = flag(None, "technique", "with --lora-rank: the layers adapted, comma-separated module"
                                     " names (default: chosen per architecture)")  # fmt: skip
+    infer: bool = flag(False, "inference", "measure inference instead of training: a causal LM's generate() of"
+                       " --batch-size x --seq-len prompt tokens + --new-tokens, else one forward pass under"
+                       " torch.inference_mode (docs/inference.md)", action=BOOL)  # fmt: skip
+    new_tokens: int = flag(
+        128, "inference", "tokens generate() adds to each prompt (--infer)", type=at_least(1)
+    )
+    kv_cache_dtype: str = flag("auto", "inference", "the KV cache's dtype (--infer; auto: the weights')",
+                               choices=tuple(inference.KV_CACHE_DTYPES))  # fmt: skip
 
-    GROUPS: ClassVar[dict[str, str]] = {**RunConfig.GROUPS, "technique": "your model: the technique set"}
+    GROUPS: ClassVar[dict[str, str]] = {**RunConfig.GROUPS, "technique": "your model: the technique set",
+                                        "inference": "your model: inference (--infer)"}  # fmt: skip
     DATA_CHOICES: ClassVar[tuple[str, ...]] = ("auto", "digits", "imdb", "synthetic")
     HELP: ClassVar[dict[str, str]] = {
         "data": "auto: digits for image models; IMDb when present, else synthetic token ids, for text models",

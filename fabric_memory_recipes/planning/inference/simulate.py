@@ -1,0 +1,245 @@
+"""Inference on fake tensors: the runner's own inference call (training/your_model/inference.py: Hugging Face's
+``generate()``, or one forward pass) executed under the training estimate's fake-tensor mode, every storage
+tracked (planning/simulation/tracking.py), and its allocations replayed through the model of the caching
+allocator (planning/simulation/allocator.py).
+
+``generate()`` runs its prefill and three decode steps here; the remaining decode steps repeat the last two
+with every size grown by the same bytes per token (the KV cache's ``torch.cat``, the attention mask, the
+ids), so they are written from those two and replayed, step by step: the growing cache strands cached
+blocks that no later, larger request can reuse, and only a replay of every step sees how many.
+
+What a real run decides from tensor values is answered as for the runner's inputs (prompts without padding,
+no sequence finished early): an ``all`` is true, an ``any`` false, ``sum == numel`` (a mask of ones) true,
+``max == 0`` (nothing unfinished) false. Hugging Face keeps fake tensors off the paths that read values
+(its masks are built in full when it sees a fake tensor); :func:`_as_on_a_gpu` lets them through, so the
+simulated masks are those of a GPU run (none: SDPA's causal flag).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
+
+from fabric_memory_recipes.planning.plan import CUBLAS_WORKSPACE_BYTES, CUDA_WORKSPACE_BYTES, round_bytes
+from fabric_memory_recipes.planning.simulation.tracking import Tracker
+from fabric_memory_recipes.training.your_model import inference
+from fabric_memory_recipes.training.your_model.models import UserModel
+
+_SCALAR_READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default,
+                 torch.ops.aten.is_nonzero.default)  # fmt: skip
+RECORDED_FORWARDS = 4  # the prefill and three decode steps; later steps are written from the last two
+
+
+class _Recorded(Exception):
+    """The forwards to record have run: generate() is stopped here."""
+
+
+@dataclasses.dataclass
+class Recording:
+    """What the simulation saw: the allocator events, where each forward began, the KV cache's bytes after
+    each forward and the prefill's logits."""
+
+    events: list[tuple[str, int, int]]
+    raw: dict[int, int]  # an allocation's handle -> its bytes before rounding
+    starts: list[int]  # event index where each recorded forward began
+    end: int  # events[:end] are the run's
+    cache_bytes: list[int]
+    logits_bytes: int
+    weights_bytes: int
+    workspace_bytes: int
+    kernels: set[str]
+
+
+class _InferenceTracker(Tracker):
+    """The training estimate's tracker, which also answers the run's value reads (module docstring) and
+    keeps each allocation's exact bytes (a decode step's sizes grow by bytes per token, not by 512s)."""
+
+    def __init__(self) -> None:
+        super().__init__({})
+        self.raw: dict[int, int] = {}
+        self._pending = 0
+        self._made = WeakIdKeyDictionary()  # tensor -> (the op that made it, the op that made its input)
+
+    def _device_alloc(self, category: str, nbytes: int) -> int:
+        handle = super()._device_alloc(category, nbytes)
+        if handle >= 0:
+            self.raw[handle] = self._pending or nbytes
+        return handle
+
+    def record(self, t: Any, category: str = "temporaries"):
+        if isinstance(t, torch.Tensor):
+            self._pending = t.untyped_storage().nbytes()
+        return super().record(t, category)
+
+    def add_constant(self, category: str, nbytes: int) -> None:
+        self._pending = max(nbytes, 0)
+        super().add_constant(category, nbytes)
+
+    def _answer(self, t: torch.Tensor) -> Any:
+        op, source = self._made.get(t, (None, None))
+        value = {"all": True, "any": False}.get(op, op == "eq" and source == "sum")
+        return value if t.dtype == torch.bool else (float(value) if t.is_floating_point() else int(value))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in _SCALAR_READS:
+            return self._answer(args[0])
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        first = next((a for a in tree_leaves(args) if isinstance(a, torch.Tensor)), None)
+        source = self._made.get(first, (None,))[0] if first is not None else None
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._made[t] = (func.overloadpacket.__name__, source)
+        return out
+
+
+@contextlib.contextmanager
+def _as_on_a_gpu() -> Iterator[None]:
+    """Hugging Face's masks: decided from the values (module docstring), not skipped for fake tensors."""
+    from transformers import masking_utils
+
+    original = masking_utils.is_tracing
+    masking_utils.is_tracing = lambda tensor=None: original(None)
+    try:
+        yield
+    finally:
+        masking_utils.is_tracing = original
+
+
+@contextlib.contextmanager
+def _sdpa_on_cuda(used: set[str]) -> Iterator[None]:
+    """``F.scaled_dot_product_attention`` as CUDA runs it at inference: flash attention for fp16/bf16 without
+    a mask (grouped heads read in place), the memory-efficient kernel for other dtypes or with a mask, both
+    without a score matrix (the log-sum-exp only, fp32); the math kernel only for grouped heads that
+    flash cannot take (its expanded keys and values and its scores)."""
+    original = F.scaled_dot_product_attention
+
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        half = query.dtype in (torch.float16, torch.bfloat16)
+        head_dim = query.shape[-1]
+        flash = attn_mask is None and half and head_dim % 8 == 0 and head_dim <= 256
+        if flash or not enable_gqa:
+            used.add("flash" if flash else "efficient")
+            lse = torch.empty(query.shape[:-1], dtype=torch.float32)
+            out = torch.empty(*query.shape[:-2], query.shape[-2], value.shape[-1], dtype=query.dtype)
+            del lse
+            return out
+        used.add("math")
+        groups = query.shape[-3] // key.shape[-3]
+        key, value = key.repeat_interleave(groups, -3), value.repeat_interleave(groups, -3)
+        return torch.ops.aten._scaled_dot_product_attention_math(
+            query, key, value, attn_mask, dropout_p, is_causal, scale=scale
+        )[0]
+
+    F.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
+
+
+def _cache_tensors(cache: Any) -> list[torch.Tensor]:
+    return [t for layer in getattr(cache, "layers", []) for t in (getattr(layer, "keys", None),
+            getattr(layer, "values", None)) if isinstance(t, torch.Tensor) and t.numel()]  # fmt: skip
+
+
+def record(model: Any, um: UserModel, batch_size: int, seq_len: int, new_tokens: int, precision: str,
+           kv_cache_dtype: str = "auto", forwards: int = RECORDED_FORWARDS) -> Recording:  # fmt: skip
+    """Run the inference call on fake tensors: a causal LM's first ``forwards`` forward passes of
+    ``generate()`` (all of them when ``new_tokens`` is not larger), else one forward pass."""
+    dtype = inference.weights_dtype(precision)
+    tracker, kernels = _InferenceTracker(), set()
+    starts: list[int] = []
+    cache_bytes: list[int] = []
+    logits: list[int] = []
+    wanted = min(forwards, new_tokens) if um.task == "causal_lm" else 1
+
+    stopped: list[int] = []
+
+    def before(module, args, kwargs):
+        if len(starts) == wanted:
+            stopped.append(len(tracker.events))
+            raise _Recorded
+        starts.append(len(tracker.events))
+
+    def after(module, args, kwargs, out):
+        tensors = _cache_tensors(kwargs.get("past_key_values") or getattr(out, "past_key_values", None))
+        for t in tensors:
+            tracker.retag(t, "kv_cache")
+        cache_bytes.append(sum(t.untyped_storage().nbytes() for t in tensors))
+        found = getattr(out, "logits", out)
+        if not logits and isinstance(found, torch.Tensor):
+            logits.append(found.untyped_storage().nbytes())
+
+    hooks = [model.register_forward_pre_hook(before, with_kwargs=True),
+             model.register_forward_hook(after, with_kwargs=True)]  # fmt: skip
+    try:
+        with contextlib.ExitStack() as stack:
+            previous = torch.get_default_dtype()
+            stack.callback(torch.set_default_dtype, previous)
+            torch.set_default_dtype(torch.float32)
+            stack.enter_context(torch.device("cpu"))
+            stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+            stack.enter_context(tracker)
+            stack.enter_context(torch.compiler.set_stance("force_eager"))
+            if um.source == "hf":
+                stack.enter_context(_as_on_a_gpu())
+            stack.enter_context(_sdpa_on_cuda(kernels))
+            with tracker.creating("parameters"):
+                state = {n: torch.empty(p.shape, dtype=dtype if p.is_floating_point() else p.dtype)
+                         for n, p in [*model.named_parameters(), *model.named_buffers()]}  # fmt: skip
+            weights = sum(t.untyped_storage().nbytes() for t in state.values())
+            for _ in range(CUDA_WORKSPACE_BYTES // CUBLAS_WORKSPACE_BYTES):  # cuBLAS's, one per handle
+                tracker.add_constant("workspace", CUBLAS_WORKSPACE_BYTES)
+            stack.enter_context(_reparametrize_module(model, state, tie_weights=True))
+            stack.enter_context(torch.inference_mode())
+            inputs = inference.model_inputs(um, model, batch_size, seq_len, dtype, "cpu")
+            with contextlib.suppress(_Recorded):
+                out = inference.infer(model, um, inputs, new_tokens, kv_cache_dtype, dtype)
+                del out
+            end = stopped[0] if stopped else len(tracker.events)
+            del inputs, state
+    finally:
+        for h in hooks:
+            h.remove()
+    return Recording(tracker.events[:end], tracker.raw, starts, end, cache_bytes, logits[0] if logits else 0,
+                     weights, CUDA_WORKSPACE_BYTES, kernels)  # fmt: skip
+
+
+def decode_steps(rec: Recording, new_tokens: int) -> Iterator[tuple[str, Any, int]]:
+    """Every allocator event of the whole run: the recorded ones, then decode steps written from the last
+    two recorded (each size grown by its bytes per token); ``ValueError`` if those two steps differ in
+    anything but sizes (then record every step instead)."""
+    yield from rec.events
+    recorded = len(rec.starts)
+    if new_tokens <= recorded:
+        return
+    (a, b), end = rec.starts[-2:], rec.end
+    previous, last = rec.events[a:b], rec.events[b:end]
+    if len(previous) != len(last) or any(p[0] != q[0] for p, q in zip(previous, last, strict=True)):
+        raise ValueError("two decode steps allocate differently")
+    for kind, handle, _ in last:
+        if kind == "free" and not a <= handle < end:
+            raise ValueError("a decode step frees what an earlier step than the one before made")
+    grow = {
+        i: rec.raw[q[1]] - rec.raw[p[1]]
+        for i, (p, q) in enumerate(zip(previous, last, strict=True))
+        if p[0] == "alloc"
+    }
+    for step in range(recorded, new_tokens):  # step k: the k-th forward (0 is the prefill)
+        ahead = step - recorded + 1
+        for i, (kind, handle, _) in enumerate(last):
+            if kind == "alloc":
+                yield "alloc", (step, i), round_bytes(rec.raw[handle] + ahead * grow[i])
+            elif handle >= b:  # made in this step
+                yield "free", (step, handle - b), 0
+            else:  # made in the step before
+                yield "free", (step - 1, handle - a) if step > recorded else handle + (b - a), 0
