@@ -52,6 +52,9 @@ def check(um: UserModel, cfg: Any) -> None:
         models.check_seq_len(um, cfg.seq_len + cfg.new_tokens)
     if cfg.fsdp or cfg.world_size > 1:
         raise UsageError("--infer runs on one GPU: leave out --devices and --fsdp")
+    if cfg.mode == "fast" or cfg.compile or cfg.cuda_graphs:
+        raise UsageError("--infer runs eagerly with the default allocator: leave out --mode fast, --compile and"
+                         " --cuda-graphs")  # fmt: skip
 
 
 def stored_cache(stored: torch.dtype, compute: torch.dtype, config: Any):
