@@ -49,8 +49,8 @@ neox-prefill|hf:$C/gpt-neox-0.4b|64|1024|8|bf16-true|auto
 qwen05-prefill|hf:$C/qwen2-0.5b|64|2048|8|bf16-true|auto
 tinyllama-prefill|hf:$C/tinyllama-1.1b|64|2048|8|bf16-true|auto
 neox-decode|hf:$C/gpt-neox-0.4b|64|128|256|bf16-true|auto
-llama036-decode|hf:$C/llama-0.36b|128|64|256|bf16-true|auto
-qwen15-decode|hf:$C/qwen2-1.5b|64|128|256|bf16-true|auto
+llama036-decode|hf:$C/llama-0.36b|256|64|256|bf16-true|auto
+qwen15-decode|hf:$C/qwen2-1.5b|128|128|384|bf16-true|auto
 gpt2-decode|hf:$RUNS/cfg/gpt2.json|128|256|192|bf16-true|auto
 neox-decode-fp8kv|hf:$C/gpt-neox-0.4b|64|128|256|bf16-true|fp8
 tinyllama-fp16|hf:$C/tinyllama-1.1b|128|512|128|16-true|auto
