@@ -48,10 +48,18 @@ def check(um: UserModel, cfg: Any) -> None:
         raise UsageError(
             f"--kv-cache-dtype goes with a causal LM's generate(); {um.ref} is {um.task.replace('_', ' ')}"
         )
-    if um.task == "causal_lm":
-        models.check_seq_len(um, cfg.seq_len + cfg.new_tokens)
+    try:  # a causal LM's cache holds the prompt and the new tokens
+        models.check_seq_len(um, cfg.seq_len + (cfg.new_tokens if um.task == "causal_lm" else 0))
+    except UsageError as e:
+        asked = f"--seq-len {cfg.seq_len}" + (
+            f" + --new-tokens {cfg.new_tokens}" if um.task == "causal_lm" else ""
+        )
+        raise UsageError(f"{asked}: {str(e).split(': ', 1)[1]}") from None
     if cfg.fsdp or cfg.world_size > 1:
         raise UsageError("--infer runs on one GPU: leave out --devices and --fsdp")
+    if cfg.mode == "fast" or cfg.compile or cfg.cuda_graphs:
+        raise UsageError("--infer runs eagerly with the default allocator: leave out --mode fast, --compile and"
+                         " --cuda-graphs")  # fmt: skip
 
 
 def stored_cache(stored: torch.dtype, compute: torch.dtype, config: Any):

@@ -99,6 +99,8 @@ class YourModelConfig(RunConfig):
         return flags + (["--optimizer", self.optimizer] if self.optimizer != "adamw" else [])
 
     def checked(self, hardware) -> YourModelConfig:
+        if self.infer and self.mode is None:  # inference compiles nothing and keeps the default allocator
+            self = dataclasses.replace(self, mode="eager")
         graphs_asked = self.cuda_graphs  # None: fast mode decides
         c = super().checked(hardware)
         if c.cuda_graphs and models.resolve(c.model).is_text:
