@@ -78,7 +78,7 @@ def main(cfg: TextConfig, results) -> None:
                 spec, pretrained, num_labels=text.NUM_LABELS, vocab_size=splits.vocab_size
             )
         if cfg.compile:  # fast mode: the random blocks drawn once, then each layer compiled in place
-            hf_models.fix_random_blocks(model)
+            hf_models.fix_random_blocks(model, cfg.max_length)
             layers = model.config.num_hidden_layers  # one compiled graph per layer: each has its own seed
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * layers)
             results.extra["compiled_blocks"] = compile_repeated(model, ("BigBirdLayer",))

@@ -254,17 +254,26 @@ def checkpointing_enabled(model) -> bool:
     return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
 
 
-def fix_random_blocks(model) -> int:
+def fix_random_blocks(model, seq_len: int) -> int:
     """BigBird's random attention blocks drawn once per layer (fast mode of ``recipes/bonus_bigbird_after.py``).
 
     Hugging Face draws them with numpy on every forward pass, after seeding numpy with the layer's own fixed
     seed, so each layer gets the same blocks at every call: at 2048 tokens the 12 layers spend about 0.1 s of
     host time per forward pass on it (on a CPU core), and a compiled layer breaks its graph there. Here each
     attention module keeps what its first draw returned, per set of arguments and per train/eval mode (eval
-    draws no random blocks). Returns how many attention modules reuse their draw."""
+    draws no random blocks). The training draws for ``seq_len`` are made now, by one forward pass of one
+    sequence without gradients, so that a layer compiled afterwards finds them. Returns how many attention
+    modules reuse their draw."""
     found = [m for m in model.modules() if hasattr(m, "_bigbird_block_rand_mask_with_head")]
     for module in found:
         module._bigbird_block_rand_mask_with_head = _drawn_once(module)
+    was_training, device = model.training, next(model.parameters()).device
+    model.train()
+    with torch.no_grad():
+        model(input_ids=torch.zeros(1, seq_len, dtype=torch.long, device=device))
+    model.train(was_training)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # that pass's temporaries: not left reserved for the training's peak
     return len(found)
 
 
