@@ -8,13 +8,16 @@ the prompt and on padding). Batch 12 as 2 x 6 accumulation steps, AdamW (lr 5e-5
   --half                precision "bf16-true": weights, gradients and optimizer state in bf16
   --mixed               precision "bf16-mixed": fp32 weights and state, matmuls and activations in bf16
   --grad-checkpointing  keep each decoder layer's input only, recompute the inside during backward
-                        (the KV cache, a generation feature, is switched off: it cannot be recomputed)
+                        (the KV cache, a generation feature, is switched off: it cannot be recomputed);
+                        --checkpoint-mode selective also keeps its matmuls and attention
+  --fused-loss          the loss of the output projection in chunks: the full logits never exist
   --lora                LoRA (peft), r=8 on q_proj and v_proj: the base weights are frozen; gradients and
                         optimizer state exist for the small adapters only
   --attn sdpa           torch's scaled_dot_product_attention: on CUDA with 16-bit inputs, flash
                         kernels that never store the (sequence x sequence) score matrix
   --attn flash_attention_2   the flash-attn package's kernels (only if it is installed)
-  --all                 --half --grad-checkpointing --lora --attn sdpa
+  --all                 --half --grad-checkpointing --checkpoint-mode selective --fused-loss --lora --attn sdpa,
+                        in fast mode on a CUDA GPU (each decoder layer compiled; --mode eager: uncompiled)
 
     python recipes/bonus_llm_finetune.py --max-steps 20 --half --tag half
     ./run_all.sh --bonus                    # every bonus recipe, and this recipe's table of toggles
@@ -25,14 +28,16 @@ import fabric_memory_recipes  # noqa: F401, I001 - first: a Ctrl-C while torch l
 import lightning as L
 import torch
 
-from fabric_memory_recipes.config import UsageError
 from fabric_memory_recipes.training import data, hf_models, lifecycle, loop
 from fabric_memory_recipes.training.data import text
+from fabric_memory_recipes.training.techniques import checkpointing, fused_loss, llm_toggles
 from fabric_memory_recipes.training.techniques.llm_toggles import (
-    ToggleConfig,  # --half, --mixed, --grad-checkpointing, --lora, --attn, --all
+    ToggleConfig,  # --half, --mixed, --grad-checkpointing, --fused-loss, --lora, --attn, --all
 )
+from fabric_memory_recipes.training.your_model.models import compile_repeated
 
 LORA_TARGETS = ["q_proj", "v_proj"]
+LAYERS = ("Qwen2DecoderLayer",)  # what checkpointing wraps and fast mode compiles
 
 RUNG = ToggleConfig(
     recipe="bonus_llm_finetune",
@@ -43,14 +48,11 @@ RUNG = ToggleConfig(
     accumulation_steps=6,
     lr=5e-5,
     max_length=512,
-    compile=False,
-    cuda_graphs=False,  # the Hugging Face models run their steps eagerly
+    cuda_graphs=False,  # the steps stay eager: the loss picks the completion tokens by a mask
 )
 
 
 def main(cfg: ToggleConfig, results) -> None:
-    if cfg.compile:
-        raise UsageError("--compile is not wired for the Hugging Face models of the bonus recipes")
     torch.set_float32_matmul_precision("high" if cfg.tf32 else "highest")  # "high" = TF32 matmuls
     fabric = L.Fabric(accelerator=cfg.accelerator, devices=cfg.devices, num_nodes=cfg.num_nodes,
                       precision=cfg.precision,  # --half: "bf16-true"; --mixed: "bf16-mixed"; vanilla: "32-true"
@@ -71,34 +73,29 @@ def main(cfg: ToggleConfig, results) -> None:
             model = hf_models.build_model(
                 spec, pretrained, attn_implementation=cfg.attn, vocab_size=splits.vocab_size
             )
-        if cfg.grad_checkpointing:
-            model.config.use_cache = False  # a KV cache would keep every layer's keys/values alive
-            if hasattr(model, "activation_checkpointing_enable"):  # its name in recent transformers
-                model.activation_checkpointing_enable({"use_reentrant": False})
-            else:
-                model.gradient_checkpointing_enable({"use_reentrant": False})
+        batch_fn = text.causal_lm
+        if cfg.fused_loss:  # the loss of the output projection in chunks: the full logits never exist
+            batch_fn = fused_loss.causal_lm_loss(fused_loss.fuse_output_embeddings(model))
         if cfg.lora:
             from peft import LoraConfig, TaskType, get_peft_model  # optional: only --lora needs it
 
             lora = LoraConfig(task_type=TaskType.CAUSAL_LM, r=cfg.lora_r, lora_alpha=32, lora_dropout=0.05,
                               target_modules=LORA_TARGETS)  # fmt: skip
             model = get_peft_model(model, lora)  # freezes the base model, adds trainable adapters
+        if cfg.grad_checkpointing:  # full: keep each layer's input; selective: also its matmuls and attention
+            model.config.use_cache = False  # a KV cache would keep every layer's keys/values alive
+            checkpointing.checkpoint_blocks(model, LAYERS, cfg.checkpoint_mode)
+        if cfg.compile:  # fast mode: each decoder layer compiled in place (with its checkpoint wrapper)
+            results.extra["compiled_blocks"] = compile_repeated(model, LAYERS)
         trainable = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, fused=True)  # state for trainable tensors only
         model, optimizer = fabric.setup(model, optimizer)
     results.set(parameters=hf_models.count_parameters(model))
-    results.extra["toggles"] = {
-        "weights_dtype": hf_models.weights_dtype(model),
-        "autocast": cfg.precision.endswith("-mixed"),
-        "gradient_checkpointing": hf_models.checkpointing_enabled(model),
-        "lora": any("lora_" in name for name, _ in model.named_parameters()),
-        "trainable_parameters": hf_models.count_parameters(model, trainable_only=True),
-        "attn_implementation": model.config._attn_implementation,
-    }  # read from the model itself; accuracy.* is next-token accuracy on completion tokens
+    results.extra["toggles"] = llm_toggles.read_back(model, cfg.precision)  # accuracy.*: on completion tokens
 
     loaders = data.loaders(splits, cfg, fabric, shard=True)  # with several processes, a shard each
     train_loader, val_loader, test_loader = fabric.setup_dataloaders(*loaders)
-    batch_fn, vocab = text.causal_lm, model.config.vocab_size
+    vocab = model.config.vocab_size
     with results.phase("train"):
         loop.fit(fabric, model, optimizer, train_loader, batch_fn, cfg, results, num_classes=vocab)
     with results.phase("eval"):

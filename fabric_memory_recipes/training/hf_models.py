@@ -17,6 +17,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from fabric_memory_recipes.config import UsageError
@@ -251,3 +252,44 @@ def checkpointing_enabled(model) -> bool:
     """True if any layer will recompute its activations: Hugging Face marks such modules with
     ``gradient_checkpointing = True`` (read from the model, not from the flag that asked for it)."""
     return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+
+
+def fix_random_blocks(model, seq_len: int) -> int:
+    """BigBird's random attention blocks drawn once per layer (fast mode of ``recipes/bonus_bigbird_after.py``).
+
+    Hugging Face draws them with numpy on every forward pass, after seeding numpy with the layer's own fixed
+    seed, so each layer gets the same blocks at every call: at 2048 tokens the 12 layers spend about 0.1 s of
+    host time per forward pass on it (on a CPU core), and a compiled layer breaks its graph there. Here each
+    attention module keeps what its first draw returned, per set of arguments and per train/eval mode (eval
+    draws no random blocks). The training draws for ``seq_len`` are made now, by one forward pass of one
+    sequence without gradients, so that a layer compiled afterwards finds them. Returns how many attention
+    modules reuse their draw."""
+    found = [m for m in model.modules() if hasattr(m, "_bigbird_block_rand_mask_with_head")]
+    for module in found:
+        module._bigbird_block_rand_mask_with_head = _drawn_once(module)
+    was_training, device = model.training, next(model.parameters()).device
+    model.train()
+    with torch.no_grad():
+        model(input_ids=torch.zeros(1, seq_len, dtype=torch.long, device=device))
+    model.train(was_training)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # that pass's temporaries: not left reserved for the training's peak
+    return len(found)
+
+
+def _drawn_once(module):
+    draw, drawn = type(module)._bigbird_block_rand_mask_with_head.__get__(module), {}
+
+    @torch.compiler.disable  # the first draw runs numpy: outside a compiled graph, as in eager
+    def first_draw(key, args, kwargs) -> None:
+        np.random.seed(module.seed)  # what the caller did just before: the same draw
+        drawn[key] = draw(*args, **kwargs)
+
+    def blocks(*args, **kwargs):
+        named = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in sorted(kwargs.items()))
+        key = (module.training, tuple(tuple(v) if isinstance(v, list) else v for v in args), named)
+        if key not in drawn:
+            first_draw(key, args, kwargs)
+        return drawn[key]
+
+    return blocks

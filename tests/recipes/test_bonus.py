@@ -17,11 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from fabric_memory_recipes.config import UsageError
+from fabric_memory_recipes.config import Hardware, UsageError
 from fabric_memory_recipes.measurement import results
 from fabric_memory_recipes.measurement.report import render
 from fabric_memory_recipes.training import hf_models
 from fabric_memory_recipes.training.data import text, text_samples
+from fabric_memory_recipes.training.data.text import TextConfig
+from fabric_memory_recipes.training.techniques.llm_toggles import ToggleConfig
 from tests.conftest import (
     REPO,
     describe,
@@ -300,13 +302,33 @@ def _lora_trainable(r: int) -> int:
 
 
 TOGGLES = {
-    "vanilla": ((), dict(weights_dtype="torch.float32", autocast=False, checkpointing=False, attn="eager")),
+    "vanilla": (
+        (),
+        dict(
+            weights_dtype="torch.float32",
+            autocast=False,
+            checkpointing=False,
+            attn="eager",
+            checkpoint_mode=None,
+            fused_loss=False,
+        ),
+    ),  # fmt: skip
     "half": (("--half",), dict(weights_dtype="torch.bfloat16", precision="bf16-true")),
     "mixed": (("--mixed",), dict(weights_dtype="torch.float32", autocast=True, precision="bf16-mixed")),
-    "checkpointing": (("--grad-checkpointing",), dict(checkpointing=True)),
+    "checkpointing": (("--grad-checkpointing",), dict(checkpointing=True, checkpoint_mode="full")),
     "lora": (("--lora",), dict(lora=True)),
     "sdpa": (("--attn", "sdpa"), dict(attn="sdpa")),
-    "all": (("--all",), dict(weights_dtype="torch.bfloat16", checkpointing=True, lora=True, attn="sdpa")),
+    "all": (
+        ("--all",),
+        dict(
+            weights_dtype="torch.bfloat16",
+            checkpointing=True,
+            lora=True,
+            attn="sdpa",
+            checkpoint_mode="selective",
+            fused_loss=True,
+        ),
+    ),  # fmt: skip
 }
 
 
@@ -330,6 +352,8 @@ def test_llm_toggles_change_the_model(tmp_path, row):
     assert got["gradient_checkpointing"] == want.get("checkpointing", False)
     assert got["attn_implementation"] == want.get("attn", "eager")
     assert got["lora"] == want.get("lora", False)
+    assert got["checkpoint_mode"] == want.get("checkpoint_mode")
+    assert got["fused_loss"] == want.get("fused_loss", False)
     if got["lora"]:
         assert got["trainable_parameters"] == _lora_trainable(8)
         assert total > 30 * got["trainable_parameters"]  # adapters only: the base is frozen
@@ -353,6 +377,44 @@ def test_llm_impossible_toggles_exit_2(tmp_path, flags, message):
         pytest.skip("flash-attn is installed here")
     err = refused("bonus_llm_finetune", tmp_path, "--model", "qwen2-tiny", "--max-steps", "1", *flags)
     assert len(err) == 1 and message in err[0]
+
+
+def _toggles(**flags) -> ToggleConfig:
+    rung = ToggleConfig(recipe="bonus_llm_finetune", model="qwen2-tiny", model_choices=hf_models.QWEN2,
+                        precision=None, batch_size=12, accumulation_steps=6, cuda_graphs=False)  # fmt: skip
+    return rung.with_flags(**flags).checked(Hardware(cuda_devices=1, cpu_cores=2))
+
+
+def test_llm_all_runs_fast_with_its_levers_and_a_single_toggle_eagerly():
+    every = _toggles(all=True)
+    assert (every.mode, every.compile, every.cuda_graphs) == ("fast", True, False)
+    assert (every.checkpoint_mode, every.fused_loss, every.grad_checkpointing) == ("selective", True, True)
+    assert (_toggles(half=True).mode, _toggles(half=True).compile) == (
+        "eager",
+        False,
+    )  # a row changes one thing
+    assert _toggles(grad_checkpointing=True).checkpoint_mode == "full"
+    old = _toggles(
+        all=True, mode="eager", checkpoint_mode="full", fused_loss=False
+    )  # the "all" row as measured
+    assert (old.compile, old.checkpoint_mode, old.fused_loss) == (False, "full", False)
+    assert _toggles(half=True, mode="fast").compile  # any row may ask for fast mode
+    assert _toggles(all=True, accelerator="cpu").compile is False  # the CPU's quick path stays eager
+
+
+def test_llm_checkpoint_mode_without_checkpointing_is_one_line(tmp_path):
+    err = refused("bonus_llm_finetune", tmp_path, "--model", "qwen2-tiny", "--checkpoint-mode", "selective")
+    assert len(err) == 1 and "--checkpoint-mode selective goes with --grad-checkpointing" in err[0]
+
+
+def test_after_recipes_compile_on_one_gpu_and_leave_fsdp_units_eager():
+    rung = TextConfig(recipe="bonus_distilbert_after", model="distilbert-tiny", model_choices=hf_models.DISTILBERT,
+                      precision="bf16-true", batch_size=12, accumulation_steps=4, cuda_graphs=False)  # fmt: skip
+    gpus = Hardware(cuda_devices=4, cpu_cores=2)
+    assert rung.checked(gpus).compile and not rung.with_flags(mode="eager").checked(gpus).compile
+    assert rung.with_flags(devices=4).checked(gpus).compile is False
+    with pytest.raises(UsageError, match="--compile works on one device"):
+        rung.with_flags(devices=4, compile=True).checked(gpus)
 
 
 def test_after_recipe_refuses_several_cpu_devices(tmp_path):

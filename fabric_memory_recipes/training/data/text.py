@@ -25,6 +25,7 @@ drawn. ``datasets`` is imported only on the path that uses it (the GPU machines 
 from __future__ import annotations
 
 import csv
+import dataclasses
 import importlib.util
 import os
 import tarfile
@@ -75,7 +76,19 @@ class TextConfig(RunConfig):
         "data": "auto: IMDb when present or downloadable, else a synthetic token-id stand-in",
         "data_dir": "a folder holding aclImdb/ or imdb.csv (downloads go here), or a CSV file",
         "model": "a hub name (full size) or a *-tiny config (CPU/tests)",
+        "compile": "torch.compile each repeated block of the model (default: on in fast mode, on one device)",
     }
+
+    def checked(self, hardware) -> TextConfig:
+        """The shared checks; fast mode compiles the blocks of a run on one device only (with several, the
+        after recipes shard with FSDP, whose units run eagerly here, as rung 08's do)."""
+        c = dataclasses.replace(self)
+        if c.world_size > 1 and c.compile:
+            raise UsageError("--compile works on one device here; with --devices > 1 leave it out (FSDP runs"
+                             " its units eagerly)")  # fmt: skip
+        if c.world_size > 1:
+            c.compile = False
+        return super(TextConfig, c).checked(hardware)
 
 
 # --------------------------------------------------------------------------------------------- real text

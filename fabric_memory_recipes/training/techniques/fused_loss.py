@@ -90,6 +90,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     if torch.is_autocast_enabled(hidden.device.type):  # the dtype nn.Linear would compute in
         dtype = torch.get_autocast_dtype(hidden.device.type)
         hidden, weight = hidden.to(dtype), weight.to(dtype)
+    else:  # a 16-bit-true model's outputs come back from Fabric in fp32: the projection's dtype, as in the model
+        hidden = hidden.to(weight.dtype)
     with torch.autocast(hidden.device.type, enabled=False):
         if backend(hidden) == "liger":
             from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss

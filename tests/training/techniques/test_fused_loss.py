@@ -31,6 +31,21 @@ def test_chunked_loss_and_gradients_equal_the_plain_ones():
         assert torch.allclose(a, b, rtol=1e-8, atol=1e-12)
 
 
+def test_fp32_hidden_states_of_a_bf16_true_model_meet_its_bf16_projection():
+    """Fabric hands a bf16-true model's outputs back in fp32 (its precision converts them), so the fused
+    loss got fp32 hidden states and the bf16 projection weight: "expected m1 and m2 to have the same
+    dtype" (bonus_llm_finetune.py --all). It computes in the projection's dtype, as the model's head would."""
+    torch.manual_seed(0)
+    weight = torch.randn(300, 16, dtype=torch.bfloat16, requires_grad=True)
+    hidden = torch.randn(40, 16, requires_grad=True)  # fp32
+    targets = torch.randint(0, 300, (40,))
+    loss = fused_loss.linear_cross_entropy(hidden, weight, targets)
+    loss.backward()
+    plain = F.cross_entropy((hidden.detach().bfloat16() @ weight.detach().t()).float(), targets)
+    assert torch.allclose(loss.float(), plain, rtol=2e-2)
+    assert hidden.grad.dtype == torch.float32 and weight.grad.dtype == torch.bfloat16
+
+
 def _llama(tie: bool = True) -> LlamaForCausalLM:
     config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=500, tie_word_embeddings=tie)  # fmt: skip
