@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from fabric_memory_recipes.planning.__main__ import main as estimate_main
-from fabric_memory_recipes.planning.planner import advice, calibration, snapshot
-from fabric_memory_recipes.planning.your_model import measure, sets
+from fabric_memory_recipes.planning.planner import advice, snapshot
+from fabric_memory_recipes.planning.your_model import measure
 from fabric_memory_recipes.training import cli
 from fabric_memory_recipes.training.your_model import runner
 
@@ -130,24 +130,6 @@ def test_bad_input_is_one_line_and_exit_2(configs, capsys):
             estimate_main(argv)
         err = capsys.readouterr().err.strip()
         assert e.value.code == 2 and len(err.splitlines()) == 1 and words in err, (words, err)
-
-
-def test_step_in_backward_hook_cost_is_what_the_committed_runs_give():
-    """HOOK_MS: the committed ResNet-50 pair (SGD alone; checkpointing + the step in backward), less
-    checkpointing's cost from the speed model, over ResNet-50's parameter tensors."""
-    repo = Path(calibration.RESULTS_DIR).parent
-    runs = sorted(repo.glob(sets.HOOK_SOURCE.split(" ")[0] + "/your_model.json"))
-    speeds = {}
-    for path in runs:
-        d = json.loads(path.read_text())
-        speeds[bool(d["config"]["optimizer_in_backward"])] = d["timing"]["images_per_s"]
-    assert set(speeds) == {False, True}
-    vit = sets.meta_ladder_model("vit_l_16")
-    model = sets.speed.speed_model("h100", "vit_l_16", sum(p.numel() for p in vit.parameters()),
-                                       calibration.load_runs((str(calibration.RESULTS_DIR),)))  # fmt: skip
-    plain, hooked = 128 / speeds[False], 128 / speeds[True]
-    per_tensor = (hooked - plain * (1 + model.checkpoint_extra)) / 161 * 1e3  # ResNet-50: 161 tensors
-    assert sets.HOOK_MS == pytest.approx(per_tensor, abs=0.001)
 
 
 def test_hooks_slow_the_step_in_backward_in_the_ranking(capsys):

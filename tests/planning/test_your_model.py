@@ -176,7 +176,7 @@ def test_fit_combines_the_modes_and_the_causal_lm_levers(qwen):
     assert parsed.fused_loss and parsed.checkpoint_mode == "selective" and parsed.mode == "fast"
     assert "fused loss" in c.label() and "selective checkpointing" in c.label()
     fits, _ = planner.fit(64.0, top=2)
-    assert len({c.family for c in fits}) == len(fits)  # each set once, at its largest micro-batch
+    assert len({c.family for c in fits}) == len(fits)  # each set once, at its fastest micro-batch
     assert all(c.mfu(989.4e12) > 0 for c in fits)
 
 

@@ -122,6 +122,7 @@ def fit_main(args: Any, cfg: runner.YourModelConfig) -> int:
                    "gpu": args.gpu, "kept": {w: yours[w] for w in kept}, "repeated_blocks": list(planner.blocks),
                    "fits": [c.to_dict() for c in fits], "rejected": rejected.to_dict() if rejected else None,
                    "smallest": smallest.to_dict() if smallest else None, "card_overhead": planner.overhead_legend,
+                   "left_out": list(planner.failed.values()),
                    "speed": planner.speed_lines(True)}  # fmt: skip
         _print(json.dumps(payload, indent=2))
         return 0 if fits else 1
@@ -137,7 +138,7 @@ def fit_main(args: Any, cfg: runner.YourModelConfig) -> int:
              + (f", FSDP over {cfg.world_size} GPUs (card GB per GPU)" if cfg.world_size > 1 else ""),
              "Kept as yours: " + (", ".join(f"{w} {yours[w]}" for w in kept) or "nothing (--may-change)")
              + ("" if not kept else " (--may-change precision,optimizer lets the planner change them)"), "",
-             "Each set once, at its largest micro-batch that fits (batch = micro-batch x accumulation):",
+             "Each set once, at its fastest micro-batch that fits (batch = micro-batch x accumulation):",
              "   # samples/s    MFU  card GB  technique set\n       command"]  # fmt: skip
     peak = peak_bf16_flops(args.gpu.upper())
     for i, c in enumerate(fits, 1):
@@ -145,6 +146,7 @@ def fit_main(args: Any, cfg: runner.YourModelConfig) -> int:
         lines.append(f"  {i:>2} {c.images_per_s:9.1f} {f'{100 * mfu:5.1f}%' if mfu else '    —':>6} {c.card_gb:8.2f}"
                      f"   {c.label()}\n       {c.command}")  # fmt: skip
         lines += [f"       accuracy: {cost.line()}" for cost in c.changes]
+    lines += [f"Left out, its simulation failed: {why}" for why in planner.failed.values()]
     if rejected:
         lines += ["", f"Fastest rejected as too big: {rejected.label()}, {rejected.card_gb:.2f} GB,"
                   f" {rejected.images_per_s:.1f} samples/s"]  # fmt: skip

@@ -13,29 +13,25 @@ cost the convergence benchmark measured for the change (planning/planner/advice.
 is simulated (planning/your_model/estimate.py: peak allocated, reserved from the allocator replay with its
 margin, + the card overhead); the runner runs eagerly, so the eager mode's overhead applies.
 
-Speed, for a model no committed run measured: the ladder's step model calibrated on the committed runs
-of the GPU kind (planning/planner/speed.py) with its per-micro-batch compute scaled by this model's training
-FLOPs per sample over ViT-L/16's per image (counted by ``torch.utils.flop_counter`` on the meta device)
-and eager mode's host time per micro-batch scaled by its number of modules over ViT-L/16's; the step in
-backward adds its per-parameter hooks (:data:`HOOK_MS`, measured on the runner). Ranking the technique
-sets of one model is what it is for; its absolute samples/s are an estimate: ``--measure`` runs the top
-ones on the GPU at hand and ranks them by what they did (planning/your_model/measure.py).
+Speed: each set's simulated step, op by op, on the GPU kind's fitted ceilings (planning/your_model/step_time.py);
+the simulation that gives a set's memory gives its op costs. The search visits the sets from the fastest
+bound down and stops once ``top`` fitting ones are faster than anything left. A set's bound is the predicted
+speed of the same set without its memory techniques (the same precision, optimizer, mode, fused loss and
+micro-batch x accumulation): checkpointing's recompute, offload's copies and the step in backward's hooks
+only add to the step the time model sums, so the first pick is the predicted fastest set that fits. Ranking
+the technique sets of one model is what it is for; its absolute samples/s are an estimate: ``--measure`` runs
+the top ones on the GPU at hand and ranks them by what they did (planning/your_model/measure.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
+import math
 from typing import Any
 
-import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.nn.utils.stateless import _reparametrize_module
-from torch.utils.flop_counter import FlopCounterMode
-
 from fabric_memory_recipes.planning.plan import GB, Plan
-from fabric_memory_recipes.planning.planner import advice, calibration, speed
+from fabric_memory_recipes.planning.planner import advice
 from fabric_memory_recipes.planning.planner.fit import (
     Candidate,
     divisors,
@@ -45,7 +41,7 @@ from fabric_memory_recipes.planning.planner.fit import (
 )
 from fabric_memory_recipes.planning.simulation.costs import OpCosts
 from fabric_memory_recipes.planning.your_model import step_time
-from fabric_memory_recipes.planning.your_model.estimate import card, estimate, meta_user_model, text_batch
+from fabric_memory_recipes.planning.your_model.estimate import card, estimate, meta_user_model
 from fabric_memory_recipes.techniques import (
     ACTIVATION_CHECKPOINTING,
     ACTIVATION_OFFLOAD,
@@ -58,8 +54,8 @@ from fabric_memory_recipes.techniques import (
     TechniqueSet,
     subset,
 )
-from fabric_memory_recipes.training.models import meta_ladder_model
 from fabric_memory_recipes.training.techniques import checkpointing
+from fabric_memory_recipes.training.your_model import models
 from fabric_memory_recipes.training.your_model import runner as user_run
 
 # What --may-change tries besides yours: one precision of each memory and speed (bf16-mixed, what a user of
@@ -80,17 +76,7 @@ SETS = (
 # LM's) the fused loss.
 MODES_TRIED = subset(MODES, "fast", "eager")
 CHECKPOINT_MODES = checkpointing.MODES
-SPEED_SOURCE = "model: the ladder's step model, compute scaled by training FLOPs per sample"
-# The step in backward in eager mode: one optimizer.step() and zero_grad() per parameter tensor inside
-# backward, which the GPU waits for. Measured on the runner: ResNet-50, batch 128, bf16-true SGD, one
-# H100, 15 steps each: 3787 samples/s without a technique, 1270 with checkpointing + the step in
-# backward; less checkpointing's measured cost (x 1.384, the ladder's fast-mode runs), 54.0 ms over its
-# 161 parameter tensors (tests/planning/test_planner.py recomputes it from the two files).
-HOOK_MS = 0.335
-HOOK_SOURCE = (
-    "results/published/h100/your-model/runs/yo-modeltorchvision_resnet50precisbf16-truebatchs128accumu1o*"
-    " (SGD without a technique, and with checkpointing + the step in backward)"
-)
+SPEED_SOURCE = "model: the simulated step's op costs"
 
 
 @dataclasses.dataclass
@@ -113,8 +99,15 @@ class Choice(Candidate):
         return (*super().key, self.devices, self.fused_loss, self.checkpoint_mode)
 
     @property
+    def plain(self) -> tuple:
+        """The same set without its memory techniques (what bounds its speed: the module's docstring)."""
+        r = self.rung
+        return (r.precision, self.techniques.optimizer, self.mode, self.devices, self.fused_loss,
+                r.micro_batch_size, r.accumulation_steps)  # fmt: skip
+
+    @property
     def family(self) -> tuple:
-        """The set without its micro-batch: what the table shows once, at its largest micro-batch that fits."""
+        """The set without its micro-batch: what the table shows once, at its fastest micro-batch that fits."""
         r = self.rung
         return (r.precision, self.techniques, self.mode, self.devices, self.fused_loss, self.checkpoint_mode)
 
@@ -155,25 +148,8 @@ class Choice(Candidate):
         out["fused_loss"], out["checkpoint_mode"] = self.fused_loss, self.checkpoint_mode
         out["micro_batch_size"] = self.rung.micro_batch_size
         out["lora"] = list(self.lora)
+        out["label"] = self.label()
         return out
-
-
-def flops_per_sample(model: Any, um: Any, seq_len: int) -> float:
-    """Training FLOPs (forward + backward) of one sample, counted on fake tensors: no memory and no values,
-    and transformers treats fake tensors as traced (a causal LM's mask checks read no values)."""
-    with torch.device("cpu"), FakeTensorMode(allow_non_fake_inputs=True):
-        state = {n: torch.empty(t.shape, dtype=t.dtype if not t.is_floating_point() else torch.float32,
-                                requires_grad=t.requires_grad)
-                 for n, t in [*model.named_parameters(), *model.named_buffers()]}  # fmt: skip
-        with _reparametrize_module(model, state, tie_weights=True), FlopCounterMode(display=False) as counter:
-            if um.is_text:
-                ids, mask, labels = text_batch(um, 1, seq_len)[0]()
-                loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-            else:
-                size = getattr(model, "image_size", 224)
-                loss = model(torch.empty(1, 3, size, size)).float().sum()
-            loss.backward()
-    return float(counter.get_total_flops())
 
 
 class UserPlanner:
@@ -193,20 +169,12 @@ class UserPlanner:
         self.devices = devices
         self.seq_len = seq_len if self.um.is_text else None
         self.parameters = sum(p.numel() for p in self.model.parameters())
-        self.tensors = sum(p.requires_grad for p in self.model.parameters())
         self.trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-        vit = meta_ladder_model("vit_l_16")
-        runs = calibration.load_runs((str(calibration.RESULTS_DIR),))
-        base = speed.speed_model(gpu, "vit_l_16", sum(p.numel() for p in vit.parameters()), runs)
         self.ceilings, self.ceilings_source = step_time.ceilings(gpu)
-        self.flops = flops_per_sample(self.model, self.um, seq_len)
-        scale = self.flops / _ladder_flops()
-        modules = len(list(self.model.modules())) / len(list(vit.modules()))
-        self.speed = dataclasses.replace(
-            base, flops_scale=scale, host_ms={k: v * modules for k, v in base.host_ms.items()}
-        )
-        self.modules_ratio = modules
-        self.simulated: dict[tuple, tuple[float, float, float]] = {}
+        self.compiled = bool(models.compilable(self.model, self.blocks))  # fast mode fuses ops only then
+        self.simulated: dict[tuple, tuple[float, float, float, OpCosts] | None] = {}  # None: it failed
+        self.failed: dict[tuple, str] = {}  # sets whose simulation failed: their first label and the error
+        self.bounded = False  # every choice's speed_bound set (:meth:`bound`)
         modes = MODES_TRIED if devices == 1 else ("eager",)  # the sharded runner runs eagerly
         overhead = {m: card(_Floor(), gpu, m, devices) for m in modes}  # the card overhead alone, per GPU
         self.overhead_source = "; ".join(f"{m}: {o['overhead_source']}" for m, o in overhead.items())
@@ -232,32 +200,35 @@ class UserPlanner:
                     frozen = (self.parameters - self.trainable) * (
                         2 if prec in ("bf16-true", "16-true") else 4
                     )
-                    lower = (static_bytes(rung, used, self.trainable) + frozen) / GB / devices + over  # fmt: skip
-                    c = Choice(rung, mode, used, lower, 0.0, speed_source=SPEED_SOURCE, overhead_gb=over,
+                    lower = (
+                        static_bytes(rung, used, self.trainable) + frozen
+                    ) / GB / devices + over  # sharded
+                    c = Choice(rung, mode, used, lower, math.inf, speed_source=SPEED_SOURCE, overhead_gb=over,
                                seq_len=self.seq_len, changes=changes, devices=devices, fused_loss=fuse,
-                               checkpoint_mode=keeps, model_flops=self.flops, lora=tuple(lora))  # fmt: skip
-                    c.speed_bound = self._speed(c, 0.0)
+                               checkpoint_mode=keeps, lora=tuple(lora))  # fmt: skip
                     self.choices.append(c)
-        self.choices.sort(key=lambda c: (-c.speed_bound, c.techniques.count(), c.lower_bound_gb))
 
     def weights_gb(self) -> float:
         """The weights alone in the narrowest precision the planner may use: no card below this fits."""
         narrow = "bf16-true" if "precision" in self.may_change else self.precision
         return self.parameters * (2 if narrow in ("bf16-true", "16-true") else 4) / GB / self.devices
 
-    def _speed(self, c: Choice, offloaded_gb: float) -> float:
-        r = c.rung
-        prec = r.precision if r.precision in self.speed.precision_factor else "16-mixed"
-        step = self.speed.step_s(prec, c.techniques, r.micro_batch_size, r.accumulation_steps, c.mode, offloaded_gb,
-                                 self.trainable)  # fmt: skip
-        hooks = self.tensors * HOOK_MS / 1e3 if c.techniques.uses(OPTIMIZER_IN_BACKWARD) else 0.0
-        return c.devices * r.batch_size / (step + hooks)  # every GPU its own batch (FSDP: no comms modelled)
+    def bound(self) -> None:
+        """Every choice's ``speed_bound``: the predicted speed of its set without memory techniques
+        (:attr:`Choice.plain`, simulated once for all the sets it bounds); then the choices fastest bound
+        first (on a tie, fewer techniques, then the smaller lower bound)."""
+        if self.bounded:
+            return
+        plain = {c.plain: c for c in self.choices if not c.techniques.used}
+        for c in self.choices:
+            c.speed_bound = self.predict(plain[c.plain]).images_per_s
+        self.choices.sort(key=lambda c: (-c.speed_bound, c.techniques.count(), c.lower_bound_gb))
+        self.bounded = True
 
     def predict(self, c: Choice) -> Choice:
         if c.predicted_gb is None:
             r, used = c.rung, c.techniques
-            key = (r.precision, used, r.micro_batch_size, min(r.accumulation_steps, 2), c.devices, c.fused_loss,
-                   c.checkpoint_mode, c.mode)  # fmt: skip
+            key = c.key  # the mode changes the card overhead and the time, not the simulated step
             if key not in self.simulated:
                 plan = Plan(precision=r.precision, micro_batch_size=r.micro_batch_size,
                             accumulation_steps=r.accumulation_steps, optimizer=used.optimizer,
@@ -271,12 +242,16 @@ class UserPlanner:
                 )  # the same simulation gives the op costs the step time is predicted from
                 try:
                     est = estimate(self.model, self.um, plan, self.seq_len or 0, op_costs=collector)
+                    error = est.error
                 except Exception as e:
-                    raise RuntimeError(
-                        f"the simulation of {c.label()} failed: {type(e).__name__}: {str(e)[:200]}"
-                    ) from e
-                if est.error:
-                    raise RuntimeError(f"the simulation of {c.label()} failed: {est.error}")
+                    error = f"{type(e).__name__}: {str(e)[:200]}"
+                if error and not used.used:
+                    raise RuntimeError(f"the simulation of {c.label()} failed: {error}")
+                if error:  # a technique this model's step cannot run: the set is left out, said once
+                    self.failed.setdefault((used, c.fused_loss, c.checkpoint_mode), f"{c.label()}: {error}")
+                    c.predicted_gb, c.images_per_s = math.inf, 0.0
+                    self.simulated[key] = None
+                    return c
                 got = card(est, self.gpu, c.mode, c.devices)
                 self.simulated[key] = (
                     est.peak_gb,
@@ -284,6 +259,9 @@ class UserPlanner:
                     est.activations_host_gb,
                     collector,
                 )
+            if self.simulated[key] is None:  # its simulation failed (above)
+                c.predicted_gb, c.images_per_s = math.inf, 0.0
+                return c
             c.simulated_gb, c.predicted_gb, c.offloaded_gb, collector = self.simulated[key]
             c.images_per_s = self._step_speed(c, collector)
         return c
@@ -298,41 +276,40 @@ class UserPlanner:
         )
         costs = step_time.costs_of(collector, plan, (c.offloaded_gb or 0.0) * 1e9)
         graphs = c.mode == "fast" and not self.um.is_text and c.devices == 1  # the runner's fast mode
-        seconds, detail = step_time.step_seconds(costs, self.ceilings, c.mode, graphs)
+        seconds, detail = step_time.step_seconds(costs, self.ceilings, c.mode, graphs, self.compiled)
         c.model_flops = detail["model_flops_per_step"] / r.batch_size
         c.speed_source = f"model: the simulated step's op costs ({self.ceilings_source})"
         return c.devices * r.batch_size / seconds
 
     def fit(self, budget_gb: float, top: int = 5) -> tuple[list[Choice], Choice | None]:
         """The ``top`` fastest choices predicted to fit, and the fastest predicted not to fit among those
-        faster than the last pick (None if there is none): the ladder planner's search (planning/planner/fit.py)."""
-        shown: dict[tuple, Choice] = {}  # each set once, at its fastest (its largest) micro-batch that fits
+        faster than the last pick (None if there is none): the ladder planner's search (planning/planner/fit.py),
+        on the bounds of :meth:`bound`."""
+        self.bound()
+        shown: dict[tuple, Choice] = {}  # each set once, at its fastest micro-batch that fits
         too_big = []
         for c in self.choices:  # fastest bound first
             ranked = sorted(shown.values(), key=lambda x: -x.images_per_s)
             if len(ranked) >= top and ranked[top - 1].images_per_s >= c.speed_bound:
                 break  # nothing left can be faster than the picks
-            if c.family in shown:
-                continue  # a faster micro-batch of this set fits already
+            known = shown.get(c.family)
+            if known is not None and known.images_per_s >= c.speed_bound:
+                continue  # a micro-batch of this set at least as fast fits already
             if c.lower_bound_gb > budget_gb:
                 too_big.append(c)
                 continue
             self.predict(c)
-            if c.card_gb <= budget_gb:
-                shown[c.family] = c
-            else:
+            if c.predicted_gb == math.inf:
+                continue  # its simulation failed (self.failed says why)
+            if c.card_gb > budget_gb:
                 too_big.append(c)
+            elif known is None or c.images_per_s > known.images_per_s:
+                shown[c.family] = c
         fits = sorted(shown.values(), key=lambda x: -x.images_per_s)[:top]
         return fits, fastest(too_big, self.predict)
 
     def smallest(self) -> Choice:
         return smallest(self.choices, self.predict)
-
-    def _reference(self) -> str:
-        """Where the step model's constants came from besides this kind's own runs, if anywhere."""
-        if self.gpu == calibration.REFERENCE_GPU:
-            return ""
-        return f" ({calibration.REFERENCE_GPU}'s where it has none)"
 
     def speed_lines(self, verbose: bool = False) -> list[str]:
         """How samples/s were predicted: two lines, or with ``verbose`` every constant and its source."""
@@ -356,19 +333,9 @@ class UserPlanner:
         return lines
 
 
-@functools.cache
-def _ladder_flops() -> float:
-    """ViT-L/16's training FLOPs per image: what the ladder's speed model was calibrated on."""
-    return flops_per_sample(meta_ladder_model("vit_l_16"), _Vision(), 0)
-
-
 def _first(mine: str, others: tuple[str, ...]) -> tuple[str, ...]:
     """The user's value first, then the others allowed."""
     return tuple(dict.fromkeys((mine, *others)))
-
-
-class _Vision:
-    is_text = False
 
 
 class _Floor:

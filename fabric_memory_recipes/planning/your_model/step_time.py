@@ -181,13 +181,14 @@ class MicroBatch:
             module_calls=module_calls,
         )
 
-    def seconds(self, c: Ceilings, mode: str, graphs: bool) -> float:
-        """The queue of :mod:`step_time`'s docstring: max over ops of issue time + the GPU time left."""
+    def seconds(self, c: Ceilings, mode: str, graphs: bool, fused: bool = True) -> float:
+        """The queue of :mod:`step_time`'s docstring: max over ops of issue time + the GPU time left
+        (``fused``: fast mode compiled the blocks, so their memory-bound ops take the fusion's share)."""
         memory = self.bytes / c.bandwidth
         launched = self.kernels * c.kernel_s
         other = memory * (self.kernels > 0) + launched
         gpu = np.where(self.matmul, np.maximum(self.flops / c.matmul_flops, memory) + launched,
-                       other if mode == "eager" else c.fusion * other)  # fmt: skip
+                       other if mode == "eager" or not fused else c.fusion * other)  # fmt: skip
         if mode == "fast" and graphs:
             return float(gpu.sum())
         if mode == "eager":
@@ -260,14 +261,16 @@ def simulated_costs(model: Any, um: UserModel, plan: Plan, seq_len: int) -> Step
 
 
 def step_seconds(
-    costs: StepCosts, c: Ceilings, mode: str = "eager", graphs: bool = False
+    costs: StepCosts, c: Ceilings, mode: str = "eager", graphs: bool = False, fused: bool = True
 ) -> tuple[float, dict]:
     """(seconds, how they add up) of the step ``costs`` describes, in ``mode`` (eager | fast; ``graphs``:
-    fast mode with CUDA graphs, as your model's runner does for a vision model)."""
+    fast mode with CUDA graphs, as your model's runner does for a vision model; ``fused``: fast mode compiled
+    the blocks, which your model's runner does not for blocks holding BatchNorm: their fast mode is the CUDA
+    graphs alone, no op fused)."""
     if mode not in MODES:
         raise ValueError(f"mode {mode!r}: expected one of {', '.join(MODES)}")
     graphs = graphs and mode == "fast"
-    per_micro = [m.seconds(c, mode, graphs) for m in costs.micro]
+    per_micro = [m.seconds(c, mode, graphs, fused) for m in costs.micro]
     k = costs.accumulation_steps
     passes = costs.per_step(per_micro)
     opt = costs.optimizer
@@ -277,7 +280,9 @@ def step_seconds(
     total = passes + optimizer + hooks + offload
     first = costs.micro[0]
     return total, {
-        "mode": mode + (" (CUDA graphs)" if graphs else ""),
+        "mode": mode
+        + (" (CUDA graphs)" if graphs else "")
+        + (" (blocks not compiled)" if mode == "fast" and not fused else ""),
         "step_s": total,
         "forward_backward_s": passes,
         "per_micro_batch_s": per_micro,

@@ -276,12 +276,16 @@ def compile_repeated(model: nn.Module, blocks: tuple[str, ...]) -> int:
     to eager (devtools/your_model/equivalence.py: 18 % of the eager change apart after 6 fp32 Adam steps, the
     same on an H100 and an H200, while eager twice and CUDA graphs alone matched exactly), so such a
     model's fast mode is its CUDA graphs."""
-    wrapped = [m for m in model.modules() if type(m).__name__ == "CheckpointedBlock"]
-    inside = {id(m.block) for m in wrapped}
-    chosen = wrapped + [m for m in model.modules() if type(m).__name__ in blocks and id(m) not in inside]
-    chosen = [
-        m for m in chosen if not any(isinstance(x, nn.modules.batchnorm._BatchNorm) for x in m.modules())
-    ]
+    chosen = compilable(model, blocks)
     for module in chosen:
         module.compile()
     return len(chosen)
+
+
+def compilable(model: nn.Module, blocks: tuple[str, ...]) -> list[nn.Module]:
+    """The modules fast mode compiles (:func:`compile_repeated`): each repeated block, or its checkpoint
+    wrapper, that holds no BatchNorm."""
+    wrapped = [m for m in model.modules() if type(m).__name__ == "CheckpointedBlock"]
+    inside = {id(m.block) for m in wrapped}
+    chosen = wrapped + [m for m in model.modules() if type(m).__name__ in blocks and id(m) not in inside]
+    return [m for m in chosen if not any(isinstance(x, nn.modules.batchnorm._BatchNorm) for x in m.modules())]

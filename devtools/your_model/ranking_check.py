@@ -1,0 +1,282 @@
+"""Does the CPU ranking's first pick run fastest, at the speed predicted, within its card? ``fmr-estimate
+--fit SIZE`` then ``--measure``'s runs, for the causal LMs (``lm``) or the vision models (``vision``) of
+:data:`MATRIX`, on one GPU, and the targets per model:
+
+* the first pick (predicted rank 1) measured at >= 90 % of the fastest measured set that fits;
+* its predicted samples/s within +-25 % of measured;
+* every measured set fits its card (no out-of-memory, whole device within the card).
+
+    python -m devtools.your_model.ranking_check lm --out DIR        # on a CUDA GPU
+    python -m devtools.your_model.ranking_check vision --out DIR --plan-only   # the CPU part, anywhere
+    python -m devtools.your_model.ranking_check --report DIR [DIR ...] > table.md
+
+Each model's plan is ``fmr-estimate MODEL --fit SIZE --top N --json`` (the CPU ranking, in its own process,
+``DIR/<model>/fit.json``); the plans run side by side on the host's cores (``--planners``) while the GPU
+measures each model as its plan is ready, one model and one set at a time, with ``--measure``'s code
+(planning/your_model/measure.py: each set its own ``recipes/your_model.py`` process on the card emulated,
+``DIR/<model>/plan.json``). The planners are kept off the cores the measured runs use (``--run-cpus``), so
+that they do not take the runs' host time. After each model ``DIR/summary.json`` and ``DIR/summary.md`` are
+rewritten and, with ``--archive FILE``, the folder is packed there: a call stopped at its limit keeps every
+model that finished. No model starts measuring after ``--deadline`` seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fabric_memory_recipes.config import at_least
+from fabric_memory_recipes.console import Parser
+from fabric_memory_recipes.measurement.results_file import write_atomic, write_json_atomic
+from fabric_memory_recipes.paths import output_folder
+from fabric_memory_recipes.planning.your_model import measure
+from fabric_memory_recipes.processes import REPO, project_env
+
+PRECISION, OPTIMIZER = "bf16-mixed", "adamw"  # the user's, in every job
+TARGET_RATIO = 0.90  # the first pick's measured speed over the fastest measured set that fits
+TARGET_ERROR = 0.25  # the first pick's predicted samples/s over measured, -1
+# part -> (name, the model's flags, the card): each card below the fastest set's need, so the choice matters
+MATRIX: dict[str, list[tuple[str, list[str], str]]] = {
+    "lm": [
+        ("gpt2-small", ["--model", "hf:examples/configs/gpt2-small", "--seq-len", "1024", "--batch-size", "8"], "6GB"),
+        ("qwen2-0.2b", ["--model", "hf:examples/configs/qwen2-0.2b", "--seq-len", "1024", "--batch-size", "8"], "8GB"),
+        ("llama-0.36b", ["--model", "hf:examples/configs/llama-0.36b", "--seq-len", "1024", "--batch-size", "8"],
+         "8GB"),
+        ("gpt-neox-0.4b", ["--model", "hf:examples/configs/gpt-neox-0.4b", "--seq-len", "1024", "--batch-size", "8"],
+         "10GB"),
+    ],
+    "vision": [
+        ("mobilenet_v3_large", ["--model", "torchvision:mobilenet_v3_large", "--batch-size", "128"], "3GB"),
+        ("resnet50", ["--model", "torchvision:resnet50", "--batch-size", "128"], "4GB"),
+        ("swin_v2_t", ["--model", "torchvision:swin_v2_t", "--batch-size", "64"], "4GB"),
+        ("vit_b16", ["--model", "timm:vit_base_patch16_224", "--batch-size", "64"], "6GB"),
+    ],
+}  # fmt: skip
+
+
+def jobs(part: str, only: tuple[str, ...] = ()) -> list[tuple[str, list[str], str]]:
+    return [j for j in MATRIX[part] if not only or j[0] in only]
+
+
+def plan(
+    name: str, flags: list[str], card: str, out: Path, top: int, cpus: set[int] | None
+) -> dict[str, Any]:
+    """The CPU ranking of one model: ``fmr-estimate ... --fit CARD --json`` in its own process."""
+    folder = out / name
+    folder.mkdir(parents=True, exist_ok=True)
+    argv = [*flags, "--precision", PRECISION, "--optimizer", OPTIMIZER, "--fit", card, "--top", str(top),
+            "--gpu", "h100"]  # fmt: skip
+    env = project_env(PYTHONUNBUFFERED="1", FMR_OFFLINE="1", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    start = time.perf_counter()
+    with open(folder / "fit.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "fabric_memory_recipes.planning", *argv, "--json"], cwd=REPO,
+                                env=env, stdout=subprocess.PIPE, stderr=log, text=True)  # fmt: skip
+        if cpus:
+            os.sched_setaffinity(proc.pid, cpus)  # before its imports end: the threads it starts inherit it
+        stdout, _ = proc.communicate()
+    try:
+        answer = json.loads(stdout)
+    except ValueError:
+        answer = {"fits": [], "error": stdout[-2000:]}
+    answer.update(
+        name=name, argv=argv, exit=proc.returncode, plan_s=round(time.perf_counter() - start, 1), card=card
+    )
+    write_json_atomic(str(folder / "fit.json"), answer)
+    return answer
+
+
+def check(name: str, fit: dict[str, Any], measured: dict[str, Any] | None) -> dict[str, Any]:
+    """One model's row: the CPU plan's first pick, what the measured sets did, the targets."""
+    fits = fit.get("fits") or []
+    row: dict[str, Any] = {
+        "model": name, "card": fit.get("card"), "batch": fit.get("batch_size") or _flag(fit, "--batch-size"),
+        "seq_len": fit.get("seq_len") or _flag(fit, "--seq-len"),
+        "plan_s": fit.get("plan_s"), "pick": fits[0]["label"] if fits else None,
+        "pick_command": fits[0]["command"] if fits else None,
+        "predicted": [round(f["predicted_samples_per_s"], 1) for f in fits],
+        "predicted_device_gb": [round(f["predicted_device_peak_gb"], 2) for f in fits],
+    }  # fmt: skip
+    sets = (measured or {}).get("sets") or []
+    if not sets or "status" not in sets[0]:
+        return {**row, "measured": None}
+    ran = [s for s in sets if "status" in s]
+    fitting = [s for s in ran if s.get("fits")]
+    fastest = max((s["measured_samples_per_s"] for s in fitting), default=None)
+    pick = sets[0]
+    speed = pick.get("measured_samples_per_s") if pick.get("fits") else None
+    ratio = speed / fastest if speed and fastest else None
+    error = pick["predicted_samples_per_s"] / speed - 1 if speed else None
+    return {
+        **row, "gpu": measured.get("gpu"),
+        "measured": [None if s.get("measured_samples_per_s") is None else round(s["measured_samples_per_s"], 1)
+                     for s in ran],
+        "measured_device_gb": [s.get("measured_device_peak_gb") for s in ran],
+        "statuses": [s["status"] for s in ran], "sets_run": len(ran), "sets_fit": len(fitting),
+        "pick_fits": bool(pick.get("fits")), "pick_over_fastest": ratio, "pick_error": error,
+        "ratio_met": ratio is not None and ratio >= TARGET_RATIO,
+        "error_met": error is not None and abs(error) <= TARGET_ERROR,
+        "all_fit": len(fitting) == len(ran),
+    }  # fmt: skip
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """The markdown table of :func:`check`'s rows, and the totals against the targets."""
+    lines = [
+        "| model | card | CPU pick (predicted rank 1) | predicted samples/s, ranks 1-3 | measured | pick ÷ fastest"
+        " measured (≥ 0.90) | pick predicted ÷ measured − 1 (±25 %) | sets fit card | plan s |",
+        "|---|---|---|---|---|---:|---:|---|---:|",
+    ]
+    for r in rows:
+        measured = r.get("measured")
+        seq = f" × {r['seq_len']}" if r.get("seq_len") else ""
+        ratio = (
+            "—"
+            if r.get("pick_over_fastest") is None
+            else f"{r['pick_over_fastest']:.2f}" + _mark(r["ratio_met"])
+        )
+        error = (
+            "—" if r.get("pick_error") is None else f"{100 * r['pick_error']:+.0f} %" + _mark(r["error_met"])
+        )
+        fits = (
+            "—"
+            if measured is None
+            else f"{r['sets_fit']} of {r['sets_run']}"
+            + ("" if r["all_fit"] else f" ({', '.join(r['statuses'])})")
+        )
+        shown = (
+            "not measured"
+            if measured is None
+            else ", ".join("—" if m is None else f"{m:.1f}" for m in measured)
+        )
+        lines.append(f"| {r['model']} (batch {r['batch']}{seq}) | {r['card']} | {r['pick'] or 'nothing fits'} |"
+                     f" {', '.join(f'{p:.1f}' for p in r['predicted'])} | {shown} | {ratio} | {error} | {fits} |"
+                     f" {r.get('plan_s') or '—'} |")  # fmt: skip
+    done = [r for r in rows if r.get("measured") is not None]
+    lines += ["", f"Measured {len(done)} of {len(rows)} models: first pick ≥ 0.90 of the fastest on"
+              f" {sum(r['ratio_met'] for r in done)}, predicted within ±25 % on {sum(r['error_met'] for r in done)},"
+              f" every measured set within its card on {sum(r['all_fit'] for r in done)};"
+              f" sets over the card or out of memory: {sum(r['sets_run'] - r['sets_fit'] for r in done)}."]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def _flag(fit: dict[str, Any], flag: str) -> str | None:
+    """A flag's value in the plan's command line (a plan that failed has no answer to read it from)."""
+    argv = fit.get("argv") or []
+    return argv[argv.index(flag) + 1] if flag in argv[:-1] else None
+
+
+def _mark(ok: bool) -> str:
+    return " ✓" if ok else " ✗"
+
+
+def report(folders: list[Path]) -> list[dict[str, Any]]:
+    rows = []
+    for folder in folders:
+        for sub in sorted(p for p in folder.iterdir() if (p / "fit.json").is_file()):
+            fit = json.loads((sub / "fit.json").read_text())
+            measured = json.loads((sub / "plan.json").read_text()) if (sub / "plan.json").is_file() else None
+            rows.append(check(sub.name, fit, measured))
+    return rows
+
+
+def write_summary(out: Path, archive: Path | None) -> None:
+    rows = report([out])
+    write_json_atomic(str(out / "summary.json"), {"rows": rows})
+    write_atomic(out / "summary.md", lambda f: f.write(table(rows)))
+    if archive is not None:
+        part = archive.with_name(archive.name + ".part")
+        with tarfile.open(part, "w:gz") as tar:
+            tar.add(out, arcname=out.name)
+        part.replace(archive)
+
+
+def run(args: Any) -> None:
+    out, todo = args.out, jobs(args.part, tuple(x for x in args.only.split(",") if x))
+    start = time.perf_counter()
+    cpus = sorted(os.sched_getaffinity(0))
+    keep = set(cpus[: args.run_cpus]) if len(cpus) > args.run_cpus and not args.plan_only else set()
+    planner_cpus = set(cpus) - keep or None
+    if keep:
+        os.sched_setaffinity(0, keep)  # the measured runs inherit it
+
+    def say(text: str) -> None:
+        print(f"[ranking_check {time.perf_counter() - start:5.0f} s] {text}", flush=True)
+
+    def planned(job):
+        name, flags, card = job
+        answer = plan(name, flags, card, out, args.top, planner_cpus)
+        pick = answer["fits"][0] if answer.get("fits") else None
+        say(f"{name} at {card}: planned in {answer['plan_s']:.0f} s, exit {answer['exit']}; first pick "
+            + (f"{pick['label']}, {pick['predicted_samples_per_s']:.1f} samples/s predicted,"
+               f" {pick['predicted_device_peak_gb']:.2f} GB" if pick else "none"))  # fmt: skip
+        write_summary(out, args.archive)
+        return answer
+
+    with ThreadPoolExecutor(max_workers=args.planners) as pool:
+        futures = [pool.submit(planned, job) for job in todo]
+        for future in as_completed(futures):  # each model measured once its plan is ready, one at a time
+            answer = future.result()
+            if args.plan_only or not answer.get("fits"):
+                continue
+            name = answer["name"]
+            if time.perf_counter() - start > args.deadline:
+                say(f"{name}: not measured (past --deadline {args.deadline:.0f} s)")
+                continue
+            rows = [{**f, "predicted_rank": i} for i, f in enumerate(answer["fits"], 1)]
+            budget = answer["budget_gb"]
+            measure.measure(
+                rows, budget, out / name, args.steps, say=lambda t, n=name: say(f"{n}: {t.strip()}")
+            )
+            measure.write(out / name, rows, budget, {"model": name, "argv": answer["argv"], "gpu": _gpu()})
+            write_summary(out, args.archive)
+    write_summary(out, args.archive)
+
+
+def _gpu() -> str | None:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = Parser(prog="python -m devtools.your_model.ranking_check", description=__doc__.splitlines()[0])
+    p.add_argument("part", nargs="?", choices=sorted(MATRIX), help="which models")
+    p.add_argument("--out", type=output_folder("--out"), metavar="DIR", help="where the models' folders go")
+    p.add_argument(
+        "--report", nargs="+", type=Path, metavar="DIR", help="only print the table of these folders"
+    )
+    p.add_argument("--top", type=at_least(1), default=3, help="sets measured per model (default 3)")
+    p.add_argument(
+        "--steps", type=at_least(5), default=10, help="optimizer steps per measured set (default 10)"
+    )
+    p.add_argument("--planners", type=at_least(1), default=4, help="plans computed at once (default 4)")
+    p.add_argument(
+        "--run-cpus", type=at_least(1), default=8, help="cores kept for the measured runs (default 8)"
+    )
+    p.add_argument(
+        "--deadline", type=float, default=1e9, help="seconds after which no model starts measuring"
+    )
+    p.add_argument("--only", default="", help="comma-separated model names of the part (default: all)")
+    p.add_argument("--plan-only", action="store_true", help="the CPU plans only (no GPU needed)")
+    p.add_argument("--archive", type=Path, metavar="FILE", help="pack DIR into this .tgz after each model")
+    args = p.parse_args(argv)
+    if args.report:
+        sys.stdout.write(table(report(args.report)))
+        return 0
+    if not args.part or not args.out:
+        p.error("give a part (lm or vision) and --out DIR, or --report DIR")
+    args.out.mkdir(parents=True, exist_ok=True)
+    run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("FMR_OFFLINE", "1")
+    raise SystemExit(main())

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Does the CPU ranking's first pick run fastest, at the speed predicted, within its card? For 4 causal LMs
+# (`lm`) or 4 vision models (`vision`): `fmr-estimate --model ... --fit SIZE --top 3` (the CPU ranking, the
+# models' plans side by side on the host's cores), then each plan's 3 sets run as `--measure` runs them
+# (planning/your_model/measure.py: one recipes/your_model.py process each, on the card emulated), and per
+# model the predicted vs measured samples/s, fit / out of memory, and the first pick over the fastest
+# measured (devtools/your_model/ranking_check.py, which lists the models and cards). One device command per
+# part, each under 8 minutes on one H100, from the repository root; carried (ignored path): .whl (liger-kernel).
+#
+#   bash scripts/gpu/ranking_check.sh lm       # GPT-2 small 6 GB, Qwen2 0.2 B 8 GB, Llama 0.36 B 8 GB,
+#                                              # GPT-NeoX 0.4 B 10 GB; 8 x 1024 tokens each
+#   bash scripts/gpu/ranking_check.sh vision   # MobileNetV3-Large 3 GB, ResNet-50 4 GB (batch 128),
+#                                              # Swin-V2-T 4 GB, ViT-B/16 (timm) 6 GB (batch 64)
+#
+# bf16-mixed AdamW (the user's, kept). STEPS (10) optimizer steps per set; ONLY=a,b (model names) reruns
+# some; no model starts measuring after DEADLINE (330 s) and the whole call stops at LIMIT (450 s).
+# Results, rewritten after each model: $OUT/ranking-<part>.tgz (each model's fit.json, plan.json, plan.md,
+# runs and logs), $OUT/summary-<part>.md (the table) and $OUT/summary-<part>.json.
+set -u
+part=${1:?lm or vision}
+: "${OUT:?set OUT}"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 FMR_OFFLINE=1
+R=/tmp/ranking-$part; mkdir -p "$R"
+finish() { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$R/gpu.csv" 2>&1
+           git log -1 --format='%H %s' > "$R/commit.txt" 2>/dev/null
+           { echo "Made by \`bash scripts/gpu/ranking_check.sh $part\` (STEPS=${STEPS:-10}) on $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1),"
+             echo "commit $(git log -1 --format=%h 2>/dev/null), $(date -u +%F): each model's sets from \`fmr-estimate ... --fit SIZE --top 3\`,"
+             echo "measured one at a time on the card emulated (\`--memory-budget-gb SIZE\`), bf16-mixed AdamW."; echo
+             python3 -m devtools.your_model.ranking_check --report "$R"; } > "$OUT/summary-$part.md" 2>&1
+           cp "$R/summary.json" "$OUT/summary-$part.json" 2>/dev/null
+           tar czf "$OUT/ranking-$part.tgz" -C /tmp "ranking-$part"; }
+trap finish EXIT
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/liger*.whl
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+nproc; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+timeout -k 20 -s INT "${LIMIT:-450}" python3 -m devtools.your_model.ranking_check "$part" --out "$R" --top 3 \
+    --steps "${STEPS:-10}" --deadline "${DEADLINE:-330}" --only "${ONLY:-}" --archive "$OUT/ranking-$part.tgz" \
+    2>&1 | tee "$R/log.txt"
+echo "ranking_check $part: exit ${PIPESTATUS[0]}"

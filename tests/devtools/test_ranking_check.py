@@ -1,0 +1,59 @@
+"""devtools/your_model/ranking_check.py's bookkeeping: each model's row from its CPU plan and its measured
+sets, the targets and the table, without a GPU (the plans and measurements are written here)."""
+
+from __future__ import annotations
+
+import json
+
+from devtools.your_model import ranking_check
+
+
+def _fit(speeds: list[float]) -> dict:
+    fits = [{"label": f"set {i}", "command": f"python recipes/your_model.py --set {i}", "predicted_samples_per_s": s,
+             "predicted_device_peak_gb": 2.5} for i, s in enumerate(speeds, 1)]  # fmt: skip
+    return {"fits": fits, "card": "3GB", "batch_size": 128, "seq_len": None, "plan_s": 12.0, "budget_gb": 3.0}
+
+
+def _measured(fit: dict, outcomes: list[tuple[str, float | None, bool]]) -> dict:
+    sets = [{**f, "status": status, "measured_samples_per_s": speed, "fits": fits, "measured_device_peak_gb": 2.4}
+            for f, (status, speed, fits) in zip(fit["fits"], outcomes, strict=True)]  # fmt: skip
+    return {"sets": sets, "gpu": "NVIDIA H100 80GB HBM3"}
+
+
+def test_the_targets_per_model():
+    fit = _fit([100.0, 90.0, 80.0])
+    met = ranking_check.check(
+        "a", fit, _measured(fit, [("ok", 95.0, True), ("ok", 100.0, True), ("ok", 60.0, True)])
+    )
+    assert met["pick_over_fastest"] == 0.95 and met["ratio_met"] and met["all_fit"]
+    assert abs(met["pick_error"] - (100 / 95 - 1)) < 1e-9 and met["error_met"]
+    missed = ranking_check.check(
+        "b", fit, _measured(fit, [("ok", 70.0, True), ("ok", 100.0, True), ("oom", None, False)])
+    )
+    assert missed["pick_over_fastest"] == 0.7 and not missed["ratio_met"] and not missed["error_met"]
+    assert not missed["all_fit"] and missed["sets_fit"] == 2 and missed["statuses"][-1] == "oom"
+    planned_only = ranking_check.check("c", fit, None)
+    assert planned_only["measured"] is None and planned_only["pick"] == "set 1"
+
+
+def test_report_reads_the_folders_and_counts_the_targets(tmp_path):
+    for name, outcomes in {"a": [("ok", 95.0, True), ("ok", 100.0, True), ("ok", 60.0, True)],
+                           "b": [("oom", None, False), ("ok", 100.0, True), ("ok", 60.0, True)]}.items():  # fmt: skip
+        fit = _fit([100.0, 90.0, 80.0])
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "fit.json").write_text(json.dumps(fit))
+        (tmp_path / name / "plan.json").write_text(json.dumps(_measured(fit, outcomes)))
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "fit.json").write_text(json.dumps(_fit([50.0])))
+    rows = ranking_check.report([tmp_path])
+    assert [r["model"] for r in rows] == ["a", "b", "c"]
+    text = ranking_check.table(rows)
+    assert (
+        "| a (batch 128) | 3GB | set 1 | 100.0, 90.0, 80.0 | 95.0, 100.0, 60.0 | 0.95 ✓ | +5 % ✓ | 3 of 3 |"
+        in text
+    )
+    assert "2 of 3 (oom, ok, ok)" in text and "not measured" in text
+    assert text.rstrip().endswith(
+        "Measured 2 of 3 models: first pick ≥ 0.90 of the fastest on 1, predicted within ±25 % on 1,"
+        " every measured set within its card on 1; sets over the card or out of memory: 1."
+    )

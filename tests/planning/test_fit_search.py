@@ -1,0 +1,153 @@
+"""The order of ``--fit``'s search for your own model (planning/your_model/sets.py): every set's speed bound
+comes from the step-time model that predicts its speed, so the first pick is the predicted fastest set that
+fits, and the search still stops early."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fabric_memory_recipes.planning.plan import Plan
+from fabric_memory_recipes.planning.your_model import sets, step_time
+from fabric_memory_recipes.planning.your_model.sets import UserPlanner
+from fabric_memory_recipes.techniques import (
+    ACTIVATION_CHECKPOINTING,
+    ACTIVATION_OFFLOAD,
+    OPTIMIZER_IN_BACKWARD,
+)
+
+
+@pytest.fixture(scope="module")
+def lm(tmp_path_factory) -> str:
+    """A 2-layer Qwen2 causal LM of width 32."""
+    folder = tmp_path_factory.mktemp("search_lm")
+    (folder / "config.json").write_text(json.dumps(dict(
+        model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=32, intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, vocab_size=300, tie_word_embeddings=True,
+    )))  # fmt: skip
+    return f"hf:{folder}"
+
+
+def stand_in(planner: UserPlanner):
+    """A ``predict`` that simulates nothing: samples/s favour the small micro-batches (unlike the ladder's
+    step model), each memory technique costs speed and saves memory; ``calls`` counts the predictions."""
+    calls = []
+
+    def predict(c):
+        if c.predicted_gb is None:
+            calls.append(c)
+            r, used = c.rung, c.techniques
+            slower = {ACTIVATION_CHECKPOINTING: 0.7, ACTIVATION_OFFLOAD: 0.8, OPTIMIZER_IN_BACKWARD: 0.9}
+            speed = (
+                1000.0
+                / r.micro_batch_size
+                * (1.3 if c.mode == "fast" else 1.0)
+                * (1.1 if c.fused_loss else 1)
+            )
+            for t, factor in slower.items():
+                speed *= factor if used.uses(t) else 1.0
+            speed *= 0.95 if c.checkpoint_mode == "selective" else 1.0
+            memory = r.micro_batch_size * (0.4 if used.uses(ACTIVATION_CHECKPOINTING) else 1.0)
+            memory *= 0.6 if used.uses(ACTIVATION_OFFLOAD) else 1.0
+            c.images_per_s, c.predicted_gb, c.simulated_gb, c.offloaded_gb = speed, memory, memory, 0.0
+        return c
+
+    planner.predict = predict
+    return calls
+
+
+def test_the_first_picks_are_the_predicted_fastest_that_fit_whatever_the_speeds(lm):
+    """The search visits the sets by a bound from the same prediction as their speed: the picks are the
+    exhaustive answer even where the fastest sets take the smallest micro-batches."""
+    planner = UserPlanner(lm, 8, 16, precision="bf16-mixed")
+    stand_in(planner)
+    budget = 2.5 + max(c.overhead_gb for c in planner.choices)
+    fits, _ = planner.fit(budget, top=3)
+    best = {}
+    for c in planner.choices:
+        planner.predict(c)
+        if c.card_gb <= budget and c.images_per_s > best.get(c.family, (0.0,))[0]:
+            best[c.family] = (c.images_per_s, c)
+    expected = sorted(best.values(), key=lambda x: -x[0])[:3]
+    assert [c.images_per_s for c in fits] == [speed for speed, _ in expected]
+    assert fits[0].rung.micro_batch_size == 1 and fits[0].mode == "fast" and fits[0].fused_loss
+
+
+def test_the_search_stops_once_nothing_left_can_be_faster(lm):
+    planner = UserPlanner(lm, 8, 16, precision="bf16-mixed")
+    calls = stand_in(planner)
+    fits, _ = planner.fit(100.0, top=1)
+    plain = [c for c in planner.choices if not c.techniques.used]
+    assert fits[0].rung.micro_batch_size == 1 and not fits[0].techniques.used
+    # the bounds predict every plain set; the search itself then predicts nothing more
+    assert len(calls) == len(plain) < len(planner.choices)
+
+
+def test_a_memory_technique_never_predicts_faster_than_its_plain_set(lm):
+    """The bound holds on the simulated step: checkpointing (full, selective), offload and the step in
+    backward each only add to the time the step-time model sums, in both modes."""
+    planner = UserPlanner(lm, 2, 16, precision="bf16-mixed")
+    plain = {c.plain: c for c in planner.choices if not c.techniques.used}
+    picked = [c for c in planner.choices if c.rung.accumulation_steps == 1 and c.fused_loss
+              and len(c.techniques.used) == 1]  # fmt: skip
+    ckpt, offload, hooks = ACTIVATION_CHECKPOINTING.name, ACTIVATION_OFFLOAD.name, OPTIMIZER_IN_BACKWARD.name
+    assert {(c.techniques.used, c.checkpoint_mode) for c in picked} == {
+        ((ckpt,), "full"),
+        ((ckpt,), "selective"),
+        ((offload,), "full"),
+        ((hooks,), "full"),
+    }
+    for c in picked:
+        bound = planner.predict(plain[c.plain]).images_per_s
+        assert 0 < planner.predict(c).images_per_s <= bound, c.label()
+
+
+def test_fast_and_eager_share_one_simulation(lm):
+    planner = UserPlanner(lm, 2, 16, precision="bf16-mixed")
+    pair = [c for c in planner.choices if not c.techniques.used and c.rung.accumulation_steps == 1
+            and not c.fused_loss]  # fmt: skip
+    assert sorted(c.mode for c in pair) == ["eager", "fast"]
+    for c in pair:
+        planner.predict(c)
+    assert len(planner.simulated) == 1
+    eager, fast = sorted(pair, key=lambda c: c.mode)
+    assert eager.predicted_gb == fast.predicted_gb and eager.images_per_s != fast.images_per_s
+
+
+def test_fast_mode_fuses_ops_only_where_it_compiles_blocks(lm):
+    """Blocks holding BatchNorm stay uncompiled in fast mode (training/your_model/models.py): such a model's
+    fast mode is its CUDA graphs alone, predicted without the compiled blocks' fusion."""
+    assert not UserPlanner("torchvision:resnet18", 8, 0).compiled
+    planner = UserPlanner(lm, 2, 16, precision="bf16-mixed")
+    assert planner.compiled
+    c = next(c for c in planner.choices if c.mode == "fast" and not c.techniques.used and not c.fused_loss
+             and c.rung.accumulation_steps == 1)  # fmt: skip
+    planner.predict(c)
+    costs = step_time.costs_of(planner.simulated[c.key][3], Plan())
+    fused, detail = step_time.step_seconds(costs, planner.ceilings, "fast", True)
+    unfused, plain = step_time.step_seconds(costs, planner.ceilings, "fast", True, fused=False)
+    assert unfused > fused and plain["mode"] == "fast (CUDA graphs) (blocks not compiled)"
+
+
+def test_a_set_whose_simulation_fails_is_left_out_and_said(lm, monkeypatch):
+    """Swin-V2-T's step fails under selective checkpointing (a tensor the checkpoint cached is changed in
+    place): the other sets are still planned, and the failure is one line; a plain set's failure stops."""
+    real = sets.estimate
+
+    def estimate(model, um, plan, seq_len, op_costs=None):
+        if plan.checkpoint_mode == "selective":
+            raise RuntimeError("Tensor cached during selective activation checkpoint has been mutated")
+        return real(model, um, plan, seq_len, op_costs=op_costs)
+
+    monkeypatch.setattr(sets, "estimate", estimate)
+    planner = UserPlanner(lm, 1, 16, precision="bf16-mixed")
+    selective = next(c for c in planner.choices if c.checkpoint_mode == "selective")
+    assert planner.predict(selective).images_per_s == 0.0 and selective.card_gb > 1e9
+    assert [why.split(": ", 1)[0] for why in planner.failed.values()] == [selective.label()]
+    assert "mutated" in next(iter(planner.failed.values()))
+    fits, _ = planner.fit(100.0, top=1)
+    assert fits and not fits[0].techniques.used
+    monkeypatch.setattr(sets, "estimate", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no")))
+    with pytest.raises(RuntimeError, match="the simulation of .* failed: RuntimeError: no"):
+        UserPlanner(lm, 1, 16, precision="bf16-mixed").fit(100.0)
