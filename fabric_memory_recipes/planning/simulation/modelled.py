@@ -67,7 +67,8 @@ def attention_kernel(kind: str, device: str, used: set[str]) -> Iterator[None]:
     """Make ``F.scaled_dot_product_attention`` run the kernel the target device would run.
 
     'fused' on CUDA mimics its dispatcher: flash attention for fp16/bf16 without a mask, the
-    memory-efficient kernel otherwise; on a CPU the CPU flash kernel. All of them save q, k, v, the
+    memory-efficient kernel otherwise; on a CPU the CPU flash kernel, or math for a mask that needs a
+    gradient (T5's learned position bias), as torch's CPU dispatcher does. All of them save q, k, v, the
     output and a log-sum-exp, no score matrix. 'math' runs the reference implementation, which saves the
     attention weights (batch x heads x seq x seq): what the meta device runs, and what CUDA falls back to
     when no fused kernel fits. ``used`` collects the kernels that ran.
@@ -78,7 +79,9 @@ def attention_kernel(kind: str, device: str, used: set[str]) -> Iterator[None]:
         if torch.is_autocast_enabled("cpu"):  # autocast lists SDPA as a low-precision op
             dtype = torch.get_autocast_dtype("cpu")
             query, key, value = (t.to(dtype) for t in (query, key, value))
-        if kind == "math" or kw.get("enable_gqa"):
+        # T5's learned position bias is a mask that needs a gradient: a CPU runs math for it
+        learned_mask = attn_mask is not None and attn_mask.requires_grad
+        if kind == "math" or kw.get("enable_gqa") or device == "cpu" and learned_mask:
             used.add("math")
             return torch.ops.aten._scaled_dot_product_attention_math(
                 query, key, value, attn_mask, dropout_p, is_causal, scale=scale

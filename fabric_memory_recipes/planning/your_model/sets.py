@@ -58,7 +58,7 @@ from fabric_memory_recipes.techniques import (
     subset,
 )
 from fabric_memory_recipes.training.models import meta_ladder_model
-from fabric_memory_recipes.training.techniques import checkpointing
+from fabric_memory_recipes.training.techniques import checkpointing, fused_loss
 from fabric_memory_recipes.training.your_model import runner as user_run
 
 # What --may-change tries besides yours: one precision of each memory and speed (bf16-mixed, what a user of
@@ -102,7 +102,8 @@ class Choice(Candidate):
     seq_len: int | None = None  # text models: tokens per sample
     changes: tuple[advice.Cost, ...] = ()
     devices: int = 1  # > 1: FSDP over that many GPUs (--fsdp --devices N); memory is per GPU
-    fused_loss: bool = False  # --fused-loss (a causal LM's loss without its logits)
+    fused_loss: bool = False  # --fused-loss (a causal LM's or an encoder-decoder's loss without its logits)
+    target_len: int | None = None  # an encoder-decoder's --target-len, when given
     checkpoint_mode: str = "full"  # --checkpoint-mode, with checkpointing
     model_flops: float = 0.0  # training FLOPs per sample (the model's, without recompute): for the MFU
 
@@ -125,6 +126,7 @@ class Choice(Candidate):
     def argv(self) -> list[str]:
         r, used = self.rung, self.techniques
         out = ["--model", r.model] + (["--seq-len", str(self.seq_len)] if self.seq_len else [])
+        out += ["--target-len", str(self.target_len)] if self.target_len else []
         out += ["--precision", r.precision, "--batch-size", str(r.batch_size), "--accumulation-steps",
                 str(r.accumulation_steps), "--optimizer", used.optimizer]  # fmt: skip
         out += [t.flag for t in PLANNED if used.uses(t)]
@@ -155,7 +157,7 @@ class Choice(Candidate):
         return out
 
 
-def flops_per_sample(model: Any, um: Any, seq_len: int) -> float:
+def flops_per_sample(model: Any, um: Any, seq_len: int, target_len: int | None = None) -> float:
     """Training FLOPs (forward + backward) of one sample, counted on fake tensors: no memory and no values,
     and transformers treats fake tensors as traced (a causal LM's mask checks read no values)."""
     with torch.device("cpu"), FakeTensorMode(allow_non_fake_inputs=True):
@@ -164,7 +166,7 @@ def flops_per_sample(model: Any, um: Any, seq_len: int) -> float:
                  for n, t in [*model.named_parameters(), *model.named_buffers()]}  # fmt: skip
         with _reparametrize_module(model, state, tie_weights=True), FlopCounterMode(display=False) as counter:
             if um.is_text:
-                ids, mask, labels = text_batch(um, 1, seq_len)[0]()
+                ids, mask, labels = text_batch(um, 1, seq_len, target_len)[0]()
                 loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
             else:
                 size = getattr(model, "image_size", 224)
@@ -180,19 +182,21 @@ class UserPlanner:
     measured overhead of that many processes) and its samples/s those of all GPUs."""
 
     def __init__(self, ref: str, batch_size: int, seq_len: int, gpu: str = "h100", *, precision: str = "bf16-mixed",
-                 optimizer: str = "adamw", may_change: tuple[str, ...] = (), devices: int = 1) -> None:  # fmt: skip
+                 optimizer: str = "adamw", may_change: tuple[str, ...] = (), devices: int = 1,
+                 target_len: int | None = None) -> None:  # fmt: skip
         self.um, self.model, self.blocks, self.found_by = meta_user_model(ref)
         self.ref, self.batch_size, self.gpu = ref, batch_size, gpu
         self.precision, self.optimizer, self.may_change = precision, optimizer, tuple(may_change)
         self.devices = devices
         self.seq_len = seq_len if self.um.is_text else None
+        self.target_len = target_len if self.um.task == "seq2seq_lm" else None  # None: --seq-len
         self.parameters = sum(p.numel() for p in self.model.parameters())
         self.tensors = sum(p.requires_grad for p in self.model.parameters())
         vit = meta_ladder_model("vit_l_16")
         runs = calibration.load_runs((str(calibration.RESULTS_DIR),))
         base = speed.speed_model(gpu, "vit_l_16", sum(p.numel() for p in vit.parameters()), runs)
         self.ceilings, self.ceilings_source = step_time.ceilings(gpu)
-        self.flops = flops_per_sample(self.model, self.um, seq_len)
+        self.flops = flops_per_sample(self.model, self.um, seq_len, self.target_len)
         scale = self.flops / _ladder_flops()
         modules = len(list(self.model.modules())) / len(list(vit.modules()))
         self.speed = dataclasses.replace(
@@ -207,7 +211,8 @@ class UserPlanner:
         runner = user_run.default_config()
         precisions = _first(precision, PRECISIONS_TRIED if "precision" in self.may_change else ())
         optimizers = _first(optimizer, OPTIMIZERS_TRIED if "optimizer" in self.may_change else ())
-        fused = (False, True) if self.um.task == "causal_lm" else (False,)
+        fusable = self.um.task in ("causal_lm", "seq2seq_lm") and fused_loss.refusal(self.model) is None
+        fused = (False, True) if fusable else (False,)
         self.choices = []
         for prec, opt, mode, fuse, on in itertools.product(precisions, optimizers, modes, fused, SETS):
             changes = tuple(advice.cost(what, value, gpu) for what, value, mine in
@@ -225,7 +230,7 @@ class UserPlanner:
                     lower = static_bytes(rung, used, self.parameters) / GB / devices + over  # sharded
                     c = Choice(rung, mode, used, lower, 0.0, speed_source=SPEED_SOURCE, overhead_gb=over,
                                seq_len=self.seq_len, changes=changes, devices=devices, fused_loss=fuse,
-                               checkpoint_mode=keeps, model_flops=self.flops)  # fmt: skip
+                               checkpoint_mode=keeps, model_flops=self.flops, target_len=self.target_len)  # fmt: skip
                     c.speed_bound = self._speed(c, 0.0)
                     self.choices.append(c)
         self.choices.sort(key=lambda c: (-c.speed_bound, c.techniques.count(), c.lower_bound_gb))
@@ -260,7 +265,8 @@ class UserPlanner:
                     OpCosts()
                 )  # the same simulation gives the op costs the step time is predicted from
                 try:
-                    est = estimate(self.model, self.um, plan, self.seq_len or 0, op_costs=collector)
+                    est = estimate(self.model, self.um, plan, self.seq_len or 0, op_costs=collector,
+                                   target_len=self.target_len)  # fmt: skip
                 except Exception as e:
                     raise RuntimeError(
                         f"the simulation of {c.label()} failed: {type(e).__name__}: {str(e)[:200]}"
