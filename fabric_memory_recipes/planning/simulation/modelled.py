@@ -115,6 +115,26 @@ def attention_kernel(kind: str, device: str, used: set[str]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def host_draws_kept() -> Iterator[None]:
+    """A 0-dim ``torch.rand`` on the host (LayerDrop in BART and its kin: ``torch.rand([]) < p`` skips a layer)
+    is the constant 1.0 here: its value decides what runs, which a fake tensor cannot tell, and 1.0 runs every
+    layer (the step's largest; the runner's configs train with LayerDrop 0, every layer running)."""
+    original = torch.rand
+
+    def rand(*size, **kwargs):
+        shape = size[0] if len(size) == 1 and isinstance(size[0], list | tuple) else size
+        if tuple(shape) == () and kwargs.get("device") is None and kwargs.get("out") is None:
+            return torch.tensor(1.0, dtype=kwargs.get("dtype"))
+        return original(*size, **kwargs)
+
+    torch.rand = rand
+    try:
+        yield
+    finally:
+        torch.rand = original
+
+
+@contextlib.contextmanager
 def checkpointed(model, class_names: tuple[str, ...], keep: Callable[[torch.Tensor], None],
                  mode: str = "full") -> Iterator[int]:  # fmt: skip
     """Wrap the forward of every module whose class is named in ``class_names`` in non-reentrant

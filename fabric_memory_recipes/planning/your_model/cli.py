@@ -28,6 +28,7 @@ from fabric_memory_recipes.planning.your_model import measure
 from fabric_memory_recipes.planning.your_model.estimate import card, estimate, meta_user_model, plan_of
 from fabric_memory_recipes.planning.your_model.sets import UserPlanner
 from fabric_memory_recipes.techniques import ACTIVATION_CHECKPOINTING
+from fabric_memory_recipes.training.techniques import fused_loss
 from fabric_memory_recipes.training.your_model import runner
 
 
@@ -62,6 +63,8 @@ def run(parsed: argparse.Namespace) -> int:
     try:
         um, model, blocks, found_by = meta_user_model(cfg.model)
         runner.resolve(cfg)  # --seq-len (and an encoder-decoder's --target-len) within its positions, --data
+        if cfg.fused_loss and (why := fused_loss.refusal(model)):  # BART's bias after its output layer, ...
+            raise UsageError(why)
     except UsageError as e:
         fail(str(e))
     if args.fit and cfg.world_size > 1 and not blocks:

@@ -44,6 +44,7 @@ from fabric_memory_recipes.planning.planner.fit import (
     static_bytes,
 )
 from fabric_memory_recipes.planning.simulation.costs import OpCosts
+from fabric_memory_recipes.planning.simulation.modelled import host_draws_kept
 from fabric_memory_recipes.planning.your_model import step_time
 from fabric_memory_recipes.planning.your_model.estimate import card, estimate, meta_user_model, text_batch
 from fabric_memory_recipes.techniques import (
@@ -160,7 +161,7 @@ class Choice(Candidate):
 def flops_per_sample(model: Any, um: Any, seq_len: int, target_len: int | None = None) -> float:
     """Training FLOPs (forward + backward) of one sample, counted on fake tensors: no memory and no values,
     and transformers treats fake tensors as traced (a causal LM's mask checks read no values)."""
-    with torch.device("cpu"), FakeTensorMode(allow_non_fake_inputs=True):
+    with torch.device("cpu"), FakeTensorMode(allow_non_fake_inputs=True), host_draws_kept():
         state = {n: torch.empty(t.shape, dtype=t.dtype if not t.is_floating_point() else torch.float32,
                                 requires_grad=t.requires_grad)
                  for n, t in [*model.named_parameters(), *model.named_buffers()]}  # fmt: skip

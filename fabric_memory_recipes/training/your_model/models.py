@@ -106,7 +106,7 @@ def resolve(ref: str) -> UserModel:
 POSITION_FIELDS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
 
 
-def check_seq_len(um: UserModel, seq_len: int) -> None:
+def check_seq_len(um: UserModel, seq_len: int, flag: str = "--seq-len") -> None:
     """One line (:class:`UsageError`) when ``--seq-len`` exceeds the positions a text model's config has:
     on fake tensors nothing would fail, and the estimate would describe a model that cannot run."""
     if not um.is_text:
@@ -115,7 +115,7 @@ def check_seq_len(um: UserModel, seq_len: int) -> None:
         positions = getattr(um.hf_config, name, None)
         if isinstance(positions, int) and positions > 0:
             if seq_len > positions:
-                raise UsageError(f"--seq-len {seq_len}: {um.ref} has {positions} positions ({name})")
+                raise UsageError(f"{flag} {seq_len}: {um.ref} has {positions} positions ({name})")
             return
 
 

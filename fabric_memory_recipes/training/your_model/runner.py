@@ -119,7 +119,7 @@ def resolve(cfg: YourModelConfig) -> UserModel:
     models.check_seq_len(um, cfg.seq_len)
     if cfg.target_len is not None and not seq2seq:
         raise UsageError(f"--target-len is an encoder-decoder's; {cfg.model} is {um.task.replace('_', ' ')}")
-    models.check_seq_len(um, target_len(cfg))
+    models.check_seq_len(um, target_len(cfg), "--target-len")
     if cfg.fused_loss and um.task not in ("causal_lm", "seq2seq_lm"):
         raise UsageError(f"--fused-loss fuses a causal LM's output projection into its loss; {cfg.model} is"
                          f" {um.task.replace('_', ' ')}")  # fmt: skip
