@@ -175,11 +175,18 @@ def seq2seq_data(cfg: YourModelConfig, um: UserModel, ids):
     return splits, seq2seq.seq2seq_lm, um.vocab_size
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spiece.model", "vocab.json",
+                   "vocab.txt", "sentencepiece.bpe.model")  # fmt: skip
+
+
 def _tokenizer(cfg: YourModelConfig, um: UserModel):
     """``--tokenizer``, else the tokenizer beside a local config (its folder), else the hub's; None offline."""
     from transformers import AutoTokenizer
 
     where = cfg.tokenizer or (um.name if os.path.isdir(um.name) else os.path.dirname(um.name) or None)
+    holds = where and any(os.path.isfile(os.path.join(where, f)) for f in TOKENIZER_FILES)
+    if where and os.path.isdir(where) and not cfg.tokenizer and not holds:  # a config's folder without one:
+        return None  # transformers 5 would make an empty tokenizer of the config's type
     try:
         if where and os.path.isdir(where):
             tok = AutoTokenizer.from_pretrained(where)
