@@ -54,7 +54,7 @@ def main(cfg: runner.YourModelConfig, results) -> None:
                                                           cfg.lora_targets)  # fmt: skip
         results.estimate, results.extra["predicted_card"] = estimate.for_user_run(model, um, cfg, blocks)
         if cfg.fused_loss:  # the loss of the output projection in chunks: the full logits never exist
-            batch_fn = fused_loss.causal_lm_loss(fused_loss.fuse_output_embeddings(model))
+            batch_fn = fused_loss.fused_batch_fn(model)
         if cfg.checkpoint_blocks:  # rung 10: recompute each block's inside in backward (full: keep its input)
             results.extra["checkpointed_blocks"] = checkpointing.checkpoint_blocks(
                 model, blocks, cfg.checkpoint_mode

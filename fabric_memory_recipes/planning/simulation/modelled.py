@@ -67,7 +67,8 @@ def attention_kernel(kind: str, device: str, used: set[str]) -> Iterator[None]:
     """Make ``F.scaled_dot_product_attention`` run the kernel the target device would run.
 
     'fused' on CUDA mimics its dispatcher: flash attention for fp16/bf16 without a mask, the
-    memory-efficient kernel otherwise; on a CPU the CPU flash kernel. All of them save q, k, v, the
+    memory-efficient kernel otherwise; on a CPU the CPU flash kernel, or math for a mask that needs a
+    gradient (T5's learned position bias), as torch's CPU dispatcher does. All of them save q, k, v, the
     output and a log-sum-exp, no score matrix. 'math' runs the reference implementation, which saves the
     attention weights (batch x heads x seq x seq): what the meta device runs, and what CUDA falls back to
     when no fused kernel fits. ``used`` collects the kernels that ran.
@@ -78,7 +79,9 @@ def attention_kernel(kind: str, device: str, used: set[str]) -> Iterator[None]:
         if torch.is_autocast_enabled("cpu"):  # autocast lists SDPA as a low-precision op
             dtype = torch.get_autocast_dtype("cpu")
             query, key, value = (t.to(dtype) for t in (query, key, value))
-        if kind == "math" or kw.get("enable_gqa"):
+        # T5's learned position bias is a mask that needs a gradient: a CPU runs math for it
+        learned_mask = attn_mask is not None and attn_mask.requires_grad
+        if kind == "math" or kw.get("enable_gqa") or device == "cpu" and learned_mask:
             used.add("math")
             return torch.ops.aten._scaled_dot_product_attention_math(
                 query, key, value, attn_mask, dropout_p, is_causal, scale=scale
@@ -109,6 +112,26 @@ def attention_kernel(kind: str, device: str, used: set[str]) -> Iterator[None]:
         yield
     finally:
         F.scaled_dot_product_attention = original
+
+
+@contextlib.contextmanager
+def host_draws_kept() -> Iterator[None]:
+    """A 0-dim ``torch.rand`` on the host (LayerDrop in BART and its kin: ``torch.rand([]) < p`` skips a layer)
+    is the constant 1.0 here: its value decides what runs, which a fake tensor cannot tell, and 1.0 runs every
+    layer (the step's largest; the runner's configs train with LayerDrop 0, every layer running)."""
+    original = torch.rand
+
+    def rand(*size, **kwargs):
+        shape = size[0] if len(size) == 1 and isinstance(size[0], list | tuple) else size
+        if tuple(shape) == () and kwargs.get("device") is None and kwargs.get("out") is None:
+            return torch.tensor(1.0, dtype=kwargs.get("dtype"))
+        return original(*size, **kwargs)
+
+    torch.rand = rand
+    try:
+        yield
+    finally:
+        torch.rand = original
 
 
 @contextlib.contextmanager

@@ -36,6 +36,7 @@ from fabric_memory_recipes.planning.simulation.modelled import (
     attention_kernel,
     checkpointed,
     cuda_autocast_policy,
+    host_draws_kept,
 )
 from fabric_memory_recipes.planning.simulation.tracking import SavedTensorCounter, Tracker
 from fabric_memory_recipes.training import data
@@ -198,6 +199,7 @@ def simulate(
             stack.enter_context(op_costs)
         stack.enter_context(tracker)
         stack.enter_context(attention_kernel(plan.attention_kernel, plan.device, kernels))
+        stack.enter_context(host_draws_kept())  # LayerDrop's draws: every layer runs
         stack.enter_context(torch.compiler.set_stance("force_eager"))  # compiled blocks run eagerly here
         if (
             precision.mixed and precision.cuda_policy

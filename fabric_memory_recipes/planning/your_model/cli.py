@@ -29,7 +29,8 @@ from fabric_memory_recipes.planning.your_model import measure, saved_file
 from fabric_memory_recipes.planning.your_model.estimate import card, estimate, meta_user_model, plan_of
 from fabric_memory_recipes.planning.your_model.sets import UserPlanner
 from fabric_memory_recipes.techniques import ACTIVATION_CHECKPOINTING
-from fabric_memory_recipes.training.your_model import models, runner
+from fabric_memory_recipes.training.techniques import fused_loss
+from fabric_memory_recipes.training.your_model import runner
 
 
 def parse(args: argparse.Namespace) -> tuple[argparse.Namespace, runner.YourModelConfig]:
@@ -64,7 +65,9 @@ def run(parsed: argparse.Namespace) -> int:
         return inference_cli.run(args, cfg)
     try:
         um, model, blocks, found_by = meta_user_model(cfg.model, cfg.lora_rank, cfg.lora_targets)
-        models.check_seq_len(um, cfg.seq_len)
+        runner.resolve(cfg)  # --seq-len (and an encoder-decoder's --target-len) within its positions, --data
+        if cfg.fused_loss and (why := fused_loss.refusal(model)):  # BART's bias after its output layer, ...
+            raise UsageError(why)
     except UsageError as e:
         fail(str(e))
     if args.fit and cfg.world_size > 1 and not blocks:
@@ -73,9 +76,10 @@ def run(parsed: argparse.Namespace) -> int:
         return fit_main(args, cfg)
     if cfg.uses(ACTIVATION_CHECKPOINTING) and not blocks:
         fail(f"{ACTIVATION_CHECKPOINTING.flag}: no repeated blocks found in {cfg.model}")
-    est = estimate(model, um, plan_of(cfg, blocks), cfg.seq_len)
+    est = estimate(model, um, plan_of(cfg, blocks), cfg.seq_len, target_len=cfg.target_len)
     got = card(est, args.gpu, "eager", cfg.world_size if cfg.fsdp else 1)
     about = {"model": um.ref, "task": um.task, "seq_len": cfg.seq_len if um.is_text else None,
+             "target_len": runner.target_len(cfg) if um.task == "seq2seq_lm" else None,
              "repeated_blocks": list(blocks), "blocks_found_by": found_by}  # fmt: skip
     saved = None if cfg.fsdp else saved_file.predict(model, cfg)  # FSDP saves a folder of shards
     if args.json:
@@ -83,6 +87,7 @@ def run(parsed: argparse.Namespace) -> int:
         print(json.dumps({**about, **est.to_dict(), **got, **checkpoint}, indent=2))
         return 1 if est.error else 0
     print(f"[{um.ref}] {um.task.replace('_', ' ')}" + (f", {cfg.seq_len} tokens per sample" if um.is_text else "")
+          + (f" -> {runner.target_len(cfg)} target tokens" if um.task == "seq2seq_lm" else "")
           + f"; repeated blocks: {', '.join(blocks) or 'none'} ({found_by})")  # fmt: skip
     print(est.table())
     if not est.error:
@@ -102,7 +107,7 @@ def run(parsed: argparse.Namespace) -> int:
 def fit_main(args: Any, cfg: runner.YourModelConfig) -> int:
     planner = UserPlanner(cfg.model, cfg.batch_size, cfg.seq_len, args.gpu, precision=cfg.precision,
                           optimizer=cfg.optimizer, may_change=args.may_change, devices=cfg.world_size,
-                          lora_rank=cfg.lora_rank, lora_targets=cfg.lora_targets)  # fmt: skip
+                          lora_rank=cfg.lora_rank, lora_targets=cfg.lora_targets, target_len=cfg.target_len)  # fmt: skip
     if planner.weights_gb() >= args.budget_gb:
         per_gpu = f" per GPU (sharded over {cfg.world_size})" if cfg.world_size > 1 else ""
         fail(f"--fit {args.fit}: {planner.ref}'s weights alone take {planner.weights_gb():.2f} GB{per_gpu}"

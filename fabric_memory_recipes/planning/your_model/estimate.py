@@ -55,15 +55,19 @@ def meta_user_model(
     return um, model, blocks, found_by
 
 
-def text_batch(um: UserModel, micro_batch_size: int, seq_len: int):
+def text_batch(um: UserModel, micro_batch_size: int, seq_len: int, target_len: int | None = None):
     """(make_batch, batch_fn) of a text model: token ids, an attention mask and the labels, padded to
-    ``seq_len`` as the runner's data are (training/data/text.py); the loss is the model's own."""
+    ``seq_len`` as the runner's data are (training/data/text.py; an encoder-decoder's target to
+    ``target_len``, else ``seq_len``: training/data/seq2seq.py); the loss is the model's own."""
+    shape = {
+        "causal_lm": (micro_batch_size, seq_len),
+        "seq2seq_lm": (micro_batch_size, target_len or seq_len),
+    }
 
     def make():
         ids = torch.zeros(micro_batch_size, seq_len, dtype=torch.long)
         mask = torch.ones(micro_batch_size, seq_len, dtype=torch.long)
-        shape = (micro_batch_size, seq_len) if um.task == "causal_lm" else (micro_batch_size,)
-        return ids, mask, torch.zeros(shape, dtype=torch.long)
+        return ids, mask, torch.zeros(shape.get(um.task, (micro_batch_size,)), dtype=torch.long)
 
     def batch_fn(model, batch):
         input_ids, attention_mask, labels = batch
@@ -84,16 +88,18 @@ def plan_of(cfg: YourModelConfig, blocks: tuple[str, ...]) -> Plan:
 
 
 def estimate(
-    model: Any, um: UserModel, plan: Plan, seq_len: int, op_costs: OpCosts | None = None
-) -> Estimate:
+    model: Any, um: UserModel, plan: Plan, seq_len: int, op_costs: OpCosts | None = None,
+    target_len: int | None = None,
+) -> Estimate:  # fmt: skip
     """One simulated step of ``model`` (any device: only shapes are read) under ``plan``; ``op_costs``
-    collects what each of its ops costs (planning/simulation/costs.py)."""
+    collects what each of its ops costs (planning/simulation/costs.py); ``target_len``: an
+    encoder-decoder's target tokens (default ``seq_len``)."""
     make = batch_fn = None
     if um.is_text:
-        make, batch_fn = text_batch(um, plan.micro_batch_size, seq_len)
+        make, batch_fn = text_batch(um, plan.micro_batch_size, seq_len, target_len)
     if plan.fused_loss:  # the run's own loss on a copy (the model given may be shared): no logits
         model = copy.deepcopy(model)
-        batch_fn = fused_loss.causal_lm_loss(fused_loss.fuse_output_embeddings(model))
+        batch_fn = fused_loss.fused_batch_fn(model)
     return simulate(model, plan, make_batch=make, batch_fn=batch_fn, model_name=um.ref, op_costs=op_costs)
 
 
@@ -129,7 +135,9 @@ def for_user_run(
     plan = None
     try:
         plan = plan_of(cfg, blocks)
-        est = estimate(model, um, plan, getattr(cfg, "seq_len", 0))
+        est = estimate(
+            model, um, plan, getattr(cfg, "seq_len", 0), target_len=getattr(cfg, "target_len", None)
+        )
     except Exception as e:
         est = failed(plan, um.ref, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     gpu = gpu_slug(torch.cuda.get_device_name()) if torch.cuda.is_available() else "h100"

@@ -54,7 +54,7 @@ from fabric_memory_recipes.techniques import (
     TechniqueSet,
     subset,
 )
-from fabric_memory_recipes.training.techniques import checkpointing
+from fabric_memory_recipes.training.techniques import checkpointing, fused_loss
 from fabric_memory_recipes.training.your_model import models
 from fabric_memory_recipes.training.your_model import runner as user_run
 
@@ -89,7 +89,8 @@ class Choice(Candidate):
     seq_len: int | None = None  # text models: tokens per sample
     changes: tuple[advice.Cost, ...] = ()
     devices: int = 1  # > 1: FSDP over that many GPUs (--fsdp --devices N); memory is per GPU
-    fused_loss: bool = False  # --fused-loss (a causal LM's loss without its logits)
+    fused_loss: bool = False  # --fused-loss (a causal LM's or an encoder-decoder's loss without its logits)
+    target_len: int | None = None  # an encoder-decoder's --target-len, when given
     checkpoint_mode: str = "full"  # --checkpoint-mode, with checkpointing
     model_flops: float = 0.0  # training FLOPs per sample (the model's, without recompute): for the MFU
     lora: tuple[str, ...] = ()  # the user's --lora-rank R [--lora-targets NAMES], kept in every set
@@ -120,6 +121,7 @@ class Choice(Candidate):
     def argv(self) -> list[str]:
         r, used = self.rung, self.techniques
         out = ["--model", r.model] + (["--seq-len", str(self.seq_len)] if self.seq_len else [])
+        out += ["--target-len", str(self.target_len)] if self.target_len else []
         out += ["--precision", r.precision, "--batch-size", str(r.batch_size), "--accumulation-steps",
                 str(r.accumulation_steps), "--optimizer", used.optimizer]  # fmt: skip
         out += [t.flag for t in PLANNED if used.uses(t)]
@@ -160,7 +162,7 @@ class UserPlanner:
 
     def __init__(self, ref: str, batch_size: int, seq_len: int, gpu: str = "h100", *, precision: str = "bf16-mixed",
                  optimizer: str = "adamw", may_change: tuple[str, ...] = (), devices: int = 1,
-                 lora_rank: int = 0, lora_targets: str | None = None) -> None:  # fmt: skip
+                 lora_rank: int = 0, lora_targets: str | None = None, target_len: int | None = None) -> None:  # fmt: skip
         self.um, self.model, self.blocks, self.found_by = meta_user_model(ref, lora_rank, lora_targets)
         lora = [LORA.flag, str(lora_rank)] if lora_rank else []
         lora += ["--lora-targets", lora_targets] if lora_rank and lora_targets else []
@@ -168,6 +170,7 @@ class UserPlanner:
         self.precision, self.optimizer, self.may_change = precision, optimizer, tuple(may_change)
         self.devices = devices
         self.seq_len = seq_len if self.um.is_text else None
+        self.target_len = target_len if self.um.task == "seq2seq_lm" else None  # None: --seq-len
         self.parameters = sum(p.numel() for p in self.model.parameters())
         self.trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         self.ceilings, self.ceilings_source = step_time.ceilings(gpu)
@@ -182,7 +185,8 @@ class UserPlanner:
         runner = user_run.default_config()
         precisions = _first(precision, PRECISIONS_TRIED if "precision" in self.may_change else ())
         optimizers = _first(optimizer, OPTIMIZERS_TRIED if "optimizer" in self.may_change else ())
-        fused = (False, True) if self.um.task == "causal_lm" else (False,)
+        fusable = self.um.task in ("causal_lm", "seq2seq_lm") and fused_loss.refusal(self.model) is None
+        fused = (False, True) if fusable else (False,)
         self.choices = []
         for prec, opt, mode, fuse, on in itertools.product(precisions, optimizers, modes, fused, SETS):
             changes = tuple(advice.cost(what, value, gpu) for what, value, mine in
@@ -205,7 +209,7 @@ class UserPlanner:
                     ) / GB / devices + over  # sharded
                     c = Choice(rung, mode, used, lower, math.inf, speed_source=SPEED_SOURCE, overhead_gb=over,
                                seq_len=self.seq_len, changes=changes, devices=devices, fused_loss=fuse,
-                               checkpoint_mode=keeps, lora=tuple(lora))  # fmt: skip
+                               checkpoint_mode=keeps, lora=tuple(lora), target_len=self.target_len)  # fmt: skip
                     self.choices.append(c)
 
     def weights_gb(self) -> float:
@@ -241,7 +245,8 @@ class UserPlanner:
                     OpCosts()
                 )  # the same simulation gives the op costs the step time is predicted from
                 try:
-                    est = estimate(self.model, self.um, plan, self.seq_len or 0, op_costs=collector)
+                    est = estimate(self.model, self.um, plan, self.seq_len or 0, op_costs=collector,
+                                   target_len=self.target_len)  # fmt: skip
                     error = est.error
                 except Exception as e:
                     error = f"{type(e).__name__}: {str(e)[:200]}"

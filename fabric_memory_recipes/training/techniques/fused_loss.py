@@ -10,7 +10,9 @@ the weight's shape), not tokens x vocabulary.
 
 Applied to any Hugging Face causal LM through its output embeddings (:func:`fuse_output_embeddings`): the
 projection's module is kept (its weight stays tied to the input embeddings) but returns its input, so the
-model's ``logits`` are the hidden states, and :func:`causal_lm_loss` projects them chunk by chunk.
+model's ``logits`` are the hidden states, and :func:`causal_lm_loss` projects them chunk by chunk. An
+encoder-decoder's decoder is the same (:func:`seq2seq_lm_loss`: T5 and mT5; T5's rescaling of tied
+outputs happens before the projection, so it stays; BART adds a bias after it and is refused).
 
 Backends, one call (:func:`linear_cross_entropy`): on CUDA Liger-Kernel's ``LigerFusedLinearCrossEntropyLoss``
 (``pip install liger-kernel``), which computes the same chunked gradients with a Triton softmax; elsewhere,
@@ -51,23 +53,34 @@ class HiddenStates(torch.nn.Module):
         return hidden
 
 
-def fuse_output_embeddings(model: torch.nn.Module) -> HiddenStates:
-    """Make ``model`` return hidden states instead of logits; one line when it cannot apply (no output
-    embeddings, a bias, or logits that the model rescales after the projection)."""
+def refusal(model: torch.nn.Module) -> str | None:
+    """Why the fused loss cannot apply to ``model`` (no output embeddings, a bias, or logits that the model
+    rescales after the projection), or None when it can."""
     get = getattr(model, "get_output_embeddings", None)
     head = get() if get is not None else None
     if isinstance(head, HiddenStates):
-        return head
+        return None
     if not isinstance(head, torch.nn.Linear):
-        raise UsageError(f"--fused-loss: {type(model).__name__} has no output embeddings to fuse (a causal LM's"
-                         " linear projection onto the vocabulary)")  # fmt: skip
-    if head.bias is not None:
-        raise UsageError("--fused-loss: the output projection has a bias, which the fused loss does not add")
+        return (f"--fused-loss: {type(model).__name__} has no output embeddings to fuse (a causal LM's"
+                " linear projection onto the vocabulary)")  # fmt: skip
+    bias_after = getattr(model, "final_logits_bias", None)  # BART adds one after the projection
+    if head.bias is not None or bias_after is not None:
+        return "--fused-loss: the output projection has a bias, which the fused loss does not add"
     config = getattr(model, "config", None)
     for field in ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale"):
         if getattr(config, field, None) not in (None, 0, 1, 1.0):
-            raise UsageError(f"--fused-loss: the model rescales its logits ({field}), which the fused loss"
-                             " does not do")  # fmt: skip
+            return f"--fused-loss: the model rescales its logits ({field}), which the fused loss does not do"
+    return None
+
+
+def fuse_output_embeddings(model: torch.nn.Module) -> HiddenStates:
+    """Make ``model`` return hidden states instead of logits; one line (:func:`refusal`) when it cannot apply."""
+    why = refusal(model)
+    if why:
+        raise UsageError(why)
+    head = model.get_output_embeddings()
+    if isinstance(head, HiddenStates):
+        return head
     stand_in = HiddenStates(head)
     model.set_output_embeddings(stand_in)
     return stand_in
@@ -170,3 +183,31 @@ def causal_lm_loss(head: HiddenStates):
         return loss, predicted_ids(hidden[keep], head.weight), targets[keep]
 
     return batch_fn
+
+
+def seq2seq_lm_loss(head: HiddenStates, decoder_input_ids):
+    """batch_fn for an encoder-decoder whose output embeddings are fused: the decoder reads the target
+    shifted right (``decoder_input_ids(labels)``, the model's own shift, which its loss would make) and the
+    loss is on every target token; as :func:`causal_lm_loss`, no token accuracy in training."""
+
+    def batch_fn(model, batch):
+        input_ids, attention_mask, labels = batch
+        hidden = model(input_ids=input_ids, attention_mask=attention_mask,
+                       decoder_input_ids=decoder_input_ids(labels)).logits  # fmt: skip
+        hidden, targets = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+        loss = linear_cross_entropy(hidden, head.weight, targets)
+        if torch.is_grad_enabled():
+            return loss, None, None
+        keep = targets != IGNORE_INDEX
+        return loss, predicted_ids(hidden[keep], head.weight), targets[keep]
+
+    return batch_fn
+
+
+def fused_batch_fn(model: torch.nn.Module):
+    """The fused loss's batch_fn for ``model`` (its output embeddings fused here): a causal LM's, or an
+    encoder-decoder's (``config.is_encoder_decoder``)."""
+    head = fuse_output_embeddings(model)
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return seq2seq_lm_loss(head, model.prepare_decoder_input_ids_from_labels)
+    return causal_lm_loss(head)

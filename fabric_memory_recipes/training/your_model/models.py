@@ -3,7 +3,8 @@
 hub is reachable).
 
 The task follows from the model: torchvision and timm models classify images (10 classes: the digits'
-labels); a Hugging Face config is a causal LM when its ``architectures`` say so (``*ForCausalLM``,
+labels); a Hugging Face config is an encoder-decoder trained as a sequence-to-sequence LM when it says it is
+one (``is_encoder_decoder``: T5, mT5, BART), a causal LM when its ``architectures`` say so (``*ForCausalLM``,
 ``*LMHeadModel``), else a sequence classifier (2 labels: IMDb's) when transformers has that head for
 its model type, else a causal LM when it has that head. Every model is built with ``from_config`` /
 ``weights=None`` / ``pretrained=False``: memory and speed do not depend on the weights' values.
@@ -56,7 +57,7 @@ class UserModel:
     ref: str  # as the user wrote it
     source: str
     name: str
-    task: str  # image_classification | classification | causal_lm
+    task: str  # image_classification | classification | causal_lm | seq2seq_lm
     hf_config: Any = None  # a transformers PretrainedConfig (source hf)
 
     @property
@@ -98,9 +99,6 @@ def resolve(ref: str) -> UserModel:
             _known(ref, name, timm.list_models())
     else:
         config = hf_config(ref, name)
-        if getattr(config, "is_encoder_decoder", False):
-            raise UsageError(f"--model {ref}: {config.model_type} is an encoder-decoder; the runner trains image"
-                             " classifiers, text classifiers and causal LMs (docs/your_model.md)")  # fmt: skip
         return UserModel(ref, source, name, _hf_task(ref, config), config)
     return UserModel(ref, source, name, "image_classification")
 
@@ -108,7 +106,7 @@ def resolve(ref: str) -> UserModel:
 POSITION_FIELDS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
 
 
-def check_seq_len(um: UserModel, seq_len: int) -> None:
+def check_seq_len(um: UserModel, seq_len: int, flag: str = "--seq-len") -> None:
     """One line (:class:`UsageError`) when ``--seq-len`` exceeds the positions a text model's config has:
     on fake tensors nothing would fail, and the estimate would describe a model that cannot run."""
     if not um.is_text:
@@ -117,7 +115,7 @@ def check_seq_len(um: UserModel, seq_len: int) -> None:
         positions = getattr(um.hf_config, name, None)
         if isinstance(positions, int) and positions > 0:
             if seq_len > positions:
-                raise UsageError(f"--seq-len {seq_len}: {um.ref} has {positions} positions ({name})")
+                raise UsageError(f"{flag} {seq_len}: {um.ref} has {positions} positions ({name})")
             return
 
 
@@ -152,9 +150,12 @@ def hf_config(ref: str, name: str):
                 + (f" (closest: {', '.join(close)})" if close else "")
             )
         try:
-            return AutoConfig.for_model(kind, **fields)
+            config = AutoConfig.for_model(kind, **fields)
         except (ValueError, KeyError, TypeError) as e:
             raise UsageError(f"--model {ref}: {path}: {str(e).splitlines()[0][:300]}") from None
+        if fields.get("tie_word_embeddings") is False and config.tie_word_embeddings:  # transformers 5 ties
+            config.untied_output_embeddings = True  # T5's and mT5's anyway: build() unties the output layer
+        return config
     if name.endswith(".json") or name.startswith((".", "/", "~")) or name.count("/") > 1:
         raise UsageError(f"--model {ref}: no such file or folder")
     if not (_cached(name) or hub_online()):
@@ -173,8 +174,15 @@ def hf_config(ref: str, name: str):
 def _hf_task(ref: str, config) -> str:
     from transformers.models.auto.modeling_auto import (
         MODEL_FOR_CAUSAL_LM_MAPPING,
+        MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING,
         MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING,
     )
+
+    if getattr(config, "is_encoder_decoder", False):  # T5, mT5, BART, ...: source in, target out
+        if type(config) in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING:
+            return "seq2seq_lm"
+        raise UsageError(f"--model {ref}: {config.model_type} is an encoder-decoder without a sequence-to-sequence"
+                         " LM head in transformers (AutoModelForSeq2SeqLM)")  # fmt: skip
 
     if any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in (config.architectures or [])):
         return "causal_lm"
@@ -200,10 +208,18 @@ def build(um: UserModel) -> nn.Module:
         model = timm.create_model(um.name, pretrained=False, num_classes=IMAGE_CLASSES)
         model.image_size = int((model.pretrained_cfg or {}).get("input_size", (3, 224, 224))[-1])
         return model
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoModelForSequenceClassification
 
     config = um.hf_config
     config.use_cache = False  # training: a KV cache is a generation feature (and breaks recomputation)
+    if um.task == "seq2seq_lm":  # an encoder-decoder: the loss on the target, given the source
+        if getattr(config, "decoder_start_token_id", None) is None:  # T5's convention when a config omits it
+            config.decoder_start_token_id = config.pad_token_id or 0
+        model = AutoModelForSeq2SeqLM.from_config(config)
+        head = model.get_output_embeddings()
+        if getattr(config, "untied_output_embeddings", False) and head is not None:  # the config's own layer
+            head.weight = nn.Parameter(head.weight.detach().clone())  # mT5: 582 M parameters, not 390 M
+        return model
     if um.task == "classification":
         config.num_labels = TEXT_LABELS
         if config.pad_token_id is None:  # decoder classifiers find the last token through the pad id
@@ -262,7 +278,7 @@ def token_ids(um: UserModel):
     vocab = um.vocab_size or 1024
     pad = um.hf_config.pad_token_id if um.hf_config.pad_token_id is not None else 0
     first = min(1000, max(8, vocab // 10))
-    if um.task == "causal_lm":
+    if um.task in ("causal_lm", "seq2seq_lm"):
         return TokenIds(pad=pad, cls=None, sep=None, first_regular=first, vocab_size=vocab)
     return TokenIds(pad=pad, cls=1, sep=2, first_regular=first, vocab_size=vocab)
 

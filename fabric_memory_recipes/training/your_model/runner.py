@@ -19,7 +19,7 @@ import torch
 from fabric_memory_recipes import techniques
 from fabric_memory_recipes.config import BOOL, RunConfig, UsageError, at_least, flag
 from fabric_memory_recipes.training import data
-from fabric_memory_recipes.training.data import text
+from fabric_memory_recipes.training.data import seq2seq, text
 from fabric_memory_recipes.training.techniques import checkpointing, lora, lowbit
 from fabric_memory_recipes.training.your_model import inference, models
 from fabric_memory_recipes.training.your_model.models import UserModel
@@ -32,14 +32,17 @@ OPTIMIZERS = techniques.subset(techniques.OPTIMIZERS, "adamw", "adam", "sgd", te
 class YourModelConfig(RunConfig):
     """The shared flags, ``--seq-len``, and the technique set as flags."""
 
-    seq_len: int = flag(256, "technique", "tokens per sequence (text models)", type=at_least(8))
+    seq_len: int = flag(256, "technique", "tokens per sequence (text models; an encoder-decoder's source)",
+                        type=at_least(8))  # fmt: skip
+    target_len: int | None = flag(None, "technique", "an encoder-decoder's target tokens (default: --seq-len)",
+                                  type=at_least(2))  # fmt: skip
     optimizer: str = flag("adamw", "technique", "optimizer (adamw8bit needs torchao)", choices=OPTIMIZERS)
     checkpoint_blocks: bool = flag(
         False, "technique", "activation checkpointing of every repeated block of the model", action=BOOL
     )
     checkpoint_mode: str = flag("full", "technique", "what a checkpointed block keeps: full (its input only) or"
                                 " selective (also its matmuls and attention)", choices=checkpointing.MODES)  # fmt: skip
-    fused_loss: bool = flag(False, "technique", "causal LMs: the loss of the output projection in chunks,"
+    fused_loss: bool = flag(False, "technique", "causal LMs, encoder-decoders: the loss of the output projection in chunks,"
                             " without the full logits (liger-kernel on CUDA)", action=BOOL)  # fmt: skip
     activation_offload: bool = flag(
         False, "technique", "keep saved activations in pinned host memory (rung 11)", action=BOOL
@@ -70,10 +73,12 @@ class YourModelConfig(RunConfig):
 
     GROUPS: ClassVar[dict[str, str]] = {**RunConfig.GROUPS, "technique": "your model: the technique set",
                                         "inference": "your model: inference (--infer)"}  # fmt: skip
-    DATA_CHOICES: ClassVar[tuple[str, ...]] = ("auto", "digits", "imdb", "synthetic")
+    DATA_CHOICES: ClassVar[tuple[str, ...]] = ("auto", "digits", "imdb", "pairs", "synthetic")
     HELP: ClassVar[dict[str, str]] = {
-        "data": "auto: digits for image models; IMDb when present, else synthetic token ids, for text models",
-        "data_dir": "where IMDb is (aclImdb/ or imdb.csv)",
+        "data": "auto: digits for image models; IMDb when present, else synthetic token ids, for text models;"
+        " text pairs (a CSV) when present, else synthetic pairs, for encoder-decoders",
+        "data_dir": "where IMDb is (aclImdb/ or imdb.csv); an encoder-decoder's pairs: a CSV (source,target) or a"
+        " folder holding pairs.csv",
         "model": f"torchvision:NAME, timm:NAME or hf:ID_OR_PATH (e.g. {models.EXAMPLES})",
         "eval_batches": "limit validation/test to this many batches (default 20: a text model's test split"
         " can take longer than its training)",
@@ -132,10 +137,15 @@ def default_config() -> YourModelConfig:
 def resolve(cfg: YourModelConfig) -> UserModel:
     """``--model`` resolved; a model of the wrong kind for ``--data`` is refused (exit 2)."""
     um = models.resolve(cfg.model)
-    if cfg.data == "digits" and um.is_text or cfg.data == "imdb" and not um.is_text:
+    seq2seq = um.task == "seq2seq_lm"
+    if (cfg.data == "digits" and um.is_text or cfg.data == "imdb" and (not um.is_text or seq2seq)
+            or cfg.data == "pairs" and not seq2seq):  # fmt: skip
         raise UsageError(f"--data {cfg.data} does not fit {cfg.model} ({um.task.replace('_', ' ')})")
     models.check_seq_len(um, cfg.seq_len)
-    if cfg.fused_loss and um.task != "causal_lm":
+    if cfg.target_len is not None and not seq2seq:
+        raise UsageError(f"--target-len is an encoder-decoder's; {cfg.model} is {um.task.replace('_', ' ')}")
+    models.check_seq_len(um, target_len(cfg), "--target-len")
+    if cfg.fused_loss and um.task not in ("causal_lm", "seq2seq_lm"):
         raise UsageError(f"--fused-loss fuses a causal LM's output projection into its loss; {cfg.model} is"
                          f" {um.task.replace('_', ' ')}")  # fmt: skip
     return um
@@ -147,6 +157,8 @@ def load_data(cfg: YourModelConfig, um: UserModel):
         splits = data.load("synthetic" if cfg.data == "synthetic" else "digits", cfg.data_dir)
         return splits, None, data.NUM_CLASSES  # batch_fn: data.image_classification(model.image_size)
     ids = models.token_ids(um)
+    if um.task == "seq2seq_lm":
+        return seq2seq_data(cfg, um, ids)
     choice = "synthetic" if cfg.data == "synthetic" else ("imdb" if cfg.data == "imdb" else "auto")
     splits = text.load(choice, cfg.data_dir, cfg.seq_len, ids, lambda: _tokenizer(cfg, um), task=um.task,
                        seed=cfg.seed)  # fmt: skip
@@ -159,11 +171,47 @@ def load_data(cfg: YourModelConfig, um: UserModel):
     return splits, text.sequence_classification, text.NUM_LABELS
 
 
+def target_len(cfg: YourModelConfig) -> int:
+    """An encoder-decoder's target tokens: ``--target-len``, else ``--seq-len``."""
+    return cfg.target_len or cfg.seq_len
+
+
+def seq2seq_data(cfg: YourModelConfig, um: UserModel, ids):
+    """(splits, batch_fn, num_classes) of an encoder-decoder: text pairs or the synthetic pairs
+    (training/data/seq2seq.py), tokenized by the model's tokenizer when one is at hand, else by bytes."""
+    config = um.hf_config
+
+    def tokenizer():
+        found = _tokenizer(cfg, um)
+        if found is not None:
+            return found
+        bytes_ = seq2seq.ByteTokenizer(seq2seq.byte_offset(config))
+        if len(bytes_) > (um.vocab_size or 0):
+            raise UsageError(f"{cfg.model}: no tokenizer offline, and its {um.vocab_size} ids cannot hold the byte"
+                             f" tokenizer's {len(bytes_)}: pass --tokenizer DIR")  # fmt: skip
+        return bytes_
+
+    splits = seq2seq.load(cfg.data, cfg.data_dir, cfg.seq_len, target_len(cfg), ids, config.eos_token_id,
+                          tokenizer, seed=cfg.seed)  # fmt: skip
+    if splits.vocab_size and splits.vocab_size > (um.vocab_size or 0):
+        raise UsageError(
+            f"the tokenizer's {splits.vocab_size} tokens exceed the model's vocabulary ({um.vocab_size})"
+        )
+    return splits, seq2seq.seq2seq_lm, um.vocab_size
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spiece.model", "vocab.json",
+                   "vocab.txt", "sentencepiece.bpe.model")  # fmt: skip
+
+
 def _tokenizer(cfg: YourModelConfig, um: UserModel):
     """``--tokenizer``, else the tokenizer beside a local config (its folder), else the hub's; None offline."""
     from transformers import AutoTokenizer
 
     where = cfg.tokenizer or (um.name if os.path.isdir(um.name) else os.path.dirname(um.name) or None)
+    holds = where and any(os.path.isfile(os.path.join(where, f)) for f in TOKENIZER_FILES)
+    if where and os.path.isdir(where) and not cfg.tokenizer and not holds:  # a config's folder without one:
+        return None  # transformers 5 would make an empty tokenizer of the config's type
     try:
         if where and os.path.isdir(where):
             tok = AutoTokenizer.from_pretrained(where)

@@ -1,0 +1,73 @@
+"""fmr-estimate for encoder-decoders (T5, mT5, BART): the article's mT5 as the shipped config builds it, the
+target's length and the fused loss seen by the estimate, --fit's commands, and bad input in one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fabric_memory_recipes.planning.__main__ import main as estimate_main
+from fabric_memory_recipes.planning.your_model.estimate import meta_user_model
+
+TINY = {
+    "t5": dict(model_type="t5", vocab_size=8192, d_model=64, d_ff=128, num_layers=2, num_heads=4, d_kv=16),
+    "bart": dict(model_type="bart", vocab_size=512, d_model=64, encoder_layers=2, decoder_layers=2,
+                 encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,
+                 max_position_embeddings=128),
+    "bert": dict(model_type="bert", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, max_position_embeddings=128),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("seq2seq-configs")
+    for name, fields in TINY.items():
+        (root / name).mkdir()
+        (root / name / "config.json").write_text(json.dumps(fields))
+    return {name: f"hf:{root / name}" for name in TINY}
+
+
+def _json(capsys, argv: list[str]) -> dict:
+    assert estimate_main([*argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_the_shipped_mt5_is_the_articles_582_million_parameters():
+    """transformers 5 ties mT5's output layer to its embeddings; the config says it is its own, as in the
+    model the article counted (582,401,280 trainable parameters)."""
+    um, model, blocks, _ = meta_user_model("hf:examples/configs/mt5-base")
+    assert um.task == "seq2seq_lm" and blocks == ("MT5Block",)
+    assert sum(p.numel() for p in model.parameters()) == 582_401_280
+    assert model.get_output_embeddings().weight is not model.get_input_embeddings().weight
+
+
+def test_the_estimate_sees_the_target_length_and_the_fused_loss(tiny, capsys):
+    argv = ["--model", tiny["t5"], "--seq-len", "32", "--batch-size", "8"]
+    short, long = (_json(capsys, [*argv, "--target-len", n]) for n in ("8", "64"))
+    assert short["task"] == "seq2seq_lm" and (short["target_len"], long["target_len"]) == (8, 64)
+    assert long["peak_allocated_gb"] > short["peak_allocated_gb"]  # the logits: target tokens x 8192
+    fused = _json(capsys, [*argv, "--target-len", "64", "--fused-loss"])
+    assert fused["peak_allocated_gb"] < long["peak_allocated_gb"]
+
+
+def test_fit_answers_for_bart_with_commands_that_keep_the_target_length(tiny, capsys):
+    argv = ["--model", tiny["bart"], "--seq-len", "32", "--target-len", "16", "--batch-size", "4"]
+    answer = _json(capsys, [*argv, "--fit", "4GB", "--top", "1"])
+    assert answer["fits"] and answer["repeated_blocks"] == ["BartDecoderLayer", "BartEncoderLayer"]
+    for row in answer["fits"]:
+        assert "--target-len 16" in row["command"] and not row["fused_loss"]  # BART's bias: never fused
+
+
+def test_bad_input_is_one_line_and_exit_2(tiny, capsys):
+    cases = {
+        "is an encoder-decoder's": ["--model", tiny["bert"], "--seq-len", "16", "--target-len", "8"],
+        "has a bias": ["--model", tiny["bart"], "--seq-len", "16", "--fused-loss"],
+        "has 128 positions": ["--model", tiny["bart"], "--seq-len", "16", "--target-len", "1000"],
+    }
+    for words, argv in cases.items():
+        with pytest.raises(SystemExit) as e:
+            estimate_main(argv)
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 2 and len(err.splitlines()) == 1 and words in err, (words, err)
