@@ -17,7 +17,7 @@ LAYERS, HEADS, KV_HEADS, HEAD_DIM = 2, 4, 2, 16
 
 
 def write_config(folder, **fields) -> str:
-    folder.mkdir(exist_ok=True)
+    folder.mkdir(exist_ok=True, parents=True)
     (folder / "config.json").write_text(json.dumps(fields))
     return f"hf:{folder}"
 
@@ -104,12 +104,13 @@ def test_encoders_and_vision_models_are_one_forward_pass(bert):
     assert vit.task == "image_classification" and vit.kernels == ["flash"]
 
 
-@pytest.fixture
-def wide(tmp_path) -> str:
-    """A 2-layer Llama of width 512 with 1100 positions: a few MB a sequence at 1024 tokens."""
-    return write_config(tmp_path / "wide", model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=512,
-                        intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8, vocab_size=512,
-                        max_position_embeddings=1100)  # fmt: skip
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory) -> str:
+    """A 2-layer Llama of width 512 with 1100 positions: a few MB a sequence at 1024 tokens (one per module:
+    the fit's recordings are kept per model)."""
+    return write_config(tmp_path_factory.mktemp("wide"), model_type="llama", architectures=["LlamaForCausalLM"],
+                        hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
+                        vocab_size=512, max_position_embeddings=1100)  # fmt: skip
 
 
 def test_fit_is_monotone_and_each_answer_fits_its_own_prediction(wide):
@@ -135,29 +136,30 @@ def test_largest_searches_a_monotone_answer():
 @pytest.mark.parametrize("flags, says", [
     ("--precision bf16-mixed", "--infer runs the model in one dtype"),
     ("--precision bf16-true --kv-cache-dtype fp8 --model timm:vit_tiny_patch16_224", "--kv-cache-dtype goes with"),
-    ("--precision bf16-true --fit 2GB --measure", "--infer --fit predicts only"),
+    ("--precision bf16-true --fit 2GB --may-change precision", "--infer --fit predicts only"),
     ("--precision bf16-true --checkpoint-blocks", "--infer runs the model as built"),
     ("--precision bf16-true --seq-len 250 --new-tokens 10", "has 256 positions"),
     ("--precision bf16-true --kv-cache-dtype int3", "invalid choice"),
 ])  # fmt: skip
 def test_bad_input_is_one_line_and_exit_2(llama, flags, says):
     model = "" if "--model" in flags else f"--model {llama}"
-    code, out, err = run_estimate(f"fmr-estimate --infer {model} {flags}")
+    tokens = "" if "--seq-len" in flags else "--seq-len 32 --new-tokens 8"
+    code, out, err = run_estimate(f"fmr-estimate --infer {model} {tokens} {flags}")
     assert code == 2 and says in err and len(err.strip().splitlines()) == 1, err
 
 
-def test_the_cli_prints_the_components_and_the_fit(llama):
+def test_the_cli_prints_the_components_and_the_fit(llama, wide):
     code, out, err = run_estimate(f"fmr-estimate --model {llama} --infer --precision bf16-true --batch-size 4"
-                                      " --seq-len 32 --new-tokens 8")  # fmt: skip
+                                  " --seq-len 32 --new-tokens 8")  # fmt: skip
     assert code == 0, err
     for line in ("KV cache (last token)", "prefill working memory", "peak reserved", "whole-device peak"):
         assert line in out
-    code, out, err = run_estimate(f"fmr-estimate --model {llama} --infer --precision bf16-true --seq-len 32"
-                                      " --new-tokens 8 --fit 1GB")  # fmt: skip
+    fit = f"fmr-estimate --model {wide} --infer --precision bf16-true --batch-size 2 --seq-len 1024 --new-tokens 16"
+    code, out, err = run_estimate(f"{fit} --fit 1.05GB")
     assert code == 0, err
-    assert "largest batch at 32 prompt + 8 new tokens" in out and "most new tokens at batch 32" in out
-    code, out, err = run_estimate(f"fmr-estimate --model {llama} --infer --precision bf16-true --fit 0.5GB")
-    assert code == 1 and "none (batch 1 does not fit)" in out
+    assert "largest batch at 1024 prompt + 16 new tokens: " in out and "most new tokens at batch 2" in out
+    code, out, err = run_estimate(f"{fit} --fit 0.9GB")  # the card overhead and cuBLAS's workspaces: no room
+    assert code == 1 and "none (batch 1 does not fit)" in out, err
 
 
 def test_the_runner_measures_on_a_cpu_and_the_check_reads_it(llama, run_recipe, tmp_path):

@@ -13,9 +13,12 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from fabric_memory_recipes.config import UsageError
 from fabric_memory_recipes.console import fail
 from fabric_memory_recipes.measurement.card_overhead import overhead_per_gpu
+from fabric_memory_recipes.measurement.results_file import gpu_slug
 from fabric_memory_recipes.planning.inference.estimate import InferenceEstimate, estimate
 from fabric_memory_recipes.planning.planner import cli as fit_cli
 from fabric_memory_recipes.planning.your_model.estimate import meta_user_model
@@ -36,7 +39,9 @@ def predict(cfg: Any, gpu: str = "h100", batch_size: int | None = None, new_toke
 def for_run(cfg: Any) -> dict:
     """What ``recipes/your_model.py --infer`` records next to its measurement (an error is recorded, never raised)."""
     try:
-        return predict(cfg).to_dict()
+        return predict(
+            cfg, gpu_slug(torch.cuda.get_device_name()) if torch.cuda.is_available() else "h100"
+        ).to_dict()
     except Exception as e:  # a prediction never stops the measurement
         return {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
 
