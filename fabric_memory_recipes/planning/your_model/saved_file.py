@@ -66,9 +66,12 @@ class SavedFile:
 def _state_of(p: torch.Tensor, optimizer: str) -> dict[str, torch.Tensor]:
     """One trainable parameter's optimizer state after a step, as meta tensors."""
     if optimizer == "adamw8bit" and p.numel() >= LOWBIT_MIN_NUMEL and p.numel() % LOWBIT_BLOCK == 0:
-        moment = lambda: [torch.empty(p.shape, dtype=torch.uint8, device="meta"),  # noqa: E731
-                          torch.empty(p.numel() // LOWBIT_BLOCK, device="meta"), torch.empty(256, device="meta")]  # fmt: skip
-        return {"step": torch.empty((), device="meta"), "exp_avg": moment(), "exp_avg_sq": moment()}
+        # torchao's 8-bit state per moment: uint8 codes, one fp32 scale per block, a 256-entry code map
+        codes, scales = (p.shape, torch.uint8), ((p.numel() // LOWBIT_BLOCK,), torch.float32)
+        return {"step": torch.empty((), device="meta")} | {
+            name: [torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in (codes, scales, ((256,), torch.float32))]
+            for name in ("exp_avg", "exp_avg_sq")
+        }  # fmt: skip
     if not OPTIMIZER_STATE_FACTOR[optimizer]:
         return {}
     state = {"step": torch.empty((), device="meta")} if optimizer in ("adam", "adamw", "adamw8bit") else {}
@@ -91,9 +94,8 @@ def checkpoint_state(model: torch.nn.Module, cfg: YourModelConfig, devices: int 
     """The object ``fabric.save`` writes for ``model`` under ``cfg``, with meta tensors (loop_plumbing.py)."""
     dtype = Precision(cfg.precision, cuda_policy=False).param_dtype
     saved = model.state_dict(keep_vars=True)
-    weights = (
-        collections.OrderedDict()
-    )  # with the state_dict's _metadata (each module's version): pickled too
+    # an OrderedDict with the state_dict's _metadata (each module's version), which is pickled too
+    weights: collections.OrderedDict = collections.OrderedDict()
     tied: dict[int, torch.Tensor] = {}  # tied weights (one Parameter under two names) are one storage
     for k, t in saved.items():
         like = dtype if t.is_floating_point() else t.dtype

@@ -133,13 +133,15 @@ class Choice(Candidate):
     def label(self) -> str:
         changed = ", ".join(c.change for c in self.changes)
         sharded = f", FSDP over {self.devices} GPUs" if self.devices > 1 else ""
-        label = super().label() + (f" + {LORA.label}" if self.lora else "")
+        label = super().label()
         if self.checkpoint_mode != "full":
             label = label.replace(
                 ACTIVATION_CHECKPOINTING.label, f"{self.checkpoint_mode} {ACTIVATION_CHECKPOINTING.label}"
             )
         if self.fused_loss:
             label = label.replace(f", {self.mode}", f" + {FUSED_LOSS.label}, {self.mode}")
+        if self.lora:
+            label = label.replace(f", {self.mode}", f" + {LORA.label}, {self.mode}")
         return label + sharded + (f" [changes {changed}]" if changed else "")
 
     def to_dict(self) -> dict[str, Any]:

@@ -59,9 +59,9 @@ class YourModelConfig(RunConfig):
     )
     tokenizer: str | None = flag(None, "technique", "tokenizer folder for real text (default: the model's)")
     lora_rank: int = flag(0, "technique", "LoRA: freeze the weights and train rank-R adapters (and a classifier's"
-                          " head); 0: train every weight (training/techniques/lora.py)", type=at_least(0))  # fmt: skip
+                          " head); 0: train every weight (training/techniques/lora.py)", type=at_least(0), metavar="R")  # fmt: skip
     lora_targets: str | None = flag(None, "technique", "with --lora-rank: the layers adapted, comma-separated module"
-                                    " names (default: chosen per architecture)")  # fmt: skip
+                                    " names (default: chosen per architecture)", metavar="NAMES")  # fmt: skip
     infer: bool = flag(False, "inference", "measure inference instead of training: a causal LM's generate() of"
                        " --batch-size x --seq-len prompt tokens + --new-tokens, else one forward pass under"
                        " torch.inference_mode (docs/inference.md)", action=BOOL)  # fmt: skip

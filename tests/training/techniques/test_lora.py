@@ -11,8 +11,9 @@ import torch
 
 from fabric_memory_recipes.config import Hardware, UsageError
 from fabric_memory_recipes.planning.__main__ import main as estimate_main
-from fabric_memory_recipes.planning.plan import GB, Plan
+from fabric_memory_recipes.planning.plan import CUDA_WORKSPACE_BYTES, GB, Plan
 from fabric_memory_recipes.planning.your_model import estimate
+from fabric_memory_recipes.planning.your_model.sets import UserPlanner
 from fabric_memory_recipes.training import cli, data
 from fabric_memory_recipes.training.techniques import lora
 from fabric_memory_recipes.training.your_model import models, runner
@@ -121,11 +122,18 @@ def test_the_estimate_and_fit_see_lora(llama, capsys):
     assert adapters["static_gb"]["weights"] > full["static_gb"]["weights"]  # the adapters add weights
     assert adapters["static_gb"]["optimizer_state"] < full["static_gb"]["optimizer_state"] / 5
     assert adapters["peak_allocated_gb"] < full["peak_allocated_gb"]
-    assert estimate_main([*base, "--lora-rank", "4", "--lora-targets", "q_proj,v_proj", "--fit", "10GB",
-                          "--top", "2", "--json"]) == 0  # fmt: skip
-    picks = json.loads(capsys.readouterr().out)["fits"]
-    assert picks and all(p["lora"] == ["--lora-rank", "4", "--lora-targets", "q_proj,v_proj"] for p in picks)
-    for pick in picks:
-        words = shlex.split(pick["command"])
+    planner = UserPlanner(llama, 2, 64, lora_rank=4, lora_targets="q_proj,v_proj")
+    assert planner.trainable == 2 * 4 * ((64 + 64) + (64 + 32))  # 2 layers: q_proj 64->64, v_proj 64->32
+    for c in planner.choices[:3]:  # --fit's commands keep LoRA, which the runner parses back
+        words = shlex.split(c.command)
         parsed = cli.build_parser(runner.default_config()).parse_args(words[2:])
-        assert parsed.lora_rank == 4 and parsed.lora_targets == "q_proj,v_proj"
+        assert parsed.lora_rank == 4 and parsed.lora_targets == "q_proj,v_proj" and "+ LoRA" in c.label()
+    c = planner.predict(planner.choices[0])  # its lower bound: every weight, the adapters' state only
+    bound = (c.lower_bound_gb - c.overhead_gb) * GB - CUDA_WORKSPACE_BYTES
+    assert c.techniques.optimizer == "adamw" and c.rung.precision == "bf16-mixed"  # fp32 weights, 2 moments
+    assert (
+        4 * planner.parameters + 8 * planner.trainable
+        <= bound
+        < 4 * planner.parameters + 8 * planner.parameters
+    )
+    assert c.lower_bound_gb <= c.card_gb
