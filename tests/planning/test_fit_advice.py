@@ -13,6 +13,7 @@ import types
 from pathlib import Path
 
 import pytest
+import torch
 
 from fabric_memory_recipes.planning.__main__ import main as estimate_main
 from fabric_memory_recipes.planning.planner import advice, calibration, snapshot
@@ -249,7 +250,7 @@ def test_an_installed_package_plans_without_the_checkout(tmp_path):
     assert "measured" in proc.stdout  # the committed runs came along as package data
 
 
-def test_several_gpus_plan_fsdp_sets_with_memory_per_gpu(configs, capsys):
+def test_several_gpus_plan_fsdp_sets_with_memory_per_gpu(configs, capsys, monkeypatch):
     """--devices N: every set is FSDP over the N GPUs (with checkpointing or without), kept to the user's
     precision and optimizer, eager, its memory per GPU below the same set's on one GPU and its samples/s
     above one GPU's."""
@@ -288,9 +289,13 @@ def test_several_gpus_plan_fsdp_sets_with_memory_per_gpu(configs, capsys):
     assert four["card_overhead"].count(" mode: ") == 1, four["card_overhead"]  # one mode
     assert "(h200 x4 eager, 1.68 GB per GPU" in four["card_overhead"], four["card_overhead"]
     assert "NCCL" in " ".join(four["speed"]) and "(or h100's)" not in " ".join(four["speed"])
+    # --measure runs each sharded set on N GPUs of the machine (each capped at the card): it needs N
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     with pytest.raises(SystemExit) as e:
         estimate_main([*argv, "--devices", "4", "--measure"])
-    assert e.value.code == 2 and "--measure runs each set on one GPU" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "runs each FSDP set on 4 GPUs" in err and "this machine has 2" in err
 
 
 def test_the_fit_proof_shares_its_jobs_over_the_named_gpus(tmp_path, monkeypatch):
