@@ -32,7 +32,8 @@ def main(cfg: runner.YourModelConfig, results) -> None:
         meta = models.build(um)
     blocks, found_by = models.repeated_blocks(meta)
     units = {type(m) for m in meta.modules() if type(m).__name__ in blocks}
-    strategy = FSDPStrategy(auto_wrap_policy=units) if cfg.fsdp else "auto"  # one FSDP unit per block
+    on_host = {"cpu_offload": True} if cfg.cpu_offload else {}  # FSDP's shards, optimizer step on the host
+    strategy = FSDPStrategy(auto_wrap_policy=units, **on_host) if cfg.fsdp else "auto"  # a unit per block
     fabric = L.Fabric(accelerator=cfg.accelerator, devices=cfg.devices, num_nodes=cfg.num_nodes, strategy=strategy,
                       precision=cfg.precision, loggers=results.fabric_loggers())  # fmt: skip
     fabric.launch()

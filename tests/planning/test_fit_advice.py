@@ -280,6 +280,18 @@ def test_several_gpus_plan_fsdp_sets_with_memory_per_gpu(configs, capsys, monkey
             < 8 * alone["predicted_samples_per_s"]
         )
     assert {r["technique"] for r in four["fits"]} <= {"AdamW", "AdamW + checkpointing"}
+    # FSDP's CPU offload is a set of its own: shards, gradients and Adam on the host, its copies and CPU step
+    # an assumed cost (said), so less memory per GPU and less speed than the same set kept on the GPUs
+    offloaded = [r for r in four["fits"] if r["cpu_offload"]]
+    assert offloaded and all(r["command"].endswith("--cpu-offload") for r in offloaded)
+    assert all("assumed" in r["speed_source"] for r in offloaded)
+    kept = {key(r): r for r in four["fits"] if not r["cpu_offload"]}
+    pairs = [(kept[key(r)], r) for r in offloaded if key(r) in kept]
+    assert pairs and all(
+        on_gpu["simulated_peak_allocated_gb"] > off["simulated_peak_allocated_gb"]
+        and on_gpu["predicted_samples_per_s"] > off["predicted_samples_per_s"]
+        for on_gpu, off in pairs
+    )
     # no h100 x4 eager run measured the overhead: the closest measurement (same mode and count) is assumed
     # and said to be, where "h200 x4 compiled" (the largest of all) was taken and called measured; the legend
     # names each mode the sets were planned in (several GPUs: the sharded runner's eager mode only)

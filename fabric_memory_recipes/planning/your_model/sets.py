@@ -5,8 +5,8 @@ trains it.
 By default a technique set changes only how memory is used, never what is trained: micro-batch x
 accumulation for the requested batch; checkpointing of the repeated blocks, activation offload and the
 step in backward (with the user's optimizer); with ``--devices N``, FSDP over the N GPUs (one unit per
-repeated block: weights, gradients and optimizer state sharded), with checkpointing or without, the
-memory per GPU. The precision and the optimizer stay the user's
+repeated block: weights, gradients and optimizer state sharded), with checkpointing or without, with FSDP's
+CPU offload or without (planning/your_model/host_offload.py), the memory per GPU. The precision and the optimizer stay the user's
 (``--precision``, ``--optimizer``) unless ``--may-change precision,optimizer`` lets the planner try
 others (bf16-true, bf16-mixed, 32-true; AdamW, SGD, 8-bit AdamW); each such row then carries the accuracy
 cost the convergence benchmark measured for the change (planning/planner/advice.py). Memory
@@ -44,7 +44,7 @@ from fabric_memory_recipes.planning.planner.fit import (
     static_bytes,
 )
 from fabric_memory_recipes.planning.simulation.costs import OpCosts
-from fabric_memory_recipes.planning.your_model import step_time
+from fabric_memory_recipes.planning.your_model import host_offload, step_time
 from fabric_memory_recipes.planning.your_model.estimate import card, estimate, meta_user_model, text_batch
 from fabric_memory_recipes.techniques import (
     ACTIVATION_CHECKPOINTING,
@@ -104,17 +104,21 @@ class Choice(Candidate):
     devices: int = 1  # > 1: FSDP over that many GPUs (--fsdp --devices N); memory is per GPU
     fused_loss: bool = False  # --fused-loss (a causal LM's loss without its logits)
     checkpoint_mode: str = "full"  # --checkpoint-mode, with checkpointing
+    cpu_offload: bool = (
+        False  # --cpu-offload (with FSDP): shards, gradients and the optimizer step on the host
+    )
     model_flops: float = 0.0  # training FLOPs per sample (the model's, without recompute): for the MFU
 
     @property
     def key(self) -> tuple:
-        return (*super().key, self.devices, self.fused_loss, self.checkpoint_mode)
+        return (*super().key, self.devices, self.fused_loss, self.checkpoint_mode, self.cpu_offload)
 
     @property
     def family(self) -> tuple:
         """The set without its micro-batch: what the table shows once, at its largest micro-batch that fits."""
         r = self.rung
-        return (r.precision, self.techniques, self.mode, self.devices, self.fused_loss, self.checkpoint_mode)
+        return (r.precision, self.techniques, self.mode, self.devices, self.fused_loss, self.checkpoint_mode,
+                self.cpu_offload)  # fmt: skip
 
     def mfu(self, peak_flops: float | None) -> float | None:
         """Model FLOPs utilisation the predicted speed means (the model's FLOPs, not the recompute's)."""
@@ -131,11 +135,13 @@ class Choice(Candidate):
         out += ["--checkpoint-mode", self.checkpoint_mode] if self.checkpoint_mode != "full" else []
         out += [FUSED_LOSS.flag] if self.fused_loss else []
         out += ["--mode", self.mode]
-        return out + (["--fsdp", "--devices", str(self.devices)] if self.devices > 1 else [])
+        out += ["--fsdp", "--devices", str(self.devices)] if self.devices > 1 else []
+        return out + (["--cpu-offload"] if self.cpu_offload else [])
 
     def label(self) -> str:
         changed = ", ".join(c.change for c in self.changes)
         sharded = f", FSDP over {self.devices} GPUs" if self.devices > 1 else ""
+        sharded += " + CPU offload" if self.cpu_offload else ""
         label = super().label()
         if self.checkpoint_mode != "full":
             label = label.replace(
@@ -149,7 +155,7 @@ class Choice(Candidate):
         out = super().to_dict()
         out["predicted_samples_per_s"] = out.pop("predicted_images_per_s")  # images or sequences
         out["changes"] = [dataclasses.asdict(c) | {"line": c.line()} for c in self.changes]
-        out["devices"] = self.devices
+        out["devices"], out["cpu_offload"] = self.devices, self.cpu_offload
         out["fused_loss"], out["checkpoint_mode"] = self.fused_loss, self.checkpoint_mode
         out["micro_batch_size"] = self.rung.micro_batch_size
         return out
@@ -218,20 +224,26 @@ class UserPlanner:
             if devices > 1 and (used.uses(ACTIVATION_OFFLOAD) or used.uses(OPTIMIZER_IN_BACKWARD)):
                 continue  # FSDP: with checkpointing or without (the sharded rungs' sets)
             over = overhead[mode]["overhead_gb"] or 0.0
-            for keeps in CHECKPOINT_MODES if used.uses(ACTIVATION_CHECKPOINTING) else ("full",):
-                for k in [1] if used.uses(OPTIMIZER_IN_BACKWARD) else divisors(batch_size):
-                    rung = runner.with_flags(model=ref, precision=prec, batch_size=batch_size,
-                                             accumulation_steps=k, optimizer=opt)  # fmt: skip
-                    lower = static_bytes(rung, used, self.parameters) / GB / devices + over  # sharded
-                    c = Choice(rung, mode, used, lower, 0.0, speed_source=SPEED_SOURCE, overhead_gb=over,
-                               seq_len=self.seq_len, changes=changes, devices=devices, fused_loss=fuse,
-                               checkpoint_mode=keeps, model_flops=self.flops)  # fmt: skip
-                    c.speed_bound = self._speed(c, 0.0)
-                    self.choices.append(c)
+            offloads = (False, True) if devices > 1 and opt != "adamw8bit" else (False,)  # FSDP's CPU offload
+            for keeps, k, off in itertools.product(
+                CHECKPOINT_MODES if used.uses(ACTIVATION_CHECKPOINTING) else ("full",),
+                [1] if used.uses(OPTIMIZER_IN_BACKWARD) else divisors(batch_size), offloads,
+            ):  # fmt: skip
+                rung = runner.with_flags(model=ref, precision=prec, batch_size=batch_size,
+                                         accumulation_steps=k, optimizer=opt)  # fmt: skip
+                lower = 0.0 if off else static_bytes(rung, used, self.parameters) / GB / devices  # sharded
+                c = Choice(rung, mode, used, lower + over, 0.0, speed_source=SPEED_SOURCE, overhead_gb=over,
+                           seq_len=self.seq_len, changes=changes, devices=devices, fused_loss=fuse,
+                           checkpoint_mode=keeps, model_flops=self.flops, cpu_offload=off)  # fmt: skip
+                c.speed_bound = self._speed(c, 0.0)
+                self.choices.append(c)
         self.choices.sort(key=lambda c: (-c.speed_bound, c.techniques.count(), c.lower_bound_gb))
 
     def weights_gb(self) -> float:
-        """The weights alone in the narrowest precision the planner may use: no card below this fits."""
+        """The weights alone in the narrowest precision the planner may use: no card below this fits (with
+        several GPUs FSDP's CPU offload keeps them on the host: no floor)."""
+        if self.devices > 1:
+            return 0.0
         narrow = "bf16-true" if "precision" in self.may_change else self.precision
         return self.parameters * (2 if narrow in ("bf16-true", "16-true") else 4) / GB / self.devices
 
@@ -241,13 +253,20 @@ class UserPlanner:
         step = self.speed.step_s(prec, c.techniques, r.micro_batch_size, r.accumulation_steps, c.mode, offloaded_gb,
                                  self.parameters)  # fmt: skip
         hooks = self.tensors * HOOK_MS / 1e3 if c.techniques.uses(OPTIMIZER_IN_BACKWARD) else 0.0
-        return c.devices * r.batch_size / (step + hooks)  # every GPU its own batch (FSDP: no comms modelled)
+        return c.devices * r.batch_size / (step + hooks + self._offload_s(c))
+
+    def _offload_s(self, c: Choice) -> float:
+        if not c.cpu_offload:
+            return 0.0
+        return host_offload.offload_seconds(
+            self.parameters, c.devices, c.techniques.optimizer
+        )  # every GPU its own batch (FSDP: no comms modelled)
 
     def predict(self, c: Choice) -> Choice:
         if c.predicted_gb is None:
             r, used = c.rung, c.techniques
             key = (r.precision, used, r.micro_batch_size, min(r.accumulation_steps, 2), c.devices, c.fused_loss,
-                   c.checkpoint_mode, c.mode)  # fmt: skip
+                   c.checkpoint_mode, c.mode, c.cpu_offload)  # fmt: skip
             if key not in self.simulated:
                 plan = Plan(precision=r.precision, micro_batch_size=r.micro_batch_size,
                             accumulation_steps=r.accumulation_steps, optimizer=used.optimizer,
@@ -255,7 +274,8 @@ class UserPlanner:
                             activation_offload=used.uses(ACTIVATION_OFFLOAD),
                             optimizer_in_backward=used.uses(OPTIMIZER_IN_BACKWARD),
                             sharding="fsdp" if c.devices > 1 else "none", checkpoint_mode=c.checkpoint_mode,
-                            fused_loss=c.fused_loss, shard_units=self.blocks, world_size=c.devices)  # fmt: skip
+                            fused_loss=c.fused_loss, shard_units=self.blocks, world_size=c.devices,
+                            cpu_offload=c.cpu_offload)  # fmt: skip
                 collector = (
                     OpCosts()
                 )  # the same simulation gives the op costs the step time is predicted from
@@ -291,7 +311,8 @@ class UserPlanner:
         seconds, detail = step_time.step_seconds(costs, self.ceilings, c.mode, graphs)
         c.model_flops = detail["model_flops_per_step"] / r.batch_size
         c.speed_source = f"model: the simulated step's op costs ({self.ceilings_source})"
-        return c.devices * r.batch_size / seconds
+        c.speed_source += f"; {host_offload.SOURCE}" if c.cpu_offload else ""
+        return c.devices * r.batch_size / (seconds + self._offload_s(c))
 
     def fit(self, budget_gb: float, top: int = 5) -> tuple[list[Choice], Choice | None]:
         """The ``top`` fastest choices predicted to fit, and the fastest predicted not to fit among those

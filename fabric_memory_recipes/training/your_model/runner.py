@@ -54,6 +54,10 @@ class YourModelConfig(RunConfig):
         "shard with FSDP over --devices CUDA GPUs, one unit per repeated block",
         action=BOOL,
     )
+    cpu_offload: bool = flag(
+        False, "technique", "with --fsdp: each GPU's shard of the parameters and gradients in host memory, the"
+        " optimizer stepping there (FSDP's CPUOffload)", action=BOOL,
+    )  # fmt: skip
     tokenizer: str | None = flag(None, "technique", "tokenizer folder for real text (default: the model's)")
 
     GROUPS: ClassVar[dict[str, str]] = {**RunConfig.GROUPS, "technique": "your model: the technique set"}
@@ -79,6 +83,7 @@ class YourModelConfig(RunConfig):
         """The technique set as flags (what the CPU suggestion keeps of a refused command)."""
         flags = [t.flag for t in techniques.TECHNIQUES if t.flag and self.uses(t)]
         flags += ["--checkpoint-mode", self.checkpoint_mode] if self.checkpoint_mode != "full" else []
+        flags += ["--cpu-offload"] if self.cpu_offload else []
         return flags + (["--optimizer", self.optimizer] if self.optimizer != "adamw" else [])
 
     def checked(self, hardware) -> YourModelConfig:
@@ -93,6 +98,8 @@ class YourModelConfig(RunConfig):
             raise UsageError(f"--checkpoint-mode {c.checkpoint_mode} goes with --checkpoint-blocks")
         if c.fsdp and (c.world_size < 2 or c.accelerator != "cuda"):
             raise UsageError("--fsdp shards over several CUDA GPUs: use it with --devices N (N >= 2) on CUDA")
+        if c.cpu_offload and not c.fsdp:
+            raise UsageError("--cpu-offload offloads FSDP's shards: use it with --fsdp --devices N")
         c.sharding = "fsdp" if c.fsdp else "none"
         return c
 
