@@ -15,12 +15,11 @@ import contextlib
 
 import lightning as L
 import torch
-from lightning.fabric.strategies import FSDPStrategy
 
 from fabric_memory_recipes.planning.your_model import estimate
 from fabric_memory_recipes.training import data, lifecycle, loop
 from fabric_memory_recipes.training.techniques import checkpointing, fused_loss, offload, step_in_backward
-from fabric_memory_recipes.training.your_model import models, runner
+from fabric_memory_recipes.training.your_model import models, runner, sharding
 
 RUNG = runner.default_config()
 
@@ -32,8 +31,7 @@ def main(cfg: runner.YourModelConfig, results) -> None:
         meta = models.build(um)
     blocks, found_by = models.repeated_blocks(meta)
     units = {type(m) for m in meta.modules() if type(m).__name__ in blocks}
-    on_host = {"cpu_offload": True} if cfg.cpu_offload else {}  # FSDP's shards, optimizer step on the host
-    strategy = FSDPStrategy(auto_wrap_policy=units, **on_host) if cfg.fsdp else "auto"  # a unit per block
+    strategy = sharding.strategy(cfg, units)  # --fsdp: a unit per block (fast mode: FSDP2, compiled blocks)
     fabric = L.Fabric(accelerator=cfg.accelerator, devices=cfg.devices, num_nodes=cfg.num_nodes, strategy=strategy,
                       precision=cfg.precision, loggers=results.fabric_loggers())  # fmt: skip
     fabric.launch()

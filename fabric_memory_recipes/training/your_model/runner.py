@@ -51,7 +51,8 @@ class YourModelConfig(RunConfig):
     fsdp: bool = flag(
         False,
         "technique",
-        "shard with FSDP over --devices CUDA GPUs, one unit per repeated block",
+        "shard with FSDP over --devices CUDA GPUs, one unit per repeated block (fast mode: FSDP2 with compiled"
+        " blocks, as rung 08's FSDP2 variant)",
         action=BOOL,
     )
     cpu_offload: bool = flag(
