@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The sharded rungs' speed with its spread, and your model sharded: one call on a machine with 4 GPUs
 # (nvidia-h100-x4; an H200 machine if that is what comes: the summary names the GPUs), from the repository
-# root, the project installed, the article's checkout at $REF. About 9-10 minutes:
+# root (this checkout's package on PYTHONPATH; .whl's wheels installed when carried), the article's
+# checkout at $REF. About 9-10 minutes:
 #
-#   OUT=/some/folder bash scripts/gpu/sharded_spread.sh       # PARTS="compare models repeats" by default
+#   OUT=/some/folder bash scripts/gpu/sharded_spread.sh     # PARTS="compare models repeats models4" by default
 #
 # Parts, in this order, each packed as soon as it ends (and every 20 s meanwhile) into $OUT/spread.tgz
 # (the only other files in $OUT: progress.log and, at the end, summary.md):
@@ -27,6 +28,11 @@
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # no NVLink multicast
 export PYTHONUNBUFFERED=1 FMR_OFFLINE=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # this checkout's package, installed or not
+if [ -d .whl ] && ls .whl/*.whl > /dev/null 2>&1; then  # liger-kernel for a --fused-loss set (part fit), if carried
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
 OUT=${OUT:?set OUT to the folder whose files come back}
 REF=${REF:-.ref/pytorch-memory-optim}
 [ -d "$REF" ] || { [ -d shared/reference/pytorch-memory-optim ] && REF=shared/reference/pytorch-memory-optim; }

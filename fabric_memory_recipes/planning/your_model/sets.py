@@ -206,7 +206,7 @@ class UserPlanner:
         )
         self.modules_ratio = modules
         self.simulated: dict[tuple, tuple[float, float, float]] = {}
-        modes = MODES_TRIED if devices == 1 else ("eager",)  # the sharded runner runs eagerly
+        modes = MODES_TRIED  # sharded: fast mode is FSDP2 with compiled blocks, eager mode FSDP
         overhead = {m: card(_Floor(), gpu, m, devices) for m in modes}  # the card overhead alone, per GPU
         self.overhead_source = "; ".join(f"{m}: {o['overhead_source']}" for m, o in overhead.items())
         self.overhead_legend = "; ".join(f"{m} mode: {o['overhead_legend']}" for m, o in overhead.items())
@@ -265,8 +265,9 @@ class UserPlanner:
     def predict(self, c: Choice) -> Choice:
         if c.predicted_gb is None:
             r, used = c.rung, c.techniques
+            # the mode changes no simulated byte (the card overhead per mode is added apart)
             key = (r.precision, used, r.micro_batch_size, min(r.accumulation_steps, 2), c.devices, c.fused_loss,
-                   c.checkpoint_mode, c.mode, c.cpu_offload)  # fmt: skip
+                   c.checkpoint_mode, c.cpu_offload)  # fmt: skip
             if key not in self.simulated:
                 plan = Plan(precision=r.precision, micro_batch_size=r.micro_batch_size,
                             accumulation_steps=r.accumulation_steps, optimizer=used.optimizer,
