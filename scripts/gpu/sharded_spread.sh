@@ -15,12 +15,12 @@
 #             once: three causal LMs >= 1 B (GPT-NeoX 1.4 B, Qwen2 1.5 B, TinyLlama 1.1 B) on 2 GPUs in eager
 #             mode (FSDP), GPT-NeoX with --cpu-offload, and GPT-NeoX in fast mode (FSDP2, compiled blocks;
 #             batch 4). Memory is per process (allocated, reserved, NVML's entry of the process), so runs
-#             that share a GPU measure what each alone would (about 52 and 48 GB predicted on GPUs 0,1 and
+#             that share a GPU measure what each alone would (about 53 and 46 GB predicted on GPUs 0,1 and
 #             2,3); their speed is not kept
 #   repeats   08_fsdp, 08_fsdp2, 09 again, twice (09 first in each round): the same flags as the compare's
 #             runs; each results JSON has every step's interval (timing.intervals_s) for rung 09's p90/p10
 #   models4   if time is left: the three LMs on 4 GPUs, eager (GPT-NeoX's is the issue's configuration)
-#   fit       not by default (PARTS="fit" alone, about 3 minutes): fmr-estimate --fit 16GB --devices 2
+#   fit       not by default (PARTS="fit" alone, about 5 minutes): fmr-estimate --fit 16GB --devices 2
 #             --measure for GPT-NeoX 1.4 B, its 3 fastest sets run on GPUs 0,1, each process capped at 16 GB
 # Then scripts/gpu/sharded_spread_summary.py writes summary.md/json into the tar and $OUT: the median and
 # range of each rung's img/s over the repeats against the article's, and your model predicted against
