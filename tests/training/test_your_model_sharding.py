@@ -65,6 +65,8 @@ def test_the_strategy_follows_the_mode_and_the_offload():
     assert isinstance(eager, FSDPStrategy) and eager.cpu_offload.offload_params
     cfg.compile = True
     assert isinstance(sharding.strategy(cfg, {Block}), ModelParallelStrategy)
+    cfg.precision = "16-mixed"  # which Lightning's ModelParallelStrategy refuses: FSDP with compiled blocks
+    assert isinstance(sharding.strategy(cfg, {Block}), FSDPStrategy)
     cfg.fsdp = False
     assert sharding.strategy(cfg, {Block}) == "auto"
     options = sharding.shard_options("bf16-mixed", True)

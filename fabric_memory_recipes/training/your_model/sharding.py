@@ -22,14 +22,15 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from fabric_memory_recipes.training.techniques.checkpointing import CheckpointedBlock
 
 LOW = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+FSDP2_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-true")  # what ModelParallelStrategy takes
 
 
 def strategy(cfg: Any, units: set[type]) -> Any:
     """The runner's strategy: "auto" without ``--fsdp``; FSDP in eager mode; FSDP2 with compiled blocks in
-    fast mode (``cfg.compile``)."""
+    fast mode (``cfg.compile``), except for 16-mixed, which Lightning's ModelParallelStrategy refuses."""
     if not cfg.fsdp:
         return "auto"
-    if not cfg.compile:
+    if not cfg.compile or cfg.precision not in FSDP2_PRECISIONS:
         return FSDPStrategy(auto_wrap_policy=units, **({"cpu_offload": True} if cfg.cpu_offload else {}))
     names = tuple(sorted(u.__name__ for u in units))
     options = shard_options(cfg.precision, cfg.cpu_offload)
