@@ -123,8 +123,9 @@ class RunConfig:
     )  # fmt: skip
     memory_budget_gb: float | None = flag(
         None, "hardware",
-        "one CUDA device: act as a card of GB (1e9 bytes): the caching allocator is capped at GB less the"
-        " measured card overhead (torch.cuda.set_per_process_memory_fraction, before the model is built)",
+        "CUDA: act as cards of GB (1e9 bytes) each: every process's caching allocator is capped on its GPU at"
+        " GB less the measured card overhead per GPU (torch.cuda.set_per_process_memory_fraction, before the"
+        " model is built)",
         type=positive_float, metavar="GB",
     )  # fmt: skip
     # training
@@ -323,9 +324,8 @@ class RunConfig:
             raise UsageError(
                 "--lost-updates reads the weights between steps: use it with --no-cuda-graphs or --mode eager"
             )
-        if c.memory_budget_gb is not None and (c.accelerator != "cuda" or c.world_size > 1):
-            raise UsageError("--memory-budget-gb caps one CUDA device's memory: use it with one GPU, not "
-                             + ("on a CPU" if c.accelerator != "cuda" else f"{c.world_size} devices"))  # fmt: skip
+        if c.memory_budget_gb is not None and c.accelerator != "cuda":
+            raise UsageError("--memory-budget-gb caps CUDA devices' memory: use it with GPUs, not on a CPU")
         return c
 
     def _choose_mode(self) -> None:

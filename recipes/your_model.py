@@ -15,13 +15,12 @@ import contextlib
 
 import lightning as L
 import torch
-from lightning.fabric.strategies import FSDPStrategy
 
 from fabric_memory_recipes.planning.inference import cli as inference_estimate
 from fabric_memory_recipes.planning.your_model import estimate
 from fabric_memory_recipes.training import data, lifecycle, loop
 from fabric_memory_recipes.training.techniques import checkpointing, fused_loss, lora, offload, step_in_backward  # fmt: skip
-from fabric_memory_recipes.training.your_model import inference, models, runner
+from fabric_memory_recipes.training.your_model import inference, models, runner, sharding
 
 RUNG = runner.default_config()
 
@@ -35,7 +34,7 @@ def main(cfg: runner.YourModelConfig, results) -> None:
         meta = models.build(um)
     blocks, found_by = models.repeated_blocks(meta)
     units = {type(m) for m in meta.modules() if type(m).__name__ in blocks}
-    strategy = FSDPStrategy(auto_wrap_policy=units) if cfg.fsdp else "auto"  # one FSDP unit per block
+    strategy = sharding.strategy(cfg, units)  # --fsdp: a unit per block (fast mode: FSDP2, compiled blocks)
     fabric = L.Fabric(accelerator=cfg.accelerator, devices=cfg.devices, num_nodes=cfg.num_nodes, strategy=strategy,
                       precision=cfg.precision, loggers=results.fabric_loggers())  # fmt: skip
     fabric.launch()

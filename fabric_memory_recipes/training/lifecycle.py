@@ -118,15 +118,19 @@ def apply_memory_budget(cfg: RunConfig) -> dict | None:
     kernels besides PyTorch's caching allocator, so the allocator is capped
     (``torch.cuda.set_per_process_memory_fraction``) at X less the card overhead measured for this GPU
     kind and mode (``fabric_memory_recipes.measurement.card_overhead``; where none is measured, at X, and the
-    record says so). Returns what the results JSON records (``extra.memory_budget``)."""
+    record says so). With several processes (FSDP) each caps its own GPU (its local rank's, which the
+    launcher sets before it runs this) at X less the overhead measured per GPU of that many processes
+    (NCCL's buffers included). Returns what the results JSON records (``extra.memory_budget``)."""
     if cfg.memory_budget_gb is None:
         return None
-    total = torch.cuda.get_device_properties(0).total_memory
+    device = int(os.environ.get("LOCAL_RANK", "0")) if cfg.world_size > 1 else 0
+    processes = cfg.devices if cfg.world_size > 1 and isinstance(cfg.devices, int) else 1
+    total = torch.cuda.get_device_properties(device).total_memory
     budget = cfg.memory_budget_gb * 1e9
     if budget > total:
         raise UsageError(f"--memory-budget-gb {cfg.memory_budget_gb:g}: this GPU has {total / 1e9:.1f} GB")
-    over = card_overhead.card_overhead(
-        gpu_slug(torch.cuda.get_device_name(0)), card_overhead.overhead_mode(cfg.flags())
+    over = card_overhead.overhead_per_gpu(
+        gpu_slug(torch.cuda.get_device_name(device)), card_overhead.overhead_mode(cfg.flags()), processes
     )
     allocator = budget - (over.gb or 0.0) * 1e9
     if allocator <= 0:
@@ -134,15 +138,18 @@ def apply_memory_budget(cfg: RunConfig) -> dict | None:
             f"--memory-budget-gb {cfg.memory_budget_gb:g}: a card this small cannot even hold the"
             f" {over.gb:.2f} GB a CUDA process needs outside the allocator ({over.source})"
         )
-    torch.cuda.set_per_process_memory_fraction(allocator / total, 0)
+    torch.cuda.set_per_process_memory_fraction(allocator / total, device)
     return {
         "budget_gb": cfg.memory_budget_gb,
+        "device_index": device,
+        "processes_per_machine": processes,
         "allocator_gb": allocator / 1e9,
         "overhead_gb": over.gb,
         "overhead_source": over.source,
         "device_total_gb": total / 1e9,
         "fraction": allocator / total,
-        "how": "torch.cuda.set_per_process_memory_fraction(budget - card overhead), before the model is built",
+        "how": "torch.cuda.set_per_process_memory_fraction(budget - card overhead), before the model is built"
+        + (", in every process on its own GPU" if processes > 1 else ""),
     }
 
 

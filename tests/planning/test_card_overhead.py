@@ -265,6 +265,35 @@ def test_a_memory_budget_stands_for_a_card(h100):
         lifecycle.apply_memory_budget(RunConfig(memory_budget_gb=0.5, compile=True))
 
 
+def test_a_memory_budget_under_fsdp_caps_each_process_on_its_own_gpu(monkeypatch):
+    """Several processes: each caps the GPU of its local rank (set by the launcher), less the overhead per
+    GPU measured for that many processes (NCCL's buffers), not one process's."""
+    capped = []
+
+    class Props:
+        total_memory = 80e9
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: Props())
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d: capped.append((f, d)))
+    monkeypatch.setattr(card_overhead, "load_table", lambda path=None: SHARDED)
+    cfg = RunConfig(memory_budget_gb=10.0, devices=4, mode="fast", compile=True, cuda_graphs=False)
+    for rank in ("0", "3"):
+        monkeypatch.setenv("LOCAL_RANK", rank)
+        record = lifecycle.apply_memory_budget(cfg)
+        assert record["device_index"] == int(rank) and record["processes_per_machine"] == 4
+        assert (
+            record["allocator_gb"] == pytest.approx(10.0 - 2.1)
+            and "h100 x4 compiled" in record["overhead_source"]
+        )
+    assert capped == [(pytest.approx(7.9 / 80), 0), (pytest.approx(7.9 / 80), 3)]
+    monkeypatch.setenv("LOCAL_RANK", "3")  # one process: device 0 whatever the environment says
+    one = lifecycle.apply_memory_budget(
+        RunConfig(memory_budget_gb=10.0, mode="eager", compile=False, cuda_graphs=False)
+    )
+    assert capped[-1][1] == 0 and one["overhead_gb"] == 0.80 and one["processes_per_machine"] == 1
+
+
 def test_a_memory_budget_without_a_measured_overhead_caps_the_allocator_and_says_so(h100, monkeypatch):
     monkeypatch.setattr(card_overhead, "load_table", lambda path=None: {"kinds": {}})
     record = lifecycle.apply_memory_budget(RunConfig(memory_budget_gb=2.0))

@@ -13,6 +13,7 @@ import types
 from pathlib import Path
 
 import pytest
+import torch
 
 from fabric_memory_recipes.planning.__main__ import main as estimate_main
 from fabric_memory_recipes.planning.planner import advice, snapshot
@@ -229,7 +230,7 @@ def test_an_installed_package_plans_without_the_checkout(tmp_path):
     assert "measured" in proc.stdout  # the committed runs came along as package data
 
 
-def test_several_gpus_plan_fsdp_sets_with_memory_per_gpu(configs, capsys):
+def test_several_gpus_plan_fsdp_sets_with_memory_per_gpu(configs, capsys, monkeypatch):
     """--devices N: every set is FSDP over the N GPUs (with checkpointing or without), kept to the user's
     precision and optimizer, eager, its memory per GPU below the same set's on one GPU and its samples/s
     above one GPU's."""
@@ -248,7 +249,7 @@ def test_several_gpus_plan_fsdp_sets_with_memory_per_gpu(configs, capsys):
         assert "--activation-offload" not in cmd and "--optimizer-in-backward" not in cmd
         parsed = cli.build_parser(runner.default_config()).parse_args(cmd[2:])
         assert parsed.fsdp and parsed.devices == 4 and parsed.precision == "bf16-mixed"
-        assert row["mode"] == "eager"  # the sharded runner runs eagerly
+        assert row["mode"] in ("eager", "fast")  # fast: FSDP2 with compiled blocks
         alone = one[key(row)]
         assert row["simulated_peak_allocated_gb"] < alone["simulated_peak_allocated_gb"]  # sharded state
         assert row["overhead_gb"] > alone["overhead_gb"]  # four processes' contexts and NCCL, measured
@@ -259,18 +260,36 @@ def test_several_gpus_plan_fsdp_sets_with_memory_per_gpu(configs, capsys):
             < 8 * alone["predicted_samples_per_s"]
         )
     assert {r["technique"] for r in four["fits"]} <= {"AdamW", "AdamW + checkpointing"}
+    # FSDP's CPU offload is a set of its own: shards, gradients and Adam on the host, its copies and CPU step
+    # an assumed cost (said), so less memory per GPU and less speed than the same set kept on the GPUs
+    offloaded = [r for r in four["fits"] if r["cpu_offload"]]
+    assert offloaded and all(r["command"].endswith("--cpu-offload") for r in offloaded)
+    assert all("assumed" in r["speed_source"] for r in offloaded)
+    kept = {key(r): r for r in four["fits"] if not r["cpu_offload"]}
+    pairs = [(kept[key(r)], r) for r in offloaded if key(r) in kept]
+    assert pairs and all(
+        on_gpu["simulated_peak_allocated_gb"] > off["simulated_peak_allocated_gb"]
+        and on_gpu["predicted_samples_per_s"] > off["predicted_samples_per_s"]
+        for on_gpu, off in pairs
+    )
     # no h100 x4 eager run measured the overhead: the closest measurement (same mode and count) is assumed
     # and said to be, where "h200 x4 compiled" (the largest of all) was taken and called measured; the legend
-    # names each mode the sets were planned in (several GPUs: the sharded runner's eager mode only)
-    assert four["card_overhead"].startswith(
+    # names each mode the sets were planned in (several GPUs: eager, FSDP; fast, FSDP2 with compiled blocks)
+    assert (
         "eager mode: a card overhead assumed for h100 x4 eager, which no run measured"
-    ), four["card_overhead"]
-    assert four["card_overhead"].count(" mode: ") == 1, four["card_overhead"]  # one mode
+        in four["card_overhead"]
+    )
+    assert four["card_overhead"].count(" mode: ") == 2, four["card_overhead"]  # both modes
+    assert {r["mode"] for r in four["fits"]} == {"eager", "fast"}
     assert "(h200 x4 eager, 1.68 GB per GPU" in four["card_overhead"], four["card_overhead"]
     assert "NCCL" in " ".join(four["speed"]) and "(or h100's)" not in " ".join(four["speed"])
+    # --measure runs each sharded set on N GPUs of the machine (each capped at the card): it needs N
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     with pytest.raises(SystemExit) as e:
         estimate_main([*argv, "--devices", "4", "--measure"])
-    assert e.value.code == 2 and "--measure runs each set on one GPU" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "runs each FSDP set on 4 GPUs" in err and "this machine has 2" in err
 
 
 def test_the_fit_proof_shares_its_jobs_over_the_named_gpus(tmp_path, monkeypatch):

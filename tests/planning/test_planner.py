@@ -327,8 +327,10 @@ def test_memory_budget_parses_and_is_refused_on_a_cpu(monkeypatch, capsys):
         RunConfig(recipe="x"), ["--memory-budget-gb", "2", "--mode", "eager"], hardware=GPU_MACHINE
     )
     assert cfg.memory_budget_gb == 2.0 and cfg.flags()["memory_budget_gb"] == 2.0
-    for argv in (["--accelerator", "cpu", "--memory-budget-gb", "2"], ["--memory-budget-gb", "0"],
-                 ["--devices", "2", "--memory-budget-gb", "2", "--mode", "eager"]):  # fmt: skip
+    sharded = cli.parse(RunConfig(recipe="x"), ["--devices", "2", "--memory-budget-gb", "2", "--mode", "eager"],
+                        hardware=GPU_MACHINE)  # fmt: skip
+    assert sharded.memory_budget_gb == 2.0 and sharded.world_size == 2  # every process caps its own GPU
+    for argv in (["--accelerator", "cpu", "--memory-budget-gb", "2"], ["--memory-budget-gb", "0"]):
         with pytest.raises(SystemExit) as exc:
             cli.parse(RunConfig(recipe="x"), argv, hardware=GPU_MACHINE)
         err = capsys.readouterr().err.strip().splitlines()

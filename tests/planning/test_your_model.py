@@ -130,6 +130,15 @@ def test_large_vocabulary_estimate(qwen, capsys):
     assert fsdp["components_gb"]["parameters"] == pytest.approx(
         plain["components_gb"]["parameters"] / 4, rel=1e-3
     )
+    on_host = run("--fsdp", "--devices", "4", "--cpu-offload")  # FSDP's CPU offload: no state on the GPU
+    assert (
+        on_host["assumptions"]["cpu_offload"] is True
+        and on_host["peak_allocated_gb"] < fsdp["peak_allocated_gb"]
+    )
+    assert on_host["components_gb"]["parameters"] == on_host["components_gb"]["optimizer_state"] == 0
+    with pytest.raises(SystemExit) as e:
+        estimate_main([*base, "--cpu-offload"])
+    assert e.value.code == 2 and "--cpu-offload offloads FSDP's shards" in capsys.readouterr().err
 
 
 def test_the_estimate_sees_the_fused_loss_and_selective_checkpointing(qwen, tmp_path, capsys):

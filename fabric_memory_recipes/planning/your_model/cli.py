@@ -48,11 +48,12 @@ def parse(args: argparse.Namespace) -> tuple[argparse.Namespace, runner.YourMode
     args.budget_gb = fit_cli.budget(args)
     if (args.measure or args.may_change) and not args.fit:
         fail("--measure and --may-change go with --fit SIZE")
-    if args.measure and cfg.world_size > 1:
-        fail("--measure runs each set on one GPU: leave out --devices for it (the FSDP sets are predicted only)")  # fmt: skip
     if args.measure and not torch.cuda.is_available():
         fail("--measure runs the candidates on a CUDA GPU, and this machine has none: leave it out for the"
              " predicted ranking")  # fmt: skip
+    if args.measure and cfg.world_size > torch.cuda.device_count():
+        fail(f"--measure with --devices {cfg.world_size} runs each FSDP set on {cfg.world_size} GPUs (each capped"
+             f" at --fit's size), and this machine has {torch.cuda.device_count()}")  # fmt: skip
     if args.measure and not measure.RUNNER.is_file():
         fail(f"--measure runs {measure.RUNNER.relative_to(measure.REPO)}, which an installed wheel"
              " does not have: run it from a checkout")  # fmt: skip

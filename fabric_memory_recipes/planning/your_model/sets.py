@@ -5,8 +5,8 @@ trains it.
 By default a technique set changes only how memory is used, never what is trained: micro-batch x
 accumulation for the requested batch; checkpointing of the repeated blocks, activation offload and the
 step in backward (with the user's optimizer); with ``--devices N``, FSDP over the N GPUs (one unit per
-repeated block: weights, gradients and optimizer state sharded), with checkpointing or without, the
-memory per GPU. The precision and the optimizer stay the user's
+repeated block: weights, gradients and optimizer state sharded), with checkpointing or without, with FSDP's
+CPU offload or without (planning/your_model/host_offload.py), the memory per GPU. The precision and the optimizer stay the user's
 (``--precision``, ``--optimizer``) unless ``--may-change precision,optimizer`` lets the planner try
 others (bf16-true, bf16-mixed, 32-true; AdamW, SGD, 8-bit AdamW); each such row then carries the accuracy
 cost the convergence benchmark measured for the change (planning/planner/advice.py). Memory
@@ -40,7 +40,7 @@ from fabric_memory_recipes.planning.planner.fit import (
     static_bytes,
 )
 from fabric_memory_recipes.planning.simulation.costs import OpCosts
-from fabric_memory_recipes.planning.your_model import step_time
+from fabric_memory_recipes.planning.your_model import host_offload, step_time
 from fabric_memory_recipes.planning.your_model.estimate import card, estimate, meta_user_model
 from fabric_memory_recipes.techniques import (
     ACTIVATION_CHECKPOINTING,
@@ -92,12 +92,15 @@ class Choice(Candidate):
     fused_loss: bool = False  # --fused-loss (a causal LM's or an encoder-decoder's loss without its logits)
     target_len: int | None = None  # an encoder-decoder's --target-len, when given
     checkpoint_mode: str = "full"  # --checkpoint-mode, with checkpointing
+    cpu_offload: bool = (
+        False  # --cpu-offload (with FSDP): shards, gradients and the optimizer step on the host
+    )
     model_flops: float = 0.0  # training FLOPs per sample (the model's, without recompute): for the MFU
     lora: tuple[str, ...] = ()  # the user's --lora-rank R [--lora-targets NAMES], kept in every set
 
     @property
     def key(self) -> tuple:
-        return (*super().key, self.devices, self.fused_loss, self.checkpoint_mode)
+        return (*super().key, self.devices, self.fused_loss, self.checkpoint_mode, self.cpu_offload)
 
     @property
     def plain(self) -> tuple:
@@ -110,7 +113,8 @@ class Choice(Candidate):
     def family(self) -> tuple:
         """The set without its micro-batch: what the table shows once, at its fastest micro-batch that fits."""
         r = self.rung
-        return (r.precision, self.techniques, self.mode, self.devices, self.fused_loss, self.checkpoint_mode)
+        return (r.precision, self.techniques, self.mode, self.devices, self.fused_loss, self.checkpoint_mode,
+                self.cpu_offload)  # fmt: skip
 
     def mfu(self, peak_flops: float | None) -> float | None:
         """Model FLOPs utilisation the predicted speed means (the model's FLOPs, not the recompute's)."""
@@ -128,11 +132,13 @@ class Choice(Candidate):
         out += ["--checkpoint-mode", self.checkpoint_mode] if self.checkpoint_mode != "full" else []
         out += [FUSED_LOSS.flag] if self.fused_loss else []
         out += [*self.lora, "--mode", self.mode]
-        return out + (["--fsdp", "--devices", str(self.devices)] if self.devices > 1 else [])
+        out += ["--fsdp", "--devices", str(self.devices)] if self.devices > 1 else []
+        return out + (["--cpu-offload"] if self.cpu_offload else [])
 
     def label(self) -> str:
         changed = ", ".join(c.change for c in self.changes)
         sharded = f", FSDP over {self.devices} GPUs" if self.devices > 1 else ""
+        sharded += " + CPU offload" if self.cpu_offload else ""
         label = super().label()
         if self.checkpoint_mode != "full":
             label = label.replace(
@@ -148,7 +154,7 @@ class Choice(Candidate):
         out = super().to_dict()
         out["predicted_samples_per_s"] = out.pop("predicted_images_per_s")  # images or sequences
         out["changes"] = [dataclasses.asdict(c) | {"line": c.line()} for c in self.changes]
-        out["devices"] = self.devices
+        out["devices"], out["cpu_offload"] = self.devices, self.cpu_offload
         out["fused_loss"], out["checkpoint_mode"] = self.fused_loss, self.checkpoint_mode
         out["micro_batch_size"] = self.rung.micro_batch_size
         out["lora"] = list(self.lora)
@@ -180,7 +186,7 @@ class UserPlanner:
         self.simulated: dict[tuple, tuple[float, float, float, OpCosts] | None] = {}  # None: it failed
         self.failed: dict[tuple, str] = {}  # sets whose simulation failed: their first label and the error
         self.bounded = False  # every choice's speed_bound set (:meth:`bound`)
-        modes = MODES_TRIED if devices == 1 else ("eager",)  # the sharded runner runs eagerly
+        modes = MODES_TRIED  # sharded: fast mode is FSDP2 with compiled blocks, eager mode FSDP
         overhead = {m: card(_Floor(), gpu, m, devices) for m in modes}  # the card overhead alone, per GPU
         self.overhead_source = "; ".join(f"{m}: {o['overhead_source']}" for m, o in overhead.items())
         self.overhead_legend = "; ".join(f"{m} mode: {o['overhead_legend']}" for m, o in overhead.items())
@@ -199,23 +205,26 @@ class UserPlanner:
             if devices > 1 and (used.uses(ACTIVATION_OFFLOAD) or used.uses(OPTIMIZER_IN_BACKWARD)):
                 continue  # FSDP: with checkpointing or without (the sharded rungs' sets)
             over = overhead[mode]["overhead_gb"] or 0.0
-            for keeps in CHECKPOINT_MODES if used.uses(ACTIVATION_CHECKPOINTING) else ("full",):
-                for k in [1] if used.uses(OPTIMIZER_IN_BACKWARD) else divisors(batch_size):
-                    rung = runner.with_flags(model=ref, precision=prec, batch_size=batch_size,
-                                             accumulation_steps=k, optimizer=opt)  # fmt: skip
-                    frozen = (self.parameters - self.trainable) * (
-                        2 if prec in ("bf16-true", "16-true") else 4
-                    )
-                    lower = (
-                        static_bytes(rung, used, self.trainable) + frozen
-                    ) / GB / devices + over  # sharded
-                    c = Choice(rung, mode, used, lower, math.inf, speed_source=SPEED_SOURCE, overhead_gb=over,
-                               seq_len=self.seq_len, changes=changes, devices=devices, fused_loss=fuse,
-                               checkpoint_mode=keeps, lora=tuple(lora), target_len=self.target_len)  # fmt: skip
-                    self.choices.append(c)
+            offloads = (False, True) if devices > 1 and opt != "adamw8bit" else (False,)  # FSDP's CPU offload
+            for keeps, k, off in itertools.product(
+                CHECKPOINT_MODES if used.uses(ACTIVATION_CHECKPOINTING) else ("full",),
+                [1] if used.uses(OPTIMIZER_IN_BACKWARD) else divisors(batch_size), offloads,
+            ):  # fmt: skip
+                rung = runner.with_flags(model=ref, precision=prec, batch_size=batch_size,
+                                         accumulation_steps=k, optimizer=opt)  # fmt: skip
+                frozen = (self.parameters - self.trainable) * (2 if prec in ("bf16-true", "16-true") else 4)
+                lower = 0.0 if off else (static_bytes(rung, used, self.trainable) + frozen) / GB / devices
+                c = Choice(rung, mode, used, lower + over, math.inf, speed_source=SPEED_SOURCE, overhead_gb=over,
+                           seq_len=self.seq_len, changes=changes, devices=devices, fused_loss=fuse,
+                           checkpoint_mode=keeps, lora=tuple(lora), target_len=self.target_len,
+                           cpu_offload=off)  # fmt: skip
+                self.choices.append(c)
 
     def weights_gb(self) -> float:
-        """The weights alone in the narrowest precision the planner may use: no card below this fits."""
+        """The weights alone in the narrowest precision the planner may use: no card below this fits (with
+        several GPUs FSDP's CPU offload keeps them on the host: no floor)."""
+        if self.devices > 1:
+            return 0.0
         narrow = "bf16-true" if "precision" in self.may_change else self.precision
         return self.parameters * (2 if narrow in ("bf16-true", "16-true") else 4) / GB / self.devices
 
@@ -225,7 +234,7 @@ class UserPlanner:
         first (on a tie, fewer techniques, then the smaller lower bound)."""
         if self.bounded:
             return
-        plain = {c.plain: c for c in self.choices if not c.techniques.used}
+        plain = {c.plain: c for c in self.choices if not c.techniques.used and not c.cpu_offload}
         for c in self.choices:
             c.speed_bound = self.predict(plain[c.plain]).images_per_s
         self.choices.sort(key=lambda c: (-c.speed_bound, c.techniques.count(), c.lower_bound_gb))
@@ -242,7 +251,8 @@ class UserPlanner:
                             activation_offload=used.uses(ACTIVATION_OFFLOAD),
                             optimizer_in_backward=used.uses(OPTIMIZER_IN_BACKWARD),
                             sharding="fsdp" if c.devices > 1 else "none", checkpoint_mode=c.checkpoint_mode,
-                            fused_loss=c.fused_loss, shard_units=self.blocks, world_size=c.devices)  # fmt: skip
+                            fused_loss=c.fused_loss, shard_units=self.blocks, world_size=c.devices,
+                            cpu_offload=c.cpu_offload)  # fmt: skip
                 collector = (
                     OpCosts()
                 )  # the same simulation gives the op costs the step time is predicted from
@@ -286,7 +296,13 @@ class UserPlanner:
         seconds, detail = step_time.step_seconds(costs, self.ceilings, c.mode, graphs, self.compiled)
         c.model_flops = detail["model_flops_per_step"] / r.batch_size
         c.speed_source = f"model: the simulated step's op costs ({self.ceilings_source})"
-        return c.devices * r.batch_size / seconds
+        c.speed_source += f"; {host_offload.SOURCE}" if c.cpu_offload else ""
+        offload_s = (
+            host_offload.offload_seconds(self.parameters, c.devices, c.techniques.optimizer)
+            if c.cpu_offload
+            else 0.0
+        )
+        return c.devices * r.batch_size / (seconds + offload_s)  # every GPU its own batch (no comms modelled)
 
     def fit(self, budget_gb: float, top: int = 5) -> tuple[list[Choice], Choice | None]:
         """The ``top`` fastest choices predicted to fit, and the fastest predicted not to fit among those

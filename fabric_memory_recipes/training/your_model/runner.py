@@ -54,9 +54,14 @@ class YourModelConfig(RunConfig):
     fsdp: bool = flag(
         False,
         "technique",
-        "shard with FSDP over --devices CUDA GPUs, one unit per repeated block",
+        "shard with FSDP over --devices CUDA GPUs, one unit per repeated block (fast mode: FSDP2 with compiled"
+        " blocks, as rung 08's FSDP2 variant)",
         action=BOOL,
     )
+    cpu_offload: bool = flag(
+        False, "technique", "with --fsdp: each GPU's shard of the parameters and gradients in host memory, the"
+        " optimizer stepping there (FSDP's CPUOffload)", action=BOOL,
+    )  # fmt: skip
     tokenizer: str | None = flag(None, "technique", "tokenizer folder for real text (default: the model's)")
     lora_rank: int = flag(0, "technique", "LoRA: freeze the weights and train rank-R adapters (and a classifier's"
                           " head); 0: train every weight (training/techniques/lora.py)", type=at_least(0), metavar="R")  # fmt: skip
@@ -101,6 +106,7 @@ class YourModelConfig(RunConfig):
         flags += [techniques.LORA.flag, str(self.lora_rank)] if self.lora_rank else []
         flags += ["--lora-targets", self.lora_targets] if self.lora_rank and self.lora_targets else []
         flags += ["--checkpoint-mode", self.checkpoint_mode] if self.checkpoint_mode != "full" else []
+        flags += ["--cpu-offload"] if self.cpu_offload else []
         return flags + (["--optimizer", self.optimizer] if self.optimizer != "adamw" else [])
 
     def checked(self, hardware) -> YourModelConfig:
@@ -123,6 +129,8 @@ class YourModelConfig(RunConfig):
             raise UsageError("--lora-rank trains on one GPU here: leave out --fsdp")
         if c.lora_rank:
             lora.require_peft()
+        if c.cpu_offload and not c.fsdp:
+            raise UsageError("--cpu-offload offloads FSDP's shards: use it with --fsdp --devices N")
         c.sharding = "fsdp" if c.fsdp else "none"
         return c
 
