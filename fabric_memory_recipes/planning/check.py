@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections import Counter
@@ -14,7 +15,8 @@ from fabric_memory_recipes.console import program
 from fabric_memory_recipes.declarations import declared_rung
 from fabric_memory_recipes.measurement.results_file import SCHEMA_VERSION, estimate_error_pct, gpu_slug
 from fabric_memory_recipes.planning.overhead import card_prediction, predicted_reserved
-from fabric_memory_recipes.planning.plan import Estimate, plan_for
+from fabric_memory_recipes.planning.plan import Estimate, Plan, plan_for
+from fabric_memory_recipes.planning.simulation.cache import SimulationCache
 from fabric_memory_recipes.planning.simulation.simulate import simulate
 from fabric_memory_recipes.training.models import meta_ladder_model
 
@@ -76,10 +78,8 @@ RECORDED_PLAN = ("precision", "micro_batch_size", "accumulation_steps", "optimiz
                  "cpu_offload", "activation_offload", "optimizer_in_backward", "weights_offload", "fused_loss")  # fmt: skip
 
 
-def simulate_run(result: dict[str, Any]) -> Estimate:
-    """A committed run's step simulated again on a CPU (its allocations replayed: ``reserved_gb``): the
-    config it recorded on its recipe's declared rung, for CUDA, with the plan its recorded estimate
-    assumed where it says one (:data:`RECORDED_PLAN`)."""
+def _rerun(result: dict[str, Any]) -> tuple[Any, Plan, str | None, dict[str, Any]]:
+    """(model, plan, model name, what the simulation depends on) of a committed run simulated again."""
     rung, _ = declared_rung(result["recipe"])
     config = result.get("config") or {}
     flags = {f.name for f in RunConfig.flag_fields()}
@@ -87,9 +87,28 @@ def simulate_run(result: dict[str, Any]) -> Estimate:
     assumed = ((result.get("estimate") or {}).get("assumptions")) or {}
     assumed = {RENAMED_FIELDS.get(k, k): v for k, v in assumed.items()}
     plan = plan_for(cfg, **{k: assumed[k] for k in RECORDED_PLAN if k in assumed})
-    model = meta_ladder_model(config.get("model", "vit_l_16"), fused_attention=cfg.fused_attention,
-                              image_size=config.get("image_size"))  # fmt: skip
-    return simulate(model, plan, model_name=config.get("model"))
+    name, size = config.get("model"), config.get("image_size")
+    model = meta_ladder_model(name or "vit_l_16", fused_attention=cfg.fused_attention, image_size=size)
+    key = {"plan": dataclasses.asdict(plan), "model": name, "image_size": size, "fused": cfg.fused_attention}
+    return model, plan, name, key
+
+
+def simulate_run(result: dict[str, Any]) -> Estimate:
+    """A committed run's step simulated again on a CPU (its allocations replayed: ``reserved_gb``): the
+    config it recorded on its recipe's declared rung, for CUDA, with the plan its recorded estimate
+    assumed where it says one (:data:`RECORDED_PLAN`)."""
+    model, plan, name, _ = _rerun(result)
+    return simulate(model, plan, model_name=name)
+
+
+def replayed_of(result: dict[str, Any], cache: SimulationCache) -> float | None:
+    """The replayed peak reserved of a committed run's step (:func:`simulate_run`), from ``cache`` when
+    it holds it; None when the simulation fails."""
+    model, plan, name, key = _rerun(result)
+    try:
+        return cache.lookup(key, lambda: simulate(model, plan, model_name=name), result["recipe"])[2]
+    except RuntimeError:
+        return None
 
 
 def _replays(result: dict[str, Any]) -> bool:
@@ -100,14 +119,19 @@ def _replays(result: dict[str, Any]) -> bool:
 
 
 def check_results(
-    dirs: list[str], skipped: list[tuple[str, str]] | None = None, say: Callable[[str], None] | None = None
+    dirs: list[str],
+    skipped: list[tuple[str, str]] | None = None,
+    say: Callable[[str], None] | None = None,
+    cache: SimulationCache | None = None,
 ) -> list[dict[str, Any]]:
     """Compare every results JSON in ``dirs`` with its prediction: the one the recipe recorded
     (``estimate``), or, for runs made before recipes recorded one, a prediction from the recorded
     config and the recipe's declared rung. Only runs measured on CUDA with status ok are compared, and
     only the ViT rungs (the estimator does not model the Hugging Face bonus models). ``skipped``, when
     given, receives (file, why) for every other JSON file (its companions excepted: ``COMPANION``);
-    ``say``, when given, takes :func:`skipped_summary`'s lines, each starting with the program's name."""
+    ``say``, when given, takes :func:`skipped_summary`'s lines, each starting with the program's name.
+    A one-GPU run whose estimate did not record its allocator replay is replayed again (:func:`replayed_of`,
+    simulations kept in ``cache``, by default the planner's file)."""
     skipped = [] if skipped is None else skipped
     rows = []
     for d in dirs:
@@ -128,11 +152,12 @@ def check_results(
             config = result.get("config") or {}
             recorded = result.get("estimate") or {}
             replayed = recorded.get("peak_reserved_simulated_gb")
-            if recorded.get("peak_allocated_gb") is None or (replayed is None and _replays(result)):
-                again = simulate_run(result)
-                replayed = again.reserved_gb
-                if recorded.get("peak_allocated_gb") is None:
-                    recorded = again.to_dict()
+            if recorded.get("peak_allocated_gb") is None:
+                recorded = simulate_run(result).to_dict()
+                replayed = recorded["peak_reserved_simulated_gb"]
+            elif replayed is None and _replays(result):
+                cache = cache or SimulationCache()
+                replayed = replayed_of(result, cache)
             rows.append(
                 {
                     **device_check(result, recorded["peak_allocated_gb"], replayed),

@@ -182,21 +182,20 @@ RESERVED_RULE = (
 
 
 def replayed_card(replayed_gb: float | None, over: Overhead, processes: int = 1) -> dict[str, Any]:
-    """One simulated step's card from its allocator replay (``replayed_gb``, planning/simulation/allocator.py),
-    as the ladder's estimate and the estimate for your own model both take it: the replay is the
-    prediction of peak reserved (``replayed_reserved_gb``; + the card overhead, ``replayed_device_gb``:
+    """One simulated step's card from its allocator replay (``replayed_gb``:
+    planning/simulation/allocator.py), as the ladder's estimate and the estimate for your own model both
+    take it: the replay is the prediction of peak reserved (``replayed_reserved_gb``; + the card overhead, ``replayed_device_gb``:
     what ``--check`` compares with a run), and what a planner budgets is the replay x
     :data:`~fabric_memory_recipes.planning.simulation.allocator.RESIDUAL`, the largest measured/replayed
     ratio of the committed eager runs (``peak_reserved_gb``; + the overhead, ``device_peak_gb``: what fits
     a card)."""
     budget = None if replayed_gb is None else replayed_gb * RESIDUAL
+    device = None if replayed_gb is None or over.gb is None else replayed_gb + over.gb
     return {
         "peak_reserved_gb": None if budget is None else round(budget, 6),
         "device_peak_gb": None if budget is None or over.gb is None else round(budget + over.gb, 6),
         "replayed_reserved_gb": None if replayed_gb is None else round(replayed_gb, 6),
-        "replayed_device_gb": None
-        if replayed_gb is None or over.gb is None
-        else round(replayed_gb + over.gb, 6),
+        "replayed_device_gb": None if device is None else round(device, 6),
         "reserved_rule": RESERVED_RULE,
         "reserved_residual": RESIDUAL,
         "reserved_residual_source": RESIDUAL_SOURCE,
@@ -206,14 +205,15 @@ def replayed_card(replayed_gb: float | None, over: Overhead, processes: int = 1)
     }
 
 
-def card_prediction(allocated_gb: float | None, *, replayed_gb: float | None = None, graphs: bool, compiled: bool,
-                    gpu: str, sharded: ReservedRatio | None = None, table: dict[str, Any] | None = None,
-                    devices: int = 1) -> dict[str, Any]:  # fmt: skip
+def card_prediction(allocated_gb: float | None, *, replayed_gb: float | None = None, graphs: bool,
+                    compiled: bool, gpu: str, sharded: ReservedRatio | None = None,
+                    table: dict[str, Any] | None = None, devices: int = 1) -> dict[str, Any]:  # fmt: skip
     """A simulated step taken to the card, per GPU, with the overhead of ``gpu`` in its mode and with
     ``devices`` processes on the machine (:func:`overhead_per_gpu`). One process: :func:`replayed_card`
     of the step's allocator replay ``replayed_gb``. Several: the simulated peak allocated x the largest
     reserved/simulated ratio of the committed sharded runs (``sharded``; the replay models one stream,
-    not FSDP's all-gathers and reduce-scatters on streams of their own), the prediction and the budget alike."""
+    not FSDP's all-gathers and reduce-scatters on streams of their own), the prediction and the budget
+    alike."""
     over = overhead_per_gpu(gpu, "compiled" if compiled or graphs else "eager", devices, table)
     if devices > 1:
         ratio = sharded or committed_sharded_ratio()

@@ -1,6 +1,7 @@
 """How far measured peak reserved memory sits above the allocator replay's (planning/simulation/allocator.py), on
-the committed runs: where :data:`~fabric_memory_recipes.planning.simulation.allocator.RESIDUAL`, the margin the
-estimate for your own model adds (planning/your_model/estimate.py), comes from.
+the committed runs: where :data:`~fabric_memory_recipes.planning.simulation.allocator.RESIDUAL`, the margin that
+the planners budget over the replay (planning/overhead.py: ``replayed_card``, for the ladder's ``--fit`` and
+``--recipe`` and for your own model), comes from. The replay itself is the prediction that ``--check`` compares.
 
 The replay models the caching allocator's segments, best fit, splitting and merging on the tensors
 the simulation creates. What it cannot see are allocations no tensor of the simulation stands for:

@@ -18,6 +18,7 @@ from fabric_memory_recipes.planning.__main__ import main as estimate_main
 from fabric_memory_recipes.planning.check import check_results, render_check
 from fabric_memory_recipes.planning.planner import calibration
 from fabric_memory_recipes.planning.simulation.allocator import RESIDUAL
+from fabric_memory_recipes.planning.simulation.cache import SimulationCache
 from fabric_memory_recipes.planning.your_model import estimate as your_model_estimate
 from fabric_memory_recipes.training import lifecycle
 
@@ -267,7 +268,9 @@ def test_check_replays_a_run_that_did_not_record_its_replay_with_the_plan_it_rec
 
     def simulated(model, plan, model_name=None):
         plans.append(plan)
-        return SimpleNamespace(reserved_gb=0.15)
+        return SimpleNamespace(
+            error=None, peak_gb=0.09, activations_host_gb=0.0, reserved_gb=0.15, seconds=1.0
+        )
 
     monkeypatch.setattr(check, "simulate", simulated)
     run = {**run_json(compiled=False, peak_allocated_gb=0.1, run_peak_reserved_gb=0.2, device_peak_gb=1.0),
@@ -278,15 +281,18 @@ def test_check_replays_a_run_that_did_not_record_its_replay_with_the_plan_it_rec
         "assumptions": {"activation_offload": True, "checkpoint": []},
     }
     (tmp_path / "16_weights_on_cpu.json").write_text(json.dumps(run))
-    (row,) = check_results([str(tmp_path)])
+    cache = SimulationCache(use_disk=False)
+    (row,) = check_results([str(tmp_path)], cache=cache)
     (plan,) = plans
     assert plan.activation_offload and plan.activation_checkpointing == () and plan.weights_offload
     assert row["predicted_gb"] == 0.09, "the recorded peak allocated is what is compared"
     assert row["predicted_reserved_gb"] == 0.15 and row["reserved_error_pct"] == pytest.approx(-25.0)
     assert row["predicted_device_gb"] == pytest.approx(0.15 + 0.80)
+    assert check_results([str(tmp_path)], cache=cache)[0]["predicted_reserved_gb"] == 0.15 and len(plans) == 1
     run["estimate"]["peak_reserved_simulated_gb"] = 0.16  # recorded: taken as it is, nothing simulated
     (tmp_path / "16_weights_on_cpu.json").write_text(json.dumps(run))
-    assert check_results([str(tmp_path)])[0]["predicted_reserved_gb"] == 0.16 and len(plans) == 1
+    fresh = SimulationCache(use_disk=False)
+    assert check_results([str(tmp_path)], cache=fresh)[0]["predicted_reserved_gb"] == 0.16 and len(plans) == 1
 
 
 @pytest.fixture

@@ -25,24 +25,20 @@ version.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
-import os
 import shlex
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from fabric_memory_recipes.config import DATA_DIR, RECIPES_DIR, RunConfig
 from fabric_memory_recipes.declarations import declared_rung
 from fabric_memory_recipes.measurement.card_overhead import Overhead, card_overhead
-from fabric_memory_recipes.measurement.results_file import write_json_atomic
 from fabric_memory_recipes.planning.overhead import replayed_card
 from fabric_memory_recipes.planning.plan import CUDA_WORKSPACE_BYTES, GB, plan_for
 from fabric_memory_recipes.planning.planner import calibration
 from fabric_memory_recipes.planning.planner import speed as speed_mod
 from fabric_memory_recipes.planning.simulation.allocator import RESIDUAL
+from fabric_memory_recipes.planning.simulation.cache import SimulationCache
 from fabric_memory_recipes.planning.simulation.simulate import simulate
 from fabric_memory_recipes.techniques import (
     ACTIVATION_OFFLOAD,
@@ -67,16 +63,6 @@ NOT_PLANNED = {
     "16_weights_on_cpu": "its step is the CPU's Adam step and the PCIe copies, which the speed model does not"
     " model (its memory: python -m fabric_memory_recipes.planning --recipe 16)",
 }
-CACHE_ENV = "FMR_PLAN_CACHE"
-SOURCES = (  # what a cached simulation depends on, relative to the package
-    "planning/simulation/simulate.py",
-    "planning/simulation/modelled.py",
-    "planning/simulation/tracking.py",
-    "planning/simulation/allocator.py",
-    "planning/plan.py",
-    "training/models.py",
-    "training/data/__init__.py",
-)
 
 
 def rung_names(folder: Path = RECIPES_DIR) -> list[str]:
@@ -204,53 +190,6 @@ def enumerate_candidates(
     return out
 
 
-# ----------------------------------------------------------------------------------------- the cache
-class SimulationCache:
-    """(Peak allocated, bytes offloaded per micro-batch, replayed peak reserved) by :attr:`Candidate.key`,
-    in memory and in a JSON file; entries of another estimator source or torch version are not used."""
-
-    def __init__(self, path: str | None = None, use_disk: bool = True) -> None:
-        default = Path.home() / ".cache" / "fabric-memory-recipes" / "simulations.json"
-        self.path = Path(path or os.environ.get(CACHE_ENV) or default) if use_disk else None
-        here = Path(__file__).resolve().parents[2]  # the package
-        digest = hashlib.sha256(torch.__version__.encode())
-        for name in SOURCES:
-            digest.update((here / name).read_bytes())
-        self.version = digest.hexdigest()[:16]
-        self.entries: dict[str, list[float]] = {}
-        self.simulated = 0
-        self.seconds = 0.0
-        if self.path is not None:
-            try:
-                stored = json.loads(self.path.read_text())
-                if stored.get("version") == self.version:
-                    self.entries = stored["entries"]
-            except (OSError, ValueError, KeyError, AttributeError):
-                pass
-
-    def get(self, c: Candidate) -> tuple[float, float, float]:
-        key = json.dumps(c.key)
-        if key not in self.entries:
-            est = simulate(meta_ladder_model(c.rung.model), plan_for(c.rung.with_flags(accelerator="cuda")),
-                           model_name=c.rung.model)  # fmt: skip
-            if est.error or est.peak_gb is None:
-                raise RuntimeError(f"the simulation of {c.command} failed: {est.error}")
-            self.entries[key] = [est.peak_gb, est.activations_host_gb, est.reserved_gb]
-            self.simulated += 1
-            self.seconds += est.seconds
-            self._save()
-        return tuple(self.entries[key])
-
-    def _save(self) -> None:
-        if self.path is None:
-            return
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            write_json_atomic(str(self.path), {"version": self.version, "entries": self.entries})
-        except OSError:
-            self.path = None  # an unwritable cache only costs time
-
-
 # ---------------------------------------------------------------------------------------- the search
 @dataclasses.dataclass
 class Fit:
@@ -313,7 +252,12 @@ class Planner:
     def predict(self, c: Candidate) -> Candidate:
         """Simulate (or take from the cache): the predicted peak reserved and, with offload, the speed."""
         if c.predicted_gb is None:
-            c.simulated_gb, c.offloaded_gb, c.replayed_gb = self.cache.get(c)
+            rung = c.rung.with_flags(accelerator="cuda")
+
+            def simulated():
+                return simulate(meta_ladder_model(rung.model), plan_for(rung), model_name=rung.model)
+
+            c.simulated_gb, c.offloaded_gb, c.replayed_gb = self.cache.lookup(c.key, simulated, c.command)
             c.predicted_gb = replayed_card(c.replayed_gb, self.overheads[c.mode])["peak_reserved_gb"]
             if c.images_per_s is None:
                 c.images_per_s = self._speed(c, c.offloaded_gb)
