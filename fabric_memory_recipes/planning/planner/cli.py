@@ -140,7 +140,8 @@ def render(fit: Fit, verbose: bool = False, written: str | None = None) -> str:
         f"Searched {fit.considered} configurations; simulated {fit.cache.simulated} in this call"
         f" ({fit.cache.seconds:.1f} s), the rest from the cache, ruled out by arithmetic (weights +"
         " gradients + optimizer state over the budget) or slower than the picks.",
-        f"Peak reserved = {RESERVED_RULE}: x {RESIDUAL}, {RESIDUAL_SOURCE}.",
+        f"Peak reserved = the simulated step replayed through a model of the caching allocator x {RESIDUAL}:",
+        f"  the largest measured/replayed ratio of the committed eager runs ({RESIDUAL_SOURCE})",
         f"img/s: 'measured' = median of committed {fit.gpu} runs of that command; 'model' = "
         + (
             f"calibrated on the committed {fit.gpu} runs ({fit.speed.own} constants; the rest from"
