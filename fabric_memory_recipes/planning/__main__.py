@@ -107,11 +107,16 @@ def _unwritable(folder: str) -> str | None:
 
 
 def card_lines(card: dict[str, Any]) -> str:
-    """The card below the component table: peak reserved and whole-device peak, with their sources."""
+    """The card below the component table: peak reserved (the allocator replay, and x the margin a
+    planner budgets) and the whole-device peak, with their sources."""
     device = card["device_peak_gb"]
+    if card["replayed_reserved_gb"] is None:  # several processes: the sharded ratio
+        reserved = f"  {'peak reserved':<22}{card['peak_reserved_gb']:>11.3f}   {card['reserved_rule']}"
+    else:
+        reserved = (f"  {'peak reserved':<22}{card['peak_reserved_gb']:>11.3f}   the allocator replay's"
+                    f" {card['replayed_reserved_gb']:.3f} x {card['reserved_residual']} (planning/reserved.py)")  # fmt: skip
     return "\n".join([
-        f"  {'peak reserved':<22}{card['peak_reserved_gb']:>11.3f}   x {card['reserved_ratio']:.3f}:"
-        f" {card['reserved_ratio_source']}",
+        reserved,
         f"  {'whole-device peak':<22}{device:>11.3f}   + {card['overhead_gb']:.3f} GB outside the allocator"
         f" ({card['overhead_source']})"
         if device is not None
@@ -146,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         record_timeline=bool(args.plot),
         model_name=cfg.model,
     )
-    card = card_prediction(est.peak_gb, graphs=bool(cfg.cuda_graphs), compiled=bool(cfg.compile), gpu=args.gpu,
+    card = card_prediction(est.peak_gb, replayed_gb=est.reserved_gb, graphs=bool(cfg.cuda_graphs),
+                           compiled=bool(cfg.compile), gpu=args.gpu,
                            devices=cfg.world_size if cfg.sharding != "none" else 1)  # fmt: skip
     if args.json:
         print(json.dumps({"recipe": label, **est.to_dict(), **card}, indent=2))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections import Counter
@@ -9,12 +10,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fabric_memory_recipes.config import VIT_MODELS, RunConfig
+from fabric_memory_recipes.config import RENAMED_FIELDS, VIT_MODELS, RunConfig
 from fabric_memory_recipes.console import program
 from fabric_memory_recipes.declarations import declared_rung
 from fabric_memory_recipes.measurement.results_file import SCHEMA_VERSION, estimate_error_pct, gpu_slug
-from fabric_memory_recipes.planning.overhead import card_prediction
-from fabric_memory_recipes.planning.plan import plan_for
+from fabric_memory_recipes.planning.overhead import card_prediction, predicted_reserved
+from fabric_memory_recipes.planning.plan import Estimate, Plan, plan_for
+from fabric_memory_recipes.planning.simulation.cache import SimulationCache
 from fabric_memory_recipes.planning.simulation.simulate import simulate
 from fabric_memory_recipes.training.models import meta_ladder_model
 
@@ -69,15 +71,67 @@ def _skip_reason(result: Any) -> str | None:
     return None
 
 
+# What a results JSON's ``estimate.assumptions`` record of the plan its run simulated: what the run
+# built or declared beyond its flags (rung 16's activation offload, say), taken as recorded.
+RECORDED_PLAN = ("precision", "micro_batch_size", "accumulation_steps", "optimizer", "optimizer_impl",
+                 "activation_checkpointing", "checkpoint_mode", "sharding", "shard_units", "world_size",
+                 "cpu_offload", "activation_offload", "optimizer_in_backward", "weights_offload", "fused_loss")  # fmt: skip
+
+
+def _rerun(result: dict[str, Any]) -> tuple[Any, Plan, str | None, dict[str, Any]]:
+    """(model, plan, model name, what the simulation depends on) of a committed run simulated again."""
+    rung, _ = declared_rung(result["recipe"])
+    config = result.get("config") or {}
+    flags = {f.name for f in RunConfig.flag_fields()}
+    cfg = rung.with_flags(**{**{k: v for k, v in config.items() if k in flags}, "accelerator": "cuda"})
+    assumed = ((result.get("estimate") or {}).get("assumptions")) or {}
+    assumed = {RENAMED_FIELDS.get(k, k): v for k, v in assumed.items()}
+    plan = plan_for(cfg, **{k: assumed[k] for k in RECORDED_PLAN if k in assumed})
+    name, size = config.get("model"), config.get("image_size")
+    model = meta_ladder_model(name or "vit_l_16", fused_attention=cfg.fused_attention, image_size=size)
+    key = {"plan": dataclasses.asdict(plan), "model": name, "image_size": size, "fused": cfg.fused_attention}
+    return model, plan, name, key
+
+
+def simulate_run(result: dict[str, Any]) -> Estimate:
+    """A committed run's step simulated again on a CPU (its allocations replayed: ``reserved_gb``): the
+    config it recorded on its recipe's declared rung, for CUDA, with the plan its recorded estimate
+    assumed where it says one (:data:`RECORDED_PLAN`)."""
+    model, plan, name, _ = _rerun(result)
+    return simulate(model, plan, model_name=name)
+
+
+def replayed_of(result: dict[str, Any], cache: SimulationCache) -> float | None:
+    """The replayed peak reserved of a committed run's step (:func:`simulate_run`), from ``cache`` when
+    it holds it; None when the simulation fails."""
+    model, plan, name, key = _rerun(result)
+    try:
+        return cache.lookup(key, lambda: simulate(model, plan, model_name=name), result["recipe"])[2]
+    except RuntimeError:
+        return None
+
+
+def _replays(result: dict[str, Any]) -> bool:
+    """Whether the check needs the run's allocator replay: a one-GPU run that measured peak reserved
+    (several processes take the sharded ratio: planning/overhead.py)."""
+    memory, prov = result.get("memory") or {}, result.get("provenance") or {}
+    return prov.get("world_size", 1) == 1 and memory.get("run_peak_reserved_gb") is not None
+
+
 def check_results(
-    dirs: list[str], skipped: list[tuple[str, str]] | None = None, say: Callable[[str], None] | None = None
+    dirs: list[str],
+    skipped: list[tuple[str, str]] | None = None,
+    say: Callable[[str], None] | None = None,
+    cache: SimulationCache | None = None,
 ) -> list[dict[str, Any]]:
     """Compare every results JSON in ``dirs`` with its prediction: the one the recipe recorded
     (``estimate``), or, for runs made before recipes recorded one, a prediction from the recorded
     config and the recipe's declared rung. Only runs measured on CUDA with status ok are compared, and
     only the ViT rungs (the estimator does not model the Hugging Face bonus models). ``skipped``, when
     given, receives (file, why) for every other JSON file (its companions excepted: ``COMPANION``);
-    ``say``, when given, takes :func:`skipped_summary`'s lines, each starting with the program's name."""
+    ``say``, when given, takes :func:`skipped_summary`'s lines, each starting with the program's name.
+    A one-GPU run whose estimate did not record its allocator replay is replayed again (:func:`replayed_of`,
+    simulations kept in ``cache``, by default the planner's file)."""
     skipped = [] if skipped is None else skipped
     rows = []
     for d in dirs:
@@ -95,23 +149,18 @@ def check_results(
             if reason is not None:
                 skipped.append((str(path), reason))
                 continue
-            rung, _ = declared_rung(result["recipe"])
             config = result.get("config") or {}
             recorded = result.get("estimate") or {}
+            replayed = recorded.get("peak_reserved_simulated_gb")
             if recorded.get("peak_allocated_gb") is None:
-                flags = {f.name for f in RunConfig.flag_fields()}
-                recorded_flags = {k: v for k, v in config.items() if k in flags}
-                cfg = rung.with_flags(**{**recorded_flags, "accelerator": "cuda"})
-                plan = plan_for(cfg)
-                model = meta_ladder_model(
-                    config.get("model", "vit_l_16"),
-                    fused_attention=cfg.fused_attention,
-                    image_size=config.get("image_size"),
-                )
-                recorded = simulate(model, plan, model_name=config.get("model")).to_dict()
+                recorded = simulate_run(result).to_dict()
+                replayed = recorded["peak_reserved_simulated_gb"]
+            elif replayed is None and _replays(result):
+                cache = cache or SimulationCache()
+                replayed = replayed_of(result, cache)
             rows.append(
                 {
-                    **device_check(result, recorded["peak_allocated_gb"]),
+                    **device_check(result, recorded["peak_allocated_gb"], replayed),
                     "file": str(path),
                     "recipe": result["recipe"],
                     "gpu": (result.get("provenance") or {}).get("gpu_name"),
@@ -133,24 +182,30 @@ def _pct(predicted: float | None, measured: float | None) -> float | None:
     return None if predicted is None or not measured else 100.0 * (predicted - measured) / measured
 
 
-def device_check(result: dict[str, Any], allocated_gb: float | None) -> dict[str, Any]:
-    """The card-level check of one run: predicted peak reserved and whole-device peak
-    (fabric_memory_recipes.planning.overhead.card_prediction) against what the run measured, per GPU:
-    with several processes on the machine, their measured overhead per GPU (NCCL's buffers too)."""
+def device_check(
+    result: dict[str, Any], allocated_gb: float | None, replayed_gb: float | None = None
+) -> dict[str, Any]:
+    """The card-level check of one run: predicted peak reserved (the step's allocator replay
+    ``replayed_gb``; several processes: the sharded ratio) and whole-device peak (that + the measured
+    card overhead: fabric_memory_recipes.planning.overhead.card_prediction) against what the run
+    measured, per GPU: with several processes on the machine, their measured overhead per GPU (NCCL's
+    buffers too)."""
     memory, config = result.get("memory") or {}, result.get("config") or {}
     prov = result.get("provenance") or {}
     devices = int(config.get("devices") or 1) if prov.get("world_size", 1) > 1 else 1
-    card = card_prediction(allocated_gb, graphs=bool(config.get("cuda_graphs")), compiled=bool(config.get("compile")),
-                           gpu=gpu_slug(prov.get("gpu_name")), devices=devices)  # fmt: skip
+    card = card_prediction(allocated_gb, replayed_gb=replayed_gb, graphs=bool(config.get("cuda_graphs")),
+                           compiled=bool(config.get("compile")), gpu=gpu_slug(prov.get("gpu_name")),
+                           devices=devices)  # fmt: skip
+    predicted, device = predicted_reserved(card)
     reserved = memory.get("run_peak_reserved_gb")
     measured = memory.get("device_peak_gb")
     return {
-        "predicted_reserved_gb": card["peak_reserved_gb"],
+        "predicted_reserved_gb": predicted,
         "measured_reserved_gb": reserved,
-        "reserved_error_pct": _pct(card["peak_reserved_gb"], reserved),
-        "predicted_device_gb": card["device_peak_gb"],
+        "reserved_error_pct": _pct(predicted, reserved),
+        "predicted_device_gb": device,
         "measured_device_gb": measured,
-        "device_error_pct": _pct(card["device_peak_gb"], measured),
+        "device_error_pct": _pct(device, measured),
         "overhead_gb": card["overhead_gb"],
         "measured_overhead_gb": memory.get("device_overhead_gb"),
         "overhead_source": card["overhead_source"],
@@ -162,14 +217,15 @@ def _cell(value: float | None, spec: str) -> str:
     return "—" if value is None else format(value, spec)
 
 
-def render_check(rows: list[dict[str, Any]], tolerance_pct: float = 10.0) -> str:
-    """Predicted vs measured as a markdown table: peak allocated, and where the runs measured it, the
-    whole-device peak (predicted reserved + the card overhead) with the overheads, and a summary."""
+def render_check(rows: list[dict[str, Any]], tolerance_pct: float = 5.0) -> str:
+    """Predicted vs measured as a markdown table: peak allocated, and where the runs measured it, peak
+    reserved (the allocator replay) and the whole-device peak (that + the card overhead) with the
+    overheads, and a summary."""
     device = any(r.get("measured_device_gb") is not None for r in rows)
-    extra = " predicted reserved GB | measured reserved GB | predicted device GB | measured device GB | device error | overhead used / measured GB |"
+    extra = " predicted reserved GB | measured reserved GB | reserved error | predicted device GB | measured device GB | device error | overhead used / measured GB |"
     lines = [
         "| run | GPU | compile | predicted GB | measured GB | error |" + (extra if device else ""),
-        "|---|---|---|---:|---:|---:|" + ("---:|" * 6 if device else ""),
+        "|---|---|---|---:|---:|---:|" + ("---:|" * 7 if device else ""),
     ]
     for r in rows:
         gpu = (r["gpu"] or "?").replace("NVIDIA ", "")
@@ -182,6 +238,7 @@ def render_check(rows: list[dict[str, Any]], tolerance_pct: float = 10.0) -> str
         if device:
             line += (
                 f" {_cell(r.get('predicted_reserved_gb'), '.3f')} | {_cell(r.get('measured_reserved_gb'), '.3f')} |"
+                f" {_cell(r.get('reserved_error_pct'), '+.1f')}% |"
                 f" {_cell(r.get('predicted_device_gb'), '.3f')} | {_cell(r.get('measured_device_gb'), '.3f')} |"
                 f" {_cell(r.get('device_error_pct'), '+.1f')}% |"
                 f" {_cell(r.get('overhead_gb'), '.3f')} / {_cell(r.get('measured_overhead_gb'), '.3f')} |"
@@ -192,16 +249,18 @@ def render_check(rows: list[dict[str, Any]], tolerance_pct: float = 10.0) -> str
     return "\n".join(lines)
 
 
-def device_summary(rows: list[dict[str, Any]], tolerance_pct: float = 10.0) -> list[str]:
-    """How far the predicted whole-device peaks are from the measured ones, and the overheads used."""
-    errors = [r["device_error_pct"] for r in rows if r.get("device_error_pct") is not None]
+def device_summary(rows: list[dict[str, Any]], tolerance_pct: float = 5.0) -> list[str]:
+    """How far the predicted peaks reserved and whole-device peaks are from the measured ones, and the
+    overheads used."""
     out = []
-    if errors:
-        within = sum(abs(e) <= tolerance_pct for e in errors)
-        out.append(
-            f"Whole-device peak: {len(errors)} runs, error {min(errors):+.1f}% to {max(errors):+.1f}%;"
-            f" {within} of {len(errors)} within ±{tolerance_pct:g}%"
-        )
+    for key, what in (("reserved_error_pct", "Peak reserved"), ("device_error_pct", "Whole-device peak")):
+        errors = [r[key] for r in rows if r.get(key) is not None]
+        if errors:
+            within = sum(abs(e) <= tolerance_pct for e in errors)
+            out.append(
+                f"{what}: {len(errors)} runs, error {min(errors):+.1f}% to {max(errors):+.1f}%;"
+                f" {within} of {len(errors)} within ±{tolerance_pct:g}%"
+            )
     missing = [
         r["file"]
         for r in rows

@@ -39,6 +39,7 @@ from typing import Any
 from fabric_memory_recipes.console import Parser
 from fabric_memory_recipes.measurement.card_overhead import (
     TABLE_FILE,
+    Overhead,
     card_overhead,  # noqa: F401 - re-exported: the planner and its tests read it here
     load_table,
     overhead_mode,
@@ -48,10 +49,9 @@ from fabric_memory_recipes.measurement.results_file import GB, SCHEMA_VERSION, g
 from fabric_memory_recipes.planning.planner.calibration import (
     RESULTS_DIR,
     ReservedRatio,
-    load_runs,
-    reserved_ratios,
     sharded_reserved_ratio,
 )
+from fabric_memory_recipes.planning.simulation.allocator import RESIDUAL, RESIDUAL_SOURCE
 
 REPO = Path(__file__).resolve().parents[2]
 _SIZE = r"([\d.]+) (GiB|MiB|KiB|B)\b"
@@ -175,37 +175,65 @@ def measure(folders: list[str | Path]) -> dict[str, Any]:
     }
 
 
-@functools.cache
-def committed_ratios() -> dict[str, ReservedRatio]:
-    """The planner's reserved/simulated ratios, from the committed runs only (a run being checked
-    must not calibrate its own prediction)."""
-    return reserved_ratios(load_runs((str(RESULTS_DIR),)))
+RESERVED_RULE = (
+    "the simulated step replayed through a model of the caching allocator (planning/simulation/allocator.py)"
+    " x the largest measured/replayed ratio of the committed eager runs (planning/reserved.py)"
+)
 
 
-def card_prediction(allocated_gb: float | None, *, graphs: bool, compiled: bool, gpu: str,
-                    ratios: dict[str, ReservedRatio] | None = None,
-                    table: dict[str, Any] | None = None, devices: int = 1) -> dict[str, Any]:  # fmt: skip
-    """A simulated peak allocated (per GPU) taken to the card: peak reserved (x the largest measured
-    reserved/simulated ratio of the mode, as the planner does; with ``devices`` > 1 processes on the
-    machine, of the committed sharded runs) and whole-device peak (+ the overhead per GPU of ``gpu`` in
-    that mode with that many processes: :func:`overhead_per_gpu`), each with its source."""
-    if devices > 1:
-        ratio = (ratios or {}).get("sharded") or committed_sharded_ratio()
-    else:
-        ratio = (ratios or committed_ratios())["fast" if graphs else "eager"]
-    over = overhead_per_gpu(gpu, "compiled" if compiled or graphs else "eager", devices, table)
-    reserved = None if allocated_gb is None else allocated_gb * ratio.ratio
+def replayed_card(replayed_gb: float | None, over: Overhead, processes: int = 1) -> dict[str, Any]:
+    """One simulated step's card from its allocator replay (``replayed_gb``:
+    planning/simulation/allocator.py), as the ladder's estimate and the estimate for your own model both
+    take it: the replay is the prediction of peak reserved (``replayed_reserved_gb``; + the card overhead, ``replayed_device_gb``:
+    what ``--check`` compares with a run), and what a planner budgets is the replay x
+    :data:`~fabric_memory_recipes.planning.simulation.allocator.RESIDUAL`, the largest measured/replayed
+    ratio of the committed eager runs (``peak_reserved_gb``; + the overhead, ``device_peak_gb``: what fits
+    a card)."""
+    budget = None if replayed_gb is None else replayed_gb * RESIDUAL
+    device = None if replayed_gb is None or over.gb is None else replayed_gb + over.gb
     return {
-        "gpu": gpu,
-        "peak_allocated_gb": allocated_gb,
-        "peak_reserved_gb": reserved,
-        "device_peak_gb": None if reserved is None or over.gb is None else reserved + over.gb,
-        "reserved_ratio": ratio.ratio,
-        "reserved_ratio_source": ratio.line(),
+        "peak_reserved_gb": None if budget is None else round(budget, 6),
+        "device_peak_gb": None if budget is None or over.gb is None else round(budget + over.gb, 6),
+        "replayed_reserved_gb": None if replayed_gb is None else round(replayed_gb, 6),
+        "replayed_device_gb": None if device is None else round(device, 6),
+        "reserved_rule": RESERVED_RULE,
+        "reserved_residual": RESIDUAL,
+        "reserved_residual_source": RESIDUAL_SOURCE,
         "overhead_gb": over.gb,
         "overhead_source": over.source,
-        "devices": devices,
+        "overhead_legend": over.phrase(processes),  # 'measured' only where it was
     }
+
+
+def card_prediction(allocated_gb: float | None, *, replayed_gb: float | None = None, graphs: bool,
+                    compiled: bool, gpu: str, sharded: ReservedRatio | None = None,
+                    table: dict[str, Any] | None = None, devices: int = 1) -> dict[str, Any]:  # fmt: skip
+    """A simulated step taken to the card, per GPU, with the overhead of ``gpu`` in its mode and with
+    ``devices`` processes on the machine (:func:`overhead_per_gpu`). One process: :func:`replayed_card`
+    of the step's allocator replay ``replayed_gb``. Several: the simulated peak allocated x the largest
+    reserved/simulated ratio of the committed sharded runs (``sharded``; the replay models one stream,
+    not FSDP's all-gathers and reduce-scatters on streams of their own), the prediction and the budget
+    alike."""
+    over = overhead_per_gpu(gpu, "compiled" if compiled or graphs else "eager", devices, table)
+    if devices > 1:
+        ratio = sharded or committed_sharded_ratio()
+        reserved = None if allocated_gb is None else allocated_gb * ratio.ratio
+        device = None if reserved is None or over.gb is None else reserved + over.gb
+        card = {"peak_reserved_gb": reserved, "device_peak_gb": device, "replayed_reserved_gb": None,
+                "replayed_device_gb": None, "reserved_rule": f"peak allocated x {ratio.line()}",
+                "reserved_ratio": ratio.ratio, "overhead_gb": over.gb, "overhead_source": over.source,
+                "overhead_legend": over.phrase(devices)}  # fmt: skip
+    else:
+        card = replayed_card(replayed_gb, over)
+    return {"gpu": gpu, "peak_allocated_gb": allocated_gb, **card, "devices": devices}
+
+
+def predicted_reserved(card: dict[str, Any]) -> tuple[float | None, float | None]:
+    """(peak reserved, whole-device peak) that a card predicts for a run: the replay's, or with several
+    processes the sharded ratio's (what ``--check`` compares)."""
+    if card["devices"] > 1:
+        return card["peak_reserved_gb"], card["device_peak_gb"]
+    return card["replayed_reserved_gb"], card["replayed_device_gb"]
 
 
 @functools.cache

@@ -1,6 +1,7 @@
 """How far measured peak reserved memory sits above the allocator replay's (planning/simulation/allocator.py), on
-the committed runs: where :data:`~fabric_memory_recipes.planning.simulation.allocator.RESIDUAL`, the margin the
-estimate for your own model adds (planning/your_model/estimate.py), comes from.
+the committed runs: where :data:`~fabric_memory_recipes.planning.simulation.allocator.RESIDUAL`, the margin that
+the planners budget over the replay (planning/overhead.py: ``replayed_card``, for the ladder's ``--fit`` and
+``--recipe`` and for your own model), comes from. The replay itself is the prediction that ``--check`` compares.
 
 The replay models the caching allocator's segments, best fit, splitting and merging on the tensors
 the simulation creates. What it cannot see are allocations no tensor of the simulation stands for:
@@ -21,25 +22,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from fabric_memory_recipes.config import RunConfig
-from fabric_memory_recipes.declarations import declared_rung
-from fabric_memory_recipes.planning.plan import plan_for
+from fabric_memory_recipes.planning.check import simulate_run
 from fabric_memory_recipes.planning.planner import calibration
 from fabric_memory_recipes.planning.simulation.allocator import RESIDUAL
-from fabric_memory_recipes.planning.simulation.simulate import simulate
-from fabric_memory_recipes.training.models import meta_ladder_model
 
 
 def replayed(run: calibration.Measured) -> float:
     """The replayed peak reserved (GB) of one committed run's configuration."""
-    payload = json.loads((calibration.RESULTS_DIR / run.path).read_text())
-    config = payload["config"]
-    rung, _ = declared_rung(run.recipe)
-    flags = {f.name for f in RunConfig.flag_fields()}
-    cfg = rung.with_flags(**{**{k: v for k, v in config.items() if k in flags}, "accelerator": "cuda"})
-    model = meta_ladder_model(config.get("model", "vit_l_16"), fused_attention=cfg.fused_attention,
-                       image_size=config.get("image_size"))  # fmt: skip
-    return simulate(model, plan_for(cfg)).reserved_gb
+    return simulate_run(json.loads((calibration.RESULTS_DIR / run.path).read_text())).reserved_gb
 
 
 def residuals(runs: tuple[calibration.Measured, ...] | None = None) -> list[dict[str, Any]]:

@@ -5,16 +5,21 @@ used by the estimator (peak reserved, whole-device peak), --check and --memory-b
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from fabric_memory_recipes.config import RunConfig, UsageError
+from fabric_memory_recipes.declarations import declared_rung
 from fabric_memory_recipes.measurement import card_overhead
-from fabric_memory_recipes.planning import overhead
+from fabric_memory_recipes.planning import check, overhead
 from fabric_memory_recipes.planning.__main__ import main as estimate_main
 from fabric_memory_recipes.planning.check import check_results, render_check
 from fabric_memory_recipes.planning.planner import calibration
+from fabric_memory_recipes.planning.simulation.allocator import RESIDUAL
+from fabric_memory_recipes.planning.simulation.cache import SimulationCache
+from fabric_memory_recipes.planning.your_model import estimate as your_model_estimate
 from fabric_memory_recipes.training import lifecycle
 
 OOM = (
@@ -158,7 +163,7 @@ def test_without_a_measurement_the_closest_sharded_one_is_assumed_and_said_to_be
 def test_a_sharded_prediction_uses_the_sharded_ratio_and_the_overhead_per_gpu(tmp_path):
     ratio = calibration.ReservedRatio("sharded", 1.08, 3, 1.0, "s.json")
     card = overhead.card_prediction(
-        3.0, graphs=False, compiled=True, gpu="h100", ratios={"sharded": ratio}, table=SHARDED, devices=4
+        3.0, graphs=False, compiled=True, gpu="h100", sharded=ratio, table=SHARDED, devices=4
     )
     assert card["peak_reserved_gb"] == pytest.approx(3.24) and card["device_peak_gb"] == pytest.approx(5.34)
     assert card["devices"] == 4 and "x4" in card["overhead_source"]
@@ -191,27 +196,41 @@ def test_an_unknown_kind_or_mode_takes_the_largest_measured_and_says_so():
     assert nothing.gb is None and "no measured overhead" in nothing.source
 
 
-def test_the_card_prediction_adds_the_ratio_and_the_overhead():
-    ratios = {
-        m: calibration.ReservedRatio(m, r, 3, 1.0, "x.json") for m, r in (("fast", 1.1), ("eager", 1.2))
-    }
-    card = overhead.card_prediction(1.0, graphs=True, compiled=True, gpu="h100", ratios=ratios, table=TABLE)
-    assert card["peak_reserved_gb"] == pytest.approx(1.1) and card["device_peak_gb"] == pytest.approx(1.97)
+def test_the_card_prediction_is_the_allocator_replay_and_the_overhead():
+    """One process: peak reserved is the step's allocator replay (the prediction --check compares), and
+    the replay x RESIDUAL is what a planner budgets, as the estimate for your own model takes it; the
+    whole-device peak adds the overhead of the GPU kind and mode. It was the simulated peak allocated x
+    the largest reserved/allocated ratio of the committed runs of the mode."""
+    card = overhead.card_prediction(1.0, replayed_gb=1.2, graphs=True, compiled=True, gpu="h100", table=TABLE)
+    assert card["replayed_reserved_gb"] == 1.2 and card["replayed_device_gb"] == pytest.approx(1.2 + 0.87)
+    assert card["peak_reserved_gb"] == pytest.approx(1.2 * RESIDUAL)
+    assert card["device_peak_gb"] == pytest.approx(1.2 * RESIDUAL + 0.87)
+    assert overhead.predicted_reserved(card) == (card["replayed_reserved_gb"], card["replayed_device_gb"])
     eager = overhead.card_prediction(
-        1.0, graphs=False, compiled=False, gpu="h100", ratios=ratios, table=TABLE
+        1.0, replayed_gb=1.2, graphs=False, compiled=False, gpu="h100", table=TABLE
     )
-    assert eager["peak_reserved_gb"] == pytest.approx(1.2) and eager["device_peak_gb"] == pytest.approx(2.0)
+    assert eager["replayed_device_gb"] == pytest.approx(1.2 + 0.80)
     none = overhead.card_prediction(
-        1.0, graphs=False, compiled=False, gpu="h100", ratios=ratios, table={"kinds": {}}
+        1.0, replayed_gb=1.2, graphs=False, compiled=False, gpu="h100", table={"kinds": {}}
     )
-    assert none["device_peak_gb"] is None and none["peak_reserved_gb"] == pytest.approx(1.2)
+    assert none["device_peak_gb"] is None and none["replayed_device_gb"] is None
+    assert none["replayed_reserved_gb"] == 1.2
+    est = SimpleNamespace(peak_gb=1.0, reserved_gb=1.2)
+    over = card_overhead.card_overhead("h100", "fast")
+    mine = your_model_estimate.card(est, "h100", "fast")
+    assert {k: mine[k] for k in ("peak_reserved_gb", "device_peak_gb", "replayed_reserved_gb")} == {
+        k: overhead.replayed_card(1.2, over)[k]
+        for k in ("peak_reserved_gb", "device_peak_gb", "replayed_reserved_gb")
+    }, "the ladder's estimate and your model's take the replay to the card alike"
 
 
 def test_the_estimator_prints_reserved_and_whole_device_peaks(capsys):
     argv = ["--recipe", "14_memory_floor", "--model", "vit_tiny"]
     assert estimate_main([*argv, "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
-    assert d["peak_reserved_gb"] == pytest.approx(d["peak_allocated_gb"] * d["reserved_ratio"])
+    assert d["replayed_reserved_gb"] == pytest.approx(d["peak_reserved_simulated_gb"], abs=1e-6)
+    assert d["replayed_reserved_gb"] >= d["peak_allocated_gb"]
+    assert d["peak_reserved_gb"] == pytest.approx(d["replayed_reserved_gb"] * RESIDUAL, abs=1e-5)
     over = overhead.card_overhead("h100", "fast")
     assert d["overhead_gb"] == over.gb and d["overhead_source"] == over.source
     assert d["device_peak_gb"] == pytest.approx(d["peak_reserved_gb"] + over.gb)
@@ -219,22 +238,61 @@ def test_the_estimator_prints_reserved_and_whole_device_peaks(capsys):
     assert estimate_main(argv) == 0
     out = capsys.readouterr().out
     assert "peak reserved" in out and "whole-device peak" in out and "outside the allocator" in out
+    assert f"the allocator replay's {d['replayed_reserved_gb']:.3f} x {RESIDUAL}" in out
 
 
 def test_check_compares_the_whole_device_peak(tmp_path, monkeypatch):
     monkeypatch.setattr(card_overhead, "load_table", lambda path=None: TABLE)
-    estimate = {"peak_allocated_gb": 1.0, "peak_phase": "backward"}
+    estimate = {"peak_allocated_gb": 1.0, "peak_reserved_simulated_gb": 1.02, "peak_phase": "backward"}
     measured = {"peak_allocated_gb": 1.0, "run_peak_reserved_gb": 1.05, "device_peak_gb": 1.9,
                 "device_overhead_gb": 0.85, "device_method": "nvml-device"}  # fmt: skip
     (tmp_path / "a.json").write_text(json.dumps({**run_json(**measured), "estimate": estimate}))
     (tmp_path / "b.json").write_text(json.dumps({**run_json(peak_allocated_gb=1.0), "estimate": estimate}))
     rows = check_results([str(tmp_path)])
-    ratio = overhead.committed_ratios()["fast"].ratio
-    assert rows[0]["predicted_device_gb"] == pytest.approx(ratio + 0.87)
-    assert rows[0]["device_error_pct"] == pytest.approx(100 * ((ratio + 0.87) / 1.9 - 1))
+    assert rows[0]["predicted_reserved_gb"] == 1.02
+    assert rows[0]["reserved_error_pct"] == pytest.approx(100 * (1.02 / 1.05 - 1))
+    assert rows[0]["predicted_device_gb"] == pytest.approx(1.02 + 0.87)
+    assert rows[0]["device_error_pct"] == pytest.approx(100 * ((1.02 + 0.87) / 1.9 - 1))
     assert rows[1]["measured_device_gb"] is None and rows[1]["device_error_pct"] is None
     text = render_check(rows)
     assert "measured device GB" in text and "Whole-device peak: 1 runs" in text and "h100 compiled" in text
+    assert "Peak reserved: 1 runs, error -2.9% to -2.9%; 1 of 1 within ±5%" in text
+
+
+def test_check_replays_a_run_that_did_not_record_its_replay_with_the_plan_it_recorded(tmp_path, monkeypatch):
+    """Runs made before the estimate recorded its replay are simulated again, with the plan their
+    estimate assumed where it differs from the declared rung (rung 16 declares no activation offload; its
+    run offloaded, and its recorded estimate says so)."""
+    monkeypatch.setattr(card_overhead, "load_table", lambda path=None: TABLE)
+    plans = []
+
+    def simulated(model, plan, model_name=None):
+        plans.append(plan)
+        return SimpleNamespace(
+            error=None, peak_gb=0.09, activations_host_gb=0.0, reserved_gb=0.15, seconds=1.0
+        )
+
+    monkeypatch.setattr(check, "simulate", simulated)
+    run = {**run_json(compiled=False, peak_allocated_gb=0.1, run_peak_reserved_gb=0.2, device_peak_gb=1.0),
+           "recipe": "16_weights_on_cpu"}  # fmt: skip
+    assert not declared_rung("16_weights_on_cpu")[0].activation_offload, "the declared rung alone"
+    run["estimate"] = {
+        "peak_allocated_gb": 0.09,
+        "assumptions": {"activation_offload": True, "checkpoint": []},
+    }
+    (tmp_path / "16_weights_on_cpu.json").write_text(json.dumps(run))
+    cache = SimulationCache(use_disk=False)
+    (row,) = check_results([str(tmp_path)], cache=cache)
+    (plan,) = plans
+    assert plan.activation_offload and plan.activation_checkpointing == () and plan.weights_offload
+    assert row["predicted_gb"] == 0.09, "the recorded peak allocated is what is compared"
+    assert row["predicted_reserved_gb"] == 0.15 and row["reserved_error_pct"] == pytest.approx(-25.0)
+    assert row["predicted_device_gb"] == pytest.approx(0.15 + 0.80)
+    assert check_results([str(tmp_path)], cache=cache)[0]["predicted_reserved_gb"] == 0.15 and len(plans) == 1
+    run["estimate"]["peak_reserved_simulated_gb"] = 0.16  # recorded: taken as it is, nothing simulated
+    (tmp_path / "16_weights_on_cpu.json").write_text(json.dumps(run))
+    fresh = SimulationCache(use_disk=False)
+    assert check_results([str(tmp_path)], cache=fresh)[0]["predicted_reserved_gb"] == 0.16 and len(plans) == 1
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """What the committed GPU runs say, for the planner (``python -m fabric_memory_recipes.planning --fit``): how far a
-run's peak *reserved* memory sits above the simulated peak *allocated* (:func:`reserved_ratios`), and
-how fast a configuration trained (:func:`measured_speed`; ``fabric_memory_recipes.planning.planner.speed`` models the rest).
+sharded run's peak *reserved* memory sits above the simulated peak *allocated* (:func:`sharded_reserved_ratio`;
+one GPU's is the allocator replay, planning/reserved.py), and how fast a configuration trained (:func:`measured_speed`; ``fabric_memory_recipes.planning.planner.speed`` models the rest).
 
 Every results JSON below the folders given (by default the repository's ``results/``, recursively) is
 read the same way, so new runs (a ``results/published/h100/compare/`` call, say) count without a change here. A
@@ -20,7 +20,7 @@ from typing import Any
 from fabric_memory_recipes.config import DATA_DIR, VIT_MODELS, RunConfig
 from fabric_memory_recipes.declarations import declared_rung
 from fabric_memory_recipes.measurement.results_file import SCHEMA_VERSION, gpu_slug
-from fabric_memory_recipes.techniques import MODES, TechniqueSet
+from fabric_memory_recipes.techniques import TechniqueSet
 
 REPO = Path(__file__).resolve().parents[3]  # the checkout
 RESULTS_DIR = REPO / "results"  # the committed runs (results/published/)
@@ -216,25 +216,6 @@ class ReservedRatio:
             f"{self.mode}: x {self.ratio:.3f}, the largest of {self.runs} committed runs"
             f" ({self.smallest:.3f}-{self.ratio:.3f}; largest: {self.worst})"
         )
-
-
-def reserved_ratios(runs: tuple[Measured, ...]) -> dict[str, ReservedRatio]:
-    """For 'fast' (CUDA graphs: warm-up, compilation and the graph's pool included) and 'eager'."""
-    out = {}
-    for mode in MODES:
-        pairs = [
-            (r.reserved_gb / r.estimate_gb, r.path)
-            for r in runs
-            if r.estimate_gb and r.path not in SUPERSEDED_MEMORY
-            and (r.mode in ("fast", "graphs")) == (mode == "fast")
-        ]  # fmt: skip
-        if pairs:
-            worst = max(pairs)
-            out[mode] = ReservedRatio(mode, worst[0], len(pairs), min(pairs)[0], worst[1])
-        else:
-            value, why = BUILT_IN_RESERVED_RATIO
-            out[mode] = ReservedRatio(mode, value, 0, value, why)
-    return out
 
 
 def measured_speed(

@@ -15,9 +15,11 @@ import sys
 from typing import Any
 
 from fabric_memory_recipes.console import fail
+from fabric_memory_recipes.planning.overhead import RESERVED_RULE
 from fabric_memory_recipes.planning.plan import GB
 from fabric_memory_recipes.planning.planner import calibration
 from fabric_memory_recipes.planning.planner.fit import Fit, Planner, SimulationCache
+from fabric_memory_recipes.planning.simulation.allocator import RESIDUAL, RESIDUAL_SOURCE
 
 SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(gb|g|gib|mb|m|mib)?\s*$", re.IGNORECASE)
 UNITS = {"gb": 1.0, "g": 1.0, "gib": 2**30 / GB, "mb": 1e-3, "m": 1e-3, "mib": 2**20 / GB}
@@ -80,7 +82,7 @@ def to_json(fit: Fit) -> dict[str, Any]:
         "fits": [c.to_dict() for c in fit.fits],
         "rejected": fit.rejected.to_dict() if fit.rejected else None,
         "smallest": fit.smallest.to_dict() if fit.smallest else None,
-        "reserved_ratio": {m: r.ratio for m, r in fit.ratios.items()},
+        "reserved_rule": RESERVED_RULE, "reserved_residual": RESIDUAL,
         "overhead": {m: o.to_dict() for m, o in fit.overheads.items()},
         "answers_for": "a card" if all(o.gb is not None for o in fit.overheads.values()) else "the allocator",
         "searched": {"candidates": fit.considered, "simulated": fit.cache.simulated, "ruled_out_unsimulated": fit.bounded},
@@ -125,7 +127,7 @@ def render(fit: Fit, verbose: bool = False, written: str | None = None) -> str:
         s = fit.smallest
         lines += [
             f"Nothing fits in {size}. The smallest predicted peak is {s.card_gb:.2f} GB"
-            f" (simulated {s.simulated_gb:.2f} GB allocated x {fit.ratios[s.mode].ratio:.3f}"
+            f" (the allocator replay's {s.replayed_gb:.2f} GB reserved x {RESIDUAL}"
             f" + {s.overhead_gb:.2f} GB outside the allocator):",
             header, _row("-", s),
         ]  # fmt: skip
@@ -138,8 +140,8 @@ def render(fit: Fit, verbose: bool = False, written: str | None = None) -> str:
         f"Searched {fit.considered} configurations; simulated {fit.cache.simulated} in this call"
         f" ({fit.cache.seconds:.1f} s), the rest from the cache, ruled out by arithmetic (weights +"
         " gradients + optimizer state over the budget) or slower than the picks.",
-        "Peak reserved = simulated peak allocated x the largest reserved/simulated ratio of committed runs:",
-        *(f"  {r.line()}" for r in fit.ratios.values()),
+        f"Peak reserved = the simulated step replayed through a model of the caching allocator x {RESIDUAL}:",
+        f"  the largest measured/replayed ratio of the committed eager runs ({RESIDUAL_SOURCE})",
         f"img/s: 'measured' = median of committed {fit.gpu} runs of that command; 'model' = "
         + (
             f"calibrated on the committed {fit.gpu} runs ({fit.speed.own} constants; the rest from"

@@ -5,10 +5,9 @@ for the requested effective batch; the optimizer (Adam, SGD, 8-bit Adam); activa
 activation offload and the step in backward (each with the rung that runs it); fast or eager mode.
 For each combination it predicts
 
-* the peak *reserved* memory: the simulated peak allocated (:func:`~fabric_memory_recipes.planning.simulation.simulate.simulate`)
-  times the largest reserved/simulated ratio of the committed runs of that mode
-  (:func:`~fabric_memory_recipes.planning.planner.calibration.reserved_ratios`; in fast mode the runs' peaks include the
-  warm-up, compilation and the CUDA graph's pool),
+* the peak *reserved* memory: the simulated step replayed through a model of the caching allocator
+  (planning/simulation/allocator.py) x the largest measured/replayed ratio of the committed eager runs,
+  as your own model's estimate budgets it (:func:`~fabric_memory_recipes.planning.overhead.replayed_card`),
 * the whole-device peak a card must hold: that plus the measured card overhead of the GPU kind and
   mode (CUDA context, libraries, kernels: :mod:`~fabric_memory_recipes.planning.overhead`); a
   budget is a card's memory, and a configuration fits when this is within it, and
@@ -26,22 +25,20 @@ version.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
-import os
 import shlex
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from fabric_memory_recipes.config import DATA_DIR, RECIPES_DIR, RunConfig
 from fabric_memory_recipes.declarations import declared_rung
 from fabric_memory_recipes.measurement.card_overhead import Overhead, card_overhead
-from fabric_memory_recipes.measurement.results_file import write_json_atomic
+from fabric_memory_recipes.planning.overhead import replayed_card
 from fabric_memory_recipes.planning.plan import CUDA_WORKSPACE_BYTES, GB, plan_for
 from fabric_memory_recipes.planning.planner import calibration
 from fabric_memory_recipes.planning.planner import speed as speed_mod
+from fabric_memory_recipes.planning.simulation.allocator import RESIDUAL
+from fabric_memory_recipes.planning.simulation.cache import SimulationCache
 from fabric_memory_recipes.planning.simulation.simulate import simulate
 from fabric_memory_recipes.techniques import (
     ACTIVATION_OFFLOAD,
@@ -66,15 +63,6 @@ NOT_PLANNED = {
     "16_weights_on_cpu": "its step is the CPU's Adam step and the PCIe copies, which the speed model does not"
     " model (its memory: python -m fabric_memory_recipes.planning --recipe 16)",
 }
-CACHE_ENV = "FMR_PLAN_CACHE"
-SOURCES = (  # what a cached simulation depends on, relative to the package
-    "planning/simulation/simulate.py",
-    "planning/simulation/modelled.py",
-    "planning/simulation/tracking.py",
-    "planning/plan.py",
-    "training/models.py",
-    "training/data/__init__.py",
-)
 
 
 def rung_names(folder: Path = RECIPES_DIR) -> list[str]:
@@ -107,7 +95,8 @@ class Candidate:
     speed_source: str = "model"
     simulated_gb: float | None = None
     offloaded_gb: float | None = None
-    predicted_gb: float | None = None  # peak reserved
+    replayed_gb: float | None = None  # peak reserved, the allocator replay
+    predicted_gb: float | None = None  # peak reserved budgeted: the replay x RESIDUAL (replayed_card)
     overhead_gb: float = 0.0  # the card overhead of the GPU kind and mode (0 when none is measured)
 
     @property
@@ -148,9 +137,9 @@ class Candidate:
             "precision": self.rung.precision, "batch_size": self.rung.batch_size,
             "accumulation_steps": self.rung.accumulation_steps, "technique": self.techniques.label(),
             "predicted_peak_gb": self.predicted_gb, "simulated_peak_allocated_gb": self.simulated_gb,
-            "overhead_gb": self.overhead_gb, "predicted_device_peak_gb": self.card_gb,
-            "lower_bound_gb": self.lower_bound_gb, "predicted_images_per_s": self.images_per_s,
-            "speed_source": self.speed_source,
+            "replayed_peak_reserved_gb": self.replayed_gb, "overhead_gb": self.overhead_gb,
+            "predicted_device_peak_gb": self.card_gb, "lower_bound_gb": self.lower_bound_gb,
+            "predicted_images_per_s": self.images_per_s, "speed_source": self.speed_source,
         }  # fmt: skip
 
 
@@ -201,53 +190,6 @@ def enumerate_candidates(
     return out
 
 
-# ----------------------------------------------------------------------------------------- the cache
-class SimulationCache:
-    """Simulated (peak allocated, bytes offloaded per micro-batch) by :attr:`Candidate.key`, in memory
-    and in a JSON file; entries from another estimator source or torch version are not used."""
-
-    def __init__(self, path: str | None = None, use_disk: bool = True) -> None:
-        default = Path.home() / ".cache" / "fabric-memory-recipes" / "simulations.json"
-        self.path = Path(path or os.environ.get(CACHE_ENV) or default) if use_disk else None
-        here = Path(__file__).resolve().parents[2]  # the package
-        digest = hashlib.sha256(torch.__version__.encode())
-        for name in SOURCES:
-            digest.update((here / name).read_bytes())
-        self.version = digest.hexdigest()[:16]
-        self.entries: dict[str, list[float]] = {}
-        self.simulated = 0
-        self.seconds = 0.0
-        if self.path is not None:
-            try:
-                stored = json.loads(self.path.read_text())
-                if stored.get("version") == self.version:
-                    self.entries = stored["entries"]
-            except (OSError, ValueError, KeyError, AttributeError):
-                pass
-
-    def get(self, c: Candidate) -> tuple[float, float]:
-        key = json.dumps(c.key)
-        if key not in self.entries:
-            est = simulate(meta_ladder_model(c.rung.model), plan_for(c.rung.with_flags(accelerator="cuda")),
-                           model_name=c.rung.model)  # fmt: skip
-            if est.error or est.peak_gb is None:
-                raise RuntimeError(f"the simulation of {c.command} failed: {est.error}")
-            self.entries[key] = [est.peak_gb, est.activations_host_gb]
-            self.simulated += 1
-            self.seconds += est.seconds
-            self._save()
-        return tuple(self.entries[key])
-
-    def _save(self) -> None:
-        if self.path is None:
-            return
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            write_json_atomic(str(self.path), {"version": self.version, "entries": self.entries})
-        except OSError:
-            self.path = None  # an unwritable cache only costs time
-
-
 # ---------------------------------------------------------------------------------------- the search
 @dataclasses.dataclass
 class Fit:
@@ -263,7 +205,6 @@ class Fit:
     considered: int
     bounded: int  # ruled out by arithmetic, unsimulated
     cache: SimulationCache
-    ratios: dict[str, calibration.ReservedRatio]
     speed: speed_mod.SpeedModel
     overheads: dict[str, Overhead]  # by mode: what a card holds beside the allocator
 
@@ -279,7 +220,6 @@ class Planner:
         self.batch_size, self.model, self.gpu = batch_size, model, gpu
         self.overheads = {m: card_overhead(gpu, m, overhead_table) for m in MODES}
         self.runs = calibration.load_runs(folders or (str(calibration.RESULTS_DIR),))
-        self.ratios = calibration.reserved_ratios(self.runs)
         self.parameters = sum(p.numel() for p in meta_ladder_model(model).parameters())
         self.speed = speed_mod.speed_model(gpu, model, self.parameters, self.runs)
         self.cache = cache or SimulationCache()
@@ -287,9 +227,9 @@ class Planner:
         for rung, used, mode in enumerate_candidates(
             batch_size, model, precisions, modes, optimizers, recipes
         ):
-            ratio, over = self.ratios[mode].ratio, self.overheads[mode].gb or 0.0
-            c = Candidate(rung, mode, used, ratio * static_bytes(rung, used, self.parameters) / GB + over, 0.0,
-                          overhead_gb=over)  # fmt: skip
+            over = self.overheads[mode].gb or 0.0  # the replay holds at least the static bytes
+            bound = RESIDUAL * static_bytes(rung, used, self.parameters) / GB + over
+            c = Candidate(rung, mode, used, bound, 0.0, overhead_gb=over)
             measured = calibration.measured_speed(self.runs, gpu, model, used, rung.precision, batch_size,
                                                   rung.accumulation_steps, mode)  # fmt: skip
             if measured:
@@ -312,8 +252,13 @@ class Planner:
     def predict(self, c: Candidate) -> Candidate:
         """Simulate (or take from the cache): the predicted peak reserved and, with offload, the speed."""
         if c.predicted_gb is None:
-            c.simulated_gb, c.offloaded_gb = self.cache.get(c)
-            c.predicted_gb = c.simulated_gb * self.ratios[c.mode].ratio
+            rung = c.rung.with_flags(accelerator="cuda")
+
+            def simulated():
+                return simulate(meta_ladder_model(rung.model), plan_for(rung), model_name=rung.model)
+
+            c.simulated_gb, c.offloaded_gb, c.replayed_gb = self.cache.lookup(c.key, simulated, c.command)
+            c.predicted_gb = replayed_card(c.replayed_gb, self.overheads[c.mode])["peak_reserved_gb"]
             if c.images_per_s is None:
                 c.images_per_s = self._speed(c, c.offloaded_gb)
         return c
@@ -325,7 +270,7 @@ class Planner:
         rejected = fastest(too_big, self.predict)
         smallest_one = None if fits else self.smallest()
         return Fit(budget_gb, self.batch_size, self.model, self.gpu, fits, rejected, smallest_one,
-                   len(self.candidates), bounded, self.cache, self.ratios, self.speed, self.overheads)  # fmt: skip
+                   len(self.candidates), bounded, self.cache, self.speed, self.overheads)  # fmt: skip
 
     def fastest_rejected(self, budget_gb: float) -> Candidate | None:
         """The fastest configuration of all predicted not to fit (``devtools.planner_proof`` runs it).

@@ -22,8 +22,8 @@ import torch
 from fabric_memory_recipes.console import notice
 from fabric_memory_recipes.measurement.card_overhead import overhead_per_gpu
 from fabric_memory_recipes.measurement.results_file import gpu_slug
+from fabric_memory_recipes.planning.overhead import replayed_card
 from fabric_memory_recipes.planning.plan import Estimate, Plan, plan_for
-from fabric_memory_recipes.planning.simulation.allocator import RESIDUAL, RESIDUAL_SOURCE
 from fabric_memory_recipes.planning.simulation.costs import OpCosts
 from fabric_memory_recipes.planning.simulation.simulate import failed, simulate
 from fabric_memory_recipes.planning.your_model import saved_file
@@ -32,11 +32,6 @@ from fabric_memory_recipes.training.techniques import fused_loss, lora
 from fabric_memory_recipes.training.your_model import models
 from fabric_memory_recipes.training.your_model.models import UserModel
 from fabric_memory_recipes.training.your_model.runner import YourModelConfig
-
-RESERVED_RULE = (
-    "the simulated step replayed through a model of the caching allocator (planning/simulation/allocator.py)"
-    " x the largest measured/replayed ratio of the committed eager runs (planning/reserved.py)"
-)
 
 
 @functools.cache
@@ -104,27 +99,14 @@ def estimate(
 
 
 def card(est: Estimate, gpu: str = "h100", mode: str = "eager", devices: int = 1) -> dict[str, Any]:
-    """Peak reserved and whole-device peak of ``est`` on a card of kind ``gpu`` (:data:`RESERVED_RULE`),
-    per GPU; ``devices`` > 1 (``--fsdp``): the measured overhead per GPU of that many processes."""
+    """Peak reserved and whole-device peak of ``est`` on a card of kind ``gpu`` (:data:`RESERVED_RULE`,
+    planning/overhead.py: :func:`replayed_card`, as the ladder's estimate takes it), per GPU; ``devices`` >
+    1 (``--fsdp``): the measured overhead per GPU of that many processes."""
     over = overhead_per_gpu(gpu, mode, devices)
     if est.peak_gb is None:
         return {"peak_reserved_gb": None, "device_peak_gb": None, "overhead_legend": over.phrase(devices)}
     replayed = est.reserved_gb if est.reserved_gb is not None else est.peak_gb  # a CPU plan: no allocator
-    value = replayed * RESIDUAL
-    return {
-        "peak_reserved_gb": round(value, 6),
-        "device_peak_gb": None if over.gb is None else round(value + over.gb, 6),
-        "reserved_rule": RESERVED_RULE,
-        "replayed_reserved_gb": round(replayed, 6),
-        "reserved_residual": RESIDUAL,
-        "reserved_residual_source": RESIDUAL_SOURCE,
-        "overhead_gb": over.gb,
-        "overhead_source": over.source,
-        "overhead_legend": over.phrase(devices),  # 'measured' only where it was
-        "gpu": gpu,
-        "mode": mode,
-        "devices": devices,
-    }
+    return {**replayed_card(replayed, over, devices), "gpu": gpu, "mode": mode, "devices": devices}
 
 
 def for_user_run(
