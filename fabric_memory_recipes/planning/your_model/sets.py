@@ -49,13 +49,13 @@ from fabric_memory_recipes.planning.your_model.estimate import card, estimate, m
 from fabric_memory_recipes.techniques import (
     ACTIVATION_CHECKPOINTING,
     ACTIVATION_OFFLOAD,
-    FUSED_LOSS,
     MODES,
     OPTIMIZER_IN_BACKWARD,
     PLANNED,
     PRECISIONS,
     TechniqueSet,
     subset,
+    switches,
 )
 from fabric_memory_recipes.training.models import meta_ladder_model
 from fabric_memory_recipes.training.techniques import checkpointing
@@ -75,8 +75,8 @@ SETS = (
     (OPTIMIZER_IN_BACKWARD,),
     (ACTIVATION_CHECKPOINTING, OPTIMIZER_IN_BACKWARD),
 )
-# The runner's other choices each set is tried with: its mode, what a checkpointed block keeps, and (a causal
-# LM's) the fused loss.
+# The runner's other choices each set is tried with: its mode, what a checkpointed block keeps, and the
+# switches its model's task allows (techniques.switches(): a causal LM's fused loss), on and off.
 MODES_TRIED = subset(MODES, "fast", "eager")
 CHECKPOINT_MODES = checkpointing.MODES
 SPEED_SOURCE = "model: the ladder's step model, compute scaled by training FLOPs per sample"
@@ -102,19 +102,19 @@ class Choice(Candidate):
     seq_len: int | None = None  # text models: tokens per sample
     changes: tuple[advice.Cost, ...] = ()
     devices: int = 1  # > 1: FSDP over that many GPUs (--fsdp --devices N); memory is per GPU
-    fused_loss: bool = False  # --fused-loss (a causal LM's loss without its logits)
+    switched: tuple[str, ...] = ()  # the switches on (techniques.switches(), by name: --fused-loss)
     checkpoint_mode: str = "full"  # --checkpoint-mode, with checkpointing
     model_flops: float = 0.0  # training FLOPs per sample (the model's, without recompute): for the MFU
 
     @property
     def key(self) -> tuple:
-        return (*super().key, self.devices, self.fused_loss, self.checkpoint_mode)
+        return (*super().key, self.devices, self.switched, self.checkpoint_mode)
 
     @property
     def family(self) -> tuple:
         """The set without its micro-batch: what the table shows once, at its largest micro-batch that fits."""
         r = self.rung
-        return (r.precision, self.techniques, self.mode, self.devices, self.fused_loss, self.checkpoint_mode)
+        return (r.precision, self.techniques, self.mode, self.devices, self.switched, self.checkpoint_mode)
 
     def mfu(self, peak_flops: float | None) -> float | None:
         """Model FLOPs utilisation the predicted speed means (the model's FLOPs, not the recompute's)."""
@@ -129,7 +129,7 @@ class Choice(Candidate):
                 str(r.accumulation_steps), "--optimizer", used.optimizer]  # fmt: skip
         out += [t.flag for t in PLANNED if used.uses(t)]
         out += ["--checkpoint-mode", self.checkpoint_mode] if self.checkpoint_mode != "full" else []
-        out += [FUSED_LOSS.flag] if self.fused_loss else []
+        out += [t.flag for t in switches() if t.name in self.switched]
         out += ["--mode", self.mode]
         return out + (["--fsdp", "--devices", str(self.devices)] if self.devices > 1 else [])
 
@@ -141,8 +141,8 @@ class Choice(Candidate):
             label = label.replace(
                 ACTIVATION_CHECKPOINTING.label, f"{self.checkpoint_mode} {ACTIVATION_CHECKPOINTING.label}"
             )
-        if self.fused_loss:
-            label = label.replace(f", {self.mode}", f" + {FUSED_LOSS.label}, {self.mode}")
+        for t in (t for t in switches() if t.name in self.switched):
+            label = label.replace(f", {self.mode}", f" + {t.label}, {self.mode}")
         return label + sharded + (f" [changes {changed}]" if changed else "")
 
     def to_dict(self) -> dict[str, Any]:
@@ -150,7 +150,8 @@ class Choice(Candidate):
         out["predicted_samples_per_s"] = out.pop("predicted_images_per_s")  # images or sequences
         out["changes"] = [dataclasses.asdict(c) | {"line": c.line()} for c in self.changes]
         out["devices"] = self.devices
-        out["fused_loss"], out["checkpoint_mode"] = self.fused_loss, self.checkpoint_mode
+        out.update({t.name: t.name in self.switched for t in switches()})
+        out["checkpoint_mode"] = self.checkpoint_mode
         out["micro_batch_size"] = self.rung.micro_batch_size
         return out
 
@@ -207,9 +208,10 @@ class UserPlanner:
         runner = user_run.default_config()
         precisions = _first(precision, PRECISIONS_TRIED if "precision" in self.may_change else ())
         optimizers = _first(optimizer, OPTIMIZERS_TRIED if "optimizer" in self.may_change else ())
-        fused = (False, True) if self.um.task == "causal_lm" else (False,)
+        allowed = [t.name for t in switches() if not t.tasks or self.um.task in t.tasks]
+        switched = [s for n in range(len(allowed) + 1) for s in itertools.combinations(allowed, n)]
         self.choices = []
-        for prec, opt, mode, fuse, on in itertools.product(precisions, optimizers, modes, fused, SETS):
+        for prec, opt, mode, switch, on in itertools.product(precisions, optimizers, modes, switched, SETS):
             changes = tuple(advice.cost(what, value, gpu) for what, value, mine in
                             (("precision", prec, precision), ("optimizer", opt, optimizer)) if value != mine)  # fmt: skip
             used = TechniqueSet.of(opt, *on)
@@ -224,7 +226,7 @@ class UserPlanner:
                                              accumulation_steps=k, optimizer=opt)  # fmt: skip
                     lower = static_bytes(rung, used, self.parameters) / GB / devices + over  # sharded
                     c = Choice(rung, mode, used, lower, 0.0, speed_source=SPEED_SOURCE, overhead_gb=over,
-                               seq_len=self.seq_len, changes=changes, devices=devices, fused_loss=fuse,
+                               seq_len=self.seq_len, changes=changes, devices=devices, switched=switch,
                                checkpoint_mode=keeps, model_flops=self.flops)  # fmt: skip
                     c.speed_bound = self._speed(c, 0.0)
                     self.choices.append(c)
@@ -246,7 +248,7 @@ class UserPlanner:
     def predict(self, c: Choice) -> Choice:
         if c.predicted_gb is None:
             r, used = c.rung, c.techniques
-            key = (r.precision, used, r.micro_batch_size, min(r.accumulation_steps, 2), c.devices, c.fused_loss,
+            key = (r.precision, used, r.micro_batch_size, min(r.accumulation_steps, 2), c.devices, c.switched,
                    c.checkpoint_mode, c.mode)  # fmt: skip
             if key not in self.simulated:
                 plan = Plan(precision=r.precision, micro_batch_size=r.micro_batch_size,
@@ -255,7 +257,7 @@ class UserPlanner:
                             activation_offload=used.uses(ACTIVATION_OFFLOAD),
                             optimizer_in_backward=used.uses(OPTIMIZER_IN_BACKWARD),
                             sharding="fsdp" if c.devices > 1 else "none", checkpoint_mode=c.checkpoint_mode,
-                            fused_loss=c.fused_loss, shard_units=self.blocks, world_size=c.devices)  # fmt: skip
+                            switched=c.switched, shard_units=self.blocks, world_size=c.devices)  # fmt: skip
                 collector = (
                     OpCosts()
                 )  # the same simulation gives the op costs the step time is predicted from

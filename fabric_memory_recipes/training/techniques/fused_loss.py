@@ -152,6 +152,12 @@ def predicted_ids(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
                       for i in range(0, hidden.shape[0], step)])  # fmt: skip
 
 
+def apply(model: torch.nn.Module, batch_fn=None):
+    """What the recipe's lines do (``--fused-loss``), for the estimate: the output projection fused into the
+    loss, and the loss's batch function returned in place of ``batch_fn``."""
+    return causal_lm_loss(fuse_output_embeddings(model))
+
+
 def causal_lm_loss(head: HiddenStates):
     """batch_fn for a causal LM whose output embeddings are fused (``fabric_memory_recipes.training.loop``):
     next-token loss on the completion tokens. Training makes no logits, so it reports no token accuracy
