@@ -19,9 +19,14 @@ from fabric_memory_recipes.training import cli
 from fabric_memory_recipes.training.your_model import runner
 
 HALVED = techniques.Technique(
-    "halved_loss", "halved loss", "halved_loss", "your_model", flag="--halved-loss",
-    help="causal LMs: half the loss (a technique that exists only in this test)", tasks=("causal_lm",),
-)  # fmt: skip
+    "halved_loss",
+    "halved loss",
+    "halved_loss",
+    "your_model",
+    flag="--halved-loss",
+    help="causal LMs: half the loss (a technique that exists only in this test)",
+    tasks=("causal_lm",),
+)
 
 
 @pytest.fixture
@@ -42,9 +47,17 @@ def halved(monkeypatch):
 
 @pytest.fixture
 def causal_lm(tmp_path) -> str:
-    config = dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=32, intermediate_size=64,
-                  num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, vocab_size=512,
-                  tie_word_embeddings=True)  # fmt: skip
+    config = dict(
+        model_type="qwen2",
+        architectures=["Qwen2ForCausalLM"],
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=512,
+        tie_word_embeddings=True,
+    )
     (tmp_path / "config.json").write_text(json.dumps(config))
     return f"hf:{tmp_path / 'config.json'}"
 
