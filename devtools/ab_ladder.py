@@ -35,8 +35,15 @@ def script(checkout: Path, rung: str) -> Path:
     return sorted((checkout / "recipes").glob(f"{rung}_*.py"), key=lambda p: len(p.name))[0]
 
 
-def run(checkout: Path, rung: str, mode: str, flags: list[str], out: Path, timeout: float,
-        runner: Runner = execute) -> dict:  # fmt: skip
+def run(
+    checkout: Path,
+    rung: str,
+    mode: str,
+    flags: list[str],
+    out: Path,
+    timeout: float,
+    runner: Runner = execute,
+) -> dict:
     """One recipe run in its own process group, killed after ``timeout`` seconds (fabric_memory_recipes.processes's
     ``execute``); returns its results JSON, or what is known when it wrote none."""
     path = script(checkout, rung)
@@ -78,14 +85,18 @@ def ratio(new: float | None, base: float | None) -> float | None:
 
 def write(out: Path, rows: list[dict]) -> list[str]:
     """OUT/ab.md and OUT/ab.json from the rows so far (after every pair: a killed call keeps them)."""
-    lines = ["| rung | mode | reserved GB base → new | allocated GB base → new | img/s base → new | pass |",
-             "|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| rung | mode | reserved GB base → new | allocated GB base → new | img/s base → new | pass |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if "base" not in r:
             lines.append(f"| {r['rung']} | {r['mode']} | {r['status']} | | | |")
             continue
-        lines.append(f"| {r['rung']} | {r['mode']} | {cell(r, 'reserved_gb', '.3f')} | {cell(r, 'allocated_gb', '.3f')}"
-                     f" | {cell(r, 'images_per_s', '.1f')} | {'yes' if r['pass'] else 'NO'} |")  # fmt: skip
+        lines.append(
+            f"| {r['rung']} | {r['mode']} | {cell(r, 'reserved_gb', '.3f')} | {cell(r, 'allocated_gb', '.3f')}"
+            f" | {cell(r, 'images_per_s', '.1f')} | {'yes' if r['pass'] else 'NO'} |"
+        )
     out.mkdir(parents=True, exist_ok=True)
     (out / "ab.md").write_text("\n".join(lines) + "\n")
     (out / "ab.json").write_text(json.dumps(rows, indent=2) + "\n")
@@ -118,8 +129,10 @@ def main(argv: list[str] | None = None, runner: Runner = execute) -> int:
                 sides.reverse()
             n += 1
             timeout = max(1.0, min(args.timeout, args.budget - (time.monotonic() - start)))
-            got = {side: numbers(run(path, rung, mode, args.flags, args.out / side, timeout, runner))
-                   for side, path in sides}  # fmt: skip
+            got = {
+                side: numbers(run(path, rung, mode, args.flags, args.out / side, timeout, runner))
+                for side, path in sides
+            }
             b, a = got["base"], got["new"]
             row = {"rung": rung, "mode": mode, "base": b, "new": a}
             for key in ("reserved_gb", "allocated_gb", "images_per_s"):
@@ -129,8 +142,9 @@ def main(argv: list[str] | None = None, runner: Runner = execute) -> int:
             row["pass"] = (
                 a["status"] == b["status"] == "ok"
                 and all(r is not None and abs(r - 1) <= args.memory_tolerance for r in mem)
-                and speed is not None and abs(speed - 1) <= args.speed_tolerance
-            )  # fmt: skip
+                and speed is not None
+                and abs(speed - 1) <= args.speed_tolerance
+            )
             rows.append(row)
             write(args.out, rows)
             print(json.dumps(row), flush=True)

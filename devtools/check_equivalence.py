@@ -210,15 +210,24 @@ def child(
             fast = _run_recipe(path, common + flags + fast_flags + ["--tag", "fast"], tmp)
             result = json.loads((Path(tmp) / f"{path.stem}-fast.json").read_text())
             precision, update = result["config"]["precision"], result["config"]["bf16_update"]
-            row = {"rung": rung, "check": check.replace("own precision", precision), "steps": steps,
-                   "bf16_update": update, "cuda_graphs": result["config"]["cuda_graphs"],
-                   "compile": result["config"]["compile"]}  # fmt: skip
+            row = {
+                "rung": rung,
+                "check": check.replace("own precision", precision),
+                "steps": steps,
+                "bf16_update": update,
+                "cuda_graphs": result["config"]["cuda_graphs"],
+                "compile": result["config"]["compile"],
+            }
             rows.append(row | compare(eager, fast) | {"expected_ok": True})
             for patch, what in CONTROLS.get(rung, []):
                 if check.startswith("compile") == (patch == "lr"):  # lr: fp32 row; rounding: its own row
                     broken = _control(path, patch, common + flags + fast_flags + ["--tag", "control"], tmp)
-                    rows.append(row | {"check": f"control: {what} (must fail)"} | compare(eager, broken)
-                                | {"expected_ok": False})  # fmt: skip
+                    rows.append(
+                        row
+                        | {"check": f"control: {what} (must fail)"}
+                        | compare(eager, broken)
+                        | {"expected_ok": False}
+                    )
     out.write_text(json.dumps(rows, indent=2) + "\n")
 
 
@@ -234,8 +243,10 @@ def _child_cmd(rung: str, steps: int, out: Path, args) -> list[str]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| rung | check | steps | max abs diff | tolerance | max change | rel. L2 (tolerance 0.01) | ok |",
-             "|---|---|---:|---:|---:|---:|---:|---|"]  # fmt: skip
+    lines = [
+        "| rung | check | steps | max abs diff | tolerance | max change | rel. L2 (tolerance 0.01) | ok |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
+    ]
     for r in rows:
         expected = "" if r.get("expected_ok", True) else " (expected: no)"
         num = lambda v: "-" if v is None else format(v, ".3g")  # noqa: E731
@@ -257,9 +268,11 @@ def main(argv: list[str] | None = None) -> int:
         "--steps", type=int, default=12, help="optimizer steps per run, >= 10 (default: %(default)s)"
     )
     p.add_argument(
-        "--out", default="runs/equivalence", type=output_folder("--out"),
+        "--out",
+        default="runs/equivalence",
+        type=output_folder("--out"),
         help="folder for equivalence.json (default: %(default)s)",
-    )  # fmt: skip
+    )
     p.add_argument(
         "--parallel", type=int, default=3, help="rungs checked at once on the GPU (default: %(default)s)"
     )
@@ -295,19 +308,38 @@ def main(argv: list[str] | None = None) -> int:
         part = out_dir / f".equivalence-{rung}.json"
         log = out_dir / f"equivalence-{rung}.log"
         with open(log, "w") as f:
-            proc = subprocess.run(_child_cmd(rung, args.steps, part, args), cwd=REPO, env=env, stdout=f,
-                                  stderr=subprocess.STDOUT)  # fmt: skip
+            proc = subprocess.run(
+                _child_cmd(rung, args.steps, part, args),
+                cwd=REPO,
+                env=env,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+            )
         if proc.returncode != 0 or not part.exists():
             print(f"[equivalence] rung {rung}: child failed (exit {proc.returncode}), see {log}", flush=True)
-            return [{"rung": rung, "check": "failed to run", "steps": args.steps, "max_abs_diff": None,
-                     "tolerance": None, "ok": False, "max_change": None, "rel_l2": None,
-                     "expected_ok": True, "log": str(log)}]  # fmt: skip
+            return [
+                {
+                    "rung": rung,
+                    "check": "failed to run",
+                    "steps": args.steps,
+                    "max_abs_diff": None,
+                    "tolerance": None,
+                    "ok": False,
+                    "max_change": None,
+                    "rel_l2": None,
+                    "expected_ok": True,
+                    "log": str(log),
+                }
+            ]
         rows = json.loads(part.read_text())
         part.unlink()
         for r in rows:
-            print(f"[equivalence] rung {rung} {r['check']}: rel. L2 {r['rel_l2']:.3g}, max diff"
-                  f" {r['max_abs_diff']:.3g} (tolerance {r['tolerance']:.3g}) -> {'ok' if r['ok'] else 'DIFFERENT'}"
-                  f" ({time.time() - start:.0f} s)", flush=True)  # fmt: skip
+            print(
+                f"[equivalence] rung {rung} {r['check']}: rel. L2 {r['rel_l2']:.3g}, max diff"
+                f" {r['max_abs_diff']:.3g} (tolerance {r['tolerance']:.3g}) -> {'ok' if r['ok'] else 'DIFFERENT'}"
+                f" ({time.time() - start:.0f} s)",
+                flush=True,
+            )
         return rows
 
     path = out_dir / "equivalence.json"

@@ -112,12 +112,20 @@ def check(plan: dict[str, Any]) -> dict[str, Any]:
         for s in sets
     )
     return {
-        "pick": pick.get("command"), "pick_fits": bool(pick.get("fits")), "ratio": ratio,
-        "pick_ok": bool(pick.get("fits")) and ratio is not None and ratio >= TARGET, "kept": kept,
-        "measured": len([s for s in sets if "status" in s]), "fitting": len(fitting), "fastest": fastest,
-        "device_errors": [s["predicted_device_peak_gb"] / s["measured_device_peak_gb"] - 1 for s in sets
-                          if s.get("measured_device_peak_gb")],
-    }  # fmt: skip
+        "pick": pick.get("command"),
+        "pick_fits": bool(pick.get("fits")),
+        "ratio": ratio,
+        "pick_ok": bool(pick.get("fits")) and ratio is not None and ratio >= TARGET,
+        "kept": kept,
+        "measured": len([s for s in sets if "status" in s]),
+        "fitting": len(fitting),
+        "fastest": fastest,
+        "device_errors": [
+            s["predicted_device_peak_gb"] / s["measured_device_peak_gb"] - 1
+            for s in sets
+            if s.get("measured_device_peak_gb")
+        ],
+    }
 
 
 def write_report(out: Path) -> list[dict[str, Any]]:
@@ -137,8 +145,10 @@ def write_report(out: Path) -> list[dict[str, Any]]:
         errs = r["device_errors"]
         spread = f"{100 * min(errs):+.1f} % to {100 * max(errs):+.1f} %" if errs else "—"
         ratio = "—" if r["ratio"] is None else f"{r['ratio']:.2f}"
-        lines.append(f"| {r['job']} | {r['gpu']} | {r['measured']} ({r['fitting']}) | {'yes' if r['pick_fits'] else 'no'}"
-                     f" | {ratio} | {'met' if r['pick_ok'] else 'missed'} | {'yes' if r['kept'] else 'no'} | {spread} |")  # fmt: skip
+        lines.append(
+            f"| {r['job']} | {r['gpu']} | {r['measured']} ({r['fitting']}) | {'yes' if r['pick_fits'] else 'no'}"
+            f" | {ratio} | {'met' if r['pick_ok'] else 'missed'} | {'yes' if r['kept'] else 'no'} | {spread} |"
+        )
     text = (
         "\n".join(lines)
         + "\n\nWith --measure the pick is the fastest measured set that fits (planning/your_model/measure.py).\n"

@@ -144,8 +144,17 @@ def estimate_runs(models: str | None) -> list[dict[str, Any]]:
                 raise ValueError(
                     f"model_proof row {shlex.join(argv)}: {', '.join(repeated_flags(argv))} twice"
                 )
-            runs.append({"part": "estimate", "model": ref, "recipe": "your_model", "argv": argv,
-                         "budget_gb": CARD_GB, "expect": "ok", "steps": ESTIMATE_STEPS})  # fmt: skip
+            runs.append(
+                {
+                    "part": "estimate",
+                    "model": ref,
+                    "recipe": "your_model",
+                    "argv": argv,
+                    "budget_gb": CARD_GB,
+                    "expect": "ok",
+                    "steps": ESTIMATE_STEPS,
+                }
+            )
     return runs
 
 
@@ -161,9 +170,16 @@ def fit_plan(args: argparse.Namespace) -> dict[str, Any]:
     """The planner's picks, next fitting sets and fastest rejected set per budget: planner_proof rows and
     the distinct runs that measure them (picks first, then the rejected, then the other fitting sets).
     Stored in ``DIR/fit_plan.json`` and reused while its arguments are the same."""
-    key = {"model": args.fit_model, "batch": args.fit_batch, "seq_len": args.fit_seq_len, "gpu": args.gpu,
-           "budgets": args.budgets, "top": args.fit_top, "card_overhead_gb": card_overhead(args.gpu, "eager").gb,
-           "estimator": estimator_digest()}  # fmt: skip
+    key = {
+        "model": args.fit_model,
+        "batch": args.fit_batch,
+        "seq_len": args.fit_seq_len,
+        "gpu": args.gpu,
+        "budgets": args.budgets,
+        "top": args.fit_top,
+        "card_overhead_gb": card_overhead(args.gpu, "eager").gb,
+        "estimator": estimator_digest(),
+    }
     path = args.out / "fit_plan.json"
     if path.exists():
         try:
@@ -219,9 +235,12 @@ def read_prediction(run: dict[str, Any], out: Path) -> None:
     path = out / run["result_json"] if run.get("result_json") else None
     result = json.loads(path.read_text()) if path and path.exists() else {}
     card = (result.get("extra") or {}).get("predicted_card") or {}
-    run.update(predicted_peak_gb=card.get("peak_reserved_gb"), predicted_device_gb=card.get("device_peak_gb"),
-               predicted_allocated_gb=(result.get("estimate") or {}).get("peak_allocated_gb"),
-               device_method=(result.get("memory") or {}).get("device_method"))  # fmt: skip
+    run.update(
+        predicted_peak_gb=card.get("peak_reserved_gb"),
+        predicted_device_gb=card.get("device_peak_gb"),
+        predicted_allocated_gb=(result.get("estimate") or {}).get("peak_allocated_gb"),
+        device_method=(result.get("memory") or {}).get("device_method"),
+    )
 
 
 def pct(p: Any, m: Any) -> str:
@@ -239,17 +258,22 @@ def render(runs: list[dict[str, Any]], fit_rows: list[dict[str, Any]]) -> str:
              "|---|---|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for r in (r for r in runs if r["part"] == "estimate"):
         flags = " ".join(r["argv"][2:])
-        lines.append(f"| {r['model']} | `{flags}` | {r.get('status', 'not run')} | {f(r.get('predicted_peak_gb'), '.2f')} |"
-                     f" {f(r.get('measured_peak_reserved_gb'), '.2f')} | {pct(r.get('predicted_peak_gb'), r.get('measured_peak_reserved_gb'))} |"
-                     f" {f(r.get('predicted_device_gb'), '.2f')} | {f(r.get('measured_device_peak_gb'), '.2f')} |"
-                     f" {pct(r.get('predicted_device_gb'), r.get('measured_device_peak_gb'))} |")  # fmt: skip
+        lines.append(
+            f"| {r['model']} | `{flags}` | {r.get('status', 'not run')} | {f(r.get('predicted_peak_gb'), '.2f')} |"
+            f" {f(r.get('measured_peak_reserved_gb'), '.2f')} | {pct(r.get('predicted_peak_gb'), r.get('measured_peak_reserved_gb'))} |"
+            f" {f(r.get('predicted_device_gb'), '.2f')} | {f(r.get('measured_device_peak_gb'), '.2f')} |"
+            f" {pct(r.get('predicted_device_gb'), r.get('measured_device_peak_gb'))} |"
+        )
     shared = {r.get("jobs") for r in runs if r["part"] == "estimate"} - {None, 1}
     if shared:  # runs that shared the GPU: only a per-process whole-device reading is theirs alone
         methods = sorted(
             {str(r.get("device_method")) for r in runs if r["part"] == "estimate" and r.get("status") == "ok"}
         )
-        lines += ["", f"Estimate runs shared the GPU ({', '.join(map(str, sorted(shared)))} at a time); whole device"
-                  f" read by: {', '.join(methods)} (nvml-process: the process's own)."]  # fmt: skip
+        lines += [
+            "",
+            f"Estimate runs shared the GPU ({', '.join(map(str, sorted(shared)))} at a time); whole device"
+            f" read by: {', '.join(methods)} (nvml-process: the process's own).",
+        ]
     if fit_rows:
         lines += ["", "## --fit on a capped GPU", "", planner_proof.render(fit_rows)]
     return "\n".join(lines) + "\n"
@@ -258,8 +282,15 @@ def render(runs: list[dict[str, Any]], fit_rows: list[dict[str, Any]]) -> str:
 def fill_fit_rows(runs: list[dict[str, Any]], fit_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """planner_proof's rows with the outcome of the run that measured each."""
     by_key = {(shlex.join(r["argv"]), r["expect"] == "ok"): r for r in runs if r["part"] == "fit"}
-    keys = ("status", "error", "measured_peak_reserved_gb", "measured_peak_allocated_gb", "measured_device_peak_gb",
-            "measured_images_per_s", "result_json")  # fmt: skip
+    keys = (
+        "status",
+        "error",
+        "measured_peak_reserved_gb",
+        "measured_peak_allocated_gb",
+        "measured_device_peak_gb",
+        "measured_images_per_s",
+        "result_json",
+    )
     return [{**row, **{k: by_key[tuple(row["key"])].get(k, row.get(k)) for k in keys}} for row in fit_rows]
 
 
@@ -289,12 +320,17 @@ def main(argv: list[str] | None = None, runner=None) -> int:
         run.update({k: v for k, v in done.pop(run_key(run), {}).items() if k not in run})
     runs += done.values()  # what an earlier call ran for a part not asked now stays in rows.json
     todo = [run for run in runs if run.get("status") not in FINISHED]
-    print(f"model_proof: {len(runs)} runs, {len(runs) - len(todo)} already in {args.out}, {len(todo)} to run,"
-          f" {ESTIMATE_STEPS} steps each to estimate, {args.steps} to fit", flush=True)  # fmt: skip
+    print(
+        f"model_proof: {len(runs)} runs, {len(runs) - len(todo)} already in {args.out}, {len(todo)} to run,"
+        f" {ESTIMATE_STEPS} steps each to estimate, {args.steps} to fit",
+        flush=True,
+    )
     if args.dry_run:
         for i, run in enumerate(todo, 1):
-            print(f"[{i:2d}/{len(todo)}] {run['part']}, expect {run['expect']} at {run['budget_gb']:g} GB:"
-                  f" {shlex.join(planner_proof.run_argv(run, run['steps'] or args.steps, args.out / 'runs' / planner_proof._slug(run)))}")  # fmt: skip
+            print(
+                f"[{i:2d}/{len(todo)}] {run['part']}, expect {run['expect']} at {run['budget_gb']:g} GB:"
+                f" {shlex.join(planner_proof.run_argv(run, run['steps'] or args.steps, args.out / 'runs' / planner_proof._slug(run)))}"
+            )
         return 0
     runner, env = runner or execute, run_env(tempfile.mkdtemp(prefix="model-proof-logs-"))
     lock, counter = threading.Lock(), iter(range(1, len(todo) + 1))
@@ -306,17 +342,28 @@ def main(argv: list[str] | None = None, runner=None) -> int:
             return
         with lock:
             i = next(counter)
-        print(f"[{i:2d}/{len(todo)}] {elapsed:.0f} s: {run['part']} {run['budget_gb']:g} GB, expect {run['expect']}:"
-              f" {shlex.join(run['argv'])}", flush=True)  # fmt: skip
+        print(
+            f"[{i:2d}/{len(todo)}] {elapsed:.0f} s: {run['part']} {run['budget_gb']:g} GB, expect {run['expect']}:"
+            f" {shlex.join(run['argv'])}",
+            flush=True,
+        )
         timeout = min(args.timeout, args.deadline - elapsed) if args.deadline else args.timeout
         run["jobs"] = args.jobs if run["part"] == "estimate" else 1
-        planner_proof.measure(run, argparse.Namespace(**{**vars(args), "steps": run["steps"] or args.steps}),
-                              env, runner, timeout)  # fmt: skip
+        planner_proof.measure(
+            run,
+            argparse.Namespace(**{**vars(args), "steps": run["steps"] or args.steps}),
+            env,
+            runner,
+            timeout,
+        )
         read_prediction(run, args.out)
-        print(f"[{i:2d}/{len(todo)}] {run['status']}: reserved {run.get('measured_peak_reserved_gb') or 0:.2f} GB"
-              f" (predicted {run.get('predicted_peak_gb') or 0:.2f}), device {run.get('measured_device_peak_gb') or 0:.2f} GB"
-              f" (predicted {run.get('predicted_device_gb') or 0:.2f}), {run.get('measured_images_per_s') or 0:.1f}/s,"
-              f" {run.get('wall_s', 0):.0f} s", flush=True)  # fmt: skip
+        print(
+            f"[{i:2d}/{len(todo)}] {run['status']}: reserved {run.get('measured_peak_reserved_gb') or 0:.2f} GB"
+            f" (predicted {run.get('predicted_peak_gb') or 0:.2f}), device {run.get('measured_device_peak_gb') or 0:.2f} GB"
+            f" (predicted {run.get('predicted_device_gb') or 0:.2f}), {run.get('measured_images_per_s') or 0:.1f}/s,"
+            f" {run.get('wall_s', 0):.0f} s",
+            flush=True,
+        )
         with lock:
             write(args.out, runs, fit_rows)
 
@@ -328,8 +375,11 @@ def main(argv: list[str] | None = None, runner=None) -> int:
         one(run)
     write(args.out, runs, fit_rows)
     left = sum(r.get("status") not in FINISHED for r in runs)
-    print(f"model_proof: {time.perf_counter() - t0:.0f} s, {len(runs) - left} of {len(runs)} runs done"
-          + (f" ({left} left: call again with the same --out)" if left else "") + f" -> {args.out / 'table.md'}")  # fmt: skip
+    print(
+        f"model_proof: {time.perf_counter() - t0:.0f} s, {len(runs) - left} of {len(runs)} runs done"
+        + (f" ({left} left: call again with the same --out)" if left else "")
+        + f" -> {args.out / 'table.md'}"
+    )
     if fit_rows:
         print("\n".join(planner_proof.check_targets(fill_fit_rows(runs, fit_rows))))
     return 0 if all(r.get("status") in (r["expect"], "not run") for r in runs) else 1

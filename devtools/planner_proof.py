@@ -83,8 +83,11 @@ def _budgets(text: str) -> list[float]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     lowbit = importlib.util.find_spec("torchao") is not None
-    p = Parser(prog="python -m devtools.planner_proof", description=__doc__.split("\n\n")[0],
-                epilog=__doc__.split("\n\n", 2)[2])  # fmt: skip
+    p = Parser(
+        prog="python -m devtools.planner_proof",
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 2)[2],
+    )
     p.add_argument(
         "--out",
         required=True,
@@ -131,7 +134,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--replan", action="store_true", help="plan again even if DIR/plan.json has these arguments"
     )
-    args = p.parse_args(argv)  # fmt: skip
+    args = p.parse_args(argv)
     args.out = args.out.resolve()  # the runs start in the repository's root
     return args
 
@@ -280,23 +283,31 @@ def check_targets(rows: list[dict[str, Any]]) -> list[str]:
         mine = [r for r in rows if r["budget_gb"] == budget]
         pick = next((r for r in mine if r["role"] == "pick"), None)
         ok = [r for r in mine if r["role"] != "rejected" and r["status"] == "ok"]
-        errors = [100 * (r["predicted_peak_gb"] / r["measured_peak_reserved_gb"] - 1) for r in ok
-                  if r["measured_peak_reserved_gb"]]  # fmt: skip
+        errors = [
+            100 * (r["predicted_peak_gb"] / r["measured_peak_reserved_gb"] - 1)
+            for r in ok
+            if r["measured_peak_reserved_gb"]
+        ]
         parts = [f"{budget:g} GB: pick {pick['status'] if pick else 'none'}"]
         if errors:
             parts.append(
                 f"predicted peaks {min(errors):+.1f}% to {max(errors):+.1f}% of measured ({len(errors)} runs)"
             )
-        device = [100 * (r["predicted_device_gb"] / r["measured_device_peak_gb"] - 1) for r in ok
-                  if r.get("measured_device_peak_gb") and r.get("predicted_device_gb")]  # fmt: skip
+        device = [
+            100 * (r["predicted_device_gb"] / r["measured_device_peak_gb"] - 1)
+            for r in ok
+            if r.get("measured_device_peak_gb") and r.get("predicted_device_gb")
+        ]
         if device:
             parts.append(
                 f"whole device {min(device):+.1f}% to {max(device):+.1f}% of measured ({len(device)} runs)"
             )
         speeds = [r["measured_images_per_s"] for r in ok if r["measured_images_per_s"]]
         if pick and pick.get("measured_images_per_s") and speeds:
-            parts.append(f"pick at {100 * pick['measured_images_per_s'] / max(speeds):.0f}% of the fastest of"
-                         f" {len(speeds)} measured fitting configurations")  # fmt: skip
+            parts.append(
+                f"pick at {100 * pick['measured_images_per_s'] / max(speeds):.0f}% of the fastest of"
+                f" {len(speeds)} measured fitting configurations"
+            )
         for r in mine:
             cap = r["measured_at_budget_gb"] - (
                 r.get("overhead_gb") or 0.0
@@ -310,8 +321,10 @@ def check_targets(rows: list[dict[str, Any]]) -> list[str]:
                     f"{r['command']} used {r['measured_device_peak_gb']:.2f} GB of the device: over the card"
                 )
             if r["role"] == "rejected" and r["status"] == "ok":
-                parts.append(f"rejected one fitted: predicted {r['predicted_peak_gb']:.2f} GB, measured"
-                             f" {fmt(r['measured_peak_reserved_gb'], '.2f')} GB (too cautious)")  # fmt: skip
+                parts.append(
+                    f"rejected one fitted: predicted {r['predicted_peak_gb']:.2f} GB, measured"
+                    f" {fmt(r['measured_peak_reserved_gb'], '.2f')} GB (too cautious)"
+                )
             elif r["role"] == "rejected":
                 parts.append(f"rejected: {r['status']}")
         out.append("- " + "; ".join(parts))
@@ -330,9 +343,12 @@ def main(argv: list[str] | None = None, runner: Runner | None = None, planner: P
     args = parse_args(argv)
     plan = load_or_plan(args, planner)
     runs = plan["runs"]
-    print(f"planner_proof: {len(plan['rows'])} rows, {len(runs)} distinct runs, {args.steps} steps each,"
-          f" one process at a time, timeout {args.timeout} s" + (f", budget {args.budget:g} s" if args.budget else ""),
-          flush=True)  # fmt: skip
+    print(
+        f"planner_proof: {len(plan['rows'])} rows, {len(runs)} distinct runs, {args.steps} steps each,"
+        f" one process at a time, timeout {args.timeout} s"
+        + (f", budget {args.budget:g} s" if args.budget else ""),
+        flush=True,
+    )
     if args.dry_run:
         for i, run in enumerate(runs, 1):
             print(
@@ -354,9 +370,12 @@ def main(argv: list[str] | None = None, runner: Runner | None = None, planner: P
                 flush=True,
             )
             measure(run, args, env, runner, timeout)
-        print(f"[{i:2d}/{len(runs)}] {run['status']}, {run.get('measured_peak_reserved_gb') or 0:.2f} GB reserved,"
-              f" {run.get('measured_images_per_s') or 0:.0f} img/s, {run.get('wall_s', 0):.0f} s"
-              + (f" ({run['error']})" if run.get("error") and run["status"] != run["expect"] else ""), flush=True)  # fmt: skip
+        print(
+            f"[{i:2d}/{len(runs)}] {run['status']}, {run.get('measured_peak_reserved_gb') or 0:.2f} GB reserved,"
+            f" {run.get('measured_images_per_s') or 0:.0f} img/s, {run.get('wall_s', 0):.0f} s"
+            + (f" ({run['error']})" if run.get("error") and run["status"] != run["expect"] else ""),
+            flush=True,
+        )
         rows = write(args.out, plan)
     rows = write(args.out, plan)
     print(

@@ -83,8 +83,12 @@ def main(argv: list[str] | None = None) -> int:
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
     tmp = Path(tempfile.mkdtemp(prefix="same-parameters-"))
     base = tmp / "base"
-    subprocess.run(["git", "worktree", "add", "--detach", str(base), args.base], cwd=REPO, check=True,
-                   capture_output=True)  # fmt: skip
+    subprocess.run(
+        ["git", "worktree", "add", "--detach", str(base), args.base],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+    )
     try:
         data_dir = tmp / "data"  # one synthetic stand-in for both runs
         before = run(base, args.recipe, flags, tmp / "before", args.step, data_dir)
@@ -105,18 +109,27 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"tensor": key, "difference": diff})
     same_loss = before["loss"] == after["loss"]
     report = {
-        "recipe": args.recipe, "flags": flags, "step": args.step, "base": args.base,
-        "head": head.stdout.strip(), "tensors": len(set(a) | set(b)), "largest_difference": worst,
-        "differing": rows, "same_loss_curve": same_loss, "loss_curve": after["loss"],
-    }  # fmt: skip
+        "recipe": args.recipe,
+        "flags": flags,
+        "step": args.step,
+        "base": args.base,
+        "head": head.stdout.strip(),
+        "tensors": len(set(a) | set(b)),
+        "largest_difference": worst,
+        "differing": rows,
+        "same_loss_curve": same_loss,
+        "loss_curve": after["loss"],
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     for row in rows:
         print(f"differs: {row['tensor']}: {row['difference']}")
     verdict = "the same" if not rows and same_loss else "NOT the same"
-    print(f"same_parameters: {args.recipe} after {args.step} steps at {args.base} and {report['head']}: "
-          f"{verdict} ({report['tensors']} tensors, largest difference {worst:g}, loss curves "
-          f"{'equal' if same_loss else 'differ'}) -> {args.out}")  # fmt: skip
+    print(
+        f"same_parameters: {args.recipe} after {args.step} steps at {args.base} and {report['head']}: "
+        f"{verdict} ({report['tensors']} tensors, largest difference {worst:g}, loss curves "
+        f"{'equal' if same_loss else 'differ'}) -> {args.out}"
+    )
     return 0 if not rows and same_loss else 1
 
 

@@ -6,7 +6,10 @@ code (``fabric_memory_recipes/training/techniques/<module>.py``, shared by the l
 runner) and the rung that teaches it. The recipes' flags, :class:`~fabric_memory_recipes.config.RunConfig`,
 the estimate, the planners, the speed model and their labels read these records; ``docs/architecture.md``
 lists them and ``tests/test_architecture.py`` holds the code to them. A :class:`TechniqueSet` is what the
-planners combine: an optimizer and the planned techniques (:data:`PLANNED`), by name, never by position.
+planners combine: an optimizer and the planned techniques (:data:`PLANNED`), by name, never by position;
+a technique with a flag that is not planned is a switch (:func:`switches`: the fused loss), tried with each
+set. The code that reads the records reads them when it runs (:func:`flagged`, :func:`switches`), so that a
+new record needs no edit there (``tests/test_adding_a_technique.py``).
 
 :data:`PRECISIONS`, :data:`OPTIMIZERS`, :data:`MODES` and :data:`BF16_UPDATES` are every value a run may
 take; where a tool offers fewer, it takes a :func:`subset` of these and says why. This module imports
@@ -52,9 +55,19 @@ class Technique:
     rung: str  # the recipe that teaches it: recipes/<rung>.py
     flag: str | None = None  # the your-model runner's flag that turns it on (recipes/your_model.py)
     planned: bool = False  # the planners combine it, on or off, with every optimizer
+    help: str = ""  # the flag's help
+    tasks: tuple[str, ...] = ()  # the model tasks it applies to ("causal_lm"); (): every task
+    options: tuple[str, ...] = ()  # the runner's fields that say how it is applied (checkpoint_mode)
+    valued: bool = False  # its flag takes a value (--lora-rank R), its field the runner's own: not flagged()
+
+    @property
+    def field(self) -> str | None:
+        """The runner's configuration field its flag sets: ``--fused-loss`` sets ``fused_loss``."""
+        return self.flag.removeprefix("--").replace("-", "_") if self.flag else None
 
 
-# name, label, module, the rung that teaches it; the planners' three: the your-model flag, planned
+# name, label, module, the rung that teaches it; the your-model runner's: its flag (with its help, the tasks it
+# applies to, the fields that say how), and whether the planners combine it (planned) or switch it (switches())
 ACTIVATION_CHECKPOINTING = Technique(
     "activation_checkpointing",
     "checkpointing",
@@ -62,6 +75,8 @@ ACTIVATION_CHECKPOINTING = Technique(
     "10_activation_checkpointing",
     flag="--checkpoint-blocks",
     planned=True,
+    help="activation checkpointing of every repeated block of the model",
+    options=("checkpoint_mode",),
 )
 ACTIVATION_OFFLOAD = Technique(
     "activation_offload",
@@ -70,6 +85,7 @@ ACTIVATION_OFFLOAD = Technique(
     "11_activation_offload",
     flag="--activation-offload",
     planned=True,
+    help="keep saved activations in pinned host memory (rung 11)",
 )
 OPTIMIZER_IN_BACKWARD = Technique(
     "optimizer_in_backward",
@@ -78,15 +94,25 @@ OPTIMIZER_IN_BACKWARD = Technique(
     "12_optimizer_in_backward",
     flag="--optimizer-in-backward",
     planned=True,
+    help="one optimizer per parameter, stepped inside backward (rung 12; no accumulation)",
 )
-FUSED_LOSS = Technique("fused_loss", "fused loss", "fused_loss", "your_model", flag="--fused-loss")
+FUSED_LOSS = Technique(
+    "fused_loss",
+    "fused loss",
+    "fused_loss",
+    "your_model",
+    flag="--fused-loss",
+    help="causal LMs, encoder-decoders: the loss of the output projection in chunks, without the full logits"
+    " (liger-kernel on CUDA)",
+    tasks=("causal_lm", "seq2seq_lm"),
+)
 LOWBIT_STATE = Technique("adamw8bit", "8-bit Adam", "lowbit", "13_lowbit_optimizer")
 BF16_UPDATE = Technique("bf16_update", "bf16 updates", "bf16", "03_true_half_precision")
 FUSED_ATTENTION = Technique("fused_attention", "fused attention", "attention", "15_speed")
 FLOAT8 = Technique("float8", "float8 matrix products", "float8", "15_speed")
 WEIGHTS_OFFLOAD = Technique("weights_offload", "weights on the CPU", "weights_offload", "16_weights_on_cpu")
 LLM_TOGGLES = Technique("llm_toggles", "the LLM fine-tune's toggles", "llm_toggles", "bonus_llm_finetune")
-LORA = Technique("lora_rank", "LoRA", "lora", "your_model", flag="--lora-rank")  # its value: the rank
+LORA = Technique("lora_rank", "LoRA", "lora", "your_model", flag="--lora-rank", valued=True)  # the rank
 
 TECHNIQUES = (
     ACTIVATION_CHECKPOINTING,
@@ -102,6 +128,21 @@ TECHNIQUES = (
     LORA,
 )
 PLANNED = tuple(t for t in TECHNIQUES if t.planned)  # in the order a label names them
+
+
+def flagged() -> tuple[Technique, ...]:
+    """The techniques the your-model runner turns on with an on/off flag (its flags, its results' ``config``),
+    in the order of :data:`TECHNIQUES`, read when asked; a flag that takes a value (:attr:`Technique.valued`:
+    LoRA's rank) is the runner's own field, neither flagged nor a switch."""
+    return tuple(t for t in TECHNIQUES if t.flag and not t.valued)
+
+
+def switches() -> tuple[Technique, ...]:
+    """The flagged techniques that are not planned: each switched on or off on top of a technique set. The
+    estimate applies each to the model through its module's ``apply(model, batch_fn)`` (what the recipe's
+    lines do), and your model's planner tries each on and off where its :attr:`Technique.tasks` allow and its
+    module does not refuse the model (``refusal(model)``, where the module has one: the fused loss's)."""
+    return tuple(t for t in flagged() if not t.planned)
 
 
 @dataclass(frozen=True)

@@ -392,7 +392,8 @@ def test_a_technique_is_its_record_its_module_and_its_recipe():
     from fabric_memory_recipes.techniques import OPTIMIZERS, TECHNIQUES  # records: module, field, recipe, row
     from fabric_memory_recipes.training.your_model.runner import YourModelConfig
 
-    names = {f.name for f in dataclasses.fields(YourModelConfig)} | set(OPTIMIZERS)
+    fields = [*dataclasses.fields(YourModelConfig), *YourModelConfig.flag_fields()]
+    names = {f.name for f in fields} | set(OPTIMIZERS)
     table = (REPO / "docs" / "architecture.md").read_text().split("## Where each technique lives")[1]
     modules = {p.stem for p in (COMMON / "training" / "techniques").glob("[!_]*.py")}
     assert modules == {t.module for t in TECHNIQUES} and len({t.name for t in TECHNIQUES}) == len(TECHNIQUES)

@@ -62,9 +62,15 @@ def measure(fn, h, w, t, repeats: int) -> dict:
         if i >= 2:  # the first calls compile and autotune
             times.append(time.perf_counter() - start)
         peak = torch.cuda.max_memory_allocated() - base
-    return {"loss": loss.item(), "peak_extra_gb": peak / 1e9, "median_ms": 1e3 * statistics.median(times),
-            "min_ms": 1e3 * min(times), "max_ms": 1e3 * max(times),
-            "grad_h": h.grad.float().clone(), "grad_w": w.grad.float().clone()}  # fmt: skip
+    return {
+        "loss": loss.item(),
+        "peak_extra_gb": peak / 1e9,
+        "median_ms": 1e3 * statistics.median(times),
+        "min_ms": 1e3 * min(times),
+        "max_ms": 1e3 * max(times),
+        "grad_h": h.grad.float().clone(),
+        "grad_w": w.grad.float().clone(),
+    }
 
 
 def main() -> int:
@@ -98,8 +104,11 @@ def main() -> int:
         print(json.dumps(rows[-1]), flush=True)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "fused_loss_bench.json"), "w") as f:
-        json.dump({"shape": vars(a), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                   "rows": rows}, f, indent=1)  # fmt: skip
+        json.dump(
+            {"shape": vars(a), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows},
+            f,
+            indent=1,
+        )
     return 0
 
 

@@ -54,8 +54,13 @@ class Overhead:
     measured: bool = True  # False: another kind's, mode's or process count's value, assumed
 
     def to_dict(self) -> dict[str, Any]:
-        return {"gpu": self.gpu, "mode": self.mode, "overhead_gb": self.gb, "source": self.source,
-                "measured": self.measured}  # fmt: skip
+        return {
+            "gpu": self.gpu,
+            "mode": self.mode,
+            "overhead_gb": self.gb,
+            "source": self.source,
+            "measured": self.measured,
+        }
 
     def phrase(self, processes: int = 1) -> str:
         """How a planner's legend names it: 'measured' only when it was, for this kind, mode and count."""
@@ -76,17 +81,27 @@ def card_overhead(gpu: str, mode: str, table: dict[str, Any] | None = None) -> O
     entry = (kinds.get(gpu) or {}).get(mode)
     where = f"{TABLE_FILE.name}" if table is load_table() else "the table"
     if entry:
-        return Overhead(gpu, mode, entry["overhead_gb"],
-                        f"{gpu} {mode}: {entry['overhead_gb']:.2f} GB, the largest of {entry['runs']} measured"
-                        f" run(s) ({', '.join(entry['methods'])}; largest: {entry['largest_from']}; {where})")  # fmt: skip
+        return Overhead(
+            gpu,
+            mode,
+            entry["overhead_gb"],
+            f"{gpu} {mode}: {entry['overhead_gb']:.2f} GB, the largest of {entry['runs']} measured"
+            f" run(s) ({', '.join(entry['methods'])}; largest: {entry['largest_from']}; {where})",
+        )
     known = [(e["overhead_gb"], g, m) for g, modes in kinds.items() for m, e in modes.items()]
     if not known:
         return Overhead(
             gpu, mode, None, f"no measured overhead in {where}: the whole-device peak is unknown", False
         )
     value, g, m = max(known)
-    return Overhead(gpu, mode, value, measured=False, source=f"no {gpu} {mode} measurement: the largest measured overhead is assumed"
-                    f" ({g} {m}, {value:.2f} GB; {where})")  # fmt: skip
+    return Overhead(
+        gpu,
+        mode,
+        value,
+        measured=False,
+        source=f"no {gpu} {mode} measurement: the largest measured overhead is assumed"
+        f" ({g} {m}, {value:.2f} GB; {where})",
+    )
 
 
 def overhead_per_gpu(gpu: str, mode: str, devices: int, table: dict[str, Any] | None = None) -> Overhead:
@@ -104,15 +119,34 @@ def overhead_per_gpu(gpu: str, mode: str, devices: int, table: dict[str, Any] | 
     kind = (table.get("sharded") or {}).get(gpu) or {}
     entry = (kind.get(str(devices)) or {}).get(mode)
     if entry:
-        return Overhead(gpu, mode, entry["overhead_gb"],
-                        f"{gpu} x{devices} {mode}: {entry['overhead_gb']:.2f} GB per GPU, the largest of"
-                        f" {entry['runs']} measured sharded run(s) ({entry['largest_from']}; {where})")  # fmt: skip
-    known = [((m == mode, n == str(devices), g == gpu, e["overhead_gb"]), g, n, m)
-             for g, ns in (table.get("sharded") or {}).items() for n, modes in ns.items() for m, e in modes.items()]  # fmt: skip
+        return Overhead(
+            gpu,
+            mode,
+            entry["overhead_gb"],
+            f"{gpu} x{devices} {mode}: {entry['overhead_gb']:.2f} GB per GPU, the largest of"
+            f" {entry['runs']} measured sharded run(s) ({entry['largest_from']}; {where})",
+        )
+    known = [
+        ((m == mode, n == str(devices), g == gpu, e["overhead_gb"]), g, n, m)
+        for g, ns in (table.get("sharded") or {}).items()
+        for n, modes in ns.items()
+        for m, e in modes.items()
+    ]
     if not known:
-        return Overhead(gpu, mode, None, f"no run of several processes measured in {where}: the whole-device"
-                        " peak per GPU is unknown (NCCL's buffers are outside the allocator)", False)  # fmt: skip
+        return Overhead(
+            gpu,
+            mode,
+            None,
+            f"no run of several processes measured in {where}: the whole-device"
+            " peak per GPU is unknown (NCCL's buffers are outside the allocator)",
+            False,
+        )
     (*_, value), g, n, m = max(known)
-    return Overhead(gpu, mode, value, measured=False,
-                    source=f"no {gpu} x{devices} {mode} measurement: the closest measured is assumed"
-                    f" ({g} x{n} {m}, {value:.2f} GB per GPU; {where})")  # fmt: skip
+    return Overhead(
+        gpu,
+        mode,
+        value,
+        measured=False,
+        source=f"no {gpu} x{devices} {mode} measurement: the closest measured is assumed"
+        f" ({g} x{n} {m}, {value:.2f} GB per GPU; {where})",
+    )

@@ -145,8 +145,12 @@ class DeviceSampler:
     """Polls this process's device memory from a daemon thread; tracks the peak of the run and of
     each open phase. ``start()`` / ``stop()``; :meth:`summary` for the results JSON."""
 
-    def __init__(self, readers: list[Callable[[], Reader]] | None = None, interval_s: float = INTERVAL_S,
-                 index: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        readers: list[Callable[[], Reader]] | None = None,
+        interval_s: float = INTERVAL_S,
+        index: int | None = None,
+    ) -> None:
         self.index = local_device_index() if index is None else index
         self._factories = list(readers) if readers is not None else default_readers(self.index)
         self.interval_s = interval_s
@@ -314,9 +318,16 @@ def device_fields(
     caching allocator (``device_overhead_gb`` = device peak - the run's peak reserved over ``phases``).
     ``sampler`` None: not measured (a CPU run, or CUDA was not there when the run started)."""
     if sampler is None:
-        return {"device_peak_gb": None, "device_method": None, "device_baseline_gb": None,
-                "device_overhead_gb": None, "device_note": "not measured: not a CUDA run",
-                "device_samples": 0, "device_interval_s": None, "device_per_rank": None}  # fmt: skip
+        return {
+            "device_peak_gb": None,
+            "device_method": None,
+            "device_baseline_gb": None,
+            "device_overhead_gb": None,
+            "device_note": "not measured: not a CUDA run",
+            "device_samples": 0,
+            "device_interval_s": None,
+            "device_per_rank": None,
+        }
     summary = sampler.summary()
     peak = max((d["device_peak_gb"] for d in ranks), default=None)
     reserved = max((p["peak_reserved_gb"] for p in phases.values()), default=None)

@@ -216,8 +216,13 @@ def _quantiles(values: list[float]) -> dict[str, float] | None:
     def at(q: float) -> float:
         return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
-    return {"min": ordered[0], "p10": at(0.1), "median": statistics.median(ordered), "p90": at(0.9),
-            "max": ordered[-1]}  # fmt: skip
+    return {
+        "min": ordered[0],
+        "p10": at(0.1),
+        "median": statistics.median(ordered),
+        "p90": at(0.9),
+        "max": ordered[-1],
+    }
 
 
 def run_mode(args: Any) -> str:

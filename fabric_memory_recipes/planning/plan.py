@@ -7,7 +7,7 @@ import dataclasses
 from typing import Any
 
 from fabric_memory_recipes.config import RunConfig
-from fabric_memory_recipes.techniques import OPTIMIZERS
+from fabric_memory_recipes.techniques import OPTIMIZERS, switches
 from fabric_memory_recipes.training.techniques.checkpointing import CheckpointedBlock
 
 GB = 1e9
@@ -91,7 +91,8 @@ class Plan:
     ``weights_offload`` models fabric_memory_recipes.training.techniques.weights_offload (rung 16, one GPU): parameters,
     gradients and optimizer state in host memory (0 on the GPU), the modules of ``shard_units`` streamed
     in like FSDP units (the one in use and the prefetched one, one unit's gradients on their way out) and
-    the rest of the model resident.
+    the rest of the model resident. ``switched`` names the switched techniques (``techniques.switches()``: the
+    fused loss) that the estimate applies to the model through their modules before the step is simulated.
     """
 
     precision: str = "32-true"
@@ -114,7 +115,7 @@ class Plan:
     optimizer_in_backward: bool = False
     weights_offload: bool = False
     checkpoint_mode: str = "full"  # what a checkpointed block keeps (training/techniques/checkpointing.py)
-    fused_loss: bool = False  # a causal LM's loss without its logits (training/techniques/fused_loss.py)
+    switched: tuple[str, ...] = ()  # techniques.switches() on, by name: each applied by its module
 
     def __post_init__(self) -> None:
         if self.precision == "32":
@@ -137,6 +138,7 @@ class Plan:
             )
         self.activation_checkpointing = tuple(self.activation_checkpointing)
         self.shard_units = tuple(self.shard_units)
+        self.switched = tuple(self.switched)
 
     @property
     def attention_kernel(self) -> str:
@@ -225,7 +227,7 @@ class Estimate:
                 "optimizer_impl": p.optimizer_impl,
                 "activation_checkpointing": list(p.activation_checkpointing),
                 "checkpoint_mode": p.checkpoint_mode,
-                "fused_loss": p.fused_loss,
+                **{t.name: t.name in p.switched for t in switches()},
                 "sharding": p.sharding,
                 "shard_units": list(p.shard_units),
                 "world_size": p.world_size,

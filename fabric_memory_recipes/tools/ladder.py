@@ -32,8 +32,11 @@ def run_all_script(checkout: Path = CHECKOUT) -> Path:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if not processes.in_checkout(CHECKOUT) and {"-h", "--help"} & set(args):
-        print(__doc__.strip() + f"\n\nThis install has no checkout beside it ({CHECKOUT}): clone the repository,"
-              " then in it: python3 -m pip install -e . && fmr-ladder --help")  # fmt: skip
+        print(
+            __doc__.strip()
+            + f"\n\nThis install has no checkout beside it ({CHECKOUT}): clone the repository,"
+            " then in it: python3 -m pip install -e . && fmr-ladder --help"
+        )
         return 0
     script = run_all_script()
     env = {

@@ -246,11 +246,19 @@ def test_a_cpu_run_records_why_there_is_no_device_peak():
 # ------------------------------------------------------------------------------------------ report
 def _row(recipe: str, device_gb: float | None) -> dict:
     return {
-        "schema_version": 1, "recipe": recipe, "status": "ok", "config": {"batch_size": 4},
+        "schema_version": 1,
+        "recipe": recipe,
+        "status": "ok",
+        "config": {"batch_size": 4},
         "provenance": {"gpu_name": "NVIDIA H100"},
-        "memory": {"kind": "cuda", "peak_reserved_gb": 1.0, "peak_allocated_gb": 0.9, "device_peak_gb": device_gb},
+        "memory": {
+            "kind": "cuda",
+            "peak_reserved_gb": 1.0,
+            "peak_allocated_gb": 0.9,
+            "device_peak_gb": device_gb,
+        },
         "timing": {},
-    }  # fmt: skip
+    }
 
 
 def test_the_report_shows_a_device_peak_column_when_a_row_has_it():

@@ -72,8 +72,9 @@ def test_ok_run_through_run_recipe(tmp_path):
         log.attach(L.Fabric(accelerator="cpu", devices=1))
         log.step_done()
 
-    code = lifecycle.run_recipe(main, RunConfig(recipe="r"), "d",
-                                argv=["--accelerator", "cpu", "--results-dir", str(tmp_path)])  # fmt: skip
+    code = lifecycle.run_recipe(
+        main, RunConfig(recipe="r"), "d", argv=["--accelerator", "cpu", "--results-dir", str(tmp_path)]
+    )
     assert code == 0
     p = json.loads((tmp_path / "r.json").read_text())
     assert p["status"] == "ok" and p["error"] is None and p["timing"]["optimizer_steps"] == 1
@@ -88,8 +89,9 @@ def test_a_crash_is_recorded_as_error_and_still_raises(tmp_path):
             raise RuntimeError("loss is NaN\nat step 3")
 
     with pytest.raises(RuntimeError, match="loss is NaN"):
-        lifecycle.run_recipe(main, RunConfig(recipe="r"), "d",
-                             argv=["--accelerator", "cpu", "--results-dir", str(tmp_path)])  # fmt: skip
+        lifecycle.run_recipe(
+            main, RunConfig(recipe="r"), "d", argv=["--accelerator", "cpu", "--results-dir", str(tmp_path)]
+        )
     p = json.loads((tmp_path / "r.json").read_text())
     assert p["status"] == "error" and p["error"] == "RuntimeError: loss is NaN"
     assert "train" in p["memory"]["phases"]

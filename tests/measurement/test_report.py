@@ -354,12 +354,18 @@ def predicted_file(directory: Path, rows: dict[str, float | None]) -> None:
                 "recipe": name,
                 "peak_allocated_gb": gb,
                 "error": None if gb is not None else "RuntimeError: boom",
-                "config": {"precision": "bf16-true", "batch_size": 16, "accumulation_steps": 4,
-                           "micro_batch_size": 4, "devices": 1, "model": "vit_l_16"},
+                "config": {
+                    "precision": "bf16-true",
+                    "batch_size": 16,
+                    "accumulation_steps": 4,
+                    "micro_batch_size": 4,
+                    "devices": 1,
+                    "model": "vit_l_16",
+                },
             }
             for name, gb in rows.items()
         ],
-    }  # fmt: skip
+    }
     (directory / "predicted.json").write_text(json.dumps(payload))
 
 
@@ -376,8 +382,11 @@ def test_cpu_track_shows_the_predicted_full_size_memory_labelled_beside_the_tiny
     header = next(line for line in markdown.splitlines() if line.startswith("| recipe |"))
     assert "predicted (ViT-L/16, GPU config): peak allocated GB" in header
     assert "peak RSS GB (process)" in header and "peak reserved GB" not in header
-    rows = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")]
-            for line in markdown.splitlines() if line.startswith("| 0") or line.startswith("| 1")}  # fmt: skip
+    rows = {
+        line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")]
+        for line in markdown.splitlines()
+        if line.startswith("| 0") or line.startswith("| 1")
+    }
     assert rows["01_baseline"][1:3] == ["25.12", "bf16-true, batch 16 (4×4)"]
     assert rows["05_gradient_accumulation"][1] == "3.13"
     assert rows["14_memory_floor"][1:3] == ["—", "not predicted"]
@@ -397,9 +406,9 @@ def test_a_cpu_folder_without_predictions_names_rss_as_rss_and_a_stopped_ladder_
     assert "peak RSS GB (process)" in markdown and "peak reserved GB" not in markdown
     assert "predicted (ViT-L/16" not in markdown and "Stopped before it finished" not in markdown
     started = (tmp_path / "01_baseline.json").stat().st_mtime - 1
-    (tmp_path / "run_all.json").write_text(json.dumps(
-        {"started": started, "mode": "cpu", "state": "stopped", "recipes": ["01_baseline"]}
-    ))  # fmt: skip
+    (tmp_path / "run_all.json").write_text(
+        json.dumps({"started": started, "mode": "cpu", "state": "stopped", "recipes": ["01_baseline"]})
+    )
     assert render.main([str(tmp_path)]) == 0
     assert "Stopped before it finished" in (tmp_path / "README.md").read_text()
 

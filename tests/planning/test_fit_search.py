@@ -14,6 +14,7 @@ from fabric_memory_recipes.planning.your_model.sets import UserPlanner
 from fabric_memory_recipes.techniques import (
     ACTIVATION_CHECKPOINTING,
     ACTIVATION_OFFLOAD,
+    FUSED_LOSS,
     OPTIMIZER_IN_BACKWARD,
 )
 
@@ -43,7 +44,7 @@ def stand_in(planner: UserPlanner):
                 1000.0
                 / r.micro_batch_size
                 * (1.3 if c.mode == "fast" else 1.0)
-                * (1.1 if c.fused_loss else 1)
+                * (1.1 if FUSED_LOSS.name in c.switched else 1)
             )
             for t, factor in slower.items():
                 speed *= factor if used.uses(t) else 1.0
@@ -71,7 +72,9 @@ def test_the_first_picks_are_the_predicted_fastest_that_fit_whatever_the_speeds(
             best[c.family] = (c.images_per_s, c)
     expected = sorted(best.values(), key=lambda x: -x[0])[:3]
     assert [c.images_per_s for c in fits] == [speed for speed, _ in expected]
-    assert fits[0].rung.micro_batch_size == 1 and fits[0].mode == "fast" and fits[0].fused_loss
+    assert (
+        fits[0].rung.micro_batch_size == 1 and fits[0].mode == "fast" and FUSED_LOSS.name in fits[0].switched
+    )
 
 
 def test_the_search_stops_once_nothing_left_can_be_faster(lm):
@@ -89,7 +92,7 @@ def test_a_memory_technique_never_predicts_faster_than_its_plain_set(lm):
     backward each only add to the time the step-time model sums, in both modes."""
     planner = UserPlanner(lm, 2, 16, precision="bf16-mixed")
     plain = {c.plain: c for c in planner.choices if not c.techniques.used}
-    picked = [c for c in planner.choices if c.rung.accumulation_steps == 1 and c.fused_loss
+    picked = [c for c in planner.choices if c.rung.accumulation_steps == 1 and FUSED_LOSS.name in c.switched
               and len(c.techniques.used) == 1]  # fmt: skip
     ckpt, offload, hooks = ACTIVATION_CHECKPOINTING.name, ACTIVATION_OFFLOAD.name, OPTIMIZER_IN_BACKWARD.name
     assert {(c.techniques.used, c.checkpoint_mode) for c in picked} == {
@@ -106,7 +109,7 @@ def test_a_memory_technique_never_predicts_faster_than_its_plain_set(lm):
 def test_fast_and_eager_share_one_simulation(lm):
     planner = UserPlanner(lm, 2, 16, precision="bf16-mixed")
     pair = [c for c in planner.choices if not c.techniques.used and c.rung.accumulation_steps == 1
-            and not c.fused_loss]  # fmt: skip
+            and FUSED_LOSS.name not in c.switched]  # fmt: skip
     assert sorted(c.mode for c in pair) == ["eager", "fast"]
     for c in pair:
         planner.predict(c)
@@ -121,7 +124,7 @@ def test_fast_mode_fuses_ops_only_where_it_compiles_blocks(lm):
     assert not UserPlanner("torchvision:resnet18", 8, 0).compiled
     planner = UserPlanner(lm, 2, 16, precision="bf16-mixed")
     assert planner.compiled
-    c = next(c for c in planner.choices if c.mode == "fast" and not c.techniques.used and not c.fused_loss
+    c = next(c for c in planner.choices if c.mode == "fast" and not c.techniques.used and FUSED_LOSS.name not in c.switched
              and c.rung.accumulation_steps == 1)  # fmt: skip
     planner.predict(c)
     costs = step_time.costs_of(planner.simulated[c.key][3], Plan())

@@ -17,6 +17,7 @@ from fabric_memory_recipes.planning.simulation.allocator import RESIDUAL
 from fabric_memory_recipes.planning.simulation.tracking import SavedTensorCounter, Tracker
 from fabric_memory_recipes.planning.your_model import estimate
 from fabric_memory_recipes.planning.your_model.sets import UserPlanner
+from fabric_memory_recipes.techniques import FUSED_LOSS
 from fabric_memory_recipes.training import cli
 from fabric_memory_recipes.training.techniques import checkpointing
 from fabric_memory_recipes.training.your_model import models, runner
@@ -176,10 +177,11 @@ def test_the_estimate_sees_the_fused_loss_and_selective_checkpointing(qwen, tmp_
 
 def test_fit_combines_the_modes_and_the_causal_lm_levers(qwen):
     planner = UserPlanner(qwen, 2, 32, precision="bf16-mixed")
-    found = {(c.mode, c.fused_loss, c.checkpoint_mode) for c in planner.choices}
-    assert {("fast", True, "selective"), ("eager", False, "full"), ("fast", False, "full")} <= found
+    found = {(c.mode, c.switched, c.checkpoint_mode) for c in planner.choices}
+    fused = (FUSED_LOSS.name,)
+    assert {("fast", fused, "selective"), ("eager", (), "full"), ("fast", (), "full")} <= found
     c = next(
-        c for c in planner.choices if c.fused_loss and c.checkpoint_mode == "selective" and c.mode == "fast"
+        c for c in planner.choices if (c.switched, c.checkpoint_mode, c.mode) == (fused, "selective", "fast")
     )
     parsed = cli.build_parser(runner.default_config()).parse_args(c.argv())
     assert parsed.fused_loss and parsed.checkpoint_mode == "selective" and parsed.mode == "fast"

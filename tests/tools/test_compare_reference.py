@@ -571,9 +571,14 @@ def _rows() -> list[dict]:
     def side(gb, speed, status="ok"):
         return {"status": status, "peak_reserved_gb": gb, "images_per_s": speed}
 
-    call = {"gpu_name": "NVIDIA H100 80GB HBM3", "torch": "2.11.0", "steps": 25, "started": "t",
-            "command": "python -m fabric_memory_recipes.tools.compare.reference --reference .ref/pytorch-memory-optim",
-            "substitution_note": "data and weights swapped"}  # fmt: skip
+    call = {
+        "gpu_name": "NVIDIA H100 80GB HBM3",
+        "torch": "2.11.0",
+        "steps": 25,
+        "started": "t",
+        "command": "python -m fabric_memory_recipes.tools.compare.reference --reference .ref/pytorch-memory-optim",
+        "substitution_note": "data and weights swapped",
+    }
     return [
         {"rung": "04", "recipe": "04_lower_batch_size", "reference": {**side(5.45, 236.8), "script": "04.py"},
          "eager": side(4.75, 311.8), "fast": side(4.70, 845.0), "like_for_like": True, "call": call},
@@ -708,11 +713,12 @@ def test_docs_blocks_written_and_a_page_without_the_block_is_one_line(tmp_path, 
     docs = tmp_path / "docs"
     docs.mkdir()
     row = {
-        "rung": "05", "recipe": "05_gradient_accumulation",
+        "rung": "05",
+        "recipe": "05_gradient_accumulation",
         "reference": {"status": "ok", "peak_reserved_gb": 3.33, "images_per_s": 84.3},
         "eager": {"status": "ok", "peak_reserved_gb": 3.24, "images_per_s": 86.0},
         "fast": {"status": "timeout"},
-    }  # fmt: skip
+    }
     page = docs / "05_gradient_accumulation.md"
     page.write_text("# 05\n<!-- results:modes:start -->\nold\n<!-- results:modes:end -->\ntail\n")
     assert comparison.write_docs_blocks([row], docs, "c.json") == 0

@@ -122,11 +122,15 @@ def test_benchmark_records_curves_lost_updates_and_renders_the_report():
 
 def _result(recipe, seed, test, loss, steps, precision="32-true", lost=0.0):
     return {
-        "recipe": recipe, "tag": f"default-s{seed}", "status": "ok",
+        "recipe": recipe,
+        "tag": f"default-s{seed}",
+        "status": "ok",
         "config": {"precision": precision, "batch_size": 64, "micro_batch_size": 64, "lr": 1e-3},
-        "accuracy": {"test": test}, "loss": {"last": loss}, "timing": {"optimizer_steps": steps},
+        "accuracy": {"test": test},
+        "loss": {"last": loss},
+        "timing": {"optimizer_steps": steps},
         "updates": {"rule": "plain", "optimizer": "torch.optim.adam.Adam", "lost": {"mean_lost": lost}},
-    }  # fmt: skip
+    }
 
 
 def test_flags_and_causes_from_measured_differences():
@@ -160,7 +164,7 @@ def test_tool_plans_every_single_gpu_rung_with_its_kind_of_learning_rate():
         assert j.args[j.args.index("--data") + 1] == "digits" and "--eval-batches" not in j.args
     mixed = [j for j in jobs if j.recipe == "02_mixed_precision"][0]
     assert mixed.args[mixed.args.index("--precision") + 1] == "bf16-mixed", "fp16 autocast needs CUDA"
-    assert {j.variant for j in jobs if j.recipe == "06_sgd_cosine"} == {"default", "plain", "kahan", "mixed"}  # fmt: skip
+    assert {j.variant for j in jobs if j.recipe == "06_sgd_cosine"} == {"default", "plain", "kahan", "mixed"}
     rules = {(j.recipe[:2], j.variant): j.rule for j in jobs}
     assert (
         rules[("06", "default")] == rules[("12", "default")] == "stochastic"
@@ -175,9 +179,13 @@ def test_tool_plans_every_single_gpu_rung_with_its_kind_of_learning_rate():
 
 def test_a_later_call_that_added_runs_is_named_in_the_report():
     results = [_result("01_baseline", seed, 0.9 + seed / 100, 0.05, 380) for seed in range(3)]
-    later = {"timestamp": "2026-11-23T16:00:00+00:00", "command": "convergence.py --seed-list 2",
-             "wall_s": 176.4, "runs": [{"returncode": 0}, {"returncode": 0}, {"returncode": 1}],
-             "note": "seed 2 of the rungs the first call's deadline skipped"}  # fmt: skip
+    later = {
+        "timestamp": "2026-11-23T16:00:00+00:00",
+        "command": "convergence.py --seed-list 2",
+        "wall_s": 176.4,
+        "runs": [{"returncode": 0}, {"returncode": 0}, {"returncode": 1}],
+        "note": "seed 2 of the rungs the first call's deadline skipped",
+    }
     text = benchmark.render_markdown(results, {"wall_s": 306.6, "later_calls": [later]}, None)
     assert "- the first call took 307 s (wall)" in text
     assert (
@@ -188,8 +196,13 @@ def test_a_later_call_that_added_runs_is_named_in_the_report():
 
 def test_a_later_call_on_several_gpus_counts_each_gpu_and_names_them():
     """A call that spread its runs over 4 GPUs cost 4 x its wall time of GPU time, and its line says where."""
-    later = {"timestamp": "t", "command": "convergence.py --gpus 4", "wall_s": 400.0, "runs": [{"returncode": 0}],
-             "settings": {"gpus": 4, "gpu_name": "NVIDIA H200"}}  # fmt: skip
+    later = {
+        "timestamp": "t",
+        "command": "convergence.py --gpus 4",
+        "wall_s": 400.0,
+        "runs": [{"returncode": 0}],
+        "settings": {"gpus": 4, "gpu_name": "NVIDIA H200"},
+    }
     summary = {"wall_s": 100.0, "later_calls": [later]}
     assert report.device_seconds(summary) == 100.0 + 4 * 400.0
     text = benchmark.render_markdown([], summary, None)

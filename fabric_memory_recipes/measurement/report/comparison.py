@@ -263,8 +263,11 @@ def render_rung_block(row: dict, source: str) -> str:
     ratios = comparison_ratios(row)
     ref = row.get("reference") if row.get("like_for_like", True) else None
     lines = ["| run | peak reserved GB | img/s |", "|---|---:|---:|"]
-    for name, side in (("the article's script", ref), ("eager (`--mode eager`)", row.get("eager")),
-                       ("fast (default on CUDA)", row.get("fast"))):  # fmt: skip
+    for name, side in (
+        ("the article's script", ref),
+        ("eager (`--mode eager`)", row.get("eager")),
+        ("fast (default on CUDA)", row.get("fast")),
+    ):
         if side is None:
             continue
         if _ok(side):
@@ -273,9 +276,14 @@ def render_rung_block(row: dict, source: str) -> str:
             )
         else:
             lines.append(f"| {name} | {side.get('status')} | {side.get('status')} |")
-    said = [f"{'img/s' if what == 'speed' else 'peak reserved'}: " + ", ".join(
-        f"fast ÷ {k.split('_vs_')[1]} {_times(v)}" for k, v in ratios.items() if k.startswith(what) and v)
-        for what in ("speed", "reserved") if any(ratios[f"{what}_fast_vs_{b}"] for b in ("reference", "eager"))]  # fmt: skip
+    said = [
+        f"{'img/s' if what == 'speed' else 'peak reserved'}: "
+        + ", ".join(
+            f"fast ÷ {k.split('_vs_')[1]} {_times(v)}" for k, v in ratios.items() if k.startswith(what) and v
+        )
+        for what in ("speed", "reserved")
+        if any(ratios[f"{what}_fast_vs_{b}"] for b in ("reference", "eager"))
+    ]
     call = row.get("call") or {}
     out = ["\n".join(lines), ""]
     if said:

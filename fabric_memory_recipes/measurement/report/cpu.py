@@ -52,8 +52,8 @@ def render_cpu_table(results: list[dict], predicted: dict[str, dict], speed_cell
     keep = (
         slice(1, None) if predicted else slice(3, None)
     )  # no prediction (a stopped ladder): no such columns
-    lines = ["| " + " | ".join([header[0], *header[keep]]) + " |",
-             "|---|" + "|".join(["---:", "---", "---", "---", "---:", "---:", "---:", "---:", "---:", "---:"][keep.start - 1 :]) + "|"]  # fmt: skip
+    align = ["---:", "---", "---", "---", "---:", "---:", "---:", "---:", "---:", "---:"][keep.start - 1 :]
+    lines = ["| " + " | ".join([header[0], *header[keep]]) + " |", "|---|" + "|".join(align) + "|"]
     for r in sorted(results, key=sort_key):
         gb, config = _predicted_cells(predicted.get(str(r.get("recipe"))))
         accum = get(r, "config.accumulation_steps", 1) or 1

@@ -19,12 +19,15 @@ from fabric_memory_recipes.planning.planner import calibration, snapshot
 # (what, value) -> (the rung/variant that made the change, the one it is compared with, {fix: rung/variant})
 KAHAN, STOCHASTIC = "Kahan summation", "stochastic rounding"
 CHANGES: dict[tuple[str, str], tuple[str, str, dict[str, str]]] = {
-    ("precision", "bf16-true"): ("03_true_half_precision/default", "01_baseline/default",
-                                 {KAHAN: "03_true_half_precision/kahan", STOCHASTIC: "03_true_half_precision/stochastic"}),
+    ("precision", "bf16-true"): (
+        "03_true_half_precision/default",
+        "01_baseline/default",
+        {KAHAN: "03_true_half_precision/kahan", STOCHASTIC: "03_true_half_precision/stochastic"},
+    ),
     ("precision", "16-mixed"): ("02_mixed_precision/default", "01_baseline/default", {}),
     ("optimizer", "sgd"): ("06_sgd_cosine/default", "05_gradient_accumulation/default", {}),
     ("optimizer", "adamw8bit"): ("13_lowbit_optimizer/default", "05_gradient_accumulation/default", {}),
-}  # fmt: skip
+}
 # Changes whose measurement stands for another's, and why.
 SAME_AS = {
     ("precision", "bf16-mixed"): (("precision", "16-mixed"), "measured for 16-mixed: the same fp32 weights")
@@ -47,8 +50,11 @@ class Cost:
         if self.delta is None:
             return f"{self.change}: no accuracy cost measured ({self.note or 'no benchmark run of it'})"
         fix = "; ".join(f"with {name} {d:+.3f} (n={n})" for name, d, n in self.fixes)
-        return (f"{self.change}: {self.delta:+.3f} test accuracy against {self.compared} (n={self.n}"
-                f"{', ' + self.note if self.note else ''})" + (f"; fixed there {fix}" if fix else "; no fix measured"))  # fmt: skip
+        return (
+            f"{self.change}: {self.delta:+.3f} test accuracy against {self.compared} (n={self.n}"
+            f"{', ' + self.note if self.note else ''})"
+            + (f"; fixed there {fix}" if fix else "; no fix measured")
+        )
 
 
 def _accuracy(gpu: str) -> dict[str, Any]:

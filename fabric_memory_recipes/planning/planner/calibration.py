@@ -230,11 +230,15 @@ def measured_speed(
 ) -> tuple[float, list[str]] | None:
     """The median img/s of the committed runs of exactly this configuration on ``gpu``, and their files."""
     same = [
-        r for r in runs
-        if r.images_per_s and r.recipe not in NOT_LOOKED_UP and r.gpu == gpu and r.model == model
+        r
+        for r in runs
+        if r.images_per_s
+        and r.recipe not in NOT_LOOKED_UP
+        and r.gpu == gpu
+        and r.model == model
         and (r.techniques, r.precision, r.batch_size, r.accumulation_steps, r.mode)
         == (techniques, precision, batch_size, accumulation_steps, mode)
-    ]  # fmt: skip
+    ]
     if not same:
         return None
     return statistics.median(r.images_per_s for r in same), sorted(r.path for r in same)

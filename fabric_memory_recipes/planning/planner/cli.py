@@ -78,15 +78,23 @@ def budget(args: argparse.Namespace) -> float | None:
 
 def to_json(fit: Fit) -> dict[str, Any]:
     return {
-        "budget_gb": fit.budget_gb, "batch_size": fit.batch_size, "model": fit.model, "gpu": fit.gpu,
+        "budget_gb": fit.budget_gb,
+        "batch_size": fit.batch_size,
+        "model": fit.model,
+        "gpu": fit.gpu,
         "fits": [c.to_dict() for c in fit.fits],
         "rejected": fit.rejected.to_dict() if fit.rejected else None,
         "smallest": fit.smallest.to_dict() if fit.smallest else None,
-        "reserved_rule": RESERVED_RULE, "reserved_residual": RESIDUAL,
+        "reserved_rule": RESERVED_RULE,
+        "reserved_residual": RESIDUAL,
         "overhead": {m: o.to_dict() for m, o in fit.overheads.items()},
         "answers_for": "a card" if all(o.gb is not None for o in fit.overheads.values()) else "the allocator",
-        "searched": {"candidates": fit.considered, "simulated": fit.cache.simulated, "ruled_out_unsimulated": fit.bounded},
-    }  # fmt: skip
+        "searched": {
+            "candidates": fit.considered,
+            "simulated": fit.cache.simulated,
+            "ruled_out_unsimulated": fit.bounded,
+        },
+    }
 
 
 def _row(i: Any, c) -> str:
@@ -129,8 +137,9 @@ def render(fit: Fit, verbose: bool = False, written: str | None = None) -> str:
             f"Nothing fits in {size}. The smallest predicted peak is {s.card_gb:.2f} GB"
             f" (the allocator replay's {s.replayed_gb:.2f} GB reserved x {RESIDUAL}"
             f" + {s.overhead_gb:.2f} GB outside the allocator):",
-            header, _row("-", s),
-        ]  # fmt: skip
+            header,
+            _row("-", s),
+        ]
     if fit.rejected:
         lines += ["", "Fastest rejected as too big:", _row("x", fit.rejected)]
     elif fit.fits:
@@ -163,8 +172,16 @@ def run(args: argparse.Namespace) -> int:
     already the planner's own, vit_l_16 and 16, unless given)."""
     args.budget_gb = budget(args)
     try:
-        planner = Planner(args.batch_size, args.model, args.gpu, precisions=args.precisions, modes=args.modes, optimizers=args.optimizers,
-                          folders=tuple(args.results), cache=SimulationCache(use_disk=not args.no_cache))  # fmt: skip
+        planner = Planner(
+            args.batch_size,
+            args.model,
+            args.gpu,
+            precisions=args.precisions,
+            modes=args.modes,
+            optimizers=args.optimizers,
+            folders=tuple(args.results),
+            cache=SimulationCache(use_disk=not args.no_cache),
+        )
     except LookupError as e:
         fail(str(e))
     fit = planner.fit(args.budget_gb, args.top)

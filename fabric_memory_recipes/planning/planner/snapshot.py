@@ -62,9 +62,13 @@ def accuracy_payload(results: Path = calibration.RESULTS_DIR) -> dict[str, Any]:
         cfg = d.get("config") or {}
         row = out.setdefault(gpu, {}).setdefault(
             f"{d['recipe']}/{match['variant']}",
-            {"test": [], "precision": cfg.get("precision"), "batch_size": cfg.get("batch_size"),
-             "optimizer": (d.get("updates") or {}).get("optimizer")},
-        )  # fmt: skip
+            {
+                "test": [],
+                "precision": cfg.get("precision"),
+                "batch_size": cfg.get("batch_size"),
+                "optimizer": (d.get("updates") or {}).get("optimizer"),
+            },
+        )
         row["test"].append(round(float(test), 6))
     for rows in out.values():
         for row in rows.values():

@@ -158,14 +158,23 @@ def _constants(runs: list[Measured], parameters: int) -> Constants:
     names = lambda rs: ", ".join(sorted({r.path for r in rs}))  # noqa: E731
     # Memory bandwidth: fast runs that differ only in Adam vs SGD.
     pairs = [
-        (a, s) for a in graphed for s in graphed
-        if a.techniques == ADAM and s.techniques == SGD
-        and (a.precision, a.batch_size, a.accumulation_steps) == (s.precision, s.batch_size, s.accumulation_steps)
-    ]  # fmt: skip
-    bw = _median([
-        (step_bytes("adam", a.precision, parameters) - step_bytes("sgd", a.precision, parameters))
-        / (a.step_s - s.step_s) / 1e9 for a, s in pairs if a.step_s > s.step_s
-    ])  # fmt: skip
+        (a, s)
+        for a in graphed
+        for s in graphed
+        if a.techniques == ADAM
+        and s.techniques == SGD
+        and (a.precision, a.batch_size, a.accumulation_steps)
+        == (s.precision, s.batch_size, s.accumulation_steps)
+    ]
+    bw = _median(
+        [
+            (step_bytes("adam", a.precision, parameters) - step_bytes("sgd", a.precision, parameters))
+            / (a.step_s - s.step_s)
+            / 1e9
+            for a, s in pairs
+            if a.step_s > s.step_s
+        ]
+    )
     if bw:
         got["memory_gb_s"] = (
             bw,
@@ -179,8 +188,13 @@ def _constants(runs: list[Measured], parameters: int) -> Constants:
 
     # Forward + backward against the micro-batch: bf16-true plain rungs, graphed (any m) or compiled
     # with m >= 64 (launches no longer matter there), a weighted least-squares line.
-    line = [r for r in timed if r.techniques in PLAIN and r.precision == "bf16-true"
-            and (r.mode == "fast" or (r.mode == "compiled" and r.micro >= 64))]  # fmt: skip
+    line = [
+        r
+        for r in timed
+        if r.techniques in PLAIN
+        and r.precision == "bf16-true"
+        and (r.mode == "fast" or (r.mode == "compiled" and r.micro >= 64))
+    ]
     if len({r.micro for r in line}) >= 2:
         a, b = fit_line([r.micro for r in line], [per_micro(r) for r in line])
         if a > 0 and b > 0:
@@ -191,27 +205,36 @@ def _constants(runs: list[Measured], parameters: int) -> Constants:
     a, b = got["fixed_ms"][0], got["per_image_ms"][0]
     base = lambda r: a + b * r.micro  # noqa: E731
     for prec in FACTOR_PRECISIONS:
-        same = [r for r in timed if r.techniques in PLAIN and r.precision == prec
-                and (r.mode == "fast" or (r.mode == "compiled" and r.micro >= 64))]  # fmt: skip
+        same = [
+            r
+            for r in timed
+            if r.techniques in PLAIN
+            and r.precision == prec
+            and (r.mode == "fast" or (r.mode == "compiled" and r.micro >= 64))
+        ]
         factor = _median([per_micro(r) / base(r) for r in same])
         if factor:
             got[f"precision:{prec}"] = (factor, names(same))
-    off = [r for r in graphed if r.techniques.uses(ACTIVATION_OFFLOAD) and not r.techniques.uses(ACTIVATION_CHECKPOINTING)
-           and r.offloaded_gb]  # fmt: skip
+    off = [
+        r
+        for r in graphed
+        if r.techniques.uses(ACTIVATION_OFFLOAD)
+        and not r.techniques.uses(ACTIVATION_CHECKPOINTING)
+        and r.offloaded_gb
+    ]
     gbs = _median([r.offloaded_gb / ((per_micro(r) - base(r)) / 1e3) for r in off if per_micro(r) > base(r)])
     if gbs:
         got["offload_gb_s"] = (gbs, f"offload vs compute time in fast mode: {names(off)}")
     gbs = gbs or float("inf")
     ckpt = [r for r in graphed if r.techniques.uses(ACTIVATION_CHECKPOINTING) and r.precision == "bf16-true"]
-    extra = _median([
-        (per_micro(r) - (r.offloaded_gb or 0.0) / gbs * 1e3) / base(r) - 1 for r in ckpt
-    ])  # fmt: skip
+    extra = _median([(per_micro(r) - (r.offloaded_gb or 0.0) / gbs * 1e3) / base(r) - 1 for r in ckpt])
     if extra:
         got["checkpoint_extra"] = (extra, f"fast-mode runs with checkpointing: {names(ckpt)}")
     low = [r for r in graphed if r.techniques.optimizer == LOWBIT_STATE.name and r.precision == "bf16-true"]
     adam = step_bytes("adam", "bf16-true", parameters) / (bw * 1e9) * 1e3
-    factor = _median([(per_micro(r) * r.accumulation_steps - base(r) * r.accumulation_steps + adam) / adam
-                      for r in low])  # fmt: skip
+    factor = _median(
+        [(per_micro(r) * r.accumulation_steps - base(r) * r.accumulation_steps + adam) / adam for r in low]
+    )
     if factor:
         got["lowbit_factor"] = (factor, f"8-bit Adam's step in fast mode: {names(low)}")
     for used in {r.techniques for r in timed}:  # eager: host time per micro-batch, launch-bound runs only
@@ -267,7 +290,7 @@ def speed_model(gpu: str, model: str, parameters: int, runs: tuple[Measured, ...
         precision_factor={
             "bf16-true": 1.0,
             **{p: v for p in FACTOR_PRECISIONS if (v := take(f"precision:{p}")) is not None},
-        },  # fmt: skip
+        },
         memory_gb_s=take("memory_gb_s"),
         offload_gb_s=take("offload_gb_s"),
         checkpoint_extra=take("checkpoint_extra", BUILT_IN["checkpoint_extra"]),

@@ -27,12 +27,16 @@ OPTIMIZER_NAMES = {"Adam": "adam", "AdamW": "adamw", "AdamW8bit": "adamw8bit", "
 def checkpointed_blocks(model: torch.nn.Module) -> tuple[str, ...]:
     """The classes of the modules that a checkpoint wrapper (rung 10's ``CheckpointedBlock``, torch's
     ``CheckpointWrapper``) runs under activation checkpointing."""
-    return tuple(sorted({
-        type(child).__name__
-        for module in model.modules()
-        if type(module).__name__ in CHECKPOINT_WRAPPERS
-        for child in module.children()
-    }))  # fmt: skip
+    return tuple(
+        sorted(
+            {
+                type(child).__name__
+                for module in model.modules()
+                if type(module).__name__ in CHECKPOINT_WRAPPERS
+                for child in module.children()
+            }
+        )
+    )
 
 
 def optimizer_technique(optimizer: Any) -> dict[str, str]:

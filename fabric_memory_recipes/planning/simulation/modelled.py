@@ -135,8 +135,9 @@ def host_draws_kept() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def checkpointed(model, class_names: tuple[str, ...], keep: Callable[[torch.Tensor], None],
-                 mode: str = "full") -> Iterator[int]:  # fmt: skip
+def checkpointed(
+    model, class_names: tuple[str, ...], keep: Callable[[torch.Tensor], None], mode: str = "full"
+) -> Iterator[int]:
     """Wrap the forward of every module whose class is named in ``class_names`` in non-reentrant
     activation checkpointing (what Fabric's ``activation_checkpointing_policy`` and ``checkpoint_wrapper``
     do), for the duration of the simulation. ``keep`` is told about each block input: checkpointing

@@ -289,9 +289,13 @@ def simulate(
         transient = int(transient * scales.get("optimizer_state", 1.0))
         if op_costs is not None:  # what the step reads and writes: weights, gradients, state (per GPU)
             shard = scales.get("optimizer_state", 1.0)
-            op_costs.optimizer = {"parameter_bytes": n_train * master_bytes * shard, "gradient_bytes": n_train * master_bytes * shard,
-                                  "state_bytes": state_bytes * shard, "tensors": len(trainable),
-                                  "in_backward": plan.optimizer_in_backward}  # fmt: skip
+            op_costs.optimizer = {
+                "parameter_bytes": n_train * master_bytes * shard,
+                "gradient_bytes": n_train * master_bytes * shard,
+                "state_bytes": state_bytes * shard,
+                "tensors": len(trainable),
+                "in_backward": plan.optimizer_in_backward,
+            }
         tracker.add_constant("temporaries", transient)
         tracker.add_constant("temporaries", -transient)
         tracker.phase = "zero_grad(set_to_none=True)"

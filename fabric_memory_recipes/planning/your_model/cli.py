@@ -28,8 +28,8 @@ from fabric_memory_recipes.planning.planner import cli as fit_cli
 from fabric_memory_recipes.planning.your_model import measure, saved_file
 from fabric_memory_recipes.planning.your_model.estimate import card, estimate, meta_user_model, plan_of
 from fabric_memory_recipes.planning.your_model.sets import UserPlanner
-from fabric_memory_recipes.techniques import ACTIVATION_CHECKPOINTING
-from fabric_memory_recipes.training.techniques import fused_loss
+from fabric_memory_recipes.techniques import ACTIVATION_CHECKPOINTING, switches
+from fabric_memory_recipes.training.techniques import refusal_of
 from fabric_memory_recipes.training.your_model import runner
 
 
@@ -67,8 +67,10 @@ def run(parsed: argparse.Namespace) -> int:
     try:
         um, model, blocks, found_by = meta_user_model(cfg.model, cfg.lora_rank, cfg.lora_targets)
         runner.resolve(cfg)  # --seq-len (and an encoder-decoder's --target-len) within its positions, --data
-        if cfg.fused_loss and (why := fused_loss.refusal(model)):  # BART's bias after its output layer, ...
-            raise UsageError(why)
+        # a switch's module may refuse the model (the fused loss: BART's bias after its projection, ...)
+        for t in (t for t in switches() if cfg.uses(t)):
+            if why := refusal_of(t, model):
+                raise UsageError(why)
     except UsageError as e:
         fail(str(e))
     if args.fit and cfg.world_size > 1 and not blocks:

@@ -27,8 +27,8 @@ from fabric_memory_recipes.planning.plan import Estimate, Plan, plan_for
 from fabric_memory_recipes.planning.simulation.costs import OpCosts
 from fabric_memory_recipes.planning.simulation.simulate import failed, simulate
 from fabric_memory_recipes.planning.your_model import saved_file
-from fabric_memory_recipes.techniques import ACTIVATION_CHECKPOINTING, FUSED_LOSS
-from fabric_memory_recipes.training.techniques import fused_loss, lora
+from fabric_memory_recipes.techniques import ACTIVATION_CHECKPOINTING, switches
+from fabric_memory_recipes.training.techniques import lora, module_of
 from fabric_memory_recipes.training.your_model import models
 from fabric_memory_recipes.training.your_model.models import UserModel
 from fabric_memory_recipes.training.your_model.runner import YourModelConfig
@@ -78,7 +78,7 @@ def plan_of(cfg: YourModelConfig, blocks: tuple[str, ...]) -> Plan:
     return plan_for(
         cfg, activation_checkpointing=blocks if cfg.uses(ACTIVATION_CHECKPOINTING) else (), sharding=sharding,
         shard_units=blocks, world_size=cfg.world_size if sharding != "none" else 1, compile=False,
-        checkpoint_mode=cfg.checkpoint_mode, fused_loss=cfg.uses(FUSED_LOSS),
+        checkpoint_mode=cfg.checkpoint_mode, switched=tuple(t.name for t in switches() if cfg.uses(t)),
     )  # fmt: skip
 
 
@@ -92,9 +92,10 @@ def estimate(
     make = batch_fn = None
     if um.is_text:
         make, batch_fn = text_batch(um, plan.micro_batch_size, seq_len, target_len)
-    if plan.fused_loss:  # the run's own loss on a copy (the model given may be shared): no logits
+    if plan.switched:  # what the switches do (the fused loss: no logits), on a copy: the model may be shared
         model = copy.deepcopy(model)
-        batch_fn = fused_loss.fused_batch_fn(model)
+        for t in (t for t in switches() if t.name in plan.switched):
+            batch_fn = module_of(t).apply(model, batch_fn)
     return simulate(model, plan, make_batch=make, batch_fn=batch_fn, model_name=um.ref, op_costs=op_costs)
 
 

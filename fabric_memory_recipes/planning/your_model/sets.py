@@ -45,7 +45,6 @@ from fabric_memory_recipes.planning.your_model.estimate import card, estimate, m
 from fabric_memory_recipes.techniques import (
     ACTIVATION_CHECKPOINTING,
     ACTIVATION_OFFLOAD,
-    FUSED_LOSS,
     LORA,
     MODES,
     OPTIMIZER_IN_BACKWARD,
@@ -53,8 +52,9 @@ from fabric_memory_recipes.techniques import (
     PRECISIONS,
     TechniqueSet,
     subset,
+    switches,
 )
-from fabric_memory_recipes.training.techniques import checkpointing, fused_loss
+from fabric_memory_recipes.training.techniques import checkpointing, refusal_of
 from fabric_memory_recipes.training.your_model import models
 from fabric_memory_recipes.training.your_model import runner as user_run
 
@@ -72,8 +72,9 @@ SETS = (
     (OPTIMIZER_IN_BACKWARD,),
     (ACTIVATION_CHECKPOINTING, OPTIMIZER_IN_BACKWARD),
 )
-# The runner's other choices each set is tried with: its mode, what a checkpointed block keeps, and (a causal
-# LM's) the fused loss.
+# The runner's other choices each set is tried with: its mode, what a checkpointed block keeps, and the
+# switches its model's task allows (techniques.switches(): the fused loss of a causal LM or an
+# encoder-decoder that it can fuse), on and off.
 MODES_TRIED = subset(MODES, "fast", "eager")
 CHECKPOINT_MODES = checkpointing.MODES
 SPEED_SOURCE = "model: the simulated step's op costs"
@@ -89,7 +90,7 @@ class Choice(Candidate):
     seq_len: int | None = None  # text models: tokens per sample
     changes: tuple[advice.Cost, ...] = ()
     devices: int = 1  # > 1: FSDP over that many GPUs (--fsdp --devices N); memory is per GPU
-    fused_loss: bool = False  # --fused-loss (a causal LM's or an encoder-decoder's loss without its logits)
+    switched: tuple[str, ...] = ()  # the switches on (techniques.switches(), by name: --fused-loss)
     target_len: int | None = None  # an encoder-decoder's --target-len, when given
     checkpoint_mode: str = "full"  # --checkpoint-mode, with checkpointing
     cpu_offload: bool = (
@@ -100,20 +101,20 @@ class Choice(Candidate):
 
     @property
     def key(self) -> tuple:
-        return (*super().key, self.devices, self.fused_loss, self.checkpoint_mode, self.cpu_offload)
+        return (*super().key, self.devices, self.switched, self.checkpoint_mode, self.cpu_offload)
 
     @property
     def plain(self) -> tuple:
         """The same set without its memory techniques (what bounds its speed: the module's docstring)."""
         r = self.rung
-        return (r.precision, self.techniques.optimizer, self.mode, self.devices, self.fused_loss,
+        return (r.precision, self.techniques.optimizer, self.mode, self.devices, self.switched,
                 r.micro_batch_size, r.accumulation_steps)  # fmt: skip
 
     @property
     def family(self) -> tuple:
         """The set without its micro-batch: what the table shows once, at its fastest micro-batch that fits."""
         r = self.rung
-        return (r.precision, self.techniques, self.mode, self.devices, self.fused_loss, self.checkpoint_mode,
+        return (r.precision, self.techniques, self.mode, self.devices, self.switched, self.checkpoint_mode,
                 self.cpu_offload)  # fmt: skip
 
     def mfu(self, peak_flops: float | None) -> float | None:
@@ -130,7 +131,7 @@ class Choice(Candidate):
                 str(r.accumulation_steps), "--optimizer", used.optimizer]  # fmt: skip
         out += [t.flag for t in PLANNED if used.uses(t)]
         out += ["--checkpoint-mode", self.checkpoint_mode] if self.checkpoint_mode != "full" else []
-        out += [FUSED_LOSS.flag] if self.fused_loss else []
+        out += [t.flag for t in switches() if t.name in self.switched]
         out += [*self.lora, "--mode", self.mode]
         out += ["--fsdp", "--devices", str(self.devices)] if self.devices > 1 else []
         return out + (["--cpu-offload"] if self.cpu_offload else [])
@@ -144,8 +145,8 @@ class Choice(Candidate):
             label = label.replace(
                 ACTIVATION_CHECKPOINTING.label, f"{self.checkpoint_mode} {ACTIVATION_CHECKPOINTING.label}"
             )
-        if self.fused_loss:
-            label = label.replace(f", {self.mode}", f" + {FUSED_LOSS.label}, {self.mode}")
+        for t in (t for t in switches() if t.name in self.switched):
+            label = label.replace(f", {self.mode}", f" + {t.label}, {self.mode}")
         if self.lora:
             label = label.replace(f", {self.mode}", f" + {LORA.label}, {self.mode}")
         return label + sharded + (f" [changes {changed}]" if changed else "")
@@ -155,7 +156,8 @@ class Choice(Candidate):
         out["predicted_samples_per_s"] = out.pop("predicted_images_per_s")  # images or sequences
         out["changes"] = [dataclasses.asdict(c) | {"line": c.line()} for c in self.changes]
         out["devices"], out["cpu_offload"] = self.devices, self.cpu_offload
-        out["fused_loss"], out["checkpoint_mode"] = self.fused_loss, self.checkpoint_mode
+        out.update({t.name: t.name in self.switched for t in switches()})
+        out["checkpoint_mode"] = self.checkpoint_mode
         out["micro_batch_size"] = self.rung.micro_batch_size
         out["lora"] = list(self.lora)
         out["label"] = self.label()
@@ -193,10 +195,11 @@ class UserPlanner:
         runner = user_run.default_config()
         precisions = _first(precision, PRECISIONS_TRIED if "precision" in self.may_change else ())
         optimizers = _first(optimizer, OPTIMIZERS_TRIED if "optimizer" in self.may_change else ())
-        fusable = self.um.task in ("causal_lm", "seq2seq_lm") and fused_loss.refusal(self.model) is None
-        fused = (False, True) if fusable else (False,)
+        allowed = [t.name for t in switches() if (not t.tasks or self.um.task in t.tasks)
+                   and refusal_of(t, self.model) is None]  # fmt: skip
+        switched = [s for n in range(len(allowed) + 1) for s in itertools.combinations(allowed, n)]
         self.choices = []
-        for prec, opt, mode, fuse, on in itertools.product(precisions, optimizers, modes, fused, SETS):
+        for prec, opt, mode, switch, on in itertools.product(precisions, optimizers, modes, switched, SETS):
             changes = tuple(advice.cost(what, value, gpu) for what, value, mine in
                             (("precision", prec, precision), ("optimizer", opt, optimizer)) if value != mine)  # fmt: skip
             used = TechniqueSet.of(opt, *on)
@@ -215,7 +218,7 @@ class UserPlanner:
                 frozen = (self.parameters - self.trainable) * (2 if prec in ("bf16-true", "16-true") else 4)
                 lower = 0.0 if off else (static_bytes(rung, used, self.trainable) + frozen) / GB / devices
                 c = Choice(rung, mode, used, lower + over, math.inf, speed_source=SPEED_SOURCE, overhead_gb=over,
-                           seq_len=self.seq_len, changes=changes, devices=devices, fused_loss=fuse,
+                           seq_len=self.seq_len, changes=changes, devices=devices, switched=switch,
                            checkpoint_mode=keeps, lora=tuple(lora), target_len=self.target_len,
                            cpu_offload=off)  # fmt: skip
                 self.choices.append(c)
@@ -251,7 +254,7 @@ class UserPlanner:
                             activation_offload=used.uses(ACTIVATION_OFFLOAD),
                             optimizer_in_backward=used.uses(OPTIMIZER_IN_BACKWARD),
                             sharding="fsdp" if c.devices > 1 else "none", checkpoint_mode=c.checkpoint_mode,
-                            fused_loss=c.fused_loss, shard_units=self.blocks, world_size=c.devices,
+                            switched=c.switched, shard_units=self.blocks, world_size=c.devices,
                             cpu_offload=c.cpu_offload)  # fmt: skip
                 collector = (
                     OpCosts()
@@ -265,7 +268,7 @@ class UserPlanner:
                 if error and not used.used:
                     raise RuntimeError(f"the simulation of {c.label()} failed: {error}")
                 if error:  # a technique this model's step cannot run: the set is left out, said once
-                    self.failed.setdefault((used, c.fused_loss, c.checkpoint_mode), f"{c.label()}: {error}")
+                    self.failed.setdefault((used, c.switched, c.checkpoint_mode), f"{c.label()}: {error}")
                     c.predicted_gb, c.images_per_s = math.inf, 0.0
                     self.simulated[key] = None
                     return c

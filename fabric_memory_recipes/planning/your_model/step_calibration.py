@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 from scipy.optimize import least_squares
 
+from fabric_memory_recipes import techniques
 from fabric_memory_recipes.config import RunConfig
 from fabric_memory_recipes.console import Parser, fail
 from fabric_memory_recipes.declarations import declared_rung
@@ -81,8 +82,8 @@ class Run:
     def group(self) -> str:
         """The configuration: runs that repeat it are one point of the fit."""
         c = self.config
-        keys = ("precision", "batch_size", "accumulation_steps", "seq_len", "optimizer", "checkpoint_blocks",
-                "checkpoint_mode", "fused_loss", "activation_offload", "optimizer_in_backward")  # fmt: skip
+        keys = ("precision", "batch_size", "accumulation_steps", "seq_len", "optimizer",
+                *(k for t in techniques.flagged() for k in (t.field, *t.options)))  # fmt: skip
         text = self.model.startswith("hf:")  # a vision model's config has the runner's default seq_len too
         flags = " ".join(
             f"{k}={c.get(k)}" for k in keys if c.get(k) not in (None, False) and (text or k != "seq_len")
@@ -269,10 +270,11 @@ def table_lines(entry: dict[str, Any]) -> list[str]:
     return lines
 
 
+# How a configuration is shortened; a flagged technique not named here, to its flag (fused_loss=True: fused-loss).
 SHORT = (("hf:examples/configs/", ""), ("your_model ", ""), ("precision=", ""), ("batch_size=", "b"),
          (" accumulation_steps=", "/k"), ("seq_len=", "s"), ("optimizer=", ""), ("checkpoint_blocks=True", "ckpt"),
-         (" checkpoint_mode=full", ""), ("checkpoint_mode=", "ckpt-"), ("fused_loss=True", "fused-loss"),
-         ("activation_offload=True", "offload"), ("optimizer_in_backward=True", "step-in-backward"))  # fmt: skip
+         (" checkpoint_mode=full", ""), ("checkpoint_mode=", "ckpt-"), ("activation_offload=True", "offload"),
+         ("optimizer_in_backward=True", "step-in-backward"))  # fmt: skip
 
 
 def notes_lines(entry: dict[str, Any]) -> list[str]:
@@ -280,7 +282,7 @@ def notes_lines(entry: dict[str, Any]) -> list[str]:
     lines = ["measured predicted  error held out  configuration (step s; error: samples/s)"]
     for r in entry["runs"]:
         name = r["configuration"]
-        for old, new in SHORT:
+        for old, new in (*SHORT, *((f"{t.field}=True", t.flag[2:]) for t in techniques.flagged())):
             name = name.replace(old, new)
         lomo = r["leave_one_model_out_error"]
         tag = (

@@ -53,9 +53,11 @@ _FSDP_NOTE = (
     "checkpointing), run under torchrun with --devices processes (its Fabric(devices=4) set to that number). "
 )
 _NO_OFFLOAD = Reference(
-    "11_delay-allocation.py", devices=4, cpu_offload=False,
+    "11_delay-allocation.py",
+    devices=4,
+    cpu_offload=False,
     note=_FSDP_NOTE + "FSDPStrategy's cpu_offload=True set to False: rung 08's configuration",
-)  # fmt: skip
+)
 _OFFLOAD = Reference(
     "11_delay-allocation.py",
     devices=4,

@@ -26,9 +26,7 @@ from torchvision.models._utils import _ovewrite_named_param
 from fabric_memory_recipes.tools.compare.recorder import StepRecorder
 
 CIFAR10_SIZES = {True: 50_000, False: 10_000}  # train, test
-CIFAR10_CLASSES = (
-    "airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck",
-)  # fmt: skip
+CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 DATA_NOTE = (
     "torchvision.datasets.CIFAR10 -> deterministic random 32x32 RGB images and random labels "
     "(50,000 train / 10,000 test) through CIFAR-10's own __getitem__ and the script's transforms"

@@ -167,6 +167,13 @@ def predicted_ids(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
                       for i in range(0, hidden.shape[0], step)])  # fmt: skip
 
 
+def apply(model: torch.nn.Module, batch_fn=None):
+    """What the recipe's lines do (``--fused-loss``), for the estimate: the output projection fused into the
+    loss (:func:`fused_batch_fn`: a causal LM's or an encoder-decoder's), and the loss's batch function returned
+    in place of ``batch_fn``; one line (:func:`refusal`) for a model it cannot fuse."""
+    return fused_batch_fn(model)
+
+
 def causal_lm_loss(head: HiddenStates):
     """batch_fn for a causal LM whose output embeddings are fused (``fabric_memory_recipes.training.loop``):
     next-token loss on the completion tokens. Training makes no logits, so it reports no token accuracy

@@ -30,27 +30,18 @@ OPTIMIZERS = techniques.subset(techniques.OPTIMIZERS, "adamw", "adam", "sgd", te
 
 @dataclasses.dataclass
 class YourModelConfig(RunConfig):
-    """The shared flags, ``--seq-len``, and the technique set as flags."""
+    """The shared flags, ``--seq-len``, and the technique set as flags: one per record of
+    ``techniques.flagged()`` (its ``flag``, ``help`` and ``field``), read when the flags are built, so that a new
+    record is a flag with no field written here. A technique whose field is not one of :class:`RunConfig`'s
+    is on when its name is in ``switched_on`` (``cfg.fused_loss`` reads it)."""
 
     seq_len: int = flag(256, "technique", "tokens per sequence (text models; an encoder-decoder's source)",
                         type=at_least(8))  # fmt: skip
     target_len: int | None = flag(None, "technique", "an encoder-decoder's target tokens (default: --seq-len)",
                                   type=at_least(2))  # fmt: skip
     optimizer: str = flag("adamw", "technique", "optimizer (adamw8bit needs torchao)", choices=OPTIMIZERS)
-    checkpoint_blocks: bool = flag(
-        False, "technique", "activation checkpointing of every repeated block of the model", action=BOOL
-    )
     checkpoint_mode: str = flag("full", "technique", "what a checkpointed block keeps: full (its input only) or"
                                 " selective (also its matmuls and attention)", choices=checkpointing.MODES)  # fmt: skip
-    fused_loss: bool = flag(False, "technique", "causal LMs, encoder-decoders: the loss of the output projection in chunks,"
-                            " without the full logits (liger-kernel on CUDA)", action=BOOL)  # fmt: skip
-    activation_offload: bool = flag(
-        False, "technique", "keep saved activations in pinned host memory (rung 11)", action=BOOL
-    )
-    optimizer_in_backward: bool = flag(
-        False, "technique", "one optimizer per parameter, stepped inside backward (rung 12; no accumulation)",
-        action=BOOL,
-    )  # fmt: skip
     fsdp: bool = flag(
         False,
         "technique",
@@ -75,6 +66,7 @@ class YourModelConfig(RunConfig):
     )
     kv_cache_dtype: str = flag("auto", "inference", "the KV cache's dtype (--infer; auto: the weights')",
                                choices=tuple(inference.KV_CACHE_DTYPES))  # fmt: skip
+    switched_on: tuple[str, ...] = ()  # the flagged techniques on that have no field of RunConfig's, by name
 
     GROUPS: ClassVar[dict[str, str]] = {**RunConfig.GROUPS, "technique": "your model: the technique set",
                                         "inference": "your model: inference (--infer)"}  # fmt: skip
@@ -94,15 +86,37 @@ class YourModelConfig(RunConfig):
     CPU_QUICK: ClassVar[tuple[str, ...]] = ("--batch-size", "2", "--seq-len", "64", "--max-steps", "2",
                                             "--eval-batches", "2")  # fmt: skip
 
+    @classmethod
+    def flag_fields(cls) -> list[dataclasses.Field]:
+        """RunConfig's flags, then the techniques' (each followed by its ``options``), then the runner's own."""
+        own = [f for f in super().flag_fields() if f.name not in _technique_fields()]
+        at = next(i for i, f in enumerate(own) if f.name == "seq_len")
+        return own[:at] + [f for t in techniques.flagged() for f in _technique_flag(t)] + own[at:]
+
+    def __getattr__(self, name: str) -> bool:
+        """A flagged technique without a field of its own: whether it is on."""
+        record = next((t for t in techniques.flagged() if t.field == name), None)
+        if record is None or name.startswith("__"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return record.name in self.__dict__.get("switched_on", ())
+
+    def with_flags(self, **values: Any) -> YourModelConfig:
+        """A copy with flag values changed; a flagged technique without a field goes into ``switched_on``."""
+        fields = {f.name for f in dataclasses.fields(self)}
+        on = set(self.switched_on)
+        for t in techniques.flagged():
+            if t.field in values and t.field not in fields:
+                (on.add if values.pop(t.field) else on.discard)(t.name)
+        switched = tuple(t.name for t in techniques.flagged() if t.name in on)
+        return dataclasses.replace(self, **values, switched_on=switched)
+
     def uses(self, technique: techniques.Technique) -> bool:
         """Whether the technique's flag (``technique.flag``) is on."""
-        return bool(getattr(self, technique.flag.removeprefix("--").replace("-", "_")))
+        return bool(getattr(self, technique.field))
 
     def technique_flags(self) -> list[str]:
         """The technique set as flags (what the CPU suggestion keeps of a refused command)."""
-        flags = [
-            t.flag for t in techniques.TECHNIQUES if t.flag and self.uses(t) and t is not techniques.LORA
-        ]
+        flags = [t.flag for t in techniques.flagged() if self.uses(t)]
         flags += [techniques.LORA.flag, str(self.lora_rank)] if self.lora_rank else []
         flags += ["--lora-targets", self.lora_targets] if self.lora_rank and self.lora_targets else []
         flags += ["--checkpoint-mode", self.checkpoint_mode] if self.checkpoint_mode != "full" else []
@@ -135,6 +149,17 @@ class YourModelConfig(RunConfig):
         return c
 
 
+def _technique_fields() -> set[str]:
+    return {name for t in techniques.flagged() for name in (t.field, *t.options)}
+
+
+def _technique_flag(t: techniques.Technique) -> list[dataclasses.Field]:
+    """The flag of ``t`` (a boolean, off unless the rung says on) and its options' flags."""
+    f = flag(False, "technique", t.help, action=BOOL)
+    f.name, f.type = t.field, "bool"
+    return [f, *(g for g in dataclasses.fields(YourModelConfig) if g.name in t.options)]
+
+
 def default_config() -> YourModelConfig:
     """The runner's defaults (``recipes/your_model.py`` declares the same)."""
     return YourModelConfig(recipe="your_model", model="torchvision:resnet50",
@@ -153,9 +178,9 @@ def resolve(cfg: YourModelConfig) -> UserModel:
     if cfg.target_len is not None and not seq2seq:
         raise UsageError(f"--target-len is an encoder-decoder's; {cfg.model} is {um.task.replace('_', ' ')}")
     models.check_seq_len(um, target_len(cfg), "--target-len")
-    if cfg.fused_loss and um.task not in ("causal_lm", "seq2seq_lm"):
-        raise UsageError(f"--fused-loss fuses a causal LM's output projection into its loss; {cfg.model} is"
-                         f" {um.task.replace('_', ' ')}")  # fmt: skip
+    for t in techniques.flagged():
+        if t.tasks and cfg.uses(t) and um.task not in t.tasks:
+            raise UsageError(f"{t.flag}: {t.help}; {cfg.model} is {um.task.replace('_', ' ')}")
     return um
 
 
