@@ -138,10 +138,10 @@ def test_a_set_whose_simulation_fails_is_left_out_and_said(lm, monkeypatch):
     place): the other sets are still planned, and the failure is one line; a plain set's failure stops."""
     real = sets.estimate
 
-    def estimate(model, um, plan, seq_len, op_costs=None):
+    def estimate(model, um, plan, seq_len, op_costs=None, target_len=None):
         if plan.checkpoint_mode == "selective":
             raise RuntimeError("Tensor cached during selective activation checkpoint has been mutated")
-        return real(model, um, plan, seq_len, op_costs=op_costs)
+        return real(model, um, plan, seq_len, op_costs=op_costs, target_len=target_len)
 
     monkeypatch.setattr(sets, "estimate", estimate)
     planner = UserPlanner(lm, 1, 16, precision="bf16-mixed")
