@@ -191,17 +191,35 @@ class MicroBatch:
                        other if mode == "eager" or not fused else c.fusion * other)  # fmt: skip
         if mode == "fast" and graphs:
             return float(gpu.sum())
-        if mode == "eager":
-            python_ops = max(1.0, float((self.kernels * self.python).sum()))
-            per_python = c.python_op_s + c.module_s * self.module_calls / python_ops
-            host = self.kernels * np.where(self.python, per_python, c.autograd_op_s)
-            host = host + c.recompute_block_s * self.recompute_starts
-        else:
-            host = self.kernels * c.fast_op_s
+        host = self._host(c, mode)
         if not len(host):
             return 0.0
         gpu_left = np.cumsum(gpu[::-1])[::-1]
         return float((np.cumsum(host) + gpu_left).max())
+
+    def _host(self, c: Ceilings, mode: str) -> np.ndarray:
+        """Each op's time on the host (eager, or fast mode without CUDA graphs)."""
+        if mode == "eager":
+            python_ops = max(1.0, float((self.kernels * self.python).sum()))
+            per_python = c.python_op_s + c.module_s * self.module_calls / python_ops
+            host = self.kernels * np.where(self.python, per_python, c.autograd_op_s)
+            return host + c.recompute_block_s * self.recompute_starts
+        return self.kernels * c.fast_op_s
+
+    def floor_seconds(
+        self, c: Ceilings, mode: str, graphs: bool, fused: bool = True, scale: float = 1.0
+    ) -> float:
+        """No more than :meth:`seconds` of the same ops on ``scale`` x this micro-batch: the matmul FLOPs scale
+        with the batch, each op's launch and the host's work do not, the bytes are left out; the queue takes at
+        least the GPU's sum and at least the host's."""
+        launched = self.kernels * c.kernel_s
+        share = 1.0 if mode == "eager" or not fused else c.fusion
+        gpu = float(
+            np.where(self.matmul, scale * self.flops / c.matmul_flops + launched, share * launched).sum()
+        )
+        if mode == "fast" and graphs:
+            return gpu
+        return max(gpu, float(self._host(c, mode).sum()))
 
 
 @dataclasses.dataclass
@@ -295,6 +313,16 @@ def step_seconds(
         "bytes_per_micro_batch": float(first.bytes.sum()),
         "module_calls_per_micro_batch": first.module_calls,
     }
+
+
+def floor_step_seconds(costs: StepCosts, c: Ceilings, mode: str, graphs: bool, fused: bool, scale: float,
+                       k: int) -> float:  # fmt: skip
+    """No more than :func:`step_seconds` of the step without techniques that ``costs`` (one micro-batch)
+    describes, on ``scale`` x its micro-batch accumulated over ``k`` (a later micro-batch runs the first's ops
+    and adds the gradients): what bounds a set's speed before its own simulation."""
+    per = costs.micro[0].floor_seconds(c, mode, graphs and mode == "fast", fused, scale)
+    opt = costs.optimizer
+    return k * per + (2 * (opt["parameter_bytes"] + opt["state_bytes"]) + opt["gradient_bytes"]) / c.bandwidth
 
 
 @functools.cache
