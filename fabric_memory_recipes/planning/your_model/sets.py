@@ -257,7 +257,7 @@ class UserPlanner:
         if whole is p or simulated is None:  # nothing to scale: predict it
             return self.predict(p).images_per_s
         costs = step_time.costs_of(simulated[3], Plan())
-        graphs = p.mode == "fast" and not self.um.is_text and p.devices == 1  # as _step_speed
+        graphs = step_time.uses_graphs(p, self.um.is_text)  # as _step_speed
         seconds = step_time.floor_step_seconds(costs, self.ceilings, p.mode, graphs, self.compiled,
                                                r.micro_batch_size / r.batch_size, r.accumulation_steps)  # fmt: skip
         return p.devices * r.batch_size / seconds
@@ -314,7 +314,7 @@ class UserPlanner:
             accumulation_steps=r.accumulation_steps, activation_offload=c.techniques.uses(ACTIVATION_OFFLOAD)
         )
         costs = step_time.costs_of(collector, plan, (c.offloaded_gb or 0.0) * 1e9)
-        graphs = c.mode == "fast" and not self.um.is_text and c.devices == 1  # the runner's fast mode
+        graphs = step_time.uses_graphs(c, self.um.is_text)  # the runner's fast mode
         seconds, detail = step_time.step_seconds(costs, self.ceilings, c.mode, graphs, self.compiled)
         c.model_flops = detail["model_flops_per_step"] / r.batch_size
         c.speed_source = f"model: the simulated step's op costs ({self.ceilings_source})"

@@ -124,6 +124,7 @@ from fabric_memory_recipes.measurement.results_file import peak_bf16_flops
 from fabric_memory_recipes.planning.plan import Plan
 from fabric_memory_recipes.planning.simulation.costs import OpCost, OpCosts
 from fabric_memory_recipes.planning.your_model.estimate import estimate
+from fabric_memory_recipes.techniques import OPTIMIZER_IN_BACKWARD
 from fabric_memory_recipes.training.your_model.models import UserModel
 
 CALIBRATION_FILE = Path(DATA_DIR) / "step_time.json"
@@ -360,7 +361,7 @@ def predict_step_s(model: Any, um: UserModel, plan: Plan, seq_len: int, gpu: str
     A planner that simulates the step for its memory anyway can time the same simulation: pass an
     :class:`OpCosts` to ``estimate(..., op_costs=collector)``, then :func:`predict_costs` of
     ``costs_of(collector, plan, offloaded_bytes)``."""
-    graphs = (not um.is_text) if cuda_graphs is None else cuda_graphs
+    graphs = (not um.is_text and not plan.optimizer_in_backward) if cuda_graphs is None else cuda_graphs
     return predict_costs(simulated_costs(model, um, plan, seq_len), gpu, mode, graphs)
 
 
@@ -380,3 +381,15 @@ def mfu(model_flops_per_step: float, step_s: float, gpu: str = "h100") -> float 
     for an unknown kind)."""
     peak = peak_bf16_flops(gpu.upper())
     return model_flops_per_step / step_s / peak if peak and step_s > 0 else None
+
+
+def uses_graphs(choice: Any, is_text: bool) -> bool:
+    """Whether the runner's fast mode captures the step in CUDA graphs for a planner set (``choice``:
+    its mode, devices and techniques): image models on one GPU, without the step in backward
+    (training/your_model/runner.py's ``checked``)."""
+    return (
+        choice.mode == "fast"
+        and not is_text
+        and choice.devices == 1
+        and not choice.techniques.uses(OPTIMIZER_IN_BACKWARD)
+    )

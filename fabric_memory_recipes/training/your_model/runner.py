@@ -119,6 +119,11 @@ class YourModelConfig(RunConfig):
                 raise UsageError("--cuda-graphs: a text model's batch picks its tokens by a mask of data-dependent"
                                  " size, which a CUDA graph cannot capture (fast mode compiles its blocks)")  # fmt: skip
             c.cuda_graphs = False  # fast mode for a text model: compiled blocks, eager steps
+        if c.cuda_graphs and c.optimizer_in_backward:  # its per-parameter optimizers are not made capturable
+            if graphs_asked:
+                raise UsageError("--cuda-graphs: this runner's step in backward is not captured (its AdamW per"
+                                 " parameter is not capturable): fast mode compiles the blocks alone")  # fmt: skip
+            c.cuda_graphs = False
         if c.checkpoint_mode != "full" and not c.checkpoint_blocks:
             raise UsageError(f"--checkpoint-mode {c.checkpoint_mode} goes with --checkpoint-blocks")
         if c.fsdp and (c.world_size < 2 or c.accelerator != "cuda"):
