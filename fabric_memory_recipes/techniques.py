@@ -65,6 +65,10 @@ class Technique:
         """The runner's configuration field its flag sets: ``--fused-loss`` sets ``fused_loss``."""
         return self.flag.removeprefix("--").replace("-", "_") if self.flag else None
 
+    def applies_to(self, task: str) -> bool:
+        """Whether it applies to a model of ``task`` (its :attr:`tasks`; none named: every task)."""
+        return not self.tasks or task in self.tasks
+
 
 # name, label, module, the rung that teaches it; the your-model runner's: its flag (with its help, the tasks it
 # applies to, the fields that say how), and whether the planners combine it (planned) or switch it (switches())

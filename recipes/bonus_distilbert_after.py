@@ -77,7 +77,7 @@ def main(cfg: TextConfig, results) -> None:
             model = hf_models.build_model(
                 spec, pretrained, num_labels=text.NUM_LABELS, vocab_size=splits.vocab_size
             )
-        if cfg.compile:  # fast mode: each block compiled in place, all six sharing one compiled graph
+        if cfg.compile:  # fast mode: each block compiled in place, the six sharing their code
             results.extra["compiled_blocks"] = compile_repeated(model, ("TransformerBlock",))
         parameters = hf_models.count_parameters(model)
         model = fabric.setup_module(model)  # with FSDP: shard first, then build the optimizer over the shards

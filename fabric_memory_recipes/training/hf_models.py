@@ -270,7 +270,8 @@ def fix_random_blocks(model, seq_len: int) -> int:
     was_training, device = model.training, next(model.parameters()).device
     model.train()
     with torch.no_grad():
-        model(input_ids=torch.zeros(1, seq_len, dtype=torch.long, device=device))
+        ids = torch.zeros(1, seq_len, dtype=torch.long, device=device)
+        model(input_ids=ids, attention_mask=torch.ones_like(ids))
     model.train(was_training)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # that pass's temporaries: not left reserved for the training's peak

@@ -46,9 +46,13 @@ print("|---|---|---|---|---|---|")
 for (case, variant), rs in sorted(rows.items()):
     print(f"| {case} | {variant} | {spread(r[2] for r in rs)} | {spread(r[3] for r in rs)} |"
           f" {' '.join(str(r[1]) for r in rs)} | {rs[0][5]} |")
-print()
+print("\n| run | status | samples/s | peak reserved GB | median step s |\n|---|---|---:|---:|---:|")
+for rs in rows.values():
+    for r in rs:
+        print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]} |")
+print("\nVerdicts from the runs with status ok:")
 for case in ("distilbert", "bigbird", "llm"):
-    before, after = rows.get((case, "before"), []), rows.get((case, "after"), [])
+    before, after = ([r for r in rows.get((case, v), []) if r[1] == "ok"] for v in ("before", "after"))
     speed = lambda rs: statistics.median(r[2] for r in rs if r[2]) if any(r[2] for r in rs) else None
     reserved = lambda rs: max(r[3] for r in rs if r[3]) if any(r[3] for r in rs) else None
     today = committed / TODAY[case]

@@ -13,7 +13,10 @@
 #                                              # Swin-V2-T 4 GB, ViT-B/16 (timm) 6 GB (batch 64)
 #
 # bf16-mixed AdamW (the user's, kept). STEPS (10) optimizer steps per set; ONLY=a,b (model names) reruns
-# some; no model starts measuring after DEADLINE (330 s) and the whole call stops at LIMIT (450 s).
+# some; no model starts measuring after DEADLINE (330 s) and the whole call stops at LIMIT (450 s). Time: the
+# plans take minutes of CPU each (the slowest model's sets the first wait), each measured set 20-50 s (process
+# start, the runner's own estimate, fast mode's compilation): a model not measured before DEADLINE is listed
+# as such, and `ONLY=<those> bash scripts/gpu/ranking_check.sh <part>` measures it in another call.
 # Results, rewritten after each model: $OUT/ranking-<part>.tgz (each model's fit.json, plan.json, plan.md,
 # runs and logs), $OUT/summary-<part>.md (the table) and $OUT/summary-<part>.json.
 set -u

@@ -154,3 +154,17 @@ def test_a_set_whose_simulation_fails_is_left_out_and_said(lm, monkeypatch):
     monkeypatch.setattr(sets, "estimate", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no")))
     with pytest.raises(RuntimeError, match="the simulation of .* failed: RuntimeError: no"):
         UserPlanner(lm, 1, 16, precision="bf16-mixed").fit(100.0)
+
+
+def test_a_plain_sets_floor_bounds_it_and_spares_the_slow_micro_batches(lm):
+    """Before a plain set is simulated, its bound is scaled from the whole batch's simulation: never below its
+    prediction, and the search that stops early leaves the slowest micro-batches unsimulated."""
+    planner = UserPlanner(lm, 4, 16, precision="bf16-mixed")
+    planner.bound()
+    plain = [c for c in planner.choices if not c.techniques.used]
+    assert len({c.key for c in plain}) == 6 and len(planner.simulated) == 2  # the whole batch, fused or not
+    fits, _ = planner.fit(100.0, top=1)
+    assert fits and len(planner.simulated) < 6
+    floors = {id(c): c.speed_bound for c in plain}
+    for c in plain:
+        assert planner.predict(c).images_per_s <= floors[id(c)] * (1 + 1e-9), c.label()

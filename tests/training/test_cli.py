@@ -13,6 +13,7 @@ from fabric_memory_recipes.config import FAST_ALLOCATOR, Hardware, RunConfig, Us
 from fabric_memory_recipes.declarations import declared_rung
 from fabric_memory_recipes.training import cli, lifecycle
 from fabric_memory_recipes.training.data.text import TextConfig
+from fabric_memory_recipes.training.your_model import runner
 from tests.conftest import (
     CUDA_ONLY_RECIPES,
     REPO,
@@ -389,6 +390,23 @@ def test_cuda_graphs_only_where_they_can_run(monkeypatch):
         ns = cli.build_parser(RunConfig()).parse_args(argv)
         with pytest.raises(UsageError, match=word):
             RunConfig().with_flags(**vars(ns)).checked(gpus)
+
+
+def test_your_models_step_in_backward_is_not_captured(monkeypatch):
+    """Fast mode for an image model captures the step in CUDA graphs, but the runner's step in backward
+    (AdamW per parameter, not capturable) is left out of them: asked for, one line; by fast mode, none."""
+    _pretend_gpus(monkeypatch)
+    gpus = Hardware(cuda_devices=8, cpu_cores=2)
+    base = ["--model", "torchvision:resnet18", "--accelerator", "cuda"]
+    fast = cli.parse(runner.default_config(), base)
+    assert (fast.compile, fast.cuda_graphs) == (True, True)
+    hooked = cli.parse(runner.default_config(), [*base, "--optimizer-in-backward"])
+    assert (hooked.compile, hooked.cuda_graphs) == (True, False)
+    ns = cli.build_parser(runner.default_config()).parse_args(
+        [*base, "--optimizer-in-backward", "--cuda-graphs"]
+    )
+    with pytest.raises(UsageError, match="step in backward"):
+        runner.default_config().with_flags(**vars(ns)).checked(gpus)
 
 
 # ------------------------------------------------------------------------------------------ --help

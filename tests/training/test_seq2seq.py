@@ -103,7 +103,9 @@ def test_bart_blocks_checkpoint_and_compile_on_both_sides_and_its_bias_refuses_t
     blocks, _ = models.repeated_blocks(model)
     assert set(blocks) == {"BartEncoderLayer", "BartDecoderLayer"}
     assert checkpointing.checkpoint_blocks(model, blocks) == 4
-    assert models.compile_repeated(model, blocks) == 4  # each wrapper compiled in place (fast mode)
+    assert models.compile_repeated(model, blocks) == 4  # fast mode: each block compiled inside its wrapper
+    wrappers = [m for m in model.modules() if isinstance(m, checkpointing.CheckpointedBlock)]
+    assert all(w._compiled_call_impl is None and w.block._compiled_call_impl is not None for w in wrappers)
     assert "bias" in fused_loss.refusal(model)
 
 

@@ -18,7 +18,10 @@ the simulation that gives a set's memory gives its op costs. The search visits t
 bound down and stops once ``top`` fitting ones are faster than anything left. A set's bound is the predicted
 speed of the same set without its memory techniques (the same precision, optimizer, mode, fused loss and
 micro-batch x accumulation): checkpointing's recompute, offload's copies and the step in backward's hooks
-only add to the step the time model sums, so the first pick is the predicted fastest set that fits. Ranking
+only add to the step the time model sums, so the first pick is the predicted fastest set that fits. Until
+that plain set is simulated, its bound is a floor of its step scaled from the one at the whole batch (the
+matmul FLOPs grow with the micro-batch, the launches and the host's work do not), so a slow micro-batch is
+never simulated. Ranking
 the technique sets of one model is what it is for; its absolute samples/s are an estimate: ``--measure`` runs
 the top ones on the GPU at hand and ranks them by what they did (planning/your_model/measure.py).
 """
@@ -26,6 +29,7 @@ the top ones on the GPU at hand and ranks them by what they did (planning/your_m
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import itertools
 import math
 from typing import Any
@@ -72,9 +76,7 @@ SETS = (
     (OPTIMIZER_IN_BACKWARD,),
     (ACTIVATION_CHECKPOINTING, OPTIMIZER_IN_BACKWARD),
 )
-# The runner's other choices each set is tried with: its mode, what a checkpointed block keeps, and the
-# switches its model's task allows (techniques.switches(): the fused loss of a causal LM or an
-# encoder-decoder that it can fuse), on and off.
+# What else each set is tried with: its mode, what a checkpointed block keeps, each switch its model allows.
 MODES_TRIED = subset(MODES, "fast", "eager")
 CHECKPOINT_MODES = checkpointing.MODES
 SPEED_SOURCE = "model: the simulated step's op costs"
@@ -188,6 +190,7 @@ class UserPlanner:
         self.simulated: dict[tuple, tuple[float, float, float, OpCosts] | None] = {}  # None: it failed
         self.failed: dict[tuple, str] = {}  # sets whose simulation failed: their first label and the error
         self.bounded = False  # every choice's speed_bound set (:meth:`bound`)
+        self.plains: dict[tuple, Choice] = {}  # the sets without memory techniques, by Choice.plain
         modes = MODES_TRIED  # sharded: fast mode is FSDP2 with compiled blocks, eager mode FSDP
         overhead = {m: card(_Floor(), gpu, m, devices) for m in modes}  # the card overhead alone, per GPU
         self.overhead_source = "; ".join(f"{m}: {o['overhead_source']}" for m, o in overhead.items())
@@ -195,8 +198,7 @@ class UserPlanner:
         runner = user_run.default_config()
         precisions = _first(precision, PRECISIONS_TRIED if "precision" in self.may_change else ())
         optimizers = _first(optimizer, OPTIMIZERS_TRIED if "optimizer" in self.may_change else ())
-        allowed = [t.name for t in switches() if (not t.tasks or self.um.task in t.tasks)
-                   and refusal_of(t, self.model) is None]  # fmt: skip
+        allowed = [t.name for t in switches() if t.applies_to(self.um.task) and not refusal_of(t, self.model)]
         switched = [s for n in range(len(allowed) + 1) for s in itertools.combinations(allowed, n)]
         self.choices = []
         for prec, opt, mode, switch, on in itertools.product(precisions, optimizers, modes, switched, SETS):
@@ -232,16 +234,33 @@ class UserPlanner:
         return self.parameters * (2 if narrow in ("bf16-true", "16-true") else 4) / GB / self.devices
 
     def bound(self) -> None:
-        """Every choice's ``speed_bound``: the predicted speed of its set without memory techniques
-        (:attr:`Choice.plain`, simulated once for all the sets it bounds); then the choices fastest bound
-        first (on a tie, fewer techniques, then the smaller lower bound)."""
-        if self.bounded:
-            return
-        plain = {c.plain: c for c in self.choices if not c.techniques.used and not c.cpu_offload}
-        for c in self.choices:
-            c.speed_bound = self.predict(plain[c.plain]).images_per_s
-        self.choices.sort(key=lambda c: (-c.speed_bound, c.techniques.count(), c.lower_bound_gb))
-        self.bounded = True
+        """Every choice's ``speed_bound``, an upper bound of its predicted speed: that of its set without
+        memory techniques (:attr:`Choice.plain`) once that is simulated, and before, the floor of that set's
+        step (step_time.floor_step_seconds) from the simulation of the same set at the whole batch (one
+        micro-batch), the one simulation each group of plain sets needs up front."""
+        if not self.bounded:
+            self.plains = {c.plain: c for c in self.choices if not c.techniques.used and not c.cpu_offload}
+            for c in self.choices:
+                c.speed_bound = self._optimistic(self.plains[c.plain])
+            self.bounded = True
+
+    def _optimistic(self, p: Choice) -> float:
+        """samples/s no prediction of plain set ``p`` (nor of a set it bounds) is above."""
+        if p.predicted_gb is not None:
+            return p.images_per_s
+        r = p.rung
+        whole = self.plains[
+            (r.precision, p.techniques.optimizer, p.mode, p.devices, p.switched, r.batch_size, 1)
+        ]
+        self.predict(whole)
+        simulated = self.simulated.get(whole.key)
+        if whole is p or simulated is None:  # nothing to scale: predict it
+            return self.predict(p).images_per_s
+        costs = step_time.costs_of(simulated[3], Plan())
+        graphs = step_time.uses_graphs(p, self.um.is_text)  # as _step_speed
+        seconds = step_time.floor_step_seconds(costs, self.ceilings, p.mode, graphs, self.compiled,
+                                               r.micro_batch_size / r.batch_size, r.accumulation_steps)  # fmt: skip
+        return p.devices * r.batch_size / seconds
 
     def predict(self, c: Choice) -> Choice:
         if c.predicted_gb is None:
@@ -295,7 +314,7 @@ class UserPlanner:
             accumulation_steps=r.accumulation_steps, activation_offload=c.techniques.uses(ACTIVATION_OFFLOAD)
         )
         costs = step_time.costs_of(collector, plan, (c.offloaded_gb or 0.0) * 1e9)
-        graphs = c.mode == "fast" and not self.um.is_text and c.devices == 1  # the runner's fast mode
+        graphs = step_time.uses_graphs(c, self.um.is_text)  # the runner's fast mode
         seconds, detail = step_time.step_seconds(costs, self.ceilings, c.mode, graphs, self.compiled)
         c.model_flops = detail["model_flops_per_step"] / r.batch_size
         c.speed_source = f"model: the simulated step's op costs ({self.ceilings_source})"
@@ -314,7 +333,12 @@ class UserPlanner:
         self.bound()
         shown: dict[tuple, Choice] = {}  # each set once, at its fastest micro-batch that fits
         too_big = []
-        for c in self.choices:  # fastest bound first
+        queue = [
+            (-c.speed_bound, c.techniques.count(), c.lower_bound_gb, n, c) for n, c in enumerate(self.choices)
+        ]
+        heapq.heapify(queue)
+        while queue:  # fastest bound first
+            c = heapq.heappop(queue)[-1]
             ranked = sorted(shown.values(), key=lambda x: -x.images_per_s)
             if len(ranked) >= top and ranked[top - 1].images_per_s >= c.speed_bound:
                 break  # nothing left can be faster than the picks
@@ -323,6 +347,11 @@ class UserPlanner:
                 continue  # a micro-batch of this set at least as fast fits already
             if c.lower_bound_gb > budget_gb:
                 too_big.append(c)
+                continue
+            exact = self._optimistic(self.predict(self.plains[c.plain]))
+            if exact < c.speed_bound:  # its plain set simulated now: back in the queue at that bound
+                c.speed_bound = exact
+                heapq.heappush(queue, (-exact, c.techniques.count(), c.lower_bound_gb, id(c), c))
                 continue
             self.predict(c)
             if c.predicted_gb == math.inf:

@@ -124,6 +124,7 @@ from fabric_memory_recipes.measurement.results_file import peak_bf16_flops
 from fabric_memory_recipes.planning.plan import Plan
 from fabric_memory_recipes.planning.simulation.costs import OpCost, OpCosts
 from fabric_memory_recipes.planning.your_model.estimate import estimate
+from fabric_memory_recipes.techniques import OPTIMIZER_IN_BACKWARD
 from fabric_memory_recipes.training.your_model.models import UserModel
 
 CALIBRATION_FILE = Path(DATA_DIR) / "step_time.json"
@@ -191,17 +192,35 @@ class MicroBatch:
                        other if mode == "eager" or not fused else c.fusion * other)  # fmt: skip
         if mode == "fast" and graphs:
             return float(gpu.sum())
-        if mode == "eager":
-            python_ops = max(1.0, float((self.kernels * self.python).sum()))
-            per_python = c.python_op_s + c.module_s * self.module_calls / python_ops
-            host = self.kernels * np.where(self.python, per_python, c.autograd_op_s)
-            host = host + c.recompute_block_s * self.recompute_starts
-        else:
-            host = self.kernels * c.fast_op_s
+        host = self._host(c, mode)
         if not len(host):
             return 0.0
         gpu_left = np.cumsum(gpu[::-1])[::-1]
         return float((np.cumsum(host) + gpu_left).max())
+
+    def _host(self, c: Ceilings, mode: str) -> np.ndarray:
+        """Each op's time on the host (eager, or fast mode without CUDA graphs)."""
+        if mode == "eager":
+            python_ops = max(1.0, float((self.kernels * self.python).sum()))
+            per_python = c.python_op_s + c.module_s * self.module_calls / python_ops
+            host = self.kernels * np.where(self.python, per_python, c.autograd_op_s)
+            return host + c.recompute_block_s * self.recompute_starts
+        return self.kernels * c.fast_op_s
+
+    def floor_seconds(
+        self, c: Ceilings, mode: str, graphs: bool, fused: bool = True, scale: float = 1.0
+    ) -> float:
+        """No more than :meth:`seconds` of the same ops on ``scale`` x this micro-batch: the matmul FLOPs scale
+        with the batch, each op's launch and the host's work do not, the bytes are left out; the queue takes at
+        least the GPU's sum and at least the host's."""
+        launched = self.kernels * c.kernel_s
+        share = 1.0 if mode == "eager" or not fused else c.fusion
+        gpu = float(
+            np.where(self.matmul, scale * self.flops / c.matmul_flops + launched, share * launched).sum()
+        )
+        if mode == "fast" and graphs:
+            return gpu
+        return max(gpu, float(self._host(c, mode).sum()))
 
 
 @dataclasses.dataclass
@@ -297,6 +316,16 @@ def step_seconds(
     }
 
 
+def floor_step_seconds(costs: StepCosts, c: Ceilings, mode: str, graphs: bool, fused: bool, scale: float,
+                       k: int) -> float:  # fmt: skip
+    """No more than :func:`step_seconds` of the step without techniques that ``costs`` (one micro-batch)
+    describes, on ``scale`` x its micro-batch accumulated over ``k`` (a later micro-batch runs the first's ops
+    and adds the gradients): what bounds a set's speed before its own simulation."""
+    per = costs.micro[0].floor_seconds(c, mode, graphs and mode == "fast", fused, scale)
+    opt = costs.optimizer
+    return k * per + (2 * (opt["parameter_bytes"] + opt["state_bytes"]) + opt["gradient_bytes"]) / c.bandwidth
+
+
 @functools.cache
 def load_calibration(path: str = str(CALIBRATION_FILE)) -> dict[str, Any]:
     """The stored calibration ({"kinds": {gpu: {"ceilings": ..., "runs": [...], ...}}}), empty if missing."""
@@ -332,7 +361,7 @@ def predict_step_s(model: Any, um: UserModel, plan: Plan, seq_len: int, gpu: str
     A planner that simulates the step for its memory anyway can time the same simulation: pass an
     :class:`OpCosts` to ``estimate(..., op_costs=collector)``, then :func:`predict_costs` of
     ``costs_of(collector, plan, offloaded_bytes)``."""
-    graphs = (not um.is_text) if cuda_graphs is None else cuda_graphs
+    graphs = (not um.is_text and not plan.optimizer_in_backward) if cuda_graphs is None else cuda_graphs
     return predict_costs(simulated_costs(model, um, plan, seq_len), gpu, mode, graphs)
 
 
@@ -352,3 +381,15 @@ def mfu(model_flops_per_step: float, step_s: float, gpu: str = "h100") -> float 
     for an unknown kind)."""
     peak = peak_bf16_flops(gpu.upper())
     return model_flops_per_step / step_s / peak if peak and step_s > 0 else None
+
+
+def uses_graphs(choice: Any, is_text: bool) -> bool:
+    """Whether the runner's fast mode captures the step in CUDA graphs for a planner set (``choice``:
+    its mode, devices and techniques): image models on one GPU, without the step in backward
+    (training/your_model/runner.py's ``checked``)."""
+    return (
+        choice.mode == "fast"
+        and not is_text
+        and choice.devices == 1
+        and not choice.techniques.uses(OPTIMIZER_IN_BACKWARD)
+    )

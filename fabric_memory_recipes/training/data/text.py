@@ -76,6 +76,8 @@ class TextConfig(RunConfig):
         "data": "auto: IMDb when present or downloadable, else a synthetic token-id stand-in",
         "data_dir": "a folder holding aclImdb/ or imdb.csv (downloads go here), or a CSV file",
         "model": "a hub name (full size) or a *-tiny config (CPU/tests)",
+        "mode": "fast: each repeated block of the model compiled, the steps eager; eager: nothing compiled"
+        " (default: fast with CUDA, eager on CPU; the before recipes run eagerly)",
         "compile": "torch.compile each repeated block of the model (default: on in fast mode, on one device)",
     }
 

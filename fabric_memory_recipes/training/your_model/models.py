@@ -291,7 +291,18 @@ def compile_repeated(model: nn.Module, blocks: tuple[str, ...]) -> int:
     Blocks that hold BatchNorm stay eager: a compiled ResNet-18 block in training mode was not shown equal
     to eager (devtools/your_model/equivalence.py: 18 % of the eager change apart after 6 fp32 Adam steps, the
     same on an H100 and an H200, while eager twice and CUDA graphs alone matched exactly), so such a
-    model's fast mode is its CUDA graphs."""
+    model's fast mode is its CUDA graphs.
+
+    An encoder-decoder's checkpointed block is compiled inside its wrapper (the recompute reruns the compiled
+    block): inductor refused a compiled wrapper of T5's block on a CPU ("Node ... was invalid, but is
+    output"), while the block alone compiled."""
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        wrapped = [m.block for m in model.modules() if type(m).__name__ == "CheckpointedBlock"]
+        inside = {id(m) for m in wrapped}
+        chosen = wrapped + [m for m in model.modules() if type(m).__name__ in blocks and id(m) not in inside]
+        for module in chosen:
+            module.compile()
+        return len(chosen)
     chosen = compilable(model, blocks)
     for module in chosen:
         module.compile()

@@ -133,6 +133,11 @@ class YourModelConfig(RunConfig):
                 raise UsageError("--cuda-graphs: a text model's batch picks its tokens by a mask of data-dependent"
                                  " size, which a CUDA graph cannot capture (fast mode compiles its blocks)")  # fmt: skip
             c.cuda_graphs = False  # fast mode for a text model: compiled blocks, eager steps
+        if c.cuda_graphs and c.optimizer_in_backward:  # its per-parameter optimizers are not made capturable
+            if graphs_asked:
+                raise UsageError("--cuda-graphs: this runner's step in backward is not captured (its AdamW per"
+                                 " parameter is not capturable): fast mode compiles the blocks alone")  # fmt: skip
+            c.cuda_graphs = False
         if c.checkpoint_mode != "full" and not c.checkpoint_blocks:
             raise UsageError(f"--checkpoint-mode {c.checkpoint_mode} goes with --checkpoint-blocks")
         if c.fsdp and (c.world_size < 2 or c.accelerator != "cuda"):
@@ -179,7 +184,7 @@ def resolve(cfg: YourModelConfig) -> UserModel:
         raise UsageError(f"--target-len is an encoder-decoder's; {cfg.model} is {um.task.replace('_', ' ')}")
     models.check_seq_len(um, target_len(cfg), "--target-len")
     for t in techniques.flagged():
-        if t.tasks and cfg.uses(t) and um.task not in t.tasks:
+        if cfg.uses(t) and not t.applies_to(um.task):
             raise UsageError(f"{t.flag}: {t.help}; {cfg.model} is {um.task.replace('_', ' ')}")
     return um
 
