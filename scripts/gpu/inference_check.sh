@@ -47,7 +47,7 @@ C=examples/configs
 ROWS_ALL="
 neox-prefill|hf:$C/gpt-neox-0.4b|64|1024|8|bf16-true|auto
 qwen05-prefill|hf:$C/qwen2-0.5b|64|2048|8|bf16-true|auto
-tinyllama-prefill|hf:$C/tinyllama-1.1b|64|2048|8|bf16-true|auto
+tinyllama-prefill|hf:$C/tinyllama-1.1b|64|2040|8|bf16-true|auto
 neox-decode|hf:$C/gpt-neox-0.4b|64|128|256|bf16-true|auto
 llama036-decode|hf:$C/llama-0.36b|256|64|256|bf16-true|auto
 qwen15-decode|hf:$C/qwen2-1.5b|128|128|384|bf16-true|auto

@@ -7,7 +7,7 @@
 # measured (devtools/your_model/ranking_check.py, which lists the models and cards). One device command per
 # part, each under 8 minutes on one H100, from the repository root; carried (ignored path): .whl (liger-kernel).
 #
-#   bash scripts/gpu/ranking_check.sh lm       # GPT-2 small 6 GB, Qwen2 0.2 B 8 GB, Llama 0.36 B 8 GB,
+#   bash scripts/gpu/ranking_check.sh lm       # GPT-2 small 6 GB, Qwen2 0.2 B 8 GB, Llama 0.36 B 9 GB,
 #                                              # GPT-NeoX 0.4 B 10 GB; 8 x 1024 tokens each
 #   bash scripts/gpu/ranking_check.sh vision   # MobileNetV3-Large 3 GB, ResNet-50 4 GB (batch 128),
 #                                              # Swin-V2-T 4 GB, ViT-B/16 (timm) 6 GB (batch 64)
