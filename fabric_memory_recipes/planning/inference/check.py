@@ -6,10 +6,11 @@ allocated, peak reserved and the whole-device peak, predicted and measured, with
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 from typing import Any
+
+from fabric_memory_recipes.console import Parser
 
 TARGET = 0.05  # the whole-device peak within +-5 %
 FIELDS = (("allocated", "peak_allocated_gb", "run_peak_allocated_gb"),
@@ -82,7 +83,9 @@ def render(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = Parser(
+        prog="python -m fabric_memory_recipes.planning.inference.check", description=__doc__.splitlines()[0]
+    )
     p.add_argument("folder", type=Path)
     args = p.parse_args(argv)
     rows = collect(args.folder)

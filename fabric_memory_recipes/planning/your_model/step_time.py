@@ -34,7 +34,7 @@ host ~60 us here, one autograd's engine or autocast issues ~10 us, each module c
 overlaps the GPU's work only as far as the queue allows (ViT-L/16 at micro-batch 4 is host-bound, at 64
 half hidden); checkpointing costs eager mode more than its recompute's ops. Each term above is one of those.
 
-Accuracy on h100, as stored (tests/planning/test_step_time.py checks this copy against the table): 45
+Accuracy on h100, as stored (tests/planning/your_model/test_step_time.py checks this copy against the table): 45
 configurations of 8 models (ResNet-50, ConvNeXt-T, timm ViT-B/16, torchvision ViT-L/16; BERT-base,
 Qwen2-0.5B, GPT-NeoX 0.4B, Llama 0.36B; 54 runs) fit every ceiling but B_host: median |error| 13 %,
 max 60 %, 43 within 25 %. Refitted without each model in turn and predicting it: median 17 %, max 101 %,
