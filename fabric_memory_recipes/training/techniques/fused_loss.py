@@ -183,13 +183,19 @@ def causal_lm_loss(head: HiddenStates):
         input_ids, attention_mask, labels = batch
         hidden = model(input_ids=input_ids, attention_mask=attention_mask).logits  # the hidden states
         hidden, targets = hidden[:, :-1].reshape(-1, hidden.shape[-1]), labels[:, 1:].reshape(-1)
-        loss = linear_cross_entropy(hidden, head.weight, targets)
-        if torch.is_grad_enabled():
-            return loss, None, None
-        keep = targets != IGNORE_INDEX
-        return loss, predicted_ids(hidden[keep], head.weight), targets[keep]
+        return _loss_and_predictions(hidden, head.weight, targets)
 
     return batch_fn
+
+
+def _loss_and_predictions(hidden, weight, targets):
+    """The fused loss of ``hidden`` against ``targets``; in evaluation (no gradients) also the predicted ids
+    of the tokens that count, chunk by chunk, for the accuracy."""
+    loss = linear_cross_entropy(hidden, weight, targets)
+    if torch.is_grad_enabled():
+        return loss, None, None
+    keep = targets != IGNORE_INDEX
+    return loss, predicted_ids(hidden[keep], weight), targets[keep]
 
 
 def seq2seq_lm_loss(head: HiddenStates, decoder_input_ids):
@@ -202,11 +208,7 @@ def seq2seq_lm_loss(head: HiddenStates, decoder_input_ids):
         hidden = model(input_ids=input_ids, attention_mask=attention_mask,
                        decoder_input_ids=decoder_input_ids(labels)).logits  # fmt: skip
         hidden, targets = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
-        loss = linear_cross_entropy(hidden, head.weight, targets)
-        if torch.is_grad_enabled():
-            return loss, None, None
-        keep = targets != IGNORE_INDEX
-        return loss, predicted_ids(hidden[keep], head.weight), targets[keep]
+        return _loss_and_predictions(hidden, head.weight, targets)
 
     return batch_fn
 
