@@ -70,13 +70,24 @@ def jobs(part: str, only: tuple[str, ...] = ()) -> list[tuple[str, list[str], st
 
 
 def plan(
-    name: str, flags: list[str], card: str, out: Path, top: int, cpus: set[int] | None
+    name: str,
+    flags: list[str],
+    card: str,
+    out: Path,
+    top: int,
+    cpus: set[int] | None,
+    plans: Path | None = None,
 ) -> dict[str, Any]:
-    """The CPU ranking of one model: ``fmr-estimate ... --fit CARD --json`` in its own process."""
+    """The CPU ranking of one model: ``fmr-estimate ... --fit CARD --json`` in its own process, or the plan
+    of the same command line already in ``plans/<name>/fit.json`` (made on another machine's CPU)."""
     folder = out / name
     folder.mkdir(parents=True, exist_ok=True)
     argv = [*flags, "--precision", PRECISION, "--optimizer", OPTIMIZER, "--fit", card, "--top", str(top),
             "--gpu", "h100"]  # fmt: skip
+    made = reused(plans, name, argv)
+    if made is not None:
+        write_json_atomic(str(folder / "fit.json"), made)
+        return made
     env = project_env(PYTHONUNBUFFERED="1", FMR_OFFLINE="1", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     start = time.perf_counter()
     with open(folder / "fit.log", "w") as log:
@@ -94,6 +105,17 @@ def plan(
     )
     write_json_atomic(str(folder / "fit.json"), answer)
     return answer
+
+
+def reused(plans: Path | None, name: str, argv: list[str]) -> dict[str, Any] | None:
+    """The plan of ``name`` in ``plans`` when it answered the same command line with sets, else None."""
+    path = None if plans is None else plans / name / "fit.json"
+    if path is None or not path.is_file():
+        return None
+    answer = json.loads(path.read_text())
+    if answer.get("argv") != argv or not answer.get("fits"):
+        return None
+    return {**answer, "reused_from": str(path)}
 
 
 def check(name: str, fit: dict[str, Any], measured: dict[str, Any] | None) -> dict[str, Any]:
@@ -215,9 +237,9 @@ def run(args: Any) -> None:
 
     def planned(job):
         name, flags, card = job
-        answer = plan(name, flags, card, out, args.top, planner_cpus)
+        answer = plan(name, flags, card, out, args.top, planner_cpus, args.plans)
         pick = answer["fits"][0] if answer.get("fits") else None
-        say(f"{name} at {card}: planned in {answer['plan_s']:.0f} s, exit {answer['exit']}; first pick "
+        say(f"{name} at {card}: {'reused the plan of' if answer.get('reused_from') else 'planned in'} {answer['plan_s']:.0f} s, exit {answer['exit']}; first pick "
             + (f"{pick['label']}, {pick['predicted_samples_per_s']:.1f} samples/s predicted,"
                f" {pick['predicted_device_peak_gb']:.2f} GB" if pick else "none"))  # fmt: skip
         write_summary(out, args.archive)
@@ -267,6 +289,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--only", default="", help="comma-separated model names of the part (default: all)")
     p.add_argument("--plan-only", action="store_true", help="the CPU plans only (no GPU needed)")
+    p.add_argument(
+        "--plans",
+        type=Path,
+        metavar="DIR",
+        help="reuse DIR/<model>/fit.json where it answered the same command (a --plan-only run's --out)",
+    )
     p.add_argument("--archive", type=Path, metavar="FILE", help="pack DIR into this .tgz after each model")
     args = p.parse_args(argv)
     if args.report:

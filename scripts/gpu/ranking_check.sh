@@ -13,7 +13,8 @@
 #                                              # Swin-V2-T 4 GB, ViT-B/16 (timm) 6 GB (batch 64)
 #
 # bf16-mixed AdamW (the user's, kept). STEPS (10) optimizer steps per set; ONLY=a,b (model names) reruns
-# some; no model starts measuring after DEADLINE (330 s) and the whole call stops at LIMIT (450 s). Time: the
+# some; PLANS=DIR (carried) reuses the plans a `--plan-only` run made there for the same command lines; no
+# model starts measuring after DEADLINE (330 s) and the whole call stops at LIMIT (450 s). Time: the
 # plans take minutes of CPU each (the slowest model's sets the first wait), each measured set 20-50 s (process
 # start, the runner's own estimate, fast mode's compilation): a model not measured before DEADLINE is listed
 # as such, and `ONLY=<those> bash scripts/gpu/ranking_check.sh <part>` measures it in another call.
@@ -37,6 +38,6 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 nproc; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 timeout -k 20 -s INT "${LIMIT:-450}" python3 -m devtools.your_model.ranking_check "$part" --out "$R" --top 3 \
-    --steps "${STEPS:-10}" --deadline "${DEADLINE:-330}" --only "${ONLY:-}" --archive "$OUT/ranking-$part.tgz" \
+    --steps "${STEPS:-10}" --deadline "${DEADLINE:-330}" --only "${ONLY:-}" ${PLANS:+--plans "$PLANS"} --archive "$OUT/ranking-$part.tgz" \
     2>&1 | tee "$R/log.txt"
 echo "ranking_check $part: exit ${PIPESTATUS[0]}"

@@ -57,3 +57,28 @@ def test_report_reads_the_folders_and_counts_the_targets(tmp_path):
         "Measured 2 of 3 models: first pick ≥ 0.90 of the fastest on 1, predicted within ±25 % on 1,"
         " every measured set within its card on 1; sets over the card or out of memory: 1."
     )
+
+
+def test_a_plan_made_elsewhere_is_reused_only_for_the_same_command(tmp_path):
+    plans, out = tmp_path / "plans", tmp_path / "out"
+    (plans / "a").mkdir(parents=True)
+    flags = ["--model", "torchvision:resnet50", "--batch-size", "128"]
+    argv = [
+        *flags,
+        "--precision",
+        "bf16-mixed",
+        "--optimizer",
+        "adamw",
+        "--fit",
+        "4GB",
+        "--top",
+        "3",
+        "--gpu",
+        "h100",
+    ]
+    (plans / "a" / "fit.json").write_text(json.dumps({**_fit([100.0]), "argv": argv}))
+    answer = ranking_check.plan("a", flags, "4GB", out, 3, None, plans)
+    assert answer["reused_from"] == str(plans / "a" / "fit.json") and answer["fits"][0]["label"] == "set 1"
+    assert json.loads((out / "a" / "fit.json").read_text())["argv"] == argv
+    assert ranking_check.reused(plans, "a", [*argv[:-1], "h200"]) is None  # another command: planned again
+    assert ranking_check.reused(plans, "b", argv) is None
