@@ -14,7 +14,12 @@ from torch import nn
 from fabric_memory_recipes import planning
 from fabric_memory_recipes.planning import reserved
 from fabric_memory_recipes.planning.planner import calibration
-from fabric_memory_recipes.planning.simulation.allocator import RESIDUAL, CachingAllocator, replay
+from fabric_memory_recipes.planning.simulation.allocator import (
+    RESIDUAL,
+    CachingAllocator,
+    replay,
+    replay_recorded,
+)
 from fabric_memory_recipes.planning.your_model import estimate
 
 MiB = 1 << 20
@@ -66,38 +71,7 @@ def test_a_committed_h100_trace_replays_to_the_segments_the_gpu_reserved():
     model reserves the same segments, byte for byte."""
     with gzip.open(TRACE) as f:
         snapshot = pickle.load(f)
-    trace = snapshot["device_traces"][0]
-    created = [e["size"] for e in trace if e["action"] == "segment_alloc"]
-    allocated_here = {e["addr"] for e in trace if e["action"] == "alloc"}
-    before: dict[int, int] = {}  # blocks in use when the recording started
-    seen: set[int] = set()
-    for e in trace:
-        if e["action"] == "alloc":
-            seen.add(e["addr"])
-        elif e["action"] == "free_completed" and e["addr"] not in seen:
-            before[e["addr"]] = e["size"]
-    for segment in snapshot["segments"]:
-        address = segment["address"]
-        for block in segment["blocks"]:
-            if block["state"] == "active_allocated" and address not in allocated_here:
-                before[address] = block["size"]
-            address += block["size"]
-    new_addresses = {e["addr"] for e in trace if e["action"] == "segment_alloc"}
-    model = CachingAllocator()
-    for segment in snapshot["segments"]:
-        start, size = segment["address"], segment["total_size"]
-        if start not in new_addresses:
-            live = {a: (a, n) for a, n in before.items() if start <= a < start + size}
-            model.add_segment(start, size, segment["segment_type"] == "small", live)
-    grown = []
-    for e in trace:
-        if e["action"] == "alloc":
-            reserved = model.reserved
-            model.malloc(e["addr"], e["size"])
-            if model.reserved > reserved:
-                grown.append(model.reserved - reserved)
-        elif e["action"] == "free_completed":
-            model.free(e["addr"])
+    _, grown, created = replay_recorded(snapshot)
     assert len(created) > 100
     assert sorted(grown) == sorted(created)
 

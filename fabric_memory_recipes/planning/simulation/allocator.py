@@ -197,3 +197,44 @@ def replay(events: list[Event], marks: dict[str, int], steps: int = 3) -> Cachin
             allocator.run(events[state:step], keep=step)
         allocator.run(events[update:end], tag=i, keep=step)
     return allocator
+
+
+def replay_recorded(snapshot: dict) -> tuple[CachingAllocator, list[int], list[int]]:
+    """The caching allocator's own record of a run (``torch.cuda.memory._snapshot()``, as ``--snapshot``
+    writes it: the first device's trace, and the segments at its end) replayed event by event through
+    :class:`CachingAllocator`. The segments that existed before the recording started are taken from the
+    snapshot, with the blocks then in use. Returns the model and the sizes of the segments it reserved and
+    of those the GPU reserved, in order: the same lists when the model is right."""
+    trace = snapshot["device_traces"][0]
+    created = [e["size"] for e in trace if e["action"] == "segment_alloc"]
+    allocated_here = {e["addr"] for e in trace if e["action"] == "alloc"}
+    before: dict[int, int] = {}  # blocks in use when the recording started
+    seen: set[int] = set()
+    for e in trace:
+        if e["action"] == "alloc":
+            seen.add(e["addr"])
+        elif e["action"] == "free_completed" and e["addr"] not in seen:
+            before[e["addr"]] = e["size"]
+    for segment in snapshot["segments"]:
+        address = segment["address"]
+        for block in segment["blocks"]:
+            if block["state"] == "active_allocated" and address not in allocated_here:
+                before[address] = block["size"]
+            address += block["size"]
+    new_addresses = {e["addr"] for e in trace if e["action"] == "segment_alloc"}
+    model = CachingAllocator()
+    for segment in snapshot["segments"]:
+        start, size = segment["address"], segment["total_size"]
+        if start not in new_addresses:
+            live = {a: (a, n) for a, n in before.items() if start <= a < start + size}
+            model.add_segment(start, size, segment["segment_type"] == "small", live)
+    grown = []
+    for e in trace:
+        if e["action"] == "alloc":
+            reserved = model.reserved
+            model.malloc(e["addr"], e["size"])
+            if model.reserved > reserved:
+                grown.append(model.reserved - reserved)
+        elif e["action"] == "free_completed":
+            model.free(e["addr"])
+    return model, grown, created
