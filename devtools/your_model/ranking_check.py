@@ -1,6 +1,6 @@
 """Does the CPU ranking's first pick run fastest, at the speed predicted, within its card? ``fmr-estimate
---fit SIZE`` then ``--measure``'s runs, for the causal LMs (``lm``) or the vision models (``vision``) of
-:data:`MATRIX`, on one GPU, and the targets per model:
+--fit SIZE`` then ``--measure``'s runs, for the causal LMs (``lm``), the vision models (``vision``), LoRA
+(``peft``) or the encoder-decoders (``seq2seq``) of :data:`MATRIX`, on one GPU, and the targets per model:
 
 * the first pick (predicted rank 1) measured at >= 90 % of the fastest measured set that fits;
 * its predicted samples/s within +-25 % of measured;
@@ -61,6 +61,18 @@ MATRIX: dict[str, list[tuple[str, list[str], str]]] = {
         ("resnet50", ["--model", "torchvision:resnet50", "--batch-size", "128"], "4GB"),
         ("swin_v2_t", ["--model", "torchvision:swin_v2_t", "--batch-size", "64"], "4GB"),
         ("vit_b16", ["--model", "timm:vit_base_patch16_224", "--batch-size", "64"], "6GB"),
+    ],
+    "peft": [  # LoRA rank 8 on the attention and MLP projections peft's defaults pick, 8 x 1024 tokens
+        ("qwen2-0.5b-lora", ["--model", "hf:examples/configs/qwen2-0.5b", "--seq-len", "1024", "--batch-size", "8",
+                             "--lora-rank", "8"], "6GB"),
+        ("llama-0.36b-lora", ["--model", "hf:examples/configs/llama-0.36b", "--seq-len", "1024", "--batch-size", "8",
+                              "--lora-rank", "8"], "4GB"),
+    ],
+    "seq2seq": [  # encoder-decoders on text pairs: 256 source and 256 target tokens
+        ("t5-base", ["--model", "hf:examples/configs/t5-base", "--seq-len", "256", "--target-len", "256",
+                     "--batch-size", "16"], "5GB"),
+        ("bart-base", ["--model", "hf:examples/configs/bart-base", "--seq-len", "256", "--target-len", "256",
+                       "--batch-size", "16"], "3GB"),
     ],
 }  # fmt: skip
 
@@ -301,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(table(report(args.report)))
         return 0
     if not args.part or not args.out:
-        p.error("give a part (lm or vision) and --out DIR, or --report DIR")
+        p.error(f"give a part ({', '.join(sorted(MATRIX))}) and --out DIR, or --report DIR")
     args.out.mkdir(parents=True, exist_ok=True)
     run(args)
     return 0
