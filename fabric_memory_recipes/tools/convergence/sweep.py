@@ -187,7 +187,8 @@ def summarise(out: Path, grids: list[Grid], args: argparse.Namespace) -> dict:
     """Per grid, each setting's runs (this folder's, or the reference's for today's) and the pick.
     ``args``: the model, seeds, mode, extra flags and reference of the sweep."""
     n_val = len(digits.split_indices(digits.raw()[1])[1])
-    summary: dict[str, Any] = {"validation_images": n_val, "grids": []}
+    summary: dict[str, Any] = {"validation_images": n_val, "model": args.model, "seeds": args.seed_list}
+    summary["grids"] = []
     for grid in grids:
         rows = []
         for setting in grid.settings:
@@ -198,10 +199,8 @@ def summarise(out: Path, grids: list[Grid], args: argparse.Namespace) -> dict:
             if setting == grid.today:  # the rungs this sweep did not run: the committed runs
                 ran = {r["recipe"] for r in runs}
                 for job in {j.recipe: j for j in setting_jobs(grid, setting, args, cuda=True)}.values():
-                    if job.recipe not in ran:
-                        runs += [
-                            _run(d, "reference") for d in reference_runs(job, args.reference, args.model)
-                        ]
+                    found = reference_runs(job, args.reference, args.model) if job.recipe not in ran else []
+                    runs += [_run(d, "reference") for d in found]
             rows.append(_row(setting, runs, grid.today))
         pick = choose(rows, grid.today, 1 / n_val)
         summary["grids"].append(
@@ -225,7 +224,7 @@ def render_summary(summary: dict[str, Any]) -> str:
         " then the nearest to it.",
     ]
     devices = sorted({r["device"] for g in summary["grids"] for row in g["rows"] for r in row["runs"]})
-    lines += ["", "Produced on: " + "; ".join(devices) + "." if devices else "No run has finished yet."]
+    lines += ["", f"Model `{summary['model']}`, seeds {summary['seeds']}; produced on: {'; '.join(devices)}."]
     if base := summary.get("baseline"):
         lines += [
             "",
