@@ -10,10 +10,12 @@ scikit-learn's digits (training/data/digits.py) for the same epochs (the same sa
 whole test split. A rung whose mean falls outside the fp32 baseline's mean +- 2 sd is flagged with
 what it measurably does differently (convergence_report.py renders it from the JSON files alone).
 
-Fixed for every rung (``PRESETS``, each overridable by its flag): the epochs, a linear warm-up over the
-first epoch(s) (``--warmup-steps``, times the rung's own schedule), one Adam and one SGD learning rate,
-and the input size: the digits are 8x8 pixels, so ViT-L/16 reads them at 64 px (16 patches + the class
-token); its 24 blocks and 303 M parameters are the ladder's, only the position embedding is shorter.
+Fixed for every rung (``policy.PRESETS``, each overridable by its flag): the epochs, a linear warm-up over
+the first epoch(s) (``--warmup-steps``, times the rung's own schedule), one Adam and one SGD learning rate,
+and the input size; a rung in ``policy.TUNED`` (chosen on the validation split by ``sweep.py``) keeps its
+own learning rate, warm-up or epochs unless ``--no-tuned``. The digits are 8x8 pixels, so ViT-L/16
+reads them at 64 px (16 patches + the class token); its 24 blocks and 303 M parameters are the ladder's,
+only the position embedding is shorter.
 Rungs keep their precision, batch, accumulation, optimizer, schedule, memory technique and way of
 building the model, so initial weights are drawn per rung and seed. ``--model vit_tiny`` is the CPU
 test of the same code path.
@@ -55,6 +57,20 @@ from fabric_memory_recipes.measurement.results_file import write_json_atomic
 from fabric_memory_recipes.paths import output_folder
 from fabric_memory_recipes.processes import DeviceSlots, project_env
 from fabric_memory_recipes.techniques import MODES
+from fabric_memory_recipes.tools.convergence.policy import (
+    CPU_MODEL,
+    CURVE_POINTS,
+    LOST_POINTS,
+    LOST_RUNGS,
+    MEMORY_FLAGS,
+    MEMORY_PARALLEL,
+    MEMORY_RUNS,
+    MODEL,
+    PRESETS,
+    TUNED,
+    VARIANTS,
+    rung_policy,
+)
 from fabric_memory_recipes.tools.convergence.report import (  # noqa: F401 (the report, from this command too)
     BASELINE,
     render,
@@ -64,40 +80,7 @@ from fabric_memory_recipes.tools.convergence.report import (  # noqa: F401 (the 
 from fabric_memory_recipes.training.data import digits
 
 REPO = Path(__file__).resolve().parents[3]  # the checkout
-MODEL, CPU_MODEL = "vit_l_16", "vit_tiny"
-# The training budget and learning-rate policy per model: the same for every rung of a run.
-PRESETS: dict[str, dict[str, Any]] = {
-    "vit_l_16": {"image_size": 64, "epochs": 30, "warmup_epochs": 2, "adam_lr": 1e-4, "sgd_lr": 0.03},
-    "vit_b_16": {"image_size": 64, "epochs": 30, "warmup_epochs": 2, "adam_lr": 1e-4, "sgd_lr": 0.03},
-    "vit_tiny": {"image_size": None, "epochs": 20, "warmup_epochs": 0, "adam_lr": 1e-3, "sgd_lr": 0.05},
-}
 SETTINGS = tuple("model image_size epochs warmup_epochs adam_lr sgd_lr lost_seeds parallel gpus mode".split())
-CURVE_POINTS = 60  # loss points per run: --log-every is chosen per rung to give about this many
-LOST_POINTS = 20  # sampled steps for --lost-updates per run
-LOST_RUNGS = ("01_baseline", "02_mixed_precision", "03_true_half_precision", "06_sgd_cosine")
-# The other bf16 update rules, as variants of one Adam rung (03: plain by default) and one SGD rung (06:
-# stochastic rounding by default): (tag, flags, flags on a CPU instead).
-RULES = {r: ["--bf16-update", r] for r in ("plain", "stochastic", "kahan")}
-VARIANTS: dict[str, list[tuple[str, list[str], list[str] | None]]] = {
-    "03_true_half_precision": [("stochastic", RULES["stochastic"], None), ("kahan", RULES["kahan"], None)],
-    "06_sgd_cosine": [
-        ("plain", RULES["plain"], None),
-        ("kahan", RULES["kahan"], None),
-        ("mixed", ["--precision", "16-mixed"], ["--precision", "bf16-mixed"]),
-    ],
-}
-# ViT-L/16 memory of the rules (GPU only): rung, variant, flags. Synthetic data: memory does not depend
-# on the values, and 10 steps reach the steady state. Rung 14 shows what each rule costs at the floor.
-OTHER_RULES = {"03_true_half_precision": ("stochastic", "kahan"), "06_sgd_cosine": ("plain", "kahan")}
-OTHER_RULES["14_memory_floor"] = OTHER_RULES["06_sgd_cosine"]
-MEMORY_RUNS = [
-    ("02_mixed_precision", "default", []),
-    ("06_sgd_cosine", "mixed", ["--precision", "16-mixed"]),
-    *[(r, v, RULES.get(v, [])) for r, rules in OTHER_RULES.items() for v in ("default", *rules)],
-]
-MEMORY_PARALLEL = 3  # ViT-L/16 runs at once (up to ~16 GB each), in addition to --parallel
-MEMORY_FLAGS = ["--model", "vit_l_16", "--data", "synthetic", "--weights", "none", "--max-steps", "10"]
-MEMORY_FLAGS += ["--eval-batches", "1"]
 
 
 # ------------------------------------------------------------------------------------------- planning
@@ -144,12 +127,14 @@ def plan(args: argparse.Namespace, cuda: bool) -> list[Job]:
             rung, _ = declared_rung(recipe)
             per_epoch = n_train // rung.micro_batch_size
             steps_per_epoch = math.ceil(per_epoch / rung.accumulation_steps)
-            steps = steps_per_epoch * args.epochs
-            lr = args.adam_lr if optimizer_kind(recipe) == "adam" else args.sgd_lr
+            # the preset (or its flags), or the rung's own policy where one was tuned (policy.TUNED)
+            policy = rung_policy(args.model, recipe, optimizer_kind(recipe), vars(args), args.tuned)
+            epochs = int(policy["epochs"])
+            steps = steps_per_epoch * epochs
             base = [
                 "--data", "digits", "--model", args.model, "--weights", "none", "--seed", str(seed),
-                "--epochs", str(args.epochs), "--lr", str(lr),
-                "--warmup-steps", str(round(args.warmup_epochs * steps_per_epoch)),
+                "--epochs", str(epochs), "--lr", str(policy["lr"]),
+                "--warmup-steps", str(round(policy["warmup_epochs"] * steps_per_epoch)),
                 "--log-every", str(max(1, steps // CURVE_POINTS)), "--mode", args.mode,
             ]  # fmt: skip
             if args.image_size:
@@ -170,7 +155,7 @@ def plan(args: argparse.Namespace, cuda: bool) -> list[Job]:
                 )  # steps launched from the host
                 rule = flags[flags.index("--bf16-update") + 1] if "--bf16-update" in flags else rung.bf16_update  # fmt: skip
                 rule = rule if "--precision" not in flags else "plain"  # another precision: nothing to round
-                jobs.append(Job(recipe, variant, seed, [*base, *flags], per_epoch * args.epochs * slower, rule))  # fmt: skip
+                jobs.append(Job(recipe, variant, seed, [*base, *flags], per_epoch * epochs * slower, rule))
     if cuda and args.memory:
         for recipe, variant, flags in MEMORY_RUNS:
             if args.rungs and recipe not in args.rungs:
@@ -181,15 +166,25 @@ def plan(args: argparse.Namespace, cuda: bool) -> list[Job]:
     return jobs
 
 
+POLICY_FLAGS = {"--lr": "lr", "--warmup-steps": "warmup_steps", "--epochs": "epochs"}
+
+
 def finished(job: Job, out: Path) -> bool:
-    """Whether an earlier call left this run's results JSON with status ok and the job's bf16 update rule
-    (it is not run again; a run of the rung from before its default changed is)."""
+    """Whether an earlier call left this run's results JSON with status ok, the job's bf16 update rule and
+    its learning rate, warm-up and epochs (it is not run again; a run of the rung from before its default
+    or its policy changed is)."""
     path = out / "runs" / f"{job.recipe}-{job.tag}.json"
     try:
         d = json.loads(path.read_text())
     except (OSError, ValueError):
         return False
-    return d.get("status") == "ok" and ((d.get("updates") or {}).get("rule") or "plain") == job.rule
+    cfg = d.get("config") or {}
+    same = all(
+        float(job.args[job.args.index(flag) + 1]) == float(cfg[key])
+        for flag, key in POLICY_FLAGS.items()
+        if flag in job.args and cfg.get(key) is not None
+    )
+    return same and d.get("status") == "ok" and ((d.get("updates") or {}).get("rule") or "plain") == job.rule
 
 
 # -------------------------------------------------------------------------------------------- running
@@ -230,7 +225,11 @@ def call_summary(args: argparse.Namespace, jobs: list[Job], wall: float, cuda: b
         "command": " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]),
         "settings": {k: getattr(args, k) for k in SETTINGS}
         | {"seeds": args.seed_list, "extra_flags": args.extra, "device": "cuda" if cuda else "cpu"}
-        | {"gpu_name": gpu, "data": digits.splits()[1]},
+        | {
+            "gpu_name": gpu,
+            "data": digits.splits()[1],
+            "tuned": TUNED.get(args.model, {}) if args.tuned else {},
+        },
         "wall_s": wall,
         "runs": [
             {k: v for k, v in asdict(j).items() if k not in ("args", "extra")}
@@ -363,6 +362,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--no-variants", dest="variants", action="store_const", const="", help="no bf16 fix variants"
     )
     p.add_argument("--no-memory", dest="memory", action="store_false", help="skip the ViT-L/16 memory runs")
+    p.add_argument("--no-tuned", dest="tuned", action="store_false", help="every rung at the preset or these flags (policy.TUNED left out)")  # fmt: skip
     args = p.parse_args(argv)
     args.extra = extra
     if args.model is None:

@@ -19,6 +19,7 @@ from typing import Any
 from fabric_memory_recipes.measurement.report.cells import DASH, write_into_block
 from fabric_memory_recipes.measurement.report.loading import load_results
 from fabric_memory_recipes.measurement.results_file import write_atomic
+from fabric_memory_recipes.tools.convergence.calls import device_seconds, later_call, own_policy_note
 from fabric_memory_recipes.tools.convergence.figure import render_figure
 
 BASELINE = "01_baseline"
@@ -75,6 +76,24 @@ def final_loss(result: dict) -> float | None:
     return statistics.fmean(v for _, v in tail)
 
 
+def warmup_epochs(result: dict) -> float | None:
+    """The run's linear warm-up in epochs: its --warmup-steps over its optimizer steps per epoch."""
+    cfg, steps = result.get("config") or {}, (result.get("timing") or {}).get("optimizer_steps")
+    if not steps or cfg.get("warmup_steps") is None or not cfg.get("epochs"):
+        return None
+    return round(cfg["warmup_steps"] * cfg["epochs"] / steps, 1)
+
+
+def own_policy(s: dict[str, Any], base: dict[str, Any]) -> list[str]:
+    """The warm-up and epochs of a rung that differ from the baseline's: a policy of its own (policy.TUNED)."""
+    out = []
+    if None not in (s["warmup"], base["warmup"]) and s["warmup"] != base["warmup"]:
+        out.append(f"warm-up {s['warmup']:g} epochs vs {base['warmup']:g}")
+    if s["epochs"] and base["epochs"] and s["epochs"] != base["epochs"]:
+        out.append(f"{s['epochs']} epochs vs {base['epochs']}")
+    return out
+
+
 def _stats(runs: list[dict]) -> dict[str, Any]:
     ok = [r for r in runs if r.get("status") == "ok"]
 
@@ -102,7 +121,10 @@ def _stats(runs: list[dict]) -> dict[str, Any]:
         "batch": cfg.get("batch_size"),
         "micro": cfg.get("micro_batch_size"),
         "lr": cfg.get("lr"),
+        "warmup": warmup_epochs(first),
+        "epochs": cfg.get("epochs"),
         "optimizer": (first.get("updates") or {}).get("optimizer"),
+        "short": _short((first.get("updates") or {}).get("optimizer")),
         "rule": (first.get("updates") or {}).get("rule"),
     }
 
@@ -125,6 +147,7 @@ def differences(s: dict[str, Any], base: dict[str, Any], isolated: dict[str, str
         out.append(
             f"{_short(s['optimizer'])} lr {s['lr']:g} vs {_short(base['optimizer'])} lr {base['lr']:g}"
         )
+    out += own_policy(s, base)
     steps, base_steps = _mean_sd(s["steps"])[0], _mean_sd(base["steps"])[0]
     if s["batch"] != base["batch"] or steps != base_steps:
         micro = (
@@ -143,21 +166,16 @@ def differences(s: dict[str, Any], base: dict[str, Any], isolated: dict[str, str
 
 def isolated_precision(acc: dict, base: dict[str, Any]) -> dict[str, str]:
     """Per precision, what the rung that changes nothing but the precision measured against the baseline
-    (same batch, optimizer and learning rate: rung 03 for bf16-true), with its Kahan fix when it ran:
+    (same batch, optimizer and learning-rate policy: rung 03 for bf16-true), with its Kahan fix when it ran:
     the measured part of the gap of every later rung that keeps that precision."""
     base_mean = _mean_sd(base["test"])[0]
     found: dict[str, str] = {}
+    same = ("batch", "micro", "short", "lr", "warmup", "epochs")  # all but the precision
     for (recipe, variant), runs in sorted(acc.items()):
         s = _stats(runs)
-        same = (s["batch"], s["micro"], _short(s["optimizer"]), s["lr"])
         if variant != "default" or recipe == BASELINE or base_mean is None or s["precision"] in found:
             continue
-        if s["precision"] == base["precision"] or same != (
-            base["batch"],
-            base["micro"],
-            _short(base["optimizer"]),
-            base["lr"],
-        ):
+        if s["precision"] == base["precision"] or [s[k] for k in same] != [base[k] for k in same]:
             continue
         mean, lost = _mean_sd(s["test"])[0], _mean_sd(s["lost"])[0]
         if mean is None:
@@ -203,7 +221,8 @@ def render_table(results: list[dict]) -> str:
             recipe,
             variant,
             str(s["precision"] or DASH),
-            f"{_short(s['optimizer'])} {s['lr']:g}" if s["lr"] is not None else _short(s["optimizer"]),
+            (f"{_short(s['optimizer'])} {s['lr']:g}" if s["lr"] is not None else _short(s["optimizer"]))
+            + "".join(f", {note}" for note in own_policy(s, base)),
             str(
                 s["batch"]
                 if s["micro"] in (None, s["batch"])
@@ -302,27 +321,6 @@ def _provenance(results: list[dict], settings: dict[str, Any]) -> list[str]:
     return lines
 
 
-def device_seconds(summary: dict[str, Any]) -> float | None:
-    """The GPU time of the benchmark over all its calls (the first call's and ``later_calls``'): each
-    call's wall time times the GPUs it spread its runs over (``--gpus``), each of which it had to itself."""
-    calls = [c for c in [summary, *(summary.get("later_calls") or [])] if isinstance(c.get("wall_s"), int | float)]  # fmt: skip
-    return sum(c["wall_s"] * ((c.get("settings") or {}).get("gpus") or 1) for c in calls) if calls else None
-
-
-def _later_call(call: dict[str, Any]) -> str:
-    """A provenance line for a call that added runs the first one did not finish (benchmark.json's
-    ``later_calls``: each a later call's own summary)."""
-    ran = [r for r in call.get("runs") or [] if r.get("returncode") == 0]
-    wall = call.get("wall_s")
-    took = f" in {wall:.0f} s" if isinstance(wall, int | float) else ""
-    settings = call.get("settings") or {}
-    where = f" on {settings.get('gpus') or 1} × {settings['gpu_name']}" if settings.get("gpu_name") else ""
-    return (
-        f"- a later call ({call.get('timestamp')}) added {len(ran)} runs{took}{where}:"
-        f" `{call.get('command')}`{'; ' + call['note'] if call.get('note') else ''}"
-    )
-
-
 def render_markdown(results: list[dict], summary: dict[str, Any], figure: str | None) -> str:
     settings = summary.get("settings") or {}
     wall = summary.get("wall_s")
@@ -332,7 +330,9 @@ def render_markdown(results: list[dict], summary: dict[str, Any], figure: str | 
         "Generated by `fmr-convergence --report` (`python -m fabric_memory_recipes.tools.convergence.benchmark"
         " --report`) from the JSON files beside it — do not edit by hand. Every run trains on scikit-learn's digits (real 8×8 images, fixed stratified splits) from"
         " random initial weights, for the same number of epochs (the same samples) with the same"
-        " learning-rate policy; accuracy is over the whole held-out test split. Each rung keeps its own"
+        " learning-rate policy"
+        + own_policy_note(summary)
+        + "; accuracy is over the whole held-out test split. Each rung keeps its own"
         " precision, batch, accumulation, optimizer, schedule and memory technique."
         f" The model: `{settings.get('model')}`"
         + (f" at {settings['image_size']} px" if settings.get("image_size") else "")
@@ -348,7 +348,7 @@ def render_markdown(results: list[dict], summary: dict[str, Any], figure: str | 
             if isinstance(wall, int | float)
             else []
         ),
-        *[_later_call(call) for call in summary.get("later_calls") or []],
+        *[later_call(call) for call in summary.get("later_calls") or []],
         *(
             [f"- GPU time of the whole benchmark: {total:.0f} s ({total / 60:.1f} min), every call together"]
             if summary.get("later_calls") and (total := device_seconds(summary)) is not None
