@@ -31,7 +31,7 @@ def row(path: Path, payload: dict[str, Any]) -> dict[str, Any] | None:
            "model": extra.get("model"), "task": extra.get("task"), "precision": cfg.get("precision"),
            "batch_size": cfg.get("batch_size"),
            "seq_len": cfg.get("seq_len") if extra.get("task") != "image_classification" else None,
-           "new_tokens": cfg.get("new_tokens") if extra.get("task") == "causal_lm" else None,
+           "new_tokens": cfg.get("new_tokens") if extra.get("task") in ("causal_lm", "seq2seq_lm") else None,
            "kv_cache_dtype": cfg.get("kv_cache_dtype") if extra.get("task") == "causal_lm" else None,
            "peak_phase": pred.get("peak_phase"), "prediction_error": pred.get("error"),
            "components_gb": pred.get("components_gb"), "gpu": (payload.get("provenance") or {}).get("gpu"),

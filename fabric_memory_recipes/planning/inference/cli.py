@@ -1,6 +1,7 @@
 """``fmr-estimate --model SOURCE:NAME --infer``: the inference estimate (planning/inference/estimate.py) of a
 causal LM's ``generate()`` at ``--batch-size`` x (``--seq-len`` prompt + ``--new-tokens``) with its KV cache in
-``--kv-cache-dtype``, or of one forward pass of an encoder or a vision model at ``--batch-size``; with
+``--kv-cache-dtype``, of an encoder-decoder's ``generate()`` (``--seq-len`` source tokens, ``--new-tokens``
+written), or of one forward pass of an encoder or a vision model at ``--batch-size``; with
 ``--fit SIZE`` the largest batch, and for a causal LM the most new tokens, whose predicted whole-device
 peak fits a card of SIZE.
 
@@ -130,6 +131,8 @@ def fit_text(answer: dict[str, Any], size: str) -> str:
     what = f"{answer['seq_len']} prompt + {answer['new_tokens']} new tokens" if lm else (
         f"{answer['seq_len']} tokens" if answer["at_largest_batch"] and answer["at_largest_batch"]["task"] != "image_classification" else "its image size")  # fmt: skip
     got = answer["at_largest_batch"]
+    if got and got["task"] == "seq2seq_lm":  # an encoder-decoder's generate(): the source and its new tokens
+        what = f"{answer['seq_len']} source tokens -> {got['new_tokens']} new tokens"
     lines.append(f"  largest batch at {what}: " + (f"{answer['largest_batch']} (predicted whole device"
                  f" {got['device_peak_gb']:.2f} GB)" if got else "none (batch 1 does not fit)"))  # fmt: skip
     if lm:

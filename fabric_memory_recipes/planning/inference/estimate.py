@@ -5,8 +5,9 @@ measured on the GPU kind (measurement/card_overhead.py, eager: inference compile
 
 Its components: the weights (in the precision's dtype), cuBLAS's workspaces, the KV cache after the last
 token, the prefill's working memory over the weights and its cache (activations of one layer at a time, the
-attention's output and the logits of the last position, which ``generate()`` alone computes), the largest
-decode step's over the weights and the cache, and the peaks allocated and reserved.
+attention's output and the logits of the last position, which ``generate()`` alone computes; an
+encoder-decoder's prefill is its encoder and its first decoder step), the largest decode step's over the
+weights and the cache, and the peaks allocated and reserved.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from fabric_memory_recipes.planning.simulation.allocator import (
     round_size,
     segment_size,
 )
+from fabric_memory_recipes.training.your_model.inference import generates
 from fabric_memory_recipes.training.your_model.models import UserModel
 
 COMPONENTS = ("weights", "workspace", "kv_cache", "prefill_working", "logits", "decode_working")
@@ -66,6 +68,8 @@ class InferenceEstimate:
             return f"batch {self.batch_size}" + (
                 f" x {self.seq_len} tokens" if self.task != "image_classification" else ""
             )
+        if self.task == "seq2seq_lm":
+            return f"batch {self.batch_size} x ({self.seq_len} source tokens -> {self.new_tokens} new tokens)"
         return f"batch {self.batch_size} x ({self.seq_len} prompt + {self.new_tokens} new tokens)"
 
     def table(self) -> str:
@@ -136,7 +140,7 @@ def estimate(model: Any, um: UserModel, batch_size: int, seq_len: int, new_token
     ``capacity_gb``: the bytes the allocator may reserve on the card (None: as many as it asks for), and
     ``out_of_memory`` says whether it ran out."""
     start = time.perf_counter()
-    lm = um.task == "causal_lm"
+    lm = generates(um)
     new = new_tokens if lm else 1
     rec = _recording(
         model, um, batch_size, seq_len, min(new, simulate.RECORDED_FORWARDS), precision, kv_cache_dtype
@@ -148,7 +152,8 @@ def estimate(model: Any, um: UserModel, batch_size: int, seq_len: int, new_token
         stream = list(rec.events)
     capacity = None if capacity_gb is None else int(capacity_gb * GB)
     allocator, peaks, name, oom = CappedAllocator(capacity), {}, "set-up", None
-    first = rec.starts[0] if rec.starts else 0
+    encoder_first = um.task == "seq2seq_lm"  # an encoder-decoder's prefill: its encoder, then its first step
+    first = rec.starts[0] if rec.starts and not encoder_first else 0
     split = rec.starts[1] if lm and len(rec.starts) > 1 else -1  # where the first decode step begins
     try:
         for i, (kind, handle, nbytes) in enumerate(stream):

@@ -147,20 +147,25 @@ def _sdpa_on_cuda(used: set[str]) -> Iterator[None]:
 
 
 def _cache_tensors(cache: Any) -> list[torch.Tensor]:
+    """The keys and values a cache holds; an encoder-decoder's: its self-attention's and its cross-attention's."""
+    parts = [getattr(cache, n, None) for n in ("self_attention_cache", "cross_attention_cache")]
+    if any(part is not None for part in parts):
+        return [t for part in parts if part is not None for t in _cache_tensors(part)]
     return [t for layer in getattr(cache, "layers", []) for t in (getattr(layer, "keys", None),
             getattr(layer, "values", None)) if isinstance(t, torch.Tensor) and t.numel()]  # fmt: skip
 
 
 def record(model: Any, um: UserModel, batch_size: int, seq_len: int, new_tokens: int, precision: str,
            kv_cache_dtype: str = "auto", forwards: int = RECORDED_FORWARDS) -> Recording:  # fmt: skip
-    """Run the inference call on fake tensors: a causal LM's first ``forwards`` forward passes of
-    ``generate()`` (all of them when ``new_tokens`` is not larger), else one forward pass."""
+    """Run the inference call on fake tensors: the first ``forwards`` forward passes of ``generate()`` (all of
+    them when ``new_tokens`` is not larger; an encoder-decoder's encoder runs before its first), else one
+    forward pass."""
     dtype = inference.weights_dtype(precision)
     tracker, kernels = _InferenceTracker(), set()
     starts: list[int] = []
     cache_bytes: list[int] = []
     logits: list[int] = []
-    wanted = min(forwards, new_tokens) if um.task == "causal_lm" else 1
+    wanted = min(forwards, new_tokens) if inference.generates(um) else 1
 
     stopped: list[int] = []
 

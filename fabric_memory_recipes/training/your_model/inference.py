@@ -1,6 +1,7 @@
 """Inference with your model (``recipes/your_model.py --infer``): a causal LM's ``generate()`` (greedy, batch
-``--batch-size`` x prompt ``--seq-len`` x ``--new-tokens``, its KV cache kept in ``--kv-cache-dtype``), or one
-forward pass of an encoder or a vision model at ``--batch-size`` under ``torch.inference_mode``. The run
+``--batch-size`` x prompt ``--seq-len`` x ``--new-tokens``, its KV cache kept in ``--kv-cache-dtype``), an
+encoder-decoder's ``generate()`` (the encoder reads ``--seq-len`` tokens, the decoder writes ``--new-tokens``),
+or one forward pass of an encoder or a vision model at ``--batch-size`` under ``torch.inference_mode``. The run
 records peak allocated, peak reserved and the whole-device peak as a training run does (its phases
 ``model_load`` and ``infer``), next to the prediction the recipe passes in (planning/inference/).
 
@@ -27,6 +28,12 @@ KV_CACHE_DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp16": torch.float16, 
 # Inference runs the model in one dtype: Fabric's "true" precisions.
 WEIGHT_DTYPES = {"32-true": torch.float32, "bf16-true": torch.bfloat16, "16-true": torch.float16}
 PROMPT_TOKEN = 5  # every prompt token (the values change nothing the memory depends on)
+GENERATING = ("causal_lm", "seq2seq_lm")  # the tasks whose inference call is generate()
+
+
+def generates(um: UserModel) -> bool:
+    """Whether ``um``'s inference call is ``generate()`` (``--new-tokens`` counts), not one forward pass."""
+    return um.task in GENERATING
 
 
 def weights_dtype(precision: str) -> torch.dtype:
@@ -50,10 +57,14 @@ def check(um: UserModel, cfg: Any) -> None:
         )
     try:  # a causal LM's cache holds the prompt and the new tokens
         models.check_seq_len(um, cfg.seq_len + (cfg.new_tokens if um.task == "causal_lm" else 0))
+        if um.task == "seq2seq_lm":  # the decoder's positions: the start token and the new tokens
+            models.check_seq_len(um, cfg.new_tokens + 1, "--new-tokens")
     except UsageError as e:
         asked = f"--seq-len {cfg.seq_len}" + (
             f" + --new-tokens {cfg.new_tokens}" if um.task == "causal_lm" else ""
         )
+        if str(e).startswith("--new-tokens"):
+            asked = f"--new-tokens {cfg.new_tokens} (+ the decoder's start token)"
         raise UsageError(f"{asked}: {str(e).split(': ', 1)[1]}") from None
     if cfg.fsdp or cfg.world_size > 1:
         raise UsageError("--infer runs on one GPU: leave out --devices and --fsdp")
@@ -90,13 +101,17 @@ def model_inputs(
 def infer(
     model: Any, um: UserModel, inputs: dict, new_tokens: int, kv_cache_dtype: str, weights: torch.dtype
 ):
-    """The inference call: greedy ``generate()`` of exactly ``new_tokens`` tokens, or one forward pass."""
+    """The inference call: greedy ``generate()`` of exactly ``new_tokens`` tokens (a causal LM, an
+    encoder-decoder), or one forward pass."""
     if um.task == "causal_lm":
         stored = cache_dtype(kv_cache_dtype, weights)
         cache = stored_cache(stored, weights, model.config) if stored != weights else None
         pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
         return model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                               use_cache=True, past_key_values=cache, pad_token_id=pad)  # fmt: skip
+    if um.task == "seq2seq_lm":  # the encoder once, then the decoder token by token from its start token
+        return model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                              use_cache=True)  # fmt: skip
     if um.is_text:
         return model(**inputs).logits
     return model(inputs["images"])

@@ -59,11 +59,11 @@ class YourModelConfig(RunConfig):
     lora_targets: str | None = flag(None, "technique", "with --lora-rank: the layers adapted, comma-separated module"
                                     " names (default: chosen per architecture)", metavar="NAMES")  # fmt: skip
     infer: bool = flag(False, "inference", "measure inference instead of training: a causal LM's generate() of"
-                       " --batch-size x --seq-len prompt tokens + --new-tokens, else one forward pass under"
+                       " --batch-size x --seq-len prompt tokens + --new-tokens (an encoder-decoder's: --seq-len"
+                       " source tokens, --new-tokens written), else one forward pass under"
                        " torch.inference_mode (docs/inference.md)", action=BOOL)  # fmt: skip
-    new_tokens: int = flag(
-        128, "inference", "tokens generate() adds to each prompt (--infer)", type=at_least(1)
-    )
+    new_tokens: int = flag(128, "inference", "tokens generate() adds to each prompt, or writes for each source"
+                           " (--infer)", type=at_least(1))  # fmt: skip
     kv_cache_dtype: str = flag("auto", "inference", "the KV cache's dtype (--infer; auto: the weights')",
                                choices=tuple(inference.KV_CACHE_DTYPES))  # fmt: skip
     switched_on: tuple[str, ...] = ()  # the flagged techniques on that have no field of RunConfig's, by name

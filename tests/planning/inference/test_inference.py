@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from fabric_memory_recipes.planning.inference import check, cli, simulate
 from fabric_memory_recipes.planning.inference.estimate import CappedAllocator, OutOfMemory, estimate
 from fabric_memory_recipes.planning.your_model.estimate import meta_user_model
-from fabric_memory_recipes.training.your_model import runner
+from fabric_memory_recipes.training.your_model import inference, models, runner
 from tests.conftest import run_estimate
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM = 2, 4, 2, 16
@@ -37,6 +38,15 @@ def bert(tmp_path) -> str:
                         intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=512)  # fmt: skip
 
 
+@pytest.fixture
+def t5(tmp_path) -> str:
+    """A 2-layer T5: an encoder-decoder, whose generate() runs its encoder once and its decoder per token."""
+    return write_config(tmp_path / "t5", model_type="t5", architectures=["T5ForConditionalGeneration"],
+                        vocab_size=512, d_model=HEADS * HEAD_DIM, d_ff=128, num_layers=LAYERS, num_heads=HEADS,
+                        d_kv=HEAD_DIM, is_encoder_decoder=True, decoder_start_token_id=0, pad_token_id=0,
+                        eos_token_id=1)  # fmt: skip
+
+
 def config(ref: str, **flags):
     return runner.default_config().with_flags(model=ref, infer=True, precision="bf16-true", **flags)
 
@@ -61,18 +71,20 @@ def test_the_components_add_up_and_the_kv_cache_is_its_arithmetic(llama):
     assert fp8.components_gb["kv_cache"] == pytest.approx(c["kv_cache"] / 2)  # one byte a value
 
 
+def replay(events) -> tuple[int, int, int]:
+    """The allocator model's peak allocated, peak reserved and what stays allocated after ``events``."""
+    allocator = CappedAllocator()
+    for kind, handle, nbytes in events:
+        allocator.malloc(handle, nbytes) if kind == "alloc" else allocator.free(handle)
+    return allocator.peak_allocated, allocator.peak_reserved, allocator.allocated
+
+
 def test_later_decode_steps_written_from_two_recorded_ones_replay_as_if_recorded(llama):
     um, model, _, _ = meta_user_model(llama)
     new = 12
     short = simulate.record(model, um, 16, 64, new, "bf16-true")
     full = simulate.record(model, um, 16, 64, new, "bf16-true", forwards=new)
     assert len(short.starts) == simulate.RECORDED_FORWARDS and len(full.starts) == new
-
-    def replay(events):
-        allocator = CappedAllocator()
-        for kind, handle, nbytes in events:
-            allocator.malloc(handle, nbytes) if kind == "alloc" else allocator.free(handle)
-        return allocator.peak_allocated, allocator.peak_reserved, allocator.allocated
 
     written = list(simulate.decode_steps(short, new))
     assert len(written) == len(full.events)
@@ -102,6 +114,28 @@ def test_encoders_and_vision_models_are_one_forward_pass(bert):
     um, model, _, _ = meta_user_model("timm:vit_tiny_patch16_224")
     vit = estimate(model, um, 2, 0, 1, "bf16-true")
     assert vit.task == "image_classification" and vit.kernels == ["flash"]
+
+
+def test_an_encoder_decoder_generates_its_new_tokens_after_one_encoder_pass(t5):
+    """generate() of an encoder-decoder, which once stopped the estimate with a traceback: its cache holds the
+    decoder's keys and values for every token it read and the cross-attention's for the source, its later
+    decode steps are written from two as a causal LM's are, and the runner's call writes the new tokens."""
+    um, model, _, _ = meta_user_model(t5)
+    batch, source, new = 4, 24, 7
+    est = estimate(model, um, batch, source, new, "bf16-true")
+    assert est.new_tokens == new and est.shape() == "batch 4 x (24 source tokens -> 7 new tokens)"
+    # self-attention: the start token and the first new - 1 tokens; cross-attention: the source, in bf16
+    per_token = 2 * LAYERS * batch * HEADS * HEAD_DIM * 2
+    assert est.components_gb["kv_cache"] == pytest.approx(per_token * (new + source) / 1e9)
+    short = simulate.record(model, um, batch, source, new, "bf16-true")
+    full = simulate.record(model, um, batch, source, new, "bf16-true", forwards=new)
+    assert len(short.starts) == simulate.RECORDED_FORWARDS and len(full.starts) == new
+    assert replay(list(simulate.decode_steps(short, new))) == replay(full.events)
+    real = models.build(um).eval()
+    inputs = inference.model_inputs(um, real, 2, 8, torch.float32, "cpu")
+    with torch.inference_mode():
+        out = inference.infer(real, um, inputs, 5, "auto", torch.float32)
+    assert list(out.shape) == [2, 1 + 5]  # the decoder's start token and exactly five new tokens
 
 
 @pytest.fixture(scope="module")
