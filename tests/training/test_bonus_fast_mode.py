@@ -195,3 +195,88 @@ def test_after_recipes_fast_mode_is_a_cuda_graph_on_one_gpu_compiled_for_distilb
             and rung.with_flags(checkpointing="full").checked(gpu).checkpointing == "full"
         )
     assert distilbert.micro_batch_size == 3 and bigbird.micro_batch_size == 1  # the memory lesson unchanged
+
+
+def _fast_mode_on_the_cpu(module, monkeypatch) -> list[dict]:
+    """The recipe's checks see one CUDA GPU, so its defaults resolve to fast mode (a CUDA graph per step);
+    Fabric is then built on the CPU, and the graph stood in for (tests/training/test_graphs.py). Returns the
+    keyword arguments the recipe gave Fabric."""
+    import lightning
+
+    from fabric_memory_recipes.training import cli
+
+    gpu = Hardware(cuda_devices=1, cpu_cores=2, bf16_supported=lambda: True)
+    monkeypatch.setattr(cli, "detect_hardware", lambda: gpu)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")  # fast mode would set the allocator's for this process
+    seen: list[dict] = []
+    fabric = lightning.Fabric  # the recipe's L.Fabric is this class: patched below
+
+    def on_the_cpu(*args, **kwargs):
+        seen.append(kwargs)
+        return fabric(*args, **{**kwargs, "accelerator": "cpu"})
+
+    monkeypatch.setattr(module.L, "Fabric", on_the_cpu)
+    monkeypatch.setattr(loop_plumbing, "StepGraph", FakeStepGraph)
+    FakeGraph.captures, FakeStepGraph.replays = 0, []
+    return seen
+
+
+def _results(folder) -> dict:
+    import json
+
+    (path,) = folder.glob("*.json")
+    return json.loads(path.read_text())
+
+
+def test_distilbert_after_fast_mode_replays_its_capturable_step(tmp_path, monkeypatch):
+    from fabric_memory_recipes.training import lifecycle
+
+    module = load_recipe_module("bonus_distilbert_after")
+    seen = _fast_mode_on_the_cpu(module, monkeypatch)
+    calls = {"capturable": 0, "plain": 0}
+
+    def counted(fn, key):
+        def batch_fn(model, batch):
+            calls[key] += 1
+            return fn(model, batch)
+
+        return batch_fn
+
+    monkeypatch.setattr(
+        text,
+        "sequence_classification_capturable",
+        counted(text.sequence_classification_capturable, "capturable"),
+    )
+    monkeypatch.setattr(text, "sequence_classification", counted(text.sequence_classification, "plain"))
+    argv = ["--model", "distilbert-tiny", "--max-length", "32", "--max-steps", "4", "--data", "synthetic",
+            "--weights", "none", "--eval-batches", "1", "--results-dir", str(tmp_path)]  # fmt: skip
+    assert lifecycle.run_recipe(module.main, module.RUNG, module.__doc__, argv=argv) == 0
+    p = _results(tmp_path)
+    assert p["status"] == "ok" and p["config"]["accelerator"] == "cuda"
+    assert (p["mode"], p["config"]["compile"], p["config"]["cuda_graphs"]) == ("fast", True, True)
+    assert seen[0]["precision"] == "bf16-true" and seen[0]["strategy"] == "auto" and seen[0]["devices"] == 1
+    assert FakeGraph.captures == 1 and len(FakeStepGraph.replays) == 4 - 2  # warm-up 2, then replays
+    assert calls["capturable"] == 4 * 4 + 2 and calls["plain"] == 0  # 4 steps of 4 micro-batches, 2 evaluated
+
+
+def test_bigbird_after_fast_mode_keeps_its_blocks_on_the_device_and_compiles_nothing(tmp_path, monkeypatch):
+    from fabric_memory_recipes.training import lifecycle
+
+    module = load_recipe_module("bonus_bigbird_after")
+    _fast_mode_on_the_cpu(module, monkeypatch)
+    asked = []
+    fix = hf_models.fix_random_blocks
+
+    def recorded(*args, **kwargs):
+        asked.append(kwargs)
+        return fix(*args, **kwargs)
+
+    monkeypatch.setattr(hf_models, "fix_random_blocks", recorded)
+    argv = ["--model", "bigbird-tiny", "--max-length", "128", "--max-steps", "3", "--batch-size", "4",
+            "--accumulation-steps", "2", "--data", "synthetic", "--weights", "none", "--eval-batches", "1",
+            "--results-dir", str(tmp_path)]  # fmt: skip
+    assert lifecycle.run_recipe(module.main, module.RUNG, module.__doc__, argv=argv) == 0
+    p = _results(tmp_path)
+    assert p["status"] == "ok" and (p["config"]["compile"], p["config"]["cuda_graphs"]) == (False, True)
+    assert asked == [{"on_device": True}] and "compiled_blocks" not in p["extra"]
+    assert FakeGraph.captures == 1 and len(FakeStepGraph.replays) == 3 - 2
