@@ -10,8 +10,8 @@ The same model, data (2048 tokens per review) and effective batch of 12, with:
   with numpy at every forward pass and copies them from the host), then each optimizer step, its 12
   micro-batches and the update, one CUDA graph (fabric_memory_recipes/training/graphs.py): one review per
   micro-batch is launch-bound in eager mode, some 400 small kernels per layer, which a replay launches at
-  once. --compile also compiles each BigBirdLayer (off by default: each layer is a graph of its own, 12
-  compilations of minutes);
+  once. --compile also compiles each BigBirdLayer (off by default: each layer compiles a graph of its own,
+  12 compilations in the first step);
 - --checkpointing full|selective (rung 10, off by default): each layer keeps less for the backward pass, so
   that a larger micro-batch (--accumulation-steps 6: micro-batches of 2) fits in the same memory;
 - with --devices > 1, FSDP with one unit per BigBirdLayer and cpu_offload=True (rungs 08-09). (The
