@@ -6,16 +6,22 @@ The same model, data (2048 tokens per review) and effective batch of 12, with:
   the activations dominate, and only one review's are alive at once;
 - fabric.init_module() (rung 07): the model is created on the device, directly in bf16;
 - fast mode (the default on a CUDA GPU; --mode eager runs without it): each layer's random attention
-  blocks drawn once (hf_models.fix_random_blocks: Hugging Face redraws the same blocks with numpy at every
-  forward pass) and each BigBirdLayer compiled (regional compilation, as recipes/your_model.py --mode fast
-  does): one review per micro-batch is launch-bound in eager mode, some 400 small kernels per layer;
+  blocks drawn once and kept on the GPU (hf_models.fix_random_blocks: Hugging Face redraws the same blocks
+  with numpy at every forward pass and copies them from the host), then each optimizer step, its 12
+  micro-batches and the update, one CUDA graph (fabric_memory_recipes/training/graphs.py): one review per
+  micro-batch is launch-bound in eager mode, some 400 small kernels per layer, which a replay launches at
+  once. --compile also compiles each BigBirdLayer (off by default: each layer compiles a graph of its own,
+  12 compilations in the first step);
+- --checkpointing full|selective (rung 10, off by default): each layer keeps less for the backward pass, so
+  that a larger micro-batch (--accumulation-steps 6: micro-batches of 2) fits in the same memory;
 - with --devices > 1, FSDP with one unit per BigBirdLayer and cpu_offload=True (rungs 08-09). (The
   article's script used FSDP with CPU offload on 4 GPUs and no wrap policy, i.e. the whole model as one
   unit, and measured 4.03 GB.)
 Adam (lr 5e-5) stays, as in the article's script.
 
     python recipes/bonus_bigbird_after.py --max-steps 20
-    python recipes/bonus_bigbird_after.py --max-steps 20 --mode eager   # redraw, uncompiled
+    python recipes/bonus_bigbird_after.py --max-steps 20 --mode eager   # redrawn blocks, no graph
+    python recipes/bonus_bigbird_after.py --max-steps 20 --accumulation-steps 6 --checkpointing full
     python recipes/bonus_bigbird_after.py --devices 4     # FSDP + CPU offload, as in the article
     python recipes/bonus_bigbird_after.py --accelerator cpu --model bigbird-tiny --max-length 128 --max-steps 5
 """
@@ -29,10 +35,11 @@ from transformers.models.big_bird.modeling_big_bird import BigBirdLayer
 from fabric_memory_recipes.config import UsageError
 from fabric_memory_recipes.training import data, hf_models, lifecycle, loop
 from fabric_memory_recipes.training.data import text
-from fabric_memory_recipes.training.data.text import TextConfig
+from fabric_memory_recipes.training.data.text import AfterConfig
+from fabric_memory_recipes.training.techniques import checkpointing
 from fabric_memory_recipes.training.your_model.models import compile_repeated
 
-RUNG = TextConfig(
+RUNG = AfterConfig(
     recipe="bonus_bigbird_after",
     model="google/bigbird-roberta-base",
     model_choices=hf_models.BIGBIRD,  # the full-size hub name and a tiny config
@@ -41,11 +48,11 @@ RUNG = TextConfig(
     accumulation_steps=12,  # rung 05: micro-batches of 1
     lr=5e-5,
     max_length=2048,
-    cuda_graphs=False,  # the steps stay eager: the random blocks are copied from the host
+    compile=False,  # fast mode is the CUDA graph; --compile adds the compiled layers
 )
 
 
-def make_strategy(cfg: TextConfig):
+def make_strategy(cfg: AfterConfig):
     if cfg.world_size == 1:
         return "auto"  # one device: nothing to shard
     return FSDPStrategy(
@@ -54,7 +61,7 @@ def make_strategy(cfg: TextConfig):
     )
 
 
-def main(cfg: TextConfig, results) -> None:
+def main(cfg: AfterConfig, results) -> None:
     if cfg.world_size > 1 and cfg.accelerator != "cuda":
         raise UsageError("--devices > 1 shards with FSDPStrategy, which needs CUDA GPUs")
     torch.set_float32_matmul_precision("high" if cfg.tf32 else "highest")  # "high" = TF32 matmuls
@@ -77,8 +84,13 @@ def main(cfg: TextConfig, results) -> None:
             model = hf_models.build_model(
                 spec, pretrained, num_labels=text.NUM_LABELS, vocab_size=splits.vocab_size
             )
-        if cfg.compile:  # fast mode: the random blocks drawn once, then each layer compiled in place
-            hf_models.fix_random_blocks(model, cfg.max_length)
+        if cfg.checkpointing:  # rung 10: each layer's inside recomputed in backward (full or selective)
+            results.extra["checkpointed_blocks"] = checkpointing.checkpoint_blocks(
+                model, ("BigBirdLayer",), cfg.checkpointing
+            )
+        if cfg.compile or cfg.cuda_graphs:  # fast mode: the random blocks drawn once (and kept on the GPU)
+            hf_models.fix_random_blocks(model, cfg.max_length, on_device=cfg.cuda_graphs)
+        if cfg.compile:  # each layer compiled in place
             layers = model.config.num_hidden_layers  # one compiled graph per layer: each has its own seed
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * layers)
             results.extra["compiled_blocks"] = compile_repeated(model, ("BigBirdLayer",))

@@ -4,16 +4,21 @@ The same model, data and effective batch of 12, with:
 - precision "bf16-true" (rung 03): weights, gradients and Adam state in bf16, half of fp32's bytes;
 - micro-batches of 3 with 4 accumulation steps (rung 05): a quarter of the activations alive at once;
 - fabric.init_module() (rung 07): the model is created on the device, directly in bf16;
-- fast mode (the default on a CUDA GPU; --mode eager runs without it): each TransformerBlock compiled
-  (regional compilation, as recipes/your_model.py --mode fast does): at micro-batches of 3 the eager
-  blocks are launch-bound, the GPU waiting for Python between small kernels;
+- fast mode (the default on a CUDA GPU; --mode eager runs without it), as the ladder's: each TransformerBlock
+  compiled (regional compilation, as recipes/your_model.py --mode fast does) and each optimizer step, its 4
+  micro-batches and the update, one CUDA graph (fabric_memory_recipes/training/graphs.py): at micro-batches of 3
+  eager steps are launch-bound, the GPU waiting for Python between small kernels. The padding mask goes in
+  as a 4-D tensor (text.sequence_classification_capturable): Hugging Face checks a 2-D one on the host;
+- --checkpointing full|selective (rung 10, off by default): each block keeps less for the backward pass, so
+  that a larger micro-batch (--accumulation-steps 1 or 2) fits in the same memory;
 - with --devices > 1, FSDP with one unit per TransformerBlock and cpu_offload=True (rungs 08-09):
   parameters, gradients and optimizer state are sharded and kept in CPU memory (eagerly).
 Adam (lr 5e-5) stays, as in the article's script. Its measurement: 3.99 GB before, 1.15 GB after
 (max_memory_reserved; 4 GPUs with FSDP + CPU offload).
 
     python recipes/bonus_distilbert_after.py --max-steps 50
-    python recipes/bonus_distilbert_after.py --max-steps 50 --mode eager   # the blocks uncompiled
+    python recipes/bonus_distilbert_after.py --max-steps 50 --mode eager   # no graph, the blocks uncompiled
+    python recipes/bonus_distilbert_after.py --max-steps 50 --no-cuda-graphs   # compiled blocks, eager steps
     python recipes/bonus_distilbert_after.py --devices 4     # FSDP + CPU offload, as in the article
     python recipes/bonus_distilbert_after.py --accelerator cpu --model distilbert-tiny --max-length 128 --max-steps 5
 """
@@ -27,10 +32,11 @@ from transformers.models.distilbert.modeling_distilbert import TransformerBlock
 from fabric_memory_recipes.config import UsageError
 from fabric_memory_recipes.training import data, hf_models, lifecycle, loop
 from fabric_memory_recipes.training.data import text
-from fabric_memory_recipes.training.data.text import TextConfig
+from fabric_memory_recipes.training.data.text import AfterConfig
+from fabric_memory_recipes.training.techniques import checkpointing
 from fabric_memory_recipes.training.your_model.models import compile_repeated
 
-RUNG = TextConfig(
+RUNG = AfterConfig(
     recipe="bonus_distilbert_after",
     model="distilbert-base-uncased",
     model_choices=hf_models.DISTILBERT,  # the full-size hub name and a tiny config
@@ -39,11 +45,10 @@ RUNG = TextConfig(
     accumulation_steps=4,  # rung 05: micro-batches of 3
     lr=5e-5,
     max_length=512,
-    cuda_graphs=False,  # the steps stay eager: the model's attention mask is checked on the host
 )
 
 
-def make_strategy(cfg: TextConfig):
+def make_strategy(cfg: AfterConfig):
     if cfg.world_size == 1:
         return "auto"  # one device: nothing to shard
     return FSDPStrategy(
@@ -54,7 +59,7 @@ def make_strategy(cfg: TextConfig):
     )
 
 
-def main(cfg: TextConfig, results) -> None:
+def main(cfg: AfterConfig, results) -> None:
     if cfg.world_size > 1 and cfg.accelerator != "cuda":
         raise UsageError("--devices > 1 shards with FSDPStrategy, which needs CUDA GPUs")
     torch.set_float32_matmul_precision("high" if cfg.tf32 else "highest")  # "high" = TF32 matmuls
@@ -77,6 +82,10 @@ def main(cfg: TextConfig, results) -> None:
             model = hf_models.build_model(
                 spec, pretrained, num_labels=text.NUM_LABELS, vocab_size=splits.vocab_size
             )
+        if cfg.checkpointing:  # rung 10: each block's inside recomputed in backward (full or selective)
+            results.extra["checkpointed_blocks"] = checkpointing.checkpoint_blocks(
+                model, ("TransformerBlock",), cfg.checkpointing
+            )
         if cfg.compile:  # fast mode: each block compiled in place, the six sharing their code
             results.extra["compiled_blocks"] = compile_repeated(model, ("TransformerBlock",))
         parameters = hf_models.count_parameters(model)
@@ -86,7 +95,8 @@ def main(cfg: TextConfig, results) -> None:
 
     loaders = data.loaders(splits, cfg, fabric, shard=True)  # with several processes, a shard each
     train_loader, val_loader, test_loader = fabric.setup_dataloaders(*loaders)
-    batch_fn = text.sequence_classification
+    # fast mode's graph: a 4-D padding mask, which Hugging Face does not check on the host
+    batch_fn = text.sequence_classification_capturable if cfg.cuda_graphs else text.sequence_classification
     with results.phase("train"):
         loop.fit(fabric, model, optimizer, train_loader, batch_fn, cfg, results, num_classes=text.NUM_LABELS)
     with results.phase("eval"):

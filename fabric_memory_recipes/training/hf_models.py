@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.overrides import TorchFunctionMode
 
 from fabric_memory_recipes.config import UsageError
 from fabric_memory_recipes.console import notice
@@ -254,7 +255,7 @@ def checkpointing_enabled(model) -> bool:
     return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
 
 
-def fix_random_blocks(model, seq_len: int) -> int:
+def fix_random_blocks(model, seq_len: int, on_device: bool = False) -> int:
     """BigBird's random attention blocks drawn once per layer (fast mode of ``recipes/bonus_bigbird_after.py``).
 
     Hugging Face draws them with numpy on every forward pass, after seeding numpy with the layer's own fixed
@@ -262,20 +263,70 @@ def fix_random_blocks(model, seq_len: int) -> int:
     host time per forward pass on it (on a CPU core), and a compiled layer breaks its graph there. Here each
     attention module keeps what its first draw returned, per set of arguments and per train/eval mode (eval
     draws no random blocks). The training draws for ``seq_len`` are made now, by one forward pass of one
-    sequence without gradients, so that a layer compiled afterwards finds them. Returns how many attention
-    modules reuse their draw."""
+    sequence without gradients, so that a layer compiled afterwards finds them.
+
+    ``on_device``: each module also keeps the device copy of its blocks. Hugging Face copies the draw from the
+    host at every call (``torch.tensor(..., device=...)``), and the host waits for that copy, which a CUDA graph
+    cannot capture; here the copy made in the first pass is handed out again (a copy of it on the device) for
+    every equal draw. The model must then run block-sparse attention at ``seq_len``: at a length too short for
+    it Hugging Face falls back to full attention, whose padding mask it checks on the host (a UsageError).
+    Returns how many attention modules reuse their draw."""
     found = [m for m in model.modules() if hasattr(m, "_bigbird_block_rand_mask_with_head")]
     for module in found:
         module._bigbird_block_rand_mask_with_head = _drawn_once(module)
+        if on_device:
+            module.bigbird_block_sparse_attention = _copies_kept(module.bigbird_block_sparse_attention)
     was_training, device = model.training, next(model.parameters()).device
     model.train()
-    with torch.no_grad():
+    # the random generators as they were: the training draws the dropout masks it would have drawn without this pass
+    with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         ids = torch.zeros(1, seq_len, dtype=torch.long, device=device)
         model(input_ids=ids, attention_mask=torch.ones_like(ids))
     model.train(was_training)
+    if on_device and getattr(model.base_model, "attention_type", None) != "block_sparse":
+        raise UsageError(
+            f"--max-length {seq_len}: BigBird falls back to full attention at this length, and checks its padding"
+            " mask on the host, which a CUDA graph cannot capture: use a longer --max-length or --no-cuda-graphs"
+        )
     if device.type == "cuda":
         torch.cuda.empty_cache()  # that pass's temporaries: not left reserved for the training's peak
     return len(found)
+
+
+class _KeptCopies(TorchFunctionMode):
+    """Inside one block-sparse attention call: ``torch.tensor`` of a numpy array (the random blocks) returns a
+    device copy of the tensor the first equal array made, so no copy from the host happens after the first."""
+
+    def __init__(self, kept: dict) -> None:
+        super().__init__()
+        self.kept = kept
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not torch.tensor or not args or not isinstance(args[0], np.ndarray):
+            return func(*args, **kwargs)
+        array = args[0]
+        key = (
+            array.shape,
+            array.dtype.str,
+            array.tobytes(),
+            str(kwargs.get("device")),
+            str(kwargs.get("dtype")),
+        )
+        if key not in self.kept:
+            self.kept[key] = func(*args, **kwargs)  # the first call's copy from the host, kept
+        return self.kept[key].clone()  # a copy on the device: the kept tensor stays as it was made
+
+
+def _copies_kept(attend):
+    kept: dict = {}
+
+    @torch.compiler.disable  # a compiled layer would trace the draw as a host tensor copied at each call
+    def attention(*args, **kwargs):
+        with _KeptCopies(kept):
+            return attend(*args, **kwargs)
+
+    return attention
 
 
 def _drawn_once(module):

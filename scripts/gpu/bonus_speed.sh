@@ -1,30 +1,77 @@
 #!/usr/bin/env bash
-# The bonus cases at speed, on one GPU: "before" and "after" of each case in its default mode, REPEATS rounds
-# (default 3), one recipe process per run, synthetic data and random weights as the committed bonus runs:
-#   distilbert  recipes/bonus_distilbert_before.py   against recipes/bonus_distilbert_after.py
-#   bigbird     recipes/bonus_bigbird_before.py      against recipes/bonus_bigbird_after.py
-#   llm         recipes/bonus_llm_finetune.py        (vanilla) against recipes/bonus_llm_finetune.py --all
-# Case by case, before and after alternating, so a call stopped early still has whole pairs; BigBird last (its
-# first compiled "after" is the slowest run). Then, while time is left, one run each of today's "after"
-# (--mode eager; for the LLM also full checkpointing and the plain loss) for its memory in the same call, and
-# DistilBERT's "after" at micro-batches of 6. About 17 s of each run is the process starting.
+# The bonus after cases against their before cases, on one GPU: samples/s and peak reserved memory of each
+# candidate, REPEATS rounds (default 3), one recipe process per run, synthetic data and random weights as the
+# committed bonus runs (results/published/h100/bonus/). The candidates (NAME = CASE-VARIANT; * = in the default set):
+#
+#   distilbert-before *          recipes/bonus_distilbert_before.py (fp32, batch 12)
+#   distilbert-today *           the after case as committed before the CUDA graph: --no-cuda-graphs (compiled
+#                                blocks, eager steps, the 2-D padding mask)
+#   distilbert-graphs *          the after case's default now: compiled blocks + one CUDA graph per step (3 x 4)
+#   distilbert-graphsnocompile   --no-compile: the CUDA graph of the eager blocks
+#   distilbert-ckpt12x1          --accumulation-steps 1 --checkpointing full: micro-batch 12, checkpointed blocks
+#   distilbert-eager             --mode eager (as committed: 161 samples/s, 1.00 GB)
+#   bigbird-before *             recipes/bonus_bigbird_before.py (fp32, batch 12, 2048 tokens)
+#   bigbird-graphs *             the after case's default now: random blocks kept on the GPU, one CUDA graph per
+#                                step (1 x 12), nothing compiled
+#   bigbird-ckpt2x6              --accumulation-steps 6 --checkpointing full: micro-batches of 2
+#   bigbird-ckpt4x3              --accumulation-steps 3 --checkpointing full: micro-batches of 4
+#   bigbird-today                --compile --no-cuda-graphs: the previous default (12 layer compilations: minutes)
+#   bigbird-eager                --mode eager (as committed: 4.7 samples/s, 3.31 GB)
+#   llm-before, llm-all          recipes/bonus_llm_finetune.py without flags, and --all (their target was met)
+#
+# ONLY selects (spaces or commas between): a case name (distilbert, bigbird, llm) runs its default set, a NAME or
+# a glob (distilbert-*) those candidates, "all" every one. Case by case; within a case, round by round, so a call
+# stopped early still has whole rounds. Measured on an H100 by the last call: a recipe process costs ~20 s
+# before its first step. Expected on one H100: the default set ~8 min (DistilBERT ~4.5, BigBird ~3.5);
+#   ONLY="distilbert-graphsnocompile distilbert-ckpt12x1 bigbird-ckpt2x6 bigbird-ckpt4x3"   ~7 min.
+#
+#   bash scripts/gpu/bonus_speed.sh                           # the default set, one H100
+#   ONLY=bigbird REPEATS=1 bash scripts/gpu/bonus_speed.sh    # one round of BigBird's
+#   DRY=1 OUT=/tmp/out ONLY=all REPEATS=1 bash scripts/gpu/bonus_speed.sh   # CPU dry run: tiny models, 2 steps
+#
 # Each run's peak reserved memory and samples/s are read from its results JSON (memory.peak_reserved_gb,
-# timing.samples_per_s); summary.md gives per case the median and range of the rounds, after / before, and
-# today's committed "after" (results/published/h100/bonus/).
-#
-#   bash scripts/gpu/bonus_speed.sh          # one H100, carried: .whl (liger-kernel: the fused loss's kernel)
-#   DRY=1 OUT=/tmp/out bash scripts/gpu/bonus_speed.sh   # CPU dry run: tiny models, 2 steps, the same flow
-#
-# Results: $OUT/bonus_speed.tgz (every run's JSON and log, summary) and $OUT/summary.md. Each run gets at most
-# the time left before LIMIT (default 460 s): it is stopped with SIGINT, and a recipe stopped so still writes
-# its JSON (status "interrupted").
+# timing.samples_per_s). After every run $OUT/summary.md (per candidate: the median and range of the rounds,
+# ÷ before, the committed after's memory, the loss every 5 steps) and $OUT/bonus_speed.tgz (every JSON and log)
+# are rewritten. Each run gets at most RUN_LIMIT s (default 150) and the time left before LIMIT (default 470 s);
+# it is stopped with SIGINT, and a recipe stopped so still writes its JSON (status "interrupted").
+# Carried (ignored path): .whl, only for the llm case (liger-kernel: the fused loss's kernel).
 set -u
 : "${OUT:?set OUT}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 FMR_OFFLINE=1
-PY=${PYTHON:-python3}; T0=$(date +%s); LIMIT=${LIMIT:-460}; REPEATS=${REPEATS:-3}
-RUNS=/tmp/bonus_speed; rm -rf "$RUNS"; mkdir -p "$RUNS/runs"
+PY=${PYTHON:-python3}; T0=$(date +%s); LIMIT=${LIMIT:-470}; RUN_LIMIT=${RUN_LIMIT:-150}; REPEATS=${REPEATS:-3}
+ONLY=${ONLY:-distilbert bigbird}; ONLY=${ONLY//,/ }
+RUNS=/tmp/bonus_speed; rm -rf "$RUNS"; mkdir -p "$RUNS/runs" "$OUT"
 log() { echo "[bonus_speed $(( $(date +%s) - T0 )) s] $*" | tee -a "$RUNS/log.txt"; }
-summary() { "$PY" - "$RUNS" <<'PY' | tee "$RUNS/summary.md"
+
+# NAME DEFAULT RECIPE FLAGS...
+CANDIDATES=(
+  "distilbert-before 1 bonus_distilbert_before"
+  "distilbert-today 1 bonus_distilbert_after --no-cuda-graphs"
+  "distilbert-graphs 1 bonus_distilbert_after"
+  "distilbert-graphsnocompile 0 bonus_distilbert_after --no-compile"
+  "distilbert-ckpt12x1 0 bonus_distilbert_after --accumulation-steps 1 --checkpointing full"
+  "distilbert-eager 0 bonus_distilbert_after --mode eager"
+  "bigbird-before 1 bonus_bigbird_before"
+  "bigbird-graphs 1 bonus_bigbird_after"
+  "bigbird-ckpt2x6 0 bonus_bigbird_after --accumulation-steps 6 --checkpointing full"
+  "bigbird-ckpt4x3 0 bonus_bigbird_after --accumulation-steps 3 --checkpointing full"
+  "bigbird-today 0 bonus_bigbird_after --compile --no-cuda-graphs"
+  "bigbird-eager 0 bonus_bigbird_after --mode eager"
+  "llm-before 1 bonus_llm_finetune"
+  "llm-all 1 bonus_llm_finetune --all"
+)
+selected() {  # selected NAME DEFAULT: is the candidate in ONLY?
+  local pat
+  for pat in $ONLY; do
+    [ "$pat" = all ] && return 0
+    [ "$pat" = "${1%%-*}" ] && [ "$2" = 1 ] && return 0
+    # shellcheck disable=SC2053
+    [[ $1 == $pat ]] && return 0
+  done
+  return 1
+}
+
+summary() { "$PY" - "$RUNS" <<'PY'
 import json, pathlib, statistics, sys
 runs, committed = pathlib.Path(sys.argv[1]) / "runs", pathlib.Path("results/published/h100/bonus")
 TODAY = {"distilbert": "bonus_distilbert_after.json", "bigbird": "bonus_bigbird_after.json",
@@ -33,84 +80,103 @@ rows = {}
 for f in sorted(runs.glob("*/*.json")):
     name, d = f.parent.name, json.loads(f.read_text())  # name: CASE-VARIANT-rN
     case, variant = name.split("-")[0], "-".join(name.split("-")[1:-1])
-    t, m = d.get("timing") or {}, d.get("memory") or {}
-    rows.setdefault((case, variant), []).append(
-        (name, d.get("status"), t.get("samples_per_s"), m.get("peak_reserved_gb"), t.get("median_step_s"),
-         (d.get("extra") or {}).get("compiled_blocks"))
-    )
-def spread(values):
-    v = [x for x in values if x is not None]
+    t, m, c, x = (d.get(k) or {} for k in ("timing", "memory", "config", "extra"))
+    rows.setdefault((case, variant), []).append(dict(
+        name=name, status=d.get("status"), speed=t.get("samples_per_s"), reserved=m.get("peak_reserved_gb"),
+        allocated=m.get("peak_allocated_gb"), step=t.get("median_step_s"),
+        warmup=(m.get("warmup") or {}).get("peak_reserved_gb"), steady=(m.get("steady") or {}).get("peak_reserved_gb"),
+        pool=(x.get("cuda_graphs") or {}).get("graph_pool_reserved_gb"),
+        how=f"{c.get('micro_batch_size')}x{c.get('accumulation_steps')} {c.get('precision')}"
+            f"{' compiled' if c.get('compile') else ''}{' graphs' if c.get('cuda_graphs') else ''}"
+            f"{' ckpt-' + c['checkpointing'] if c.get('checkpointing') else ''}",
+        curve=" ".join(f"{s}:{v:.4f}" for s, v in (d.get("loss") or {}).get("curve", []))))
+def med(rs, key):
+    v = [r[key] for r in rs if r["status"] == "ok" and isinstance(r[key], (int, float))]
+    return statistics.median(v) if v else None
+def spread(rs, key):
+    v = [r[key] for r in rs if r["status"] == "ok" and isinstance(r[key], (int, float))]
     return f"{statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f}, n={len(v)})" if v else "-"
-print("| case | variant | samples/s median (range, n) | peak reserved GB median (range, n) | statuses | compiled blocks |")
-print("|---|---|---|---|---|---|")
+f2 = lambda v: f"{v:.2f}" if isinstance(v, (int, float)) else "-"
+print("| case | variant | how | samples/s median (range, n of ok runs) | ÷ before | peak reserved GB median (range) |"
+      " statuses |\n|---|---|---|---|---:|---|---|")
 for (case, variant), rs in sorted(rows.items()):
-    print(f"| {case} | {variant} | {spread(r[2] for r in rs)} | {spread(r[3] for r in rs)} |"
-          f" {' '.join(str(r[1]) for r in rs)} | {rs[0][5]} |")
-print("\n| run | status | samples/s | peak reserved GB | median step s |\n|---|---|---:|---:|---:|")
+    before = med(rows.get((case, "before"), []), "speed")
+    ratio = f2(med(rs, "speed") / before) if before and med(rs, "speed") else "-"
+    print(f"| {case} | {variant} | {rs[0]['how']} | {spread(rs, 'speed')} | {ratio} | {spread(rs, 'reserved')} |"
+          f" {' '.join(str(r['status']) for r in rs)} |")
+print("\n| run | status | samples/s | median step s | peak reserved GB | allocated | warm-up / steady reserved |"
+      " graph pool GB | loss (step:value) |\n|---|---|---:|---:|---:|---:|---|---:|---|")
 for rs in rows.values():
     for r in rs:
-        print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]} |")
-print("\nVerdicts from the runs with status ok:")
-for case in ("distilbert", "bigbird", "llm"):
-    before, after = ([r for r in rows.get((case, v), []) if r[1] == "ok"] for v in ("before", "after"))
-    speed = lambda rs: statistics.median(r[2] for r in rs if r[2]) if any(r[2] for r in rs) else None
-    reserved = lambda rs: max(r[3] for r in rs if r[3]) if any(r[3] for r in rs) else None
-    today = committed / TODAY[case]
-    old = json.loads(today.read_text()) if today.exists() else {}
-    old_reserved, old_speed = (old.get("memory") or {}).get("peak_reserved_gb"), (old.get("timing") or {}).get("samples_per_s")
-    sb, sa, ra = speed(before), speed(after), reserved(after)
-    ratio = f"{sa / sb:.2f}" if sa and sb else "-"
-    f2 = lambda x: f"{x:.2f}" if isinstance(x, (int, float)) else "-"
-    print(f"- {case}: after/before speed {ratio} (median samples/s {f2(sa)} vs {f2(sb)}); after's largest peak"
-          f" reserved {f2(ra)} GB vs the committed after's {f2(old_reserved)} GB (at {f2(old_speed)} samples/s);"
-          f" speed target {'met' if sa and sb and sa >= sb else 'NOT met'}, memory target"
-          f" {'met' if ra and old_reserved and ra <= old_reserved else 'NOT met'}")
+        print(f"| {r['name']} | {r['status']} | {f2(r['speed'])} | {r['step'] if r['step'] is None else round(r['step'], 4)}"
+              f" | {f2(r['reserved'])} | {f2(r['allocated'])} | {f2(r['warmup'])} / {f2(r['steady'])} | {f2(r['pool'])}"
+              f" | {r['curve']} |")
+print("\nVerdicts (median samples/s of the ok runs against before's; the largest peak reserved against the committed"
+      " after's, results/published/h100/bonus/):")
+for (case, variant), rs in sorted(rows.items()):
+    if variant == "before":
+        continue
+    old = committed / TODAY[case]
+    old = json.loads(old.read_text()) if old.exists() else {}
+    old_reserved = (old.get("memory") or {}).get("peak_reserved_gb")
+    sb, sa = med(rows.get((case, "before"), []), "speed"), med(rs, "speed")
+    ra = max((r["reserved"] for r in rs if r["status"] == "ok" and r["reserved"]), default=None)
+    print(f"- {case}-{variant}: {f2(sa)} vs {f2(sb)} samples/s: speed target {'met' if sa and sb and sa >= sb else 'NOT met'};"
+          f" {f2(ra)} GB vs {f2(old_reserved)} GB: memory target {'met' if ra and old_reserved and ra <= old_reserved else 'NOT met'}")
 PY
 }
-finish() { summary > /dev/null 2>&1; cp "$RUNS/summary.md" "$OUT/summary.md" 2>/dev/null
-           nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$RUNS/gpu.csv" 2>&1
-           git log -1 --format='%H %s' > "$RUNS/commit.txt" 2>/dev/null
-           tar czf "$OUT/bonus_speed.tgz" -C /tmp bonus_speed; }
+write_out() {  # after every run: what is there so far
+  summary > "$RUNS/summary.md" 2> "$RUNS/summary.err"; cp "$RUNS/summary.md" "$OUT/summary.md"
+  tar czf "$OUT/bonus_speed.tgz" -C /tmp bonus_speed; }
+finish() { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$RUNS/gpu.csv" 2>&1
+           git log -1 --format='%H %s' > "$RUNS/commit.txt" 2>/dev/null; write_out; }
 trap finish EXIT
+
 if [ -z "${DRY:-}" ]; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/liger_kernel*.whl \
-    || log "liger-kernel not installed (.whl not carried?): the fused loss runs its torch path"
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  if [[ " $ONLY " == *" llm"* || " $ONLY " == *" all "* ]]; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/liger_kernel*.whl \
+      || log "liger-kernel not installed (.whl not carried?): the fused loss runs its torch path"
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  fi
   "$PY" -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1 || log "pip install -e . failed"
 fi
-"$PY" -c "import importlib.util as u; print('liger-kernel:', bool(u.find_spec('liger_kernel')))" 2>&1 | tee -a "$RUNS/log.txt"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # this checkout's package, installed or not
 
-COMMON=(--data synthetic --weights none --eval-batches 1)
-if [ -n "${DRY:-}" ]; then  # the CPU's quick shapes: the same recipes, flags and flow
-  DB=(--accelerator cpu --model distilbert-tiny --max-length 64 --max-steps 2)
-  BB=(--accelerator cpu --model bigbird-tiny --max-length 128 --max-steps 2)
-  LM=(--accelerator cpu --model qwen2-tiny --max-length 32 --max-steps 2)
+COMMON=(--data synthetic --weights none --eval-batches 1 --log-every 5)
+if [ -n "${DRY:-}" ]; then  # the CPU's quick shapes: the same recipes, flags and flow (dynamo off: no CPU compile)
+  export TORCHDYNAMO_DISABLE=1
+  declare -A STEPS=([distilbert]="--accelerator cpu --model distilbert-tiny --max-length 64 --max-steps 2"
+                    [bigbird]="--accelerator cpu --model bigbird-tiny --max-length 128 --max-steps 2"
+                    [llm]="--accelerator cpu --model qwen2-tiny --max-length 32 --max-steps 2")
 else
-  DB=(--max-steps 20); BB=(--max-steps 10); LM=(--max-steps 10)
+  declare -A STEPS=([distilbert]="--max-steps 20" [bigbird]="--max-steps 10" [llm]="--max-steps 10")
 fi
-# run NAME RECIPE ARGS...: one recipe process, stopped with SIGINT at LIMIT; NAME = CASE-VARIANT-rN
+# run NAME RECIPE FLAGS...: one recipe process, stopped with SIGINT at RUN_LIMIT or LIMIT; NAME = CASE-VARIANT-rN
 run() { local name=$1 recipe=$2; shift 2; local left=$(( LIMIT - ($(date +%s) - T0) ))
-        if [ "$left" -lt 20 ]; then log "skip $name: ${left} s left"; return; fi
-        log "start $name: $recipe $*"
-        timeout -s INT -k 20 "$left" "$PY" "recipes/$recipe.py" "$@" "${COMMON[@]}" \
+        if [ "$left" -lt 25 ]; then log "skip $name: ${left} s left"; return; fi
+        [ "$left" -gt "$RUN_LIMIT" ] && left=$RUN_LIMIT
+        log "start $name: $recipe $* (limit ${left} s)"
+        # shellcheck disable=SC2086
+        timeout -s INT -k 20 "$left" "$PY" "recipes/$recipe.py" ${STEPS[${name%%-*}]} "$@" "${COMMON[@]}" \
           --results-dir "$RUNS/runs/$name" --tag "${name##*-}" > "$RUNS/$name.log" 2>&1
-        log "end $name: exit $? ($(grep -m1 -o 'speed .*' "$RUNS/$name.log" | head -c 90))"; }
+        log "end $name: exit $? ($(grep -m1 -o 'speed .*' "$RUNS/$name.log" | head -c 100))"
+        write_out; }
 
-for r in $(seq 1 "$REPEATS"); do
-  run "distilbert-before-r$r" bonus_distilbert_before "${DB[@]}"
-  run "distilbert-after-r$r" bonus_distilbert_after "${DB[@]}"
+"$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())" 2>&1 | tee -a "$RUNS/log.txt"
+for case in distilbert bigbird llm; do
+  chosen=()
+  for c in "${CANDIDATES[@]}"; do
+    read -r name default _ <<< "$c"
+    [ "${name%%-*}" = "$case" ] && selected "$name" "$default" && chosen+=("$c")
+  done
+  [ ${#chosen[@]} -eq 0 ] && continue
+  log "$case: ${#chosen[@]} candidates x $REPEATS rounds"
+  for r in $(seq 1 "$REPEATS"); do
+    for c in "${chosen[@]}"; do
+      read -r name _ recipe flags <<< "$c"
+      # shellcheck disable=SC2086
+      run "$name-r$r" "$recipe" $flags
+    done
+  done
 done
-for r in $(seq 1 "$REPEATS"); do
-  run "llm-before-r$r" bonus_llm_finetune "${LM[@]}"
-  run "llm-after-r$r" bonus_llm_finetune "${LM[@]}" --all
-done
-for r in $(seq 1 "$REPEATS"); do  # last: its first "after" compiles a graph per layer (12), later ones read the cache
-  run "bigbird-before-r$r" bonus_bigbird_before "${BB[@]}"
-  run "bigbird-after-r$r" bonus_bigbird_after "${BB[@]}"
-done
-run "distilbert-aftereager-r1" bonus_distilbert_after "${DB[@]}" --mode eager
-run "llm-aftereager-r1" bonus_llm_finetune "${LM[@]}" --all --mode eager --checkpoint-mode full --no-fused-loss
-run "distilbert-aftermb6-r1" bonus_distilbert_after "${DB[@]}" --accumulation-steps 2
-run "bigbird-aftereager-r1" bonus_bigbird_after "${BB[@]}" --mode eager
-summary
 log "done"

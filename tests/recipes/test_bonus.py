@@ -267,6 +267,42 @@ def test_real_imdb_through_a_recipe(tmp_path):
     assert "aclImdb" in p["provenance"]["data_detail"]
 
 
+def test_distilbert_after_with_checkpointing_trains_on_real_imdb(tmp_path):
+    """--checkpointing reaches the model (each block wrapped) with a micro-batch of the whole batch."""
+    write_aclimdb(tmp_path)
+    vocab = write_vocab(tmp_path)
+    p = run_in_process(
+        "bonus_distilbert_after",
+        tmp_path,
+        *("--model", "distilbert-tiny", "--data-dir", str(tmp_path), "--tokenizer", str(vocab)),
+        *("--max-length", "16", "--batch-size", "4", "--accumulation-steps", "1", "--max-steps", "3"),
+        *("--checkpointing", "full"),
+        data="imdb",
+    )
+    assert p["status"] == "ok" and p["provenance"]["data_source"] == "imdb"
+    assert p["extra"]["checkpointed_blocks"] == 2 and p["config"]["checkpointing"] == "full"
+    assert (p["config"]["micro_batch_size"], p["timing"]["micro_batches"]) == (4, 3)
+    assert p["loss"]["last"] == p["loss"]["last"]  # not NaN
+
+
+def test_bigbird_after_checkpoints_its_layers_at_micro_batches_of_two(tmp_path):
+    p = run_in_process(
+        "bonus_bigbird_after",
+        tmp_path,
+        *("--model", "bigbird-tiny", "--max-length", "128", "--eval-batches", "1", "--max-steps", "2"),
+        *("--accumulation-steps", "6", "--checkpointing", "selective"),
+    )
+    assert p["status"] == "ok" and p["extra"]["checkpointed_blocks"] == 2
+    assert (p["config"]["micro_batch_size"], p["timing"]["micro_batches"]) == (2, 12)
+
+
+def test_before_recipes_have_no_checkpointing_flag(tmp_path):
+    err = refused(
+        "bonus_distilbert_before", tmp_path, "--model", "distilbert-tiny", "--checkpointing", "full"
+    )
+    assert len(err) == 1 and "unrecognized arguments: --checkpointing" in err[0], err
+
+
 def test_after_recipes_shard_with_fsdp_and_offload_on_several_gpus():
     from lightning.fabric.strategies import FSDPStrategy
     from transformers.models.big_bird.modeling_big_bird import BigBirdLayer

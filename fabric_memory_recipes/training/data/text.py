@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
+import torch
 
 from fabric_memory_recipes.config import RunConfig, UsageError, at_least, flag
 from fabric_memory_recipes.console import notice
@@ -47,13 +48,23 @@ from fabric_memory_recipes.training.data.text_samples import (
     TextSplits,
     synthetic,
 )
+from fabric_memory_recipes.training.techniques.checkpointing import MODES as CHECKPOINT_MODES
 
 DATA_CHOICES = ("auto", "imdb", "synthetic")
 SPLIT_FRACTIONS = (0.7, 0.1, 0.2)  # the same proportions as 35k / 5k / 10k, for a smaller CSV or folder
 ACLIMDB_URL = "https://ai.stanford.edu/~amaas/data/sentiment/aclImdb_v1.tar.gz"
 SFT_QUESTION = "Is the sentiment of this movie review positive or negative?"
 SFT_ANSWERS = ("negative", "positive")
-__all__ = ["IGNORE_INDEX", "NUM_LABELS", "TextConfig", "TextSplits", "load", "load_for", "synthetic"]
+__all__ = [
+    "IGNORE_INDEX",
+    "NUM_LABELS",
+    "AfterConfig",
+    "TextConfig",
+    "TextSplits",
+    "load",
+    "load_for",
+    "synthetic",
+]
 
 
 @dataclass
@@ -91,6 +102,25 @@ class TextConfig(RunConfig):
         if c.world_size > 1:
             c.compile = False
         return super(TextConfig, c).checked(hardware)
+
+
+@dataclass
+class AfterConfig(TextConfig):
+    """The after recipes' flags: the text flags and ``--checkpointing`` (rung 10 applied to the model's blocks,
+    an option beside the recipe's own techniques: a larger micro-batch with fewer activations kept)."""
+
+    checkpointing: str | None = flag(
+        None, "text", "checkpoint each block (rung 10): full keeps its input only, selective also its matmuls and"
+        " attention, and the rest is recomputed in backward (default: none)", choices=CHECKPOINT_MODES,
+    )  # fmt: skip
+
+    HELP: ClassVar[dict[str, str]] = {
+        **TextConfig.HELP,
+        "mode": "fast: each optimizer step one CUDA graph (one GPU), and the blocks compiled where --compile's"
+        " default is on; eager: neither (default: fast with CUDA, eager on CPU)",
+        "compile": "torch.compile each repeated block of the model (default: the recipe's, in fast mode on one"
+        " device)",
+    }
 
 
 # --------------------------------------------------------------------------------------------- real text
@@ -297,6 +327,23 @@ def sequence_classification(model, batch):
     """batch_fn for ``fabric_memory_recipes.training.loop``: the Hugging Face classifier computes the cross-entropy itself."""
     input_ids, attention_mask, labels = batch
     out = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+    return out.loss, out.logits, labels
+
+
+def sequence_classification_capturable(model, batch):
+    """:func:`sequence_classification` with the padding mask handed to the model as a 4-D (batch, 1, 1, tokens)
+    tensor, which Hugging Face's attention takes as it is. From the 2-D mask it would first check on the host
+    whether any token is padded, to drop the mask when none is: a synchronisation in every forward pass, which
+    a CUDA graph cannot capture (fast mode of the after recipes). The same attention: boolean for SDPA
+    (``True``: attend), added to the scores (0 or the lowest value) for the eager implementation."""
+    input_ids, attention_mask, labels = batch
+    keep = attention_mask[:, None, None, :].bool()
+    if model.config._attn_implementation == "eager":
+        dtype = next(model.parameters()).dtype
+        keep = torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(
+            ~keep, torch.finfo(dtype).min
+        )
+    out = model(input_ids=input_ids, attention_mask=keep, labels=labels)
     return out.loss, out.logits, labels
 
 
