@@ -148,27 +148,30 @@ def your_model_rows(folder: Path) -> list[dict]:
 
 
 def group_rows(runs: list[dict]) -> list[dict]:
-    """One row per (rung, variant, processes): the runs' img/s and each run's ratio to its call's article run."""
+    """One row per (rung, variant, processes): the runs' img/s, each run's ratio to its call's article run (so
+    calls on other GPU kinds pool: the row names the kinds) and the largest ratio of reserved per GPU."""
     groups: dict[tuple, list[dict]] = {}
     for r in runs:
-        groups.setdefault((r["recipe"], r["variant"], r["world_size"], r["gpu"]), []).append(r)
+        groups.setdefault((r["recipe"], r["variant"], r["world_size"]), []).append(r)
     rows = []
-    for (recipe, variant, n, gpu), rs in sorted(
+    for (recipe, variant, n), rs in sorted(
         groups.items(), key=lambda kv: (-(kv[0][2] or 0), kv[0][0], kv[0][1])
     ):
         speeds = [r["images_per_s"] for r in rs]
         x = [r["x_article"] for r in rs if r.get("x_article") is not None]
         reserved = max((r["peak_reserved_gb"] for r in rs if r["peak_reserved_gb"] is not None), default=None)
-        ref_reserved = [r["article_reserved_gb"] for r in rs if r.get("article_reserved_gb")]
+        x_reserved = [r["peak_reserved_gb"] / r["article_reserved_gb"] for r in rs
+                      if r["peak_reserved_gb"] is not None and r.get("article_reserved_gb")]  # fmt: skip
         over = [r["device_overhead_gb"] for r in rs if r.get("device_overhead_gb") is not None]
         rows.append({
             "rung": recipe + (f"+{variant}" if variant else ""), "recipe": recipe, "variant": variant, "world_size": n,
-            "gpu": gpu, "runs": len(rs), "calls": len({r.get("call") for r in rs}),
+            "gpu": ", ".join(sorted({r["gpu"] for r in rs if r["gpu"]})) or None, "runs": len(rs),
+            "calls": len({r.get("call") for r in rs}),
             "calls_with_article": len({r.get("call") for r in rs if r.get("x_article") is not None}),
             "median_images_per_s": statistics.median(speeds), "min_images_per_s": min(speeds), "max_images_per_s": max(speeds),
             "x_article": x, "median_x_article": statistics.median(x) if x else None,
             "peak_reserved_gb": reserved,
-            "x_article_reserved": reserved / max(ref_reserved) if reserved and ref_reserved else None,
+            "x_article_reserved": max(x_reserved) if x_reserved else None,
             "p90_over_p10": [r["p90_over_p10"] for r in rs], "device_overhead_gb": max(over) if over else None,
         })  # fmt: skip
     return rows

@@ -40,16 +40,18 @@ def _reference(folder, key, speed, reserved, n=4, rank_reserved=None):
         )
 
 
-def _call(root, name, fsdp2_speeds, article=400.0, gpus="NVIDIA H100 80GB HBM3"):
+def _call(
+    root, name, fsdp2_speeds, article=400.0, gpus="NVIDIA H100 80GB HBM3", reserved=4.2, article_reserved=4.5
+):
     call = root / name
     call.mkdir(parents=True)
     (call / "gpus.csv").write_text(
         "index, name, memory.total [MiB]\n" + "".join(f"{i}, {gpus}, 81559 MiB\n" for i in range(4))
     )
-    _reference(call / "x4" / "ref", "-no-offload", article, 4.4, rank_reserved=4.5)
+    _reference(call / "x4" / "ref", "-no-offload", article, 4.4, rank_reserved=article_reserved)
     _reference(call / "x4" / "ref", "", 200.0, 3.5)
     for i, speed in enumerate(fsdp2_speeds, 1):
-        _rung(call / "x4" / f"r{i}", "08_fsdp2", f"r{i}", speed, reserved=4.2)
+        _rung(call / "x4" / f"r{i}", "08_fsdp2", f"r{i}", speed, reserved=reserved, gpu=gpus)
         _rung(call / "x4" / f"r{i}", "09_cpu_offload", f"r{i}", 800.0, reserved=2.8)
     return call
 
@@ -87,6 +89,19 @@ def test_a_rung_meets_its_targets_with_three_runs_in_two_calls_and_rung_09_needs
     )
     data, _ = summary.summarise(summary.call_folders([tmp_path]))
     assert {r["rung"]: r for r in data["pooled"]}["09_cpu_offload"]["target"] == "not met: p90/p10 > 1.3"
+
+
+def test_calls_on_other_gpu_kinds_pool_their_ratios_and_reserved_is_compared_within_each_call(tmp_path):
+    _call(tmp_path, "call1", [1400.0, 1480.0], article=400.0)  # 3.5x, 3.7x; 4.2 / 4.5 GB
+    _call(tmp_path, "call2", [1600.0], article=450.0, gpus="NVIDIA H200", reserved=4.6, article_reserved=4.7)
+    data, text = summary.summarise(summary.call_folders([tmp_path]))
+    pooled = {r["rung"]: r for r in data["pooled"]}["08_fsdp2"]
+    assert pooled["gpu"] == "NVIDIA H100 80GB HBM3, NVIDIA H200" and pooled["runs"] == 3
+    assert pooled["median_x_article"] == pytest.approx(3.5555, abs=1e-3)  # 1600 / 450
+    assert pooled["x_article_reserved"] == pytest.approx(
+        4.6 / 4.7
+    )  # not 4.6 / 4.5: each run against its call
+    assert pooled["target"] == "met" and "## call2: 4 x NVIDIA H200" in text
 
 
 def test_variants_profiles_and_node_checks_are_kept_apart(tmp_path):
