@@ -10,10 +10,12 @@
 # Parts, in this order (each starts fresh and can be called alone; a part or run not started before DEADLINE
 # is said so in progress.log). Expected seconds are from the 4 x H200 call of results/published/h200x4/
 # sharded-spread/call1 (a run there: ~25-35 s of start-up, imports and NCCL set-up, besides its steps):
-#   rounds   ROUNDS (3) rounds of RUNGS at 4 GPUs, STEPS (12) optimizer steps a run, each round in another
-#            (rotated) order; the article's 11_delay-allocation.py at REF_STEPS (10) steps, without its cpu_offload
-#            (rung 08's reference) after round 1, as written (rung 09's) after round 2. ~146 s a round of the
-#            three rungs (08_fsdp ~43, 08_fsdp2 ~52, 09 ~51), ~40 + ~46 s the two references: ~525 s for 3 rounds.
+#   rounds   ROUNDS (3) rounds of RUNGS at 4 GPUs, STEPS (12) optimizer steps a run (STEPS_09, 20, for rung 09,
+#            whose p90/p10 needs more than 8 intervals: the loss logged every 10 steps makes one slow interval),
+#            each round in another (rotated) order; the article's 11_delay-allocation.py at REF_STEPS (10) steps,
+#            without its cpu_offload (rung 08's reference) after round 1, as written (rung 09's) after round 2.
+#            ~149 s a round of the three rungs (08_fsdp ~43, 08_fsdp2 ~52, 09 ~54), ~40 + ~46 s the references:
+#            ~535 s for 3 rounds.
 #            A rung may carry a variant: 08_fsdp+compile (--compile: compiled blocks under FSDP1, ~50 s),
 #            08_fsdp2+sampler50 (the whole-device sampler polling every 50 ms instead of 5 ms).
 #   x2       the same on GPUs 0,1 with --devices 2: ROUNDS_X2 (1) rounds, both references (~230 s)
@@ -47,11 +49,12 @@ ROUNDS=${ROUNDS:-3}
 ROUND_FIRST=${ROUND_FIRST:-1}   # a later call continuing the rounds numbers its runs on from here
 ROUNDS_X2=${ROUNDS_X2:-1}
 STEPS=${STEPS:-12}              # 3 warm-up steps, then 8 timed intervals
+STEPS_09=${STEPS_09:-20}        # rung 09: 16 timed intervals, so that its p90 is not the logging step's
 REF_STEPS=${REF_STEPS:-10}      # the article's script: 6 timed intervals (its steps vary by < 0.1 % in call1)
 YM_STEPS=${YM_STEPS:-5}
 NODES_STEPS=${NODES_STEPS:-8}
 PROFILE_RUNS=${PROFILE_RUNS:-08_fsdp2:4 08_fsdp2:1}
-DEADLINE=${DEADLINE:-555}       # seconds: no run starts after it; a run is given at most the time left
+DEADLINE=${DEADLINE:-560}       # seconds: no run starts after it; a run is given at most the time left
 DRY_RUN=${DRY_RUN:-}
 PY=${PYTHON:-python3}
 SCRATCH=$(mktemp -d)
@@ -84,7 +87,7 @@ if [ -z "$DRY_RUN" ]; then  # clocks, power, temperature, throttle reasons of ev
 fi
 trap 'kill $PACKER $TELEMETRY 2>/dev/null; summary; pack' EXIT
 
-say "start: parts '$PARTS', rungs '$RUNGS', $ROUNDS rounds from $ROUND_FIRST, $STEPS steps (article's $REF_STEPS), deadline $DEADLINE s, reference $REF"
+say "start: parts '$PARTS', rungs '$RUNGS', $ROUNDS rounds from $ROUND_FIRST, $STEPS steps (09: $STEPS_09, article's $REF_STEPS), deadline $DEADLINE s, reference $REF"
 nvidia-smi --query-gpu=index,name,memory.total --format=csv > "$WORK/gpus.csv" 2>&1
 nvidia-smi topo -m > "$WORK/topo.txt" 2>&1
 { nproc; lscpu | grep -Ei 'numa|model name|socket'; } > "$WORK/host.txt" 2>&1
@@ -92,7 +95,8 @@ nvidia-smi topo -m > "$WORK/topo.txt" 2>&1
 say "GPUs: $(tail -n +2 "$WORK/gpus.csv" | cut -d, -f2 | sort | uniq -c | tr -s ' ' | tr '\n' ';') host: $(head -1 "$WORK/host.txt") cores"
 
 rung() {  # rung NAME ROUND DEVICES GPUS RESERVE: one run of a rung (NAME: recipe[+variant]), fast mode
-  local name=$1 round=$2 n=$3 gpus=$4 reserve=$5 recipe=${1%%+*} variant= tag extra_env=() flags=()
+  local name=$1 round=$2 n=$3 gpus=$4 reserve=$5 recipe=${1%%+*} variant= tag extra_env=() flags=() steps=$STEPS
+  [ "$recipe" = 09_cpu_offload ] && steps=$STEPS_09
   [ "$recipe" != "$name" ] && variant=${name#*+}
   tag=r$round${variant:+-$variant}
   case $variant in
@@ -106,7 +110,7 @@ rung() {  # rung NAME ROUND DEVICES GPUS RESERVE: one run of a rung (NAME: recip
   [ "$(left)" -gt $(( 45 + reserve )) ] || { say "  $recipe $tag x$n: not started (deadline)"; return; }
   mkdir -p "$WORK/x$n/logs"
   run "$WORK/x$n/logs/$recipe-$tag.log" env CUDA_VISIBLE_DEVICES="$gpus" ${extra_env[@]+"${extra_env[@]}"} timeout "$(limit 150)" \
-    $PY "recipes/$recipe.py" --data synthetic --weights none --max-steps "$STEPS" --eval-batches 1 --devices "$n" \
+    $PY "recipes/$recipe.py" --data synthetic --weights none --max-steps "$steps" --eval-batches 1 --devices "$n" \
     --mode fast --tag "$tag" --results-dir "$WORK/x$n/r$round" ${flags[@]+"${flags[@]}"}
   say "  $recipe $tag x$n: exit $? $(grep -m1 -E '^   speed' "$WORK/x$n/logs/$recipe-$tag.log" 2>/dev/null | tr -s ' ')"
   pack
