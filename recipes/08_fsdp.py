@@ -18,7 +18,7 @@ from lightning.fabric.strategies import FSDPStrategy
 from torchvision.models.vision_transformer import EncoderBlock
 
 from fabric_memory_recipes import planning
-from fabric_memory_recipes.config import RunConfig, UsageError
+from fabric_memory_recipes.config import RunConfig
 from fabric_memory_recipes.training.techniques import attention
 from fabric_memory_recipes.training import data, lifecycle, loop, models
 
@@ -46,8 +46,6 @@ def make_strategy(cfg: RunConfig) -> FSDPStrategy:
 
 
 def main(cfg: RunConfig, results) -> None:
-    if cfg.compile:
-        raise UsageError("--compile is not supported with FSDP1 here; recipes/08_fsdp2.py supports it")
     torch.set_float32_matmul_precision("high" if cfg.tf32 else "highest")  # "high" = TF32 matmuls
     fabric = L.Fabric(accelerator=cfg.accelerator, devices=cfg.devices, num_nodes=cfg.num_nodes,
                       strategy=make_strategy(cfg),  # rung 08: the model sharded over the processes
@@ -63,6 +61,7 @@ def main(cfg: RunConfig, results) -> None:
     with results.phase("model_load"):
         model = models.build_model(cfg.model, weights, data.NUM_CLASSES, cfg.image_size)
         attention.fuse_attention(model)  # rung 15: the same weights, one qkv Linear + SDPA per block
+        models.compile_blocks(model, cfg.compile)  # --compile only (fast mode leaves rung 08 eager)
         planning.instrument(results, model, cfg)  # records the estimate and the model's size
         image_size = model.image_size
         model = fabric.setup_module(model)  # rung 08: shard first, then build the optimizer over the shards

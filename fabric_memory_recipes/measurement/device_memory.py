@@ -36,6 +36,7 @@ import torch
 from fabric_memory_recipes.measurement.results_file import GB
 
 INTERVAL_S = 0.005  # a step of a small rung lasts ~20 ms: a 5 ms poll sees its peak
+INTERVAL_ENV = "FMR_DEVICE_INTERVAL_S"  # another poll interval (seconds), for an A/B of the sampler's cost
 MAX_FAILURES = 3  # consecutive failed reads before a method is given up
 PROCESS_MISSES = 100  # readings with CUDA started but this PID unlisted: the process list is given up
 METHODS = ("nvml-process", "nvml-device", "mem_get_info")
@@ -113,6 +114,16 @@ class MemGetInfoReader(Reader):
         return float(total - free)
 
 
+def default_interval() -> float:
+    """The poll interval: ``FMR_DEVICE_INTERVAL_S`` when it is a positive number of seconds, else
+    :data:`INTERVAL_S`. The results JSON records the interval used (``memory.device_interval_s``)."""
+    try:
+        value = float(os.environ.get(INTERVAL_ENV, ""))
+    except ValueError:
+        return INTERVAL_S
+    return value if value > 0 else INTERVAL_S
+
+
 def local_device_index() -> int:
     """The CUDA device this process will use: its local rank (Fabric's launcher, torchrun, SLURM)."""
     for var in ("LOCAL_RANK", "SLURM_LOCALID"):
@@ -148,12 +159,12 @@ class DeviceSampler:
     def __init__(
         self,
         readers: list[Callable[[], Reader]] | None = None,
-        interval_s: float = INTERVAL_S,
+        interval_s: float | None = None,
         index: int | None = None,
     ) -> None:
         self.index = local_device_index() if index is None else index
         self._factories = list(readers) if readers is not None else default_readers(self.index)
-        self.interval_s = interval_s
+        self.interval_s = default_interval() if interval_s is None else interval_s
         self.reader: Reader | None = None
         self.failures: list[str] = []  # why each method that was tried did not answer
         self.peak: float | None = None  # bytes

@@ -89,6 +89,16 @@ def test_the_thread_polls_and_stops_cleanly():
     assert not [t for t in threading.enumerate() if t.name == "device-memory-sampler"]
 
 
+@pytest.mark.parametrize(("value", "interval"), [("0.05", 0.05), ("", 0.005), ("fast", 0.005), ("-1", 0.005)])
+def test_the_poll_interval_is_read_from_the_environment_when_it_is_a_positive_number(
+    value, interval, monkeypatch
+):
+    monkeypatch.setenv(device_memory.INTERVAL_ENV, value)
+    s = DeviceSampler([lambda: Scripted([1 * GB])], index=0)
+    assert s.interval_s == interval and s.summary()["device_interval_s"] == interval
+    assert DeviceSampler([lambda: Scripted([1 * GB])], interval_s=0.5, index=0).interval_s == 0.5
+
+
 def test_a_reader_that_fails_at_start_gives_way_to_the_next_method():
     def broken():
         raise ImportError("No module named 'pynvml'")
