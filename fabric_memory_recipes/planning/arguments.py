@@ -45,12 +45,14 @@ WHERE = {
     FIT: "the ladder's --fit SIZE (your own model's: --model SOURCE:NAME --fit SIZE)",
     YOURS: "--model SOURCE:NAME",
 }
-# Your model's own flags (its technique set, --seq-len, ...): not flags of a rung. --optimizer is both.
-YOURS_ONLY = tuple(
-    f.name for f in runner.YourModelConfig.flag_fields()
-    if f.name not in {g.name for g in RunConfig.flag_fields()} and f.name != "optimizer"
-)  # fmt: skip
 FIT_BATCH = 16  # the ladder planner's effective batch unless --batch-size
+
+
+def yours_only() -> tuple[str, ...]:
+    """Your model's own flags (its technique set, --seq-len, ...): not flags of a rung. --optimizer is both.
+    Read from the records when asked, so that a technique registered after import is one of them."""
+    rung = {g.name for g in RunConfig.flag_fields()}
+    return tuple(f.name for f in runner.YourModelConfig.flag_fields() if f.name not in rung | {"optimizer"})
 
 
 def _shown(value: Any) -> Any:
@@ -65,7 +67,7 @@ def _help(name: str) -> str:
     if name == "model":
         return (f"a model of the ladder, {text}; or your own model: {cls.HELP['model']} (default: the --recipe rung's, else"
                 f" vit_l_16; --fit: vit_l_16)")  # fmt: skip
-    if name in YOURS_ONLY:
+    if name in yours_only():
         text += "" if "default" in text else f" (default: {_shown(getattr(yours, name))})"
         return f"your model: {text}"
     if "default" not in text:  # unless the help says it itself (--mode, --compile, ...)
@@ -161,7 +163,7 @@ def allowed(mode: str) -> set[str]:
         LADDER: {"ladder"},
         FIT: fit | {"precisions", "optimizers", "modes", "results", "no_cache", "batch_size", "model"},
         YOURS: run
-        | set(YOURS_ONLY)
+        | set(yours_only())
         | fit
         | {"optimizer", "may_change", "measure", "measure_steps", "measure_dir"},
     }[mode]
