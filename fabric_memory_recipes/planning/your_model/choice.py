@@ -9,7 +9,13 @@ from typing import Any
 
 from fabric_memory_recipes.planning.planner import advice
 from fabric_memory_recipes.planning.planner.fit import Candidate
-from fabric_memory_recipes.techniques import ACTIVATION_CHECKPOINTING, LORA, PLANNED, switches
+from fabric_memory_recipes.techniques import (
+    ACTIVATION_CHECKPOINTING,
+    CHECKPOINT_MODE,
+    LORA,
+    PLANNED,
+    switches,
+)
 
 
 @dataclasses.dataclass
@@ -24,7 +30,7 @@ class Choice(Candidate):
     devices: int = 1  # > 1: FSDP over that many GPUs (--fsdp --devices N); memory is per GPU
     switched: tuple[str, ...] = ()  # the switches on (techniques.switches(), by name: --fused-loss)
     target_len: int | None = None  # an encoder-decoder's --target-len, when given
-    checkpoint_mode: str = "full"  # --checkpoint-mode, with checkpointing
+    checkpoint_mode: str = CHECKPOINT_MODE.default  # the checkpointing's option (--checkpoint-mode)
     cpu_offload: bool = (
         False  # --cpu-offload (with FSDP): shards, gradients and the optimizer step on the host
     )
@@ -62,7 +68,7 @@ class Choice(Candidate):
         out += ["--precision", r.precision, "--batch-size", str(r.batch_size), "--accumulation-steps",
                 str(r.accumulation_steps), "--optimizer", used.optimizer]  # fmt: skip
         out += [t.flag for t in PLANNED if used.uses(t)]
-        out += ["--checkpoint-mode", self.checkpoint_mode] if self.checkpoint_mode != "full" else []
+        out += CHECKPOINT_MODE.flags(self.checkpoint_mode)
         out += [t.flag for t in switches() if t.name in self.switched]
         out += [*self.lora, "--mode", self.mode]
         out += ["--fsdp", "--devices", str(self.devices)] if self.devices > 1 else []
@@ -72,11 +78,8 @@ class Choice(Candidate):
         changed = ", ".join(c.change for c in self.changes)
         sharded = f", FSDP over {self.devices} GPUs" if self.devices > 1 else ""
         sharded += " + CPU offload" if self.cpu_offload else ""
-        label = super().label()
-        if self.checkpoint_mode != "full":
-            label = label.replace(
-                ACTIVATION_CHECKPOINTING.label, f"{self.checkpoint_mode} {ACTIVATION_CHECKPOINTING.label}"
-            )
+        checkpointing = CHECKPOINT_MODE.label(self.checkpoint_mode, ACTIVATION_CHECKPOINTING)
+        label = super().label().replace(ACTIVATION_CHECKPOINTING.label, checkpointing)
         for t in (t for t in switches() if t.name in self.switched):
             label = label.replace(f", {self.mode}", f" + {t.label}, {self.mode}")
         if self.lora:
@@ -89,7 +92,7 @@ class Choice(Candidate):
         out["changes"] = [dataclasses.asdict(c) | {"line": c.line()} for c in self.changes]
         out["devices"], out["cpu_offload"] = self.devices, self.cpu_offload
         out.update({t.name: t.name in self.switched for t in switches()})
-        out["checkpoint_mode"] = self.checkpoint_mode
+        out[CHECKPOINT_MODE.field] = self.checkpoint_mode
         out["micro_batch_size"] = self.rung.micro_batch_size
         out["lora"] = list(self.lora)
         out["label"] = self.label()

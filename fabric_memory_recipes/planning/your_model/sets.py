@@ -43,6 +43,7 @@ from fabric_memory_recipes.planning.your_model.estimate import card, estimate, m
 from fabric_memory_recipes.techniques import (
     ACTIVATION_CHECKPOINTING,
     ACTIVATION_OFFLOAD,
+    CHECKPOINT_MODE,
     LORA,
     MODES,
     OPTIMIZER_IN_BACKWARD,
@@ -51,7 +52,7 @@ from fabric_memory_recipes.techniques import (
     subset,
     switches,
 )
-from fabric_memory_recipes.training.techniques import checkpointing, refusal_of
+from fabric_memory_recipes.training.techniques import refusal_of
 from fabric_memory_recipes.training.your_model import models
 from fabric_memory_recipes.training.your_model import runner as user_run
 
@@ -71,7 +72,6 @@ SETS = (
 )
 # What else each set is tried with: its mode, what a checkpointed block keeps, each switch its model allows.
 MODES_TRIED = subset(MODES, "fast", "eager")
-CHECKPOINT_MODES = checkpointing.MODES
 SPEED_SOURCE = "model: the simulated step's op costs"
 
 
@@ -121,7 +121,7 @@ class UserPlanner:
             over = overhead[mode]["overhead_gb"] or 0.0
             offloads = (False, True) if devices > 1 and opt != "adamw8bit" else (False,)  # FSDP's CPU offload
             for keeps, k, off in itertools.product(
-                CHECKPOINT_MODES if used.uses(ACTIVATION_CHECKPOINTING) else ("full",),
+                CHECKPOINT_MODE.choices if used.uses(ACTIVATION_CHECKPOINTING) else (CHECKPOINT_MODE.default,),
                 [1] if used.uses(OPTIMIZER_IN_BACKWARD) else divisors(batch_size), offloads,
             ):  # fmt: skip
                 rung = runner.with_flags(model=ref, precision=prec, batch_size=batch_size,

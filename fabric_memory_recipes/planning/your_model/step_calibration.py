@@ -83,7 +83,7 @@ class Run:
         """The configuration: runs that repeat it are one point of the fit."""
         c = self.config
         keys = ("precision", "batch_size", "accumulation_steps", "seq_len", "optimizer",
-                *(k for t in techniques.flagged() for k in (t.field, *t.options)))  # fmt: skip
+                *(k for t in techniques.flagged() for k in (t.field, *(o.field for o in t.options))))  # fmt: skip
         text = self.model.startswith("hf:")  # a vision model's config has the runner's default seq_len too
         flags = " ".join(
             f"{k}={c.get(k)}" for k in keys if c.get(k) not in (None, False) and (text or k != "seq_len")

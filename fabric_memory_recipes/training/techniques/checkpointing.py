@@ -20,11 +20,10 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from fabric_memory_recipes.config import UsageError
+from fabric_memory_recipes.techniques import CHECKPOINT_MODE
 
-MODES = (
-    "full",
-    "selective",
-)  # what a checkpointed block keeps: its input only; also its matmuls and attention
+# What a checkpointed block keeps (the checkpointing record's option): its input only; also its matmuls and attention.
+MODES = CHECKPOINT_MODE.choices
 
 _aten = torch.ops.aten
 SAVED_OPS = frozenset(  # selective: the outputs kept (the costly ops); everything else is recomputed

@@ -20,7 +20,7 @@ from fabric_memory_recipes import techniques
 from fabric_memory_recipes.config import BOOL, RunConfig, UsageError, at_least, flag
 from fabric_memory_recipes.training import data
 from fabric_memory_recipes.training.data import seq2seq, text
-from fabric_memory_recipes.training.techniques import checkpointing, lora, lowbit
+from fabric_memory_recipes.training.techniques import lora, lowbit
 from fabric_memory_recipes.training.your_model import inference, models
 from fabric_memory_recipes.training.your_model.models import UserModel
 
@@ -40,8 +40,8 @@ class YourModelConfig(RunConfig):
     target_len: int | None = flag(None, "technique", "an encoder-decoder's target tokens (default: --seq-len)",
                                   type=at_least(2))  # fmt: skip
     optimizer: str = flag("adamw", "technique", "optimizer (adamw8bit needs torchao)", choices=OPTIMIZERS)
-    checkpoint_mode: str = flag("full", "technique", "what a checkpointed block keeps: full (its input only) or"
-                                " selective (also its matmuls and attention)", choices=checkpointing.MODES)  # fmt: skip
+    checkpoint_mode: str = flag(techniques.CHECKPOINT_MODE.default, "technique", techniques.CHECKPOINT_MODE.help,
+                                choices=techniques.CHECKPOINT_MODE.choices)  # fmt: skip
     fsdp: bool = flag(
         False,
         "technique",
@@ -119,7 +119,7 @@ class YourModelConfig(RunConfig):
         flags = [t.flag for t in techniques.flagged() if self.uses(t)]
         flags += [techniques.LORA.flag, str(self.lora_rank)] if self.lora_rank else []
         flags += ["--lora-targets", self.lora_targets] if self.lora_rank and self.lora_targets else []
-        flags += ["--checkpoint-mode", self.checkpoint_mode] if self.checkpoint_mode != "full" else []
+        flags += [f for t in techniques.flagged() for o in t.options for f in o.flags(getattr(self, o.field))]
         flags += ["--cpu-offload"] if self.cpu_offload else []
         return flags + (["--optimizer", self.optimizer] if self.optimizer != "adamw" else [])
 
@@ -138,8 +138,9 @@ class YourModelConfig(RunConfig):
                 raise UsageError("--cuda-graphs: this runner's step in backward is not captured (its AdamW per"
                                  " parameter is not capturable): fast mode compiles the blocks alone")  # fmt: skip
             c.cuda_graphs = False
-        if c.checkpoint_mode != "full" and not c.checkpoint_blocks:
-            raise UsageError(f"--checkpoint-mode {c.checkpoint_mode} goes with --checkpoint-blocks")
+        for record, o in ((t, o) for t in techniques.flagged() for o in t.options):
+            if getattr(c, o.field) != o.default and not c.uses(record):
+                raise UsageError(f"{o.flag} {getattr(c, o.field)} goes with {record.flag}")
         if c.fsdp and (c.world_size < 2 or c.accelerator != "cuda"):
             raise UsageError("--fsdp shards over several CUDA GPUs: use it with --devices N (N >= 2) on CUDA")
         if c.lora_targets and not c.lora_rank:
@@ -155,14 +156,15 @@ class YourModelConfig(RunConfig):
 
 
 def _technique_fields() -> set[str]:
-    return {name for t in techniques.flagged() for name in (t.field, *t.options)}
+    return {name for t in techniques.flagged() for name in (t.field, *(o.field for o in t.options))}
 
 
 def _technique_flag(t: techniques.Technique) -> list[dataclasses.Field]:
-    """The flag of ``t`` (a boolean, off unless the rung says on) and its options' flags."""
+    """The flag of ``t`` (a boolean, off unless the rung says on) and its options' flags (their fields)."""
     f = flag(False, "technique", t.help, action=BOOL)
     f.name, f.type = t.field, "bool"
-    return [f, *(g for g in dataclasses.fields(YourModelConfig) if g.name in t.options)]
+    options = {o.field for o in t.options}
+    return [f, *(g for g in dataclasses.fields(YourModelConfig) if g.name in options)]
 
 
 def default_config() -> YourModelConfig:
