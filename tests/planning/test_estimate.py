@@ -16,6 +16,8 @@ from fabric_memory_recipes import planning
 from fabric_memory_recipes.config import RunConfig
 from fabric_memory_recipes.measurement.report import render
 from fabric_memory_recipes.planning.__main__ import main as estimate_main
+from fabric_memory_recipes.planning.inference import simulate as inference_simulate
+from fabric_memory_recipes.planning.simulation import modelled
 from fabric_memory_recipes.training import data, models
 from fabric_memory_recipes.training.techniques.checkpointing import CheckpointedBlock
 
@@ -312,6 +314,23 @@ def test_simulated_peak_matches_a_real_cpu_step(k, optimizer, checkpoint):
 
 
 # ------------------------------------------------------------------------------ modelled techniques
+def test_the_attention_stand_ins_are_put_back_after_an_error_and_agree_on_flash():
+    real = nn.functional.scaled_dot_product_attention
+    for stand_in in (
+        modelled.attention_kernel("fused", "cuda", set()),
+        inference_simulate._sdpa_on_cuda(set()),
+    ):
+        with pytest.raises(RuntimeError, match="inside"), stand_in:
+            assert nn.functional.scaled_dot_product_attention is not real
+            raise RuntimeError("inside")
+        assert nn.functional.scaled_dot_product_attention is real
+    query = torch.empty(1, 2, 4, 64, dtype=torch.bfloat16, device="meta")
+    assert modelled.cuda_runs_flash(query, None)
+    assert not modelled.cuda_runs_flash(query, torch.empty(4, 4, device="meta"))  # a mask: efficient
+    assert not modelled.cuda_runs_flash(query.float(), None)  # fp32: efficient
+    assert not modelled.cuda_runs_flash(query[..., :12], None)  # a head size flash does not take
+
+
 def test_optimizer_in_backward_activation_offload_and_8bit_state():
     torch.manual_seed(0)
     model = small_vit()
