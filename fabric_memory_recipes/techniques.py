@@ -10,8 +10,9 @@ planners combine: an optimizer and the planned techniques (:data:`PLANNED`), by 
 a technique with a flag that is not planned is a switch (:func:`switches`: the fused loss), tried with each
 set. Where a technique is applied in more than one way, each choice is an :class:`Option` of its record
 (the checkpointing's :data:`CHECKPOINT_MODE`): its flag, choices and default, which the runner's flags, the
-estimate's plan and your model's planner read. The code that reads the records reads them when it runs (:func:`flagged`, :func:`switches`), so that a
-new record needs no edit there (``tests/test_adding_a_technique.py``).
+estimate's plan and your model's planner read. The code that reads the records reads them when it runs
+(:func:`flagged`, :func:`switches`), so that a new record needs no edit there
+(``tests/test_adding_a_technique.py``).
 
 :data:`PRECISIONS`, :data:`OPTIMIZERS`, :data:`MODES` and :data:`BF16_UPDATES` are every value a run may
 take; where a tool offers fewer, it takes a :func:`subset` of these and says why. This module imports
