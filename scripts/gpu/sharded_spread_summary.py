@@ -15,8 +15,11 @@ import statistics
 import sys
 from pathlib import Path
 
-RUNGS = {"08_fsdp": "reference-11_delay-allocation-no-offload", "08_fsdp2": "reference-11_delay-allocation-no-offload",
-         "09_cpu_offload": "reference-11_delay-allocation"}  # fmt: skip
+RUNGS = {
+    "08_fsdp": "reference-11_delay-allocation-no-offload",
+    "08_fsdp2": "reference-11_delay-allocation-no-offload",
+    "09_cpu_offload": "reference-11_delay-allocation",
+}
 
 
 def _load(path: Path) -> dict | None:
@@ -46,12 +49,19 @@ def rung_runs(folder: Path) -> dict[str, list[dict]]:
         step_s = t.get("step_s") or {}
         p10 = quantile(steady, 0.1) if steady else step_s.get("p10")
         p90 = quantile(steady, 0.9) if steady else step_s.get("p90")
-        runs[d["recipe"]].append({
-            "file": str(path.relative_to(folder)), "images_per_s": t["images_per_s"], "median_step_s": t["median_step_s"],
-            "p90_over_p10": p90 / p10 if p10 and p90 else None, "peak_reserved_gb": d["memory"]["peak_reserved_gb"],
-            "device_peak_gb": d["memory"].get("device_peak_gb"), "host_cores": len(d["extra"].get("host_cores") or []) or None,
-            "gpu": d["provenance"].get("gpu_name"), "world_size": d["provenance"].get("world_size"),
-        })  # fmt: skip
+        runs[d["recipe"]].append(
+            {
+                "file": str(path.relative_to(folder)),
+                "images_per_s": t["images_per_s"],
+                "median_step_s": t["median_step_s"],
+                "p90_over_p10": p90 / p10 if p10 and p90 else None,
+                "peak_reserved_gb": d["memory"]["peak_reserved_gb"],
+                "device_peak_gb": d["memory"].get("device_peak_gb"),
+                "host_cores": len(d["extra"].get("host_cores") or []) or None,
+                "gpu": d["provenance"].get("gpu_name"),
+                "world_size": d["provenance"].get("world_size"),
+            }
+        )
     return runs
 
 
@@ -75,23 +85,34 @@ def your_model_rows(folder: Path) -> list[dict]:
             d.get("estimate") or {},
             (d.get("extra") or {}).get("predicted_card") or {},
         )
-        row = {"run": path.parent.name, "status": d.get("status"), "model": d["config"].get("model"),
-               "gpus": d["provenance"].get("world_size"), "gpu": d["provenance"].get("gpu_name")}  # fmt: skip
+        row = {
+            "run": path.parent.name,
+            "status": d.get("status"),
+            "model": d["config"].get("model"),
+            "gpus": d["provenance"].get("world_size"),
+            "gpu": d["provenance"].get("gpu_name"),
+        }
         for key, measured, predicted in (
             ("allocated", m.get("peak_allocated_gb"), est.get("peak_allocated_gb")),
             ("reserved", m.get("peak_reserved_gb"), card.get("peak_reserved_gb")),
             ("device", m.get("device_peak_gb"), card.get("device_peak_gb")),
         ):
-            row[key] = {"measured": measured, "predicted": predicted,
-                        "error": predicted / measured - 1 if measured and predicted else None}  # fmt: skip
+            row[key] = {
+                "measured": measured,
+                "predicted": predicted,
+                "error": predicted / measured - 1 if measured and predicted else None,
+            }
         rows.append(row)
     return rows
 
 
 def summarise(folder: Path) -> tuple[dict, str]:
     runs, refs, ym = rung_runs(folder), references(folder), your_model_rows(folder)
-    lines = ["| rung | runs | img/s median (min-max) | x article median (min-max) | reserved GB max | x article"
-             " | step p90/p10 per run |", "|---|---:|---|---|---:|---:|---|"]  # fmt: skip
+    lines = [
+        "| rung | runs | img/s median (min-max) | x article median (min-max) | reserved GB max | x article"
+        " | step p90/p10 per run |",
+        "|---|---:|---|---|---:|---:|---|",
+    ]
     out: dict = {"rungs": {}, "references": refs, "your_model": ym}
     for rung, ref_name in RUNGS.items():
         rs, ref = runs[rung], refs.get(ref_name)
@@ -102,8 +123,12 @@ def summarise(folder: Path) -> tuple[dict, str]:
         x = [s / ref["images_per_s"] for s in speeds] if ref else []
         reserved = max(r["peak_reserved_gb"] for r in rs)
         spreads = [r["p90_over_p10"] for r in rs if r["p90_over_p10"]]
-        out["rungs"][rung] = {"runs": rs, "median_images_per_s": statistics.median(speeds),
-                              "x_article": x, "median_x_article": statistics.median(x) if x else None}  # fmt: skip
+        out["rungs"][rung] = {
+            "runs": rs,
+            "median_images_per_s": statistics.median(speeds),
+            "x_article": x,
+            "median_x_article": statistics.median(x) if x else None,
+        }
         lines.append(
             f"| {rung} | {len(rs)} | {statistics.median(speeds):.1f} ({min(speeds):.1f}-{max(speeds):.1f})"
             + (f" | {statistics.median(x):.2f}x ({min(x):.2f}-{max(x):.2f})" if x else " | no article run")
@@ -113,13 +138,19 @@ def summarise(folder: Path) -> tuple[dict, str]:
             + ", ".join(f"{s:.2f}" for s in spreads)
             + " |"
         )
-    lines += ["", "| your model | GPUs | status | allocated meas / pred (err) | reserved | whole device |", "|---|---:|---|---|---|---|"]  # fmt: skip
+    lines += [
+        "",
+        "| your model | GPUs | status | allocated meas / pred (err) | reserved | whole device |",
+        "|---|---:|---|---|---|---|",
+    ]
     for r in ym:
         cells = []
         for key in ("allocated", "reserved", "device"):
             c = r[key]
-            cells.append(f"{c['measured'] or 0:.2f} / {c['predicted'] or 0:.2f}"
-                         + (f" ({100 * c['error']:+.1f} %)" if c["error"] is not None else ""))  # fmt: skip
+            cells.append(
+                f"{c['measured'] or 0:.2f} / {c['predicted'] or 0:.2f}"
+                + (f" ({100 * c['error']:+.1f} %)" if c["error"] is not None else "")
+            )
         lines.append(f"| {r['run']} | {r['gpus']} | {r['status']} | " + " | ".join(cells) + " |")
     gpus = {r["gpu"] for rs in runs.values() for r in rs} | {r["gpu"] for r in ym}
     lines.insert(0, f"GPUs: {', '.join(sorted(g for g in gpus if g)) or 'unknown'}\n")
