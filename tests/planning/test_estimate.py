@@ -171,8 +171,17 @@ def test_plan_rejects_what_it_cannot_model():
 
 def test_a_rungs_plan_comes_from_its_config():
     """The plan is the rung's flags and its declared technique, nothing else (no second declaration)."""
-    rung = RunConfig(recipe="x", precision="bf16-true", batch_size=16, accumulation_steps=4, devices=4,
-                     optimizer="sgd", sharding="fsdp2", shard_units=("EncoderBlock",), activation_checkpointing=("EncoderBlock",))  # fmt: skip
+    rung = RunConfig(
+        recipe="x",
+        precision="bf16-true",
+        batch_size=16,
+        accumulation_steps=4,
+        devices=4,
+        optimizer="sgd",
+        sharding="fsdp2",
+        shard_units=("EncoderBlock",),
+        activation_checkpointing=("EncoderBlock",),
+    )
     plan = planning.plan_for(rung)
     assert (plan.precision, plan.micro_batch_size, plan.accumulation_steps) == ("bf16-true", 4, 4)
     assert (plan.optimizer, plan.sharding, plan.world_size, plan.activation_checkpointing) == (
@@ -516,10 +525,17 @@ def test_check_names_the_files_it_could_not_read(tmp_path, capsys):
 def test_ladder_of_a_folder_without_results_is_every_rung(tmp_path, monkeypatch):
     from fabric_memory_recipes.planning import ladder
 
-    monkeypatch.setattr(ladder, "predict", lambda recipe: {"recipe": recipe, "peak_allocated_gb": 1.0, "error": None,
-                                                            "config": {"model": "vit_l_16", "precision": "x",
-                                                                       "batch_size": 1, "devices": 1},
-                                                            "seconds": 0.0})  # fmt: skip
+    monkeypatch.setattr(
+        ladder,
+        "predict",
+        lambda recipe: {
+            "recipe": recipe,
+            "peak_allocated_gb": 1.0,
+            "error": None,
+            "config": {"model": "vit_l_16", "precision": "x", "batch_size": 1, "devices": 1},
+            "seconds": 0.0,
+        },
+    )
     payload = ladder.predict_ladder(tmp_path / "new", say=lambda line: None)
     names = [r["recipe"] for r in payload["rows"]]
     assert names[0] == "01_baseline" and "09_cpu_offload" in names and names[-1] == "16_weights_on_cpu"
