@@ -45,15 +45,29 @@ class Choice(Candidate):
     def plain(self) -> tuple:
         """The same set without its memory techniques (what bounds its speed: the module's docstring)."""
         r = self.rung
-        return (r.precision, self.techniques.optimizer, self.mode, self.devices, self.switched,
-                r.micro_batch_size, r.accumulation_steps)  # fmt: skip
+        return (
+            r.precision,
+            self.techniques.optimizer,
+            self.mode,
+            self.devices,
+            self.switched,
+            r.micro_batch_size,
+            r.accumulation_steps,
+        )
 
     @property
     def family(self) -> tuple:
         """The set without its micro-batch: what the table shows once, at its fastest micro-batch that fits."""
         r = self.rung
-        return (r.precision, self.techniques, self.mode, self.devices, self.switched, self.checkpoint_mode,
-                self.cpu_offload)  # fmt: skip
+        return (
+            r.precision,
+            self.techniques,
+            self.mode,
+            self.devices,
+            self.switched,
+            self.checkpoint_mode,
+            self.cpu_offload,
+        )
 
     def mfu(self, peak_flops: float | None) -> float | None:
         """Model FLOPs utilisation the predicted speed means (the model's FLOPs, not the recompute's)."""

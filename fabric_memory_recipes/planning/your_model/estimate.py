@@ -78,16 +78,25 @@ def plan_of(cfg: YourModelConfig, blocks: tuple[str, ...]) -> Plan:
     sharding = "fsdp" if cfg.fsdp else "none"
     options = {o.field: getattr(cfg, o.field) for t in flagged() for o in t.options}
     return plan_for(
-        cfg, activation_checkpointing=blocks if cfg.uses(ACTIVATION_CHECKPOINTING) else (), sharding=sharding,
-        shard_units=blocks, world_size=cfg.world_size if sharding != "none" else 1, compile=False,
-        switched=tuple(t.name for t in switches() if cfg.uses(t)), **options,
-    )  # fmt: skip
+        cfg,
+        activation_checkpointing=blocks if cfg.uses(ACTIVATION_CHECKPOINTING) else (),
+        sharding=sharding,
+        shard_units=blocks,
+        world_size=cfg.world_size if sharding != "none" else 1,
+        compile=False,
+        switched=tuple(t.name for t in switches() if cfg.uses(t)),
+        **options,
+    )
 
 
 def estimate(
-    model: Any, um: UserModel, plan: Plan, seq_len: int, op_costs: OpCosts | None = None,
+    model: Any,
+    um: UserModel,
+    plan: Plan,
+    seq_len: int,
+    op_costs: OpCosts | None = None,
     target_len: int | None = None,
-) -> Estimate:  # fmt: skip
+) -> Estimate:
     """One simulated step of ``model`` (any device: only shapes are read) under ``plan``; ``op_costs``
     collects what each of its ops costs (planning/simulation/costs.py); ``target_len``: an
     encoder-decoder's target tokens (default ``seq_len``)."""
@@ -138,6 +147,8 @@ def for_user_run(
     if est.error:
         notice(f"[estimate] could not estimate memory: {est.error}")
     else:
-        notice(f"[estimate] predicted peak {est.peak_gb:.3g} GB allocated, {predicted['peak_reserved_gb']:.3g} GB"
-               f" reserved ({est.peak_phase}, {est.seconds:.1f} s)")  # fmt: skip
+        notice(
+            f"[estimate] predicted peak {est.peak_gb:.3g} GB allocated, {predicted['peak_reserved_gb']:.3g} GB"
+            f" reserved ({est.peak_phase}, {est.seconds:.1f} s)"
+        )
     return est, predicted

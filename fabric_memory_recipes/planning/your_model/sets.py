@@ -81,9 +81,21 @@ class UserPlanner:
     try the others. ``devices`` > 1: every set is FSDP over that many GPUs, its memory per GPU (the
     measured overhead of that many processes) and its samples/s those of all GPUs."""
 
-    def __init__(self, ref: str, batch_size: int, seq_len: int, gpu: str = "h100", *, precision: str = "bf16-mixed",
-                 optimizer: str = "adamw", may_change: tuple[str, ...] = (), devices: int = 1,
-                 lora_rank: int = 0, lora_targets: str | None = None, target_len: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        ref: str,
+        batch_size: int,
+        seq_len: int,
+        gpu: str = "h100",
+        *,
+        precision: str = "bf16-mixed",
+        optimizer: str = "adamw",
+        may_change: tuple[str, ...] = (),
+        devices: int = 1,
+        lora_rank: int = 0,
+        lora_targets: str | None = None,
+        target_len: int | None = None,
+    ) -> None:
         self.um, self.model, self.blocks, self.found_by = meta_user_model(ref, lora_rank, lora_targets)
         lora = [LORA.flag, str(lora_rank)] if lora_rank else []
         lora += ["--lora-targets", lora_targets] if lora_rank and lora_targets else []
@@ -111,8 +123,11 @@ class UserPlanner:
         switched = [s for n in range(len(allowed) + 1) for s in itertools.combinations(allowed, n)]
         self.choices = []
         for prec, opt, mode, switch, on in itertools.product(precisions, optimizers, modes, switched, SETS):
-            changes = tuple(advice.cost(what, value, gpu) for what, value, mine in
-                            (("precision", prec, precision), ("optimizer", opt, optimizer)) if value != mine)  # fmt: skip
+            changes = tuple(
+                advice.cost(what, value, gpu)
+                for what, value, mine in (("precision", prec, precision), ("optimizer", opt, optimizer))
+                if value != mine
+            )
             used = TechniqueSet.of(opt, *on)
             if used.uses(ACTIVATION_CHECKPOINTING) and not self.blocks:
                 continue
@@ -120,18 +135,33 @@ class UserPlanner:
                 continue  # FSDP: with checkpointing or without (the sharded rungs' sets)
             over = overhead[mode]["overhead_gb"] or 0.0
             offloads = (False, True) if devices > 1 and opt != "adamw8bit" else (False,)  # FSDP's CPU offload
-            for keeps, k, off in itertools.product(
-                CHECKPOINT_MODE.choices if used.uses(ACTIVATION_CHECKPOINTING) else (CHECKPOINT_MODE.default,),
-                [1] if used.uses(OPTIMIZER_IN_BACKWARD) else divisors(batch_size), offloads,
-            ):  # fmt: skip
-                rung = runner.with_flags(model=ref, precision=prec, batch_size=batch_size,
-                                         accumulation_steps=k, optimizer=opt)  # fmt: skip
+            checkpoint_modes = (
+                CHECKPOINT_MODE.choices if used.uses(ACTIVATION_CHECKPOINTING) else (CHECKPOINT_MODE.default,)
+            )
+            accumulations = [1] if used.uses(OPTIMIZER_IN_BACKWARD) else divisors(batch_size)
+            for keeps, k, off in itertools.product(checkpoint_modes, accumulations, offloads):
+                rung = runner.with_flags(
+                    model=ref, precision=prec, batch_size=batch_size, accumulation_steps=k, optimizer=opt
+                )
                 frozen = (self.parameters - self.trainable) * (2 if prec in ("bf16-true", "16-true") else 4)
                 lower = 0.0 if off else (static_bytes(rung, used, self.trainable) + frozen) / GB / devices
-                c = Choice(rung, mode, used, lower + over, math.inf, speed_source=SPEED_SOURCE, overhead_gb=over,
-                           seq_len=self.seq_len, changes=changes, devices=devices, switched=switch,
-                           checkpoint_mode=keeps, lora=tuple(lora), target_len=self.target_len,
-                           cpu_offload=off)  # fmt: skip
+                c = Choice(
+                    rung,
+                    mode,
+                    used,
+                    lower + over,
+                    math.inf,
+                    speed_source=SPEED_SOURCE,
+                    overhead_gb=over,
+                    seq_len=self.seq_len,
+                    changes=changes,
+                    devices=devices,
+                    switched=switch,
+                    checkpoint_mode=keeps,
+                    lora=tuple(lora),
+                    target_len=self.target_len,
+                    cpu_offload=off,
+                )
                 self.choices.append(c)
 
     def weights_gb(self) -> float:
@@ -167,8 +197,15 @@ class UserPlanner:
             return self.predict(p).images_per_s
         costs = step_time.costs_of(simulated[3], Plan())
         graphs = step_time.uses_graphs(p, self.um.is_text)  # as _step_speed
-        seconds = step_time.floor_step_seconds(costs, self.ceilings, p.mode, graphs, self.compiled,
-                                               r.micro_batch_size / r.batch_size, r.accumulation_steps)  # fmt: skip
+        seconds = step_time.floor_step_seconds(
+            costs,
+            self.ceilings,
+            p.mode,
+            graphs,
+            self.compiled,
+            r.micro_batch_size / r.batch_size,
+            r.accumulation_steps,
+        )
         return p.devices * r.batch_size / seconds
 
     def predict(self, c: Choice) -> Choice:
@@ -176,20 +213,33 @@ class UserPlanner:
             r, used = c.rung, c.techniques
             key = c.key  # the mode changes the card overhead and the time, not the simulated step
             if key not in self.simulated:
-                plan = Plan(precision=r.precision, micro_batch_size=r.micro_batch_size,
-                            accumulation_steps=r.accumulation_steps, optimizer=used.optimizer,
-                            activation_checkpointing=self.blocks if used.uses(ACTIVATION_CHECKPOINTING) else (),
-                            activation_offload=used.uses(ACTIVATION_OFFLOAD),
-                            optimizer_in_backward=used.uses(OPTIMIZER_IN_BACKWARD),
-                            sharding="fsdp" if c.devices > 1 else "none", checkpoint_mode=c.checkpoint_mode,
-                            switched=c.switched, shard_units=self.blocks, world_size=c.devices,
-                            cpu_offload=c.cpu_offload)  # fmt: skip
+                plan = Plan(
+                    precision=r.precision,
+                    micro_batch_size=r.micro_batch_size,
+                    accumulation_steps=r.accumulation_steps,
+                    optimizer=used.optimizer,
+                    activation_checkpointing=self.blocks if used.uses(ACTIVATION_CHECKPOINTING) else (),
+                    activation_offload=used.uses(ACTIVATION_OFFLOAD),
+                    optimizer_in_backward=used.uses(OPTIMIZER_IN_BACKWARD),
+                    sharding="fsdp" if c.devices > 1 else "none",
+                    checkpoint_mode=c.checkpoint_mode,
+                    switched=c.switched,
+                    shard_units=self.blocks,
+                    world_size=c.devices,
+                    cpu_offload=c.cpu_offload,
+                )
                 collector = (
                     OpCosts()
                 )  # the same simulation gives the op costs the step time is predicted from
                 try:
-                    est = estimate(self.model, self.um, plan, self.seq_len or 0, op_costs=collector,
-                                   target_len=self.target_len)  # fmt: skip
+                    est = estimate(
+                        self.model,
+                        self.um,
+                        plan,
+                        self.seq_len or 0,
+                        op_costs=collector,
+                        target_len=self.target_len,
+                    )
                     error = est.error
                 except Exception as e:
                     error = f"{type(e).__name__}: {str(e)[:200]}"
@@ -283,15 +333,21 @@ class UserPlanner:
             "samples/s: predicted, not measured (--measure runs them): each set's simulated step, op by op (FLOPs and"
             " bytes against the GPU kind's fitted ceilings, and in eager mode the host's time to launch them;"
             f" planning/your_model/step_time.py), {self.ceilings_source}"
-            + (f"; each model left out of the fit, the error was {100 * held['median_abs_error']:.0f} % (median),"
-               f" {100 * held['max_abs_error']:.0f} % at most" if held else "")
+            + (
+                f"; each model left out of the fit, the error was {100 * held['median_abs_error']:.0f} % (median),"
+                f" {100 * held['max_abs_error']:.0f} % at most"
+                if held
+                else ""
+            )
             + ("." if verbose else " (--verbose: the ceilings)."),
-        ]  # fmt: skip
+        ]
         if self.devices > 1:
-            lines.append(f"  FSDP over {self.devices} GPUs: {self.devices} x one GPU's samples/s (each its own batch);"
-                         " the gathers and reductions are not modelled, and every set here has them. Outside the"
-                         " allocator each GPU holds NCCL's buffers besides its context: for a small model the card"
-                         " per GPU can be above what one GPU alone needs (leave out --devices to compare).")  # fmt: skip
+            lines.append(
+                f"  FSDP over {self.devices} GPUs: {self.devices} x one GPU's samples/s (each its own batch);"
+                " the gathers and reductions are not modelled, and every set here has them. Outside the"
+                " allocator each GPU holds NCCL's buffers besides its context: for a small model the card"
+                " per GPU can be above what one GPU alone needs (leave out --devices to compare)."
+            )
         if verbose:
             lines += [f"  {name}: {value:.4g}" for name, value in dataclasses.asdict(self.ceilings).items()]
         return lines
