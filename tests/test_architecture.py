@@ -426,10 +426,8 @@ def test_technique_code_is_in_training_techniques_or_the_estimates_model_only():
             f"{path.relative_to(REPO)}:{n.lineno}"
             for path in paths
             for n in ast.walk(ast.parse(path.read_text()))
-            if isinstance(n, ast.Call)
-            and getattr(n.func, "attr", getattr(n.func, "id", "")) in calls
-            or isinstance(n, ast.ImportFrom)
-            and re.match(r"torch\..*checkpoint", n.module or "")
+            if (isinstance(n, ast.Call) and getattr(n.func, "attr", getattr(n.func, "id", "")) in calls)
+            or (isinstance(n, ast.ImportFrom) and re.match(r"torch\..*checkpoint", n.module or ""))
         ]
 
     own = (COMMON / "training" / "techniques", COMMON / "planning" / "simulation")
