@@ -21,6 +21,7 @@ from fabric_memory_recipes.techniques import FUSED_LOSS
 from fabric_memory_recipes.training import cli
 from fabric_memory_recipes.training.techniques import checkpointing
 from fabric_memory_recipes.training.your_model import models, runner
+from tests.tiny import HF_BERT
 
 VOCAB = 150_000  # a large vocabulary: the logits dominate
 
@@ -52,18 +53,7 @@ def qwen(tmp_path) -> str:
 @pytest.fixture
 def bert(tmp_path) -> str:
     """A 2-layer BERT (its config says BertForMaskedLM: it becomes a sequence classifier), in a folder."""
-    write_config(
-        tmp_path / "bert",
-        model_type="bert",
-        architectures=["BertForMaskedLM"],
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        vocab_size=1000,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
+    write_config(tmp_path / "bert", **HF_BERT)
     return f"hf:{tmp_path / 'bert'}"
 
 

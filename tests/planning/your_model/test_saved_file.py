@@ -15,6 +15,7 @@ from fabric_memory_recipes.planning.__main__ import main as estimate_main
 from fabric_memory_recipes.planning.your_model import saved_file
 from fabric_memory_recipes.training import checkpoints
 from tests.planning.test_your_model import write_config
+from tests.tiny import HF_LLAMA
 
 
 def test_the_archive_size_of_a_state_is_what_torch_save_writes():
@@ -57,18 +58,7 @@ def test_the_archive_size_of_a_state_is_what_torch_save_writes():
 
 @pytest.fixture
 def llama(tmp_path) -> str:
-    return "hf:" + write_config(
-        tmp_path / "llama",
-        model_type="llama",
-        architectures=["LlamaForCausalLM"],
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=1000,
-        tie_word_embeddings=True,
-    )
+    return "hf:" + write_config(tmp_path / "llama", **HF_LLAMA)
 
 
 def test_a_checkpoint_the_runner_saves_is_the_predicted_size(run_recipe, llama, tmp_path, capsys):

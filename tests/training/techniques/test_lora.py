@@ -18,40 +18,19 @@ from fabric_memory_recipes.training import cli, data
 from fabric_memory_recipes.training.techniques import lora
 from fabric_memory_recipes.training.your_model import models, runner
 from tests.planning.test_your_model import real_step_peak, write_config
+from tests.tiny import HF_BERT, HF_LLAMA
 
 
 @pytest.fixture
 def llama(tmp_path) -> str:
     """A 2-layer Llama causal LM of width 64, its embeddings tied."""
-    return "hf:" + write_config(
-        tmp_path / "llama",
-        model_type="llama",
-        architectures=["LlamaForCausalLM"],
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=1000,
-        tie_word_embeddings=True,
-    )
+    return "hf:" + write_config(tmp_path / "llama", **HF_LLAMA)
 
 
 @pytest.fixture
 def bert(tmp_path) -> str:
     """A 2-layer BERT sequence classifier without dropout."""
-    return "hf:" + write_config(
-        tmp_path / "bert",
-        model_type="bert",
-        architectures=["BertForMaskedLM"],
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        vocab_size=1000,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
+    return "hf:" + write_config(tmp_path / "bert", **HF_BERT)
 
 
 def adapted(ref: str, targets: str | None = None) -> tuple[torch.nn.Module, dict]:
