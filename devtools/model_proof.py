@@ -253,9 +253,12 @@ def pct(p: Any, m: Any) -> str:
 
 def render(runs: list[dict[str, Any]], fit_rows: list[dict[str, Any]]) -> str:
     f = planner_proof.fmt
-    lines = ["## Predicted against measured (one H100, eager, whole run)", "",
-             "| model | technique set | status | predicted reserved GB | measured | error | predicted device GB | measured | error |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    lines = [
+        "## Predicted against measured (one H100, eager, whole run)",
+        "",
+        "| model | technique set | status | predicted reserved GB | measured | error | predicted device GB | measured | error |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in (r for r in runs if r["part"] == "estimate"):
         flags = " ".join(r["argv"][2:])
         lines.append(

@@ -177,8 +177,12 @@ def make_plan(args: argparse.Namespace, planner: Planner | None = None) -> dict[
                                   "expect": "ok" if fits else "oom"})["budget_gb"] = at  # fmt: skip
     for row in rows:
         row["measured_at_budget_gb"] = runs[(row["command"], row["role"] != "rejected")]["budget_gb"]
-    return {"arguments": plan_key(args), "rows": rows, "runs": list(runs.values()),
-            "versions": {"torch": torch.__version__}}  # fmt: skip
+    return {
+        "arguments": plan_key(args),
+        "rows": rows,
+        "runs": list(runs.values()),
+        "versions": {"torch": torch.__version__},
+    }
 
 
 def plan_key(args: argparse.Namespace) -> dict[str, Any]:
@@ -259,9 +263,11 @@ def fmt(value: Any, spec: str) -> str:
 
 def render(rows: list[dict[str, Any]]) -> str:
     """fit.md: the rows, then each budget against its targets (check_targets)."""
-    lines = ["| card GB | role | command | predicted reserved GB | measured reserved GB | predicted device GB |"
-             " measured device GB | predicted img/s | measured img/s | status | measured at |",
-             "|---:|---|---|---:|---:|---:|---:|---:|---:|---|---:|"]  # fmt: skip
+    lines = [
+        "| card GB | role | command | predicted reserved GB | measured reserved GB | predicted device GB |"
+        " measured device GB | predicted img/s | measured img/s | status | measured at |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|---|---:|",
+    ]
     for r in rows:
         lines.append(
             f"| {r['budget_gb']:g} | {r['role']} | `{r['command']}` | {fmt(r['predicted_peak_gb'], '.2f')} |"

@@ -107,54 +107,68 @@ class RunConfig:
     )
     tf32: bool = flag(True, "hardware", "TF32 tensor-core matmuls for fp32 tensors (CUDA)", action=BOOL)
     mode: str | None = flag(
-        None, "hardware",
+        None,
+        "hardware",
         "fast: compiled blocks and one CUDA graph per optimizer step (what --compile and --cuda-graphs"
         " default to); eager: neither (default: fast with CUDA, eager on CPU)",
         choices=MODES,
-    )  # fmt: skip
+    )
     compile: bool | None = flag(
         None, "hardware", "torch.compile each transformer block (default: on in fast mode)", action=BOOL
     )
     cuda_graphs: bool | None = flag(
-        None, "hardware",
+        None,
+        "hardware",
         "capture each optimizer step as a CUDA graph after a 2-step warm-up (default: on in fast mode;"
         " one CUDA device only)",
         action=BOOL,
-    )  # fmt: skip
+    )
     memory_budget_gb: float | None = flag(
-        None, "hardware",
+        None,
+        "hardware",
         "CUDA: act as cards of GB (1e9 bytes) each: every process's caching allocator is capped on its GPU at"
         " GB less the measured card overhead per GPU (torch.cuda.set_per_process_memory_fraction, before the"
         " model is built)",
-        type=positive_float, metavar="GB",
-    )  # fmt: skip
+        type=positive_float,
+        metavar="GB",
+    )
     # training
     batch_size: int = flag(
         64, "training", "effective batch size per device and optimizer step", type=at_least(1)
     )
     accumulation_steps: int = flag(
-        1, "training", "micro-batches per optimizer step; micro-batch = batch-size / accumulation-steps",
+        1,
+        "training",
+        "micro-batches per optimizer step; micro-batch = batch-size / accumulation-steps",
         type=at_least(1),
-    )  # fmt: skip
+    )
     epochs: int = flag(1, "training", "passes over the training split", type=at_least(1))
     max_steps: int | None = flag(None, "training", "stop after this many optimizer steps", type=at_least(1))
     lr: float = flag(5e-5, "training", "learning rate", type=positive_float)
-    warmup_steps: int = flag(0, "training", "linear learning-rate warm-up over the first N optimizer steps, times"
-                             " the rung's own schedule", type=at_least(0), metavar="N")  # fmt: skip
+    warmup_steps: int = flag(
+        0,
+        "training",
+        "linear learning-rate warm-up over the first N optimizer steps, times the rung's own schedule",
+        type=at_least(0),
+        metavar="N",
+    )
     seed: int = flag(123, "training", "random seed", type=int)
     # bf16 weight updates
     bf16_update: str = flag(
-        "plain", "bf16",
+        "plain",
+        "bf16",
         "how bf16-true weights store an update: plain rounding (loses small updates), stochastic"
         " rounding, or Kahan-compensated (+2 bytes/parameter)",
         choices=BF16_UPDATES,
-    )  # fmt: skip
+    )
     lost_updates: int | None = flag(
-        None, "bf16",
+        None,
+        "bf16",
         "every N optimizer steps, measure the fraction of parameters whose update was lost"
         " (costs a copy of the weights and a sync in those steps)",
-        type=at_least(1), metavar="N",
-    )  # fmt: skip
+        type=at_least(1),
+        metavar="N",
+    )
     # data and model
     data: str = flag("auto", "data", "data")  # choices and help: DATA_CHOICES and HELP (per family)
     data_dir: str = flag("data", "data", "data_dir")
@@ -162,8 +176,13 @@ class RunConfig:
         "auto", "data", "auto falls back to random init when offline", choices=WEIGHTS_CHOICES
     )
     model: str = flag("vit_l_16", "data", "model")
-    image_size: int | None = flag(None, "data", "input side in pixels (default: the model's; ViT-L/16: 224, other"
-                                  " sizes need --weights none)", type=at_least(16), metavar="PX")  # fmt: skip
+    image_size: int | None = flag(
+        None,
+        "data",
+        "input side in pixels (default: the model's; ViT-L/16: 224, other sizes need --weights none)",
+        type=at_least(16),
+        metavar="PX",
+    )
     num_workers: int = flag(0, "data", "DataLoader worker processes", type=at_least(0))
     eval_batches: int | None = flag(
         None, "data", "limit validation/test to this many batches", type=at_least(1)
@@ -175,13 +194,17 @@ class RunConfig:
     checkpoint_dir: str | None = flag(
         None, "checkpoints", "where checkpoints go (default: runs/checkpoints/<recipe>[-<tag>])"
     )
-    resume: str | None = flag(None, "checkpoints", "a checkpoint file to continue from, or 'auto' for the newest"
-                              " in --checkpoint-dir")  # fmt: skip
+    resume: str | None = flag(
+        None,
+        "checkpoints",
+        "a checkpoint file to continue from, or 'auto' for the newest in --checkpoint-dir",
+    )
     checkpoint_on_stop: bool | None = flag(
-        None, "checkpoints",
+        None,
+        "checkpoints",
         "save a checkpoint when stopped by SIGINT/SIGTERM/SIGUSR1/SIGHUP (default: on with --checkpoint-every or --resume)",
         action=BOOL,
-    )  # fmt: skip
+    )
     keep_checkpoints: int = flag(
         2, "checkpoints", "keep the newest N checkpoints (0: all; default 2)", type=at_least(0)
     )
@@ -193,15 +216,17 @@ class RunConfig:
     log_every: int = flag(10, "output", "optimizer steps between logged losses", type=at_least(1))
     # memory anatomy
     memory_timeline: bool = flag(
-        False, "anatomy",
+        False,
+        "anatomy",
         "profile the first --profile-steps steps; write <recipe>-timeline.html/.png/.json by category",
         action="store_true",
-    )  # fmt: skip
+    )
     snapshot: bool = flag(
-        False, "anatomy",
+        False,
+        "anatomy",
         "CUDA only: dump <recipe>-snapshot.pickle of the allocator history (open in pytorch.org/memory_viz)",
         action="store_true",
-    )  # fmt: skip
+    )
     profile_steps: int = flag(
         3, "anatomy", "optimizer steps recorded by the two flags above", type=at_least(1)
     )
@@ -310,8 +335,10 @@ class RunConfig:
         if c.bf16_update not in ("plain", None) and c.precision != "bf16-true":
             raise UsageError(f"--bf16-update {c.bf16_update} needs --precision bf16-true, not {c.precision}")
         if c.snapshot and c.accelerator != "cuda":
-            raise UsageError("--snapshot needs CUDA: it records the CUDA caching allocator's history;"
-                             " on a CPU use --memory-timeline")  # fmt: skip
+            raise UsageError(
+                "--snapshot needs CUDA: it records the CUDA caching allocator's history;"
+                " on a CPU use --memory-timeline"
+            )
         if c.weights == "pretrained" and c.model == "vit_tiny":
             raise UsageError(f"--weights pretrained: no pretrained weights exist for --model {c.model}")
         c._choose_mode()
@@ -339,8 +366,13 @@ class RunConfig:
         profiling = self.memory_timeline or self.snapshot
         if self.cuda_graphs is None:
             # torch-optimi's Kahan step uses the lr as a Python scalar (alpha=-lr): not capturable
-            self.cuda_graphs = (self.mode == "fast" and self.accelerator == "cuda" and one_device
-                                and not profiling and self.bf16_update != "kahan")  # fmt: skip
+            self.cuda_graphs = (
+                self.mode == "fast"
+                and self.accelerator == "cuda"
+                and one_device
+                and not profiling
+                and self.bf16_update != "kahan"
+            )
         elif self.cuda_graphs:
             if self.accelerator != "cuda":
                 raise UsageError("--cuda-graphs needs CUDA (on a CPU the fast mode is the eager mode)")
@@ -349,8 +381,10 @@ class RunConfig:
                     "--cuda-graphs works on one device; with several, leave it out (DDP/FSDP run eagerly)"
                 )
             if self.bf16_update == "kahan":
-                raise UsageError("--cuda-graphs with --bf16-update kahan: torch-optimi's Kahan step reads"
-                                 " the learning rate as a Python number, which a graph cannot replay")  # fmt: skip
+                raise UsageError(
+                    "--cuda-graphs with --bf16-update kahan: torch-optimi's Kahan step reads"
+                    " the learning rate as a Python number, which a graph cannot replay"
+                )
             if profiling:
                 raise UsageError(
                     "--cuda-graphs with --memory-timeline/--snapshot: profile the eager steps (--no-cuda-graphs)"

@@ -33,11 +33,16 @@ def recipe_literals(path: Path) -> dict[str, Any]:
     first line}``, read from the source without running it."""
     tree = ast.parse(path.read_text())
     for node in tree.body:
-        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["RUNG"] \
-                and isinstance(node.value, ast.Call):  # fmt: skip
+        if (
+            isinstance(node, ast.Assign)
+            and [getattr(t, "id", None) for t in node.targets] == ["RUNG"]
+            and isinstance(node.value, ast.Call)
+        ):
             doc = (ast.get_docstring(tree) or "").splitlines()
-            return {"values": _literals(node.value, {f.name for f in dataclasses.fields(RunConfig)}),
-                    "doc": doc[0] if doc else ""}  # fmt: skip
+            return {
+                "values": _literals(node.value, {f.name for f in dataclasses.fields(RunConfig)}),
+                "doc": doc[0] if doc else "",
+            }
     raise ValueError(f"{path}: no `RUNG = RunConfig(...)` declaration")
 
 

@@ -8,8 +8,11 @@ the estimate, the planners, the speed model and their labels read these records;
 lists them and ``tests/test_architecture.py`` holds the code to them. A :class:`TechniqueSet` is what the
 planners combine: an optimizer and the planned techniques (:data:`PLANNED`), by name, never by position;
 a technique with a flag that is not planned is a switch (:func:`switches`: the fused loss), tried with each
-set. The code that reads the records reads them when it runs (:func:`flagged`, :func:`switches`), so that a
-new record needs no edit there (``tests/test_adding_a_technique.py``).
+set. Where a technique is applied in more than one way, each choice is an :class:`Option` of its record
+(the checkpointing's :data:`CHECKPOINT_MODE`): its flag, choices and default, which the runner's flags, the
+estimate's plan and your model's planner read. The code that reads the records reads them when it runs
+(:func:`flagged`, :func:`switches`), so that a new record needs no edit there
+(``tests/test_adding_a_technique.py``).
 
 :data:`PRECISIONS`, :data:`OPTIMIZERS`, :data:`MODES` and :data:`BF16_UPDATES` are every value a run may
 take; where a tool offers fewer, it takes a :func:`subset` of these and says why. This module imports
@@ -46,6 +49,36 @@ def subset(choices, *names: str) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True)
+class Option:
+    """How a technique is applied, where there is a choice: a flag with a value (the checkpointing's
+    ``--checkpoint-mode``), its field of the your-model runner's configuration, of the estimate's plan and
+    of a plan's row. The first choice is the default, which a command and a row's label leave unsaid; any
+    other is said before the technique's label ("selective checkpointing")."""
+
+    flag: str  # "--checkpoint-mode"
+    choices: tuple[str, ...]  # the default first
+    help: str = ""  # the flag's help
+
+    @property
+    def field(self) -> str:
+        """The configuration field (the plan's, a row's key) its flag sets: ``--checkpoint-mode`` sets
+        ``checkpoint_mode``."""
+        return self.flag.removeprefix("--").replace("-", "_")
+
+    @property
+    def default(self) -> str:
+        return self.choices[0]
+
+    def flags(self, value: str) -> list[str]:
+        """The flag and its value that choose ``value`` (none for the default)."""
+        return [] if value == self.default else [self.flag, value]
+
+    def label(self, value: str, technique: Technique) -> str:
+        """``technique``'s words with ``value`` said before them unless it is the default."""
+        return technique.label if value == self.default else f"{value} {technique.label}"
+
+
+@dataclass(frozen=True)
 class Technique:
     """One memory technique."""
 
@@ -57,7 +90,7 @@ class Technique:
     planned: bool = False  # the planners combine it, on or off, with every optimizer
     help: str = ""  # the flag's help
     tasks: tuple[str, ...] = ()  # the model tasks it applies to ("causal_lm"); (): every task
-    options: tuple[str, ...] = ()  # the runner's fields that say how it is applied (checkpoint_mode)
+    options: tuple[Option, ...] = ()  # how it is applied, where there is a choice (its flag's options)
     valued: bool = False  # its flag takes a value (--lora-rank R), its field the runner's own: not flagged()
 
     @property
@@ -71,7 +104,12 @@ class Technique:
 
 
 # name, label, module, the rung that teaches it; the your-model runner's: its flag (with its help, the tasks it
-# applies to, the fields that say how), and whether the planners combine it (planned) or switch it (switches())
+# applies to, the options that say how), and whether the planners combine it (planned) or switch it (switches())
+CHECKPOINT_MODE = Option(  # what a checkpointed block keeps (training/techniques/checkpointing.py)
+    "--checkpoint-mode",
+    ("full", "selective"),
+    help="what a checkpointed block keeps: full (its input only) or selective (also its matmuls and attention)",
+)
 ACTIVATION_CHECKPOINTING = Technique(
     "activation_checkpointing",
     "checkpointing",
@@ -80,7 +118,7 @@ ACTIVATION_CHECKPOINTING = Technique(
     flag="--checkpoint-blocks",
     planned=True,
     help="activation checkpointing of every repeated block of the model",
-    options=("checkpoint_mode",),
+    options=(CHECKPOINT_MODE,),
 )
 ACTIVATION_OFFLOAD = Technique(
     "activation_offload",

@@ -250,9 +250,14 @@ class Started:
         self.out, self.err = stem.with_suffix(".out"), stem.with_suffix(".err")
         with open(self.out, "w") as out, open(self.err, "w") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, *map(str, argv)], cwd=REPO, env=env, stdout=out, stderr=err,
-                start_new_session=True, preexec_fn=as_from_a_terminal,
-            )  # fmt: skip
+                [sys.executable, *map(str, argv)],
+                cwd=REPO,
+                env=env,
+                stdout=out,
+                stderr=err,
+                start_new_session=True,
+                preexec_fn=as_from_a_terminal,
+            )
         with _LIVE_LOCK:
             _LIVE.add(self.proc)
         self.argv = self.proc.args
@@ -421,8 +426,12 @@ def _torch_state() -> tuple | None:
     torch = sys.modules.get("torch")
     if torch is None:
         return None
-    return (torch.get_default_dtype(), torch.get_num_threads(), torch.get_float32_matmul_precision(),
-            torch.is_grad_enabled())  # fmt: skip
+    return (
+        torch.get_default_dtype(),
+        torch.get_num_threads(),
+        torch.get_float32_matmul_precision(),
+        torch.is_grad_enabled(),
+    )
 
 
 @contextlib.contextmanager

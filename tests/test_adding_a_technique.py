@@ -1,7 +1,8 @@
 """Adding a technique touches its module, its record and the recipe that teaches it, nothing else
 (docs/architecture.md, "Adding a technique"): a record registered here, with a module of its own and no
 other edit, is a flag of the your-model runner, a field of its configuration, a switch your model's planner
-tries and labels, a feature of the speed model's runs and a change the estimate applies to the model."""
+tries and labels, a feature of the speed model's runs, a flag of ``fmr-estimate --model`` (in its --help) and a
+change the estimate applies to the model."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 
 from fabric_memory_recipes import techniques
 from fabric_memory_recipes.config import Hardware, UsageError
+from fabric_memory_recipes.planning import arguments
 from fabric_memory_recipes.planning.your_model import estimate, step_calibration
 from fabric_memory_recipes.planning.your_model.sets import UserPlanner
 from fabric_memory_recipes.training import cli
@@ -94,3 +96,11 @@ def test_a_new_record_reaches_the_estimate_the_planner_and_the_speed_model(halve
 
     alone = runner.default_config().with_flags(model="torchvision:resnet18", halved_loss=False)
     assert not estimate.plan_of(alone, ()).switched  # off: the estimate applies nothing
+
+
+def test_a_new_record_is_a_flag_of_the_estimate_and_in_its_help(halved, causal_lm, capsys):
+    with pytest.raises(SystemExit):
+        arguments.build().parse_args(["--help"])
+    assert "your model: causal LMs: half the loss" in " ".join(capsys.readouterr().out.split())
+    _, args, mode = arguments.parse(["--model", causal_lm, "--halved-loss"])  # not refused as a rung's flag
+    assert mode == arguments.YOURS and args.halved_loss is True

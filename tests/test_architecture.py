@@ -168,10 +168,14 @@ def test_imports_are_at_the_top_and_lazy_ones_are_listed():
         body = tree.body
         # the leading block: docstring, imports (and `if TYPE_CHECKING` / try-imports would go here)
         first_other = next(
-            (i for i, n in enumerate(body) if not isinstance(n, ast.Import | ast.ImportFrom)
-             and not (i == 0 and isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))),
+            (
+                i
+                for i, n in enumerate(body)
+                if not isinstance(n, ast.Import | ast.ImportFrom)
+                and not (i == 0 and isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))
+            ),
             len(body),
-        )  # fmt: skip
+        )
         for node in body[first_other:]:
             if isinstance(node, ast.Import | ast.ImportFrom):
                 late.append(f"{name}:{node.lineno}")
@@ -199,8 +203,11 @@ def _project_imports_inside_functions(path: Path) -> list[str]:
                 ):
                     found.append(f"{where}:{inner.lineno} {inner.module}")
                 elif isinstance(inner, ast.Import):
-                    found += [f"{where}:{inner.lineno} {a.name}" for a in inner.names
-                              if a.name.startswith(("fabric_memory_recipes", "devtools"))]  # fmt: skip
+                    found += [
+                        f"{where}:{inner.lineno} {a.name}"
+                        for a in inner.names
+                        if a.name.startswith(("fabric_memory_recipes", "devtools"))
+                    ]
     return sorted(set(found))
 
 
@@ -366,8 +373,9 @@ def test_the_reference_finder_reads_a_wrapped_reference():
     """Guard for the test below: references are found, also across a line break after the colon."""
     text = "lives in fabric_memory_recipes/training/step.py: train_step, and in\nrecipes/08_fsdp.py:\nmake_strategy."
     assert code_references(text) == [
-        ("fabric_memory_recipes/training/step.py", "train_step"), ("recipes/08_fsdp.py", "make_strategy"),
-    ]  # fmt: skip
+        ("fabric_memory_recipes/training/step.py", "train_step"),
+        ("recipes/08_fsdp.py", "make_strategy"),
+    ]
     assert defines(COMMON / "training" / "step.py", "train_step")
     assert not defines(COMMON / "training" / "loop.py", "train_step")
 
@@ -404,12 +412,24 @@ def test_a_technique_is_its_record_its_module_and_its_recipe():
 
 
 def test_technique_code_is_in_training_techniques_or_the_estimates_model_only():
-    calls = {"checkpoint", "checkpoint_wrapper", "create_selective_checkpoint_contexts",
-             "register_post_accumulate_grad_hook", "save_on_cpu", "saved_tensors_hooks"}  # fmt: skip
-    found = lambda paths: [f"{path.relative_to(REPO)}:{n.lineno}" for path in paths  # noqa: E731
-                           for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Call)
-                           and getattr(n.func, "attr", getattr(n.func, "id", "")) in calls
-                           or isinstance(n, ast.ImportFrom) and re.match(r"torch\..*checkpoint", n.module or "")]  # fmt: skip
+    calls = {
+        "checkpoint",
+        "checkpoint_wrapper",
+        "create_selective_checkpoint_contexts",
+        "register_post_accumulate_grad_hook",
+        "save_on_cpu",
+        "saved_tensors_hooks",
+    }
+
+    def found(paths) -> list[str]:
+        return [
+            f"{path.relative_to(REPO)}:{n.lineno}"
+            for path in paths
+            for n in ast.walk(ast.parse(path.read_text()))
+            if (isinstance(n, ast.Call) and getattr(n.func, "attr", getattr(n.func, "id", "")) in calls)
+            or (isinstance(n, ast.ImportFrom) and re.match(r"torch\..*checkpoint", n.module or ""))
+        ]
+
     own = (COMMON / "training" / "techniques", COMMON / "planning" / "simulation")
     assert found([own[0] / "step_in_backward.py", own[0] / "checkpointing.py"])  # the finder finds
     assert found(p for p in COMMON.rglob("*.py") if not any(p.is_relative_to(o) for o in own)) == []

@@ -125,11 +125,20 @@ def earlier_result(results: Path, recipe: str) -> Path:
     """An earlier successful results JSON of ``recipe`` in ``results`` (what a fault must not replace)."""
     results.mkdir(parents=True, exist_ok=True)
     payload = {
-        "schema_version": 1, "recipe": recipe, "tag": None, "description": "an earlier run", "status": "ok",
-        "error": None, "config": {"precision": "32-true", "batch_size": 8, "accumulation_steps": 1},
-        "provenance": {"device": "cpu", "world_size": 1}, "memory": {"kind": "cpu_rss", "phases": {}},
-        "timing": {"optimizer_steps": 5}, "accuracy": {"train": 0.5}, "loss": {}, "extra": {},
-    }  # fmt: skip
+        "schema_version": 1,
+        "recipe": recipe,
+        "tag": None,
+        "description": "an earlier run",
+        "status": "ok",
+        "error": None,
+        "config": {"precision": "32-true", "batch_size": 8, "accumulation_steps": 1},
+        "provenance": {"device": "cpu", "world_size": 1},
+        "memory": {"kind": "cpu_rss", "phases": {}},
+        "timing": {"optimizer_steps": 5},
+        "accuracy": {"train": 0.5},
+        "loss": {},
+        "extra": {},
+    }
     path = results / f"{recipe}.json"
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
@@ -191,8 +200,11 @@ def _sigusr1_prune_resume_and_truncated() -> dict:
     results, ckpt = tmp / "results", tmp / "ckpt"
     cifar = tiny_cifar(tmp / "data")
     common = [*QUICK, *cifar, "--batch-size", "8", "--epochs", "100000", "--checkpoint-dir", ckpt]
-    run = Running("01_baseline", [*common, "--max-steps", "10000000", "--checkpoint-every", "2",
-                                  "--results-dir", results], tmp / "logs")  # fmt: skip
+    run = Running(
+        "01_baseline",
+        [*common, "--max-steps", "10000000", "--checkpoint-every", "2", "--results-dir", results],
+        tmp / "logs",
+    )
     # three saves at least, so that one was pruned (the newest two are kept: poll the highest step)
     run.wait_until(lambda out, err: max((s for s, _ in checkpoints.listing(str(ckpt))), default=0) >= 6)
     run.send(signal.SIGUSR1)
@@ -232,8 +244,14 @@ def _usr1_resumed() -> dict:
          "--checkpoint-dir", copy, "--resume", "auto", "--no-checkpoint-on-stop"],
         tmp / "results-fallback",
     )  # fmt: skip
-    _USR1_AFTER.update(resumed=resumed, before=before, fallback=fallback, copy_before=copy_before,
-                       fallback_results=tmp / "results-fallback", truncated=newest)  # fmt: skip
+    _USR1_AFTER.update(
+        resumed=resumed,
+        before=before,
+        fallback=fallback,
+        copy_before=copy_before,
+        fallback_results=tmp / "results-fallback",
+        truncated=newest,
+    )
     return {**job, **_USR1_AFTER}
 
 
@@ -260,8 +278,14 @@ def _second_ctrl_c() -> dict:
         proc = run.wait()
         if "interrupted at step" not in proc.stderr:
             break
-    return dict(proc=proc, seconds=time.monotonic() - sent, acknowledged=acknowledged, before=before,
-                results=results, attempts=attempts)  # fmt: skip
+    return dict(
+        proc=proc,
+        seconds=time.monotonic() - sent,
+        acknowledged=acknowledged,
+        before=before,
+        results=results,
+        attempts=attempts,
+    )
 
 
 def _sigterm_to_rank_0_of_two() -> dict:
@@ -301,8 +325,13 @@ def _quick_refusals() -> dict:
         "unwritable": [*base, "--data", "synthetic", "--results-dir", blocker / "results"],
         "corrupt": [*base, *cifar, "--results-dir", results],
     }
-    _REFUSED.update({k: run_recipe_inprocess("01_baseline", v, results)[0] for k, v in runs.items()},
-                    before=before, garbage_file=garbage, blocker=blocker, batch=batch)  # fmt: skip
+    _REFUSED.update(
+        {k: run_recipe_inprocess("01_baseline", v, results)[0] for k, v in runs.items()},
+        before=before,
+        garbage_file=garbage,
+        blocker=blocker,
+        batch=batch,
+    )
     return _REFUSED
 
 
@@ -338,14 +367,24 @@ def _run_all_ctrl_c() -> dict:
     fake.write_text(FAKE_PYTHON)
     fake.chmod(0o755)
     extra = " ".join([*tiny_cifar(tmp / "data"), "--batch-size", "8", *UNTIL_STOPPED])
-    env = subprocess_env(tmp / "logs", PYTHON=str(fake), REAL_PYTHON=sys.executable, EARLIER=str(earlier),
-                         RESULTS=str(results), EXTRA=extra)  # fmt: skip
+    env = subprocess_env(
+        tmp / "logs",
+        PYTHON=str(fake),
+        REAL_PYTHON=sys.executable,
+        EARLIER=str(earlier),
+        RESULTS=str(results),
+        EXTRA=extra,
+    )
     out, err = tmp / "run_all.out", tmp / "run_all.err"
     with open(out, "w") as o, open(err, "w") as e:
         proc = subprocess.Popen(
             [str(REPO / "run_all.sh"), "--cpu", "--only", "01,04,05", "--results-dir", str(results)],
-            cwd=REPO, env=env, stdout=o, stderr=e, start_new_session=True,
-        )  # fmt: skip
+            cwd=REPO,
+            env=env,
+            stdout=o,
+            stderr=e,
+            start_new_session=True,
+        )
     try:
         deadline = time.monotonic() + TIMEOUT
         while proc.poll() is None and time.monotonic() < deadline:
@@ -744,8 +783,12 @@ def test_a_damaged_archive_is_one_line(tmp_path, monkeypatch):
 def test_a_damaged_batch_file_names_itself(tmp_path, damage):
     write_cifar(tmp_path)
     path = tmp_path / data.CIFAR_FOLDER / "data_batch_2"
-    content = {"truncated": path.read_bytes()[:1000], "garbage": os.urandom(500), "empty": b"",
-               "wrong keys": __import__("pickle").dumps({b"pixels": [1, 2]})}[damage]  # fmt: skip
+    content = {
+        "truncated": path.read_bytes()[:1000],
+        "garbage": os.urandom(500),
+        "empty": b"",
+        "wrong keys": __import__("pickle").dumps({b"pixels": [1, 2]}),
+    }[damage]
     path.write_bytes(content)
     with pytest.raises(faults.BadInput, match=f"^{re.escape(str(path))}: not a readable CIFAR-10 batch file"):
         data.read_cifar10(str(tmp_path))
@@ -1059,10 +1102,17 @@ def _fsdp2(tmp: Path, name: str, launch: list[str], devices: int, nodes: int, ba
               "--results-dir", str(out / "results")]  # fmt: skip
     env = subprocess_env(out / "logs")
     procs = [
-        subprocess.Popen([sys.executable, *prefix, *recipe], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        subprocess.Popen(
+            [sys.executable, *prefix, *recipe],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         for prefix in launch
-    ]  # fmt: skip
+    ]
     logs = []
     try:
         for proc in procs:
@@ -1097,8 +1147,10 @@ def test_two_nodes_on_localhost_match_one_node(tmp_path, drill):
     Both see the same samples at every step: DistributedSampler gives step j the samples
     perm[W*B*j : W*B*(j+1)] over all ranks, for any world size W with per-process batch B, and the
     gradient is their mean either way. What may differ is the order of the floating-point sums."""
-    row = drill("--num-nodes 2: two torchrun launches on localhost, 2 processes each",
-                "world size 4; parameters after step 3 equal one node's within float tolerance")  # fmt: skip
+    row = drill(
+        "--num-nodes 2: two torchrun launches on localhost, 2 processes each",
+        "world size 4; parameters after step 3 equal one node's within float tolerance",
+    )
     write_cifar(tmp_path / "data", n_train_files=2, per_batch=60)
     port = _free_port()
     torchrun = ["-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
@@ -1126,8 +1178,10 @@ def test_two_nodes_on_localhost_match_one_node(tmp_path, drill):
             x, y = torch.cat([x[:third], x[2 * third :]]), torch.cat([y[:third], y[2 * third :]])
         compared[key] = (x, y)
     worst = max((x - y).abs().max().item() for x, y in compared.values())
-    row.observed(f"world size {multi['provenance']['world_size']}, nodes {multi['provenance']['num_nodes']};"
-                 f" parameters after step 3 differ by at most {worst:.1e}")  # fmt: skip
+    row.observed(
+        f"world size {multi['provenance']['world_size']}, nodes {multi['provenance']['num_nodes']};"
+        f" parameters after step 3 differ by at most {worst:.1e}"
+    )
     assert (
         multi["status"] == "ok"
         and multi["provenance"]["world_size"] == 4
@@ -1186,8 +1240,14 @@ def test_ctrl_c_while_a_recipe_imports_is_one_line_and_exit_130(tmp_path):
 
 def python_c(code: str) -> subprocess.CompletedProcess:
     """``python -c code``, started as from a terminal (SIGINT at its default): the Ctrl-C tests' child."""
-    return subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True,
-                          timeout=60, preexec_fn=as_from_a_terminal)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        preexec_fn=as_from_a_terminal,
+    )
 
 
 def test_ctrl_c_in_a_tool_is_one_line_and_exit_130():

@@ -15,8 +15,15 @@ SET_BY_A_TEST = "FMR_TEST_SET_BY_A_TEST"
 
 
 def _state() -> tuple:
-    return (dict(os.environ), os.getcwd(), torch.get_default_dtype(), torch.get_num_threads(),
-            torch.get_float32_matmul_precision(), torch.is_grad_enabled(), signal.getsignal(signal.SIGHUP))  # fmt: skip
+    return (
+        dict(os.environ),
+        os.getcwd(),
+        torch.get_default_dtype(),
+        torch.get_num_threads(),
+        torch.get_float32_matmul_precision(),
+        torch.is_grad_enabled(),
+        signal.getsignal(signal.SIGHUP),
+    )
 
 
 def test_what_a_test_sets_for_the_process_is_put_back(tmp_path):

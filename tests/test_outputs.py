@@ -62,8 +62,13 @@ def _clean_checkout_runs() -> dict:
         env, cwd=copy,
     )  # fmt: skip
     ladder = run_process([copy / "run_all.sh", "--cpu", "--only", "01"], env, cwd=copy)
-    status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=copy,
-                            capture_output=True, text=True, check=True).stdout  # fmt: skip
+    status = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=all"],
+        cwd=copy,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return dict(copy=copy, recipe=recipe, ladder=ladder, status=status)
 
 

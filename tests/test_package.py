@@ -23,8 +23,9 @@ def _python(code_or_args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     env = {
         k: v for k, v in os.environ.items() if k != "PYTHONPATH"
     }  # as a user's shell: no checkout on the path
-    return subprocess.run([sys.executable, *code_or_args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, *code_or_args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def _installed() -> bool:

@@ -91,20 +91,34 @@ def _run_wheel():
     tmp = session_dir("wheel")
     wheels, site, deps = tmp / "dist", tmp / "site", tmp / "deps"
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-    build = subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", str(REPO), "-w", str(wheels)],
-                           capture_output=True, text=True, cwd=tmp)  # fmt: skip
+    build = subprocess.run(
+        [*pip, "wheel", "--no-deps", "--no-build-isolation", str(REPO), "-w", str(wheels)],
+        capture_output=True,
+        text=True,
+        cwd=tmp,
+    )
     if build.returncode:
         return build, None
     wheel = next(wheels.glob("*.whl"))
-    install = subprocess.run([*pip, "install", "--no-deps", "--target", str(site), str(wheel)],
-                             capture_output=True, text=True, cwd=tmp)  # fmt: skip
+    install = subprocess.run(
+        [*pip, "install", "--no-deps", "--target", str(site), str(wheel)],
+        capture_output=True,
+        text=True,
+        cwd=tmp,
+    )
     if install.returncode:
         return install, None
     site_of(declared_closure(DIST), deps)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
     env.update(PYTHONPATH=f"{site}{os.pathsep}{deps}", HOME=str(tmp / "home"), FMR_OFFLINE="1")
-    proc = subprocess.run([sys.executable, "-S", "-c", DRIVER, json.dumps(CALLS)], capture_output=True,
-                          text=True, cwd=tmp, env=env, timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-S", "-c", DRIVER, json.dumps(CALLS)],
+        capture_output=True,
+        text=True,
+        cwd=tmp,
+        env=env,
+        timeout=600,
+    )
     return proc, site
 
 

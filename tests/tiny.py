@@ -1,5 +1,6 @@
 """Tiny models, data and files the tests make: a two-layer network on random features (the loop's
-tests), and CIFAR-10's python pickles written to a folder (the data loaders' tests)."""
+tests), CIFAR-10's python pickles written to a folder (the data loaders' tests), and the configs of two
+tiny Hugging Face models (your model's tests)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,30 @@ from fabric_memory_recipes.config import RunConfig
 from fabric_memory_recipes.measurement.results import RunResults
 
 IN, OUT = 12, 10
+# Two Hugging Face configs your model's tests build (hf:<folder>): a 2-layer Llama causal LM of width 64, its
+# embeddings tied, and a 2-layer BERT (BertForMaskedLM: a sequence classifier for the runner) without dropout.
+HF_LLAMA = dict(
+    model_type="llama",
+    architectures=["LlamaForCausalLM"],
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=1000,
+    tie_word_embeddings=True,
+)
+HF_BERT = dict(
+    model_type="bert",
+    architectures=["BertForMaskedLM"],
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    vocab_size=1000,
+    hidden_dropout_prob=0.0,
+    attention_probs_dropout_prob=0.0,
+)
 
 
 def make_log() -> RunResults:

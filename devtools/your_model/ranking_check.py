@@ -103,8 +103,14 @@ def plan(
     env = project_env(PYTHONUNBUFFERED="1", FMR_OFFLINE="1", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     start = time.perf_counter()
     with open(folder / "fit.log", "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "fabric_memory_recipes.planning", *argv, "--json"], cwd=REPO,
-                                env=env, stdout=subprocess.PIPE, stderr=log, text=True)  # fmt: skip
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "fabric_memory_recipes.planning", *argv, "--json"],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+        )
         if cpus:
             os.sched_setaffinity(proc.pid, cpus)  # before its imports end: the threads it starts inherit it
         stdout, _ = proc.communicate()
@@ -134,13 +140,16 @@ def check(name: str, fit: dict[str, Any], measured: dict[str, Any] | None) -> di
     """One model's row: the CPU plan's first pick, what the measured sets did, the targets."""
     fits = fit.get("fits") or []
     row: dict[str, Any] = {
-        "model": name, "card": fit.get("card"), "batch": fit.get("batch_size") or _flag(fit, "--batch-size"),
+        "model": name,
+        "card": fit.get("card"),
+        "batch": fit.get("batch_size") or _flag(fit, "--batch-size"),
         "seq_len": fit.get("seq_len") or _flag(fit, "--seq-len"),
-        "plan_s": fit.get("plan_s"), "pick": fits[0]["label"] if fits else None,
+        "plan_s": fit.get("plan_s"),
+        "pick": fits[0]["label"] if fits else None,
         "pick_command": fits[0]["command"] if fits else None,
         "predicted": [round(f["predicted_samples_per_s"], 1) for f in fits],
         "predicted_device_gb": [round(f["predicted_device_peak_gb"], 2) for f in fits],
-    }  # fmt: skip
+    }
     sets = (measured or {}).get("sets") or []
     if not sets or "status" not in sets[0]:
         return {**row, "measured": None}
@@ -193,14 +202,19 @@ def table(rows: list[dict[str, Any]]) -> str:
             if measured is None
             else ", ".join("—" if m is None else f"{m:.1f}" for m in measured)
         )
-        lines.append(f"| {r['model']} (batch {r['batch']}{seq}) | {r['card']} | {r['pick'] or 'nothing fits'} |"
-                     f" {', '.join(f'{p:.1f}' for p in r['predicted'])} | {shown} | {ratio} | {error} | {fits} |"
-                     f" {r.get('plan_s') or '—'} |")  # fmt: skip
+        lines.append(
+            f"| {r['model']} (batch {r['batch']}{seq}) | {r['card']} | {r['pick'] or 'nothing fits'} |"
+            f" {', '.join(f'{p:.1f}' for p in r['predicted'])} | {shown} | {ratio} | {error} | {fits} |"
+            f" {r.get('plan_s') or '—'} |"
+        )
     done = [r for r in rows if r.get("measured") is not None]
-    lines += ["", f"Measured {len(done)} of {len(rows)} models: first pick ≥ 0.90 of the fastest on"
-              f" {sum(r['ratio_met'] for r in done)}, predicted within ±25 % on {sum(r['error_met'] for r in done)},"
-              f" every measured set within its card on {sum(r['all_fit'] for r in done)};"
-              f" sets over the card or out of memory: {sum(r['sets_run'] - r['sets_fit'] for r in done)}."]  # fmt: skip
+    lines += [
+        "",
+        f"Measured {len(done)} of {len(rows)} models: first pick ≥ 0.90 of the fastest on"
+        f" {sum(r['ratio_met'] for r in done)}, predicted within ±25 % on {sum(r['error_met'] for r in done)},"
+        f" every measured set within its card on {sum(r['all_fit'] for r in done)};"
+        f" sets over the card or out of memory: {sum(r['sets_run'] - r['sets_fit'] for r in done)}.",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -251,9 +265,16 @@ def run(args: Any) -> None:
         name, flags, card = job
         answer = plan(name, flags, card, out, args.top, planner_cpus, args.plans)
         pick = answer["fits"][0] if answer.get("fits") else None
-        say(f"{name} at {card}: {'reused the plan of' if answer.get('reused_from') else 'planned in'} {answer['plan_s']:.0f} s, exit {answer['exit']}; first pick "
-            + (f"{pick['label']}, {pick['predicted_samples_per_s']:.1f} samples/s predicted,"
-               f" {pick['predicted_device_peak_gb']:.2f} GB" if pick else "none"))  # fmt: skip
+        say(
+            f"{name} at {card}: {'reused the plan of' if answer.get('reused_from') else 'planned in'}"
+            f" {answer['plan_s']:.0f} s, exit {answer['exit']}; first pick "
+            + (
+                f"{pick['label']}, {pick['predicted_samples_per_s']:.1f} samples/s predicted,"
+                f" {pick['predicted_device_peak_gb']:.2f} GB"
+                if pick
+                else "none"
+            )
+        )
         write_summary(out, args.archive)
         return answer
 

@@ -75,8 +75,24 @@ from fabric_memory_recipes.planning.simulation.tracking import SavedTensorCounte
 from fabric_memory_recipes.training.models import meta_ladder_model
 
 __all__ = [
-    "ALLOCATOR_ROUND", "ATTENTION_CHOICES", "COMPONENT_COLORS", "COMPONENTS", "CUDA_WORKSPACE_BYTES", "GB", "Estimate", "Plan",
-    "SavedTensorCounter", "check_results", "failed", "for_run", "image_batch", "instrument", "meta_ladder_model",
+    "ALLOCATOR_ROUND",
+    "ATTENTION_CHOICES",
+    "COMPONENT_COLORS",
+    "COMPONENTS",
+    "CUDA_WORKSPACE_BYTES",
+    "GB",
+    "Estimate",
+    "Plan",
+    "SavedTensorCounter",
+    "check_results",
+    "failed",
+    "for_run",
+    "image_batch",
+    "instrument",
+    "meta_ladder_model",
     "plan_for",
-    "plot_check", "plot_timeline", "render_check", "simulate",
-]  # fmt: skip
+    "plot_check",
+    "plot_timeline",
+    "render_check",
+    "simulate",
+]

@@ -113,15 +113,19 @@ def card_lines(card: dict[str, Any]) -> str:
     if card["replayed_reserved_gb"] is None:  # several processes: the sharded ratio
         reserved = f"  {'peak reserved':<22}{card['peak_reserved_gb']:>11.3f}   {card['reserved_rule']}"
     else:
-        reserved = (f"  {'peak reserved':<22}{card['peak_reserved_gb']:>11.3f}   the allocator replay's"
-                    f" {card['replayed_reserved_gb']:.3f} x {card['reserved_residual']} (planning/reserved.py)")  # fmt: skip
-    return "\n".join([
-        reserved,
-        f"  {'whole-device peak':<22}{device:>11.3f}   + {card['overhead_gb']:.3f} GB outside the allocator"
-        f" ({card['overhead_source']})"
-        if device is not None
-        else f"  {'whole-device peak':<22}{'unknown':>11}   {card['overhead_source']}",
-    ])  # fmt: skip
+        reserved = (
+            f"  {'peak reserved':<22}{card['peak_reserved_gb']:>11.3f}   the allocator replay's"
+            f" {card['replayed_reserved_gb']:.3f} x {card['reserved_residual']} (planning/reserved.py)"
+        )
+    return "\n".join(
+        [
+            reserved,
+            f"  {'whole-device peak':<22}{device:>11.3f}   + {card['overhead_gb']:.3f} GB outside the allocator"
+            f" ({card['overhead_source']})"
+            if device is not None
+            else f"  {'whole-device peak':<22}{'unknown':>11}   {card['overhead_source']}",
+        ]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,9 +155,14 @@ def main(argv: list[str] | None = None) -> int:
         record_timeline=bool(args.plot),
         model_name=cfg.model,
     )
-    card = card_prediction(est.peak_gb, replayed_gb=est.reserved_gb, graphs=bool(cfg.cuda_graphs),
-                           compiled=bool(cfg.compile), gpu=args.gpu,
-                           devices=cfg.world_size if cfg.sharding != "none" else 1)  # fmt: skip
+    card = card_prediction(
+        est.peak_gb,
+        replayed_gb=est.reserved_gb,
+        graphs=bool(cfg.cuda_graphs),
+        compiled=bool(cfg.compile),
+        gpu=args.gpu,
+        devices=cfg.world_size if cfg.sharding != "none" else 1,
+    )
     if args.json:
         print(json.dumps({"recipe": label, **est.to_dict(), **card}, indent=2))
     else:

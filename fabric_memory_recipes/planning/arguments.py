@@ -45,12 +45,14 @@ WHERE = {
     FIT: "the ladder's --fit SIZE (your own model's: --model SOURCE:NAME --fit SIZE)",
     YOURS: "--model SOURCE:NAME",
 }
-# Your model's own flags (its technique set, --seq-len, ...): not flags of a rung. --optimizer is both.
-YOURS_ONLY = tuple(
-    f.name for f in runner.YourModelConfig.flag_fields()
-    if f.name not in {g.name for g in RunConfig.flag_fields()} and f.name != "optimizer"
-)  # fmt: skip
 FIT_BATCH = 16  # the ladder planner's effective batch unless --batch-size
+
+
+def yours_only() -> tuple[str, ...]:
+    """Your model's own flags (its technique set, --seq-len, ...): not flags of a rung. --optimizer is both.
+    Read from the records when asked, so that a technique registered after import is one of them."""
+    rung = {g.name for g in RunConfig.flag_fields()}
+    return tuple(f.name for f in runner.YourModelConfig.flag_fields() if f.name not in rung | {"optimizer"})
 
 
 def _shown(value: Any) -> Any:
@@ -63,9 +65,11 @@ def _help(name: str) -> str:
     fld = next(f for f in cls.flag_fields() if f.name == name)
     text = RunConfig.HELP.get(name, fld.metadata["help"])
     if name == "model":
-        return (f"a model of the ladder, {text}; or your own model: {cls.HELP['model']} (default: the --recipe rung's, else"
-                f" vit_l_16; --fit: vit_l_16)")  # fmt: skip
-    if name in YOURS_ONLY:
+        return (
+            f"a model of the ladder, {text}; or your own model: {cls.HELP['model']} (default: the --recipe rung's, else"
+            f" vit_l_16; --fit: vit_l_16)"
+        )
+    if name in yours_only():
         text += "" if "default" in text else f" (default: {_shown(getattr(yours, name))})"
         return f"your model: {text}"
     if "default" not in text:  # unless the help says it itself (--mode, --compile, ...)
@@ -87,53 +91,107 @@ def build() -> Parser:
         "modes (none of these: a rung's estimate; --model SOURCE:NAME: your own model's)"
     )
     m.add_argument("--recipe", help="estimate the configuration declared in recipes/<NAME>.py (its RUNG)")
-    m.add_argument("--fit", metavar="SIZE", help="which configurations fit a card of SIZE (6GB, 6.5GB, 512MB, 8GiB),"
-                   " fastest first: the ladder's, or your own model's technique sets with --model SOURCE:NAME")  # fmt: skip
-    m.add_argument("--check", nargs="+", metavar="DIR",
-                   help="predict every results JSON in DIR from its config and compare with its measured peak (ViT rungs"
-                   " measured on a CUDA GPU with status ok; files it cannot read are named on stderr; exit 2, with"
-                   " the reason, when nothing can be compared)")  # fmt: skip
-    m.add_argument("--ladder", metavar="DIR", help="predict every rung with a results JSON in DIR (none there: every"
-                   " rung) at full size (ViT-L/16, GPU config) and write DIR/predicted.json for the report")  # fmt: skip
+    m.add_argument(
+        "--fit",
+        metavar="SIZE",
+        help="which configurations fit a card of SIZE (6GB, 6.5GB, 512MB, 8GiB),"
+        " fastest first: the ladder's, or your own model's technique sets with --model SOURCE:NAME",
+    )
+    m.add_argument(
+        "--check",
+        nargs="+",
+        metavar="DIR",
+        help="predict every results JSON in DIR from its config and compare with its measured peak (ViT rungs"
+        " measured on a CUDA GPU with status ok; files it cannot read are named on stderr; exit 2, with"
+        " the reason, when nothing can be compared)",
+    )
+    m.add_argument(
+        "--ladder",
+        metavar="DIR",
+        help="predict every rung with a results JSON in DIR (none there: every"
+        " rung) at full size (ViT-L/16, GPU config) and write DIR/predicted.json for the report",
+    )
     out = p.add_argument_group("output and card (every mode but --ladder)")
     out.add_argument("--json", action="store_true", help="print the answer as JSON")
-    out.add_argument("--gpu", default=calibration.REFERENCE_GPU, type=gpu_kind,
-                     help="GPU kind whose measured card overhead (and, with --fit, committed runs) apply (h100, h200, ...)")  # fmt: skip
-    out.add_argument("--plot", metavar="PNG",
-                     help="a rung's estimate: write the simulated timeline as a PNG; --check: predicted vs measured")  # fmt: skip
+    out.add_argument(
+        "--gpu",
+        default=calibration.REFERENCE_GPU,
+        type=gpu_kind,
+        help="GPU kind whose measured card overhead (and, with --fit, committed runs) apply (h100, h200, ...)",
+    )
+    out.add_argument(
+        "--plot",
+        metavar="PNG",
+        help="a rung's estimate: write the simulated timeline as a PNG; --check: predicted vs measured",
+    )
     e = p.add_argument_group("a rung's estimate (--recipe NN)")
     e.add_argument("--attention", choices=ATTENTION_CHOICES, default="auto", help="attention kernel to model")
-    e.add_argument("--optimizer", choices=tuple(OPTIMIZERS),
-                   help=f"override the recipe's optimizer (your model: one of {', '.join(runner.OPTIMIZERS)}) (default: the"
-                   " --recipe rung's; your model: adamw)")  # fmt: skip
+    e.add_argument(
+        "--optimizer",
+        choices=tuple(OPTIMIZERS),
+        help=f"override the recipe's optimizer (your model: one of {', '.join(runner.OPTIMIZERS)}) (default: the"
+        " --recipe rung's; your model: adamw)",
+    )
     e.add_argument("--checkpoint", help="comma-separated module classes to checkpoint (e.g. EncoderBlock)")
     f = p.add_argument_group("--fit SIZE (the ladder's planner; --top and --verbose also for your model's)")
     f.add_argument("--top", type=at_least(1), default=5, help="how many fitting configurations to print")
     f.add_argument("--verbose", action="store_true", help="every speed constant with the runs it comes from")
-    f.add_argument("--precisions", type=comma_list(PLANNED_PRECISIONS), default=PLANNED_PRECISIONS,
-                   help="precisions to combine")  # fmt: skip
-    f.add_argument("--optimizers", type=comma_list(PLANNED_OPTIMIZERS), default=PLANNED_OPTIMIZERS,
-                   help="optimizers to combine (SGD and 8-bit Adam change the training: docs/06, docs/13)")  # fmt: skip
+    f.add_argument(
+        "--precisions",
+        type=comma_list(PLANNED_PRECISIONS),
+        default=PLANNED_PRECISIONS,
+        help="precisions to combine",
+    )
+    f.add_argument(
+        "--optimizers",
+        type=comma_list(PLANNED_OPTIMIZERS),
+        default=PLANNED_OPTIMIZERS,
+        help="optimizers to combine (SGD and 8-bit Adam change the training: docs/06, docs/13)",
+    )
     f.add_argument("--modes", type=comma_list(MODES), default=MODES, help="modes to combine")
-    f.add_argument("--results", nargs="+", default=[str(calibration.RESULTS_DIR)], metavar="DIR",
-                   help="folders of committed results JSON to calibrate on (read recursively)")  # fmt: skip
+    f.add_argument(
+        "--results",
+        nargs="+",
+        default=[str(calibration.RESULTS_DIR)],
+        metavar="DIR",
+        help="folders of committed results JSON to calibrate on (read recursively)",
+    )
     f.add_argument("--no-cache", action="store_true", help="simulate again instead of reading the cache")
     y = p.add_argument_group("your model's --fit SIZE (--model SOURCE:NAME)")
-    y.add_argument("--may-change", type=comma_list(MAY_CHANGE), default=(), metavar="WHAT",
-                   help="also try other precisions and/or optimizers (precision,optimizer); each such row shows the"
-                   " accuracy cost the convergence benchmark measured (default: keep yours)")  # fmt: skip
-    y.add_argument("--measure", action="store_true", help="run the top sets on this machine's CUDA GPU, a few steps"
-                   " each on the emulated card, and rank them by measured samples/s")  # fmt: skip
+    y.add_argument(
+        "--may-change",
+        type=comma_list(MAY_CHANGE),
+        default=(),
+        metavar="WHAT",
+        help="also try other precisions and/or optimizers (precision,optimizer); each such row shows the"
+        " accuracy cost the convergence benchmark measured (default: keep yours)",
+    )
+    y.add_argument(
+        "--measure",
+        action="store_true",
+        help="run the top sets on this machine's CUDA GPU, a few steps"
+        " each on the emulated card, and rank them by measured samples/s",
+    )
     y.add_argument(
         "--measure-steps", type=at_least(4), default=15, metavar="N", help="optimizer steps per measured set"
     )
-    y.add_argument("--measure-dir", type=output_folder("--measure-dir"), metavar="DIR",
-                   help="where --measure writes plan.json, plan.md and the runs (default: runs/fit/<model>-<SIZE>)")  # fmt: skip
+    y.add_argument(
+        "--measure-dir",
+        type=output_folder("--measure-dir"),
+        metavar="DIR",
+        help="where --measure writes plan.json, plan.md and the runs (default: runs/fit/<model>-<SIZE>)",
+    )
     cls = (
         runner.YourModelConfig
     )  # RunConfig's flags and your model's technique set; the estimate's --optimizer
-    cli.add_flags(p, cls, help_of=_help, data_choices=tuple(dict.fromkeys((*RunConfig.DATA_CHOICES, *cls.DATA_CHOICES))),
-                  skip=("optimizer",), titles={**cls.GROUPS, "technique": "your model's technique set (--model SOURCE:NAME)"})  # fmt: skip
+    cli.add_flags(
+        p,
+        cls,
+        help_of=_help,
+        data_choices=tuple(dict.fromkeys((*RunConfig.DATA_CHOICES, *cls.DATA_CHOICES))),
+        skip=("optimizer",),
+        titles={**cls.GROUPS, "technique": "your model's technique set (--model SOURCE:NAME)"},
+    )
     p.set_defaults(
         **{f.name: None for f in cls.flag_fields() if f.name != "optimizer"}
     )  # filled after parsing
@@ -161,7 +219,7 @@ def allowed(mode: str) -> set[str]:
         LADDER: {"ladder"},
         FIT: fit | {"precisions", "optimizers", "modes", "results", "no_cache", "batch_size", "model"},
         YOURS: run
-        | set(YOURS_ONLY)
+        | set(yours_only())
         | fit
         | {"optimizer", "may_change", "measure", "measure_steps", "measure_dir"},
     }[mode]
@@ -194,8 +252,10 @@ def ladder_model(args: argparse.Namespace) -> None:
     """The ladder planner's --model and --batch-size (not a rung's: its own defaults)."""
     args.model = args.model or "vit_l_16"
     if args.model not in VIT_MODELS:
-        fail(f"--model {args.model!r} is not one of: {', '.join(VIT_MODELS)}; your own model:"
-             f" {models.EXAMPLES} (docs/your_model.md)")  # fmt: skip
+        fail(
+            f"--model {args.model!r} is not one of: {', '.join(VIT_MODELS)}; your own model:"
+            f" {models.EXAMPLES} (docs/your_model.md)"
+        )
     args.batch_size = args.batch_size or FIT_BATCH
 
 

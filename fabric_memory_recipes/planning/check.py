@@ -73,9 +73,23 @@ def _skip_reason(result: Any) -> str | None:
 
 # What a results JSON's ``estimate.assumptions`` record of the plan its run simulated: what the run
 # built or declared beyond its flags (rung 16's activation offload, say), taken as recorded.
-RECORDED_PLAN = ("precision", "micro_batch_size", "accumulation_steps", "optimizer", "optimizer_impl",
-                 "activation_checkpointing", "checkpoint_mode", "sharding", "shard_units", "world_size",
-                 "cpu_offload", "activation_offload", "optimizer_in_backward", "weights_offload", "fused_loss")  # fmt: skip
+RECORDED_PLAN = (
+    "precision",
+    "micro_batch_size",
+    "accumulation_steps",
+    "optimizer",
+    "optimizer_impl",
+    "activation_checkpointing",
+    "checkpoint_mode",
+    "sharding",
+    "shard_units",
+    "world_size",
+    "cpu_offload",
+    "activation_offload",
+    "optimizer_in_backward",
+    "weights_offload",
+    "fused_loss",
+)
 
 
 def _rerun(result: dict[str, Any]) -> tuple[Any, Plan, str | None, dict[str, Any]]:
@@ -193,9 +207,14 @@ def device_check(
     memory, config = result.get("memory") or {}, result.get("config") or {}
     prov = result.get("provenance") or {}
     devices = int(config.get("devices") or 1) if prov.get("world_size", 1) > 1 else 1
-    card = card_prediction(allocated_gb, replayed_gb=replayed_gb, graphs=bool(config.get("cuda_graphs")),
-                           compiled=bool(config.get("compile")), gpu=gpu_slug(prov.get("gpu_name")),
-                           devices=devices)  # fmt: skip
+    card = card_prediction(
+        allocated_gb,
+        replayed_gb=replayed_gb,
+        graphs=bool(config.get("cuda_graphs")),
+        compiled=bool(config.get("compile")),
+        gpu=gpu_slug(prov.get("gpu_name")),
+        devices=devices,
+    )
     predicted, device = predicted_reserved(card)
     reserved = memory.get("run_peak_reserved_gb")
     measured = memory.get("device_peak_gb")

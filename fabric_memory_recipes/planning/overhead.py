@@ -205,9 +205,17 @@ def replayed_card(replayed_gb: float | None, over: Overhead, processes: int = 1)
     }
 
 
-def card_prediction(allocated_gb: float | None, *, replayed_gb: float | None = None, graphs: bool,
-                    compiled: bool, gpu: str, sharded: ReservedRatio | None = None,
-                    table: dict[str, Any] | None = None, devices: int = 1) -> dict[str, Any]:  # fmt: skip
+def card_prediction(
+    allocated_gb: float | None,
+    *,
+    replayed_gb: float | None = None,
+    graphs: bool,
+    compiled: bool,
+    gpu: str,
+    sharded: ReservedRatio | None = None,
+    table: dict[str, Any] | None = None,
+    devices: int = 1,
+) -> dict[str, Any]:
     """A simulated step taken to the card, per GPU, with the overhead of ``gpu`` in its mode and with
     ``devices`` processes on the machine (:func:`overhead_per_gpu`). One process: :func:`replayed_card`
     of the step's allocator replay ``replayed_gb``. Several: the simulated peak allocated x the largest
@@ -219,10 +227,17 @@ def card_prediction(allocated_gb: float | None, *, replayed_gb: float | None = N
         ratio = sharded or committed_sharded_ratio()
         reserved = None if allocated_gb is None else allocated_gb * ratio.ratio
         device = None if reserved is None or over.gb is None else reserved + over.gb
-        card = {"peak_reserved_gb": reserved, "device_peak_gb": device, "replayed_reserved_gb": None,
-                "replayed_device_gb": None, "reserved_rule": f"peak allocated x {ratio.line()}",
-                "reserved_ratio": ratio.ratio, "overhead_gb": over.gb, "overhead_source": over.source,
-                "overhead_legend": over.phrase(devices)}  # fmt: skip
+        card = {
+            "peak_reserved_gb": reserved,
+            "device_peak_gb": device,
+            "replayed_reserved_gb": None,
+            "replayed_device_gb": None,
+            "reserved_rule": f"peak allocated x {ratio.line()}",
+            "reserved_ratio": ratio.ratio,
+            "overhead_gb": over.gb,
+            "overhead_source": over.source,
+            "overhead_legend": over.phrase(devices),
+        }
     else:
         card = replayed_card(replayed_gb, over)
     return {"gpu": gpu, "peak_allocated_gb": allocated_gb, **card, "devices": devices}
@@ -250,13 +265,17 @@ def main(argv: list[str] | None = None) -> int:
     table = measure(args.folders)
     for gpu, modes in table["kinds"].items():
         for mode, e in modes.items():
-            print(f"{gpu} {mode}: {e['overhead_gb']:.3f} GB (largest of {e['runs']}, smallest"
-                  f" {e['smallest_gb']:.3f}; {', '.join(e['methods'])}; {e['largest_from']})")  # fmt: skip
+            print(
+                f"{gpu} {mode}: {e['overhead_gb']:.3f} GB (largest of {e['runs']}, smallest"
+                f" {e['smallest_gb']:.3f}; {', '.join(e['methods'])}; {e['largest_from']})"
+            )
     for gpu, counts in table["sharded"].items():
         for n, modes in counts.items():
             for mode, e in modes.items():
-                print(f"{gpu} x{n} {mode}: {e['overhead_gb']:.3f} GB per GPU (largest of {e['runs']},"
-                      f" smallest {e['smallest_gb']:.3f}; {e['largest_from']})")  # fmt: skip
+                print(
+                    f"{gpu} x{n} {mode}: {e['overhead_gb']:.3f} GB per GPU (largest of {e['runs']},"
+                    f" smallest {e['smallest_gb']:.3f}; {e['largest_from']})"
+                )
     if not table["kinds"]:
         print("no run with a measured overhead in " + ", ".join(args.folders), file=sys.stderr)
         return 2

@@ -7,7 +7,7 @@ import dataclasses
 from typing import Any
 
 from fabric_memory_recipes.config import RunConfig
-from fabric_memory_recipes.techniques import OPTIMIZERS, switches
+from fabric_memory_recipes.techniques import CHECKPOINT_MODE, OPTIMIZERS, switches
 from fabric_memory_recipes.training.techniques.checkpointing import CheckpointedBlock
 
 GB = 1e9
@@ -114,7 +114,7 @@ class Plan:
     offload_window_bytes: int = 0
     optimizer_in_backward: bool = False
     weights_offload: bool = False
-    checkpoint_mode: str = "full"  # what a checkpointed block keeps (training/techniques/checkpointing.py)
+    checkpoint_mode: str = CHECKPOINT_MODE.default  # what a checkpointed block keeps (its record's option)
     switched: tuple[str, ...] = ()  # techniques.switches() on, by name: each applied by its module
 
     def __post_init__(self) -> None:

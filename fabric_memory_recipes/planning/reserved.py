@@ -43,8 +43,14 @@ def residuals(runs: tuple[calibration.Measured, ...] | None = None) -> list[dict
         key = (run.recipe, run.model, run.precision, run.batch_size, run.accumulation_steps)
         if key not in seen:
             seen[key] = replayed(run)
-        rows.append({"path": run.path, "measured_gb": run.reserved_gb, "replayed_gb": seen[key],
-                     "ratio": run.reserved_gb / seen[key]})  # fmt: skip
+        rows.append(
+            {
+                "path": run.path,
+                "measured_gb": run.reserved_gb,
+                "replayed_gb": seen[key],
+                "ratio": run.reserved_gb / seen[key],
+            }
+        )
     return rows
 
 

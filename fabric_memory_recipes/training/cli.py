@@ -32,9 +32,14 @@ def build_parser(rung: RunConfig, description: str = "") -> argparse.ArgumentPar
     return p
 
 
-def add_flags(p: argparse.ArgumentParser, cls: type[RunConfig], help_of: Callable[[str], str] | None = None,
-              data_choices: tuple[str, ...] | None = None, skip: tuple[str, ...] = (),
-              titles: dict[str, str] | None = None) -> None:  # fmt: skip
+def add_flags(
+    p: argparse.ArgumentParser,
+    cls: type[RunConfig],
+    help_of: Callable[[str], str] | None = None,
+    data_choices: tuple[str, ...] | None = None,
+    skip: tuple[str, ...] = (),
+    titles: dict[str, str] | None = None,
+) -> None:
     """``cls``'s flags (its fields with a flag, but ``skip``) into ``p``, one argument group per
     ``cls.GROUPS`` key (``titles`` may add or retitle groups), each with its help (``help_of(name)``, else
     ``cls.HELP`` or the field's) and ``--data`` choosing from ``data_choices`` (else ``cls.DATA_CHOICES``)."""

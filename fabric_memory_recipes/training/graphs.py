@@ -262,8 +262,15 @@ class StepGraph:
             logits_.append(logits)
             targets_.append(targets)
 
-        train_step(self.fabric, self.model, self.optimizer, self.batch_fn, group, keep,
-                   free_gradients=not self.persistent_grads)  # fmt: skip
+        train_step(
+            self.fabric,
+            self.model,
+            self.optimizer,
+            self.batch_fn,
+            group,
+            keep,
+            free_gradients=not self.persistent_grads,
+        )
         return torch.stack(losses).sum(), torch.cat(logits_), torch.cat(targets_)
 
     def memory(self) -> dict[str, float] | None:

@@ -31,8 +31,18 @@ from fabric_memory_recipes.training.techniques.step_in_backward import Scheduler
 __all__ = ["evaluate", "evaluate_splits", "fit", "planned_steps", "with_warmup"]
 
 
-def fit(fabric, model, optimizer, train_loader, batch_fn: BatchFn, cfg: RunConfig, results: RunResults,
-        *, scheduler=None, num_classes: int = NUM_CLASSES) -> None:  # fmt: skip
+def fit(
+    fabric,
+    model,
+    optimizer,
+    train_loader,
+    batch_fn: BatchFn,
+    cfg: RunConfig,
+    results: RunResults,
+    *,
+    scheduler=None,
+    num_classes: int = NUM_CLASSES,
+) -> None:
     """Train for ``cfg.epochs`` (at most ``cfg.max_steps`` optimizer steps) with micro-batches of
     ``train_loader`` grouped by ``cfg.accumulation_steps``; ``batch_fn(model, batch)`` returns (loss,
     logits, targets). ``optimizer`` is None when the update happens inside backward (rung 12)."""
@@ -46,8 +56,16 @@ def fit(fabric, model, optimizer, train_loader, batch_fn: BatchFn, cfg: RunConfi
             run.record(loss_sum, logits, targets, micro_batches=len(group))
         else:
             with run.eager_step():  # fast mode's warm-up steps run on the graph's side stream
-                train_step(fabric, model, optimizer, batch_fn, group, run.record,  # rungs 05 and 12: step.py
-                           free_gradients=run.frees_gradients, region=run.region)  # fmt: skip
+                train_step(  # rungs 05 and 12: step.py
+                    fabric,
+                    model,
+                    optimizer,
+                    batch_fn,
+                    group,
+                    run.record,
+                    free_gradients=run.frees_gradients,
+                    region=run.region,
+                )
             run.warmup_step_done()
         if scheduler is not None:
             scheduler.step()  # rung 06: the learning rate follows its schedule, once per optimizer step
@@ -71,9 +89,14 @@ def with_warmup(optimizer, scheduler, steps: int):
 
 
 def evaluate(
-    fabric, model, loader, batch_fn: BatchFn, max_batches: int | None = None, num_classes: int = NUM_CLASSES,
+    fabric,
+    model,
+    loader,
+    batch_fn: BatchFn,
+    max_batches: int | None = None,
+    num_classes: int = NUM_CLASSES,
     desc: str = "eval",
-) -> float:  # fmt: skip
+) -> float:
     """Accuracy over ``loader`` (all ranks' shards together), at most ``max_batches`` batches. Compiled
     models run their original code here: compiling the evaluation's graphs (another mode, no gradients)
     would cost more start-up time than a few eager batches. A stop request (Ctrl-C, SIGTERM, SIGUSR1)
@@ -97,8 +120,14 @@ def _evaluate(fabric, model, loader, batch_fn, max_batches, num_classes, desc):
     acc = accuracy_metric(fabric.device, num_classes)
     total = len(loader) if max_batches is None else min(len(loader), max_batches)
     stop = StopCheck(fabric)  # every process stops after the same batch
-    bar = tqdm(total=total, desc=desc, unit="batch", leave=False, dynamic_ncols=True,
-               disable=not getattr(fabric, "is_global_zero", True))  # fmt: skip
+    bar = tqdm(
+        total=total,
+        desc=desc,
+        unit="batch",
+        leave=False,
+        dynamic_ncols=True,
+        disable=not getattr(fabric, "is_global_zero", True),
+    )
     done = 0
     with faults.stopping_at("evaluation batch"):
         try:
@@ -115,15 +144,24 @@ def _evaluate(fabric, model, loader, batch_fn, max_batches, num_classes, desc):
     return (acc.compute().item() if done else None), done, total, stop.signum
 
 
-def evaluate_splits(fabric, model, val_loader, test_loader, batch_fn: BatchFn, results: RunResults,
-                    max_batches: int | None = None, num_classes: int = NUM_CLASSES) -> None:  # fmt: skip
+def evaluate_splits(
+    fabric,
+    model,
+    val_loader,
+    test_loader,
+    batch_fn: BatchFn,
+    results: RunResults,
+    max_batches: int | None = None,
+    num_classes: int = NUM_CLASSES,
+) -> None:
     """Validation and test accuracy into the run's results. A stop request during evaluation keeps
     what was measured (``extra.evaluation``: batches done of planned, the accuracy over them) and
     raises :class:`faults.Interrupted` for ``lifecycle.run_recipe``, which records the run as stopped."""
     evaluation = results.extra.setdefault("evaluation", {})
     for split, loader in (("val", val_loader), ("test", test_loader)):
-        value, done, total, signum = _evaluate(fabric, model, loader, batch_fn, max_batches, num_classes,
-                                               f"{split} accuracy")  # fmt: skip
+        value, done, total, signum = _evaluate(
+            fabric, model, loader, batch_fn, max_batches, num_classes, f"{split} accuracy"
+        )
         evaluation[split] = {"batches": done, "of": total, "accuracy": value}
         if signum:
             raise _stopped(signum, f"{split} evaluation", done, total, results.optimizer_steps)

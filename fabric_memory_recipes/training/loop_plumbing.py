@@ -94,8 +94,18 @@ class StopCheck:
 class TrainingRun:
     """The state of one ``fit``: step counters, resume position, loss window, bar, graph, profiler."""
 
-    def __init__(self, fabric, model, optimizer, scheduler, train_loader, batch_fn, cfg: RunConfig,
-                 results: RunResults, num_classes: int) -> None:  # fmt: skip
+    def __init__(
+        self,
+        fabric,
+        model,
+        optimizer,
+        scheduler,
+        train_loader,
+        batch_fn,
+        cfg: RunConfig,
+        results: RunResults,
+        num_classes: int,
+    ) -> None:
         self.fabric, self.loader, self.cfg, self.results = fabric, train_loader, cfg, results
         self.num_batches = len(train_loader)
         if self.num_batches == 0:
@@ -104,8 +114,10 @@ class TrainingRun:
             )
         self.total = planned_steps(self.num_batches, cfg.accumulation_steps, cfg.epochs, cfg.max_steps)
         if cfg.max_steps and cfg.max_steps > self.total and fabric.is_global_zero:
-            notice(f"[steps] --max-steps {cfg.max_steps}: {cfg.epochs} epoch(s) hold {self.total} optimizer steps;"
-                   f" running {self.total} (--epochs raises the cap)")  # fmt: skip
+            notice(
+                f"[steps] --max-steps {cfg.max_steps}: {cfg.epochs} epoch(s) hold {self.total} optimizer steps;"
+                f" running {self.total} (--epochs raises the cap)"
+            )
         self.train_acc = accuracy_metric(fabric.device, num_classes)
         self.window_loss = torch.zeros((), device=fabric.device)
         self.window_batches = 0
@@ -119,8 +131,14 @@ class TrainingRun:
         if cfg.resume:
             self._restore(cfg.resume)
         self.optimizer = optimizer
-        self.bar = tqdm(total=self.total, initial=self.step, desc=results.recipe, unit="step",
-                        disable=not fabric.is_global_zero, dynamic_ncols=True)  # fmt: skip
+        self.bar = tqdm(
+            total=self.total,
+            initial=self.step,
+            desc=results.recipe,
+            unit="step",
+            disable=not fabric.is_global_zero,
+            dynamic_ncols=True,
+        )
         self.graph = None
         if cfg.cuda_graphs:  # fast mode
             accumulates = cfg.accumulation_steps > 1
@@ -171,12 +189,20 @@ class TrainingRun:
 
     def _save_checkpoint(self, epoch: int, batch_in_epoch: int, epoch_rng: torch.Tensor) -> str:
         r = self.results
-        return checkpoints.save(self.fabric, self.cfg.checkpoint_dir, self.step, {
-            **self.stateful, "step": self.step, "epoch": epoch, "batch_in_epoch": batch_in_epoch,
-            "epoch_rng": epoch_rng, "rng": torch.get_rng_state(),
+        state = {
+            **self.stateful,
+            "step": self.step,
+            "epoch": epoch,
+            "batch_in_epoch": batch_in_epoch,
+            "epoch_rng": epoch_rng,
+            "rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-            "optimizer_steps": r.optimizer_steps, "micro_batches": r.micro_batches,
-        }, self.cfg.keep_checkpoints)  # fmt: skip
+            "optimizer_steps": r.optimizer_steps,
+            "micro_batches": r.micro_batches,
+        }
+        return checkpoints.save(
+            self.fabric, self.cfg.checkpoint_dir, self.step, state, self.cfg.keep_checkpoints
+        )
 
     # ---------------------------------------------------------------------------------- fast mode
     @property

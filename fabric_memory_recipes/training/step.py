@@ -29,8 +29,17 @@ def no_region(name: str) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
-def train_step(fabric, model, optimizer, batch_fn: Callable, group: Iterable, record: Record | None = None,
-               *, free_gradients: bool = True, region: Region = no_region) -> None:  # fmt: skip
+def train_step(
+    fabric,
+    model,
+    optimizer,
+    batch_fn: Callable,
+    group: Iterable,
+    record: Record | None = None,
+    *,
+    free_gradients: bool = True,
+    region: Region = no_region,
+) -> None:
     """One optimizer step over the micro-batches of ``group`` (``len(group)`` of them): forward, the loss
     divided by the group's size, backward, then ``optimizer.step()`` and ``zero_grad``. ``record`` gets
     each micro-batch's loss, logits and targets after its backward; ``region(name)`` wraps the

@@ -107,8 +107,10 @@ def publish(tar: Path, dest: Path, docs: Path, table_file: Path = overhead.TABLE
     )
     for row in check_results(folders):
         if row.get("world_size", 1) > 1 and row.get("device_error_pct") is not None:
-            summary.append(f"whole device per GPU {row['file']}: predicted {row['predicted_device_gb']:.2f},"
-                           f" measured {row['measured_device_gb']:.2f} GB ({row['device_error_pct']:+.1f} %)")  # fmt: skip
+            summary.append(
+                f"whole device per GPU {row['file']}: predicted {row['predicted_device_gb']:.2f},"
+                f" measured {row['measured_device_gb']:.2f} GB ({row['device_error_pct']:+.1f} %)"
+            )
     return summary
 
 

@@ -32,8 +32,9 @@ def model(device: torch.device, checkpointed: bool) -> torch.nn.Module:
     torch.manual_seed(0)
     cuda = device.type == "cuda"
     h = 256 if cuda else 32
-    m = VisionTransformer(32, 4 if cuda else 16, num_layers=6, num_heads=4, hidden_dim=h, mlp_dim=4 * h,
-                          num_classes=10)  # fmt: skip
+    m = VisionTransformer(
+        32, 4 if cuda else 16, num_layers=6, num_heads=4, hidden_dim=h, mlp_dim=4 * h, num_classes=10
+    )
     if checkpointed:
         for i, b in enumerate(models.blocks(m)):
             m.encoder.layers[i] = models.CheckpointedBlock(b)
@@ -103,14 +104,17 @@ def compare(device: torch.device) -> dict:
     t = time.perf_counter()
     bf16 = torch.bfloat16
     return {
-        "fp32_vs_gpu_adam": diff(streamed(device, batches, torch.float32, False), reference_fp32(device, batches),
-                                 start[False]),
-        "bf16_ckpt_vs_bf16_compute_cpu_adam": diff(streamed(device, batches, bf16, True),
-                                                   reference_bf16(device, batches, True), start[True]),
-        "bf16_vs_bf16_compute_cpu_adam": diff(streamed(device, batches, bf16, False),
-                                              reference_bf16(device, batches, False), start[False]),
+        "fp32_vs_gpu_adam": diff(
+            streamed(device, batches, torch.float32, False), reference_fp32(device, batches), start[False]
+        ),
+        "bf16_ckpt_vs_bf16_compute_cpu_adam": diff(
+            streamed(device, batches, bf16, True), reference_bf16(device, batches, True), start[True]
+        ),
+        "bf16_vs_bf16_compute_cpu_adam": diff(
+            streamed(device, batches, bf16, False), reference_bf16(device, batches, False), start[False]
+        ),
         "seconds": round(time.perf_counter() - t, 1),
-    }  # fmt: skip
+    }
 
 
 def main() -> int:

@@ -19,10 +19,15 @@ def _fake(speeds: dict[str, float], calls: list):
         run.json.parent.mkdir(parents=True, exist_ok=True)
         if speeds.get(side) is None:
             return {"status": "timeout", "wall_s": timeout, "exit_code": None}
-        run.json.write_text(json.dumps({
-            "status": "ok", "memory": {"peak_reserved_gb": 2.0, "peak_allocated_gb": 1.9},
-            "timing": {"images_per_s": speeds[side]},
-        }))  # fmt: skip
+        run.json.write_text(
+            json.dumps(
+                {
+                    "status": "ok",
+                    "memory": {"peak_reserved_gb": 2.0, "peak_allocated_gb": 1.9},
+                    "timing": {"images_per_s": speeds[side]},
+                }
+            )
+        )
         return {"status": "ok", "wall_s": 1.0, "exit_code": 0}
 
     return runner

@@ -56,8 +56,17 @@ def test_the_file_holds_every_finished_rung_in_order_and_a_failed_child_is_a_row
         rung, out = cmd[cmd.index("--child") + 1], cmd[cmd.index("--child-out") + 1]
         if rung == "13":
             return subprocess.CompletedProcess(cmd, 1)  # the child crashed: no rows of its own
-        row = {"rung": rung, "check": "compile+graphs, fp32", "steps": 10, "max_abs_diff": 0.0,
-               "tolerance": 1e-3, "ok": True, "max_change": 2e-3, "rel_l2": 0.0, "expected_ok": True}  # fmt: skip
+        row = {
+            "rung": rung,
+            "check": "compile+graphs, fp32",
+            "steps": 10,
+            "max_abs_diff": 0.0,
+            "tolerance": 1e-3,
+            "ok": True,
+            "max_change": 2e-3,
+            "rel_l2": 0.0,
+            "expected_ok": True,
+        }
         with open(out, "w") as f:
             json.dump([row], f)
         written.append(rung)

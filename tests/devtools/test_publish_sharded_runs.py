@@ -22,8 +22,16 @@ def _row(rung, recipe, speed, reserved):
     side = {"status": "ok", "images_per_s": speed, "peak_reserved_gb": reserved}
     ref = {"status": "ok", "images_per_s": 100.0, "peak_reserved_gb": 4.0, "script": "11_delay-allocation.py"}
     ratios = {"speed_fast_vs_reference": speed / 100.0, "reserved_fast_vs_reference": reserved / 4.0}
-    return {"rung": rung, "recipe": recipe, "reference": ref, "fast": side, "eager": None,
-            "like_for_like": True, "ratios": ratios, "call": {"gpu_name": "NVIDIA H100 80GB HBM3", "steps": 20}}  # fmt: skip
+    return {
+        "rung": rung,
+        "recipe": recipe,
+        "reference": ref,
+        "fast": side,
+        "eager": None,
+        "like_for_like": True,
+        "ratios": ratios,
+        "call": {"gpu_name": "NVIDIA H100 80GB HBM3", "steps": 20},
+    }
 
 
 def _loss_run(curve, **prov):
@@ -70,8 +78,10 @@ def test_the_tar_is_published_per_gpu_count_and_the_rows_reach_the_pages(tmp_pat
 
 
 def test_two_nodes_are_compared_step_by_step_with_one_node(tmp_path):
-    for name, curve, prov in (("one-node", [[5, 2.30], [10, 2.10]], {}),
-                              ("two-nodes", [[5, 2.30], [10, 2.1000001]], {"num_nodes": 2})):  # fmt: skip
+    for name, curve, prov in (
+        ("one-node", [[5, 2.30], [10, 2.10]], {}),
+        ("two-nodes", [[5, 2.30], [10, 2.1000001]], {"num_nodes": 2}),
+    ):
         (tmp_path / name).mkdir()
         (tmp_path / name / "08_fsdp2.json").write_text(json.dumps(_loss_run(curve, **prov)))
     result = publish.equivalence(tmp_path)

@@ -9,14 +9,23 @@ from devtools.your_model import ranking_check
 
 
 def _fit(speeds: list[float]) -> dict:
-    fits = [{"label": f"set {i}", "command": f"python recipes/your_model.py --set {i}", "predicted_samples_per_s": s,
-             "predicted_device_peak_gb": 2.5} for i, s in enumerate(speeds, 1)]  # fmt: skip
+    fits = [
+        {
+            "label": f"set {i}",
+            "command": f"python recipes/your_model.py --set {i}",
+            "predicted_samples_per_s": s,
+            "predicted_device_peak_gb": 2.5,
+        }
+        for i, s in enumerate(speeds, 1)
+    ]
     return {"fits": fits, "card": "3GB", "batch_size": 128, "seq_len": None, "plan_s": 12.0, "budget_gb": 3.0}
 
 
 def _measured(fit: dict, outcomes: list[tuple[str, float | None, bool]]) -> dict:
-    sets = [{**f, "status": status, "measured_samples_per_s": speed, "fits": fits, "measured_device_peak_gb": 2.4}
-            for f, (status, speed, fits) in zip(fit["fits"], outcomes, strict=True)]  # fmt: skip
+    sets = [
+        {**f, "status": status, "measured_samples_per_s": speed, "fits": fits, "measured_device_peak_gb": 2.4}
+        for f, (status, speed, fits) in zip(fit["fits"], outcomes, strict=True)
+    ]
     return {"sets": sets, "gpu": "NVIDIA H100 80GB HBM3"}
 
 
@@ -37,8 +46,10 @@ def test_the_targets_per_model():
 
 
 def test_report_reads_the_folders_and_counts_the_targets(tmp_path):
-    for name, outcomes in {"a": [("ok", 95.0, True), ("ok", 100.0, True), ("ok", 60.0, True)],
-                           "b": [("oom", None, False), ("ok", 100.0, True), ("ok", 60.0, True)]}.items():  # fmt: skip
+    for name, outcomes in {
+        "a": [("ok", 95.0, True), ("ok", 100.0, True), ("ok", 60.0, True)],
+        "b": [("oom", None, False), ("ok", 100.0, True), ("ok", 60.0, True)],
+    }.items():
         fit = _fit([100.0, 90.0, 80.0])
         (tmp_path / name).mkdir()
         (tmp_path / name / "fit.json").write_text(json.dumps(fit))

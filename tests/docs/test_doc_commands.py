@@ -43,11 +43,50 @@ PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 NOTEBOOK = REPO / "docs" / "workshop.ipynb"
 FENCE = re.compile(r"^( *)```(\w*)[^\n]*\n(.*?)^\1```", re.M | re.S)
 INLINE = re.compile(r"(?<![`\w])`([^`]+?)`(?!`)")
-STARTS = ("python ", "python3 ", "fmr-", "./run_all.sh", "torchrun ", "fabric run ", "sbatch ", "pip ", "uv ",
-          "git clone ", "srun ")  # fmt: skip
-SETUP = {"pip", "uv", "git", "sbatch", "srun", "scancel", "squeue", "cd", "cp", "ls", "cat", "diff", "export",
-         "mkdir", "echo", "nvidia-smi", "jupyter", "tensorboard", "source", "scripts/lock.sh", "watch",
-         "rm", "tar", "conda", "wget", "curl", "du", "time", "fabric"}  # fmt: skip
+STARTS = (
+    "python ",
+    "python3 ",
+    "fmr-",
+    "./run_all.sh",
+    "torchrun ",
+    "fabric run ",
+    "sbatch ",
+    "pip ",
+    "uv ",
+    "git clone ",
+    "srun ",
+)
+SETUP = {
+    "pip",
+    "uv",
+    "git",
+    "sbatch",
+    "srun",
+    "scancel",
+    "squeue",
+    "cd",
+    "cp",
+    "ls",
+    "cat",
+    "diff",
+    "export",
+    "mkdir",
+    "echo",
+    "nvidia-smi",
+    "jupyter",
+    "tensorboard",
+    "source",
+    "scripts/lock.sh",
+    "watch",
+    "rm",
+    "tar",
+    "conda",
+    "wget",
+    "curl",
+    "du",
+    "time",
+    "fabric",
+}
 PLACEHOLDER = re.compile(r"[<>*{}$\[\]|…]|\.\.\.|^[A-Z][A-Z_0-9]*$|NN")
 SCRIPTS = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
 REFUSED = "[refused] "  # a command the page shows being refused ("# exit 2" beside it)
@@ -155,8 +194,9 @@ def _help(module: str, *args: str) -> str:
 
 @functools.cache
 def run_all_help() -> str:
-    return subprocess.run(["bash", str(REPO / "run_all.sh"), "--help"], capture_output=True, text=True,
-                          cwd=REPO, timeout=60).stdout  # fmt: skip
+    return subprocess.run(
+        ["bash", str(REPO / "run_all.sh"), "--help"], capture_output=True, text=True, cwd=REPO, timeout=60
+    ).stdout
 
 
 def _parse(name: str, flags: list[str], hardware: Hardware) -> str | None:
@@ -280,8 +320,13 @@ def check(command: str) -> str | None:
 
 @pytest.mark.parametrize("page", [*[str(p.relative_to(REPO)) for p in PAGES], "docs/workshop.ipynb"])
 def test_every_command_a_page_shows_works(page):
-    wrong = [f"{p}:{n}: `{c}`: {problem}" for p, n, c in all_commands() if p == page
-             for problem in [check(c)] if problem]  # fmt: skip
+    wrong = [
+        f"{p}:{n}: `{c}`: {problem}"
+        for p, n, c in all_commands()
+        if p == page
+        for problem in [check(c)]
+        if problem
+    ]
     assert not wrong, "\n".join(wrong)
 
 

@@ -104,9 +104,11 @@ def test_simulated_estimate_replays_its_step_and_the_card_adds_the_committed_mar
     assert got["peak_reserved_gb"] == pytest.approx(est.reserved_gb * RESIDUAL, abs=1e-5)
     assert got["device_peak_gb"] > got["peak_reserved_gb"]
     cpu = planning.simulate(
-        nn.Linear(8, 8), planning.Plan(device="cpu"), make_batch=lambda: (torch.empty(2, 8),),
+        nn.Linear(8, 8),
+        planning.Plan(device="cpu"),
+        make_batch=lambda: (torch.empty(2, 8),),
         batch_fn=lambda m, b: (m(b[0]).sum(),),
-    )  # fmt: skip
+    )
     assert cpu.reserved_gb is None  # no caching allocator on a CPU
 
 

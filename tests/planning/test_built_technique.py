@@ -36,11 +36,13 @@ def _params():
         (lambda p: torch.optim.AdamW(p, foreach=True), {"optimizer": "adamw", "optimizer_impl": "foreach"}),
         (lambda p: torch.optim.Adam(p), {"optimizer": "adam", "optimizer_impl": "for-loop"}),  # CPU tensors
         (lambda p: torch.optim.SGD(p, lr=0.1), {"optimizer": "sgd", "optimizer_impl": "for-loop"}),
-        (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, fused=True),
-         {"optimizer": "sgd-momentum", "optimizer_impl": "fused"}),
+        (
+            lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, fused=True),
+            {"optimizer": "sgd-momentum", "optimizer_impl": "fused"},
+        ),
         (lambda p: torch.optim.RMSprop(p), {}),  # not modelled: the declaration stands
     ],
-)  # fmt: skip
+)
 def test_the_optimizer_is_read_from_the_built_one(make, expected):
     assert optimizer_technique(make(_params())) == expected
 

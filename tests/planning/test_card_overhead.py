@@ -142,10 +142,15 @@ def _entry(gb: float, source: str) -> dict:
 def test_without_a_measurement_the_closest_sharded_one_is_assumed_and_said_to_be():
     """h100 x2 eager took h200 x4 compiled's 2.09 GB (the largest of all), which raised a small model's
     card per GPU: the same mode and process count come first now (h200 x2 eager, 1.68)."""
-    table = {"kinds": {}, "sharded": {"h200": {
-        "2": {"eager": _entry(1.68, "a.json"), "compiled": _entry(2.09, "b.json")},
-        "4": {"compiled": _entry(2.09, "c.json"), "eager": _entry(1.70, "d.json")},
-    }}}  # fmt: skip
+    table = {
+        "kinds": {},
+        "sharded": {
+            "h200": {
+                "2": {"eager": _entry(1.68, "a.json"), "compiled": _entry(2.09, "b.json")},
+                "4": {"compiled": _entry(2.09, "c.json"), "eager": _entry(1.70, "d.json")},
+            }
+        },
+    }
     two = card_overhead.overhead_per_gpu("h100", "eager", 2, table)
     assert (two.gb, two.measured) == (1.68, False) and "(h200 x2 eager, 1.68 GB per GPU" in two.source
     assert card_overhead.overhead_per_gpu("h100", "eager", 8, table).gb == 1.70  # same mode, the largest
@@ -244,8 +249,13 @@ def test_the_estimator_prints_reserved_and_whole_device_peaks(capsys):
 def test_check_compares_the_whole_device_peak(tmp_path, monkeypatch):
     monkeypatch.setattr(card_overhead, "load_table", lambda path=None: TABLE)
     estimate = {"peak_allocated_gb": 1.0, "peak_reserved_simulated_gb": 1.02, "peak_phase": "backward"}
-    measured = {"peak_allocated_gb": 1.0, "run_peak_reserved_gb": 1.05, "device_peak_gb": 1.9,
-                "device_overhead_gb": 0.85, "device_method": "nvml-device"}  # fmt: skip
+    measured = {
+        "peak_allocated_gb": 1.0,
+        "run_peak_reserved_gb": 1.05,
+        "device_peak_gb": 1.9,
+        "device_overhead_gb": 0.85,
+        "device_method": "nvml-device",
+    }
     (tmp_path / "a.json").write_text(json.dumps({**run_json(**measured), "estimate": estimate}))
     (tmp_path / "b.json").write_text(json.dumps({**run_json(peak_allocated_gb=1.0), "estimate": estimate}))
     rows = check_results([str(tmp_path)])
@@ -273,8 +283,10 @@ def test_check_replays_a_run_that_did_not_record_its_replay_with_the_plan_it_rec
         )
 
     monkeypatch.setattr(check, "simulate", simulated)
-    run = {**run_json(compiled=False, peak_allocated_gb=0.1, run_peak_reserved_gb=0.2, device_peak_gb=1.0),
-           "recipe": "16_weights_on_cpu"}  # fmt: skip
+    run = {
+        **run_json(compiled=False, peak_allocated_gb=0.1, run_peak_reserved_gb=0.2, device_peak_gb=1.0),
+        "recipe": "16_weights_on_cpu",
+    }
     assert not declared_rung("16_weights_on_cpu")[0].activation_offload, "the declared rung alone"
     run["estimate"] = {
         "peak_allocated_gb": 0.09,

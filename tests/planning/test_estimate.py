@@ -16,6 +16,8 @@ from fabric_memory_recipes import planning
 from fabric_memory_recipes.config import RunConfig
 from fabric_memory_recipes.measurement.report import render
 from fabric_memory_recipes.planning.__main__ import main as estimate_main
+from fabric_memory_recipes.planning.inference import simulate as inference_simulate
+from fabric_memory_recipes.planning.simulation import modelled
 from fabric_memory_recipes.training import data, models
 from fabric_memory_recipes.training.techniques.checkpointing import CheckpointedBlock
 
@@ -169,8 +171,17 @@ def test_plan_rejects_what_it_cannot_model():
 
 def test_a_rungs_plan_comes_from_its_config():
     """The plan is the rung's flags and its declared technique, nothing else (no second declaration)."""
-    rung = RunConfig(recipe="x", precision="bf16-true", batch_size=16, accumulation_steps=4, devices=4,
-                     optimizer="sgd", sharding="fsdp2", shard_units=("EncoderBlock",), activation_checkpointing=("EncoderBlock",))  # fmt: skip
+    rung = RunConfig(
+        recipe="x",
+        precision="bf16-true",
+        batch_size=16,
+        accumulation_steps=4,
+        devices=4,
+        optimizer="sgd",
+        sharding="fsdp2",
+        shard_units=("EncoderBlock",),
+        activation_checkpointing=("EncoderBlock",),
+    )
     plan = planning.plan_for(rung)
     assert (plan.precision, plan.micro_batch_size, plan.accumulation_steps) == ("bf16-true", 4, 4)
     assert (plan.optimizer, plan.sharding, plan.world_size, plan.activation_checkpointing) == (
@@ -312,6 +323,23 @@ def test_simulated_peak_matches_a_real_cpu_step(k, optimizer, checkpoint):
 
 
 # ------------------------------------------------------------------------------ modelled techniques
+def test_the_attention_stand_ins_are_put_back_after_an_error_and_agree_on_flash():
+    real = nn.functional.scaled_dot_product_attention
+    for stand_in in (
+        modelled.attention_kernel("fused", "cuda", set()),
+        inference_simulate._sdpa_on_cuda(set()),
+    ):
+        with pytest.raises(RuntimeError, match="inside"), stand_in:
+            assert nn.functional.scaled_dot_product_attention is not real
+            raise RuntimeError("inside")
+        assert nn.functional.scaled_dot_product_attention is real
+    query = torch.empty(1, 2, 4, 64, dtype=torch.bfloat16, device="meta")
+    assert modelled.cuda_runs_flash(query, None)
+    assert not modelled.cuda_runs_flash(query, torch.empty(4, 4, device="meta"))  # a mask: efficient
+    assert not modelled.cuda_runs_flash(query.float(), None)  # fp32: efficient
+    assert not modelled.cuda_runs_flash(query[..., :12], None)  # a head size flash does not take
+
+
 def test_optimizer_in_backward_activation_offload_and_8bit_state():
     torch.manual_seed(0)
     model = small_vit()
@@ -497,10 +525,17 @@ def test_check_names_the_files_it_could_not_read(tmp_path, capsys):
 def test_ladder_of_a_folder_without_results_is_every_rung(tmp_path, monkeypatch):
     from fabric_memory_recipes.planning import ladder
 
-    monkeypatch.setattr(ladder, "predict", lambda recipe: {"recipe": recipe, "peak_allocated_gb": 1.0, "error": None,
-                                                            "config": {"model": "vit_l_16", "precision": "x",
-                                                                       "batch_size": 1, "devices": 1},
-                                                            "seconds": 0.0})  # fmt: skip
+    monkeypatch.setattr(
+        ladder,
+        "predict",
+        lambda recipe: {
+            "recipe": recipe,
+            "peak_allocated_gb": 1.0,
+            "error": None,
+            "config": {"model": "vit_l_16", "precision": "x", "batch_size": 1, "devices": 1},
+            "seconds": 0.0,
+        },
+    )
     payload = ladder.predict_ladder(tmp_path / "new", say=lambda line: None)
     names = [r["recipe"] for r in payload["rows"]]
     assert names[0] == "01_baseline" and "09_cpu_offload" in names and names[-1] == "16_weights_on_cpu"

@@ -21,8 +21,14 @@ from fabric_memory_recipes.planning.your_model import measure
 from fabric_memory_recipes.training import cli
 from fabric_memory_recipes.training.your_model import runner
 
-SMALL = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             max_position_embeddings=128)  # fmt: skip
+SMALL = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=128,
+)
 FAMILIES = {
     "llama": dict(model_type="llama", architectures=["LlamaForCausalLM"], num_key_value_heads=2, **SMALL),
     "qwen2": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], num_key_value_heads=2, **SMALL),
@@ -137,17 +143,27 @@ def test_hooks_slow_the_step_in_backward_in_the_ranking(capsys):
         capsys, ["--model", "torchvision:resnet18", "--batch-size", "8", "--fit", "40GB", "--top", "30"]
     )
     by_set = {(r["accumulation_steps"], r["technique"]): r["predicted_samples_per_s"] for r in answer["fits"]}
-    pairs = [(s, by_set.get((k, t.replace(" + step in backward", "")))) for (k, t), s in by_set.items()
-             if "step in backward" in t]  # fmt: skip
+    pairs = [
+        (s, by_set.get((k, t.replace(" + step in backward", ""))))
+        for (k, t), s in by_set.items()
+        if "step in backward" in t
+    ]
     assert pairs and all(other is not None and hooked < other for hooked, other in pairs)
 
 
 def test_measure_ranks_by_what_ran(tmp_path):
     """--measure's bookkeeping with a stand-in process runner: each set's measurement beside its
     prediction, the fitting sets ranked by measured speed, plan.json/plan.md written after every run."""
-    rows = [{"command": f"python recipes/your_model.py --batch-size {b}", "argv": ["--batch-size", str(b)],
-             "label": f"set {b}", "predicted_samples_per_s": 100.0 - b, "predicted_device_peak_gb": 3.0}
-            for b in (1, 2, 3)]  # fmt: skip
+    rows = [
+        {
+            "command": f"python recipes/your_model.py --batch-size {b}",
+            "argv": ["--batch-size", str(b)],
+            "label": f"set {b}",
+            "predicted_samples_per_s": 100.0 - b,
+            "predicted_device_peak_gb": 3.0,
+        }
+        for b in (1, 2, 3)
+    ]
     outcomes = iter([("ok", 50.0, 3.5), ("ok", 80.0, 3.9), ("oom", None, None)])
 
     def stand_in(run, env, timeout):
@@ -223,8 +239,14 @@ def test_an_installed_package_plans_without_the_checkout(tmp_path):
         "import fabric_memory_recipes as f; assert f.__file__.startswith(sys.argv[1]), f.__file__;"
         "main(['--model', 'torchvision:resnet18', '--batch-size', '8', '--fit', '4GB']); main(['--fit', '8GB'])"
     )
-    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert "Which technique sets fit 4 GB?" in proc.stdout and "Fastest that fit" in proc.stdout
     assert "measured" in proc.stdout  # the committed runs came along as package data

@@ -86,9 +86,14 @@ SET_NAMES = {"sig", "signature", "techniques", "used"}  # what code calls a tech
 
 def positional_reads(source: str) -> list[int]:
     """The lines of ``source`` that read a technique set by position (``c.signature[3]``, ``sig[0]``)."""
-    return [n.lineno for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Subscript)
-            and isinstance(n.slice, ast.Constant) and isinstance(n.slice.value, int)
-            and getattr(n.value, "attr", getattr(n.value, "id", "")) in SET_NAMES]  # fmt: skip
+    return [
+        n.lineno
+        for n in ast.walk(ast.parse(source))
+        if isinstance(n, ast.Subscript)
+        and isinstance(n.slice, ast.Constant)
+        and isinstance(n.slice.value, int)
+        and getattr(n.value, "attr", getattr(n.value, "id", "")) in SET_NAMES
+    ]
 
 
 def test_a_technique_set_is_read_by_name_never_by_position():
@@ -114,9 +119,12 @@ def test_a_technique_set_is_read_by_name_never_by_position():
 def test_families_are_the_single_gpu_rungs_by_technique():
     found = {used: [r.recipe for r in rungs] for used, rungs in families().items()}
     assert found[TechniqueSet.of("adam")] == [
-        "01_baseline", "02_mixed_precision", "03_true_half_precision", "04_lower_batch_size",
+        "01_baseline",
+        "02_mixed_precision",
+        "03_true_half_precision",
+        "04_lower_batch_size",
         "05_gradient_accumulation",
-    ]  # fmt: skip
+    ]
     assert found[TechniqueSet.of("sgd")] == ["06_sgd_cosine"]  # 07 left out: it also loads in fp32
     floor = TechniqueSet.of("sgd", OPTIMIZER_IN_BACKWARD, ACTIVATION_OFFLOAD, ACTIVATION_CHECKPOINTING)
     assert (
@@ -283,8 +291,12 @@ def test_runs_and_their_speed_are_read_from_any_folder(tmp_path):
     loaded = calibration.load_runs((str(tmp_path),))
     assert len(loaded) == 3
     assert sorted(r.reserved_gb for r in loaded) == [2.04, 2.2, 3.15]
-    assert calibration.measured_speed(loaded, "h100", "vit_l_16", TechniqueSet.of("sgd"), "bf16-true",
-                                      16, 4, "fast")[0] == 500  # fmt: skip
+    assert (
+        calibration.measured_speed(
+            loaded, "h100", "vit_l_16", TechniqueSet.of("sgd"), "bf16-true", 16, 4, "fast"
+        )[0]
+        == 500
+    )
 
 
 def test_the_micro_batch_is_read_from_the_json_and_older_jsons_without_it_are_skipped(tmp_path):
@@ -300,8 +312,13 @@ def test_runs_that_repeat_committed_ones_calibrate_nothing(tmp_path):
     """devtools.ab_ladder's folders (results/published/<gpu>/ab/) and the committed --quick
     sample repeat committed configurations: counting them would weigh those configurations two or three
     times. A user's own runs/quick/ counts."""
-    for folder in ("published/h100/compare/runs", "published/h100/ab/base/fast", "published/h100/ab/new/fast",
-                   "published/h100/quick", "runs/quick"):  # fmt: skip
+    for folder in (
+        "published/h100/compare/runs",
+        "published/h100/ab/base/fast",
+        "published/h100/ab/new/fast",
+        "published/h100/quick",
+        "runs/quick",
+    ):
         (tmp_path / folder).mkdir(parents=True)
         (tmp_path / folder / "06_sgd_cosine.json").write_text(
             json.dumps(_result("06_sgd_cosine", "fast", 2.2, 2.0, 500))
@@ -326,8 +343,9 @@ def test_the_speed_model_reproduces_the_committed_fast_runs():
     ]
     assert len(fast) >= 5
     for r in fast:
-        step = model.step_s(r.precision, r.techniques, r.micro, r.accumulation_steps, "fast",
-                            r.offloaded_gb, 303_311_882)  # fmt: skip
+        step = model.step_s(
+            r.precision, r.techniques, r.micro, r.accumulation_steps, "fast", r.offloaded_gb, 303_311_882
+        )
         assert r.batch_size / step == pytest.approx(r.images_per_s, rel=0.12), r.path
 
 
@@ -338,8 +356,11 @@ def test_memory_budget_parses_and_is_refused_on_a_cpu(monkeypatch, capsys):
         RunConfig(recipe="x"), ["--memory-budget-gb", "2", "--mode", "eager"], hardware=GPU_MACHINE
     )
     assert cfg.memory_budget_gb == 2.0 and cfg.flags()["memory_budget_gb"] == 2.0
-    sharded = cli.parse(RunConfig(recipe="x"), ["--devices", "2", "--memory-budget-gb", "2", "--mode", "eager"],
-                        hardware=GPU_MACHINE)  # fmt: skip
+    sharded = cli.parse(
+        RunConfig(recipe="x"),
+        ["--devices", "2", "--memory-budget-gb", "2", "--mode", "eager"],
+        hardware=GPU_MACHINE,
+    )
     assert sharded.memory_budget_gb == 2.0 and sharded.world_size == 2  # every process caps its own GPU
     for argv in (["--accelerator", "cpu", "--memory-budget-gb", "2"], ["--memory-budget-gb", "0"]):
         with pytest.raises(SystemExit) as exc:
@@ -395,8 +416,11 @@ def fake_runner(peaks: dict[tuple, float], seen: list, overhead_gb: float | dict
         )
         seen.append(cmd)
         budget = float(cmd[cmd.index("--memory-budget-gb") + 1])
-        peak = next(v for (recipe, argv), v in peaks.items()
-                    if recipe == Path(cmd[1]).stem and tuple(cmd[2 : 2 + len(argv)]) == argv)  # fmt: skip
+        peak = next(
+            v
+            for (recipe, argv), v in peaks.items()
+            if recipe == Path(cmd[1]).stem and tuple(cmd[2 : 2 + len(argv)]) == argv
+        )
         status = "oom" if peak > budget else "ok"
         r.json.parent.mkdir(parents=True, exist_ok=True)
         payload = {"status": status, "error": None if status == "ok" else "CUDA out of memory",
@@ -422,9 +446,19 @@ def test_proof_writes_fit_json_rows_from_the_recipes_results(tmp_path, tiny, cap
     seen: list = []
     assert planner_proof.main(argv, runner=fake_runner(truth, seen, per_mode)) == 0  # as planned
     rows = json.loads((tmp_path / "fit.json").read_text())
-    keys = {"budget_gb", "command", "predicted_peak_gb", "measured_peak_reserved_gb", "predicted_device_gb",
-            "measured_device_peak_gb", "predicted_images_per_s", "measured_images_per_s", "status", "role",
-            "measured_at_budget_gb"}  # fmt: skip
+    keys = {
+        "budget_gb",
+        "command",
+        "predicted_peak_gb",
+        "measured_peak_reserved_gb",
+        "predicted_device_gb",
+        "measured_device_peak_gb",
+        "predicted_images_per_s",
+        "measured_images_per_s",
+        "status",
+        "role",
+        "measured_at_budget_gb",
+    }
     assert rows and all(keys <= set(r) for r in rows)
     assert {r["role"] for r in rows} == {"pick", "candidate", "rejected"}
     assert sorted(r["budget_gb"] for r in rows if r["role"] == "pick") == sorted(plan["arguments"]["budgets"])
@@ -505,10 +539,24 @@ def test_a_technique_costs_the_same_share_of_eager_host_time_with_every_optimize
     from fabric_memory_recipes.planning.planner.speed import SpeedModel
 
     ck, off, sib = "activation_checkpointing", "activation_offload", "optimizer_in_backward"
-    host = {TechniqueSet("sgd"): 50.0, TechniqueSet("sgd", (ck,)): 100.0, TechniqueSet("sgd", (off,)): 60.0,
-            TechniqueSet("adam"): 90.0}  # fmt: skip
-    model = SpeedModel(gpu="h100", fixed_ms=0.0, per_image_ms=0.0, precision_factor={}, memory_gb_s=1e9,
-                       offload_gb_s=1e9, checkpoint_extra=1 / 3, lowbit_factor=1.0, host_ms=host, sources={})  # fmt: skip
+    host = {
+        TechniqueSet("sgd"): 50.0,
+        TechniqueSet("sgd", (ck,)): 100.0,
+        TechniqueSet("sgd", (off,)): 60.0,
+        TechniqueSet("adam"): 90.0,
+    }
+    model = SpeedModel(
+        gpu="h100",
+        fixed_ms=0.0,
+        per_image_ms=0.0,
+        precision_factor={},
+        memory_gb_s=1e9,
+        offload_gb_s=1e9,
+        checkpoint_extra=1 / 3,
+        lowbit_factor=1.0,
+        host_ms=host,
+        sources={},
+    )
 
     def eager_ms(optimizer: str, *used: str) -> float:  # launch-bound: the host time is the step
         return model.step_s("bf16-true", TechniqueSet(optimizer, used), 1, 1, "eager", 0.0, 0) * 1e3
@@ -520,8 +568,16 @@ def test_a_technique_costs_the_same_share_of_eager_host_time_with_every_optimize
     assert eager_ms("adamw8bit", sib) == pytest.approx(70.0)  # nothing known: plain median
 
 
-@pytest.mark.parametrize(("written", "shown"), [("8GiB", "8GiB = 8.59 GB"), ("6GB", "6 GB"), ("6.5", "6.5 GB"),
-                                                ("512MB", "512MB = 0.51 GB"), ("0.001", "0.001 GB")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("written", "shown"),
+    [
+        ("8GiB", "8GiB = 8.59 GB"),
+        ("6GB", "6 GB"),
+        ("6.5", "6.5 GB"),
+        ("512MB", "512MB = 0.51 GB"),
+        ("0.001", "0.001 GB"),
+    ],
+)
 def test_a_budget_reads_as_written_and_no_pick_under_it_reads_as_over(written, shown):
     """--fit 8GiB printed "8.58993 GB" above a pick of "8.59" (8.5899 GB, under it)."""
     gb = fit_cli.parse_size(written)

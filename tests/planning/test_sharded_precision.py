@@ -34,8 +34,16 @@ def _loss(model, batch):
 
 
 def sharded(sharding: str, precision: str = "bf16-mixed") -> planning.Estimate:
-    plan = planning.Plan(device="cuda", precision=precision, micro_batch_size=16, optimizer="adam",
-                         optimizer_impl="foreach", sharding=sharding, shard_units=("Linear",), world_size=4)  # fmt: skip
+    plan = planning.Plan(
+        device="cuda",
+        precision=precision,
+        micro_batch_size=16,
+        optimizer="adam",
+        optimizer_impl="foreach",
+        sharding=sharding,
+        shard_units=("Linear",),
+        world_size=4,
+    )
     return planning.simulate(TwoLinear(), plan, make_batch=_make, batch_fn=_loss)
 
 

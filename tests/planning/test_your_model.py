@@ -21,6 +21,7 @@ from fabric_memory_recipes.techniques import FUSED_LOSS
 from fabric_memory_recipes.training import cli
 from fabric_memory_recipes.training.techniques import checkpointing
 from fabric_memory_recipes.training.your_model import models, runner
+from tests.tiny import HF_BERT
 
 VOCAB = 150_000  # a large vocabulary: the logits dominate
 
@@ -35,17 +36,24 @@ def write_config(folder, **fields) -> str:
 @pytest.fixture
 def qwen(tmp_path) -> str:
     """A 2-layer Qwen2 causal LM of width 64 with a 150k vocabulary."""
-    return "hf:" + write_config(tmp_path / "qwen", model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=64,
-                                intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                num_key_value_heads=2, vocab_size=VOCAB, tie_word_embeddings=True)  # fmt: skip
+    return "hf:" + write_config(
+        tmp_path / "qwen",
+        model_type="qwen2",
+        architectures=["Qwen2ForCausalLM"],
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        tie_word_embeddings=True,
+    )
 
 
 @pytest.fixture
 def bert(tmp_path) -> str:
     """A 2-layer BERT (its config says BertForMaskedLM: it becomes a sequence classifier), in a folder."""
-    write_config(tmp_path / "bert", model_type="bert", architectures=["BertForMaskedLM"], hidden_size=64,
-                 intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=1000,
-                 hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)  # fmt: skip
+    write_config(tmp_path / "bert", **HF_BERT)
     return f"hf:{tmp_path / 'bert'}"
 
 
@@ -67,9 +75,13 @@ def test_sources_task_and_repeated_blocks(qwen, bert):
 
 @pytest.mark.parametrize(
     "ref, says",
-    [("torchvision:resnet5000", "unknown model (close: resnet50"), ("timm:no_such_net", "unknown model"),
-     ("hf:/no/such/config.json", "no such file"), ("mmdet:yolo", "expected SOURCE:NAME")],
-)  # fmt: skip
+    [
+        ("torchvision:resnet5000", "unknown model (close: resnet50"),
+        ("timm:no_such_net", "unknown model"),
+        ("hf:/no/such/config.json", "no such file"),
+        ("mmdet:yolo", "expected SOURCE:NAME"),
+    ],
+)
 def test_unknown_models_are_refused_in_one_line(ref, says):
     with pytest.raises(UsageError, match="^--model") as e:
         models.resolve(ref)
@@ -99,8 +111,11 @@ def test_an_unknown_model_type_names_the_closest_ones_in_a_short_line(tmp_path):
 
 def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     (tmp_path / "broken.json").write_text("{")
-    for argv in (["--model", f"hf:{tmp_path / 'broken.json'}"], ["--model", "torchvision:nope"],
-                 ["--model", "timm:test_vit", "--fit", "3XB"]):  # fmt: skip
+    for argv in (
+        ["--model", f"hf:{tmp_path / 'broken.json'}"],
+        ["--model", "torchvision:nope"],
+        ["--model", "timm:test_vit", "--fit", "3XB"],
+    ):
         with pytest.raises(SystemExit) as e:
             estimate_main(argv)
         assert e.value.code == 2
@@ -167,9 +182,18 @@ def test_the_estimate_sees_the_fused_loss_and_selective_checkpointing(qwen, tmp_
     plain, fused = peak(qwen, 32), peak(qwen, 32, "--fused-loss")
     logits_fp32 = 4 * 31 * VOCAB * 4 / 1e9
     assert plain[0] - fused[0] > logits_fp32 and fused[1]["fused_loss"] and not plain[1]["fused_loss"]
-    small = "hf:" + write_config(tmp_path / "small", model_type="qwen2", architectures=["Qwen2ForCausalLM"],
-                                 hidden_size=64, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
-                                 num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=True)  # fmt: skip
+    small = "hf:" + write_config(
+        tmp_path / "small",
+        model_type="qwen2",
+        architectures=["Qwen2ForCausalLM"],
+        hidden_size=64,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1000,
+        tie_word_embeddings=True,
+    )
     none, full = peak(small, 256, "--fused-loss"), peak(small, 256, "--fused-loss", "--checkpoint-blocks")
     selective = peak(small, 256, "--fused-loss", "--checkpoint-blocks", "--checkpoint-mode", "selective")
     assert full[0] < selective[0] < none[0] and selective[1]["checkpoint_mode"] == "selective"
@@ -307,10 +331,17 @@ def test_model_proof_rows_and_table_with_a_stand_in_runner(tmp_path, monkeypatch
         time.sleep(0.6)  # the first call's deadline (0.5 s) passes during its first run
         reserved, device, status = next(measured)
         run.json.parent.mkdir(parents=True, exist_ok=True)
-        run.json.write_text(json.dumps({
-            "status": status, "memory": {"peak_reserved_gb": reserved, "device_peak_gb": device},
-            "timing": {"images_per_s": 10.0}, "config": {},
-            "extra": {"predicted_card": {"peak_reserved_gb": 2.1, "device_peak_gb": 2.9}}}))  # fmt: skip
+        run.json.write_text(
+            json.dumps(
+                {
+                    "status": status,
+                    "memory": {"peak_reserved_gb": reserved, "device_peak_gb": device},
+                    "timing": {"images_per_s": 10.0},
+                    "config": {},
+                    "extra": {"predicted_card": {"peak_reserved_gb": 2.1, "device_peak_gb": 2.9}},
+                }
+            )
+        )
         return {"status": status, "wall_s": 1.0}
 
     out = tmp_path / "proof"

@@ -66,8 +66,11 @@ def test_cpu_path_runs_the_selected_recipes(cpu_ladder):
         assert p["provenance"]["data_source"] == "digits" and p["provenance"]["weights"] == "random"
     # --only selects: nothing else ran; the predicted ladder covers what ran
     assert sorted(f.name for f in results.glob("*.json")) == [
-        "01_baseline.json", "04_lower_batch_size.json", "predicted.json", "run_all.json"
-    ]  # fmt: skip
+        "01_baseline.json",
+        "04_lower_batch_size.json",
+        "predicted.json",
+        "run_all.json",
+    ]
     manifest = json.loads((results / "run_all.json").read_text())
     assert manifest["recipes"] == ["01_baseline", "04_lower_batch_size"] and manifest["state"] == "finished"
     predicted = json.loads((results / "predicted.json").read_text())
@@ -109,8 +112,12 @@ def test_a_relative_results_dir_is_the_callers_not_the_checkouts(tmp_path):
     """fmr-ladder runs from any folder: ``--results-dir taken`` means the caller's ``taken`` (here a file,
     refused in one line naming it in full), not a folder of that name in the checkout."""
     (tmp_path / "taken").write_text("a file")
-    proc = run_process(["bash", str(REPO / "run_all.sh"), "--cpu", "--only", "01", "--results-dir", "taken"],
-                       subprocess_env(), cwd=tmp_path, timeout=60)  # fmt: skip
+    proc = run_process(
+        ["bash", str(REPO / "run_all.sh"), "--cpu", "--only", "01", "--results-dir", "taken"],
+        subprocess_env(),
+        cwd=tmp_path,
+        timeout=60,
+    )
     assert proc.returncode == 2, describe(proc)
     assert f"{tmp_path / 'taken'}: is a file" in proc.stderr and not (REPO / "taken").exists()
 
@@ -248,10 +255,17 @@ def _result_json(folder: Path, recipe: str, age_s: float = 0.0) -> Path:
     """A minimal ok results JSON of ``recipe`` in ``folder``, its file ``age_s`` seconds old."""
     folder.mkdir(parents=True, exist_ok=True)
     payload = {
-        "schema_version": 1, "recipe": recipe, "tag": None, "status": "ok", "error": None,
-        "config": {"precision": "32-true", "batch_size": 8}, "provenance": {"device": "cpu", "world_size": 1},
-        "memory": {"kind": "cpu_rss", "phases": {}}, "timing": {"optimizer_steps": 5}, "extra": {},
-    }  # fmt: skip
+        "schema_version": 1,
+        "recipe": recipe,
+        "tag": None,
+        "status": "ok",
+        "error": None,
+        "config": {"precision": "32-true", "batch_size": 8},
+        "provenance": {"device": "cpu", "world_size": 1},
+        "memory": {"kind": "cpu_rss", "phases": {}},
+        "timing": {"optimizer_steps": 5},
+        "extra": {},
+    }
     path = folder / f"{recipe}.json"
     path.write_text(json.dumps(payload, indent=2) + "\n")
     if age_s:
@@ -271,8 +285,13 @@ def test_ctrl_c_summary_and_report_tell_this_run_from_earlier_ones(tmp_path):
         _result_json(fresh, recipe)
     for recipe in ("04_lower_batch_size", "06_sgd_cosine"):  # a previous ladder's results
         _result_json(results, recipe, age_s=3600)
-    env = subprocess_env(tmp_path / "logs", PYTHON=str(fake), REAL_PYTHON=sys.executable,
-                         FRESH=str(fresh), RESULTS=str(results))  # fmt: skip
+    env = subprocess_env(
+        tmp_path / "logs",
+        PYTHON=str(fake),
+        REAL_PYTHON=sys.executable,
+        FRESH=str(fresh),
+        RESULTS=str(results),
+    )
     proc = run_process([SCRIPT, "--cpu", "--only", "01,04,05,06", "--results-dir", results], env, timeout=120)
     assert proc.returncode == 130, describe(proc)
     summary = proc.stdout[proc.stdout.index("Summary (cpu path") :]
@@ -358,8 +377,13 @@ def test_sighup_stops_the_ladder_with_its_summary_report_and_manifest(tmp_path):
     fake.chmod(0o755)
     results, fresh = tmp_path / "results", tmp_path / "fresh"
     _result_json(fresh, "01_baseline")
-    env = subprocess_env(tmp_path / "logs", PYTHON=str(fake), REAL_PYTHON=sys.executable,
-                         FRESH=str(fresh), RESULTS=str(results))  # fmt: skip
+    env = subprocess_env(
+        tmp_path / "logs",
+        PYTHON=str(fake),
+        REAL_PYTHON=sys.executable,
+        FRESH=str(fresh),
+        RESULTS=str(results),
+    )
     proc = run_process([SCRIPT, "--cpu", "--only", "01,04,05", "--results-dir", results], env, timeout=120)
     assert proc.returncode == 129, describe(proc)
     summary = proc.stdout[proc.stdout.index("Summary (cpu path") :]
@@ -413,8 +437,12 @@ def test_a_results_dir_the_file_system_cannot_hold_is_refused_before_anything_ru
     fake.chmod(0o755)
     calls, target = tmp_path / "calls.txt", tmp_path / "out" / name
     env = subprocess_env(tmp_path / "logs", PYTHON=str(fake), CALLS=str(calls))
-    proc = subprocess.run([str(SCRIPT), "--cpu", "--only", "02", "--results-dir", os.fsencode(target)],
-                          env=env, capture_output=True, timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        [str(SCRIPT), "--cpu", "--only", "02", "--results-dir", os.fsencode(target)],
+        env=env,
+        capture_output=True,
+        timeout=60,
+    )
     err = proc.stderr.decode(errors="replace").strip()
     assert proc.returncode == 2 and len(err.splitlines()) == 1 and said in err, err
     assert err.startswith("run_all.sh: --results-dir ")

@@ -236,8 +236,9 @@ def test_usage_error_from_main_is_exit_2_one_line(capsys, tmp_path):
         raise UsageError("something impossible")
 
     with pytest.raises(SystemExit) as exc:
-        lifecycle.run_recipe(main, RunConfig(recipe="x"), "d",
-                             argv=["--accelerator", "cpu", "--results-dir", str(tmp_path)])  # fmt: skip
+        lifecycle.run_recipe(
+            main, RunConfig(recipe="x"), "d", argv=["--accelerator", "cpu", "--results-dir", str(tmp_path)]
+        )
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].endswith("error: something impossible")

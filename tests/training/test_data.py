@@ -157,8 +157,11 @@ def test_synthetic_shapes_dtypes_classes():
 
 def test_the_synthetic_cache_is_readable_by_others_as_any_file(tmp_path, monkeypatch):
     """It was written with mkstemp's 0600: another user or job sharing --data-dir could not read it."""
-    monkeypatch.setattr(data, "synthetic", lambda: data.Splits(*[(np.zeros((2, 3, 4, 4), np.float32),
-                                                                   np.zeros(2, np.int64))] * 3, "synthetic"))  # fmt: skip
+    monkeypatch.setattr(
+        data,
+        "synthetic",
+        lambda: data.Splits(*[(np.zeros((2, 3, 4, 4), np.float32), np.zeros(2, np.int64))] * 3, "synthetic"),
+    )
     before = os.umask(0o022)
     try:
         data.synthetic_cached(str(tmp_path))

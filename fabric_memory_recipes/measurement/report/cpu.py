@@ -45,10 +45,18 @@ def _predicted_cells(row: dict | None) -> tuple[str, str]:
 def render_cpu_table(results: list[dict], predicted: dict[str, dict], speed_cell) -> str:
     """The CPU track's table: the predicted full-size peak first, then the tiny run's measurements."""
     header = [
-        "recipe", f"{PREDICTED_LABEL}: peak allocated GB", "GPU config predicted", "tiny run: status",
-        "precision", "batch", "peak RSS GB (process)", "img/s (range)", "optimizer steps", "train acc",
+        "recipe",
+        f"{PREDICTED_LABEL}: peak allocated GB",
+        "GPU config predicted",
+        "tiny run: status",
+        "precision",
+        "batch",
+        "peak RSS GB (process)",
+        "img/s (range)",
+        "optimizer steps",
+        "train acc",
         "val acc",
-    ]  # fmt: skip
+    ]
     keep = (
         slice(1, None) if predicted else slice(3, None)
     )  # no prediction (a stopped ladder): no such columns
@@ -61,11 +69,18 @@ def render_cpu_table(results: list[dict], predicted: dict[str, dict], speed_cell
         if accum > 1:
             batch += f" ({get(r, 'config.micro_batch_size')}×{accum})"
         row = [
-            label(r), gb, config, str(r.get("status") or DASH), str(get(r, "config.precision", DASH)),
-            batch, num(get(r, "memory.peak_reserved_gb"), 2), speed_cell(r, "timing.images_per_s", 0),
+            label(r),
+            gb,
+            config,
+            str(r.get("status") or DASH),
+            str(get(r, "config.precision", DASH)),
+            batch,
+            num(get(r, "memory.peak_reserved_gb"), 2),
+            speed_cell(r, "timing.images_per_s", 0),
             str(get(r, "timing.optimizer_steps", DASH)),
-            num(get(r, "accuracy.train"), 3), num(get(r, "accuracy.val"), 3),
-        ]  # fmt: skip
+            num(get(r, "accuracy.train"), 3),
+            num(get(r, "accuracy.val"), 3),
+        ]
         lines.append("| " + " | ".join([row[0], *row[keep]]) + " |")
     return "\n".join(lines)
 

@@ -135,10 +135,20 @@ def render_table(results: list[dict]) -> str:
     speed = _speed_columns(results)
     device = any(get(r, "memory.device_peak_gb") is not None for r in results)  # whole-device peaks
     header = [
-        "recipe", "status", "mode", "precision", "batch", "devices", "peak reserved GB", "peak allocated GB",
-        *(["device peak GB"] if device else []), *(h for h, _, _ in speed), "optimizer steps", "train acc",
+        "recipe",
+        "status",
+        "mode",
+        "precision",
+        "batch",
+        "devices",
+        "peak reserved GB",
+        "peak allocated GB",
+        *(["device peak GB"] if device else []),
+        *(h for h, _, _ in speed),
+        "optimizer steps",
+        "train acc",
         "val acc",
-    ]  # fmt: skip
+    ]
     lines = [
         "| " + " | ".join(header) + " |",
         "|" + "|".join(["---"] * 4 + ["---:"] * (len(header) - 4)) + "|",

@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fabric_memory_recipes.planning.plan import CUBLAS_WORKSPACE_BYTES, CUDA_WORKSPACE_BYTES, round_bytes
+from fabric_memory_recipes.planning.simulation.modelled import cuda_runs_flash, replaced
 from fabric_memory_recipes.planning.simulation.tracking import Tracker
 from fabric_memory_recipes.training.your_model import inference
 from fabric_memory_recipes.training.your_model.models import UserModel
@@ -107,11 +108,8 @@ def _as_on_a_gpu() -> Iterator[None]:
     from transformers import masking_utils
 
     original = masking_utils.is_tracing
-    masking_utils.is_tracing = lambda tensor=None: original(None)
-    try:
+    with replaced(masking_utils, "is_tracing", lambda tensor=None: original(None)):
         yield
-    finally:
-        masking_utils.is_tracing = original
 
 
 @contextlib.contextmanager
@@ -120,12 +118,9 @@ def _sdpa_on_cuda(used: set[str]) -> Iterator[None]:
     a mask (grouped heads read in place), the memory-efficient kernel for other dtypes or with a mask, both
     without a score matrix (the log-sum-exp only, fp32); the math kernel only for grouped heads that
     flash cannot take (its expanded keys and values and its scores)."""
-    original = F.scaled_dot_product_attention
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        half = query.dtype in (torch.float16, torch.bfloat16)
-        head_dim = query.shape[-1]
-        flash = attn_mask is None and half and head_dim % 8 == 0 and head_dim <= 256
+        flash = cuda_runs_flash(query, attn_mask)
         if flash or not enable_gqa:
             used.add("flash" if flash else "efficient")
             lse = torch.empty(query.shape[:-1], dtype=torch.float32)
@@ -139,11 +134,8 @@ def _sdpa_on_cuda(used: set[str]) -> Iterator[None]:
             query, key, value, attn_mask, dropout_p, is_causal, scale=scale
         )[0]
 
-    F.scaled_dot_product_attention = sdpa
-    try:
+    with replaced(F, "scaled_dot_product_attention", sdpa):
         yield
-    finally:
-        F.scaled_dot_product_attention = original
 
 
 def _cache_tensors(cache: Any) -> list[torch.Tensor]:

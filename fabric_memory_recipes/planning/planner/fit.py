@@ -133,14 +133,23 @@ class Candidate:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "command": self.command, "recipe": self.rung.recipe, "argv": self.argv(), "mode": self.mode,
-            "precision": self.rung.precision, "batch_size": self.rung.batch_size,
-            "accumulation_steps": self.rung.accumulation_steps, "technique": self.techniques.label(),
-            "predicted_peak_gb": self.predicted_gb, "simulated_peak_allocated_gb": self.simulated_gb,
-            "replayed_peak_reserved_gb": self.replayed_gb, "overhead_gb": self.overhead_gb,
-            "predicted_device_peak_gb": self.card_gb, "lower_bound_gb": self.lower_bound_gb,
-            "predicted_images_per_s": self.images_per_s, "speed_source": self.speed_source,
-        }  # fmt: skip
+            "command": self.command,
+            "recipe": self.rung.recipe,
+            "argv": self.argv(),
+            "mode": self.mode,
+            "precision": self.rung.precision,
+            "batch_size": self.rung.batch_size,
+            "accumulation_steps": self.rung.accumulation_steps,
+            "technique": self.techniques.label(),
+            "predicted_peak_gb": self.predicted_gb,
+            "simulated_peak_allocated_gb": self.simulated_gb,
+            "replayed_peak_reserved_gb": self.replayed_gb,
+            "overhead_gb": self.overhead_gb,
+            "predicted_device_peak_gb": self.card_gb,
+            "lower_bound_gb": self.lower_bound_gb,
+            "predicted_images_per_s": self.images_per_s,
+            "speed_source": self.speed_source,
+        }
 
 
 def pick_rung(family: list[RunConfig], precision: str, batch: int, k: int, model: str) -> RunConfig:
@@ -213,10 +222,20 @@ class Planner:
     """Predictions for one model, effective batch and GPU kind; :meth:`fit` answers one budget (a
     planner answers several budgets from the same simulations)."""
 
-    def __init__(self, batch_size: int, model: str = "vit_l_16", gpu: str = calibration.REFERENCE_GPU, *,
-                 precisions=PLANNED_PRECISIONS, modes=MODES, optimizers=PLANNED_OPTIMIZERS, folders: tuple[str, ...] | None = None,
-                 cache: SimulationCache | None = None, recipes: Path = RECIPES_DIR,
-                 overhead_table: dict | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        batch_size: int,
+        model: str = "vit_l_16",
+        gpu: str = calibration.REFERENCE_GPU,
+        *,
+        precisions=PLANNED_PRECISIONS,
+        modes=MODES,
+        optimizers=PLANNED_OPTIMIZERS,
+        folders: tuple[str, ...] | None = None,
+        cache: SimulationCache | None = None,
+        recipes: Path = RECIPES_DIR,
+        overhead_table: dict | None = None,
+    ) -> None:
         self.batch_size, self.model, self.gpu = batch_size, model, gpu
         self.overheads = {m: card_overhead(gpu, m, overhead_table) for m in MODES}
         self.runs = calibration.load_runs(folders or (str(calibration.RESULTS_DIR),))
@@ -230,8 +249,9 @@ class Planner:
             over = self.overheads[mode].gb or 0.0  # the replay holds at least the static bytes
             bound = RESIDUAL * static_bytes(rung, used, self.parameters) / GB + over
             c = Candidate(rung, mode, used, bound, 0.0, overhead_gb=over)
-            measured = calibration.measured_speed(self.runs, gpu, model, used, rung.precision, batch_size,
-                                                  rung.accumulation_steps, mode)  # fmt: skip
+            measured = calibration.measured_speed(
+                self.runs, gpu, model, used, rung.precision, batch_size, rung.accumulation_steps, mode
+            )
             if measured:
                 c.images_per_s, files = measured
                 c.speed_source = "measured: " + ", ".join(files)
@@ -245,8 +265,15 @@ class Planner:
 
     def _speed(self, c: Candidate, offloaded_gb: float) -> float:
         r = c.rung
-        step = self.speed.step_s(r.precision, c.techniques, r.micro_batch_size, r.accumulation_steps, c.mode,
-                                 offloaded_gb, self.parameters)  # fmt: skip
+        step = self.speed.step_s(
+            r.precision,
+            c.techniques,
+            r.micro_batch_size,
+            r.accumulation_steps,
+            c.mode,
+            offloaded_gb,
+            self.parameters,
+        )
         return r.batch_size / step
 
     def predict(self, c: Candidate) -> Candidate:
@@ -269,8 +296,20 @@ class Planner:
         fits, too_big, bounded = search(self.candidates, self.predict, budget_gb, top)
         rejected = fastest(too_big, self.predict)
         smallest_one = None if fits else self.smallest()
-        return Fit(budget_gb, self.batch_size, self.model, self.gpu, fits, rejected, smallest_one,
-                   len(self.candidates), bounded, self.cache, self.speed, self.overheads)  # fmt: skip
+        return Fit(
+            budget_gb,
+            self.batch_size,
+            self.model,
+            self.gpu,
+            fits,
+            rejected,
+            smallest_one,
+            len(self.candidates),
+            bounded,
+            self.cache,
+            self.speed,
+            self.overheads,
+        )
 
     def fastest_rejected(self, budget_gb: float) -> Candidate | None:
         """The fastest configuration of all predicted not to fit (``devtools.planner_proof`` runs it).

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -63,6 +64,27 @@ def cuda_autocast_policy(enabled: bool) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def replaced(owner: Any, name: str, stand_in: Any) -> Iterator[None]:
+    """``owner.<name>`` is ``stand_in`` inside, its own again after, an error or not: how a simulation puts its
+    stand-ins for what fake tensors cannot run as the GPU would (``F.scaled_dot_product_attention``: the
+    training step's :func:`attention_kernel`, inference's kernels on CUDA; a host draw; a library's check)."""
+    original = getattr(owner, name)
+    setattr(owner, name, stand_in)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+def cuda_runs_flash(query: torch.Tensor, attn_mask: torch.Tensor | None) -> bool:
+    """Whether CUDA's dispatcher picks flash attention: fp16/bf16 without a mask, a head size that is a
+    multiple of 8 up to 256 (else the memory-efficient kernel, where it fits)."""
+    head_dim = query.shape[-1]
+    half = query.dtype in (torch.float16, torch.bfloat16)
+    return attn_mask is None and half and head_dim % 8 == 0 and head_dim <= 256
+
+
+@contextlib.contextmanager
 def attention_kernel(kind: str, device: str, used: set[str]) -> Iterator[None]:
     """Make ``F.scaled_dot_product_attention`` run the kernel the target device would run.
 
@@ -73,7 +95,6 @@ def attention_kernel(kind: str, device: str, used: set[str]) -> Iterator[None]:
     attention weights (batch x heads x seq x seq): what the meta device runs, and what CUDA falls back to
     when no fused kernel fits. ``used`` collects the kernels that ran.
     """
-    original = F.scaled_dot_product_attention
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):
         if torch.is_autocast_enabled("cpu"):  # autocast lists SDPA as a low-precision op
@@ -91,13 +112,7 @@ def attention_kernel(kind: str, device: str, used: set[str]) -> Iterator[None]:
             return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
             )[0]
-        head_dim = query.shape[-1]
-        if (
-            attn_mask is None
-            and query.dtype in (torch.float16, torch.bfloat16)
-            and head_dim % 8 == 0
-            and head_dim <= 256
-        ):
+        if cuda_runs_flash(query, attn_mask):
             used.add("flash")
             return torch.ops.aten._scaled_dot_product_flash_attention(
                 query, key, value, dropout_p, is_causal, False, scale=scale
@@ -107,11 +122,8 @@ def attention_kernel(kind: str, device: str, used: set[str]) -> Iterator[None]:
             query, key, value, attn_mask, True, dropout_p, is_causal, scale=scale
         )[0]
 
-    F.scaled_dot_product_attention = sdpa
-    try:
+    with replaced(F, "scaled_dot_product_attention", sdpa):
         yield
-    finally:
-        F.scaled_dot_product_attention = original
 
 
 @contextlib.contextmanager
@@ -127,11 +139,8 @@ def host_draws_kept() -> Iterator[None]:
             return torch.tensor(1.0, dtype=kwargs.get("dtype"))
         return original(*size, **kwargs)
 
-    torch.rand = rand
-    try:
+    with replaced(torch, "rand", rand):
         yield
-    finally:
-        torch.rand = original
 
 
 @contextlib.contextmanager

@@ -1,1 +1,1 @@
-"""fmr-estimate --model SOURCE:NAME: the estimate for the user's model (estimate.py), its fitting technique sets (sets.py), measured on a GPU (measure.py), and their command line (cli.py)."""
+"""fmr-estimate --model SOURCE:NAME: the estimate for the user's model (estimate.py), its fitting technique sets (sets.py; one set's command, label and row: choice.py), measured on a GPU (measure.py), and their command line (cli.py)."""

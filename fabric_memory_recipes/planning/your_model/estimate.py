@@ -27,7 +27,7 @@ from fabric_memory_recipes.planning.plan import Estimate, Plan, plan_for
 from fabric_memory_recipes.planning.simulation.costs import OpCosts
 from fabric_memory_recipes.planning.simulation.simulate import failed, simulate
 from fabric_memory_recipes.planning.your_model import saved_file
-from fabric_memory_recipes.techniques import ACTIVATION_CHECKPOINTING, switches
+from fabric_memory_recipes.techniques import ACTIVATION_CHECKPOINTING, flagged, switches
 from fabric_memory_recipes.training.techniques import lora, module_of
 from fabric_memory_recipes.training.your_model import models
 from fabric_memory_recipes.training.your_model.models import UserModel
@@ -73,19 +73,30 @@ def text_batch(um: UserModel, micro_batch_size: int, seq_len: int, target_len: i
 
 
 def plan_of(cfg: YourModelConfig, blocks: tuple[str, ...]) -> Plan:
-    """The runner's flags as the estimator's plan: checkpointing and FSDP units are the found blocks."""
+    """The runner's flags as the estimator's plan: checkpointing and FSDP units are the found blocks; the
+    techniques' options (the checkpoint mode) are the plan's fields of the same names."""
     sharding = "fsdp" if cfg.fsdp else "none"
+    options = {o.field: getattr(cfg, o.field) for t in flagged() for o in t.options}
     return plan_for(
-        cfg, activation_checkpointing=blocks if cfg.uses(ACTIVATION_CHECKPOINTING) else (), sharding=sharding,
-        shard_units=blocks, world_size=cfg.world_size if sharding != "none" else 1, compile=False,
-        checkpoint_mode=cfg.checkpoint_mode, switched=tuple(t.name for t in switches() if cfg.uses(t)),
-    )  # fmt: skip
+        cfg,
+        activation_checkpointing=blocks if cfg.uses(ACTIVATION_CHECKPOINTING) else (),
+        sharding=sharding,
+        shard_units=blocks,
+        world_size=cfg.world_size if sharding != "none" else 1,
+        compile=False,
+        switched=tuple(t.name for t in switches() if cfg.uses(t)),
+        **options,
+    )
 
 
 def estimate(
-    model: Any, um: UserModel, plan: Plan, seq_len: int, op_costs: OpCosts | None = None,
+    model: Any,
+    um: UserModel,
+    plan: Plan,
+    seq_len: int,
+    op_costs: OpCosts | None = None,
     target_len: int | None = None,
-) -> Estimate:  # fmt: skip
+) -> Estimate:
     """One simulated step of ``model`` (any device: only shapes are read) under ``plan``; ``op_costs``
     collects what each of its ops costs (planning/simulation/costs.py); ``target_len``: an
     encoder-decoder's target tokens (default ``seq_len``)."""
@@ -136,6 +147,8 @@ def for_user_run(
     if est.error:
         notice(f"[estimate] could not estimate memory: {est.error}")
     else:
-        notice(f"[estimate] predicted peak {est.peak_gb:.3g} GB allocated, {predicted['peak_reserved_gb']:.3g} GB"
-               f" reserved ({est.peak_phase}, {est.seconds:.1f} s)")  # fmt: skip
+        notice(
+            f"[estimate] predicted peak {est.peak_gb:.3g} GB allocated, {predicted['peak_reserved_gb']:.3g} GB"
+            f" reserved ({est.peak_phase}, {est.seconds:.1f} s)"
+        )
     return est, predicted

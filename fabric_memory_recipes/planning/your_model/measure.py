@@ -43,12 +43,23 @@ def _read(path: Path) -> dict[str, Any]:
     reserved = [
         v for v in (memory.get("run_peak_reserved_gb"), memory.get("peak_reserved_gb")) if v is not None
     ]
-    return {"status": d.get("status"), "error": d.get("error"), "peak_reserved_gb": max(reserved, default=None),
-            "device_peak_gb": memory.get("device_peak_gb"), "images_per_s": timing.get("images_per_s")}  # fmt: skip
+    return {
+        "status": d.get("status"),
+        "error": d.get("error"),
+        "peak_reserved_gb": max(reserved, default=None),
+        "device_peak_gb": memory.get("device_peak_gb"),
+        "images_per_s": timing.get("images_per_s"),
+    }
 
 
-def measure(rows: list[dict[str, Any]], budget_gb: float, out: Path, steps: int = 15, timeout: float = 300.0,
-            say=print) -> list[dict[str, Any]]:  # fmt: skip
+def measure(
+    rows: list[dict[str, Any]],
+    budget_gb: float,
+    out: Path,
+    steps: int = 15,
+    timeout: float = 300.0,
+    say=print,
+) -> list[dict[str, Any]]:
     """Run each row's ``argv`` (the planner's order) and fill in what it measured; rank them."""
     out.mkdir(parents=True, exist_ok=True)
     env = run_env(str(out / "logs"))
@@ -62,14 +73,19 @@ def measure(rows: list[dict[str, Any]], budget_gb: float, out: Path, steps: int 
         got = _read(folder / "your_model.json")
         status = got.get("status") or proc["status"]
         device = got.get("device_peak_gb")
-        row.update({
-            "status": status, "run_command": shlex.join(cmd), "wall_s": round(proc["wall_s"], 1),
-            "error": got.get("error") or proc.get("error"),
-            "measured_peak_reserved_gb": got.get("peak_reserved_gb"), "measured_device_peak_gb": device,
-            "measured_samples_per_s": got.get("images_per_s") if status == "ok" else None,
-            "fits": status == "ok" and device is not None and device <= budget_gb,
-            "result_json": str((folder / "your_model.json").relative_to(out)) if got else None,
-        })  # fmt: skip
+        row.update(
+            {
+                "status": status,
+                "run_command": shlex.join(cmd),
+                "wall_s": round(proc["wall_s"], 1),
+                "error": got.get("error") or proc.get("error"),
+                "measured_peak_reserved_gb": got.get("peak_reserved_gb"),
+                "measured_device_peak_gb": device,
+                "measured_samples_per_s": got.get("images_per_s") if status == "ok" else None,
+                "fits": status == "ok" and device is not None and device <= budget_gb,
+                "result_json": str((folder / "your_model.json").relative_to(out)) if got else None,
+            }
+        )
         say("    " + _outcome(row))
         write(out, rows, budget_gb)
     return ranked(rows)
@@ -84,9 +100,12 @@ def _outcome(row: dict[str, Any]) -> str:
     if row["status"] != "ok":
         return f"{row['status']}: {row.get('error') or 'no results JSON'} ({row['wall_s']:.0f} s)"
     device = row["measured_device_peak_gb"]
-    return (f"{row['measured_samples_per_s']:.1f} samples/s (predicted {row['predicted_samples_per_s']:.1f}),"
-            f" whole device {_gb(device)} GB (predicted {row['predicted_device_peak_gb']:.2f})"
-            + ("" if row["fits"] else ": over the card") + f" ({row['wall_s']:.0f} s)")  # fmt: skip
+    return (
+        f"{row['measured_samples_per_s']:.1f} samples/s (predicted {row['predicted_samples_per_s']:.1f}),"
+        f" whole device {_gb(device)} GB (predicted {row['predicted_device_peak_gb']:.2f})"
+        + ("" if row["fits"] else ": over the card")
+        + f" ({row['wall_s']:.0f} s)"
+    )
 
 
 def _gb(value: float | None) -> str:
@@ -114,8 +133,14 @@ def write(
     out: Path, rows: list[dict[str, Any]], budget_gb: float, extra: dict[str, Any] | None = None
 ) -> None:
     best = ranked(rows)
-    write_json_atomic(str(out / "plan.json"), {
-        **(extra or {}), "budget_gb": budget_gb, "sets": rows,
-        "measured_pick": best[0]["command"] if best else None, "predicted_pick": rows[0]["command"] if rows else None,
-    })  # fmt: skip
+    write_json_atomic(
+        str(out / "plan.json"),
+        {
+            **(extra or {}),
+            "budget_gb": budget_gb,
+            "sets": rows,
+            "measured_pick": best[0]["command"] if best else None,
+            "predicted_pick": rows[0]["command"] if rows else None,
+        },
+    )
     write_atomic(out / "plan.md", lambda f: f.write(render(rows, budget_gb)))

@@ -59,8 +59,10 @@ class SavedFile:
             if self.optimizer_saved
             else " (no optimizer state: the step in backward's optimizers are not saved)"
         )
-        return (f"{self.total_bytes / GB:.3f} GB: weights {self.weights_bytes / GB:.3f} ({self.weights_dtype}){state}"
-                f" + {self.format_bytes / 1e6:.2f} MB of format, counters and random states")  # fmt: skip
+        return (
+            f"{self.total_bytes / GB:.3f} GB: weights {self.weights_bytes / GB:.3f} ({self.weights_dtype}){state}"
+            f" + {self.format_bytes / 1e6:.2f} MB of format, counters and random states"
+        )
 
 
 def _state_of(p: torch.Tensor, optimizer: str) -> dict[str, torch.Tensor]:
@@ -69,9 +71,12 @@ def _state_of(p: torch.Tensor, optimizer: str) -> dict[str, torch.Tensor]:
         # torchao's 8-bit state per moment: uint8 codes, one fp32 scale per block, a 256-entry code map
         codes, scales = (p.shape, torch.uint8), ((p.numel() // LOWBIT_BLOCK,), torch.float32)
         return {"step": torch.empty((), device="meta")} | {
-            name: [torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in (codes, scales, ((256,), torch.float32))]
+            name: [
+                torch.empty(shape, dtype=dtype, device="meta")
+                for shape, dtype in (codes, scales, ((256,), torch.float32))
+            ]
             for name in ("exp_avg", "exp_avg_sq")
-        }  # fmt: skip
+        }
     if not OPTIMIZER_STATE_FACTOR[optimizer]:
         return {}
     state = {"step": torch.empty((), device="meta")} if optimizer in ("adam", "adamw", "adamw8bit") else {}
@@ -112,8 +117,16 @@ def checkpoint_state(model: torch.nn.Module, cfg: YourModelConfig, devices: int 
     cuda = cfg.accelerator != "cpu"
     rng = lambda: torch.empty(RNG_BYTES, dtype=torch.uint8, device="meta")  # noqa: E731
     cuda_rng = [torch.empty(CUDA_RNG_BYTES, dtype=torch.uint8, device="meta") for _ in range(devices)]
-    return state | {"step": 1, "epoch": 0, "batch_in_epoch": 1, "epoch_rng": rng(), "rng": rng(),
-                    "cuda_rng": cuda_rng if cuda else None, "optimizer_steps": 1, "micro_batches": 1}  # fmt: skip
+    return state | {
+        "step": 1,
+        "epoch": 0,
+        "batch_in_epoch": 1,
+        "epoch_rng": rng(),
+        "rng": rng(),
+        "cuda_rng": cuda_rng if cuda else None,
+        "optimizer_steps": 1,
+        "micro_batches": 1,
+    }
 
 
 def _local_records(cursor: int, records: list[tuple[int, int]]) -> tuple[int, int]:
@@ -174,9 +187,19 @@ def predict(model: torch.nn.Module, cfg: YourModelConfig, devices: int = 1) -> S
     """The checkpoint file of a run of ``model`` (any device: only shapes are read) under ``cfg``."""
     state = checkpoint_state(model, cfg, devices)
     total, storages = archive_bytes(state)
-    nbytes = lambda part: sum(t.untyped_storage().nbytes() for t in {  # noqa: E731
-        t.untyped_storage()._cdata: t for t in tree_leaves(part) if isinstance(t, torch.Tensor)}.values())  # fmt: skip
+
+    def nbytes(part) -> int:  # each storage once
+        tensors = {t.untyped_storage()._cdata: t for t in tree_leaves(part) if isinstance(t, torch.Tensor)}
+        return sum(t.untyped_storage().nbytes() for t in tensors.values())
+
     weights, optimizer = nbytes(state["model"]), nbytes(state.get("optimizer", {}))
     dtype = Precision(cfg.precision, cuda_policy=False).param_dtype
-    return SavedFile(total, weights, optimizer, total - weights - optimizer, len(storages),
-                     str(dtype).removeprefix("torch."), "optimizer" in state)  # fmt: skip
+    return SavedFile(
+        total,
+        weights,
+        optimizer,
+        total - weights - optimizer,
+        len(storages),
+        str(dtype).removeprefix("torch."),
+        "optimizer" in state,
+    )

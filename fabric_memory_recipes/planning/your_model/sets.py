@@ -1,6 +1,6 @@
 """``fmr-estimate --model SOURCE:NAME --fit SIZE``: the fastest technique sets for your own model whose
 predicted whole-device peak fits a card of SIZE, each with the ``recipes/your_model.py`` command that
-trains it.
+trains it (one set, its command, label and row: planning/your_model/choice.py).
 
 By default a technique set changes only how memory is used, never what is trained: micro-batch x
 accumulation for the requested batch; checkpointing of the repeated blocks, activation offload and the
@@ -32,33 +32,27 @@ import dataclasses
 import heapq
 import itertools
 import math
-from typing import Any
 
 from fabric_memory_recipes.planning.plan import GB, Plan
 from fabric_memory_recipes.planning.planner import advice
-from fabric_memory_recipes.planning.planner.fit import (
-    Candidate,
-    divisors,
-    fastest,
-    smallest,
-    static_bytes,
-)
+from fabric_memory_recipes.planning.planner.fit import divisors, fastest, smallest, static_bytes
 from fabric_memory_recipes.planning.simulation.costs import OpCosts
 from fabric_memory_recipes.planning.your_model import host_offload, step_time
+from fabric_memory_recipes.planning.your_model.choice import Choice
 from fabric_memory_recipes.planning.your_model.estimate import card, estimate, meta_user_model
 from fabric_memory_recipes.techniques import (
     ACTIVATION_CHECKPOINTING,
     ACTIVATION_OFFLOAD,
+    CHECKPOINT_MODE,
     LORA,
     MODES,
     OPTIMIZER_IN_BACKWARD,
-    PLANNED,
     PRECISIONS,
     TechniqueSet,
     subset,
     switches,
 )
-from fabric_memory_recipes.training.techniques import checkpointing, refusal_of
+from fabric_memory_recipes.training.techniques import refusal_of
 from fabric_memory_recipes.training.your_model import models
 from fabric_memory_recipes.training.your_model import runner as user_run
 
@@ -78,92 +72,7 @@ SETS = (
 )
 # What else each set is tried with: its mode, what a checkpointed block keeps, each switch its model allows.
 MODES_TRIED = subset(MODES, "fast", "eager")
-CHECKPOINT_MODES = checkpointing.MODES
 SPEED_SOURCE = "model: the simulated step's op costs"
-
-
-@dataclasses.dataclass
-class Choice(Candidate):
-    """One technique set for your own model, in the ladder planner's shape (:class:`fit.Candidate`: its
-    label, command, row and JSON): its rung is ``recipes/your_model.py``'s configuration with the set's
-    flags, its mode eager (the runner's only), its technique set; ``changes`` are what it changes of the user's training (precision, optimizer), each with
-    its measured accuracy cost."""
-
-    seq_len: int | None = None  # text models: tokens per sample
-    changes: tuple[advice.Cost, ...] = ()
-    devices: int = 1  # > 1: FSDP over that many GPUs (--fsdp --devices N); memory is per GPU
-    switched: tuple[str, ...] = ()  # the switches on (techniques.switches(), by name: --fused-loss)
-    target_len: int | None = None  # an encoder-decoder's --target-len, when given
-    checkpoint_mode: str = "full"  # --checkpoint-mode, with checkpointing
-    cpu_offload: bool = (
-        False  # --cpu-offload (with FSDP): shards, gradients and the optimizer step on the host
-    )
-    model_flops: float = 0.0  # training FLOPs per sample (the model's, without recompute): for the MFU
-    lora: tuple[str, ...] = ()  # the user's --lora-rank R [--lora-targets NAMES], kept in every set
-
-    @property
-    def key(self) -> tuple:
-        return (*super().key, self.devices, self.switched, self.checkpoint_mode, self.cpu_offload)
-
-    @property
-    def plain(self) -> tuple:
-        """The same set without its memory techniques (what bounds its speed: the module's docstring)."""
-        r = self.rung
-        return (r.precision, self.techniques.optimizer, self.mode, self.devices, self.switched,
-                r.micro_batch_size, r.accumulation_steps)  # fmt: skip
-
-    @property
-    def family(self) -> tuple:
-        """The set without its micro-batch: what the table shows once, at its fastest micro-batch that fits."""
-        r = self.rung
-        return (r.precision, self.techniques, self.mode, self.devices, self.switched, self.checkpoint_mode,
-                self.cpu_offload)  # fmt: skip
-
-    def mfu(self, peak_flops: float | None) -> float | None:
-        """Model FLOPs utilisation the predicted speed means (the model's FLOPs, not the recompute's)."""
-        if not peak_flops or not self.images_per_s or not self.model_flops:
-            return None
-        return self.images_per_s * self.model_flops / peak_flops
-
-    def argv(self) -> list[str]:
-        r, used = self.rung, self.techniques
-        out = ["--model", r.model] + (["--seq-len", str(self.seq_len)] if self.seq_len else [])
-        out += ["--target-len", str(self.target_len)] if self.target_len else []
-        out += ["--precision", r.precision, "--batch-size", str(r.batch_size), "--accumulation-steps",
-                str(r.accumulation_steps), "--optimizer", used.optimizer]  # fmt: skip
-        out += [t.flag for t in PLANNED if used.uses(t)]
-        out += ["--checkpoint-mode", self.checkpoint_mode] if self.checkpoint_mode != "full" else []
-        out += [t.flag for t in switches() if t.name in self.switched]
-        out += [*self.lora, "--mode", self.mode]
-        out += ["--fsdp", "--devices", str(self.devices)] if self.devices > 1 else []
-        return out + (["--cpu-offload"] if self.cpu_offload else [])
-
-    def label(self) -> str:
-        changed = ", ".join(c.change for c in self.changes)
-        sharded = f", FSDP over {self.devices} GPUs" if self.devices > 1 else ""
-        sharded += " + CPU offload" if self.cpu_offload else ""
-        label = super().label()
-        if self.checkpoint_mode != "full":
-            label = label.replace(
-                ACTIVATION_CHECKPOINTING.label, f"{self.checkpoint_mode} {ACTIVATION_CHECKPOINTING.label}"
-            )
-        for t in (t for t in switches() if t.name in self.switched):
-            label = label.replace(f", {self.mode}", f" + {t.label}, {self.mode}")
-        if self.lora:
-            label = label.replace(f", {self.mode}", f" + {LORA.label}, {self.mode}")
-        return label + sharded + (f" [changes {changed}]" if changed else "")
-
-    def to_dict(self) -> dict[str, Any]:
-        out = super().to_dict()
-        out["predicted_samples_per_s"] = out.pop("predicted_images_per_s")  # images or sequences
-        out["changes"] = [dataclasses.asdict(c) | {"line": c.line()} for c in self.changes]
-        out["devices"], out["cpu_offload"] = self.devices, self.cpu_offload
-        out.update({t.name: t.name in self.switched for t in switches()})
-        out["checkpoint_mode"] = self.checkpoint_mode
-        out["micro_batch_size"] = self.rung.micro_batch_size
-        out["lora"] = list(self.lora)
-        out["label"] = self.label()
-        return out
 
 
 class UserPlanner:
@@ -172,9 +81,21 @@ class UserPlanner:
     try the others. ``devices`` > 1: every set is FSDP over that many GPUs, its memory per GPU (the
     measured overhead of that many processes) and its samples/s those of all GPUs."""
 
-    def __init__(self, ref: str, batch_size: int, seq_len: int, gpu: str = "h100", *, precision: str = "bf16-mixed",
-                 optimizer: str = "adamw", may_change: tuple[str, ...] = (), devices: int = 1,
-                 lora_rank: int = 0, lora_targets: str | None = None, target_len: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        ref: str,
+        batch_size: int,
+        seq_len: int,
+        gpu: str = "h100",
+        *,
+        precision: str = "bf16-mixed",
+        optimizer: str = "adamw",
+        may_change: tuple[str, ...] = (),
+        devices: int = 1,
+        lora_rank: int = 0,
+        lora_targets: str | None = None,
+        target_len: int | None = None,
+    ) -> None:
         self.um, self.model, self.blocks, self.found_by = meta_user_model(ref, lora_rank, lora_targets)
         lora = [LORA.flag, str(lora_rank)] if lora_rank else []
         lora += ["--lora-targets", lora_targets] if lora_rank and lora_targets else []
@@ -202,8 +123,11 @@ class UserPlanner:
         switched = [s for n in range(len(allowed) + 1) for s in itertools.combinations(allowed, n)]
         self.choices = []
         for prec, opt, mode, switch, on in itertools.product(precisions, optimizers, modes, switched, SETS):
-            changes = tuple(advice.cost(what, value, gpu) for what, value, mine in
-                            (("precision", prec, precision), ("optimizer", opt, optimizer)) if value != mine)  # fmt: skip
+            changes = tuple(
+                advice.cost(what, value, gpu)
+                for what, value, mine in (("precision", prec, precision), ("optimizer", opt, optimizer))
+                if value != mine
+            )
             used = TechniqueSet.of(opt, *on)
             if used.uses(ACTIVATION_CHECKPOINTING) and not self.blocks:
                 continue
@@ -211,18 +135,33 @@ class UserPlanner:
                 continue  # FSDP: with checkpointing or without (the sharded rungs' sets)
             over = overhead[mode]["overhead_gb"] or 0.0
             offloads = (False, True) if devices > 1 and opt != "adamw8bit" else (False,)  # FSDP's CPU offload
-            for keeps, k, off in itertools.product(
-                CHECKPOINT_MODES if used.uses(ACTIVATION_CHECKPOINTING) else ("full",),
-                [1] if used.uses(OPTIMIZER_IN_BACKWARD) else divisors(batch_size), offloads,
-            ):  # fmt: skip
-                rung = runner.with_flags(model=ref, precision=prec, batch_size=batch_size,
-                                         accumulation_steps=k, optimizer=opt)  # fmt: skip
+            checkpoint_modes = (
+                CHECKPOINT_MODE.choices if used.uses(ACTIVATION_CHECKPOINTING) else (CHECKPOINT_MODE.default,)
+            )
+            accumulations = [1] if used.uses(OPTIMIZER_IN_BACKWARD) else divisors(batch_size)
+            for keeps, k, off in itertools.product(checkpoint_modes, accumulations, offloads):
+                rung = runner.with_flags(
+                    model=ref, precision=prec, batch_size=batch_size, accumulation_steps=k, optimizer=opt
+                )
                 frozen = (self.parameters - self.trainable) * (2 if prec in ("bf16-true", "16-true") else 4)
                 lower = 0.0 if off else (static_bytes(rung, used, self.trainable) + frozen) / GB / devices
-                c = Choice(rung, mode, used, lower + over, math.inf, speed_source=SPEED_SOURCE, overhead_gb=over,
-                           seq_len=self.seq_len, changes=changes, devices=devices, switched=switch,
-                           checkpoint_mode=keeps, lora=tuple(lora), target_len=self.target_len,
-                           cpu_offload=off)  # fmt: skip
+                c = Choice(
+                    rung,
+                    mode,
+                    used,
+                    lower + over,
+                    math.inf,
+                    speed_source=SPEED_SOURCE,
+                    overhead_gb=over,
+                    seq_len=self.seq_len,
+                    changes=changes,
+                    devices=devices,
+                    switched=switch,
+                    checkpoint_mode=keeps,
+                    lora=tuple(lora),
+                    target_len=self.target_len,
+                    cpu_offload=off,
+                )
                 self.choices.append(c)
 
     def weights_gb(self) -> float:
@@ -258,8 +197,15 @@ class UserPlanner:
             return self.predict(p).images_per_s
         costs = step_time.costs_of(simulated[3], Plan())
         graphs = step_time.uses_graphs(p, self.um.is_text)  # as _step_speed
-        seconds = step_time.floor_step_seconds(costs, self.ceilings, p.mode, graphs, self.compiled,
-                                               r.micro_batch_size / r.batch_size, r.accumulation_steps)  # fmt: skip
+        seconds = step_time.floor_step_seconds(
+            costs,
+            self.ceilings,
+            p.mode,
+            graphs,
+            self.compiled,
+            r.micro_batch_size / r.batch_size,
+            r.accumulation_steps,
+        )
         return p.devices * r.batch_size / seconds
 
     def predict(self, c: Choice) -> Choice:
@@ -267,20 +213,33 @@ class UserPlanner:
             r, used = c.rung, c.techniques
             key = c.key  # the mode changes the card overhead and the time, not the simulated step
             if key not in self.simulated:
-                plan = Plan(precision=r.precision, micro_batch_size=r.micro_batch_size,
-                            accumulation_steps=r.accumulation_steps, optimizer=used.optimizer,
-                            activation_checkpointing=self.blocks if used.uses(ACTIVATION_CHECKPOINTING) else (),
-                            activation_offload=used.uses(ACTIVATION_OFFLOAD),
-                            optimizer_in_backward=used.uses(OPTIMIZER_IN_BACKWARD),
-                            sharding="fsdp" if c.devices > 1 else "none", checkpoint_mode=c.checkpoint_mode,
-                            switched=c.switched, shard_units=self.blocks, world_size=c.devices,
-                            cpu_offload=c.cpu_offload)  # fmt: skip
+                plan = Plan(
+                    precision=r.precision,
+                    micro_batch_size=r.micro_batch_size,
+                    accumulation_steps=r.accumulation_steps,
+                    optimizer=used.optimizer,
+                    activation_checkpointing=self.blocks if used.uses(ACTIVATION_CHECKPOINTING) else (),
+                    activation_offload=used.uses(ACTIVATION_OFFLOAD),
+                    optimizer_in_backward=used.uses(OPTIMIZER_IN_BACKWARD),
+                    sharding="fsdp" if c.devices > 1 else "none",
+                    checkpoint_mode=c.checkpoint_mode,
+                    switched=c.switched,
+                    shard_units=self.blocks,
+                    world_size=c.devices,
+                    cpu_offload=c.cpu_offload,
+                )
                 collector = (
                     OpCosts()
                 )  # the same simulation gives the op costs the step time is predicted from
                 try:
-                    est = estimate(self.model, self.um, plan, self.seq_len or 0, op_costs=collector,
-                                   target_len=self.target_len)  # fmt: skip
+                    est = estimate(
+                        self.model,
+                        self.um,
+                        plan,
+                        self.seq_len or 0,
+                        op_costs=collector,
+                        target_len=self.target_len,
+                    )
                     error = est.error
                 except Exception as e:
                     error = f"{type(e).__name__}: {str(e)[:200]}"
@@ -374,15 +333,21 @@ class UserPlanner:
             "samples/s: predicted, not measured (--measure runs them): each set's simulated step, op by op (FLOPs and"
             " bytes against the GPU kind's fitted ceilings, and in eager mode the host's time to launch them;"
             f" planning/your_model/step_time.py), {self.ceilings_source}"
-            + (f"; each model left out of the fit, the error was {100 * held['median_abs_error']:.0f} % (median),"
-               f" {100 * held['max_abs_error']:.0f} % at most" if held else "")
+            + (
+                f"; each model left out of the fit, the error was {100 * held['median_abs_error']:.0f} % (median),"
+                f" {100 * held['max_abs_error']:.0f} % at most"
+                if held
+                else ""
+            )
             + ("." if verbose else " (--verbose: the ceilings)."),
-        ]  # fmt: skip
+        ]
         if self.devices > 1:
-            lines.append(f"  FSDP over {self.devices} GPUs: {self.devices} x one GPU's samples/s (each its own batch);"
-                         " the gathers and reductions are not modelled, and every set here has them. Outside the"
-                         " allocator each GPU holds NCCL's buffers besides its context: for a small model the card"
-                         " per GPU can be above what one GPU alone needs (leave out --devices to compare).")  # fmt: skip
+            lines.append(
+                f"  FSDP over {self.devices} GPUs: {self.devices} x one GPU's samples/s (each its own batch);"
+                " the gathers and reductions are not modelled, and every set here has them. Outside the"
+                " allocator each GPU holds NCCL's buffers besides its context: for a small model the card"
+                " per GPU can be above what one GPU alone needs (leave out --devices to compare)."
+            )
         if verbose:
             lines += [f"  {name}: {value:.4g}" for name, value in dataclasses.asdict(self.ceilings).items()]
         return lines

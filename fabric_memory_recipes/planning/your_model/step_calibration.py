@@ -59,9 +59,19 @@ NOT_FITTED = {
     "adamw8bit": "8-bit AdamW: the model counts its state's bytes only, not its per-tensor (de)quantisation"
 }
 # The ceilings' starting point (H100-like orders of magnitude; the fit moves every one).
-START = step_time.Ceilings(matmul_flops=500e12, bandwidth=2e12, kernel_s=3e-6, python_op_s=40e-6, module_s=10e-6,
-                           autograd_op_s=20e-6, recompute_block_s=1e-3, fast_op_s=5e-6, fusion=0.5, hook_s=0.3e-3,
-                           host_bandwidth=10e9)  # fmt: skip
+START = step_time.Ceilings(
+    matmul_flops=500e12,
+    bandwidth=2e12,
+    kernel_s=3e-6,
+    python_op_s=40e-6,
+    module_s=10e-6,
+    autograd_op_s=20e-6,
+    recompute_block_s=1e-3,
+    fast_op_s=5e-6,
+    fusion=0.5,
+    hook_s=0.3e-3,
+    host_bandwidth=10e9,
+)
 FIELDS = [f.name for f in dataclasses.fields(step_time.Ceilings)]
 OFFLOAD_FIELDS = ["host_bandwidth"]
 
@@ -82,8 +92,14 @@ class Run:
     def group(self) -> str:
         """The configuration: runs that repeat it are one point of the fit."""
         c = self.config
-        keys = ("precision", "batch_size", "accumulation_steps", "seq_len", "optimizer",
-                *(k for t in techniques.flagged() for k in (t.field, *t.options)))  # fmt: skip
+        keys = (
+            "precision",
+            "batch_size",
+            "accumulation_steps",
+            "seq_len",
+            "optimizer",
+            *(k for t in techniques.flagged() for k in (t.field, *(o.field for o in t.options))),
+        )
         text = self.model.startswith("hf:")  # a vision model's config has the runner's default seq_len too
         flags = " ".join(
             f"{k}={c.get(k)}" for k in keys if c.get(k) not in (None, False) and (text or k != "seq_len")
@@ -122,8 +138,17 @@ def read_runs(gpu: str = "h100", repo: Path = REPO) -> list[Run]:
                 continue
             if gpu_slug(prov.get("gpu_name")) != gpu or d["recipe"] == "16_weights_on_cpu":
                 continue
-            runs.append(Run(str(path.relative_to(repo)), d["recipe"], d["config"]["model"], run_mode(d["config"]),
-                            d["config"], timing["median_step_s"], timing.get("timed_intervals") or 1))  # fmt: skip
+            runs.append(
+                Run(
+                    str(path.relative_to(repo)),
+                    d["recipe"],
+                    d["config"]["model"],
+                    run_mode(d["config"]),
+                    d["config"],
+                    timing["median_step_s"],
+                    timing.get("timed_intervals") or 1,
+                )
+            )
     return runs
 
 
@@ -139,8 +164,11 @@ def run_costs(run: Run) -> step_time.StepCosts:
     rung, _ = declared_rung(run.recipe)
     flags = {f.name for f in RunConfig.flag_fields()}
     cfg = rung.with_flags(**{**{k: v for k, v in config.items() if k in flags}, "accelerator": "cuda"})
-    model = meta_ladder_model(config.get("model", "vit_l_16"), fused_attention=cfg.fused_attention,
-                              image_size=config.get("image_size"))  # fmt: skip
+    model = meta_ladder_model(
+        config.get("model", "vit_l_16"),
+        fused_attention=cfg.fused_attention,
+        image_size=config.get("image_size"),
+    )
     plan, collector = plan_for(cfg), OpCosts()
     est = simulate(model, plan, op_costs=collector)
     offloaded = (est.activations_host_gb or 0.0) * 1e9 if plan.activation_offload else 0.0
@@ -220,14 +248,23 @@ def calibrate(pts: list[Point], leave_one_out: bool = False, log=print) -> dict[
     for p in sorted(pts, key=lambda p: p.first.group):
         r = p.first
         why = r.not_fitted or None
-        rows.append({
-            "configuration": r.group, "model": r.model, "mode": r.mode, "recipe": r.recipe,
-            "paths": [x.path for x in p.runs], "timed_intervals": [x.intervals for x in p.runs],
-            "measured_s": p.measured_s, "predicted_s": round(predicted_s(r, p.costs, c), 6),
-            "error": round(_error(p, c), 4), "fitted": why is None,
-            "fitted_for": None if why else ("host_bandwidth" if r.offload else "all but host_bandwidth"),
-            "not_fitted_because": why, "leave_one_model_out_error": held_out.get(r.group),
-        })  # fmt: skip
+        rows.append(
+            {
+                "configuration": r.group,
+                "model": r.model,
+                "mode": r.mode,
+                "recipe": r.recipe,
+                "paths": [x.path for x in p.runs],
+                "timed_intervals": [x.intervals for x in p.runs],
+                "measured_s": p.measured_s,
+                "predicted_s": round(predicted_s(r, p.costs, c), 6),
+                "error": round(_error(p, c), 4),
+                "fitted": why is None,
+                "fitted_for": None if why else ("host_bandwidth" if r.offload else "all but host_bandwidth"),
+                "not_fitted_because": why,
+                "leave_one_model_out_error": held_out.get(r.group),
+            }
+        )
     return {"ceilings": c.to_dict(), "runs": rows, "summary": summary(rows)}
 
 
@@ -241,15 +278,22 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     fitted on, of those held out one model at a time (when computed), and of the offload runs."""
     out: dict[str, Any] = {}
     core = [r for r in rows if r["fitted"] and r["fitted_for"] != "host_bandwidth"]
-    for key, sel in (("fitted", [r["error"] for r in core]),
-                     ("leave_one_model_out", [r["leave_one_model_out_error"] for r in core
-                                              if r["leave_one_model_out_error"] is not None]),
-                     ("activation_offload", [r["error"] for r in rows if r["fitted_for"] == "host_bandwidth"])):  # fmt: skip
+    for key, sel in (
+        ("fitted", [r["error"] for r in core]),
+        (
+            "leave_one_model_out",
+            [r["leave_one_model_out_error"] for r in core if r["leave_one_model_out_error"] is not None],
+        ),
+        ("activation_offload", [r["error"] for r in rows if r["fitted_for"] == "host_bandwidth"]),
+    ):
         if sel:
             errors = [abs(e) for e in sel]
-            out[key] = {"configurations": len(errors), "max_abs_error": round(max(errors), 4),
-                        "median_abs_error": round(statistics.median(errors), 4),
-                        "within_25_percent": sum(e <= 0.25 for e in errors)}  # fmt: skip
+            out[key] = {
+                "configurations": len(errors),
+                "max_abs_error": round(max(errors), 4),
+                "median_abs_error": round(statistics.median(errors), 4),
+                "within_25_percent": sum(e <= 0.25 for e in errors),
+            }
     return out
 
 
@@ -262,11 +306,15 @@ def table_lines(entry: dict[str, Any]) -> list[str]:
             if not r["fitted"]
             else ("  (B_host)" if r["fitted_for"] == "host_bandwidth" else "")
         )
-        lines.append(f"{r['configuration'][:100]:<100} {r['measured_s']:>10.4f} {r['predicted_s']:>11.4f}"
-                     f" {r['error']:>+7.0%} {'' if lomo is None else format(lomo, '+.0%'):>8}{mark}")  # fmt: skip
+        lines.append(
+            f"{r['configuration'][:100]:<100} {r['measured_s']:>10.4f} {r['predicted_s']:>11.4f}"
+            f" {r['error']:>+7.0%} {'' if lomo is None else format(lomo, '+.0%'):>8}{mark}"
+        )
     for key, s in entry["summary"].items():
-        lines.append(f"{key}: {s['configurations']} configurations, max |error| {s['max_abs_error']:.0%},"
-                     f" median {s['median_abs_error']:.0%}, within 25 %: {s['within_25_percent']}")  # fmt: skip
+        lines.append(
+            f"{key}: {s['configurations']} configurations, max |error| {s['max_abs_error']:.0%},"
+            f" median {s['median_abs_error']:.0%}, within 25 %: {s['within_25_percent']}"
+        )
     return lines
 
 
@@ -290,8 +338,10 @@ def notes_lines(entry: dict[str, Any]) -> list[str]:
             if not r["fitted"]
             else (" [B_host]" if r["fitted_for"] == "host_bandwidth" else "")
         )
-        lines.append(f"{r['measured_s']:8.4f} {r['predicted_s']:9.4f} {r['error']:+6.0%}"
-                     f"  {'' if lomo is None else format(lomo, '+.0%'):>8}  {name}{tag}")  # fmt: skip
+        lines.append(
+            f"{r['measured_s']:8.4f} {r['predicted_s']:9.4f} {r['error']:+6.0%}"
+            f"  {'' if lomo is None else format(lomo, '+.0%'):>8}  {name}{tag}"
+        )
     return lines
 
 
@@ -316,10 +366,14 @@ def main(argv: list[str] | None = None) -> int:
     print("ceilings: " + ", ".join(f"{k}={v:.4g}" for k, v in entry["ceilings"].items()))
     if args.write:
         table = step_time.load_calibration()
-        table = {"what": "the step-time model's ceilings per GPU kind (planning/your_model/step_time.py), fitted on"
-                 " the committed runs listed with each kind, with their errors (error: predicted samples/s over"
-                 " measured, less 1)", "how": "python -m fabric_memory_recipes.planning.your_model.step_calibration"
-                 " --write --leave-one-out", "kinds": {**table.get("kinds", {}), args.gpu: entry}}  # fmt: skip
+        table = {
+            "what": "the step-time model's ceilings per GPU kind (planning/your_model/step_time.py), fitted on"
+            " the committed runs listed with each kind, with their errors (error: predicted samples/s over"
+            " measured, less 1)",
+            "how": "python -m fabric_memory_recipes.planning.your_model.step_calibration"
+            " --write --leave-one-out",
+            "kinds": {**table.get("kinds", {}), args.gpu: entry},
+        }
         write_json_atomic(str(step_time.CALIBRATION_FILE), table)
         print(f"wrote {step_time.CALIBRATION_FILE}")
     return 0

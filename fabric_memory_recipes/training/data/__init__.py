@@ -209,8 +209,11 @@ def synthetic_cached(data_dir: str) -> Splits:
     except (OSError, ValueError, KeyError, EOFError):
         pass  # absent or unreadable: make it
     splits = synthetic()
-    arrays = {f"{k}{i}": part[j] for i, part in enumerate((splits.train, splits.val, splits.test))
-              for j, k in enumerate("xy")}  # fmt: skip
+    arrays = {
+        f"{k}{i}": part[j]
+        for i, part in enumerate((splits.train, splits.val, splits.test))
+        for j, k in enumerate("xy")
+    }
     try:
         os.makedirs(data_dir, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".npz", dir=data_dir)
@@ -263,10 +266,15 @@ def loaders(splits, cfg: RunConfig, fabric, shard: bool = False) -> tuple[DataLo
     process reads its own shard (the sharded rungs); otherwise Fabric's ``setup_dataloaders`` adds a
     DistributedSampler when several processes run."""
     return build_loaders(
-        splits.datasets(), cfg.micro_batch_size, cfg.micro_batch_size, cfg.num_workers,
+        splits.datasets(),
+        cfg.micro_batch_size,
+        cfg.micro_batch_size,
+        cfg.num_workers,
         pin_memory=fabric.device.type == "cuda",
-        world_size=fabric.world_size if shard else 1, rank=fabric.global_rank if shard else 0, seed=cfg.seed,
-    )  # fmt: skip
+        world_size=fabric.world_size if shard else 1,
+        rank=fabric.global_rank if shard else 0,
+        seed=cfg.seed,
+    )
 
 
 def build_loaders(

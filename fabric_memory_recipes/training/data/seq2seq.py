@@ -71,8 +71,10 @@ class ByteTokenizer:
 def byte_offset(config: Any) -> int:
     """The byte tokenizer's first id for ``config``: after its small special ids (pad, eos, bos, the
     decoder's start), at least :data:`BYTE_OFFSET`."""
-    specials = [getattr(config, f, None) for f in ("pad_token_id", "eos_token_id", "bos_token_id",
-                                                   "decoder_start_token_id", "unk_token_id")]  # fmt: skip
+    specials = [
+        getattr(config, f, None)
+        for f in ("pad_token_id", "eos_token_id", "bos_token_id", "decoder_start_token_id", "unk_token_id")
+    ]
     small = [s for s in specials if isinstance(s, int) and 0 <= s < 64]
     return max(BYTE_OFFSET, 1 + max(small, default=0))
 
@@ -92,8 +94,14 @@ def example(
 class Pairs:
     """Tokenized ``(source, target)`` pairs as a torch Dataset of :func:`example`."""
 
-    def __init__(self, pairs: list[tuple[list[int], list[int]]], seq_len: int, target_len: int, ids: TokenIds,
-                 eos: int | None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        pairs: list[tuple[list[int], list[int]]],
+        seq_len: int,
+        target_len: int,
+        ids: TokenIds,
+        eos: int | None,
+    ) -> None:
         self.pairs, self.seq_len, self.target_len, self.ids, self.eos = pairs, seq_len, target_len, ids, eos
 
     def __len__(self) -> int:
@@ -108,8 +116,16 @@ class SyntheticPairs:
     """The stand-in: made per sample on demand from ``(seed, split, i)``; the task (topics, answers,
     successors) is the same in every split."""
 
-    def __init__(self, n: int, seq_len: int, target_len: int, ids: TokenIds, eos: int | None, seed: int = 0,
-                 split: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        n: int,
+        seq_len: int,
+        target_len: int,
+        ids: TokenIds,
+        eos: int | None,
+        seed: int = 0,
+        split: int = 0,
+    ) -> None:
         self.n, self.seq_len, self.target_len, self.ids, self.eos = n, seq_len, target_len, ids, eos
         self.seed, self.split = seed, split
         rng = np.random.default_rng(seed)
@@ -166,8 +182,10 @@ def read_pairs(path: str) -> list[tuple[str, str]]:
         raise UsageError(f"--data-dir {path}: not a readable CSV ({type(e).__name__}: {e})") from None
     rows = [(s, t) for s, t in rows if s.strip() and t.strip()]
     if len(rows) < 3:
-        raise UsageError(f"--data-dir {path}: {len(rows)} pairs with text on both sides; train, validation and"
-                         " test need at least 3")  # fmt: skip
+        raise UsageError(
+            f"--data-dir {path}: {len(rows)} pairs with text on both sides; train, validation and"
+            " test need at least 3"
+        )
     return rows
 
 
@@ -178,23 +196,35 @@ def encoder(tokenizer: Any) -> Callable[[str], list[int]]:
     return lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def load(choice: str, data_dir: str, seq_len: int, target_len: int, ids: TokenIds, eos: int | None,
-         tokenizer_factory: Callable[[], Any], seed: int = 0) -> TextSplits:  # fmt: skip
+def load(
+    choice: str,
+    data_dir: str,
+    seq_len: int,
+    target_len: int,
+    ids: TokenIds,
+    eos: int | None,
+    tokenizer_factory: Callable[[], Any],
+    seed: int = 0,
+) -> TextSplits:
     """``--data auto|pairs|synthetic`` for an encoder-decoder. ``tokenizer_factory()`` gives the tokenizer
     for real pairs (a Hugging Face tokenizer or :class:`ByteTokenizer`); it is called only when pairs were
     found."""
     path = None if choice == "synthetic" else find_pairs(data_dir)
     if path is None and choice == "pairs":
-        raise UsageError(f"--data pairs: --data-dir {data_dir} is neither a CSV nor a folder holding {PAIRS_FILE}"
-                         " (columns source,target)")  # fmt: skip
+        raise UsageError(
+            f"--data pairs: --data-dir {data_dir} is neither a CSV nor a folder holding {PAIRS_FILE}"
+            " (columns source,target)"
+        )
     if path is None:
         if choice == "auto":
             notice(
                 f"[data] no {PAIRS_FILE} under {data_dir}: using the synthetic sequence-to-sequence stand-in"
             )
         parts = [SyntheticPairs(n, seq_len, target_len, ids, eos, seed, k) for k, n in enumerate(SPLIT_SIZES)]
-        detail = (f"synthetic pairs: a topic token in the source sets the target's chain of answer tokens;"
-                  f" source padded to {seq_len}, target to {target_len}")  # fmt: skip
+        detail = (
+            f"synthetic pairs: a topic token in the source sets the target's chain of answer tokens;"
+            f" source padded to {seq_len}, target to {target_len}"
+        )
         return TextSplits(*parts, source="synthetic", detail=detail)
     texts = read_pairs(path)
     tokenizer = tokenizer_factory()
@@ -202,10 +232,18 @@ def load(choice: str, data_dir: str, seq_len: int, target_len: int, ids: TokenId
     pairs = [(encode(s), encode(t)) for s, t in texts]
     name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
     notice(f"[data] {len(pairs)} text pairs from {path}, tokenizer {name}")
-    train, val, test = (Pairs([pairs[i] for i in idx], seq_len, target_len, ids, eos)
-                        for idx in split_indices(len(pairs), seed))  # fmt: skip
-    return TextSplits(train, val, test, source="pairs", detail=f"text pairs ({path}), tokenizer {name}",
-                      vocab_size=len(tokenizer))  # fmt: skip
+    train, val, test = (
+        Pairs([pairs[i] for i in idx], seq_len, target_len, ids, eos)
+        for idx in split_indices(len(pairs), seed)
+    )
+    return TextSplits(
+        train,
+        val,
+        test,
+        source="pairs",
+        detail=f"text pairs ({path}), tokenizer {name}",
+        vocab_size=len(tokenizer),
+    )
 
 
 def seq2seq_lm(model, batch):

@@ -97,8 +97,10 @@ class TextConfig(RunConfig):
         after recipes shard with FSDP, whose units run eagerly here, as rung 08's do)."""
         c = dataclasses.replace(self)
         if c.world_size > 1 and c.compile:
-            raise UsageError("--compile works on one device here; with --devices > 1 leave it out (FSDP runs"
-                             " its units eagerly)")  # fmt: skip
+            raise UsageError(
+                "--compile works on one device here; with --devices > 1 leave it out (FSDP runs"
+                " its units eagerly)"
+            )
         if c.world_size > 1:
             c.compile = False
         return super(TextConfig, c).checked(hardware)
@@ -367,6 +369,11 @@ def load_for(cfg: TextConfig, spec: Any, task: str = "classification") -> TextSp
     ``training.hf_models.Spec``), from the flags (--data, --data-dir, --max-length, --tokenizer, --seed).
     One call per recipe, as ``fabric_memory_recipes.training.data.load`` is for the ladder."""
     return load(
-        cfg.data, cfg.data_dir, cfg.max_length, spec.ids, lambda: spec.tokenizer(cfg.tokenizer),
-        task=task, seed=cfg.seed,
-    )  # fmt: skip
+        cfg.data,
+        cfg.data_dir,
+        cfg.max_length,
+        spec.ids,
+        lambda: spec.tokenizer(cfg.tokenizer),
+        task=task,
+        seed=cfg.seed,
+    )

@@ -20,11 +20,11 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from fabric_memory_recipes.config import UsageError
+from fabric_memory_recipes.techniques import CHECKPOINT_MODE
 
-MODES = (
-    "full",
-    "selective",
-)  # what a checkpointed block keeps: its input only; also its matmuls and attention
+# What a checkpointed block keeps (the checkpointing record's option): its input only; also its matmuls
+# and attention.
+MODES = CHECKPOINT_MODE.choices
 
 _aten = torch.ops.aten
 SAVED_OPS = frozenset(  # selective: the outputs kept (the costly ops); everything else is recomputed
@@ -40,7 +40,7 @@ SAVED_OPS = frozenset(  # selective: the outputs kept (the costly ops); everythi
         "_scaled_dot_product_cudnn_attention",
         "_scaled_dot_product_flash_attention_for_cpu",
         "convolution",
-    )  # fmt: skip
+    )
     if hasattr(_aten, name)
 )
 
@@ -92,8 +92,9 @@ class CheckpointedBlock(torch.nn.Module):
             return getattr(self.block, name)
 
 
-def checkpoint_blocks(model: torch.nn.Module, blocks: tuple[str, ...], mode: str = "full",
-                      use_reentrant: bool = False) -> int:  # fmt: skip
+def checkpoint_blocks(
+    model: torch.nn.Module, blocks: tuple[str, ...], mode: str = "full", use_reentrant: bool = False
+) -> int:
     """Wrap every module of ``model`` whose class is named in ``blocks`` in a :class:`CheckpointedBlock`
     (in place, in its parent); returns how many were wrapped, and refuses (one line, exit 2) a model that
     has none of them. ``mode``: :data:`MODES`."""

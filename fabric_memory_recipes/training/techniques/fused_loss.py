@@ -61,8 +61,10 @@ def refusal(model: torch.nn.Module) -> str | None:
     if isinstance(head, HiddenStates):
         return None
     if not isinstance(head, torch.nn.Linear):
-        return (f"--fused-loss: {type(model).__name__} has no output embeddings to fuse (a causal LM's"
-                " linear projection onto the vocabulary)")  # fmt: skip
+        return (
+            f"--fused-loss: {type(model).__name__} has no output embeddings to fuse (a causal LM's"
+            " linear projection onto the vocabulary)"
+        )
     bias_after = getattr(model, "final_logits_bias", None)  # BART adds one after the projection
     if head.bias is not None or bias_after is not None:
         return "--fused-loss: the output projection has a bias, which the fused loss does not add"
@@ -163,8 +165,12 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
 def predicted_ids(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The most likely token of each row of ``hidden``, one chunk of logits at a time (evaluation)."""
     step = chunk_rows(hidden.shape[0], weight.shape[0], weight.shape[1])
-    return torch.cat([(hidden[i : i + step] @ weight.t().to(hidden.dtype)).argmax(-1)
-                      for i in range(0, hidden.shape[0], step)])  # fmt: skip
+    return torch.cat(
+        [
+            (hidden[i : i + step] @ weight.t().to(hidden.dtype)).argmax(-1)
+            for i in range(0, hidden.shape[0], step)
+        ]
+    )
 
 
 def apply(model: torch.nn.Module, batch_fn=None):
@@ -205,8 +211,9 @@ def seq2seq_lm_loss(head: HiddenStates, decoder_input_ids):
 
     def batch_fn(model, batch):
         input_ids, attention_mask, labels = batch
-        hidden = model(input_ids=input_ids, attention_mask=attention_mask,
-                       decoder_input_ids=decoder_input_ids(labels)).logits  # fmt: skip
+        hidden = model(
+            input_ids=input_ids, attention_mask=attention_mask, decoder_input_ids=decoder_input_ids(labels)
+        ).logits
         hidden, targets = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
         return _loss_and_predictions(hidden, head.weight, targets)
 

@@ -31,15 +31,33 @@ class ToggleConfig(TextConfig):
     )
     lora: bool = flag(False, "toggles", "train LoRA adapters only (needs peft)", action="store_true")
     lora_r: int = flag(8, "toggles", "LoRA rank (default 8)", type=int)
-    attn: str | None = flag(None, "toggles", "attention implementation (default eager; sdpa with --all)",
-                            choices=("eager", "sdpa", "flash_attention_2"))  # fmt: skip
-    checkpoint_mode: str | None = flag(None, "toggles", "what --grad-checkpointing keeps of each layer: full (its"
-                                       " input only) or selective (also its matmuls and attention; default"
-                                       " full, selective with --all)", choices=checkpointing.MODES)  # fmt: skip
-    fused_loss: bool | None = flag(None, "toggles", "the loss of the output projection in chunks, without the"
-                                   " full logits (liger-kernel on CUDA; default: on with --all)", action=BOOL)  # fmt: skip
-    all: bool = flag(False, "toggles", "--half --grad-checkpointing --checkpoint-mode selective --fused-loss --lora"
-                     " --attn sdpa, in fast mode on a CUDA GPU", action="store_true")  # fmt: skip
+    attn: str | None = flag(
+        None,
+        "toggles",
+        "attention implementation (default eager; sdpa with --all)",
+        choices=("eager", "sdpa", "flash_attention_2"),
+    )
+    checkpoint_mode: str | None = flag(
+        None,
+        "toggles",
+        "what --grad-checkpointing keeps of each layer: full (its input only) or selective (also its matmuls"
+        " and attention; default full, selective with --all)",
+        choices=checkpointing.MODES,
+    )
+    fused_loss: bool | None = flag(
+        None,
+        "toggles",
+        "the loss of the output projection in chunks, without the full logits (liger-kernel on CUDA; default:"
+        " on with --all)",
+        action=BOOL,
+    )
+    all: bool = flag(
+        False,
+        "toggles",
+        "--half --grad-checkpointing --checkpoint-mode selective --fused-loss --lora --attn sdpa, in fast mode"
+        " on a CUDA GPU",
+        action="store_true",
+    )
 
     GROUPS: ClassVar[dict[str, str]] = {**TextConfig.GROUPS, "toggles": "memory toggles"}
     HELP: ClassVar[dict[str, str]] = {

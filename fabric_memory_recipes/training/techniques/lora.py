@@ -89,14 +89,21 @@ def add_adapters(
         chosen = default_targets(model, source, blocks)
         if not chosen:
             where = ", ".join(blocks) or "no repeated blocks"
-            raise UsageError(f"--lora-rank: no Linear layer to adapt inside the repeated blocks ({where}) of this"
-                             " model: name the layers with --lora-targets NAME,NAME")  # fmt: skip
+            raise UsageError(
+                f"--lora-rank: no Linear layer to adapt inside the repeated blocks ({where}) of this"
+                " model: name the layers with --lora-targets NAME,NAME"
+            )
     matched = [n for n, _ in model.named_modules() if any(n == t or n.endswith("." + t) for t in chosen)]
     if not matched:
         raise UsageError(f"--lora-targets {','.join(chosen)}: no module of this model has that name")
     fan_in_fan_out = any(type(model.get_submodule(n)).__name__ == "Conv1D" for n in matched)
-    config = LoraConfig(r=rank, lora_alpha=ALPHA_PER_RANK * rank, lora_dropout=0.0, target_modules=list(chosen),
-                        fan_in_fan_out=fan_in_fan_out)  # fmt: skip
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=ALPHA_PER_RANK * rank,
+        lora_dropout=0.0,
+        target_modules=list(chosen),
+        fan_in_fan_out=fan_in_fan_out,
+    )
     try:
         inject_adapter_in_model(config, model)
     except ValueError as e:  # peft: a layer type it cannot adapt

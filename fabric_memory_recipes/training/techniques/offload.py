@@ -75,8 +75,12 @@ class Streams:
     @classmethod
     def for_device(cls, device: torch.device) -> Streams:
         if device.type == "cuda":
-            return cls(lambda: torch.cuda.current_stream(device), torch.cuda.Stream(device),
-                       torch.cuda.Stream(device), torch.cuda.stream)  # fmt: skip
+            return cls(
+                lambda: torch.cuda.current_stream(device),
+                torch.cuda.Stream(device),
+                torch.cuda.Stream(device),
+                torch.cuda.stream,
+            )
         inline = InlineStream()
         return cls(lambda: inline, InlineStream(), InlineStream(), lambda _s: contextlib.nullcontext())
 
@@ -115,9 +119,15 @@ class Traffic:
 class offload_activations(torch.autograd.graph.saved_tensors_hooks):
     """``with offload_activations(): loss = model(x)`` - saved activations live in pinned host memory."""
 
-    def __init__(self, window_bytes: int | None = None, resident_bytes: int = 0, min_bytes: int = 1 << 16,
-                 devices: tuple[str, ...] = ("cuda",), make_streams=Streams.for_device,
-                 record: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        window_bytes: int | None = None,
+        resident_bytes: int = 0,
+        min_bytes: int = 1 << 16,
+        devices: tuple[str, ...] = ("cuda",),
+        make_streams=Streams.for_device,
+        record: bool = False,
+    ) -> None:
         """``devices``: tensors on these device types are moved out (the tests add "cpu" to exercise the
         mechanics without a GPU: the tensor is then copied to a separate host buffer). ``window_bytes``:
         GPU bytes each side stream may have in flight; None: no side streams, every copy in the compute

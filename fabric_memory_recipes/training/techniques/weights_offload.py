@@ -80,9 +80,14 @@ class WeightsOnCPU:
     model must be on the CPU in fp32 (its weights become the masters); afterwards its parameters are on
     ``device`` in ``dtype``. Call :meth:`finish` before reading :meth:`master_parameters`."""
 
-    def __init__(self, model: torch.nn.Module, units: Sequence[torch.nn.Module], device: torch.device | str,
-                 make_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
-                 dtype: torch.dtype = torch.bfloat16) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        units: Sequence[torch.nn.Module],
+        device: torch.device | str,
+        make_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.dtype = dtype

@@ -159,8 +159,10 @@ def hf_config(ref: str, name: str):
     if name.endswith(".json") or name.startswith((".", "/", "~")) or name.count("/") > 1:
         raise UsageError(f"--model {ref}: no such file or folder")
     if not (_cached(name) or hub_online()):
-        raise UsageError(f"--model {ref}: not a local config.json or folder, and the Hugging Face hub is"
-                         " unreachable (offline): pass the path of a config.json")  # fmt: skip
+        raise UsageError(
+            f"--model {ref}: not a local config.json or folder, and the Hugging Face hub is"
+            " unreachable (offline): pass the path of a config.json"
+        )
     from transformers import AutoConfig
 
     try:
@@ -181,8 +183,10 @@ def _hf_task(ref: str, config) -> str:
     if getattr(config, "is_encoder_decoder", False):  # T5, mT5, BART, ...: source in, target out
         if type(config) in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING:
             return "seq2seq_lm"
-        raise UsageError(f"--model {ref}: {config.model_type} is an encoder-decoder without a sequence-to-sequence"
-                         " LM head in transformers (AutoModelForSeq2SeqLM)")  # fmt: skip
+        raise UsageError(
+            f"--model {ref}: {config.model_type} is an encoder-decoder without a sequence-to-sequence"
+            " LM head in transformers (AutoModelForSeq2SeqLM)"
+        )
 
     if any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in (config.architectures or [])):
         return "causal_lm"
@@ -190,8 +194,10 @@ def _hf_task(ref: str, config) -> str:
         return "classification"
     if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
         return "causal_lm"
-    raise UsageError(f"--model {ref}: transformers has neither a sequence-classification nor a causal-LM"
-                     f" head for model type {config.model_type!r}")  # fmt: skip
+    raise UsageError(
+        f"--model {ref}: transformers has neither a sequence-classification nor a causal-LM"
+        f" head for model type {config.model_type!r}"
+    )
 
 
 def build(um: UserModel) -> nn.Module:

@@ -20,7 +20,7 @@ from fabric_memory_recipes import techniques
 from fabric_memory_recipes.config import BOOL, RunConfig, UsageError, at_least, flag
 from fabric_memory_recipes.training import data
 from fabric_memory_recipes.training.data import seq2seq, text
-from fabric_memory_recipes.training.techniques import checkpointing, lora, lowbit
+from fabric_memory_recipes.training.techniques import lora, lowbit
 from fabric_memory_recipes.training.your_model import inference, models
 from fabric_memory_recipes.training.your_model.models import UserModel
 
@@ -35,13 +35,19 @@ class YourModelConfig(RunConfig):
     record is a flag with no field written here. A technique whose field is not one of :class:`RunConfig`'s
     is on when its name is in ``switched_on`` (``cfg.fused_loss`` reads it)."""
 
-    seq_len: int = flag(256, "technique", "tokens per sequence (text models; an encoder-decoder's source)",
-                        type=at_least(8))  # fmt: skip
-    target_len: int | None = flag(None, "technique", "an encoder-decoder's target tokens (default: --seq-len)",
-                                  type=at_least(2))  # fmt: skip
+    seq_len: int = flag(
+        256, "technique", "tokens per sequence (text models; an encoder-decoder's source)", type=at_least(8)
+    )
+    target_len: int | None = flag(
+        None, "technique", "an encoder-decoder's target tokens (default: --seq-len)", type=at_least(2)
+    )
     optimizer: str = flag("adamw", "technique", "optimizer (adamw8bit needs torchao)", choices=OPTIMIZERS)
-    checkpoint_mode: str = flag("full", "technique", "what a checkpointed block keeps: full (its input only) or"
-                                " selective (also its matmuls and attention)", choices=checkpointing.MODES)  # fmt: skip
+    checkpoint_mode: str = flag(
+        techniques.CHECKPOINT_MODE.default,
+        "technique",
+        techniques.CHECKPOINT_MODE.help,
+        choices=techniques.CHECKPOINT_MODE.choices,
+    )
     fsdp: bool = flag(
         False,
         "technique",
@@ -50,26 +56,56 @@ class YourModelConfig(RunConfig):
         action=BOOL,
     )
     cpu_offload: bool = flag(
-        False, "technique", "with --fsdp: each GPU's shard of the parameters and gradients in host memory, the"
-        " optimizer stepping there (FSDP's CPUOffload)", action=BOOL,
-    )  # fmt: skip
+        False,
+        "technique",
+        "with --fsdp: each GPU's shard of the parameters and gradients in host memory, the"
+        " optimizer stepping there (FSDP's CPUOffload)",
+        action=BOOL,
+    )
     tokenizer: str | None = flag(None, "technique", "tokenizer folder for real text (default: the model's)")
-    lora_rank: int = flag(0, "technique", "LoRA: freeze the weights and train rank-R adapters (and a classifier's"
-                          " head); 0: train every weight (training/techniques/lora.py)", type=at_least(0), metavar="R")  # fmt: skip
-    lora_targets: str | None = flag(None, "technique", "with --lora-rank: the layers adapted, comma-separated module"
-                                    " names (default: chosen per architecture)", metavar="NAMES")  # fmt: skip
-    infer: bool = flag(False, "inference", "measure inference instead of training: a causal LM's generate() of"
-                       " --batch-size x --seq-len prompt tokens + --new-tokens (an encoder-decoder's: --seq-len"
-                       " source tokens, --new-tokens written), else one forward pass under"
-                       " torch.inference_mode (docs/inference.md)", action=BOOL)  # fmt: skip
-    new_tokens: int = flag(128, "inference", "tokens generate() adds to each prompt, or writes for each source"
-                           " (--infer)", type=at_least(1))  # fmt: skip
-    kv_cache_dtype: str = flag("auto", "inference", "the KV cache's dtype (--infer; auto: the weights')",
-                               choices=tuple(inference.KV_CACHE_DTYPES))  # fmt: skip
+    lora_rank: int = flag(
+        0,
+        "technique",
+        "LoRA: freeze the weights and train rank-R adapters (and a classifier's"
+        " head); 0: train every weight (training/techniques/lora.py)",
+        type=at_least(0),
+        metavar="R",
+    )
+    lora_targets: str | None = flag(
+        None,
+        "technique",
+        "with --lora-rank: the layers adapted, comma-separated module"
+        " names (default: chosen per architecture)",
+        metavar="NAMES",
+    )
+    infer: bool = flag(
+        False,
+        "inference",
+        "measure inference instead of training: a causal LM's generate() of"
+        " --batch-size x --seq-len prompt tokens + --new-tokens (an encoder-decoder's: --seq-len"
+        " source tokens, --new-tokens written), else one forward pass under"
+        " torch.inference_mode (docs/inference.md)",
+        action=BOOL,
+    )
+    new_tokens: int = flag(
+        128,
+        "inference",
+        "tokens generate() adds to each prompt, or writes for each source (--infer)",
+        type=at_least(1),
+    )
+    kv_cache_dtype: str = flag(
+        "auto",
+        "inference",
+        "the KV cache's dtype (--infer; auto: the weights')",
+        choices=tuple(inference.KV_CACHE_DTYPES),
+    )
     switched_on: tuple[str, ...] = ()  # the flagged techniques on that have no field of RunConfig's, by name
 
-    GROUPS: ClassVar[dict[str, str]] = {**RunConfig.GROUPS, "technique": "your model: the technique set",
-                                        "inference": "your model: inference (--infer)"}  # fmt: skip
+    GROUPS: ClassVar[dict[str, str]] = {
+        **RunConfig.GROUPS,
+        "technique": "your model: the technique set",
+        "inference": "your model: inference (--infer)",
+    }
     DATA_CHOICES: ClassVar[tuple[str, ...]] = ("auto", "digits", "imdb", "pairs", "synthetic")
     HELP: ClassVar[dict[str, str]] = {
         "data": "auto: digits for image models; IMDb when present, else synthetic token ids, for text models;"
@@ -119,7 +155,7 @@ class YourModelConfig(RunConfig):
         flags = [t.flag for t in techniques.flagged() if self.uses(t)]
         flags += [techniques.LORA.flag, str(self.lora_rank)] if self.lora_rank else []
         flags += ["--lora-targets", self.lora_targets] if self.lora_rank and self.lora_targets else []
-        flags += ["--checkpoint-mode", self.checkpoint_mode] if self.checkpoint_mode != "full" else []
+        flags += [f for t in techniques.flagged() for o in t.options for f in o.flags(getattr(self, o.field))]
         flags += ["--cpu-offload"] if self.cpu_offload else []
         return flags + (["--optimizer", self.optimizer] if self.optimizer != "adamw" else [])
 
@@ -130,16 +166,21 @@ class YourModelConfig(RunConfig):
         c = super().checked(hardware)
         if c.cuda_graphs and models.resolve(c.model).is_text:
             if graphs_asked:
-                raise UsageError("--cuda-graphs: a text model's batch picks its tokens by a mask of data-dependent"
-                                 " size, which a CUDA graph cannot capture (fast mode compiles its blocks)")  # fmt: skip
+                raise UsageError(
+                    "--cuda-graphs: a text model's batch picks its tokens by a mask of data-dependent"
+                    " size, which a CUDA graph cannot capture (fast mode compiles its blocks)"
+                )
             c.cuda_graphs = False  # fast mode for a text model: compiled blocks, eager steps
         if c.cuda_graphs and c.optimizer_in_backward:  # its per-parameter optimizers are not made capturable
             if graphs_asked:
-                raise UsageError("--cuda-graphs: this runner's step in backward is not captured (its AdamW per"
-                                 " parameter is not capturable): fast mode compiles the blocks alone")  # fmt: skip
+                raise UsageError(
+                    "--cuda-graphs: this runner's step in backward is not captured (its AdamW per"
+                    " parameter is not capturable): fast mode compiles the blocks alone"
+                )
             c.cuda_graphs = False
-        if c.checkpoint_mode != "full" and not c.checkpoint_blocks:
-            raise UsageError(f"--checkpoint-mode {c.checkpoint_mode} goes with --checkpoint-blocks")
+        for record, o in ((t, o) for t in techniques.flagged() for o in t.options):
+            if getattr(c, o.field) != o.default and not c.uses(record):
+                raise UsageError(f"{o.flag} {getattr(c, o.field)} goes with {record.flag}")
         if c.fsdp and (c.world_size < 2 or c.accelerator != "cuda"):
             raise UsageError("--fsdp shards over several CUDA GPUs: use it with --devices N (N >= 2) on CUDA")
         if c.lora_targets and not c.lora_rank:
@@ -155,29 +196,38 @@ class YourModelConfig(RunConfig):
 
 
 def _technique_fields() -> set[str]:
-    return {name for t in techniques.flagged() for name in (t.field, *t.options)}
+    return {name for t in techniques.flagged() for name in (t.field, *(o.field for o in t.options))}
 
 
 def _technique_flag(t: techniques.Technique) -> list[dataclasses.Field]:
-    """The flag of ``t`` (a boolean, off unless the rung says on) and its options' flags."""
+    """The flag of ``t`` (a boolean, off unless the rung says on) and its options' flags (their fields)."""
     f = flag(False, "technique", t.help, action=BOOL)
     f.name, f.type = t.field, "bool"
-    return [f, *(g for g in dataclasses.fields(YourModelConfig) if g.name in t.options)]
+    options = {o.field for o in t.options}
+    return [f, *(g for g in dataclasses.fields(YourModelConfig) if g.name in options)]
 
 
 def default_config() -> YourModelConfig:
     """The runner's defaults (``recipes/your_model.py`` declares the same)."""
-    return YourModelConfig(recipe="your_model", model="torchvision:resnet50",
-                           model_choices=models.SourcePrefixed(models.SOURCES), batch_size=32,
-                           lr=1e-4, eval_batches=20)  # fmt: skip
+    return YourModelConfig(
+        recipe="your_model",
+        model="torchvision:resnet50",
+        model_choices=models.SourcePrefixed(models.SOURCES),
+        batch_size=32,
+        lr=1e-4,
+        eval_batches=20,
+    )
 
 
 def resolve(cfg: YourModelConfig) -> UserModel:
     """``--model`` resolved; a model of the wrong kind for ``--data`` is refused (exit 2)."""
     um = models.resolve(cfg.model)
     seq2seq = um.task == "seq2seq_lm"
-    if (cfg.data == "digits" and um.is_text or cfg.data == "imdb" and (not um.is_text or seq2seq)
-            or cfg.data == "pairs" and not seq2seq):  # fmt: skip
+    if (
+        (cfg.data == "digits" and um.is_text)
+        or (cfg.data == "imdb" and (not um.is_text or seq2seq))
+        or (cfg.data == "pairs" and not seq2seq)
+    ):
         raise UsageError(f"--data {cfg.data} does not fit {cfg.model} ({um.task.replace('_', ' ')})")
     models.check_seq_len(um, cfg.seq_len)
     if cfg.target_len is not None and not seq2seq:
@@ -198,8 +248,9 @@ def load_data(cfg: YourModelConfig, um: UserModel):
     if um.task == "seq2seq_lm":
         return seq2seq_data(cfg, um, ids)
     choice = "synthetic" if cfg.data == "synthetic" else ("imdb" if cfg.data == "imdb" else "auto")
-    splits = text.load(choice, cfg.data_dir, cfg.seq_len, ids, lambda: _tokenizer(cfg, um), task=um.task,
-                       seed=cfg.seed)  # fmt: skip
+    splits = text.load(
+        choice, cfg.data_dir, cfg.seq_len, ids, lambda: _tokenizer(cfg, um), task=um.task, seed=cfg.seed
+    )
     if splits.vocab_size and splits.vocab_size > (um.vocab_size or 0):
         raise UsageError(
             f"the tokenizer's {splits.vocab_size} tokens exceed the model's vocabulary ({um.vocab_size})"
@@ -225,12 +276,22 @@ def seq2seq_data(cfg: YourModelConfig, um: UserModel, ids):
             return found
         bytes_ = seq2seq.ByteTokenizer(seq2seq.byte_offset(config))
         if len(bytes_) > (um.vocab_size or 0):
-            raise UsageError(f"{cfg.model}: no tokenizer offline, and its {um.vocab_size} ids cannot hold the byte"
-                             f" tokenizer's {len(bytes_)}: pass --tokenizer DIR")  # fmt: skip
+            raise UsageError(
+                f"{cfg.model}: no tokenizer offline, and its {um.vocab_size} ids cannot hold the byte"
+                f" tokenizer's {len(bytes_)}: pass --tokenizer DIR"
+            )
         return bytes_
 
-    splits = seq2seq.load(cfg.data, cfg.data_dir, cfg.seq_len, target_len(cfg), ids, config.eos_token_id,
-                          tokenizer, seed=cfg.seed)  # fmt: skip
+    splits = seq2seq.load(
+        cfg.data,
+        cfg.data_dir,
+        cfg.seq_len,
+        target_len(cfg),
+        ids,
+        config.eos_token_id,
+        tokenizer,
+        seed=cfg.seed,
+    )
     if splits.vocab_size and splits.vocab_size > (um.vocab_size or 0):
         raise UsageError(
             f"the tokenizer's {splits.vocab_size} tokens exceed the model's vocabulary ({um.vocab_size})"
@@ -238,8 +299,15 @@ def seq2seq_data(cfg: YourModelConfig, um: UserModel, ids):
     return splits, seq2seq.seq2seq_lm, um.vocab_size
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spiece.model", "vocab.json",
-                   "vocab.txt", "sentencepiece.bpe.model")  # fmt: skip
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "spiece.model",
+    "vocab.json",
+    "vocab.txt",
+    "sentencepiece.bpe.model",
+)
 
 
 def _tokenizer(cfg: YourModelConfig, um: UserModel):

@@ -23,10 +23,21 @@ from fabric_memory_recipes.techniques import (
 def lm(tmp_path_factory) -> str:
     """A 2-layer Qwen2 causal LM of width 32."""
     folder = tmp_path_factory.mktemp("search_lm")
-    (folder / "config.json").write_text(json.dumps(dict(
-        model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=32, intermediate_size=64,
-        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, vocab_size=300, tie_word_embeddings=True,
-    )))  # fmt: skip
+    (folder / "config.json").write_text(
+        json.dumps(
+            dict(
+                model_type="qwen2",
+                architectures=["Qwen2ForCausalLM"],
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                vocab_size=300,
+                tie_word_embeddings=True,
+            )
+        )
+    )
     return f"hf:{folder}"
 
 
@@ -92,8 +103,11 @@ def test_a_memory_technique_never_predicts_faster_than_its_plain_set(lm):
     backward each only add to the time the step-time model sums, in both modes."""
     planner = UserPlanner(lm, 2, 16, precision="bf16-mixed")
     plain = {c.plain: c for c in planner.choices if not c.techniques.used}
-    picked = [c for c in planner.choices if c.rung.accumulation_steps == 1 and FUSED_LOSS.name in c.switched
-              and len(c.techniques.used) == 1]  # fmt: skip
+    picked = [
+        c
+        for c in planner.choices
+        if c.rung.accumulation_steps == 1 and FUSED_LOSS.name in c.switched and len(c.techniques.used) == 1
+    ]
     ckpt, offload, hooks = ACTIVATION_CHECKPOINTING.name, ACTIVATION_OFFLOAD.name, OPTIMIZER_IN_BACKWARD.name
     assert {(c.techniques.used, c.checkpoint_mode) for c in picked} == {
         ((ckpt,), "full"),
@@ -108,8 +122,11 @@ def test_a_memory_technique_never_predicts_faster_than_its_plain_set(lm):
 
 def test_fast_and_eager_share_one_simulation(lm):
     planner = UserPlanner(lm, 2, 16, precision="bf16-mixed")
-    pair = [c for c in planner.choices if not c.techniques.used and c.rung.accumulation_steps == 1
-            and FUSED_LOSS.name not in c.switched]  # fmt: skip
+    pair = [
+        c
+        for c in planner.choices
+        if not c.techniques.used and c.rung.accumulation_steps == 1 and FUSED_LOSS.name not in c.switched
+    ]
     assert sorted(c.mode for c in pair) == ["eager", "fast"]
     for c in pair:
         planner.predict(c)
@@ -124,8 +141,14 @@ def test_fast_mode_fuses_ops_only_where_it_compiles_blocks(lm):
     assert not UserPlanner("torchvision:resnet18", 8, 0).compiled
     planner = UserPlanner(lm, 2, 16, precision="bf16-mixed")
     assert planner.compiled
-    c = next(c for c in planner.choices if c.mode == "fast" and not c.techniques.used and FUSED_LOSS.name not in c.switched
-             and c.rung.accumulation_steps == 1)  # fmt: skip
+    c = next(
+        c
+        for c in planner.choices
+        if c.mode == "fast"
+        and not c.techniques.used
+        and FUSED_LOSS.name not in c.switched
+        and c.rung.accumulation_steps == 1
+    )
     planner.predict(c)
     costs = step_time.costs_of(planner.simulated[c.key][3], Plan())
     fused, detail = step_time.step_seconds(costs, planner.ceilings, "fast", True)

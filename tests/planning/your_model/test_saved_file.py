@@ -15,6 +15,7 @@ from fabric_memory_recipes.planning.__main__ import main as estimate_main
 from fabric_memory_recipes.planning.your_model import saved_file
 from fabric_memory_recipes.training import checkpoints
 from tests.planning.test_your_model import write_config
+from tests.tiny import HF_LLAMA
 
 
 def test_the_archive_size_of_a_state_is_what_torch_save_writes():
@@ -23,12 +24,20 @@ def test_the_archive_size_of_a_state_is_what_torch_save_writes():
     g = torch.Generator().manual_seed(0)
     sizes = torch.randint(1, 70_000, (300,), generator=g).tolist()
     dtypes = (torch.float32, torch.bfloat16, torch.int64, torch.uint8)
-    weights = collections.OrderedDict((f"layer.{i}.weight", torch.zeros(n, dtype=dtypes[i % 4]))
-                                      for i, n in enumerate(sizes))  # fmt: skip
+    weights = collections.OrderedDict(
+        (f"layer.{i}.weight", torch.zeros(n, dtype=dtypes[i % 4])) for i, n in enumerate(sizes)
+    )
     weights["tied.weight"] = weights["layer.0.weight"]  # one storage, saved once
     weights._metadata = {f"layer.{i}": {"version": 1} for i in range(300)}
-    real = {"model": weights, "optimizer": {"state": {0: {"step": torch.tensor(1.0), "exp_avg": torch.zeros(3, 4)}},
-            "param_groups": [{"lr": 1e-3, "params": [0]}]}, "step": 7, "cuda_rng": None}  # fmt: skip
+    real = {
+        "model": weights,
+        "optimizer": {
+            "state": {0: {"step": torch.tensor(1.0), "exp_avg": torch.zeros(3, 4)}},
+            "param_groups": [{"lr": 1e-3, "params": [0]}],
+        },
+        "step": 7,
+        "cuda_rng": None,
+    }
     buffer = io.BytesIO()
     torch.save(real, buffer)
 
@@ -49,9 +58,7 @@ def test_the_archive_size_of_a_state_is_what_torch_save_writes():
 
 @pytest.fixture
 def llama(tmp_path) -> str:
-    return "hf:" + write_config(tmp_path / "llama", model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=64,
-                                intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=True)  # fmt: skip
+    return "hf:" + write_config(tmp_path / "llama", **HF_LLAMA)
 
 
 def test_a_checkpoint_the_runner_saves_is_the_predicted_size(run_recipe, llama, tmp_path, capsys):

@@ -42,8 +42,13 @@ class Block(nn.Module):
 def simulated(model: nn.Module, batch: int = 8, width: int = 64, **plan) -> tuple[planning.Estimate, OpCosts]:
     collector = OpCosts()
     plan = planning.Plan(device="cpu", optimizer_impl="foreach", micro_batch_size=batch, **plan)
-    est = planning.simulate(model, plan, make_batch=lambda: (torch.empty(batch, width),),
-                            batch_fn=lambda m, b: (m(b[0]).pow(2).mean(),), op_costs=collector)  # fmt: skip
+    est = planning.simulate(
+        model,
+        plan,
+        make_batch=lambda: (torch.empty(batch, width),),
+        batch_fn=lambda m, b: (m(b[0]).pow(2).mean(),),
+        op_costs=collector,
+    )
     return est, collector
 
 
@@ -91,8 +96,12 @@ def test_checkpointing_recomputes_the_forward_ops_in_backward_and_the_estimate_i
     assert not any(r.recompute for r in plain.of(0))
     # the collector changes no estimate
     for with_costs, plan in ((plain_est, {}), (ckpt_est, {"activation_checkpointing": ("Block",)})):
-        without = planning.simulate(model, planning.Plan(device="cpu", optimizer_impl="foreach", micro_batch_size=8, **plan),
-                                    make_batch=lambda: (torch.empty(8, 64),), batch_fn=lambda m, b: (m(b[0]).pow(2).mean(),))  # fmt: skip
+        without = planning.simulate(
+            model,
+            planning.Plan(device="cpu", optimizer_impl="foreach", micro_batch_size=8, **plan),
+            make_batch=lambda: (torch.empty(8, 64),),
+            batch_fn=lambda m, b: (m(b[0]).pow(2).mean(),),
+        )
         assert (with_costs.peak_gb, with_costs.components_gb) == (without.peak_gb, without.components_gb)
 
 
@@ -102,8 +111,13 @@ def test_accumulation_records_a_later_micro_batch_and_the_optimizer_bytes():
     costs = step_time.costs_of(collector, planning.Plan(accumulation_steps=4))
     assert len(costs.micro) == 2 and costs.model_flops == 4 * collector.model_flops(0)
     weights = sum(p.numel() for p in model.parameters()) * F32
-    assert collector.optimizer == {"parameter_bytes": weights, "gradient_bytes": weights, "state_bytes": 2 * weights,
-                                   "tensors": 4, "in_backward": False}  # fmt: skip
+    assert collector.optimizer == {
+        "parameter_bytes": weights,
+        "gradient_bytes": weights,
+        "state_bytes": 2 * weights,
+        "tensors": 4,
+        "in_backward": False,
+    }
     c, _ = step_time.ceilings("h100")
     one, _ = step_time.step_seconds(step_time.costs_of(collector, planning.Plan()), c)
     four, detail = step_time.step_seconds(costs, c)

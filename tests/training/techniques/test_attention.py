@@ -24,14 +24,19 @@ from fabric_memory_recipes.planning.__main__ import main as estimate_main
 from fabric_memory_recipes.training import data
 from fabric_memory_recipes.training.techniques import attention, float8
 
-STOCK_TO_FUSED = {"in_proj_weight": "qkv.weight", "in_proj_bias": "qkv.bias",
-                  "out_proj.weight": "proj.weight", "out_proj.bias": "proj.bias"}  # fmt: skip
+STOCK_TO_FUSED = {
+    "in_proj_weight": "qkv.weight",
+    "in_proj_bias": "qkv.bias",
+    "out_proj.weight": "proj.weight",
+    "out_proj.bias": "proj.bias",
+}
 
 
 def small_vit(dtype=torch.float32) -> VisionTransformer:
     torch.manual_seed(0)
-    model = VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=4, hidden_dim=64,
-                              mlp_dim=128, num_classes=10)  # fmt: skip
+    model = VisionTransformer(
+        image_size=32, patch_size=8, num_layers=2, num_heads=4, hidden_dim=64, mlp_dim=128, num_classes=10
+    )
     nn.init.normal_(model.heads.head.weight)  # torchvision zeroes the head: nothing would reach the blocks
     return model.to(dtype)
 

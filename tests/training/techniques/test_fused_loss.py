@@ -47,8 +47,15 @@ def test_fp32_hidden_states_of_a_bf16_true_model_meet_its_bf16_projection():
 
 
 def _llama(tie: bool = True) -> LlamaForCausalLM:
-    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=500, tie_word_embeddings=tie)  # fmt: skip
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=500,
+        tie_word_embeddings=tie,
+    )
     torch.manual_seed(0)
     return LlamaForCausalLM(config)
 

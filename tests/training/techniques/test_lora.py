@@ -18,22 +18,19 @@ from fabric_memory_recipes.training import cli, data
 from fabric_memory_recipes.training.techniques import lora
 from fabric_memory_recipes.training.your_model import models, runner
 from tests.planning.test_your_model import real_step_peak, write_config
+from tests.tiny import HF_BERT, HF_LLAMA
 
 
 @pytest.fixture
 def llama(tmp_path) -> str:
     """A 2-layer Llama causal LM of width 64, its embeddings tied."""
-    return "hf:" + write_config(tmp_path / "llama", model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=64,
-                                intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=True)  # fmt: skip
+    return "hf:" + write_config(tmp_path / "llama", **HF_LLAMA)
 
 
 @pytest.fixture
 def bert(tmp_path) -> str:
     """A 2-layer BERT sequence classifier without dropout."""
-    return "hf:" + write_config(tmp_path / "bert", model_type="bert", architectures=["BertForMaskedLM"], hidden_size=64,
-                                intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=1000,
-                                hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)  # fmt: skip
+    return "hf:" + write_config(tmp_path / "bert", **HF_BERT)
 
 
 def adapted(ref: str, targets: str | None = None) -> tuple[torch.nn.Module, dict]:
@@ -77,8 +74,11 @@ def test_the_flags_are_checked_in_one_line(bert):
     with pytest.raises(UsageError, match="--lora-targets goes with --lora-rank"):
         base.with_flags(lora_targets="query").checked(Hardware.planned())
     assert base.with_flags(lora_rank=8, lora_targets="query").technique_flags() == [
-        "--lora-rank", "8", "--lora-targets", "query"
-    ]  # fmt: skip
+        "--lora-rank",
+        "8",
+        "--lora-targets",
+        "query",
+    ]
 
 
 @pytest.mark.parametrize("ref", ["bert", "timm:test_vit"])

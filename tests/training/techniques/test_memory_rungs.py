@@ -257,8 +257,14 @@ def test_resume_reproduces_the_uninterrupted_run(
 
             log.step_done = step_done
         try:
-            cfg = RunConfig(recipe="test", accumulation_steps=2, epochs=2, checkpoint_every=checkpoint_every,
-                            checkpoint_dir=str(tmp_path), resume=resume)  # fmt: skip
+            cfg = RunConfig(
+                recipe="test",
+                accumulation_steps=2,
+                epochs=2,
+                checkpoint_every=checkpoint_every,
+                checkpoint_dir=str(tmp_path),
+                resume=resume,
+            )
             loop.fit(fabric, model, optimizer, train, batch_fn, cfg, log, scheduler=scheduler)
         except KeyboardInterrupt:
             pass

@@ -51,8 +51,12 @@ class RecordingStream:
 
 def recording(log: list):
     compute = RecordingStream("compute", log)
-    return lambda device: Streams(lambda: compute, RecordingStream("out", log), RecordingStream("in", log),
-                                  lambda _s: contextlib.nullcontext())  # fmt: skip
+    return lambda device: Streams(
+        lambda: compute,
+        RecordingStream("out", log),
+        RecordingStream("in", log),
+        lambda _s: contextlib.nullcontext(),
+    )
 
 
 def model_and_batch():
@@ -85,8 +89,9 @@ def test_offload_keeps_the_gradients_and_orders_every_copy_without_a_host_wait(w
     sizes = slot_sizes(model, x, y)
     window = window_blocks * max(sizes)
     log: list = []
-    hooks = offload_activations(min_bytes=0, devices=("cpu",), window_bytes=window,
-                                make_streams=recording(log), record=True)  # fmt: skip
+    hooks = offload_activations(
+        min_bytes=0, devices=("cpu",), window_bytes=window, make_streams=recording(log), record=True
+    )
     for got, want in zip(gradients(model, x, y, hooks, micro_batches=2), plain, strict=True):
         torch.testing.assert_close(got, 2 * want)
 
@@ -139,8 +144,9 @@ def test_tensors_still_waiting_and_the_resident_tail_skip_the_round_trip():
     sizes = slot_sizes(model, x, y)
 
     log: list = []
-    everything = offload_activations(min_bytes=0, devices=("cpu",), window_bytes=sum(sizes),
-                                     make_streams=recording(log))  # fmt: skip
+    everything = offload_activations(
+        min_bytes=0, devices=("cpu",), window_bytes=sum(sizes), make_streams=recording(log)
+    )
     for got, want in zip(gradients(model, x, y, everything), plain, strict=True):
         torch.testing.assert_close(got, want)
     assert everything.traffic.copied_in == 0 and everything.traffic.reused == sum(sizes)

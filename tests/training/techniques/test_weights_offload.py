@@ -83,7 +83,9 @@ def test_streamed_weights_equal_the_ordinary_adam_step(dtype, checkpointing, ato
     assert moved > 100 * atol, "the steps changed the weights by more than the tolerance"
     for n in reference:
         assert torch.allclose(streamed[n], reference[n], rtol=0, atol=atol), (
-            n, (streamed[n] - reference[n]).abs().max().item())  # fmt: skip
+            n,
+            (streamed[n] - reference[n]).abs().max().item(),
+        )
 
 
 def test_blocks_are_freed_after_use_and_the_root_stays():
