@@ -12,7 +12,7 @@
 #   bash scripts/gpu/ranking_check.sh vision   # MobileNetV3-Large 3 GB, ResNet-50 4 GB (batch 128),
 #                                              # Swin-V2-T 4 GB, ViT-B/16 (timm) 6 GB (batch 64)
 #   bash scripts/gpu/ranking_check.sh peft     # LoRA rank 8: Qwen2 0.5 B 6 GB, Llama 0.36 B 4 GB (8 x 1024)
-#   bash scripts/gpu/ranking_check.sh seq2seq  # T5-base 5 GB, BART-base 3 GB (16 x 256 source + 256 target)
+#   bash scripts/gpu/ranking_check.sh seq2seq  # T5-base 6 GB, BART-base 5 GB (16 x 256 source + 256 target)
 #
 # bf16-mixed AdamW (the user's, kept). STEPS (10) optimizer steps per set; ONLY=a,b (model names) reruns
 # some; PLANS=DIR (carried) reuses the plans a `--plan-only` run made there for the same command lines; no
