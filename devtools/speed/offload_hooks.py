@@ -12,7 +12,8 @@ step: the hooks are what differs) under each way of offloading, one after anothe
 
 For each: milliseconds per micro-batch (the GPU done, over ``--micro-batches``, ``--repeats`` times:
 median, min, max), the host's share (until the last kernel is queued), the hooks' own host time (a
-timer around pack and unpack), the saved tensors counted, and the peak reserved memory. Then one
+timer around pack and unpack), the saved tensors counted, Python's garbage collections, and the peak
+reserved memory. Then one
 step of 4 micro-batches of ``per-tensor`` and ``batched`` under torch.profiler: its CPU ops and CUDA
 runtime calls by self CPU time (``cudaEventRecord``, ``cudaStreamWaitEvent``, ``cudaMemcpyAsync`` ...),
 with the hooks as ``offload.pack`` / ``offload.unpack`` ranges. Writes ``offload_hooks.json`` and
@@ -25,6 +26,7 @@ with the hooks as ``offload.pack`` / ``offload.unpack`` ranges. Writes ``offload
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -77,6 +79,26 @@ class HookTimer:
         hooks.pack_hook, hooks.unpack_hook = timed_pack, timed_unpack
 
 
+class GcTimer:
+    """Python's garbage collections while it is on: how many, and their milliseconds (each saved tensor's
+    packed object is kept by autograd until backward, where tracked objects make collections longer)."""
+
+    def __init__(self) -> None:
+        self.collections, self.seconds, self._start = 0, 0.0, None
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, _info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self.collections += 1
+            self.seconds += time.perf_counter() - self._start
+            self._start = None
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._callback)
+
+
 class _nothing:
     def __enter__(self):
         return self
@@ -113,13 +135,14 @@ def measure(mode: str, fabric, model, batch_fn, batches: list, args) -> dict:
     if timer is not None:
         timer.seconds = dict.fromkeys(timer.seconds, 0.0)
         timer.calls = dict.fromkeys(timer.calls, 0)
-    walls, hosts = [], []
+    walls, hosts, collector = [], [], GcTimer()
     for _ in range(args.repeats):
         sync(device)
         start = time.perf_counter()
         hosts.append(micro_batches(fabric, model, batch_fn, hooks, batches))
         sync(device)
         walls.append(time.perf_counter() - start)
+    collector.close()
     n = len(batches) * args.repeats
     per_mb = [1000 * w / len(batches) for w in walls]
     row = {
@@ -127,6 +150,7 @@ def measure(mode: str, fabric, model, batch_fn, batches: list, args) -> dict:
         "ms_per_micro_batch": {"median": statistics.median(per_mb), "min": min(per_mb), "max": max(per_mb)},
         "host_ms_per_micro_batch": 1000 * statistics.median(hosts) / len(batches),
         "peak_reserved_gb": torch.cuda.max_memory_reserved(device) / 1e9 if device.type == "cuda" else None,
+        "gc_per_micro_batch": {"collections": collector.collections / n, "ms": 1000 * collector.seconds / n},
     }
     if timer is not None:
         row["hook_ms_per_micro_batch"] = {k: 1000 * v / n for k, v in timer.seconds.items()}
