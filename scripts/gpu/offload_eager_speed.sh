@@ -4,6 +4,7 @@
 #
 #   git archive BASE_COMMIT fabric_memory_recipes recipes pyproject.toml | (mkdir -p build/offload-base && tar -x -C build/offload-base)
 #   OUT=... bash scripts/gpu/offload_eager_speed.sh          # carry build/offload-base and .whl
+# (BASE_COMMIT: the code before the batched copies, 4d24fe7 where they were written)
 #
 # 1. devtools/speed/offload_hooks.py (about 1.5 min): forward+backward of rung 11's micro-batches under each
 #    offload mode in one process (none, compute-stream order, side streams one tensor at a time, side
@@ -25,9 +26,8 @@ T0=$(date +%s); LIMIT=${LIMIT:-540}; RUNS=${RUNS:-3}; JOBS=${JOBS:-3}; BASE=${BA
 W=/tmp/offload-eager; rm -rf "$W"; mkdir -p "$W/runs"
 HERE=$(pwd)
 log() { echo "[offload_eager_speed $(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/log.txt"; }
-pids=()
 finish() {
-  for p in ${pids[@]+"${pids[@]}"}; do kill -INT "$p" 2>/dev/null; done
+  for p in $(jobs -rp); do kill -INT "$p" 2>/dev/null; done  # this shell's runs still going, if any
   wait
   python3 - "$W/runs" "$OUT" <<'EOF' || log "summary failed"
 import glob, json, statistics, sys
@@ -97,7 +97,6 @@ start() {
   log "start $name: $*"
   (cd "$tree" && PYTHONPATH=$tree${PYTHONPATH:+:$PYTHONPATH} exec timeout -s INT "$left" python3 \
       recipes/11_activation_offload.py "${COMMON[@]}" --tag "$name" "$@" > "$W/runs/$name.log" 2>&1) &
-  pids+=($!)
 }
 for r in $(seq 1 "$RUNS"); do
   [ "$have_base" = 1 ] && start "eager-before-r$r" "$BASE" --mode eager
