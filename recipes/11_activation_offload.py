@@ -1,8 +1,8 @@
 """Rung 11 - activation offloading: rung 07 with the tensors saved for backward kept in host memory.
 
-In fabric_memory_recipes/training/techniques/offload.py: offload_activations, each saved activation is copied
-to pinned host memory on a side stream and freed on the GPU; backward prefetches them on another. Activation
-memory drops to what is in flight (--offload-window-mb, --resident-mb); price: PCIe, twice."""
+In fabric_memory_recipes/training/techniques/offload.py: offload_activations, each saved activation is copied to
+pinned host memory on a side stream (eager: in batches) and freed on the GPU; backward prefetches them on another.
+Activation memory drops to what is in flight (--offload-window-mb, --resident-mb); price: PCIe, twice."""
 
 import fabric_memory_recipes  # noqa: F401, I001 - first: a Ctrl-C while torch loads is one line, exit 130
 from dataclasses import dataclass
@@ -18,7 +18,7 @@ from fabric_memory_recipes.training import data, lifecycle, loop, models
 
 @dataclass
 class OffloadConfig(RunConfig):  # rung 11's own flags
-    offload_window_mb: int = flag(0, "training", "MiB of copies in flight per side stream", type=at_least(0))  # fmt: skip
+    offload_window_mb: int = flag(0, "training", "MiB of copies in flight per side stream (0: in the compute stream's order)", type=at_least(0))  # fmt: skip
     resident_mb: int = flag(0, "training", "MiB of the last saved tensors kept on the GPU (PCIe traded for memory)", type=at_least(0))  # fmt: skip
 
 
@@ -60,7 +60,7 @@ def main(cfg: OffloadConfig, results) -> None:
 
     train_loader, val_loader, test_loader = fabric.setup_dataloaders(*data.loaders(splits, cfg, fabric))
     image_batch = data.image_classification(model.image_size)
-    offloaded = offload.offload_activations(cfg.offload_window_mb << 20, cfg.resident_mb << 20)  # rung 11
+    offloaded = offload.offload_activations((cfg.offload_window_mb << 20) or None, cfg.resident_mb << 20, batched=not cfg.cuda_graphs)  # rung 11  # fmt: skip
 
     def batch_fn(model, batch):
         with offloaded:  # rung 11: what autograd saves in the forward pass goes to pinned host memory

@@ -24,6 +24,13 @@ parameters (and views of them) where they are, and overlaps the copies with comp
 - **Or in the compute stream's order** (``window_bytes=None``, the default; rungs 14 and 16): each copy
   is queued on the compute stream itself, between the kernels, and the GPU tensor is free as soon as
   it is saved. Nothing is kept waiting or prefetched: the least GPU memory, at the copies' time.
+- **Batches of copies** (``batched``; eager rung 11). Each side-stream copy costs the host a stream
+  wait, a stream switch and an event besides the copy itself, about ten CUDA calls per saved tensor, and
+  an eager step of ViT-L/16 at micro-batch 4 is host-bound (266 offloaded tensors per micro-batch).
+  Batched, the tensors are copied out together once a quarter of the window is pending (and when the
+  forward ends), and copied back together once a quarter of the window is free: one wait, switch and
+  event per batch each way. What is pending counts in the window. Not batched (the default, and fast
+  mode's, whose CUDA graph replays the copies without the host): one tensor at a time.
 - **A resident tail.** The last ``resident_bytes`` of a micro-batch's saved tensors (the last blocks',
   which backward needs first) are not offloaded at all: GPU memory traded for PCIe time. How many
   tensors that is comes from the previous micro-batch (the first one offloads everything).
@@ -86,14 +93,6 @@ class Streams:
 
 
 @dataclass
-class _Saved:
-    """What autograd keeps for an offloaded tensor: its slot (the host buffer) and its device."""
-
-    slot: int
-    device: torch.device
-
-
-@dataclass
 class Traffic:
     """Bytes of one micro-batch's saved tensors by where they went (for the results and the tests)."""
 
@@ -127,30 +126,40 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):
         devices: tuple[str, ...] = ("cuda",),
         make_streams=Streams.for_device,
         record: bool = False,
+        batched: bool = False,
     ) -> None:
         """``devices``: tensors on these device types are moved out (the tests add "cpu" to exercise the
         mechanics without a GPU: the tensor is then copied to a separate host buffer). ``window_bytes``:
         GPU bytes each side stream may have in flight; None: no side streams, every copy in the compute
-        stream's order (the least memory); ``resident_bytes``: the tail kept on the GPU.
-        ``make_streams(device)``: the tests pass recording streams; ``record``: log the order."""
+        stream's order (the least memory); ``resident_bytes``: the tail kept on the GPU;
+        ``batched``: side-stream copies issued in batches of a quarter of the window, one event per batch
+        each way (False: one per tensor). ``make_streams(device)``: the tests pass recording streams;
+        ``record``: log the order."""
         self.min_bytes, self.devices = min_bytes, devices
         self.window_bytes, self.resident_bytes = window_bytes, resident_bytes
+        self.batch_bytes = window_bytes // 4 if batched and window_bytes else 0
         self.make_streams, self.record = make_streams, record
         self.pin = torch.cuda.is_available()
         self.offloaded_bytes = 0  # over every micro-batch (device -> host)
         self.buffers: list[torch.Tensor | None] = []  # the n-th saved tensor's host buffer, kept across steps
         self._sources: list[tuple | None] = []  # (shape, stride, dtype) each buffer was made for
         self._sizes: list[int] = []  # bytes of the n-th saved tensor, last seen
+        self._devices: list[torch.device | None] = []  # its device
         self._streams: dict[torch.device, Streams] = {}
         self._forked: set[int] = set()  # ids of the side streams forked from compute since the last join
         self._next = 0
         self._resident_from = None  # slots from here on stay on the device (None: offload all)
+        self._pending: list[tuple] = []  # (slot, tensor, host buffer): not copied out yet
+        self._pending_bytes = 0
         self._written: dict[int, object] = {}  # slot -> event of its copy out
         self._waiting: OrderedDict[int, tuple] = OrderedDict()  # slot -> (tensor, event, compute stream)
+        self._held = 0  # bytes in _waiting
         self._fetched: dict[int, tuple] = {}  # slot -> (device tensor, event, compute stream)
+        self._in_flight = 0  # bytes in _fetched
         self._resident: dict[int, torch.Tensor] = {}
         self._cursor: int | None = None  # the next slot to prefetch, going down
         self._compute: dict[torch.device, object] = {}  # the compute stream last seen, per device
+        self._released = self._used = (None, _NO_EVENT)  # (stream, event) it last waited for
         self._dirty = False  # side-stream work issued since the streams last rejoined the compute stream
         self._callback_queued = False
         self.traffic = Traffic()
@@ -172,6 +181,12 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):
             self._resident_from = start
         return super().__enter__()
 
+    def __exit__(self, *exc):
+        if self._pending:  # the forward's last batch: its copies start before backward can need them
+            self._copy_out(self._pending[0][1].device)
+            self._release()
+        return super().__exit__(*exc)
+
     def _streams_and_compute(self, device: torch.device) -> tuple[Streams, object]:
         if device not in self._streams:
             self._streams[device] = self.make_streams(device)
@@ -181,42 +196,65 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):
         return s, self._compute[device]
 
     def _pack(self, t: torch.Tensor):
-        base = t._base if t._base is not None else t
-        small = t.numel() * t.element_size() < self.min_bytes
-        if t.device.type not in self.devices or isinstance(base, torch.nn.Parameter) or small:
+        if t.device.type not in self.devices:
             return t
         nbytes = t.numel() * t.element_size()
+        base = t._base if t._base is not None else t
+        if nbytes < self.min_bytes or isinstance(base, torch.nn.Parameter):
+            return t
         slot, self._next = self._next, self._next + 1
         if slot == len(self.buffers):
             self.buffers.append(None)
             self._sources.append(None)
             self._sizes.append(0)
-        self._sizes[slot] = nbytes
+            self._devices.append(None)
+        self._sizes[slot], self._devices[slot] = nbytes, t.device
         host = self._host_buffer(slot, t)  # made even for the tail: no pinned allocation in a later step
         if self._resident_from is not None and slot >= self._resident_from:
             self._resident[slot] = t
             self.traffic.resident += nbytes
-            return _Saved(slot, t.device)
+            return slot  # a plain int: autograd keeps it, and the garbage collector need not track it
         self.offloaded_bytes += nbytes
         self.traffic.copied_out += nbytes
         if self.window_bytes is None:  # in the compute stream's order: the GPU tensor is free at once
             host.copy_(t, non_blocking=True)
-            self._log(f"out {slot}")
-            return _Saved(slot, t.device)
-        s, compute = self._streams_and_compute(t.device)
-        self._fork(s.out, compute)  # the tensor has been written
+            if self.record:
+                self.traffic.events.append(f"out {slot}")
+            return slot
+        self._pending.append((slot, t, host))
+        self._pending_bytes += nbytes
+        if self._pending_bytes >= self.batch_bytes:
+            self._copy_out(t.device)
+        self._release()
+        return slot
+
+    def _copy_out(self, device: torch.device) -> None:
+        """Copy the pending tensors to their host buffers on the "out" stream, under one event."""
+        s, compute = self._streams_and_compute(device)
+        self._fork(s.out, compute)  # the tensors have been written
         with s.use(s.out):
-            host.copy_(t, non_blocking=True)
-        self._written[slot] = s.out.record_event()
-        self._log(f"out {slot}")
-        self._waiting[slot] = (t, self._written[slot], compute)
-        waiting = sum(w[0].numel() * w[0].element_size() for w in self._waiting.values())
-        while waiting > self.window_bytes and len(self._waiting) > 1:
-            old, (tensor, event, stream) = self._waiting.popitem(last=False)
-            stream.wait_event(event)  # the copy has read it: the memory may go back to the compute stream
-            waiting -= tensor.numel() * tensor.element_size()
-        self.traffic.most_waiting = max(self.traffic.most_waiting, waiting)
-        return _Saved(slot, t.device)
+            for _slot, t, host in self._pending:
+                host.copy_(t, non_blocking=True)
+        event = s.out.record_event()
+        for slot, t, _host in self._pending:
+            self._written[slot] = event
+            self._waiting[slot] = (t, event, compute)
+            if self.record:
+                self.traffic.events.append(f"out {slot}")
+        self._held += self._pending_bytes
+        self._pending.clear()
+        self._pending_bytes = 0
+
+    def _release(self) -> None:
+        """Keep at most ``window_bytes`` of tensors alive for their copies (the newest batch may pass it)."""
+        keep = 0 if self._pending else 1
+        while self._held + self._pending_bytes > self.window_bytes and len(self._waiting) > keep:
+            slot, (_tensor, event, stream) = self._waiting.popitem(last=False)
+            if (stream, event) != self._released:  # one wait per batch of copies
+                stream.wait_event(event)  # the copy has read it: the memory may go back to the compute stream
+                self._released = (stream, event)
+            self._held -= self._sizes[slot]
+        self.traffic.most_waiting = max(self.traffic.most_waiting, self._held + self._pending_bytes)
 
     def _host_buffer(self, slot: int, t: torch.Tensor) -> torch.Tensor:
         layout = (t.shape, t.stride(), t.dtype)
@@ -231,60 +269,91 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):
     def _unpack(self, packed):
         if isinstance(packed, torch.Tensor):
             return packed
-        slot = packed.slot
+        slot, device = packed, self._devices[packed]
         if self.window_bytes is None:  # in the compute stream's order
-            self._log(f"use {slot}")
+            if self.record:
+                self.traffic.events.append(f"use {slot}")
             if slot in self._resident:
                 return self._resident.pop(slot)
             self.traffic.copied_in += self._sizes[slot]
             host = self.buffers[slot]
-            return torch.empty_like(host, device=packed.device).copy_(host, non_blocking=True)
-        s, compute = self._streams_and_compute(packed.device)
+            return torch.empty_like(host, device=device).copy_(host, non_blocking=True)
+        if self._pending:  # a backward inside the forward's block: its last copies start now
+            self._copy_out(device)
+        s, compute = self._streams_and_compute(device)
         if not self._callback_queued:
             self._callback_queued = _queue_callback(self._backward_done)
-        self._log(f"use {slot}")
+        if self.record:
+            self.traffic.events.append(f"use {slot}")
         if slot in self._resident:  # the tail: never left the device
             tensor = self._resident.pop(slot)
         elif slot in self._waiting:  # not released yet: still on the device, no copy back needed
             tensor, event, _ = self._waiting.pop(slot)
             del self._written[slot]
-            compute.wait_event(event)  # its copy out still reads it; the memory is freed on this stream later
-            self.traffic.reused += tensor.numel() * tensor.element_size()
+            self._held -= self._sizes[slot]
+            self._use(compute, event)  # its copy out still reads it; the memory is freed on this stream later
+            self.traffic.reused += self._sizes[slot]
         else:
             if slot not in self._fetched:  # not prefetched: copied now
-                self._fetch(slot, packed.device, s, compute)
+                self._copy_in([slot], device, s, compute)
             tensor, event, _ = self._fetched.pop(slot)
+            self._in_flight -= self._sizes[slot]
             del self._written[slot]  # used: never fetched again
-            compute.wait_event(event)  # only for the copy this kernel needs
+            self._use(compute, event)
         # the tensors saved before this one (the previous block's) start coming back now
         self._cursor = slot - 1 if self._cursor is None else min(self._cursor, slot - 1)
-        self._prefetch(packed.device, s, compute)
+        self._prefetch(device, s, compute)
         return tensor
 
-    def _fetch(self, slot: int, device: torch.device, s: Streams, compute) -> None:
-        host = self.buffers[slot]
-        tensor = torch.empty_like(host, device=device)  # allocated for the compute stream
+    def _use(self, compute, event) -> None:
+        if (compute, event) != self._used:  # a batch's event is waited for once
+            compute.wait_event(event)  # only for the copy this kernel needs
+            self._used = (compute, event)
+
+    def _copy_in(self, slots: list[int], device: torch.device, s: Streams, compute) -> None:
+        """Copy ``slots`` back on the "in" stream, under one event."""
+        tensors = [torch.empty_like(self.buffers[k], device=device) for k in slots]  # for the compute stream
         self._fork(s.into, compute)  # memory recycled from kernels still queued there is not written early
-        s.into.wait_event(self._written[slot])  # the copy out of this slot has finished
+        written = _NO_EVENT
+        for k in slots:
+            if self._written[k] is not written:
+                written = self._written[k]
+                s.into.wait_event(written)  # the copy out of this slot has finished
         with s.use(s.into):
-            tensor.copy_(host, non_blocking=True)
-        self._fetched[slot] = (tensor, s.into.record_event(), compute)
-        self._log(f"in {slot}")
-        self.traffic.copied_in += self._sizes[slot]
+            for k, tensor in zip(slots, tensors, strict=True):
+                tensor.copy_(self.buffers[k], non_blocking=True)
+        event = s.into.record_event()
+        for k, tensor in zip(slots, tensors, strict=True):
+            self._fetched[k] = (tensor, event, compute)
+            self._in_flight += self._sizes[k]
+            self.traffic.copied_in += self._sizes[k]
+            if self.record:
+                self.traffic.events.append(f"in {k}")
 
     def _prefetch(self, device: torch.device, s: Streams, compute) -> None:
-        """Copy in the slots below the cursor (the previous block's) while under ``window_bytes``."""
-        pending = sum(self._sizes[k] for k in self._fetched)
-        while self._cursor is not None and self._cursor >= 0:
-            slot = self._cursor
+        """Copy in the slots below the cursor (the previous block's) while under ``window_bytes``; with
+        copies still in flight, only once at least ``batch_bytes`` fit (fewer, larger batches)."""
+        cursor, chosen, nbytes = self._cursor, [], 0
+        while cursor is not None and cursor >= 0:
             # only slots that are on the host and not yet used or on their way
-            if slot in self._written and slot not in self._fetched and slot not in self._waiting:
-                if pending + self._sizes[slot] > self.window_bytes:
+            if cursor in self._written and cursor not in self._fetched and cursor not in self._waiting:
+                if self._in_flight + nbytes + self._sizes[cursor] > self.window_bytes:
                     break
-                self._fetch(slot, device, s, compute)
-                pending += self._sizes[slot]
-            self._cursor -= 1
-        self.traffic.most_prefetched = max(self.traffic.most_prefetched, pending)
+                chosen.append(cursor)
+                nbytes += self._sizes[cursor]
+            cursor -= 1
+        if chosen and (nbytes >= self.batch_bytes or not self._in_flight or cursor is None or cursor < 0):
+            self._cursor = cursor
+            batch, batch_bytes = [], 0
+            for slot in chosen:
+                batch.append(slot)
+                batch_bytes += self._sizes[slot]
+                if batch_bytes >= self.batch_bytes:
+                    self._copy_in(batch, device, s, compute)
+                    batch, batch_bytes = [], 0
+            if batch:
+                self._copy_in(batch, device, s, compute)
+        self.traffic.most_prefetched = max(self.traffic.most_prefetched, self._in_flight)
 
     def _fork(self, side, compute) -> None:
         """``side`` waits for ``compute``'s work so far, and is joined back at the end of backward."""
@@ -302,8 +371,11 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):
         side streams forked since the last join rejoin: a CUDA graph capture refuses to wait for a stream
         that did no work in it (seen on rung 11: an epoch's shorter last group, whose capture fetched
         nothing back, failed with "dependency created on uncaptured work in another stream")."""
+        waited = set()
         for _tensor, event, stream in [*self._fetched.values(), *self._waiting.values()]:
-            stream.wait_event(event)  # before the memory can be reused by the compute stream
+            if id(event) not in waited:  # once per batch of copies
+                waited.add(id(event))
+                stream.wait_event(event)  # before the memory can be reused by the compute stream
         for device, s in self._streams.items():
             for side in (s.out, s.into):
                 if id(side) in self._forked:
@@ -313,17 +385,19 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):
         self._waiting.clear()
         self._resident.clear()
         self._written.clear()
+        self._held = self._in_flight = 0
+        self._released = self._used = (None, _NO_EVENT)
         self._cursor = None
         self._dirty = False
-        self._log("joined")
-
-    def _log(self, what: str) -> None:
         if self.record:
-            self.traffic.events.append(what)
+            self.traffic.events.append("joined")
 
     def host_bytes(self) -> int:
         """Bytes of the host buffers: what one micro-batch copies out (and back) on its saved tensors."""
         return sum(b.numel() * b.element_size() for b in self.buffers if b is not None)
+
+
+_NO_EVENT = object()  # what no recorded event is (an InlineStream records None)
 
 
 def _queue_callback(fn) -> bool:

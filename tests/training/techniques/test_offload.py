@@ -20,8 +20,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fabric_memory_recipes import planning
+from fabric_memory_recipes.measurement.results import RunResults
 from fabric_memory_recipes.training import models
+from fabric_memory_recipes.training.techniques import offload
 from fabric_memory_recipes.training.techniques.offload import Streams, offload_activations
+from tests.conftest import load_recipe_module
 
 
 class Event:
@@ -190,3 +194,106 @@ def test_in_the_compute_streams_order_nothing_waits_and_no_side_stream_is_made()
     for got, want in zip(gradients(model, x, y, kept, micro_batches=2), plain, strict=True):
         torch.testing.assert_close(got, 2 * want)
     assert kept.traffic.resident == tail and kept.traffic.copied_in == sum(sizes) - tail
+
+
+# ------------------------------------------------------------------------------- batched copies
+def ordered_log(hooks, log: list) -> None:
+    """Log, beside the streams' operations, which slots each batch copies out or in and when backward
+    uses a slot (after its unpack returned)."""
+    copy_out, copy_in, unpack = hooks._copy_out, hooks._copy_in, hooks.unpack_hook
+
+    def logged_out(device):
+        log.append(("copy_out", "slots", [slot for slot, _t, _host in hooks._pending]))
+        copy_out(device)
+
+    def logged_in(slots, *args):
+        log.append(("copy_in", "slots", list(slots)))
+        copy_in(slots, *args)
+
+    def logged_unpack(packed):
+        tensor = unpack(packed)
+        if not isinstance(packed, torch.Tensor):
+            log.append(("use", "slot", packed))
+        return tensor
+
+    hooks._copy_out, hooks._copy_in, hooks.unpack_hook = logged_out, logged_in, logged_unpack
+
+
+def check_order(log: list) -> int:
+    """Replay the log: a side stream waits for the compute stream before its batch's copies, a copy back
+    waits for the copies out of every slot it brings in, and the compute stream waits for the copy that
+    holds a slot (in, or still out) before backward uses it. Returns the number of batches copied out."""
+    out_event, in_event = {}, {}
+    batch, forked, waited_by_in, waited_by_compute, batches_out = None, False, set(), set(), 0
+    for who, op, what in log:
+        if who in ("copy_out", "copy_in"):
+            batch, forked, waited_by_in = (who[5:], what), False, set()  # ("out"|"in", its slots)
+        elif op == "wait_stream" and batch and who == batch[0]:
+            forked = True
+        elif op == "wait" and who == "in":
+            waited_by_in.add(what)
+        elif op == "wait" and who == "compute":
+            waited_by_compute.add(what)
+        elif op == "record" and batch and who == batch[0]:
+            assert forked, "a side stream copied before waiting for the compute stream"
+            if who == "out":
+                batches_out += 1
+                for slot in batch[1]:
+                    out_event[slot] = what
+                    in_event.pop(slot, None)  # a new micro-batch's tensor in this slot
+            else:
+                assert all(out_event[slot] in waited_by_in for slot in batch[1])
+                in_event.update(dict.fromkeys(batch[1], what))
+            batch = None
+        elif who == "use":
+            assert in_event.pop(what, out_event[what]) in waited_by_compute, f"slot {what} used too early"
+    return batches_out
+
+
+@pytest.mark.parametrize("window_blocks", [2, 8])
+def test_batched_copies_keep_the_gradients_and_the_order_with_fewer_events(window_blocks):
+    torch.manual_seed(0)
+    model, x, y = model_and_batch()
+    plain = gradients(model, x, y)
+    sizes = slot_sizes(model, x, y)
+    window = window_blocks * max(sizes)
+    batches = {}
+    for batched in (False, True):
+        log: list = []
+        hooks = offload_activations(min_bytes=0, devices=("cpu",), window_bytes=window,
+                                    make_streams=recording(log), batched=batched)  # fmt: skip
+        ordered_log(hooks, log)
+        for got, want in zip(gradients(model, x, y, hooks, micro_batches=2), plain, strict=True):
+            torch.testing.assert_close(got, 2 * want)
+        batches[batched] = check_order(log)
+        t = hooks.traffic
+        assert t.copied_out == sum(sizes) and t.copied_in + t.reused == t.copied_out
+        assert t.most_waiting <= window + max(sizes) and t.most_prefetched <= window
+    assert batches[False] == 2 * len(sizes)  # one batch per tensor, both micro-batches
+    assert batches[True] < batches[False] / 2
+
+
+def test_rung_11_batches_its_copies_in_eager_mode_only(monkeypatch, tmp_path):
+    """The recipe's window and batching reach offload_activations: batched in eager mode, one copy at a time
+    under CUDA graphs (fast mode's replays make no host calls), and a window of 0 is the compute stream's
+    order."""
+    rung = load_recipe_module("11_activation_offload")
+    calls = []
+
+    class Stop(Exception):
+        pass
+
+    def recording(*args, **kwargs):
+        calls.append((args, kwargs))
+        raise Stop  # before the training loop, which needs CUDA for graphs
+
+    monkeypatch.setattr(offload, "offload_activations", recording)
+    monkeypatch.setattr(planning, "instrument", lambda *args, **kwargs: None)  # the estimate: not needed here
+    for graphs, window in ((False, 64), (True, 64), (False, 0)):
+        cfg = rung.RUNG.with_flags(accelerator="cpu", model="vit_tiny", data="synthetic", weights="none",
+                                   mode="eager", compile=False, cuda_graphs=graphs, offload_window_mb=window,
+                                   results_dir=str(tmp_path))  # fmt: skip
+        with pytest.raises(Stop):
+            rung.main(cfg, RunResults(cfg))
+    assert calls == [((64 << 20, 0), {"batched": True}), ((64 << 20, 0), {"batched": False}),
+                     ((None, 0), {"batched": True})]  # fmt: skip

@@ -1,0 +1,104 @@
+"""devtools.speed.rung_profile's summary on a CPU: kernels sorted into kinds and phases from a Chrome trace
+written here (the GPU call is what it is for), and the model's FLOPs by kind."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+import torch._inductor.config as inductor_config
+
+from devtools.speed import rung_profile
+
+H100_KERNELS = {  # names as an H100 trace spells them -> kind
+    "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64_warpgroupsize2x1x1_execute_segment_k_off_kernel__5x_cublas": "linear matmul",
+    "nvjet_tst_256x128_64x4_2x1_v_bz_coopA_TNT": "linear matmul",
+    "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128, 4, false, false, cutlass::bfloat16_t>>": "attention",
+    "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x128_4x1x1_kernel0_0": "attention",
+    "sm90_xmma_fprop_implicit_gemm_bf16bf16_bf16f32_f32_nhwckrsc_nhwc_tilesize128x128x64": "patch convolution",
+    "triton_red_fused_add_native_layer_norm_3": "triton reduction (layernorm, softmax, loss)",
+    "triton_poi_fused_gelu_view_4": "triton pointwise (gelu, adds, casts, copies)",
+    "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>": "aten elementwise / reduce",
+    "void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor<c10::BFloat16, 4>>": "optimizer (fused)",
+}
+
+
+@pytest.mark.parametrize("name", sorted(H100_KERNELS))
+def test_kernels_are_sorted_by_kind(name):
+    assert rung_profile.kind_of(name, "kernel") == H100_KERNELS[name]
+
+
+def _trace(tmp_path, events) -> str:
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": [{"ph": "X", **e} for e in events]}))
+    return str(path)
+
+
+def test_the_summary_splits_a_step_by_kind_phase_and_idle_time(tmp_path):
+    """Two steps of 10 ms on the GPU: a matrix product and an attention kernel launched in forward, a
+    LayerNorm backward in backward, a copy launched outside the phases, and 2 ms of idle GPU per step."""
+    events = []
+    for step in range(2):
+        t = 100_000 + 20_000 * step  # us; host ranges and GPU kernels on one clock, as kineto writes them
+        events += [
+            {"cat": "user_annotation", "name": "## forward ##", "ts": t, "dur": 1000},
+            {"cat": "user_annotation", "name": "## backward ##", "ts": t + 1000, "dur": 1000},
+            {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": t + 10, "dur": 5, "args": {"correlation": 10 * step + 1}},
+            {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": t + 20, "dur": 5, "args": {"correlation": 10 * step + 2}},
+            {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": t + 1500, "dur": 5, "args": {"correlation": 10 * step + 3}},
+            {"cat": "cuda_runtime", "name": "cudaMemcpyAsync", "ts": t + 3000, "dur": 5, "args": {"correlation": 10 * step + 4}},
+            {"cat": "kernel", "name": "nvjet_tst_256x128", "ts": t + 2000, "dur": 4000, "args": {"correlation": 10 * step + 1}},
+            {"cat": "kernel", "name": "flash_fwd_kernel", "ts": t + 6000, "dur": 1000, "args": {"correlation": 10 * step + 2}},
+            {"cat": "kernel", "name": "triton_red_fused_native_layer_norm_backward_0", "ts": t + 9000, "dur": 2000, "args": {"correlation": 10 * step + 3}},
+            {"cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "ts": t + 11000, "dur": 1000, "args": {"correlation": 10 * step + 4}},
+            {"cat": "cpu_op", "name": "CompiledFunction", "ts": t, "dur": 900},
+        ]  # fmt: skip
+    flops = {"linear matmul": 8e9, "attention": 1e9}
+    text, data = rung_profile.summarise(_trace(tmp_path, events), 2, flops, "a test")
+    # GPU span: the first step's first kernel to the second step's last: 20 + 10 ms = 30 ms over 2 steps
+    assert data["step_ms"] == pytest.approx(15.0)
+    assert data["busy_ms"] == pytest.approx(8.0)  # 4 + 1 + 2 + 1 ms of work per step
+    assert data["idle_ms"] == pytest.approx(7.0)  # 2 ms inside each step, and the 10 ms between them
+    assert data["ms_by_kind"] == pytest.approx({"linear matmul": 4.0, "attention": 1.0, "copies (memcpy)": 1.0,
+                                                "triton reduction (layernorm, softmax, loss)": 2.0})  # fmt: skip
+    phases = data["ms_by_kind_and_phase"]
+    assert phases["linear matmul"] == {"forward": 4.0} and phases["attention"] == {"forward": 1.0}
+    assert phases["triton reduction (layernorm, softmax, loss)"] == {"backward": 2.0}
+    assert phases["copies (memcpy)"] == {"outside phases": 1.0}
+    assert data["compiled_calls_per_step"] == 1.0
+    assert "| linear matmul | 4.00 | 26.7 |" in text
+    assert "| linear matmul | 0.01 | 4.00 | 2 |" in text  # 8 GFLOP in 4 ms: 2 TFLOP/s
+
+
+def test_kernels_of_a_cuda_graph_are_the_graphs(tmp_path):
+    events = [
+        {"cat": "user_annotation", "name": "## forward ##", "ts": 0, "dur": 100},
+        {"cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 10, "dur": 5, "args": {"correlation": 7}},
+        {"cat": "kernel", "name": "nvjet_tst", "ts": 50, "dur": 30, "args": {"correlation": 7}},
+    ]
+    _, data = rung_profile.summarise(_trace(tmp_path, events), 1, {}, "graph")
+    assert data["ms_by_kind_and_phase"] == {"linear matmul": {"CUDA graph": 0.03}}
+
+
+def test_the_models_flops_by_kind_add_up_to_the_recipes_count():
+    kinds = rung_profile.model_flops("vit_tiny", 4)
+    assert set(kinds) == {"linear matmul", "attention", "patch convolution"}
+    assert kinds["linear matmul"] > kinds["attention"] > 0
+
+
+def test_a_knob_is_set_before_the_recipe_runs_with_its_own_flags(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    monkeypatch.setattr(inductor_config, "coordinate_descent_tuning", False)
+    monkeypatch.setattr("sys.argv", ["rung_profile"])
+    monkeypatch.setattr("sys.path", list(sys.path))
+    seen = tmp_path / "seen.json"
+    recipe = tmp_path / "recipe.py"
+    recipe.write_text(
+        "import json, sys, torch, torch._inductor.config as c\n"
+        f"json.dump([sys.argv[1:], torch.backends.cudnn.benchmark, c.coordinate_descent_tuning], open({str(seen)!r}, 'w'))\n"
+    )
+    rung_profile.main(["--out", str(tmp_path), "--no-profile", "--knob", "cudnn-benchmark",
+                       "--knob", "coordinate-descent", "--", str(recipe), "--max-steps", "3"])  # fmt: skip
+    assert json.loads(seen.read_text()) == [["--max-steps", "3"], True, True]
