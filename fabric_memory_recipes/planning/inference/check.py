@@ -34,7 +34,7 @@ def row(path: Path, payload: dict[str, Any]) -> dict[str, Any] | None:
            "new_tokens": cfg.get("new_tokens") if extra.get("task") == "causal_lm" else None,
            "kv_cache_dtype": cfg.get("kv_cache_dtype") if extra.get("task") == "causal_lm" else None,
            "peak_phase": pred.get("peak_phase"), "prediction_error": pred.get("error"),
-           "components_gb": pred.get("components_gb"), "gpu": (payload.get("provenance") or {}).get("gpu"),
+           "components_gb": pred.get("components_gb"), "gpu": (payload.get("provenance") or {}).get("gpu_name"),
            "infer_s": extra.get("inference_s"), "predict_s": extra.get("predicted_inference_s")}  # fmt: skip
     for name, predicted, measured in FIELDS:
         p, m = pred.get(predicted), memory.get(measured)

@@ -73,7 +73,7 @@ def fit(cfg: Any, budget_gb: float, gpu: str) -> dict[str, Any]:
     """The largest batch at ``cfg``'s tokens, and for a causal LM the most new tokens at its batch, that fit."""
     seen: dict[tuple[int, int], InferenceEstimate] = {}
 
-    overhead = overhead_per_gpu(gpu, "eager", 1).gb or 0.0
+    overhead = overhead_per_gpu(gpu, "inference", 1).gb or 0.0
 
     def fits(batch: int, new: int) -> bool:  # the replay on the card never runs out of memory
         if (batch, new) not in seen:

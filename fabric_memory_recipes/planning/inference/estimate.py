@@ -20,6 +20,7 @@ from fabric_memory_recipes.measurement.card_overhead import overhead_per_gpu
 from fabric_memory_recipes.planning.inference import simulate
 from fabric_memory_recipes.planning.plan import GB
 from fabric_memory_recipes.planning.simulation.allocator import (
+    ROUND_LARGE,
     SMALL_REQUEST,
     CachingAllocator,
     round_size,
@@ -92,6 +93,15 @@ class CappedAllocator(CachingAllocator):
         super().__init__()
         self.capacity = capacity
         self.released = 0  # bytes given back
+        self._next_address = 1 << 62  # segments go downwards from here (addresses stay positive)
+
+    def _segment_address(self, size: int) -> int:
+        """Each new segment below the earlier ones: the order in which the driver mapped them in the committed
+        H100 allocator trace (results/published/h100/snapshot/: after its first few, every segment came at a
+        lower address). Free blocks of one size are taken lowest address first, so the newest segment's go
+        first; this decides where the KV cache's long-lived tensors land among the freed activations."""
+        self._next_address -= size + ROUND_LARGE
+        return self._next_address
 
     def malloc(self, handle: object, nbytes: int) -> None:
         size = round_size(nbytes)
@@ -181,7 +191,7 @@ def estimate(model: Any, um: UserModel, batch_size: int, seq_len: int, new_token
             prefill_working=(peaks.get("forward", base) - base) / GB, logits=rec.logits_bytes / GB
         )
     top = max(peaks, key=peaks.get)
-    over = overhead_per_gpu(gpu, "eager", 1)
+    over = overhead_per_gpu(gpu, "inference", 1)
     reserved = allocator.peak_reserved / GB
     return InferenceEstimate(
         model=um.ref, task=um.task, batch_size=batch_size, seq_len=seq_len, new_tokens=new_tokens if lm else None,

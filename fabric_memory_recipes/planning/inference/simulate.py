@@ -29,7 +29,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-from fabric_memory_recipes.planning.plan import CUBLAS_WORKSPACE_BYTES, CUDA_WORKSPACE_BYTES, round_bytes
+from fabric_memory_recipes.planning.plan import CUBLAS_WORKSPACE_BYTES, round_bytes
 from fabric_memory_recipes.planning.simulation.tracking import Tracker
 from fabric_memory_recipes.training.your_model import inference
 from fabric_memory_recipes.training.your_model.models import UserModel
@@ -114,6 +114,25 @@ def _as_on_a_gpu() -> Iterator[None]:
         masking_utils.is_tracing = original
 
 
+def _fused_attention_output(query: torch.Tensor, value: torch.Tensor, flash: bool) -> torch.Tensor:
+    """What CUDA's fused kernels allocate, in their order, for ``query`` (batch, heads, seq, dim): both work on
+    the (batch, seq, heads, dim) transpose and return their output transposed back. Flash attention's output
+    is ``empty_like`` that transpose (its strides when dense, else contiguous), then its log-sum-exp (fp32)
+    and two small random-state tensors, freed on return; the memory-efficient kernel's output is always
+    (batch, seq, heads, dim) contiguous, with no log-sum-exp at inference. So where the query is laid out as
+    (batch, seq, heads, dim) (a projection viewed per head), the caller's ``transpose(1, 2).contiguous()``
+    copies nothing."""
+    q_t = query.transpose(1, 2)
+    if not flash:
+        b, s, h = q_t.shape[:3]
+        return torch.empty(b, s, h, value.shape[-1], dtype=query.dtype).transpose(1, 2)
+    out = torch.empty_like(q_t)
+    lse = torch.empty(query.shape[:-1], dtype=torch.float32)
+    rng_state, unused = torch.empty(2, dtype=torch.int64), torch.empty((), dtype=torch.int64)
+    del lse, rng_state, unused
+    return out.transpose(1, 2)
+
+
 @contextlib.contextmanager
 def _sdpa_on_cuda(used: set[str]) -> Iterator[None]:
     """``F.scaled_dot_product_attention`` as CUDA runs it at inference: flash attention for fp16/bf16 without
@@ -125,13 +144,16 @@ def _sdpa_on_cuda(used: set[str]) -> Iterator[None]:
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         half = query.dtype in (torch.float16, torch.bfloat16)
         head_dim = query.shape[-1]
-        flash = attn_mask is None and half and head_dim % 8 == 0 and head_dim <= 256
+        flash = (
+            attn_mask is None
+            and half
+            and head_dim % 8 == 0
+            and head_dim <= 256
+            and value.shape[-1] == head_dim
+        )
         if flash or not enable_gqa:
             used.add("flash" if flash else "efficient")
-            lse = torch.empty(query.shape[:-1], dtype=torch.float32)
-            out = torch.empty(*query.shape[:-2], query.shape[-2], value.shape[-1], dtype=query.dtype)
-            del lse
-            return out
+            return _fused_attention_output(query, value, flash)
         used.add("math")
         groups = query.shape[-3] // key.shape[-3]
         key, value = key.repeat_interleave(groups, -3), value.repeat_interleave(groups, -3)
@@ -197,8 +219,8 @@ def record(model: Any, um: UserModel, batch_size: int, seq_len: int, new_tokens:
                 state = {n: torch.empty(p.shape, dtype=dtype if p.is_floating_point() else p.dtype)
                          for n, p in [*model.named_parameters(), *model.named_buffers()]}  # fmt: skip
             weights = sum(t.untyped_storage().nbytes() for t in state.values())
-            for _ in range(CUDA_WORKSPACE_BYTES // CUBLAS_WORKSPACE_BYTES):  # cuBLAS's, one per handle
-                tracker.add_constant("workspace", CUBLAS_WORKSPACE_BYTES)
+            # cuBLAS's workspace: one, for the one thread and stream (no autograd thread at inference)
+            tracker.add_constant("workspace", CUBLAS_WORKSPACE_BYTES)
             stack.enter_context(_reparametrize_module(model, state, tie_weights=True))
             stack.enter_context(torch.inference_mode())
             inputs = inference.model_inputs(um, model, batch_size, seq_len, dtype, "cpu")
@@ -211,7 +233,7 @@ def record(model: Any, um: UserModel, batch_size: int, seq_len: int, new_tokens:
         for h in hooks:
             h.remove()
     return Recording(tracker.events[:end], tracker.raw, starts, end, cache_bytes, logits[0] if logits else 0,
-                     weights, CUDA_WORKSPACE_BYTES, kernels)  # fmt: skip
+                     weights, CUBLAS_WORKSPACE_BYTES, kernels)  # fmt: skip
 
 
 def decode_steps(rec: Recording, new_tokens: int) -> Iterator[tuple[str, Any, int]]:
