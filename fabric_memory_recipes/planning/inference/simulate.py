@@ -18,6 +18,7 @@ simulated masks are those of a GPU run (none: SDPA's causal flag).
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 from collections.abc import Iterator
 from typing import Any
@@ -26,11 +27,13 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fabric_memory_recipes.planning.plan import CUBLAS_WORKSPACE_BYTES, round_bytes
 from fabric_memory_recipes.planning.simulation.tracking import Tracker
+from fabric_memory_recipes.training.techniques.inference import weights_quant as weights_quant_technique
 from fabric_memory_recipes.training.your_model import inference
 from fabric_memory_recipes.training.your_model.models import UserModel
 
@@ -76,6 +79,8 @@ class _InferenceTracker(Tracker):
         return handle
 
     def record(self, t: Any, category: str = "temporaries"):
+        if is_traceable_wrapper_subclass(t):  # a quantized weight: its parts are the storages, counted apart
+            return None
         if isinstance(t, torch.Tensor):
             self._pending = t.untyped_storage().nbytes()
         return super().record(t, category)
@@ -173,8 +178,26 @@ def _cache_tensors(cache: Any) -> list[torch.Tensor]:
             getattr(layer, "values", None)) if isinstance(t, torch.Tensor) and t.numel()]  # fmt: skip
 
 
+def _hold_in_place(model: Any, state: dict[str, torch.Tensor]) -> None:
+    """Put ``state`` (by the names ``named_parameters`` and ``named_buffers`` give) into ``model`` itself,
+    every name that shares a tensor sharing its replacement (tied weights): ``model`` is a copy of its own."""
+    tensors = {id(t): state[n] for n, t in [*model.named_parameters(), *model.named_buffers()]}
+    for module in model.modules():
+        for where in (module._parameters, module._buffers):
+            for name, t in where.items():
+                if t is not None:
+                    where[name] = tensors[id(t)]
+
+
+def _stored_bytes(t: torch.Tensor) -> int:
+    """A tensor's bytes in memory: its storage's, or a quantized tensor's parts (its int8 values, scales)."""
+    if is_traceable_wrapper_subclass(t):
+        return sum(_stored_bytes(getattr(t, name)) for name in t.__tensor_flatten__()[0])
+    return t.untyped_storage().nbytes()
+
+
 def record(model: Any, um: UserModel, batch_size: int, seq_len: int, new_tokens: int, precision: str,
-           kv_cache_dtype: str = "auto", forwards: int = RECORDED_FORWARDS) -> Recording:  # fmt: skip
+           kv_cache_dtype: str = "auto", forwards: int = RECORDED_FORWARDS, weights_quant: str = "none") -> Recording:  # fmt: skip
     """Run the inference call on fake tensors: a causal LM's first ``forwards`` forward passes of
     ``generate()`` (all of them when ``new_tokens`` is not larger), else one forward pass."""
     dtype = inference.weights_dtype(precision)
@@ -201,6 +224,8 @@ def record(model: Any, um: UserModel, batch_size: int, seq_len: int, new_tokens:
         if not logits and isinstance(found, torch.Tensor):
             logits.append(found.untyped_storage().nbytes())
 
+    if weights_quant != "none":  # quantizing replaces its weights: the caller's model stays as it is
+        model = copy.deepcopy(model)
     hooks = [model.register_forward_pre_hook(before, with_kwargs=True),
              model.register_forward_hook(after, with_kwargs=True)]  # fmt: skip
     try:
@@ -221,7 +246,14 @@ def record(model: Any, um: UserModel, batch_size: int, seq_len: int, new_tokens:
             weights = sum(t.untyped_storage().nbytes() for t in state.values())
             # cuBLAS's workspace: one, for the one thread and stream (no autograd thread at inference)
             tracker.add_constant("workspace", CUBLAS_WORKSPACE_BYTES)
-            stack.enter_context(_reparametrize_module(model, state, tie_weights=True))
+            if weights_quant == "none":
+                stack.enter_context(_reparametrize_module(model, state, tie_weights=True))
+            else:  # as the runner does after building the model: each weight freed as its quantized copy
+                _hold_in_place(model, state)  # replaces it, the module holding the only reference to it
+                state.clear()
+                with tracker.creating("parameters"), torch.no_grad():
+                    weights_quant_technique.quantize(model, weights_quant)
+                weights = sum(_stored_bytes(t) for t in [*model.parameters(), *model.buffers()])
             stack.enter_context(torch.inference_mode())
             inputs = inference.model_inputs(um, model, batch_size, seq_len, dtype, "cpu")
             with contextlib.suppress(_Recorded):
