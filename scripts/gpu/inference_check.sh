@@ -9,7 +9,7 @@
 # `fmr-estimate --infer --fit 24GB` (predicted on the CPU meanwhile), each run on a 24 GB card emulated with
 # --memory-budget-gb. From the repository root of a fresh GPU machine, with the torchao wheel in .whl/:
 #
-#   OUT=$OUT bash scripts/gpu/inference_check.sh                 # every row, about 6-7 minutes on one H100
+#   OUT=$OUT bash scripts/gpu/inference_check.sh                 # every row, expected 6-7 minutes on one H100
 #   ROWS="bert vit-base" OUT=$OUT bash scripts/gpu/inference_check.sh   # only these rows (a second call:
 #                                                                      # the rows the first did not reach)
 #   SMALL=1 ROWS=... OUT=/tmp/x bash scripts/gpu/inference_check.sh    # tiny shapes on a CPU (a dry run)
