@@ -84,7 +84,7 @@ class Technique:
 
     name: str  # the configuration field that turns it on, or the optimizer whose state it is
     label: str  # a plan's row and the docs: "SGD + checkpointing"
-    module: str  # its code: fabric_memory_recipes/training/techniques/<module>.py
+    module: str  # its code: fabric_memory_recipes/training/techniques/<module>.py (a dot: a sub-folder)
     rung: str  # the recipe that teaches it: recipes/<rung>.py
     flag: str | None = None  # the your-model runner's flag that turns it on (recipes/your_model.py)
     planned: bool = False  # the planners combine it, on or off, with every optimizer
@@ -155,6 +155,9 @@ FLOAT8 = Technique("float8", "float8 matrix products", "float8", "15_speed")
 WEIGHTS_OFFLOAD = Technique("weights_offload", "weights on the CPU", "weights_offload", "16_weights_on_cpu")
 LLM_TOGGLES = Technique("llm_toggles", "the LLM fine-tune's toggles", "llm_toggles", "bonus_llm_finetune")
 LORA = Technique("lora_rank", "LoRA", "lora", "your_model", flag="--lora-rank", valued=True)  # the rank
+# inference: the frozen weights stored in int8 (--weights-quant int8)
+WEIGHTS_QUANT = Technique("weights_quant", "int8 weights", "inference.weights_quant", "your_model",
+                          flag="--weights-quant", valued=True)  # fmt: skip
 
 TECHNIQUES = (
     ACTIVATION_CHECKPOINTING,
@@ -168,6 +171,7 @@ TECHNIQUES = (
     WEIGHTS_OFFLOAD,
     LLM_TOGGLES,
     LORA,
+    WEIGHTS_QUANT,
 )
 PLANNED = tuple(t for t in TECHNIQUES if t.planned)  # in the order a label names them
 

@@ -20,6 +20,7 @@ from fabric_memory_recipes.planning.inference import cli as inference_estimate
 from fabric_memory_recipes.planning.your_model import estimate
 from fabric_memory_recipes.training import data, lifecycle, loop
 from fabric_memory_recipes.training.techniques import checkpointing, fused_loss, lora, offload, step_in_backward  # fmt: skip
+from fabric_memory_recipes.training.techniques.inference import weights_quant
 from fabric_memory_recipes.training.your_model import inference, models, runner, sharding
 
 RUNG = runner.default_config()
@@ -27,7 +28,7 @@ RUNG = runner.default_config()
 
 def main(cfg: runner.YourModelConfig, results) -> None:
     if cfg.infer:  # generate() or a forward pass under inference_mode, measured next to its prediction
-        return inference.run(cfg, results, inference_estimate.for_run)
+        return inference.run(cfg, results, inference_estimate.for_run, weights_quant.quantize)  # int8 weights
     torch.set_float32_matmul_precision("high" if cfg.tf32 else "highest")
     um = runner.resolve(cfg)
     with torch.device("meta"):  # the repeated blocks: FSDP's units, what --checkpoint-blocks wraps

@@ -37,7 +37,7 @@ DEVTOOLS = REPO / "devtools"
 LAZY = {
     "huggingface_hub": "optional (comes with the 'hf' extra's transformers): an installed wheel plans without it",
     "liger_kernel": "optional, CUDA only: --fused-loss's kernel; the chunked torch path runs without it",
-    "torchao": "optional (extra 'lowbit'/'bf16'): only rung 13 and --bf16-update stochastic need it",
+    "torchao": "optional (extra 'lowbit'/'bf16'): only rung 13, --bf16-update stochastic and --weights-quant need it",
     "optimi": "optional (extra 'bf16'): only --bf16-update kahan needs it",
     "peft": "optional (extras 'peft', 'bonus'): only --lora-rank needs it, and importing it imports transformers",
     "datasets": "optional: IMDb through the hub only; the GPU machines behind the results lack it",
@@ -403,12 +403,15 @@ def test_a_technique_is_its_record_its_module_and_its_recipe():
     fields = [*dataclasses.fields(YourModelConfig), *YourModelConfig.flag_fields()]
     names = {f.name for f in fields} | set(OPTIMIZERS)
     table = (REPO / "docs" / "architecture.md").read_text().split("## Where each technique lives")[1]
-    modules = {p.stem for p in (COMMON / "training" / "techniques").glob("[!_]*.py")}
+    folder = COMMON / "training" / "techniques"  # a sub-folder's module is named folder.module
+    modules = {".".join(p.relative_to(folder).with_suffix("").parts) for p in folder.rglob("[!_]*.py")}
     assert modules == {t.module for t in TECHNIQUES} and len({t.name for t in TECHNIQUES}) == len(TECHNIQUES)
     for t in TECHNIQUES:
         recipe = (RECIPES / f"{t.rung}.py").read_text()
-        assert re.search(rf"techniques(\.| import [\w, ]*\b){t.module}\b", recipe), t  # it imports the module
-        assert (t.name in names or t.name in recipe) and f"training/techniques/{t.module}.py" in table, t
+        package, _, leaf = f"techniques.{t.module}".rpartition(".")
+        assert re.search(rf"{re.escape(package)}(\.| import [\w, ]*\b){leaf}\b", recipe), t  # imports it
+        path = f"training/techniques/{t.module.replace('.', '/')}.py"
+        assert (t.name in names or t.name in recipe) and path in table, t
 
 
 def test_technique_code_is_in_training_techniques_or_the_estimates_model_only():

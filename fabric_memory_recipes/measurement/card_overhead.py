@@ -22,15 +22,20 @@ from pathlib import Path
 from typing import Any
 
 TABLE_FILE = Path(__file__).with_name("device_overhead.json")
-OVERHEAD_MODES = ("eager", "compiled")
+OVERHEAD_MODES = ("eager", "compiled", "inference")
 
 
 def overhead_mode(mode_or_config: str | dict[str, Any]) -> str:
-    """'eager' or 'compiled' for a planner mode ('fast', 'eager') or a results JSON's config."""
+    """'eager' or 'compiled' for a planner mode ('fast', 'eager') or a results JSON's config; 'inference' for
+    ``--infer`` (eager, without the backward's and the optimizer's kernels: less outside the allocator)."""
     if isinstance(mode_or_config, dict):
         c = mode_or_config
+        if c.get("infer"):
+            return "inference"
         return "compiled" if c.get("compile") or c.get("cuda_graphs") else "eager"
-    return "eager" if mode_or_config == "eager" else "compiled"
+    if mode_or_config in ("eager", "inference"):
+        return mode_or_config
+    return "compiled"
 
 
 @functools.cache
@@ -73,8 +78,9 @@ class Overhead:
 
 
 def card_overhead(gpu: str, mode: str, table: dict[str, Any] | None = None) -> Overhead:
-    """The measured overhead of ``gpu`` in ``mode`` ('fast'/'eager' or 'compiled'/'eager'); a kind or
-    mode without a measurement takes the largest measured one (said in ``source``)."""
+    """The measured overhead of ``gpu`` in ``mode`` ('fast'/'eager', 'compiled'/'eager' or 'inference'); a kind
+    or mode without a measurement takes the largest measured one, inference its kind's eager one (said in
+    ``source``)."""
     table = load_table() if table is None else table
     mode = overhead_mode(mode)
     kinds = table.get("kinds") or {}
@@ -87,6 +93,16 @@ def card_overhead(gpu: str, mode: str, table: dict[str, Any] | None = None) -> O
             entry["overhead_gb"],
             f"{gpu} {mode}: {entry['overhead_gb']:.2f} GB, the largest of {entry['runs']} measured"
             f" run(s) ({', '.join(entry['methods'])}; largest: {entry['largest_from']}; {where})",
+        )
+    eager = (kinds.get(gpu) or {}).get("eager")
+    if mode == "inference" and eager:  # training loads more kernels than inference: an upper bound
+        return Overhead(
+            gpu,
+            mode,
+            eager["overhead_gb"],
+            measured=False,
+            source=f"no {gpu} inference measurement: the eager training runs' overhead is assumed"
+            f" ({eager['overhead_gb']:.2f} GB; {where})",
         )
     known = [(e["overhead_gb"], g, m) for g, modes in kinds.items() for m, e in modes.items()]
     if not known:

@@ -7,10 +7,12 @@ whole-device peak as predicted peak reserved + this overhead, for the GPU kind a
 
 The overhead is measured, never assumed. :func:`measure` reads results JSONs (recursively) and takes,
 per GPU kind (``h100``, ``h200``: :func:`~fabric_memory_recipes.measurement.results_file.gpu_slug`)
-and mode (``eager``; ``compiled``: torch.compile and/or CUDA graphs), the largest overhead seen in
+and mode (``eager``; ``compiled``: torch.compile and/or CUDA graphs; ``inference``: ``--infer``, which
+loads no backward or optimizer kernels), the largest overhead seen in
 
 * ``memory.device_overhead_gb`` of a successful one-GPU run (the whole-device sampler,
-  fabric_memory_recipes/measurement/device_memory.py), and
+  fabric_memory_recipes/measurement/device_memory.py), or of a row of an inference check's summary
+  (``inference_check.json``: whole device - peak reserved), and
 * the allocator's out-of-memory message of a one-GPU run, which states what the process had in use
   and what PyTorch held: ``this process has 4.51 GiB memory in use ... 3.66 GiB is allocated by
   PyTorch, and 45.70 MiB is reserved by PyTorch but unallocated`` (in use - allocated - reserved
@@ -100,6 +102,29 @@ def sample_of(result: dict[str, Any], path: str) -> Sample | None:
     return None
 
 
+def inference_check_samples(payload: dict[str, Any], path: str) -> list[Sample]:
+    """The overheads of the runs an inference check summarises (``inference_check.json``, written by
+    planning/inference/check.py: each row's measured whole-device peak and peak reserved), mode 'inference';
+    each named ``path#run``. The runs' own results JSONs travel in the check's tar."""
+    if not isinstance(payload, dict) or not isinstance(payload.get("rows"), list) or "target" not in payload:
+        return []
+    return [
+        Sample(
+            gpu_slug(r.get("gpu")),
+            "inference",
+            r["measured_device_gb"] - r["measured_reserved_gb"],
+            f"{path}#{r.get('run')}",
+            "inference-check",
+        )
+        for r in payload["rows"]
+        if isinstance(r, dict)
+        and r.get("status") == "ok"
+        and r.get("gpu")
+        and r.get("measured_device_gb") is not None
+        and r.get("measured_reserved_gb") is not None
+    ]
+
+
 def sharded_sample_of(result: dict[str, Any], path: str) -> tuple[str, Sample] | None:
     """(processes on the machine, the per-GPU overhead) of a successful run of several processes on one
     node, or None."""
@@ -154,6 +179,7 @@ def measure(folders: list[str | Path]) -> dict[str, Any]:
             sample = sample_of(payload, str(shown))
             if sample is not None:
                 samples.append(sample)
+            samples += inference_check_samples(payload, str(shown))
             several = sharded_sample_of(payload, str(shown))
             if several is not None:
                 sharded.append(several)

@@ -1,88 +1,114 @@
 #!/usr/bin/env bash
-# Inference predicted against measured on one GPU (docs/inference.md): each row one
-# `recipes/your_model.py --infer --mode eager` process (generate() of a causal LM, or one forward pass of an
-# encoder or a vision model under inference_mode), which records its peak allocated, peak reserved and
-# whole-device peak (NVML) next to the prediction it made on the CPU first; then predicted vs measured as
-# inference_check.json and inference_check.md. 13 rows (9 causal LMs, 2 encoders, 2 ViTs), then the two
-# answers of `fmr-estimate --infer --fit 24GB` (predicted on the CPU meanwhile) run on a 24 GB card
-# emulated with --memory-budget-gb. From the repository root of a fresh GPU machine:
+# Inference predicted against measured on one GPU (docs/inference.md). Each row is one
+# `recipes/your_model.py --infer` run (generate() of a causal LM, or one forward pass of an encoder or a vision
+# model under inference_mode), which records its peak allocated, peak reserved and whole-device peak (NVML)
+# next to the prediction it made on the CPU first. Rows run one at a time, each in its own process forked from
+# one that imported torch, Lightning, transformers, timm and torchao once (devtools/forked_runs.py): a fresh
+# CUDA context per row without a fresh import. 16 rows (10 causal LMs, prefill- and decode-dominated, an fp8 KV
+# cache, fp16, and int8 weights; 3 encoders, one with int8 weights; 2 ViTs), then the two answers of
+# `fmr-estimate --infer --fit 24GB` (predicted on the CPU meanwhile), each run on a 24 GB card emulated with
+# --memory-budget-gb. From the repository root of a fresh GPU machine, with the torchao wheel in .whl/:
 #
-#   OUT=/tmp/out bash scripts/gpu/inference_check.sh                  # every row, about 5-6 minutes on one H100
-#   ROWS="neox-prefill bert" OUT=/tmp/out bash scripts/gpu/inference_check.sh   # only these rows
-#   SMALL=1 ROWS=... OUT=/tmp/x bash scripts/gpu/inference_check.sh   # tiny shapes on a CPU (a dry run)
+#   OUT=$OUT bash scripts/gpu/inference_check.sh                 # every row, expected 6-7 minutes on one H100
+#   ROWS="bert vit-base" OUT=$OUT bash scripts/gpu/inference_check.sh   # only these rows (a second call:
+#                                                                      # the rows the first did not reach)
+#   SMALL=1 ROWS=... OUT=/tmp/x bash scripts/gpu/inference_check.sh    # tiny shapes on a CPU (a dry run)
 #
-# Results under $OUT: inference_check.json, inference_check.md and one tar of everything (inference.tgz).
-# The row running when the call's limit nears (LIMIT, default 560 s) gets SIGINT, and no row starts after
-# it, so what finished comes back.
+# Under $OUT, rewritten after every row (what finished comes back even if the call is cut): inference_check.json
+# and inference_check.md (predicted against measured), progress.log, and inference.tgz (every run's results
+# JSON and log, the fit's answer). Near the call's limit (LIMIT, default 540 s) the running row gets SIGINT
+# and no row starts after it (a second SIGINT 12 s later ends a row still running: its results are lost).
 set -u
 : "${OUT:?set OUT}"
-export PYTHONUNBUFFERED=1 FMR_OFFLINE=1 HF_HUB_OFFLINE=1
-T0=$(date +%s); LIMIT=${LIMIT:-560}; RUNS=/tmp/inference-check; rm -rf "$RUNS"; mkdir -p "$RUNS/cfg"
-log() { echo "[inference_check $(( $(date +%s) - T0 )) s] $*" | tee -a "$RUNS/log.txt"; }
-finish() { kill "$WATCH" 2>/dev/null; pkill -P "$WATCH" 2>/dev/null
-           python3 -m fabric_memory_recipes.planning.inference.check "$RUNS/runs" > "$RUNS/check.log" 2>&1
-           cp "$RUNS"/runs/inference_check.* "$OUT/" 2>/dev/null
+export PYTHONUNBUFFERED=1 FMR_OFFLINE=1 HF_HUB_OFFLINE=1 PYTORCH_NVML_BASED_CUDA_CHECK=1
+T0=$(date +%s); LIMIT=${LIMIT:-540}; RUNS=/tmp/inference-check; rm -rf "$RUNS"; mkdir -p "$RUNS/cfg" "$RUNS/runs" "$OUT"
+log() { echo "[inference_check $(( $(date +%s) - T0 )) s] $*" | tee -a "$RUNS/log.txt"; cp "$RUNS/log.txt" "$OUT/progress.log"; }
+summarise() { python3 -m fabric_memory_recipes.planning.inference.check "$RUNS/runs" > "$RUNS/check.log" 2>&1
+              cp "$RUNS"/runs/inference_check.* "$OUT/" 2>/dev/null
+              tar czf "$OUT/inference.tgz.part" -C /tmp inference-check 2>/dev/null && mv "$OUT/inference.tgz.part" "$OUT/inference.tgz"; }
+finish() { kill "$WATCH" 2>/dev/null
            nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$RUNS/gpu.csv" 2>&1
            python3 -c "import torch, transformers, timm; print(torch.__version__, transformers.__version__, timm.__version__)" > "$RUNS/versions.txt" 2>&1
-           git log -1 --format='%H %s' > "$RUNS/commit.txt" 2>/dev/null; tar czf "$OUT/inference.tgz" -C /tmp inference-check; }
+           git log -1 --format='%H %s' > "$RUNS/commit.txt" 2>/dev/null; summarise; log "done"; }
 trap finish EXIT
-if [ -z "${SMALL:-}" ]; then
-  python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1 || log "pip install -e . failed"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+if [ -z "${SMALL:-}" ] && ls .whl/torchao-*.whl > /dev/null 2>&1; then  # the GPU image lacks torchao
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/torchao-*.whl \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/site || log "torchao wheel: install failed (the int8 rows will say so)"
 fi
-( sleep $(( LIMIT - 25 )); touch "$RUNS/stop"; echo "limit near: SIGINT" >> "$RUNS/log.txt"
-  [ -s "$RUNS/pid" ] && kill -INT "$(cat "$RUNS/pid")" ) > /dev/null 2>&1 &
+( sleep $(( LIMIT - 30 )); touch "$RUNS/stop"; echo "limit near: SIGINT" >> "$RUNS/log.txt"
+  [ -s "$RUNS/pid" ] && kill -INT "$(cat "$RUNS/pid")"; sleep 12  # generate() has no step to stop at: a
+  [ -s "$RUNS/pid" ] && kill -INT "$(cat "$RUNS/pid")" ) > /dev/null 2>&1 &  # second SIGINT ends the row
 WATCH=$!
-# row NAME ARGS...: one recipes/your_model.py process (its PID in $RUNS/pid for the limit), unless stopped
-row() { local name=$1; shift
-        [ -e "$RUNS/stop" ] && { log "skip $name: the limit is near"; return; }
-        log "start $name: $*"
-        python3 recipes/your_model.py "$@" --results-dir "$RUNS/runs" --tag "$name" > "$RUNS/$name.log" 2>&1 &
-        echo $! > "$RUNS/pid"; wait $!; local rc=$?; : > "$RUNS/pid"; log "end $name: exit $rc"; }
 cat > "$RUNS/cfg/gpt2.json" <<'EOF'
 {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": 768, "n_layer": 12, "n_head": 12,
  "n_positions": 1024, "vocab_size": 50257, "bos_token_id": 50256, "eos_token_id": 50256}
 EOF
 C=examples/configs
-# name | model | batch | prompt (or sequence) | new tokens | precision | KV cache dtype
+# name | model | batch | prompt (or sequence) | new tokens | precision | KV cache dtype | weights
+# In the order they run: one of each kind first (a shortened call still covers them), the slowest last.
 ROWS_ALL="
-neox-prefill|hf:$C/gpt-neox-0.4b|64|1024|8|bf16-true|auto
-qwen05-prefill|hf:$C/qwen2-0.5b|64|2048|8|bf16-true|auto
-tinyllama-prefill|hf:$C/tinyllama-1.1b|64|2040|8|bf16-true|auto
-neox-decode|hf:$C/gpt-neox-0.4b|64|128|256|bf16-true|auto
-llama036-decode|hf:$C/llama-0.36b|256|64|256|bf16-true|auto
-qwen15-decode|hf:$C/qwen2-1.5b|128|128|384|bf16-true|auto
-gpt2-decode|hf:$RUNS/cfg/gpt2.json|128|256|192|bf16-true|auto
-neox-decode-fp8kv|hf:$C/gpt-neox-0.4b|64|128|256|bf16-true|fp8
-tinyllama-fp16|hf:$C/tinyllama-1.1b|128|512|128|16-true|auto
-bert|hf:$C/bert-base-uncased|1024|512|0|bf16-true|auto
-roberta-fp32|hf:$C/roberta-base|512|512|0|32-true|auto
-vit-base|timm:vit_base_patch16_224|2048|0|0|bf16-true|auto
-vit-large|timm:vit_large_patch16_224|128|0|0|32-true|auto
+neox-prefill|hf:$C/gpt-neox-0.4b|64|1024|8|bf16-true|auto|none
+bert|hf:$C/bert-base-uncased|1024|512|0|bf16-true|auto|none
+vit-base|timm:vit_base_patch16_224|2048|0|0|bf16-true|auto|none
+qwen05-int8-prefill|hf:$C/qwen2-0.5b|128|1024|8|bf16-true|auto|int8
+llama036-decode|hf:$C/llama-0.36b|512|64|128|bf16-true|auto|none
+qwen05-prefill|hf:$C/qwen2-0.5b|64|2048|8|bf16-true|auto|none
+roberta-fp32|hf:$C/roberta-base|512|512|0|32-true|auto|none
+vit-large|timm:vit_large_patch16_224|512|0|0|32-true|auto|none
+bert-int8|hf:$C/bert-base-uncased|512|512|0|bf16-true|auto|int8
+tinyllama-prefill|hf:$C/tinyllama-1.1b|64|2040|8|bf16-true|auto|none
+gpt2-decode|hf:$RUNS/cfg/gpt2.json|128|256|192|bf16-true|auto|none
+tinyllama-int8|hf:$C/tinyllama-1.1b|512|128|64|bf16-true|auto|int8
+neox-decode|hf:$C/gpt-neox-0.4b|128|128|160|bf16-true|auto|none
+qwen15-decode|hf:$C/qwen2-1.5b|512|32|128|bf16-true|auto|none
+tinyllama-fp16|hf:$C/tinyllama-1.1b|128|512|96|16-true|auto|none
+neox-decode-fp8kv|hf:$C/gpt-neox-0.4b|128|128|160|bf16-true|fp8|none
 "
-# The fit answer for one card, predicted only (CPU, beside the GPU runs): the largest batch and the most new
-# tokens that fit a 24 GB card (FIT_GB), predicted on the card.
-timeout "${FIT_S:-240}" python3 -m fabric_memory_recipes.planning --model "hf:$C/gpt-neox-0.4b" --infer \
-    --precision bf16-true --batch-size 32 --seq-len 128 --new-tokens "${FIT_NEW:-256}" --fit "${FIT_GB:-24}GB" --json \
-    > "$RUNS/fit-neox.json" 2> "$RUNS/fit.log" &
-FIT=$!
 want() { [ -z "${ROWS:-}" ] || [[ " $ROWS " == *" $1 "* ]]; }
-echo "$ROWS_ALL" | while IFS='|' read -r name model batch seq new precision kv; do
-  [ -n "$name" ] && want "$name" || continue
-  if [ -n "${SMALL:-}" ]; then batch=2; [ "$seq" -gt 0 ] && seq=32; [ "$new" -gt 0 ] && new=6; fi
-  args=(--infer --model "$model" --batch-size "$batch" --precision "$precision" --data synthetic --mode eager)
-  [ "$seq" -gt 0 ] && args+=(--seq-len "$seq")
-  [ "$new" -gt 0 ] && args+=(--new-tokens "$new" --kv-cache-dtype "$kv")
-  [ -n "${SMALL:-}" ] && args+=(--accelerator cpu)
-  row "$name" "${args[@]}"
-done
-wait "$FIT" 2>/dev/null; log "fit: exit $? (fit-neox.json)"
-# The fit's two answers run on the card emulated on this GPU (--memory-budget-gb): each must fit.
-read -r FB FN < <(python3 -c "import json; a = json.load(open('$RUNS/fit-neox.json'));
+# The fit's question, answered on the CPU beside the GPU rows: on a 24 GB card (FIT_GB), the largest batch at
+# 128 + 64 new tokens, and the most new tokens at batch 512 (FIT_BATCH), each predicted on the card.
+FIT_GB=${FIT_GB:-24}; FIT_BATCH=${FIT_BATCH:-512}; FIT_NEW=${FIT_NEW:-64}
+FIT_MODEL=(--model "hf:$C/gpt-neox-0.4b" --precision bf16-true --seq-len 128)
+if want fit-batch || want fit-tokens; then
+  ( timeout "${FIT_S:-300}" python3 -m fabric_memory_recipes.planning --infer "${FIT_MODEL[@]}" --batch-size "$FIT_BATCH" \
+      --new-tokens "$FIT_NEW" --fit "${FIT_GB}GB" --json > "$RUNS/fit-neox.json" 2> "$RUNS/fit.log"
+    echo $? > "$RUNS/fit.done" ) &
+fi
+# rows: the lines devtools/forked_runs.py reads (NAME ARGS...), the fit's two picks once the fit has answered
+rows() {
+  echo "$ROWS_ALL" | while IFS='|' read -r name model batch seq new precision kv quant; do
+    [ -n "$name" ] && want "$name" || continue
+    if [ -n "${SMALL:-}" ]; then batch=2; [ "$seq" -gt 0 ] && seq=32; [ "$new" -gt 0 ] && new=6; fi
+    args=(--infer --model "$model" --batch-size "$batch" --precision "$precision" --data synthetic --mode eager)
+    [ "$seq" -gt 0 ] && args+=(--seq-len "$seq")
+    [ "$new" -gt 0 ] && args+=(--new-tokens "$new" --kv-cache-dtype "$kv")
+    [ "$quant" != none ] && args+=(--weights-quant "$quant")
+    [ -n "${SMALL:-}" ] && args+=(--accelerator cpu)
+    echo "$name ${args[*]} --results-dir $RUNS/runs --tag $name"
+  done
+  want fit-batch || want fit-tokens || return 0
+  while [ ! -e "$RUNS/fit.done" ] && [ ! -e "$RUNS/stop" ]; do sleep 2; done
+  read -r FB FN < <(python3 -c "import json; a = json.load(open('$RUNS/fit-neox.json'));
 print(a['largest_batch'] or 0, a['most_new_tokens'] or 0)" 2>/dev/null || echo "0 0")
-FIT_ARGS=(--infer --model "hf:$C/gpt-neox-0.4b" --precision bf16-true --data synthetic --mode eager --seq-len 128)
-[ -n "${SMALL:-}" ] && FIT_ARGS+=(--accelerator cpu) || FIT_ARGS+=(--memory-budget-gb "${FIT_GB:-24}")
-for pick in "fit-batch|$FB|${FIT_NEW:-256}" "fit-tokens|32|$FN"; do
-  IFS='|' read -r name batch new <<< "$pick"
-  [ "$batch" -gt 0 ] && [ "$new" -gt 0 ] && want "$name" || { log "skip $name (batch $batch, new $new)"; continue; }
-  row "$name" "${FIT_ARGS[@]}" --batch-size "$batch" --new-tokens "$new"
+  echo "# fit: largest batch $FB at 128 + $FIT_NEW, most new tokens $FN at batch $FIT_BATCH" >> "$RUNS/log.txt"
+  FIT_ARGS=(--infer "${FIT_MODEL[@]}" --data synthetic --mode eager)
+  [ -n "${SMALL:-}" ] && FIT_ARGS+=(--accelerator cpu) || FIT_ARGS+=(--memory-budget-gb "$FIT_GB")
+  for pick in "fit-batch|$FB|$FIT_NEW" "fit-tokens|$FIT_BATCH|$FN"; do
+    IFS='|' read -r name batch new <<< "$pick"
+    [ -n "${SMALL:-}" ] && [ "$batch" -gt 2 ] && batch=2; [ -n "${SMALL:-}" ] && [ "$new" -gt 6 ] && new=6
+    [ "$batch" -gt 0 ] && [ "$new" -gt 0 ] && want "$name" || continue
+    echo "$name ${FIT_ARGS[*]} --batch-size $batch --new-tokens $new --results-dir $RUNS/runs --tag $name"
+  done
+}
+PRELOAD=(transformers transformers.models.gpt_neox.modeling_gpt_neox transformers.models.llama.modeling_llama
+         transformers.models.qwen2.modeling_qwen2 transformers.models.gpt2.modeling_gpt2
+         transformers.models.bert.modeling_bert transformers.models.roberta.modeling_roberta timm torchao.quantization)
+log "start: ${ROWS:-every row}${SMALL:+ (SMALL: tiny shapes on the CPU)}"
+rows | python3 -m devtools.forked_runs recipes/your_model.py --logs "$RUNS" --pid-file "$RUNS/pid" \
+  --stop-file "$RUNS/stop" --preload "${PRELOAD[@]}" 2> "$RUNS/driver.err" |
+while read -r what name rest; do
+  log "$what $name $rest"
+  [ "$what" = end ] && summarise
 done
+[ -e "$RUNS/fit.done" ] && log "fit: exit $(cat "$RUNS/fit.done") (fit-neox.json)"

@@ -88,7 +88,7 @@ def test_the_committed_table_names_the_files_it_came_from():
         for entry in modes.values():
             assert entry["sources"] and entry["runs"] == len(entry["sources"])
             for source in entry["sources"]:
-                assert (overhead.REPO / source).is_file(), source
+                assert (overhead.REPO / source.split("#")[0]).is_file(), source  # path#run: a check's row
     measured = overhead.measure([overhead.REPO / "results"])
     assert measured["kinds"] == table["kinds"] and measured["sharded"] == table.get(
         "sharded", {}
@@ -369,3 +369,28 @@ def test_a_memory_budget_without_a_measured_overhead_caps_the_allocator_and_says
     record = lifecycle.apply_memory_budget(RunConfig(memory_budget_gb=2.0))
     assert record["allocator_gb"] == 2.0 and record["overhead_gb"] is None
     assert "no measured overhead" in record["overhead_source"]
+
+
+def test_inference_runs_and_inference_check_rows_are_their_own_mode(tmp_path):
+    """An ``--infer`` run loads no backward or optimizer kernels: its overhead is the 'inference' mode's,
+    read from its results JSON or from a row of an inference check's summary (whole device - reserved)."""
+    infer = run_json(compiled=False, device_overhead_gb=0.74, device_method="nvml-process")
+    infer["config"]["infer"] = True
+    (tmp_path / "run.json").write_text(json.dumps(infer))
+    rows = [{"run": "a", "status": "ok", "gpu": "NVIDIA H100 80GB HBM3", "measured_device_gb": 9.0,
+             "measured_reserved_gb": 8.24},
+            {"run": "b", "status": "oom", "gpu": "NVIDIA H100 80GB HBM3", "measured_device_gb": None,
+             "measured_reserved_gb": None}]  # fmt: skip
+    (tmp_path / "inference_check.json").write_text(json.dumps({"target": 0.05, "rows": rows}))
+    entry = overhead.measure([tmp_path])["kinds"]["h100"]["inference"]
+    assert entry["overhead_gb"] == pytest.approx(0.76) and entry["runs"] == 2
+    assert any(s.endswith("inference_check.json#a") for s in entry["sources"])
+    assert card_overhead.overhead_mode(infer["config"]) == "inference"
+
+
+def test_inference_without_its_own_measurement_assumes_its_kinds_eager_overhead():
+    assumed = card_overhead.card_overhead("h100", "inference", TABLE)
+    assert assumed.gb == 0.80 and not assumed.measured and "eager training runs" in assumed.source
+    with_it = {"kinds": {"h100": {**TABLE["kinds"]["h100"], "inference": {**TABLE["kinds"]["h100"]["eager"],
+                                                                          "overhead_gb": 0.76}}}}  # fmt: skip
+    assert card_overhead.card_overhead("h100", "inference", with_it).gb == 0.76

@@ -33,8 +33,9 @@ def row(path: Path, payload: dict[str, Any]) -> dict[str, Any] | None:
            "seq_len": cfg.get("seq_len") if extra.get("task") != "image_classification" else None,
            "new_tokens": cfg.get("new_tokens") if extra.get("task") in ("causal_lm", "seq2seq_lm") else None,
            "kv_cache_dtype": cfg.get("kv_cache_dtype") if extra.get("task") == "causal_lm" else None,
+           "weights_quant": cfg.get("weights_quant") or "none",
            "peak_phase": pred.get("peak_phase"), "prediction_error": pred.get("error"),
-           "components_gb": pred.get("components_gb"), "gpu": (payload.get("provenance") or {}).get("gpu"),
+           "components_gb": pred.get("components_gb"), "gpu": (payload.get("provenance") or {}).get("gpu_name"),
            "infer_s": extra.get("inference_s"), "predict_s": extra.get("predicted_inference_s")}  # fmt: skip
     for name, predicted, measured in FIELDS:
         p, m = pred.get(predicted), memory.get(measured)
@@ -74,7 +75,8 @@ def render(rows: list[dict[str, Any]]) -> str:
             + (f" + {r['new_tokens']} new, KV {r['kv_cache_dtype']}" if r["new_tokens"] else "")
         )
         status = "" if r["status"] == "ok" else f" ({r['status']})"
-        lines.append(f"| {r['run']}{status} | {r['model']} ({r['precision']}) | {shape} | {r['peak_phase'] or '—'} | "
+        quant = "" if r.get("weights_quant", "none") == "none" else f", {r['weights_quant']} weights"
+        lines.append(f"| {r['run']}{status} | {r['model']} ({r['precision']}{quant}) | {shape} | {r['peak_phase'] or '—'} | "
                      f"{_gb(r['predicted_allocated_gb'])} / {_gb(r['measured_allocated_gb'])} | "
                      f"{_gb(r['predicted_reserved_gb'])} / {_gb(r['measured_reserved_gb'])} | "
                      f"{_gb(r['predicted_device_gb'])} / {_gb(r['measured_device_gb'])} | {_pct(r['device_error'])} |")  # fmt: skip

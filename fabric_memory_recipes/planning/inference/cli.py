@@ -34,7 +34,7 @@ def predict(cfg: Any, gpu: str = "h100", batch_size: int | None = None, new_toke
     """The estimate of ``cfg``'s inference call (its batch and new tokens unless given)."""
     um, model, _, _ = meta_user_model(cfg.model)
     return estimate(model, um, batch_size or cfg.batch_size, cfg.seq_len, new_tokens or cfg.new_tokens,
-                    cfg.precision, cfg.kv_cache_dtype, gpu, capacity_gb)  # fmt: skip
+                    cfg.precision, cfg.kv_cache_dtype, gpu, capacity_gb, cfg.weights_quant)  # fmt: skip
 
 
 def for_run(cfg: Any) -> dict:
@@ -74,7 +74,7 @@ def fit(cfg: Any, budget_gb: float, gpu: str) -> dict[str, Any]:
     """The largest batch at ``cfg``'s tokens, and for a causal LM the most new tokens at its batch, that fit."""
     seen: dict[tuple[int, int], InferenceEstimate] = {}
 
-    overhead = overhead_per_gpu(gpu, "eager", 1).gb or 0.0
+    overhead = overhead_per_gpu(gpu, "inference", 1).gb or 0.0
 
     def fits(batch: int, new: int) -> bool:  # the replay on the card never runs out of memory
         if (batch, new) not in seen:
@@ -84,6 +84,7 @@ def fit(cfg: Any, budget_gb: float, gpu: str) -> dict[str, Any]:
     lm = meta_user_model(cfg.model)[0].task == "causal_lm"
     batch = largest(lambda b: fits(b, cfg.new_tokens))
     answer = {"budget_gb": budget_gb, "gpu": gpu, "model": cfg.model, "precision": cfg.precision,
+              "weights_quant": cfg.weights_quant,
               "seq_len": cfg.seq_len, "largest_batch": batch or None,
               "at_largest_batch": seen[batch, cfg.new_tokens].to_dict() if batch else None}  # fmt: skip
     if lm:
@@ -117,6 +118,7 @@ def run(args: Any, cfg: Any) -> int:
         print(json.dumps(est.to_dict(), indent=2))
         return 0
     print(f"[{est.model}] inference, {est.task.replace('_', ' ')}: {est.shape()}, {est.precision}"
+          + (f", {est.weights_quant} weights" if est.weights_quant != "none" else "")
           + (f", KV cache {cfg.kv_cache_dtype}" if est.new_tokens else "") + f" ({est.parameters / 1e6:.1f} M parameters)")  # fmt: skip
     print(est.table())
     return 0
@@ -125,7 +127,9 @@ def run(args: Any, cfg: Any) -> int:
 def fit_text(answer: dict[str, Any], size: str) -> str:
     card = fit_cli.budget_text(answer["budget_gb"], size)
     lines = [
-        f"The largest inference that fits {card}: {answer['model']}, {answer['precision']}, {answer['gpu']}"
+        f"The largest inference that fits {card}: {answer['model']}, {answer['precision']}"
+        + (f", {answer['weights_quant']} weights" if answer.get("weights_quant", "none") != "none" else "")
+        + f", {answer['gpu']}"
     ]
     lm = "new_tokens" in answer
     what = f"{answer['seq_len']} prompt + {answer['new_tokens']} new tokens" if lm else (

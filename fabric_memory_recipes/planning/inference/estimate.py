@@ -1,9 +1,10 @@
 """The inference estimate (``fmr-estimate --model ... --infer``): the simulated inference call
 (planning/inference/simulate.py) replayed through the model of the caching allocator, every decode step of
 ``generate()`` in order, and the card: peak reserved = the replay's, whole device = that + the card overhead
-measured on the GPU kind (measurement/card_overhead.py, eager: inference compiles nothing).
+measured on the GPU kind for inference (measurement/card_overhead.py: eager, no backward or optimizer kernels).
 
-Its components: the weights (in the precision's dtype), cuBLAS's workspaces, the KV cache after the last
+Its components: the weights (in the precision's dtype; with ``--weights-quant int8`` each quantized Linear's
+int8 values, scales and zero points), cuBLAS's workspace, the KV cache after the last
 token, the prefill's working memory over the weights and its cache (activations of one layer at a time, the
 attention's output and the logits of the last position, which ``generate()`` alone computes; an
 encoder-decoder's prefill is its encoder and its first decoder step), the largest decode step's over the
@@ -21,6 +22,7 @@ from fabric_memory_recipes.measurement.card_overhead import overhead_per_gpu
 from fabric_memory_recipes.planning.inference import simulate
 from fabric_memory_recipes.planning.plan import GB
 from fabric_memory_recipes.planning.simulation.allocator import (
+    ROUND_LARGE,
     SMALL_REQUEST,
     CachingAllocator,
     round_size,
@@ -30,7 +32,7 @@ from fabric_memory_recipes.training.your_model.inference import generates
 from fabric_memory_recipes.training.your_model.models import UserModel
 
 COMPONENTS = ("weights", "workspace", "kv_cache", "prefill_working", "logits", "decode_working")
-LABELS = {"weights": "weights", "workspace": "cuBLAS workspaces", "kv_cache": "KV cache (last token)",
+LABELS = {"weights": "weights", "workspace": "cuBLAS workspace", "kv_cache": "KV cache (last token)",
           "prefill_working": "prefill working memory", "logits": "  of which logits",
           "decode_working": "decode step working memory"}  # fmt: skip
 
@@ -58,6 +60,7 @@ class InferenceEstimate:
     capacity_gb: float | None = None  # what the allocator could reserve (--fit: the card less its overhead)
     released_gb: float = 0.0  # cached segments given back on the way, to stay within it
     out_of_memory: str | None = None  # where the replay ran out of it
+    weights_quant: str = "none"  # the weights' storage: int8 (training/techniques/inference/weights_quant.py)
 
     def to_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "reserved_rule": "the replay of every simulated allocation"
@@ -96,6 +99,15 @@ class CappedAllocator(CachingAllocator):
         super().__init__()
         self.capacity = capacity
         self.released = 0  # bytes given back
+        self._next_address = 1 << 62  # segments go downwards from here (addresses stay positive)
+
+    def _segment_address(self, size: int) -> int:
+        """Each new segment below the earlier ones: the order in which the driver mapped them in the committed
+        H100 allocator trace (results/published/h100/snapshot/: after its first few, every segment came at a
+        lower address). Free blocks of one size are taken lowest address first, so the newest segment's go
+        first; this decides where the KV cache's long-lived tensors land among the freed activations."""
+        self._next_address -= size + ROUND_LARGE
+        return self._next_address
 
     def malloc(self, handle: object, nbytes: int) -> None:
         size = round_size(nbytes)
@@ -123,32 +135,32 @@ _RECORDINGS: dict[
 
 
 def _recording(model: Any, um: UserModel, batch_size: int, seq_len: int, forwards: int, precision: str,
-               kv_cache_dtype: str) -> simulate.Recording:  # fmt: skip
-    key = (id(model), um.ref, batch_size, seq_len, forwards, precision, kv_cache_dtype)
+               kv_cache_dtype: str, weights_quant: str = "none") -> simulate.Recording:  # fmt: skip
+    key = (id(model), um.ref, batch_size, seq_len, forwards, precision, kv_cache_dtype, weights_quant)
     if key not in _RECORDINGS:
         if len(_RECORDINGS) > 64:
             _RECORDINGS.clear()
         _RECORDINGS[key] = simulate.record(
-            model, um, batch_size, seq_len, forwards, precision, kv_cache_dtype, forwards
+            model, um, batch_size, seq_len, forwards, precision, kv_cache_dtype, forwards, weights_quant
         )
     return _RECORDINGS[key]
 
 
 def estimate(model: Any, um: UserModel, batch_size: int, seq_len: int, new_tokens: int, precision: str,
-             kv_cache_dtype: str = "auto", gpu: str = "h100", capacity_gb: float | None = None) -> InferenceEstimate:  # fmt: skip
+             kv_cache_dtype: str = "auto", gpu: str = "h100", capacity_gb: float | None = None,
+             weights_quant: str = "none") -> InferenceEstimate:  # fmt: skip
     """The inference call of ``model`` (any device: only shapes are read) predicted for a card of kind ``gpu``;
     ``capacity_gb``: the bytes the allocator may reserve on the card (None: as many as it asks for), and
     ``out_of_memory`` says whether it ran out."""
     start = time.perf_counter()
     lm = generates(um)
     new = new_tokens if lm else 1
-    rec = _recording(
-        model, um, batch_size, seq_len, min(new, simulate.RECORDED_FORWARDS), precision, kv_cache_dtype
-    )
+    rec = _recording(model, um, batch_size, seq_len, min(new, simulate.RECORDED_FORWARDS), precision,
+                     kv_cache_dtype, weights_quant)  # fmt: skip
     try:
         stream = list(simulate.decode_steps(rec, new))
     except ValueError:  # the decode steps differ: record every one of them
-        rec = _recording(model, um, batch_size, seq_len, new, precision, kv_cache_dtype)
+        rec = _recording(model, um, batch_size, seq_len, new, precision, kv_cache_dtype, weights_quant)
         stream = list(rec.events)
     capacity = None if capacity_gb is None else int(capacity_gb * GB)
     allocator, peaks, name, oom = CappedAllocator(capacity), {}, "set-up", None
@@ -186,7 +198,7 @@ def estimate(model: Any, um: UserModel, batch_size: int, seq_len: int, new_token
             prefill_working=(peaks.get("forward", base) - base) / GB, logits=rec.logits_bytes / GB
         )
     top = max(peaks, key=peaks.get)
-    over = overhead_per_gpu(gpu, "eager", 1)
+    over = overhead_per_gpu(gpu, "inference", 1)
     reserved = allocator.peak_reserved / GB
     return InferenceEstimate(
         model=um.ref, task=um.task, batch_size=batch_size, seq_len=seq_len, new_tokens=new_tokens if lm else None,
@@ -196,5 +208,5 @@ def estimate(model: Any, um: UserModel, batch_size: int, seq_len: int, new_token
         overhead_gb=over.gb, overhead_source=over.phrase(), gpu=gpu,
         device_peak_gb=None if over.gb is None else reserved + over.gb, kernels=sorted(rec.kernels),
         seconds=time.perf_counter() - start, capacity_gb=capacity_gb, released_gb=allocator.released / GB,
-        out_of_memory=oom,
+        out_of_memory=oom, weights_quant=weights_quant,
     )  # fmt: skip

@@ -18,6 +18,7 @@ simulated masks are those of a GPU run (none: SDPA's causal flag).
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 from collections.abc import Iterator
 from typing import Any
@@ -26,12 +27,14 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-from fabric_memory_recipes.planning.plan import CUBLAS_WORKSPACE_BYTES, CUDA_WORKSPACE_BYTES, round_bytes
+from fabric_memory_recipes.planning.plan import CUBLAS_WORKSPACE_BYTES, round_bytes
 from fabric_memory_recipes.planning.simulation.modelled import cuda_runs_flash, replaced
 from fabric_memory_recipes.planning.simulation.tracking import Tracker
+from fabric_memory_recipes.training.techniques.inference import weights_quant as weights_quant_technique
 from fabric_memory_recipes.training.your_model import inference
 from fabric_memory_recipes.training.your_model.models import UserModel
 
@@ -77,6 +80,8 @@ class _InferenceTracker(Tracker):
         return handle
 
     def record(self, t: Any, category: str = "temporaries"):
+        if is_traceable_wrapper_subclass(t):  # a quantized weight: its parts are the storages, counted apart
+            return None
         if isinstance(t, torch.Tensor):
             self._pending = t.untyped_storage().nbytes()
         return super().record(t, category)
@@ -112,6 +117,25 @@ def _as_on_a_gpu() -> Iterator[None]:
         yield
 
 
+def _fused_attention_output(query: torch.Tensor, value: torch.Tensor, flash: bool) -> torch.Tensor:
+    """What CUDA's fused kernels allocate, in their order, for ``query`` (batch, heads, seq, dim): both work on
+    the (batch, seq, heads, dim) transpose and return their output transposed back. Flash attention's output
+    is ``empty_like`` that transpose (its strides when dense, else contiguous), then its log-sum-exp (fp32)
+    and two small random-state tensors, freed on return; the memory-efficient kernel's output is always
+    (batch, seq, heads, dim) contiguous, with no log-sum-exp at inference. So where the query is laid out as
+    (batch, seq, heads, dim) (a projection viewed per head), the caller's ``transpose(1, 2).contiguous()``
+    copies nothing."""
+    q_t = query.transpose(1, 2)
+    if not flash:
+        b, s, h = q_t.shape[:3]
+        return torch.empty(b, s, h, value.shape[-1], dtype=query.dtype).transpose(1, 2)
+    out = torch.empty_like(q_t)
+    lse = torch.empty(query.shape[:-1], dtype=torch.float32)
+    rng_state, unused = torch.empty(2, dtype=torch.int64), torch.empty((), dtype=torch.int64)
+    del lse, rng_state, unused
+    return out.transpose(1, 2)
+
+
 @contextlib.contextmanager
 def _sdpa_on_cuda(used: set[str]) -> Iterator[None]:
     """``F.scaled_dot_product_attention`` as CUDA runs it at inference: flash attention for fp16/bf16 without
@@ -120,13 +144,10 @@ def _sdpa_on_cuda(used: set[str]) -> Iterator[None]:
     flash cannot take (its expanded keys and values and its scores)."""
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        flash = cuda_runs_flash(query, attn_mask)
+        flash = cuda_runs_flash(query, attn_mask) and value.shape[-1] == query.shape[-1]
         if flash or not enable_gqa:
             used.add("flash" if flash else "efficient")
-            lse = torch.empty(query.shape[:-1], dtype=torch.float32)
-            out = torch.empty(*query.shape[:-2], query.shape[-2], value.shape[-1], dtype=query.dtype)
-            del lse
-            return out
+            return _fused_attention_output(query, value, flash)
         used.add("math")
         groups = query.shape[-3] // key.shape[-3]
         key, value = key.repeat_interleave(groups, -3), value.repeat_interleave(groups, -3)
@@ -147,8 +168,26 @@ def _cache_tensors(cache: Any) -> list[torch.Tensor]:
             getattr(layer, "values", None)) if isinstance(t, torch.Tensor) and t.numel()]  # fmt: skip
 
 
+def _hold_in_place(model: Any, state: dict[str, torch.Tensor]) -> None:
+    """Put ``state`` (by the names ``named_parameters`` and ``named_buffers`` give) into ``model`` itself,
+    every name that shares a tensor sharing its replacement (tied weights): ``model`` is a copy of its own."""
+    tensors = {id(t): state[n] for n, t in [*model.named_parameters(), *model.named_buffers()]}
+    for module in model.modules():
+        for where in (module._parameters, module._buffers):
+            for name, t in where.items():
+                if t is not None:
+                    where[name] = tensors[id(t)]
+
+
+def _stored_bytes(t: torch.Tensor) -> int:
+    """A tensor's bytes in memory: its storage's, or a quantized tensor's parts (its int8 values, scales)."""
+    if is_traceable_wrapper_subclass(t):
+        return sum(_stored_bytes(getattr(t, name)) for name in t.__tensor_flatten__()[0])
+    return t.untyped_storage().nbytes()
+
+
 def record(model: Any, um: UserModel, batch_size: int, seq_len: int, new_tokens: int, precision: str,
-           kv_cache_dtype: str = "auto", forwards: int = RECORDED_FORWARDS) -> Recording:  # fmt: skip
+           kv_cache_dtype: str = "auto", forwards: int = RECORDED_FORWARDS, weights_quant: str = "none") -> Recording:  # fmt: skip
     """Run the inference call on fake tensors: the first ``forwards`` forward passes of ``generate()`` (all of
     them when ``new_tokens`` is not larger; an encoder-decoder's encoder runs before its first), else one
     forward pass."""
@@ -176,6 +215,8 @@ def record(model: Any, um: UserModel, batch_size: int, seq_len: int, new_tokens:
         if not logits and isinstance(found, torch.Tensor):
             logits.append(found.untyped_storage().nbytes())
 
+    if weights_quant != "none":  # quantizing replaces its weights: the caller's model stays as it is
+        model = copy.deepcopy(model)
     hooks = [model.register_forward_pre_hook(before, with_kwargs=True),
              model.register_forward_hook(after, with_kwargs=True)]  # fmt: skip
     try:
@@ -194,9 +235,16 @@ def record(model: Any, um: UserModel, batch_size: int, seq_len: int, new_tokens:
                 state = {n: torch.empty(p.shape, dtype=dtype if p.is_floating_point() else p.dtype)
                          for n, p in [*model.named_parameters(), *model.named_buffers()]}  # fmt: skip
             weights = sum(t.untyped_storage().nbytes() for t in state.values())
-            for _ in range(CUDA_WORKSPACE_BYTES // CUBLAS_WORKSPACE_BYTES):  # cuBLAS's, one per handle
-                tracker.add_constant("workspace", CUBLAS_WORKSPACE_BYTES)
-            stack.enter_context(_reparametrize_module(model, state, tie_weights=True))
+            # cuBLAS's workspace: one, for the one thread and stream (no autograd thread at inference)
+            tracker.add_constant("workspace", CUBLAS_WORKSPACE_BYTES)
+            if weights_quant == "none":
+                stack.enter_context(_reparametrize_module(model, state, tie_weights=True))
+            else:  # as the runner does after building the model: each weight freed as its quantized copy
+                _hold_in_place(model, state)  # replaces it, the module holding the only reference to it
+                state.clear()
+                with tracker.creating("parameters"), torch.no_grad():
+                    weights_quant_technique.quantize(model, weights_quant)
+                weights = sum(_stored_bytes(t) for t in [*model.parameters(), *model.buffers()])
             stack.enter_context(torch.inference_mode())
             inputs = inference.model_inputs(um, model, batch_size, seq_len, dtype, "cpu")
             with contextlib.suppress(_Recorded):
@@ -208,7 +256,7 @@ def record(model: Any, um: UserModel, batch_size: int, seq_len: int, new_tokens:
         for h in hooks:
             h.remove()
     return Recording(tracker.events[:end], tracker.raw, starts, end, cache_bytes, logits[0] if logits else 0,
-                     weights, CUDA_WORKSPACE_BYTES, kernels)  # fmt: skip
+                     weights, CUBLAS_WORKSPACE_BYTES, kernels)  # fmt: skip
 
 
 def decode_steps(rec: Recording, new_tokens: int) -> Iterator[tuple[str, Any, int]]:

@@ -113,6 +113,13 @@ class CachingAllocator:
                 self._live[handle] = block
                 self.allocated += n
 
+    def _segment_address(self, size: int) -> int:
+        """Where a new segment of ``size`` bytes starts: above every earlier one. Only the order matters: it
+        breaks ties between free blocks of one size (the lowest address wins)."""
+        address = self._next_address
+        self._next_address += size + ROUND_LARGE
+        return address
+
     def malloc(self, handle: object, nbytes: int) -> None:
         size = round_size(nbytes)
         small = size <= SMALL_REQUEST
@@ -122,8 +129,7 @@ class CachingAllocator:
             block = self._free[pool[i]]
             self._remove(block)
         else:  # a new segment (addresses of different segments are never adjacent)
-            block = _Block(self._next_address, segment_size(size), small)
-            self._next_address += block.size + ROUND_LARGE
+            block = _Block(self._segment_address(segment_size(size)), segment_size(size), small)
             self.reserved += block.size
             self.peak_reserved = max(self.peak_reserved, self.reserved)
         remaining = block.size - size

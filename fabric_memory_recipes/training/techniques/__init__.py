@@ -1,7 +1,7 @@
 """The memory techniques a rung adds beside the loop, one module each, shared by the ladder's recipes and the
 your-model runner: activation checkpointing, activation offloading, the step inside backward, 8-bit optimizer
 state, compensated bf16 updates, weights on the CPU, fused attention, float8, the fused loss and the LLM
-toggles. Each is named by its record (``fabric_memory_recipes/techniques.py``): :func:`module_of` finds it."""
+toggles; in ``inference/``, int8 weights for inference. Each is named by its record (``fabric_memory_recipes/techniques.py``): :func:`module_of` finds it."""
 
 from __future__ import annotations
 

@@ -3,7 +3,8 @@
 encoder-decoder's ``generate()`` (the encoder reads ``--seq-len`` tokens, the decoder writes ``--new-tokens``),
 or one forward pass of an encoder or a vision model at ``--batch-size`` under ``torch.inference_mode``. The run
 records peak allocated, peak reserved and the whole-device peak as a training run does (its phases
-``model_load`` and ``infer``), next to the prediction the recipe passes in (planning/inference/).
+``model_load`` and ``infer``), next to the prediction the recipe passes in (planning/inference/). With
+``--weights-quant int8`` the weights are quantized after the model is built (training/techniques/inference/weights_quant.py).
 
 :func:`infer` is the one inference call: the run executes it on the GPU, and the estimate executes the same
 function on fake tensors (planning/inference/simulate.py), so that both see the same ``generate()``.
@@ -19,6 +20,7 @@ import lightning as L
 import torch
 
 from fabric_memory_recipes.config import UsageError
+from fabric_memory_recipes.training.techniques.inference import weights_quant
 from fabric_memory_recipes.training.your_model import models
 from fabric_memory_recipes.training.your_model.models import UserModel
 
@@ -66,6 +68,8 @@ def check(um: UserModel, cfg: Any) -> None:
         if str(e).startswith("--new-tokens"):
             asked = f"--new-tokens {cfg.new_tokens} (+ the decoder's start token)"
         raise UsageError(f"{asked}: {str(e).split(': ', 1)[1]}") from None
+    if cfg.weights_quant != "none":
+        weights_quant.require_torchao(cfg.weights_quant)
     if cfg.fsdp or cfg.world_size > 1:
         raise UsageError("--infer runs on one GPU: leave out --devices and --fsdp")
     if cfg.mode == "fast" or cfg.compile or cfg.cuda_graphs:
@@ -117,8 +121,11 @@ def infer(
     return model(inputs["images"])
 
 
-def run(cfg: Any, results: Any, predict: Callable[[Any], dict]) -> None:
-    """``recipes/your_model.py --infer``: build, predict (``predict(cfg)``), infer once, record."""
+def run(cfg: Any, results: Any, predict: Callable[[Any], dict],
+        quantize: Callable[[Any, str], dict] | None = None) -> None:  # fmt: skip
+    """``recipes/your_model.py --infer``: build, quantize the weights as ``--weights-quant`` says
+    (``quantize(model, kind)``: training/techniques/inference/weights_quant.py), predict (``predict(cfg)``), infer once,
+    record."""
     um = models.resolve(cfg.model)
     check(um, cfg)
     dtype = weights_dtype(cfg.precision)
@@ -133,6 +140,9 @@ def run(cfg: Any, results: Any, predict: Callable[[Any], dict]) -> None:
         with fabric.init_module(empty_init=False):  # on the device, in the precision's dtype
             model = models.build(um)
         model.eval()
+        if cfg.weights_quant != "none":  # on the device, as built: each weight replaced by its int8 copy
+            with torch.no_grad():
+                results.extra["weights_quant"] = quantize(model, cfg.weights_quant)
     results.set(parameters=sum(p.numel() for p in model.parameters()))
     inputs = model_inputs(um, model, cfg.batch_size, cfg.seq_len, dtype, fabric.device)
     with results.phase("infer"), torch.inference_mode():

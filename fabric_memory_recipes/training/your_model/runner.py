@@ -1,7 +1,8 @@
 """The runner for a model the user names (``recipes/your_model.py``): its flags (:class:`YourModelConfig`:
 the shared ones plus the technique set as flags, which the estimator and ``--fit`` read too), its data
 and batch function, and its optimizer. The techniques it applies are the ladder's own
-(``training/techniques/``: checkpointing, offload, step_in_backward, lowbit), and LoRA (lora).
+(``training/techniques/``: checkpointing, offload, step_in_backward, lowbit), LoRA (lora), and for inference
+int8 weights (weights_quant).
 
 Data: ``--data auto`` trains an image model on scikit-learn's digits (real, offline) and a text model on
 IMDb when present (training/data/text.py), else on the synthetic token stand-in of the same shape;
@@ -21,6 +22,7 @@ from fabric_memory_recipes.config import BOOL, RunConfig, UsageError, at_least, 
 from fabric_memory_recipes.training import data
 from fabric_memory_recipes.training.data import seq2seq, text
 from fabric_memory_recipes.training.techniques import lora, lowbit
+from fabric_memory_recipes.training.techniques.inference import weights_quant
 from fabric_memory_recipes.training.your_model import inference, models
 from fabric_memory_recipes.training.your_model.models import UserModel
 
@@ -98,6 +100,14 @@ class YourModelConfig(RunConfig):
         "inference",
         "the KV cache's dtype (--infer; auto: the weights')",
         choices=tuple(inference.KV_CACHE_DTYPES),
+    )
+    weights_quant: str = flag(
+        "none",
+        "inference",
+        "the frozen weights' storage (--infer): int8 keeps every"
+        " Linear's weight in int8 with a scale per output row (torchao's weight-only int8;"
+        " training/techniques/inference/weights_quant.py)",
+        choices=weights_quant.KINDS,
     )
     switched_on: tuple[str, ...] = ()  # the flagged techniques on that have no field of RunConfig's, by name
 
@@ -189,6 +199,11 @@ class YourModelConfig(RunConfig):
             raise UsageError("--lora-rank trains on one GPU here: leave out --fsdp")
         if c.lora_rank:
             lora.require_peft()
+        if c.weights_quant != "none" and not c.infer:
+            raise UsageError(f"--weights-quant {c.weights_quant} quantizes frozen weights for inference: use it with"
+                             " --infer")  # fmt: skip
+        if c.weights_quant != "none":
+            weights_quant.require_torchao(c.weights_quant)
         if c.cpu_offload and not c.fsdp:
             raise UsageError("--cpu-offload offloads FSDP's shards: use it with --fsdp --devices N")
         c.sharding = "fsdp" if c.fsdp else "none"
