@@ -1,10 +1,9 @@
 """Activation offloading: keep the tensors autograd saves for backward in host memory, not on the GPU,
 with the copies beside the compute instead of between its kernels.
 
-``torch.autograd.graph.save_on_cpu(pin_memory=True)`` moves every saved tensor. In torch 2.11, the
-version behind the committed results, it packs with a blocking ``copy_`` that makes the host wait
-each time (later releases copy non-blocking), and it also copies the weights (a linear layer saves its
-weight for the backward pass), which live on the GPU anyway. :class:`offload_activations` leaves
+``torch.autograd.graph.save_on_cpu(pin_memory=True)`` moves every saved tensor: in torch 2.11 (the
+committed results') with a blocking ``copy_`` that makes the host wait each time, and the weights too (a
+linear layer saves its weight for backward), which live on the GPU anyway. :class:`offload_activations` leaves
 parameters (and views of them) where they are, and overlaps the copies with compute (torchtune's
 ``OffloadActivations`` is the reference design; this is a smaller one written for this loop):
 
@@ -18,19 +17,16 @@ parameters (and views of them) where they are, and overlaps the copies with comp
   also *prefetches* the tensors saved before it (the previous block's) on a second side stream ("in"),
   up to ``window_bytes`` ahead, so they cross PCIe while the current block's backward computes. The
   compute stream waits only for the event of the copy it needs. A prefetch buffer is allocated for the
-  compute stream and the "in" stream first waits for the compute stream, so memory the allocator
-  recycled from kernels still queued is not overwritten early. Tensors still waiting in the forward's
-  window when backward starts are used where they are, without a round trip.
+  compute stream, which the "in" stream first waits for, so memory recycled from kernels still queued is
+  not overwritten early. Tensors still in the forward's window when backward starts are used in place.
 - **Or in the compute stream's order** (``window_bytes=None``, the default; rungs 14 and 16): each copy
   is queued on the compute stream itself, between the kernels, and the GPU tensor is free as soon as
   it is saved. Nothing is kept waiting or prefetched: the least GPU memory, at the copies' time.
-- **Batches of copies** (``batched``; eager rung 11). Each side-stream copy costs the host a stream
-  wait, a stream switch and an event besides the copy itself, about ten CUDA calls per saved tensor, and
-  an eager step of ViT-L/16 at micro-batch 4 is host-bound (266 offloaded tensors per micro-batch).
-  Batched, the tensors are copied out together once a quarter of the window is pending (and when the
-  forward ends), and copied back together once a quarter of the window is free: one wait, switch and
-  event per batch each way. What is pending counts in the window. Not batched (the default, and fast
-  mode's, whose CUDA graph replays the copies without the host): one tensor at a time.
+- **Batches of copies** (``batched``; eager rung 11, whose ViT-L/16 step is host-bound: 266 offloaded
+  tensors per micro-batch, each side-stream copy a stream wait, a switch and an event on the host).
+  Copied out once a quarter of the window is pending (and when the forward ends), back once a quarter is
+  free: one wait, switch and event per batch each way; pending bytes count in the window. Not batched
+  (the default, and fast mode's, whose CUDA graph replays the copies without the host): one at a time.
 - **A resident tail.** The last ``resident_bytes`` of a micro-batch's saved tensors (the last blocks',
   which backward needs first) are not offloaded at all: GPU memory traded for PCIe time. How many
   tensors that is comes from the previous micro-batch (the first one offloads everything).
@@ -40,11 +36,10 @@ parameters (and views of them) where they are, and overlaps the copies with comp
   side streams rejoin the captured stream) and drops what was prefetched but not used.
 
 The host buffers persist: the n-th tensor saved inside a ``with`` block goes to the same pinned buffer
-every time the block is entered (a new one only if its shape or dtype changed). No pinned memory is
-allocated per step, and a CUDA graph that captured the copies keeps copying to memory that stays
-valid. So create one instance and enter it once per micro-batch, and run each micro-batch's backward
-before entering it again (the training loop does both). Tensors smaller than ``min_bytes`` stay on the
-GPU (not worth a transfer).
+each time (a new one only if its shape or dtype changed), so no pinned memory is allocated per step and
+a captured copy keeps writing to valid memory. Create one instance, enter it once per micro-batch, and
+run that micro-batch's backward before entering it again (the loop does both). Tensors smaller than
+``min_bytes`` stay on the GPU.
 """
 
 from __future__ import annotations
@@ -62,8 +57,7 @@ class InlineStream:
     def wait_event(self, event) -> None:
         pass
 
-    def wait_stream(self, other) -> None:
-        pass
+    wait_stream = wait_event
 
     def record_event(self):
         return None
@@ -150,18 +144,15 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):
         self._next = 0
         self._resident_from = None  # slots from here on stay on the device (None: offload all)
         self._pending: list[tuple] = []  # (slot, tensor, host buffer): not copied out yet
-        self._pending_bytes = 0
         self._written: dict[int, object] = {}  # slot -> event of its copy out
         self._waiting: OrderedDict[int, tuple] = OrderedDict()  # slot -> (tensor, event, compute stream)
-        self._held = 0  # bytes in _waiting
         self._fetched: dict[int, tuple] = {}  # slot -> (device tensor, event, compute stream)
-        self._in_flight = 0  # bytes in _fetched
+        self._pending_bytes = self._held = self._in_flight = 0  # bytes pending, in _waiting, in _fetched
         self._resident: dict[int, torch.Tensor] = {}
         self._cursor: int | None = None  # the next slot to prefetch, going down
         self._compute: dict[torch.device, object] = {}  # the compute stream last seen, per device
         self._released = self._used = (None, _NO_EVENT)  # (stream, event) it last waited for
-        self._dirty = False  # side-stream work issued since the streams last rejoined the compute stream
-        self._callback_queued = False
+        self._dirty = self._callback_queued = False  # side-stream work since the streams last rejoined
         self.traffic = Traffic()
         super().__init__(self._pack, self._unpack)
 
