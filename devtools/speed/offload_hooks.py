@@ -25,7 +25,6 @@ with the hooks as ``offload.pack`` / ``offload.unpack`` ranges. Writes ``offload
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import statistics
@@ -36,6 +35,7 @@ import lightning as L
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from fabric_memory_recipes.console import Parser
 from fabric_memory_recipes.training import data, models
 from fabric_memory_recipes.training.techniques.offload import offload_activations
 
@@ -179,7 +179,7 @@ def profiled(mode: str, fabric, model, batch_fn, batches: list, args, out: Path)
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--model", default="vit_l_16", choices=models.MODEL_NAMES)
     parser.add_argument("--micro-batch", type=int, default=4)

@@ -28,7 +28,6 @@ only the knobs (the run's own img/s is then the measurement).
 
 from __future__ import annotations
 
-import argparse
 import bisect
 import gzip
 import json
@@ -44,6 +43,7 @@ import torch._inductor.config as inductor_config
 from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils.flop_counter import FlopCounterMode
 
+from fabric_memory_recipes.console import Parser
 from fabric_memory_recipes.training import models
 from fabric_memory_recipes.training.loop_plumbing import TrainingRun
 from fabric_memory_recipes.training.techniques import attention
@@ -265,7 +265,7 @@ def main(argv=None) -> None:
     if "--" not in argv:
         raise SystemExit("rung_profile: usage: ... -- recipes/NAME.py [recipe flags]")
     split = argv.index("--")
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=".")
     parser.add_argument("--tag", default="run")
     parser.add_argument("--start", type=int, default=8, help="profile after this optimizer step")

@@ -239,8 +239,9 @@ def test_inferences_numbers(printed):
     check(text, "working memory over it is {} GB", v["decode step working memory"])
     check(
         text,
-        "*cuBLAS's workspaces +{}, the allocator's reserve +{} ({} - {}), outside the allocator +{}.*",
-        v["cuBLAS workspaces"],
+        "*cuBLAS's workspace +{} (one, as docs/inference.md says), the allocator's reserve +{} ({} - {}),"
+        " outside the allocator +{}.*",
+        v["cuBLAS workspace"],
         reserve,
         v["peak reserved"],
         v["peak allocated"],
@@ -248,12 +249,22 @@ def test_inferences_numbers(printed):
     )
     check(
         text,
-        "{} + {} + {} + {} + {} = {}.",
-        v["cuBLAS workspaces"],
+        "{} + {} + {} + {} + {} = {} ({} unrounded).",
+        v["cuBLAS workspace"],
         v["KV cache (last token)"],
         v["decode step working memory"],
         reserve,
         outside,
+        sum(
+            round(x, 3)
+            for x in (
+                v["cuBLAS workspace"],
+                v["KV cache (last token)"],
+                v["decode step working memory"],
+                reserve,
+                outside,
+            )
+        ),
         rest,
     )
 
