@@ -206,10 +206,14 @@ def main(argv=None) -> None:
     batch_fn = data.image_classification(model.image_size)
     g = torch.Generator().manual_seed(0)
     batches = [
-        (torch.randint(0, 256, (args.micro_batch, 32, 32, 3), dtype=torch.uint8, generator=g).to(fabric.device),
-         torch.randint(0, data.NUM_CLASSES, (args.micro_batch,), generator=g).to(fabric.device))
+        (
+            torch.randint(0, 256, (args.micro_batch, 32, 32, 3), dtype=torch.uint8, generator=g).to(
+                fabric.device
+            ),
+            torch.randint(0, data.NUM_CLASSES, (args.micro_batch,), generator=g).to(fabric.device),
+        )
         for _ in range(args.micro_batches)
-    ]  # fmt: skip
+    ]
     rows = [measure(m, fabric, model, batch_fn, batches, args) for m in modes]
     for m in ("per-tensor", "batched"):
         if m in modes:

@@ -109,8 +109,13 @@ def model_flops(name: str, batch: int) -> dict[str, float]:
     kinds: dict[str, float] = {}
     for op, flops in counter.get_flop_counts()["Global"].items():
         op = str(op)
-        kind = ("attention" if "bmm" in op or "attention" in op else
-                "patch convolution" if "conv" in op else "linear matmul")  # fmt: skip
+        kind = (
+            "attention"
+            if "bmm" in op or "attention" in op
+            else "patch convolution"
+            if "conv" in op
+            else "linear matmul"
+        )
         kinds[kind] = kinds.get(kind, 0.0) + flops
     return kinds
 
@@ -166,22 +171,31 @@ def summarise(trace_path: str, steps: int, flops: dict[str, float], title: str) 
         return f"## {title}\n\nNo GPU work in the trace (a CPU run): nothing to summarise by kernel.\n", {}
     step_ms = (spans[-1][1] - spans[0][0]) / 1000.0 / steps
     phases = sorted({p for kinds in by_kind.values() for p in kinds})
-    lines = [f"## {title}", "",
-             f"{steps} steps profiled; GPU span {step_ms:.1f} ms per step (first kernel to last), busy"
-             f" {busy / 1000.0 / steps:.1f} ms, idle {step_ms - busy / 1000.0 / steps:.1f} ms (the GPU waiting"
-             f" for the host: launches, data, synchronisation); compiled-graph calls per step"
-             f" {compiled / steps:.1f}", "",
-             "| kind | ms / step | % of step | " + " | ".join(phases) + " |",
-             "|---|---:|---:|" + "---:|" * len(phases)]  # fmt: skip
+    lines = [
+        f"## {title}",
+        "",
+        f"{steps} steps profiled; GPU span {step_ms:.1f} ms per step (first kernel to last), busy"
+        f" {busy / 1000.0 / steps:.1f} ms, idle {step_ms - busy / 1000.0 / steps:.1f} ms (the GPU waiting"
+        f" for the host: launches, data, synchronisation); compiled-graph calls per step"
+        f" {compiled / steps:.1f}",
+        "",
+        "| kind | ms / step | % of step | " + " | ".join(phases) + " |",
+        "|---|---:|---:|" + "---:|" * len(phases),
+    ]
     total_by_kind = {k: sum(v.values()) / steps for k, v in by_kind.items()}
     for kind, ms in sorted(total_by_kind.items(), key=lambda kv: -kv[1]):
         cells = " | ".join(f"{by_kind[kind].get(p, 0.0) / steps:.2f}" for p in phases)
         lines.append(f"| {kind} | {ms:.2f} | {100 * ms / step_ms:.1f} | {cells} |")
     idle = step_ms - busy / 1000.0 / steps
     lines.append(f"| GPU idle | {idle:.2f} | {100 * idle / step_ms:.1f} |" + " |" * len(phases))
-    lines += ["", "Model FLOPs per step against the time of their kernels (attention's backward recomputes,"
-              " so its kernels do more than the model's count):", "",
-              "| kind | model TFLOP / step | kernel ms / step | TFLOP/s |", "|---|---:|---:|---:|"]  # fmt: skip
+    lines += [
+        "",
+        "Model FLOPs per step against the time of their kernels (attention's backward recomputes,"
+        " so its kernels do more than the model's count):",
+        "",
+        "| kind | model TFLOP / step | kernel ms / step | TFLOP/s |",
+        "|---|---:|---:|---:|",
+    ]
     for kind, f in sorted(flops.items(), key=lambda kv: -kv[1]):
         ms = total_by_kind.get(kind, 0.0)
         rate = f"{f / (ms / 1000.0) / 1e12:.0f}" if ms else "-"
@@ -195,10 +209,16 @@ def summarise(trace_path: str, steps: int, flops: dict[str, float], title: str) 
     ]
     for name, (kind, calls, ms) in sorted(by_kernel.items(), key=lambda kv: -kv[1][2])[:25]:
         lines.append(f"| `{name[:90]}` | {kind} | {calls / steps:.1f} | {ms / steps:.2f} |")
-    data = {"steps": steps, "step_ms": step_ms, "busy_ms": busy / 1000.0 / steps, "idle_ms": idle,
-            "compiled_calls_per_step": compiled / steps, "ms_by_kind": total_by_kind,
-            "ms_by_kind_and_phase": {k: {p: v / steps for p, v in d.items()} for k, d in by_kind.items()},
-            "model_flops_per_step": flops}  # fmt: skip
+    data = {
+        "steps": steps,
+        "step_ms": step_ms,
+        "busy_ms": busy / 1000.0 / steps,
+        "idle_ms": idle,
+        "compiled_calls_per_step": compiled / steps,
+        "ms_by_kind": total_by_kind,
+        "ms_by_kind_and_phase": {k: {p: v / steps for p, v in d.items()} for k, d in by_kind.items()},
+        "model_flops_per_step": flops,
+    }
     return "\n".join(lines) + "\n", data
 
 
@@ -248,8 +268,10 @@ class StepProfiler:
             k: v * cfg.accumulation_steps for k, v in model_flops(cfg.model, cfg.micro_batch_size).items()
         }
         mode = "CUDA graph" if cfg.cuda_graphs else ("compiled" if cfg.compile else "eager")
-        title = (f"{cfg.run_name} ({self.tag}): {cfg.model}, batch {cfg.batch_size} ({cfg.accumulation_steps}"
-                 f" x {cfg.micro_batch_size}), {cfg.precision}, {mode}, steps {self.start + 1}-{self.start + self.steps}")  # fmt: skip
+        title = (
+            f"{cfg.run_name} ({self.tag}): {cfg.model}, batch {cfg.batch_size} ({cfg.accumulation_steps}"
+            f" x {cfg.micro_batch_size}), {cfg.precision}, {mode}, steps {self.start + 1}-{self.start + self.steps}"
+        )
         text, data = summarise(str(trace), self.steps, flops, title)
         data["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
         (self.out / f"profile-{self.tag}.md").write_text(text)

@@ -78,8 +78,11 @@ def summarise(doc: dict, phases: list[tuple] | None = None, top: int = 8) -> dic
     (``phases``: :func:`~fabric_memory_recipes.measurement.timeline.phase_ranges` of the same trace) and the
     ``top`` kernels by time. GPU work is clipped to the steps' window."""
     events = [e for e in doc.get("traceEvents", []) if e.get("ph") == "X"]
-    steps = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in events
-             if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith("ProfilerStep#")]  # fmt: skip
+    steps = [
+        (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)))
+        for e in events
+        if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith("ProfilerStep#")
+    ]
     if not steps:
         raise ValueError("no ProfilerStep# span in the trace: the profiler recorded no active step")
     t0, t1, n = min(a for a, _ in steps), max(b for _, b in steps), len(steps)
@@ -103,8 +106,14 @@ def summarise(doc: dict, phases: list[tuple] | None = None, top: int = 8) -> dic
             compute.append(span)
         kernels.setdefault(name, []).append(b - a)
     per = 1000.0 * n  # microseconds over n steps -> ms per step
-    out = {"steps": n, "step": (t1 - t0) / per, "busy": length(every) / per, "compute": length(compute) / per,
-           "copies": length(copies) / per, "idle": ((t1 - t0) - length(every)) / per}  # fmt: skip
+    out = {
+        "steps": n,
+        "step": (t1 - t0) / per,
+        "busy": length(every) / per,
+        "compute": length(compute) / per,
+        "copies": length(copies) / per,
+        "idle": ((t1 - t0) - length(every)) / per,
+    }
     for kind in ("all_gather", "reduce_scatter", "all_reduce", "other_comm"):
         spans = comm.get(kind, [])
         out[kind] = length(spans) / per
@@ -118,9 +127,19 @@ def summarise(doc: dict, phases: list[tuple] | None = None, top: int = 8) -> dic
     return out
 
 
-COLUMNS = (("step", "step"), ("busy", "GPU busy"), ("compute", "compute"), ("all_gather", "all-gather"),
-           ("reduce_scatter", "reduce-scatter"), ("all_reduce", "all-reduce"), ("copies", "copies"),
-           ("idle", "GPU idle"), ("forward", "forward"), ("backward", "backward"), ("optimizer", "optimizer"))  # fmt: skip
+COLUMNS = (
+    ("step", "step"),
+    ("busy", "GPU busy"),
+    ("compute", "compute"),
+    ("all_gather", "all-gather"),
+    ("reduce_scatter", "reduce-scatter"),
+    ("all_reduce", "all-reduce"),
+    ("copies", "copies"),
+    ("idle", "GPU idle"),
+    ("forward", "forward"),
+    ("backward", "backward"),
+    ("optimizer", "optimizer"),
+)
 
 
 def table(profiles: list[dict]) -> str:
@@ -136,13 +155,19 @@ def table(profiles: list[dict]) -> str:
                 cell += f" ({s[f'{key}_exposed']:.1f})"
             cells.append(cell)
         lines.append(f"| {p['label']} | {p['devices']} | " + " | ".join(cells) + " |")
-    lines += ["", "ms per step on rank 0 over the recorded steps; all-gather / reduce-scatter / all-reduce: NCCL"
-              " kernel time (in brackets: the part with no compute kernel running, what the step waits for);"
-              " GPU idle: no kernel, copy or set running (the GPU waits for the host); forward / backward /"
-              " optimizer: GPU-side spans of the loop's phases.", ""]  # fmt: skip
+    lines += [
+        "",
+        "ms per step on rank 0 over the recorded steps; all-gather / reduce-scatter / all-reduce: NCCL"
+        " kernel time (in brackets: the part with no compute kernel running, what the step waits for);"
+        " GPU idle: no kernel, copy or set running (the GPU waits for the host); forward / backward /"
+        " optimizer: GPU-side spans of the loop's phases.",
+        "",
+    ]
     for p in profiles:
-        lines.append(f"{p['label']} ({p['devices']} GPUs), top kernels: " + "; ".join(
-            f"{k['name'][:60]} {k['ms']:.1f} ms" for k in p["summary"]["top_kernels"][:5]))  # fmt: skip
+        lines.append(
+            f"{p['label']} ({p['devices']} GPUs), top kernels: "
+            + "; ".join(f"{k['name'][:60]} {k['ms']:.1f} ms" for k in p["summary"]["top_kernels"][:5])
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -199,8 +224,11 @@ class StepTracer:
         with path.open("rb") as f, gzip.open(self.out / "trace.json.gz", "wb") as g:
             shutil.copyfileobj(f, g)
         path.unlink()
-        print(f"[profile] {self.label} x{self.devices}: {summary['step']:.1f} ms a step, compute"
-              f" {summary['compute']:.1f}, idle {summary['idle']:.1f} -> {self.out}", flush=True)  # fmt: skip
+        print(
+            f"[profile] {self.label} x{self.devices}: {summary['step']:.1f} ms a step, compute"
+            f" {summary['compute']:.1f}, idle {summary['idle']:.1f} -> {self.out}",
+            flush=True,
+        )
 
 
 def install(out: Path, wait: int, active: int) -> None:
@@ -238,8 +266,11 @@ def main(argv: list[str]) -> int:
         return 0
     recipe = args.recipe[1:] if args.recipe[:1] == ["--"] else args.recipe
     if args.out is None or not recipe or not Path(recipe[0]).is_file() or args.wait < 0 or args.active < 1:
-        print("profile_sharded_step.py: error: give --out DIR, --wait >= 0, --active >= 1 and -- RECIPE.py"
-              " [flags] (an existing recipe file)", file=sys.stderr)  # fmt: skip
+        print(
+            "profile_sharded_step.py: error: give --out DIR, --wait >= 0, --active >= 1 and -- RECIPE.py"
+            " [flags] (an existing recipe file)",
+            file=sys.stderr,
+        )
         return 2
     install(args.out, args.wait, args.active)
     sys.argv = [

@@ -24,8 +24,11 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-RUNGS = {"08_fsdp": "reference-11_delay-allocation-no-offload", "08_fsdp2": "reference-11_delay-allocation-no-offload",
-         "09_cpu_offload": "reference-11_delay-allocation"}  # fmt: skip
+RUNGS = {
+    "08_fsdp": "reference-11_delay-allocation-no-offload",
+    "08_fsdp2": "reference-11_delay-allocation-no-offload",
+    "09_cpu_offload": "reference-11_delay-allocation",
+}
 TARGET_SPEED = {4: 3.5, 2: 3.0}  # x the article's img/s, on the median of >= 3 runs in >= 2 calls
 TARGET_RESERVED = 1.00  # x the article's peak reserved per GPU
 TARGET_SPREAD = 1.3  # rung 09's step time p90/p10, every run
@@ -87,12 +90,21 @@ def rung_runs(folder: Path) -> list[dict]:
         step_s = t.get("step_s") or {}
         p10 = quantile(steady, 0.1) if steady else step_s.get("p10")
         p90 = quantile(steady, 0.9) if steady else step_s.get("p90")
-        runs.append({
-            "file": str(rel), "recipe": d["recipe"], "variant": variant_of(d), "world_size": prov.get("world_size"),
-            "gpu": prov.get("gpu_name"), "images_per_s": t["images_per_s"], "median_step_s": t.get("median_step_s"),
-            "p90_over_p10": p90 / p10 if p10 and p90 else None, "peak_reserved_gb": m.get("peak_reserved_gb"),
-            "device_overhead_gb": m.get("device_overhead_gb"), "steps": t.get("optimizer_steps"),
-        })  # fmt: skip
+        runs.append(
+            {
+                "file": str(rel),
+                "recipe": d["recipe"],
+                "variant": variant_of(d),
+                "world_size": prov.get("world_size"),
+                "gpu": prov.get("gpu_name"),
+                "images_per_s": t["images_per_s"],
+                "median_step_s": t.get("median_step_s"),
+                "p90_over_p10": p90 / p10 if p10 and p90 else None,
+                "peak_reserved_gb": m.get("peak_reserved_gb"),
+                "device_overhead_gb": m.get("device_overhead_gb"),
+                "steps": t.get("optimizer_steps"),
+            }
+        )
     return runs
 
 
@@ -107,15 +119,22 @@ def references(folder: Path) -> dict[tuple[str, int], dict]:
         if not d or d.get("status") != "ok" or not d.get("images_per_s"):
             continue
         ranks = [d] + [r for r in map(_load, sorted(path.parent.glob(f"{path.stem}.rank*.json"))) if r]
-        reserved = max((r["peak_reserved_gb"] for r in ranks if isinstance(r.get("peak_reserved_gb"), int | float)),
-                       default=None)  # fmt: skip
+        reserved = max(
+            (r["peak_reserved_gb"] for r in ranks if isinstance(r.get("peak_reserved_gb"), int | float)),
+            default=None,
+        )
         key = (path.stem, int(d.get("world_size") or 1))
         found.setdefault(key, []).append({"images_per_s": d["images_per_s"], "peak_reserved_gb": reserved})
     return {
-        key: {"runs": len(v), "images_per_s": statistics.median(r["images_per_s"] for r in v),
-              "peak_reserved_gb": max((r["peak_reserved_gb"] for r in v if r["peak_reserved_gb"]), default=None)}
+        key: {
+            "runs": len(v),
+            "images_per_s": statistics.median(r["images_per_s"] for r in v),
+            "peak_reserved_gb": max(
+                (r["peak_reserved_gb"] for r in v if r["peak_reserved_gb"]), default=None
+            ),
+        }
         for key, v in found.items()
-    }  # fmt: skip
+    }
 
 
 def your_model_rows(folder: Path) -> list[dict]:
@@ -130,15 +149,23 @@ def your_model_rows(folder: Path) -> list[dict]:
             (d.get("extra") or {}).get("predicted_card") or {},
         )
         prov = d.get("provenance") or {}
-        row = {"run": path.parent.name, "status": d.get("status"), "model": (d.get("config") or {}).get("model"),
-               "gpus": prov.get("world_size"), "gpu": prov.get("gpu_name")}  # fmt: skip
+        row = {
+            "run": path.parent.name,
+            "status": d.get("status"),
+            "model": (d.get("config") or {}).get("model"),
+            "gpus": prov.get("world_size"),
+            "gpu": prov.get("gpu_name"),
+        }
         for key, measured, predicted in (
             ("allocated", m.get("peak_allocated_gb"), est.get("peak_allocated_gb")),
             ("reserved", m.get("peak_reserved_gb"), card.get("peak_reserved_gb")),
             ("device", m.get("device_peak_gb"), card.get("device_peak_gb")),
         ):
-            row[key] = {"measured": measured, "predicted": predicted,
-                        "error": predicted / measured - 1 if measured and predicted else None}  # fmt: skip
+            row[key] = {
+                "measured": measured,
+                "predicted": predicted,
+                "error": predicted / measured - 1 if measured and predicted else None,
+            }
         row["within"] = row["status"] == "ok" and all(
             row[k]["error"] is not None and abs(row[k]["error"]) <= ESTIMATE_BAND
             for k in ("allocated", "reserved", "device")
@@ -160,20 +187,33 @@ def group_rows(runs: list[dict]) -> list[dict]:
         speeds = [r["images_per_s"] for r in rs]
         x = [r["x_article"] for r in rs if r.get("x_article") is not None]
         reserved = max((r["peak_reserved_gb"] for r in rs if r["peak_reserved_gb"] is not None), default=None)
-        x_reserved = [r["peak_reserved_gb"] / r["article_reserved_gb"] for r in rs
-                      if r["peak_reserved_gb"] is not None and r.get("article_reserved_gb")]  # fmt: skip
+        x_reserved = [
+            r["peak_reserved_gb"] / r["article_reserved_gb"]
+            for r in rs
+            if r["peak_reserved_gb"] is not None and r.get("article_reserved_gb")
+        ]
         over = [r["device_overhead_gb"] for r in rs if r.get("device_overhead_gb") is not None]
-        rows.append({
-            "rung": recipe + (f"+{variant}" if variant else ""), "recipe": recipe, "variant": variant, "world_size": n,
-            "gpu": ", ".join(sorted({r["gpu"] for r in rs if r["gpu"]})) or None, "runs": len(rs),
-            "calls": len({r.get("call") for r in rs}),
-            "calls_with_article": len({r.get("call") for r in rs if r.get("x_article") is not None}),
-            "median_images_per_s": statistics.median(speeds), "min_images_per_s": min(speeds), "max_images_per_s": max(speeds),
-            "x_article": x, "median_x_article": statistics.median(x) if x else None,
-            "peak_reserved_gb": reserved,
-            "x_article_reserved": max(x_reserved) if x_reserved else None,
-            "p90_over_p10": [r["p90_over_p10"] for r in rs], "device_overhead_gb": max(over) if over else None,
-        })  # fmt: skip
+        rows.append(
+            {
+                "rung": recipe + (f"+{variant}" if variant else ""),
+                "recipe": recipe,
+                "variant": variant,
+                "world_size": n,
+                "gpu": ", ".join(sorted({r["gpu"] for r in rs if r["gpu"]})) or None,
+                "runs": len(rs),
+                "calls": len({r.get("call") for r in rs}),
+                "calls_with_article": len({r.get("call") for r in rs if r.get("x_article") is not None}),
+                "median_images_per_s": statistics.median(speeds),
+                "min_images_per_s": min(speeds),
+                "max_images_per_s": max(speeds),
+                "x_article": x,
+                "median_x_article": statistics.median(x) if x else None,
+                "peak_reserved_gb": reserved,
+                "x_article_reserved": max(x_reserved) if x_reserved else None,
+                "p90_over_p10": [r["p90_over_p10"] for r in rs],
+                "device_overhead_gb": max(over) if over else None,
+            }
+        )
     return rows
 
 
@@ -205,18 +245,23 @@ def _range(values: list[float], fmt: str, suffix: str = "") -> str:
 
 
 def speed_table(rows: list[dict], label: str) -> list[str]:
-    lines = [f"| rung | GPUs | {label} | runs | img/s median (min-max) | x article median (min-max) | reserved GB max"
-             " (x article) | device - reserved GB | step p90/p10 per run |" + (" target |" if label == "calls" else ""),
-             "|---|---:|---|---:|---|---|---|---:|---|" + ("---|" if label == "calls" else "")]  # fmt: skip
+    lines = [
+        f"| rung | GPUs | {label} | runs | img/s median (min-max) | x article median (min-max) | reserved GB max"
+        " (x article) | device - reserved GB | step p90/p10 per run |"
+        + (" target |" if label == "calls" else ""),
+        "|---|---:|---|---:|---|---|---|---:|---|" + ("---|" if label == "calls" else ""),
+    ]
     for r in rows:
         speeds = [r["min_images_per_s"], r["median_images_per_s"], r["max_images_per_s"]]
         res = "" if r["peak_reserved_gb"] is None else f"{r['peak_reserved_gb']:.2f}"
         res += f" ({r['x_article_reserved']:.2f}x)" if r["x_article_reserved"] else ""
         over = "" if r["device_overhead_gb"] is None else f"{r['device_overhead_gb']:.2f}"
         spread = ", ".join(f"{s:.2f}" for s in r["p90_over_p10"] if s)
-        lines.append(f"| {r['rung']} | {r['world_size']} | {r['where']} | {r['runs']} | {speeds[1]:.1f} ({speeds[0]:.1f}-"
-                     f"{speeds[2]:.1f}) | {_range(r['x_article'], '.2f', 'x')} | {res} | {over} | {spread} |"
-                     + (f" {target(r)} |" if label == "calls" else ""))  # fmt: skip
+        lines.append(
+            f"| {r['rung']} | {r['world_size']} | {r['where']} | {r['runs']} | {speeds[1]:.1f} ({speeds[0]:.1f}-"
+            f"{speeds[2]:.1f}) | {_range(r['x_article'], '.2f', 'x')} | {res} | {over} | {spread} |"
+            + (f" {target(r)} |" if label == "calls" else "")
+        )
     return lines
 
 
@@ -234,35 +279,66 @@ def summarise(calls: list[Path]) -> tuple[dict, str]:
             row["where"] = folder.name
         ym = your_model_rows(folder)
         gpus = gpus_of(folder, runs)
-        out["calls"].append({"call": folder.name, "folder": str(folder), "gpus": gpus, "rows": rows, "runs": runs,
-                             "references": {f"{k[0]} x{k[1]}": v for k, v in refs.items()}})  # fmt: skip
+        out["calls"].append(
+            {
+                "call": folder.name,
+                "folder": str(folder),
+                "gpus": gpus,
+                "rows": rows,
+                "runs": runs,
+                "references": {f"{k[0]} x{k[1]}": v for k, v in refs.items()},
+            }
+        )
         out["your_model"] += [{**row, "call": folder.name} for row in ym]
         every_run += runs
         lines += [f"## {folder.name}: {gpus}", ""] + speed_table(rows, "call")
-        lines += [""] + [f"- article's {k[0].removeprefix('reference-')} on {k[1]} GPUs: {v['images_per_s']:.1f} img/s"
-                         f" ({v['runs']} run{'s' * (v['runs'] > 1)}), {v['peak_reserved_gb'] or 0:.2f} GB reserved per GPU"
-                         for k, v in sorted(refs.items())] + [""]  # fmt: skip
+        lines += (
+            [""]
+            + [
+                f"- article's {k[0].removeprefix('reference-')} on {k[1]} GPUs: {v['images_per_s']:.1f} img/s"
+                f" ({v['runs']} run{'s' * (v['runs'] > 1)}), {v['peak_reserved_gb'] or 0:.2f} GB reserved per GPU"
+                for k, v in sorted(refs.items())
+            ]
+            + [""]
+        )
     pooled = group_rows(every_run)
     for row in pooled:
         row["where"] = f"{row['calls']} call{'s' * (row['calls'] > 1)}, {row['gpu'] or 'GPU unknown'}"
         row["target"] = target(row)
     out["pooled"] = pooled
-    head = [f"# Sharded rungs against the article's script: {len(calls)} call{'s' * (len(calls) > 1)}", "",
-            "Each run's img/s over the article's img/s in the same call; reserved is the largest rank's peak, over the"
-            " article's. Targets: >= 3.5x at 4 GPUs (>= 3x at 2) on the median of >= 3 runs in >= 2 calls, at <= 1.00x"
-            " its reserved; rung 09's p90/p10 <= 1.3 in every run.", "", "## Pooled over calls", ""]  # fmt: skip
+    head = [
+        f"# Sharded rungs against the article's script: {len(calls)} call{'s' * (len(calls) > 1)}",
+        "",
+        "Each run's img/s over the article's img/s in the same call; reserved is the largest rank's peak, over the"
+        " article's. Targets: >= 3.5x at 4 GPUs (>= 3x at 2) on the median of >= 3 runs in >= 2 calls, at <= 1.00x"
+        " its reserved; rung 09's p90/p10 <= 1.3 in every run.",
+        "",
+        "## Pooled over calls",
+        "",
+    ]
     head += speed_table(pooled, "calls") + [""]
     ym = out["your_model"]
-    lines += ["## Your model sharded, predicted against measured per GPU", "",
-              f"Within +-{100 * ESTIMATE_BAND:.0f} % on allocated, reserved and whole device: {sum(r['within'] for r in ym)}"
-              f" of {len(ym)} runs.", "", "| call | your model | GPUs | status | allocated meas / pred (err) | reserved"
-              " | whole device | within |", "|---|---|---:|---|---|---|---|---|"]  # fmt: skip
+    lines += [
+        "## Your model sharded, predicted against measured per GPU",
+        "",
+        f"Within +-{100 * ESTIMATE_BAND:.0f} % on allocated, reserved and whole device: {sum(r['within'] for r in ym)}"
+        f" of {len(ym)} runs.",
+        "",
+        "| call | your model | GPUs | status | allocated meas / pred (err) | reserved"
+        " | whole device | within |",
+        "|---|---|---:|---|---|---|---|---|",
+    ]
     for r in ym:
-        cells = [f"{r[k]['measured'] or 0:.2f} / {r[k]['predicted'] or 0:.2f}"
-                 + (f" ({100 * r[k]['error']:+.1f} %)" if r[k]["error"] is not None else "")
-                 for k in ("allocated", "reserved", "device")]  # fmt: skip
-        lines.append(f"| {r['call']} | {r['run']} | {r['gpus']} | {r['status']} | " + " | ".join(cells)
-                     + f" | {'yes' if r['within'] else 'no'} |")  # fmt: skip
+        cells = [
+            f"{r[k]['measured'] or 0:.2f} / {r[k]['predicted'] or 0:.2f}"
+            + (f" ({100 * r[k]['error']:+.1f} %)" if r[k]["error"] is not None else "")
+            for k in ("allocated", "reserved", "device")
+        ]
+        lines.append(
+            f"| {r['call']} | {r['run']} | {r['gpus']} | {r['status']} | "
+            + " | ".join(cells)
+            + f" | {'yes' if r['within'] else 'no'} |"
+        )
     return out, "\n".join(head + lines) + "\n"
 
 
