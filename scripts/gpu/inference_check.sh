@@ -3,7 +3,7 @@
 # `recipes/your_model.py --infer` run (generate() of a causal LM, or one forward pass of an encoder or a vision
 # model under inference_mode), which records its peak allocated, peak reserved and whole-device peak (NVML)
 # next to the prediction it made on the CPU first. Rows run one at a time, each in its own process forked from
-# one that imported torch, Lightning, transformers, timm and torchao once (devtools/forked_runs.py): a fresh
+# one that imported torch, Lightning, transformers, timm and torchao once (devtools/your_model/forked_runs.py): a fresh
 # CUDA context per row without a fresh import. 16 rows (10 causal LMs, prefill- and decode-dominated, an fp8 KV
 # cache, fp16, and int8 weights; 3 encoders, one with int8 weights; 2 ViTs), then the two answers of
 # `fmr-estimate --infer --fit 24GB` (predicted on the CPU meanwhile), each run on a 24 GB card emulated with
@@ -75,7 +75,7 @@ if want fit-batch || want fit-tokens; then
       --new-tokens "$FIT_NEW" --fit "${FIT_GB}GB" --json > "$RUNS/fit-neox.json" 2> "$RUNS/fit.log"
     echo $? > "$RUNS/fit.done" ) &
 fi
-# rows: the lines devtools/forked_runs.py reads (NAME ARGS...), the fit's two picks once the fit has answered
+# rows: the lines devtools/your_model/forked_runs.py reads (NAME ARGS...), the fit's two picks once the fit has answered
 rows() {
   echo "$ROWS_ALL" | while IFS='|' read -r name model batch seq new precision kv quant; do
     [ -n "$name" ] && want "$name" || continue
@@ -105,7 +105,7 @@ PRELOAD=(transformers transformers.models.gpt_neox.modeling_gpt_neox transformer
          transformers.models.qwen2.modeling_qwen2 transformers.models.gpt2.modeling_gpt2
          transformers.models.bert.modeling_bert transformers.models.roberta.modeling_roberta timm torchao.quantization)
 log "start: ${ROWS:-every row}${SMALL:+ (SMALL: tiny shapes on the CPU)}"
-rows | python3 -m devtools.forked_runs recipes/your_model.py --logs "$RUNS" --pid-file "$RUNS/pid" \
+rows | python3 -m devtools.your_model.forked_runs recipes/your_model.py --logs "$RUNS" --pid-file "$RUNS/pid" \
   --stop-file "$RUNS/stop" --preload "${PRELOAD[@]}" 2> "$RUNS/driver.err" |
 while read -r what name rest; do
   log "$what $name $rest"

@@ -1,4 +1,4 @@
-"""devtools/forked_runs.py: one child process per row, forked after the imports, its output in its log, its
+"""devtools/your_model/forked_runs.py: one child process per row, forked after the imports, its output in its log, its
 exit code reported as it ends; no row after the stop file; a row whose forked child cannot use CUDA runs
 again as a fresh process."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import sys
 
-from devtools import forked_runs
+from devtools.your_model import forked_runs
 
 
 def run(argv: list[str]) -> int:

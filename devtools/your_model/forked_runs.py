@@ -12,13 +12,12 @@ rows finish. Rows arrive as they are written (a caller may add some later).
 If a forked child cannot use CUDA (the driver was initialised here after all), the row runs again as a
 fresh ``python RECIPE ARGS`` process, and so do the rows after it. ``--no-fork`` starts every row that way.
 
-    printf 'a --infer --model hf:gpt2 ...\\nb ...\\n' | python -m devtools.forked_runs recipes/your_model.py \\
+    printf 'a --infer --model hf:gpt2 ...\\nb ...\\n' | python -m devtools.your_model.forked_runs recipes/your_model.py \\
         --logs /tmp/runs --preload transformers.models.gpt2.modeling_gpt2
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import importlib.util
 import os
@@ -31,6 +30,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import ModuleType
 
+from fabric_memory_recipes.console import Parser
 from fabric_memory_recipes.training import lifecycle
 
 # What a child that cannot use CUDA after the fork says (torch's refusal, the driver's error).
@@ -126,7 +126,7 @@ def run_rows(rows: Iterable[str], run: Callable[[list[str]], int], logs: Path, *
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m devtools.forked_runs", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m devtools.your_model.forked_runs", description=__doc__.splitlines()[0])
     p.add_argument("recipe", help="the recipe file, e.g. recipes/your_model.py")
     p.add_argument("--logs", type=Path, required=True, help="each row's output: LOGS/NAME.log")
     p.add_argument("--preload", nargs="*", default=[], help="modules to import before the first fork")
