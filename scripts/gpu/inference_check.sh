@@ -4,7 +4,7 @@
 # model under inference_mode), which records its peak allocated, peak reserved and whole-device peak (NVML)
 # next to the prediction it made on the CPU first. Rows run one at a time, each in its own process forked from
 # one that imported torch, Lightning, transformers, timm and torchao once (devtools/your_model/forked_runs.py): a fresh
-# CUDA context per row without a fresh import. 16 rows (10 causal LMs, prefill- and decode-dominated, an fp8 KV
+# CUDA context per row without a fresh import. 16 rows (11 causal LMs, prefill- and decode-dominated, an fp8 KV
 # cache, fp16, and int8 weights; 3 encoders, one with int8 weights; 2 ViTs), then the two answers of
 # `fmr-estimate --infer --fit 24GB` (predicted on the CPU meanwhile), each run on a 24 GB card emulated with
 # --memory-budget-gb. From the repository root of a fresh GPU machine, with the torchao wheel in .whl/:
