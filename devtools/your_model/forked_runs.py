@@ -30,12 +30,24 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import ModuleType
 
+import torch
+
 from fabric_memory_recipes.console import Parser
 from fabric_memory_recipes.training import lifecycle
 
 # What a child that cannot use CUDA after the fork says (torch's refusal, the driver's error).
+NO_CUDA = "forked child: no CUDA"  # what a child that finds no device says (--expect-cuda)
 CUDA_FORK_FAILURES = ("Cannot re-initialize CUDA in forked subprocess", "CUDA driver initialization failed",
-                      "CUDA error: initialization error", "cudaErrorInitializationError")  # fmt: skip
+                      "initialization error", "cudaErrorInitializationError", NO_CUDA)  # fmt: skip
+
+
+def cuda_devices() -> int:
+    """CUDA's own device count, asked afresh (``cudaGetDeviceCount``: the driver, no context, no memory), 0
+    where CUDA cannot start in this process."""
+    try:
+        return int(torch._C._cuda_getDeviceCount())
+    except Exception:
+        return 0
 
 
 def load_recipe(path: str) -> ModuleType:
@@ -57,7 +69,7 @@ def recipe_runner(path: str) -> Callable[[list[str]], int]:
     return run
 
 
-def _child(run: Callable[[list[str]], int], argv: list[str], log: Path) -> None:
+def _child(run: Callable[[list[str]], int], argv: list[str], log: Path, expect_cuda: bool) -> None:
     """In the forked child: output to ``log``, run, leave with the exit code (no cleanup of the parent's)."""
     code = 1
     try:
@@ -66,7 +78,10 @@ def _child(run: Callable[[list[str]], int], argv: list[str], log: Path) -> None:
         os.dup2(fd, 2)
         sys.stdout = open(1, "w", buffering=1, closefd=False)  # whatever sys.stdout was (a capture)
         sys.stderr = open(2, "w", buffering=1, closefd=False)
-        code = run(argv)
+        if expect_cuda and not cuda_devices():
+            print(f"{NO_CUDA} device can be used after the fork", flush=True)
+        else:
+            code = run(argv)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except BaseException:
@@ -86,7 +101,7 @@ def _fresh(recipe: str, argv: list[str], log: Path, pid_file: Path | None) -> in
 
 
 def run_rows(rows: Iterable[str], run: Callable[[list[str]], int], logs: Path, *, recipe: str | None = None,
-             pid_file: Path | None = None, stop_file: Path | None = None, fork: bool = True,
+             pid_file: Path | None = None, stop_file: Path | None = None, fork: bool = True, expect_cuda: bool = False,
              say: Callable[[str], None] = print) -> dict[str, int]:  # fmt: skip
     """Run each row (``NAME ARGS...``) in a forked child (``run(ARGS)``), or, without ``fork`` or once a
     forked child could not use CUDA, as ``python RECIPE ARGS``; the exit code of each, by name."""
@@ -106,7 +121,7 @@ def run_rows(rows: Iterable[str], run: Callable[[list[str]], int], logs: Path, *
             sys.stderr.flush()
             pid = os.fork()
             if pid == 0:
-                _child(run, argv, log)
+                _child(run, argv, log, expect_cuda)
             if pid_file:
                 pid_file.write_text(str(pid))
             code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
@@ -133,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pid-file", type=Path, help="the running row's PID (empty between rows)")
     p.add_argument("--stop-file", type=Path, help="no row starts once this file exists")
     p.add_argument("--no-fork", action="store_true", help="start every row as a fresh process")
+    p.add_argument("--expect-cuda", action="store_true", help="a forked child that finds no CUDA device runs its"
+                   " row again as a fresh process, and so do the rows after it")  # fmt: skip
     args = p.parse_args(argv)
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # a device count here without starting CUDA
     run = recipe_runner(args.recipe)
@@ -148,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"note imported once: {time.process_time():.1f} s of CPU that no row pays again", flush=True)
     say = lambda text: print(text, flush=True)  # noqa: E731
     codes = run_rows(sys.stdin, run, args.logs, recipe=args.recipe, pid_file=args.pid_file,
-                     stop_file=args.stop_file, fork=not args.no_fork, say=say)  # fmt: skip
+                     stop_file=args.stop_file, fork=not args.no_fork, expect_cuda=args.expect_cuda, say=say)  # fmt: skip
     return 0 if all(c == 0 for c in codes.values()) else 1
 
 

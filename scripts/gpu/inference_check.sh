@@ -4,7 +4,7 @@
 # model under inference_mode), which records its peak allocated, peak reserved and whole-device peak (NVML)
 # next to the prediction it made on the CPU first. Rows run one at a time, each in its own process forked from
 # one that imported torch, Lightning, transformers, timm and torchao once (devtools/your_model/forked_runs.py): a fresh
-# CUDA context per row without a fresh import. 16 rows (10 causal LMs, prefill- and decode-dominated, an fp8 KV
+# CUDA context per row without a fresh import. 16 rows (11 causal LMs, prefill- and decode-dominated, an fp8 KV
 # cache, fp16, and int8 weights; 3 encoders, one with int8 weights; 2 ViTs), then the two answers of
 # `fmr-estimate --infer --fit 24GB` (predicted on the CPU meanwhile), each run on a 24 GB card emulated with
 # --memory-budget-gb. From the repository root of a fresh GPU machine, with the torchao wheel in .whl/:
@@ -46,7 +46,8 @@ cat > "$RUNS/cfg/gpt2.json" <<'EOF'
 EOF
 C=examples/configs
 # name | model | batch | prompt (or sequence) | new tokens | precision | KV cache dtype | weights
-# In the order they run: one of each kind first (a shortened call still covers them), the slowest last.
+# In the order they run: one of each kind first (a shortened call still covers them), the two --fit picks where
+# the line "fit" stands (once the fit has answered), the slowest last.
 ROWS_ALL="
 neox-prefill|hf:$C/gpt-neox-0.4b|64|1024|8|bf16-true|auto|none
 bert|hf:$C/bert-base-uncased|1024|512|0|bf16-true|auto|none
@@ -58,6 +59,7 @@ roberta-fp32|hf:$C/roberta-base|512|512|0|32-true|auto|none
 vit-large|timm:vit_large_patch16_224|512|0|0|32-true|auto|none
 bert-int8|hf:$C/bert-base-uncased|512|512|0|bf16-true|auto|int8
 tinyllama-prefill|hf:$C/tinyllama-1.1b|64|2040|8|bf16-true|auto|none
+fit
 gpt2-decode|hf:$RUNS/cfg/gpt2.json|128|256|192|bf16-true|auto|none
 tinyllama-int8|hf:$C/tinyllama-1.1b|512|128|64|bf16-true|auto|int8
 neox-decode|hf:$C/gpt-neox-0.4b|128|128|160|bf16-true|auto|none
@@ -75,18 +77,8 @@ if want fit-batch || want fit-tokens; then
       --new-tokens "$FIT_NEW" --fit "${FIT_GB}GB" --json > "$RUNS/fit-neox.json" 2> "$RUNS/fit.log"
     echo $? > "$RUNS/fit.done" ) &
 fi
-# rows: the lines devtools/your_model/forked_runs.py reads (NAME ARGS...), the fit's two picks once the fit has answered
-rows() {
-  echo "$ROWS_ALL" | while IFS='|' read -r name model batch seq new precision kv quant; do
-    [ -n "$name" ] && want "$name" || continue
-    if [ -n "${SMALL:-}" ]; then batch=2; [ "$seq" -gt 0 ] && seq=32; [ "$new" -gt 0 ] && new=6; fi
-    args=(--infer --model "$model" --batch-size "$batch" --precision "$precision" --data synthetic --mode eager)
-    [ "$seq" -gt 0 ] && args+=(--seq-len "$seq")
-    [ "$new" -gt 0 ] && args+=(--new-tokens "$new" --kv-cache-dtype "$kv")
-    [ "$quant" != none ] && args+=(--weights-quant "$quant")
-    [ -n "${SMALL:-}" ] && args+=(--accelerator cpu)
-    echo "$name ${args[*]} --results-dir $RUNS/runs --tag $name"
-  done
+# rows: the lines devtools/your_model/forked_runs.py reads (NAME ARGS...); at "fit", the fit's two picks
+fit_rows() {
   want fit-batch || want fit-tokens || return 0
   while [ ! -e "$RUNS/fit.done" ] && [ ! -e "$RUNS/stop" ]; do sleep 2; done
   read -r FB FN < <(python3 -c "import json; a = json.load(open('$RUNS/fit-neox.json'));
@@ -101,12 +93,26 @@ print(a['largest_batch'] or 0, a['most_new_tokens'] or 0)" 2>/dev/null || echo "
     echo "$name ${FIT_ARGS[*]} --batch-size $batch --new-tokens $new --results-dir $RUNS/runs --tag $name"
   done
 }
+rows() {
+  echo "$ROWS_ALL" | while IFS='|' read -r name model batch seq new precision kv quant; do
+    [ "$name" = fit ] && { fit_rows; continue; }
+    [ -n "$name" ] && want "$name" || continue
+    if [ -n "${SMALL:-}" ]; then batch=2; [ "$seq" -gt 0 ] && seq=32; [ "$new" -gt 0 ] && new=6; fi
+    args=(--infer --model "$model" --batch-size "$batch" --precision "$precision" --data synthetic --mode eager)
+    [ "$seq" -gt 0 ] && args+=(--seq-len "$seq")
+    [ "$new" -gt 0 ] && args+=(--new-tokens "$new" --kv-cache-dtype "$kv")
+    [ "$quant" != none ] && args+=(--weights-quant "$quant")
+    [ -n "${SMALL:-}" ] && args+=(--accelerator cpu)
+    echo "$name ${args[*]} --results-dir $RUNS/runs --tag $name"
+  done
+}
 PRELOAD=(transformers transformers.models.gpt_neox.modeling_gpt_neox transformers.models.llama.modeling_llama
          transformers.models.qwen2.modeling_qwen2 transformers.models.gpt2.modeling_gpt2
          transformers.models.bert.modeling_bert transformers.models.roberta.modeling_roberta timm torchao.quantization)
 log "start: ${ROWS:-every row}${SMALL:+ (SMALL: tiny shapes on the CPU)}"
+EXPECT=(--expect-cuda); [ -n "${SMALL:-}" ] && EXPECT=()  # a GPU row's forked child must find the GPU
 rows | python3 -m devtools.your_model.forked_runs recipes/your_model.py --logs "$RUNS" --pid-file "$RUNS/pid" \
-  --stop-file "$RUNS/stop" --preload "${PRELOAD[@]}" 2> "$RUNS/driver.err" |
+  --stop-file "$RUNS/stop" ${EXPECT[@]+"${EXPECT[@]}"} --preload "${PRELOAD[@]}" 2> "$RUNS/driver.err" |
 while read -r what name rest; do
   log "$what $name $rest"
   [ "$what" = end ] && summarise

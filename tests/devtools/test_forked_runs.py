@@ -49,3 +49,14 @@ def test_a_row_whose_child_cannot_use_cuda_runs_again_fresh_and_so_do_the_rest(t
     codes = forked_runs.run_rows(["a x", "b y"], no_cuda, tmp_path, recipe=str(recipe), say=said.append)
     assert codes == {"a": 0, "b": 0} and said[0].startswith("note a a forked child could not use CUDA")
     assert (tmp_path / "a.log").read_text() == "fresh x\n" and (tmp_path / "b.log").read_text() == "fresh y\n"
+
+
+def test_with_cuda_expected_a_child_that_finds_none_hands_its_row_to_a_fresh_process(tmp_path):
+    recipe = tmp_path / "recipe.py"
+    recipe.write_text("print('fresh')\n")
+    said: list[str] = []
+    codes = forked_runs.run_rows(
+        ["a 0"], run, tmp_path, recipe=str(recipe), expect_cuda=True, say=said.append
+    )
+    assert codes == {"a": 0} and (tmp_path / "a.log").read_text() == "fresh\n"  # this CPU: no device
+    assert said[0].startswith("note a a forked child could not use CUDA")
