@@ -19,6 +19,7 @@ from fabric_memory_recipes.planning.your_model import estimate, step_calibration
 from fabric_memory_recipes.planning.your_model.sets import UserPlanner
 from fabric_memory_recipes.training import cli
 from fabric_memory_recipes.training.your_model import runner
+from tests.tiny import causal_lm_config
 
 HALVED = techniques.Technique(
     "halved_loss",
@@ -49,16 +50,8 @@ def halved(monkeypatch):
 
 @pytest.fixture
 def causal_lm(tmp_path) -> str:
-    config = dict(
-        model_type="qwen2",
-        architectures=["Qwen2ForCausalLM"],
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        vocab_size=512,
-        tie_word_embeddings=True,
+    config = causal_lm_config(
+        hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1, vocab_size=512
     )
     (tmp_path / "config.json").write_text(json.dumps(config))
     return f"hf:{tmp_path / 'config.json'}"

@@ -42,6 +42,25 @@ HF_BERT = dict(
 )
 
 
+def causal_lm_config(**overrides) -> dict:
+    """A small Qwen2-shaped causal LM's config (hf:<folder>), embeddings tied: 2 layers of width 64, 4 heads
+    over 2 key-value heads, a 1000-token vocabulary; ``overrides`` change any field."""
+    return {**QWEN2_BASE, **overrides}
+
+
+QWEN2_BASE = dict(
+    model_type="qwen2",
+    architectures=["Qwen2ForCausalLM"],
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=1000,
+    tie_word_embeddings=True,
+)
+
+
 def make_log() -> RunResults:
     return RunResults(RunConfig(recipe="test_loop", batch_size=8, accumulation_steps=2, results_dir="unused"))
 

@@ -21,7 +21,7 @@ from fabric_memory_recipes.techniques import FUSED_LOSS
 from fabric_memory_recipes.training import cli
 from fabric_memory_recipes.training.techniques import checkpointing
 from fabric_memory_recipes.training.your_model import models, runner
-from tests.tiny import HF_BERT
+from tests.tiny import HF_BERT, causal_lm_config
 
 VOCAB = 150_000  # a large vocabulary: the logits dominate
 
@@ -36,18 +36,7 @@ def write_config(folder, **fields) -> str:
 @pytest.fixture
 def qwen(tmp_path) -> str:
     """A 2-layer Qwen2 causal LM of width 64 with a 150k vocabulary."""
-    return "hf:" + write_config(
-        tmp_path / "qwen",
-        model_type="qwen2",
-        architectures=["Qwen2ForCausalLM"],
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        tie_word_embeddings=True,
-    )
+    return "hf:" + write_config(tmp_path / "qwen", **causal_lm_config(vocab_size=VOCAB))
 
 
 @pytest.fixture
@@ -183,16 +172,7 @@ def test_the_estimate_sees_the_fused_loss_and_selective_checkpointing(qwen, tmp_
     logits_fp32 = 4 * 31 * VOCAB * 4 / 1e9
     assert plain[0] - fused[0] > logits_fp32 and fused[1]["fused_loss"] and not plain[1]["fused_loss"]
     small = "hf:" + write_config(
-        tmp_path / "small",
-        model_type="qwen2",
-        architectures=["Qwen2ForCausalLM"],
-        hidden_size=64,
-        intermediate_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=1000,
-        tie_word_embeddings=True,
+        tmp_path / "small", **causal_lm_config(intermediate_size=256, num_hidden_layers=4)
     )
     none, full = peak(small, 256, "--fused-loss"), peak(small, 256, "--fused-loss", "--checkpoint-blocks")
     selective = peak(small, 256, "--fused-loss", "--checkpoint-blocks", "--checkpoint-mode", "selective")

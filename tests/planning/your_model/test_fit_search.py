@@ -17,6 +17,7 @@ from fabric_memory_recipes.techniques import (
     FUSED_LOSS,
     OPTIMIZER_IN_BACKWARD,
 )
+from tests.tiny import causal_lm_config
 
 
 @pytest.fixture(scope="module")
@@ -25,16 +26,12 @@ def lm(tmp_path_factory) -> str:
     folder = tmp_path_factory.mktemp("search_lm")
     (folder / "config.json").write_text(
         json.dumps(
-            dict(
-                model_type="qwen2",
-                architectures=["Qwen2ForCausalLM"],
+            causal_lm_config(
                 hidden_size=32,
                 intermediate_size=64,
-                num_hidden_layers=2,
                 num_attention_heads=2,
                 num_key_value_heads=1,
                 vocab_size=300,
-                tie_word_embeddings=True,
             )
         )
     )
