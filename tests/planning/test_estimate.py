@@ -352,6 +352,17 @@ def test_simulation_leaves_no_trace_behind():
     fn(model, batch)[0].backward()  # a real step still works (no fake tensors cached)
 
 
+def test_the_simulation_asks_once_whether_cuda_is_available(monkeypatch):
+    """torch's fake mode asks at every op; with Lightning's NVML-based check (PYTORCH_NVML_BASED_CUDA_CHECK=1)
+    each ask loaded NVML again, a sixth of a ViT step's simulation: the simulation's fake mode asks once."""
+    asked, real = [], torch.cuda.is_available
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: asked.append(1) or real())
+    est = planning.simulate(
+        small_vit(), planning.Plan(precision="bf16-mixed", device="cuda", micro_batch_size=4)
+    )
+    assert est.peak_gb > 0 and len(asked) == 1
+
+
 def test_estimate_inside_init_module_like_defaults_is_unchanged():
     """Recipes may call for_run inside fabric.init_module(): another default device and dtype."""
     model = small_vit()
