@@ -354,9 +354,9 @@ def test_simulation_leaves_no_trace_behind():
 
 
 def test_the_simulation_asks_once_whether_cuda_is_available(monkeypatch):
-    """torch's fake mode asks for every op it has no cached answer for (1127 times for this step), and with
-    Lightning's NVML-based check (PYTORCH_NVML_BASED_CUDA_CHECK=1) each ask loads NVML again: the
-    simulation's fake mode asks once."""
+    """torch's fake mode asks for every op it has no cached answer for (1127 times for this step in a fresh
+    process), and with Lightning's NVML-based check (PYTORCH_NVML_BASED_CUDA_CHECK=1) each ask loads NVML
+    again: the simulation's fake mode asks once."""
     asked, real = [], torch.cuda.is_available
     monkeypatch.setattr(torch.cuda, "is_available", lambda: asked.append(1) or real())
     est = planning.simulate(
