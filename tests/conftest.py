@@ -56,6 +56,11 @@ os.environ["FMR_OFFLINE"] = "1"
 # 8-bit Adam (rung 13) compiles its update step; with dynamo disabled it runs the same step eagerly.
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 os.environ["FMR_LOG_DIR"] = str(_LOG_DIR)
+# The planners' simulated steps (planning/simulation/cache.py), kept for this session: its tests and the
+# processes they start share them (the README's --fit 8GB, --check and the planner's tests simulate the same
+# ViT-L/16 steps), and a session starts without the user's own cache file, as CI does (unless FMR_PLAN_CACHE
+# names one).
+os.environ.setdefault("FMR_PLAN_CACHE", str(_TMP_ROOT / "simulations.json"))
 # The environment the processes the tests start inherit: the session's, as it began. Not os.environ at the
 # time of the start: background jobs start their processes while in-process tests run, and what such a test
 # sets meanwhile (monkeypatch.setenv("FMR_PUBLISH", "1"), or PL_GLOBAL_SEED, OMP_NUM_THREADS and

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 from collections import Counter
@@ -16,7 +15,7 @@ from fabric_memory_recipes.declarations import declared_rung
 from fabric_memory_recipes.measurement.results_file import SCHEMA_VERSION, estimate_error_pct, gpu_slug
 from fabric_memory_recipes.planning.overhead import card_prediction, predicted_reserved
 from fabric_memory_recipes.planning.plan import Estimate, Plan, plan_for
-from fabric_memory_recipes.planning.simulation.cache import SimulationCache
+from fabric_memory_recipes.planning.simulation.cache import SimulationCache, ladder_key
 from fabric_memory_recipes.planning.simulation.simulate import simulate
 from fabric_memory_recipes.training.models import meta_ladder_model
 
@@ -103,8 +102,7 @@ def _rerun(result: dict[str, Any]) -> tuple[Any, Plan, str | None, dict[str, Any
     plan = plan_for(cfg, **{k: assumed[k] for k in RECORDED_PLAN if k in assumed})
     name, size = config.get("model"), config.get("image_size")
     model = meta_ladder_model(name or "vit_l_16", fused_attention=cfg.fused_attention, image_size=size)
-    key = {"plan": dataclasses.asdict(plan), "model": name, "image_size": size, "fused": cfg.fused_attention}
-    return model, plan, name, key
+    return model, plan, name, ladder_key(plan, name, size, cfg.fused_attention)
 
 
 def simulate_run(result: dict[str, Any]) -> Estimate:

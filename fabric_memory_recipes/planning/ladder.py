@@ -10,7 +10,8 @@ the simulator predicts each rung's full-size peak within a few percent of the co
 (docs/memory_anatomy.md), so the report's memory columns show that prediction, labelled as predicted,
 next to the tiny run's measurement. The GPU configuration is the rung's declared one (``RUNG`` in its
 recipe: batch, precision, optimizer, technique) with ``--accelerator cuda``; sharded rungs keep their
-declared device count (per-GPU memory).
+declared device count (per-GPU memory). The simulated steps are kept in the planner's cache
+(planning/simulation/cache.py), which ``--check`` of the committed ladder shares.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from fabric_memory_recipes.config import RECIPES_DIR, Hardware
 from fabric_memory_recipes.declarations import declared_rung
 from fabric_memory_recipes.measurement.results_file import PREDICTED_FILE, PREDICTED_LABEL, write_json_atomic
 from fabric_memory_recipes.planning.plan import plan_for
+from fabric_memory_recipes.planning.simulation.cache import SimulationCache, ladder_key
 from fabric_memory_recipes.planning.simulation.simulate import simulate
 from fabric_memory_recipes.training.models import meta_ladder_model
 
@@ -36,25 +38,26 @@ def gpu_config(recipe: str):
     return rung.with_flags(accelerator="cuda").checked(Hardware.planned())
 
 
-def predict(recipe: str) -> dict[str, Any]:
+def predict(recipe: str, cache: SimulationCache | None = None) -> dict[str, Any]:
     """One rung's full-size prediction as a row of ``predicted.json`` (an ``error`` instead of a peak
-    when the simulation fails: a failed prediction never hides the rest of the ladder)."""
+    when the simulation fails: a failed prediction never hides the rest of the ladder); the step is
+    simulated once, then kept in ``cache`` (by default the planner's file)."""
     start = time.perf_counter()
     try:
         cfg = gpu_config(recipe)
-        est = simulate(
-            meta_ladder_model(cfg.model, fused_attention=cfg.fused_attention),
-            plan_for(cfg),
-            model_name=cfg.model,
+        model, plan = meta_ladder_model(cfg.model, fused_attention=cfg.fused_attention), plan_for(cfg)
+        key = ladder_key(plan, cfg.model, fused=cfg.fused_attention)
+        peak, _, _, est = (cache or SimulationCache()).entry(
+            key, lambda: simulate(model, plan, model_name=cfg.model), recipe
         )
     except Exception as e:
         return {"recipe": recipe, "peak_allocated_gb": None, "error": f"{type(e).__name__}: {e}"}
     return {
         "recipe": recipe,
-        "peak_allocated_gb": round(est.peak_gb, 4),
-        "peak_phase": est.peak_phase,
-        "components_gb": {k: round(v, 4) for k, v in est.components_gb.items() if v},
-        "static_gb": {k: round(v, 4) for k, v in est.static_gb.items()},
+        "peak_allocated_gb": round(peak, 4),
+        "peak_phase": est["peak_phase"],
+        "components_gb": {k: round(v, 4) for k, v in est["components_gb"].items() if v},
+        "static_gb": {k: round(v, 4) for k, v in est["static_gb"].items()},
         "config": {
             "model": cfg.model,
             "precision": cfg.precision,

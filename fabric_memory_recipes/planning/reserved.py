@@ -13,6 +13,8 @@ that :func:`~fabric_memory_recipes.planning.planner.calibration.load_runs` reads
 
     python -m fabric_memory_recipes.planning.reserved      # replays every run, prints the ratios
 
+The replays are kept in the planner's cache of simulated steps (``FMR_PLAN_CACHE``), as ``--check`` keeps its own.
+
 Runs under ``results/published/<gpu>/wip/`` (the first proof of your own model among them) do not set
 it: they are what it is checked against.
 """
@@ -22,19 +24,27 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from fabric_memory_recipes.planning.check import simulate_run
+from fabric_memory_recipes.planning.check import replayed_of
 from fabric_memory_recipes.planning.planner import calibration
 from fabric_memory_recipes.planning.simulation.allocator import RESIDUAL
+from fabric_memory_recipes.planning.simulation.cache import SimulationCache
 
 
-def replayed(run: calibration.Measured) -> float:
-    """The replayed peak reserved (GB) of one committed run's configuration."""
-    return simulate_run(json.loads((calibration.RESULTS_DIR / run.path).read_text())).reserved_gb
+def replayed(run: calibration.Measured, cache: SimulationCache) -> float:
+    """The replayed peak reserved (GB) of one committed run's configuration (from ``cache`` when it holds it)."""
+    got = replayed_of(json.loads((calibration.RESULTS_DIR / run.path).read_text()), cache)
+    if got is None:
+        raise RuntimeError(f"the simulation of {run.path} failed")
+    return got
 
 
-def residuals(runs: tuple[calibration.Measured, ...] | None = None) -> list[dict[str, Any]]:
-    """measured / replayed peak reserved of every committed eager run (one simulation per distinct config)."""
+def residuals(
+    runs: tuple[calibration.Measured, ...] | None = None, cache: SimulationCache | None = None
+) -> list[dict[str, Any]]:
+    """measured / replayed peak reserved of every committed eager run (one simulation per distinct config,
+    kept in ``cache``, by default the planner's file)."""
     runs = runs if runs is not None else calibration.load_runs((str(calibration.RESULTS_DIR),))
+    cache = cache or SimulationCache()
     seen: dict[tuple, float] = {}
     rows = []
     for run in runs:
@@ -42,7 +52,7 @@ def residuals(runs: tuple[calibration.Measured, ...] | None = None) -> list[dict
             continue
         key = (run.recipe, run.model, run.precision, run.batch_size, run.accumulation_steps)
         if key not in seen:
-            seen[key] = replayed(run)
+            seen[key] = replayed(run, cache)
         rows.append(
             {
                 "path": run.path,

@@ -20,6 +20,7 @@ from fabric_memory_recipes.planning.simulation.allocator import (
     replay,
     replay_recorded,
 )
+from fabric_memory_recipes.planning.simulation.cache import SimulationCache
 from fabric_memory_recipes.planning.your_model import estimate
 
 MiB = 1 << 20
@@ -119,5 +120,10 @@ def test_the_margin_is_the_committed_run_that_sets_it():
     runs = calibration.load_runs((str(calibration.RESULTS_DIR),))
     rung04 = [r for r in runs if r.path == "published/h100/estimate/eager/04_lower_batch_size.json"]
     assert rung04
-    row = reserved.residuals(tuple(rung04))[0]
+    cache = SimulationCache()  # the planner's file (the session's): the replay may be kept there already
+    row = reserved.residuals(tuple(rung04), cache)[0]
     assert row["ratio"] == pytest.approx(RESIDUAL, abs=0.001)
+    simulated = cache.simulated
+    assert (
+        simulated <= 1 and reserved.residuals(tuple(rung04), cache) == [row] and cache.simulated == simulated
+    )

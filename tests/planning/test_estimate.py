@@ -20,6 +20,7 @@ from fabric_memory_recipes.planning.inference import simulate as inference_simul
 from fabric_memory_recipes.planning.simulation import modelled
 from fabric_memory_recipes.training import data, models
 from fabric_memory_recipes.training.techniques.checkpointing import CheckpointedBlock
+from tests.conftest import REPO
 
 GB = 1e9
 
@@ -380,6 +381,18 @@ def test_simulation_leaves_no_trace_behind():
     fn(model, batch)[0].backward()  # a real step still works (no fake tensors cached)
 
 
+def test_the_simulation_asks_once_whether_cuda_is_available(monkeypatch):
+    """torch's fake mode asks for every op it has no cached answer for (1127 times for this step in a fresh
+    process), and with Lightning's NVML-based check (PYTORCH_NVML_BASED_CUDA_CHECK=1) each ask loads NVML
+    again: the simulation's fake mode asks once."""
+    asked, real = [], torch.cuda.is_available
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: asked.append(1) or real())
+    est = planning.simulate(
+        small_vit(), planning.Plan(precision="bf16-mixed", device="cuda", micro_batch_size=4)
+    )
+    assert est.peak_gb > 0 and len(asked) == 1
+
+
 def test_estimate_inside_init_module_like_defaults_is_unchanged():
     """Recipes may call for_run inside fabric.init_module(): another default device and dtype."""
     model = small_vit()
@@ -520,6 +533,32 @@ def test_check_names_the_files_it_could_not_read(tmp_path, capsys):
     (line,) = err.strip().splitlines()
     assert "skipped 2 file(s): 01_baseline.json: unreadable (truncated or not JSON" in line, line
     assert "02_mixed_precision.json: unreadable (empty)" in line, line
+
+
+def test_the_ladder_and_the_check_share_their_simulated_steps(tmp_path):
+    """--ladder keeps a rung's step in the planner's cache under the key --check gives the committed run of
+    the same configuration: predicted again, or replayed for the check of rung 04's committed run, nothing is
+    simulated, and the row is the fresh simulation's. Processes that share the file keep each other's entries."""
+    from types import SimpleNamespace
+
+    from fabric_memory_recipes.planning import check, ladder
+    from fabric_memory_recipes.planning.simulation.cache import SimulationCache
+
+    path = str(tmp_path / "simulations.json")
+    first = SimulationCache(path)
+    fresh = ladder.predict("04_lower_batch_size", first)
+    assert first.simulated == 1 and fresh["error"] is None and fresh["components_gb"]["activations"] > 0
+    again = SimulationCache(path)
+    assert {**ladder.predict("04_lower_batch_size", again), "seconds": 0} == {**fresh, "seconds": 0}
+    committed = json.loads((REPO / "results/published/h100/ladder/04_lower_batch_size.json").read_text())
+    assert check.replayed_of(committed, again) == first.entries[next(iter(first.entries))][2]
+    assert again.simulated == 0
+
+    one, other = SimulationCache(path), SimulationCache(path)  # two processes, each adding a step
+    step = SimpleNamespace(error=None, peak_gb=1.0, activations_host_gb=0.0, reserved_gb=1.5, seconds=0.1)
+    one.lookup("a", lambda: step, "a")
+    other.lookup("b", lambda: step, "b")
+    assert {'"a"', '"b"'} <= set(SimulationCache(path).entries) and len(SimulationCache(path).entries) == 3
 
 
 def test_ladder_of_a_folder_without_results_is_every_rung(tmp_path, monkeypatch):

@@ -3,7 +3,8 @@
 command is the recipe's own flags, and fit.json from fake recipe outputs.
 
 Simulations use the tiny ViT or come from a cache file in the test's folder; the one full-size
-answer (``--fit`` for ViT-L/16) is checked once with its simulations cached for the tests after it."""
+answer (``--fit`` for ViT-L/16) is checked once, its simulations kept in the session's cache
+(tests/conftest.py: ``FMR_PLAN_CACHE``), which the README's ``--fit 8GB`` fills too."""
 
 from __future__ import annotations
 
@@ -242,10 +243,9 @@ def test_cli_nothing_fits_exit_1_and_json(capsys, cache_file, monkeypatch):
     assert answer["fits"][0]["predicted_images_per_s"] >= answer["fits"][1]["predicted_images_per_s"]
 
 
-def test_the_ladder_model_fits_6gb_with_its_own_commands(capsys, cache_file, monkeypatch):
+def test_the_ladder_model_fits_6gb_with_its_own_commands(capsys):
     """ViT-L/16 on 6 GB, 2 GB and 1 GB cards (seconds: a few simulations, then the cache). A card holds
     the measured overhead beside the allocator: its predicted whole-device peak must fit."""
-    monkeypatch.setenv("FMR_PLAN_CACHE", cache_file)
     assert estimate_main(["--fit", "6GB", "--json"]) == 0
     answer = json.loads(capsys.readouterr().out)
     assert answer["model"] == "vit_l_16" and answer["batch_size"] == 16 and len(answer["fits"]) == 5

@@ -1,13 +1,17 @@
-"""Simulated steps kept on disk: a step of ViT-L/16 takes seconds on a CPU, and the planner (``--fit``) and
-the check of committed runs (``--check``) ask for the same ones again. An entry is what a simulation gives
-the planners: the peak allocated, the bytes offloaded per micro-batch and the replayed peak reserved, by
-a key the caller makes of what the simulation depends on. The file (``FMR_PLAN_CACHE``, default
+"""Simulated steps kept on disk: a step of ViT-L/16 takes seconds on a CPU, and the planner (``--fit``), the
+check of committed runs (``--check``, the reserved margin's replays) and the predicted ladder (``--ladder``,
+the CPU path of ``./run_all.sh``, the workshop) ask for the same ones again. An entry is what a simulation
+gives them: the peak allocated, the bytes offloaded per micro-batch and the replayed peak reserved, with the
+peak's phase and components, by a key the caller makes of what the simulation depends on (a ladder model's
+step: :func:`ladder_key`, which ``--check`` and ``--ladder`` share). The file (``FMR_PLAN_CACHE``, default
 ``~/.cache/fabric-memory-recipes/simulations.json``) is keyed by the estimator's source and torch's
-version: an entry of another one is not used.
+version: an entry of another one is not used. Processes that share the file add to it: each write keeps
+what the others wrote meanwhile.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -29,7 +33,15 @@ SOURCES = (  # what a cached simulation depends on, relative to the package
     "planning/plan.py",
     "training/models.py",
     "training/data/__init__.py",
+    "planning/simulation/cache.py",  # the entries' own format
 )
+DETAILS = ("peak_phase", "components_gb", "static_gb")  # kept beside the three numbers (--ladder's rows)
+
+
+def ladder_key(plan: Any, model: str | None, image_size: int | None = None, fused: bool = False) -> dict:
+    """The key of a ladder model's step (``meta_ladder_model(model, fused_attention=fused,
+    image_size=image_size)`` under ``plan``)."""
+    return {"plan": dataclasses.asdict(plan), "model": model, "image_size": image_size, "fused": fused}
 
 
 class SimulationCache:
@@ -44,35 +56,45 @@ class SimulationCache:
         for name in SOURCES:
             digest.update((here / name).read_bytes())
         self.version = digest.hexdigest()[:16]
-        self.entries: dict[str, list[float]] = {}
+        self.entries: dict[str, list[Any]] = self._stored()
         self.simulated = 0
         self.seconds = 0.0
-        if self.path is not None:
-            try:
-                stored = json.loads(self.path.read_text())
-                if stored.get("version") == self.version:
-                    self.entries = stored["entries"]
-            except (OSError, ValueError, KeyError, AttributeError):
-                pass
+
+    def _stored(self) -> dict[str, list[Any]]:
+        """The file's entries, if it holds this estimator's."""
+        if self.path is None:
+            return {}
+        try:
+            stored = json.loads(self.path.read_text())
+            return stored["entries"] if stored.get("version") == self.version else {}
+        except (OSError, ValueError, KeyError, AttributeError):
+            return {}
 
     def lookup(self, key: Any, simulate_it: Callable[[], Estimate], what: str) -> tuple[float, float, float]:
-        """The entry of ``key`` (anything JSON can write), made by ``simulate_it`` when there is none (a
-        failed simulation raises RuntimeError naming ``what`` was simulated)."""
+        """(Peak allocated, bytes offloaded per micro-batch, replayed peak reserved) of ``key`` (anything
+        JSON can write), simulated by ``simulate_it`` when there is no entry (a failed simulation raises
+        RuntimeError naming ``what`` was simulated)."""
+        return tuple(self.entry(key, simulate_it, what)[:3])
+
+    def entry(self, key: Any, simulate_it: Callable[[], Estimate], what: str) -> list[Any]:
+        """:meth:`lookup`'s three numbers and a dict of the estimate's :data:`DETAILS`."""
         text = json.dumps(key)
         if text not in self.entries:
             est = simulate_it()
             if est.error or est.peak_gb is None:
                 raise RuntimeError(f"the simulation of {what} failed: {est.error}")
-            self.entries[text] = [est.peak_gb, est.activations_host_gb, est.reserved_gb]
+            details = {name: getattr(est, name, None) for name in DETAILS}
+            self.entries[text] = [est.peak_gb, est.activations_host_gb, est.reserved_gb, details]
             self.simulated += 1
             self.seconds += est.seconds
             self._save()
-        return tuple(self.entries[text])
+        return self.entries[text]
 
     def _save(self) -> None:
         if self.path is None:
             return
         try:
+            self.entries = {**self._stored(), **self.entries}  # another process's entries stay
             self.path.parent.mkdir(parents=True, exist_ok=True)
             write_json_atomic(str(self.path), {"version": self.version, "entries": self.entries})
         except OSError:

@@ -103,6 +103,8 @@ class OpCosts(TorchDispatchMode):
         self.section: Any = None
         self.ops: dict[Any, list[OpCost]] = defaultdict(list)
         self.optimizer: dict[str, float] = {}  # the optimizer step's bytes and tensors (simulate fills it)
+        # the largest saved tensor activation offload copies to the host, or would without it (simulate fills it)
+        self.largest_offloadable = 0
         self.modules: dict[Any, int] = defaultdict(int)  # module calls per section (forward and recompute)
         self._module_hook = None
 

@@ -9,7 +9,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_leaves
 
@@ -38,7 +37,7 @@ from fabric_memory_recipes.planning.simulation.modelled import (
     cuda_autocast_policy,
     host_draws_kept,
 )
-from fabric_memory_recipes.planning.simulation.tracking import SavedTensorCounter, Tracker
+from fabric_memory_recipes.planning.simulation.tracking import FakeMode, SavedTensorCounter, Tracker
 from fabric_memory_recipes.training import data
 
 
@@ -86,19 +85,24 @@ class _SimulatedSaves(SavedTensorCounter):
     """The simulation's saved-tensor hooks: count every saved storage (as a real run's counter would),
     mark it as an activation, and with ``activation_offload`` move it to host memory as
     fabric_memory_recipes.training.techniques.offload.offload_activations does: the device copy is no longer referenced by the graph (it
-    is freed when the forward pass drops it) and backward copies it back just before it is needed."""
+    is freed when the forward pass drops it) and backward copies it back just before it is needed.
+    ``largest_offloadable``: the largest tensor offload copies, or would copy without it (same saves)."""
 
     def __init__(self, exclude: list[torch.Tensor], tracker: Tracker, plan: Plan) -> None:
         super().__init__(exclude)
         self.tracker = tracker
         self.offload = plan.activation_offload
         self.min_bytes = plan.offload_min_bytes
+        self.largest_offloadable = 0
 
     def _pack(self, t: torch.Tensor) -> Any:
         st = t.untyped_storage()
         if id(st) in self._exclude:
             return t
-        if self.offload and t.numel() * t.element_size() >= self.min_bytes:
+        nbytes = t.numel() * t.element_size()
+        if nbytes >= self.min_bytes:
+            self.largest_offloadable = max(self.largest_offloadable, nbytes)
+        if self.offload and nbytes >= self.min_bytes:
             with self.tracker.creating("host"):  # counts 0 on the device
                 host = torch.empty(t.shape, dtype=t.dtype)  # one host copy per saved tensor, as offload.py
             self._seen[host.untyped_storage()] = host.untyped_storage().nbytes()
@@ -194,7 +198,7 @@ def simulate(
     with contextlib.ExitStack() as stack:
         stack.enter_context(_neutral_defaults())
         stack.enter_context(_fresh_normalisation_cache())
-        stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+        stack.enter_context(FakeMode(allow_non_fake_inputs=True))
         if op_costs is not None:  # records nothing until a micro-batch's section is set
             stack.enter_context(op_costs)
         stack.enter_context(tracker)
@@ -296,6 +300,7 @@ def simulate(
                 "tensors": len(trainable),
                 "in_backward": plan.optimizer_in_backward,
             }
+            op_costs.largest_offloadable = counter.largest_offloadable
         tracker.add_constant("temporaries", transient)
         tracker.add_constant("temporaries", -transient)
         tracker.phase = "zero_grad(set_to_none=True)"

@@ -1,5 +1,6 @@
 """Counting storages: what autograd saves for backward (:class:`SavedTensorCounter`, also used on real
-runs) and every storage an op creates, by component, with the weighted peak (``Tracker``)."""
+runs) and every storage an op creates, by component, with the weighted peak (``Tracker``); the fake mode
+the simulations run under (:class:`FakeMode`)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,29 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fabric_memory_recipes.planning.plan import GB, round_bytes
+
+
+class FakeMode(FakeTensorMode):
+    """torch's fake mode, which asks whether CUDA is available once per simulated step.
+
+    FakeTensorMode asks ``torch.cuda.is_available()`` (``avoid_device_init``) for the ops it has no cached
+    answer for, hundreds to over a thousand times in one ViT-L/16 step, and with Lightning imported (it sets
+    ``PYTORCH_NVML_BASED_CUDA_CHECK=1``) each ask loads NVML again (about 0.04 ms on a CPU machine). The
+    answer cannot change while a step is simulated."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._avoid_device_init = FakeTensorMode.avoid_device_init.fget(self)
+
+    @property
+    def avoid_device_init(self) -> bool:
+        return self._avoid_device_init
 
 
 class _Record:

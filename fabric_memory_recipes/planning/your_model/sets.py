@@ -37,7 +37,7 @@ from fabric_memory_recipes.planning.plan import GB, Plan
 from fabric_memory_recipes.planning.planner import advice
 from fabric_memory_recipes.planning.planner.fit import divisors, fastest, smallest, static_bytes
 from fabric_memory_recipes.planning.simulation.costs import OpCosts
-from fabric_memory_recipes.planning.your_model import host_offload, step_time
+from fabric_memory_recipes.planning.your_model import host_offload, offload_bound, step_time
 from fabric_memory_recipes.planning.your_model.choice import Choice
 from fabric_memory_recipes.planning.your_model.estimate import card, estimate, meta_user_model
 from fabric_memory_recipes.techniques import (
@@ -307,7 +307,7 @@ class UserPlanner:
             if c.lower_bound_gb > budget_gb:
                 too_big.append(c)
                 continue
-            exact = self._optimistic(self.predict(self.plains[c.plain]))
+            exact = min(self._optimistic(self.predict(self.plains[c.plain])), offload_bound.of(self, c))
             if exact < c.speed_bound:  # its plain set simulated now: back in the queue at that bound
                 c.speed_bound = exact
                 heapq.heappush(queue, (-exact, c.techniques.count(), c.lower_bound_gb, id(c), c))

@@ -4,12 +4,13 @@ fits, and the search still stops early."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
 from fabric_memory_recipes.planning.plan import Plan
-from fabric_memory_recipes.planning.your_model import sets, step_time
+from fabric_memory_recipes.planning.your_model import offload_bound, sets, step_time
 from fabric_memory_recipes.planning.your_model.sets import UserPlanner
 from fabric_memory_recipes.techniques import (
     ACTIVATION_CHECKPOINTING,
@@ -188,3 +189,30 @@ def test_a_plain_sets_floor_bounds_it_and_spares_the_slow_micro_batches(lm):
     floors = {id(c): c.speed_bound for c in plain}
     for c in plain:
         assert planner.predict(c).images_per_s <= floors[id(c)] * (1 + 1e-9), c.label()
+
+
+def test_an_offload_sets_bound_from_its_set_without_offload_holds_and_spares_its_simulation(lm):
+    """Once the same set without activation offload is simulated, a set with it is bounded by that set's step
+    plus the copies of the largest tensor it saves (the same tensors, with offload or without): never below its
+    prediction. Where the copies make offload slower than the picks (a slow host link here), the search leaves
+    the offload sets unsimulated, which their plain sets' bound, above the last pick, did not."""
+    planner = UserPlanner(lm, 1, 128, precision="bf16-mixed")
+    planner.ceilings = dataclasses.replace(
+        planner.ceilings, host_bandwidth=planner.ceilings.host_bandwidth / 1e3
+    )
+    fits, _ = planner.fit(100.0, top=3)
+    assert len(fits) == 3 and not [key for key in planner.simulated if ACTIVATION_OFFLOAD.name in key[3]]
+    picked = [c for c in planner.choices if c.techniques.uses(ACTIVATION_OFFLOAD) and c.mode == "fast"
+              and not c.switched]  # fmt: skip
+    assert len(picked) == 3  # alone, with full and with selective checkpointing
+    for c in picked:
+        used = tuple(n for n in c.key[3] if n != ACTIVATION_OFFLOAD.name)
+        largest = planner.simulated[(*c.key[:3], used, *c.key[4:])][
+            3
+        ].largest_offloadable  # simulated: a pick
+        assert planner.predict(planner.plains[c.plain]).images_per_s > fits[-1].images_per_s, c.label()
+        bound = offload_bound.of(planner, c)
+        assert largest > 0 and bound < fits[-1].images_per_s, c.label()
+        assert planner.predict(c).images_per_s <= bound * (1 + 1e-9), c.label()
+        _, _, host_gb, costs = planner.simulated[c.key]
+        assert costs.largest_offloadable == largest <= host_gb * 1e9, c.label()
