@@ -17,7 +17,7 @@ import torch
 from fabric_memory_recipes.config import RunConfig
 from fabric_memory_recipes.declarations import declared_rung
 from fabric_memory_recipes.measurement.results import RunResults
-from fabric_memory_recipes.tools.convergence import benchmark, report
+from fabric_memory_recipes.tools.convergence import benchmark, policy, report, run_plan
 from fabric_memory_recipes.training import data, loop, models
 from fabric_memory_recipes.training.data import digits
 from tests.conftest import REPO, describe, result, run_process, session_dir, submit, subprocess_env
@@ -152,12 +152,12 @@ def test_flags_and_causes_from_measured_differences():
 
 def test_tool_plans_every_single_gpu_rung_with_its_kind_of_learning_rate():
     args = benchmark.parse_args(["--seeds", "2", "--model", "vit_tiny"])
-    jobs = benchmark.plan(args, cuda=False)
+    jobs = run_plan.plan(args, cuda=False)
     rungs = sorted({j.recipe for j in jobs})
     assert [r[:2] for r in rungs] == "01 02 03 04 05 06 07 10 11 12 13 14 15".split()
     assert {j.seed for j in jobs} == {0, 1}
     lr = {j.recipe: j.args[j.args.index("--lr") + 1] for j in jobs}
-    preset = benchmark.PRESETS["vit_tiny"]
+    preset = policy.PRESETS["vit_tiny"]
     assert lr["01_baseline"] == lr["13_lowbit_optimizer"] == str(preset["adam_lr"])
     assert lr["06_sgd_cosine"] == lr["14_memory_floor"] == str(preset["sgd_lr"])
     for j in jobs:
@@ -173,7 +173,7 @@ def test_tool_plans_every_single_gpu_rung_with_its_kind_of_learning_rate():
     assert rules[("14", "default")] == "stochastic"  # the floor too: its peak is plain rounding's (docs/14)
     assert rules[("06", "plain")] == rules[("06", "mixed")] == "plain" and rules[("03", "kahan")] == "kahan"
     assert not [j for j in jobs if j.seed is None], "no ViT-L/16 memory runs without CUDA"
-    assert [j for j in benchmark.plan(args, cuda=True) if j.seed is None]
+    assert [j for j in run_plan.plan(args, cuda=True) if j.seed is None]
     assert REPO.joinpath("fabric_memory_recipes", "tools", "convergence", "benchmark.py").exists()
 
 
@@ -212,8 +212,8 @@ def test_a_later_call_on_several_gpus_counts_each_gpu_and_names_them():
 
 def test_gpu_plan_trains_vit_l_16_at_one_budget_and_measures_lost_updates_where_it_compares_precisions():
     args = benchmark.parse_args(["--seeds", "3", "--model", "vit_l_16", "--no-memory"])
-    preset = benchmark.PRESETS["vit_l_16"]
-    jobs = benchmark.plan(args, cuda=True)
+    preset = policy.PRESETS["vit_l_16"]
+    jobs = run_plan.plan(args, cuda=True)
     assert args.mode == "fast" and len({j.recipe for j in jobs}) == 13
     assert len([j for j in jobs if j.variant == "default"]) == 13 * 3, "every rung, 3 seeds"
     n_train = len(digits.split_indices(digits.raw()[1])[0])
@@ -227,7 +227,7 @@ def test_gpu_plan_trains_vit_l_16_at_one_budget_and_measures_lost_updates_where_
         per_epoch = -(-(n_train // rung.micro_batch_size) // rung.accumulation_steps)  # optimizer steps
         assert value["--warmup-steps"] == str(round(preset["warmup_epochs"] * per_epoch)), j.recipe
         measured = "--lost-updates" in j.args
-        assert measured == (j.recipe in benchmark.LOST_RUNGS and j.seed == 0), (j.recipe, j.seed)
+        assert measured == (j.recipe in policy.LOST_RUNGS and j.seed == 0), (j.recipe, j.seed)
         assert ("--no-cuda-graphs" in j.args) == measured, "lost updates read weights between steps"
     assert {j.variant for j in jobs if j.recipe == "03_true_half_precision"} == {
         "default",

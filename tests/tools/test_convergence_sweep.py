@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from fabric_memory_recipes.measurement import results as results_module
-from fabric_memory_recipes.tools.convergence import benchmark, policy, report, sweep
+from fabric_memory_recipes.tools.convergence import benchmark, policy, report, run_plan, sweep
 from fabric_memory_recipes.training.data import digits
 from tests.conftest import REPO, describe
 
@@ -199,13 +199,13 @@ def test_a_tuned_rung_trains_its_own_policy_and_its_older_runs_run_again(tmp_pat
     args = benchmark.parse_args(
         ["--model", "vit_tiny", "--rungs", "01,06", "--seed-list", "0", "--no-variants", "--no-memory"]
     )
-    jobs = {j.recipe: j for j in benchmark.plan(args, cuda=True)}
+    jobs = {j.recipe: j for j in run_plan.plan(args, cuda=True)}
     value = {r: dict(zip(j.args, j.args[1:], strict=False)) for r, j in jobs.items()}
     assert value["06_sgd_cosine"]["--lr"] == "0.2" and value["06_sgd_cosine"]["--epochs"] == "3"
     assert value["06_sgd_cosine"]["--warmup-steps"] == str(_steps_per_epoch(4, 4))
     preset = policy.PRESETS["vit_tiny"]
     assert value["01_baseline"]["--lr"] == str(preset["adam_lr"]), "a rung not in TUNED: the preset"
-    untuned = benchmark.plan(benchmark.parse_args([*_args_list(args), "--no-tuned"]), cuda=True)
+    untuned = run_plan.plan(benchmark.parse_args([*_args_list(args), "--no-tuned"]), cuda=True)
     assert {j.args[j.args.index("--lr") + 1] for j in untuned if j.recipe == "06_sgd_cosine"} == {
         str(preset["sgd_lr"])
     }
@@ -214,15 +214,15 @@ def test_a_tuned_rung_trains_its_own_policy_and_its_older_runs_run_again(tmp_pat
     for lr, done in ((preset["sgd_lr"], False), (0.2, True)):  # a run at the old policy is not a finished one
         d = _run_json(job.recipe, job.tag, 0.9, 0.9, lr, _steps_per_epoch(4, 4), 3, 237, "vit_tiny")
         (runs / f"{job.recipe}-{job.tag}.json").write_text(json.dumps(d))
-        assert benchmark.finished(job, tmp_path) is done
+        assert run_plan.finished(job, tmp_path) is done
 
 
 def test_the_committed_benchmark_is_finished_under_todays_plan():
     """Every run of the published benchmark counts under today's plan (rule, learning rate, warm-up and
     epochs compared): a call with the same folder runs nothing until a rung's policy changes."""
     argv = ["--model", "vit_l_16", "--seeds", "3", "--no-memory", "--lost-seeds", ""]
-    missing = [j.recipe + "-" + j.tag for j in benchmark.plan(benchmark.parse_args(argv), cuda=True)
-               if not benchmark.finished(j, PUBLISHED)]  # fmt: skip
+    missing = [j.recipe + "-" + j.tag for j in run_plan.plan(benchmark.parse_args(argv), cuda=True)
+               if not run_plan.finished(j, PUBLISHED)]  # fmt: skip
     assert missing == []
 
 

@@ -1,1 +1,1 @@
-"""fmr-convergence: every rung's accuracy on real digits against fp32 (benchmark.py, its policy in policy.py), its report (report.py, calls.py) and figure (figure.py), and the sweep that tunes a rung's policy on the validation split (sweep.py)."""
+"""fmr-convergence: every rung's accuracy on real digits against fp32 (benchmark.py, its runs planned by run_plan.py, its policy in policy.py), its report (report.py, the runs' statistics in run_stats.py, calls.py) and figure (figure.py), and the sweep that tunes a rung's policy on the validation split (sweep.py)."""

@@ -8,14 +8,14 @@ Why. The ladder's accuracy columns cannot tell rungs apart on synthetic data. He
 (01-07, 10-15) trains the ladder's own model, torchvision's ViT-L/16 from random weights, on
 scikit-learn's digits (training/data/digits.py) for the same epochs (the same samples) and is scored on the
 whole test split. A rung whose mean falls outside the fp32 baseline's mean +- 2 sd is flagged with
-what it measurably does differently (convergence_report.py renders it from the JSON files alone).
+what it measurably does differently (report.py renders it from the JSON files alone).
 
 Fixed for every rung (``policy.PRESETS``, each overridable by its flag): the epochs, a linear warm-up over
 the first epoch(s) (``--warmup-steps``, times the rung's own schedule), one Adam and one SGD learning rate,
 and the input size; a rung in ``policy.TUNED`` (chosen on the validation split by ``sweep.py``) keeps its
-own learning rate, warm-up or epochs unless ``--no-tuned``. The digits are 8x8 pixels, so ViT-L/16
-reads them at 64 px (16 patches + the class token); its 24 blocks and 303 M parameters are the ladder's,
-only the position embedding is shorter.
+own learning rate, warm-up or epochs unless ``--no-tuned`` (each run and its flags: ``run_plan.py``). The
+digits are 8x8 pixels, so ViT-L/16 reads them at 64 px (16 patches + the class token); its 24 blocks and
+303 M parameters are the ladder's, only the position embedding is shorter.
 Rungs keep their precision, batch, accumulation, optimizer, schedule, memory technique and way of
 building the model, so initial weights are drawn per rung and seed. ``--model vit_tiny`` is the CPU
 test of the same code path.
@@ -40,36 +40,27 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
-import math
 import os
 import subprocess
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
 from fabric_memory_recipes.console import Parser
-from fabric_memory_recipes.declarations import declared_rung
 from fabric_memory_recipes.measurement.results_file import write_json_atomic
 from fabric_memory_recipes.paths import output_folder
 from fabric_memory_recipes.processes import DeviceSlots, project_env
 from fabric_memory_recipes.techniques import MODES
 from fabric_memory_recipes.tools.convergence.policy import (
     CPU_MODEL,
-    CURVE_POINTS,
-    LOST_POINTS,
-    LOST_RUNGS,
-    MEMORY_FLAGS,
     MEMORY_PARALLEL,
-    MEMORY_RUNS,
     MODEL,
     PRESETS,
     TUNED,
     VARIANTS,
-    rung_policy,
 )
 from fabric_memory_recipes.tools.convergence.report import (  # noqa: F401 (the report, from this command too)
     BASELINE,
@@ -77,114 +68,10 @@ from fabric_memory_recipes.tools.convergence.report import (  # noqa: F401 (the 
     render_markdown,
     render_table,
 )
+from fabric_memory_recipes.tools.convergence.run_plan import REPO, Job, finished, plan, single_gpu_rungs
 from fabric_memory_recipes.training.data import digits
 
-REPO = Path(__file__).resolve().parents[3]  # the checkout
 SETTINGS = tuple("model image_size epochs warmup_epochs adam_lr sgd_lr lost_seeds parallel gpus mode".split())
-
-
-# ------------------------------------------------------------------------------------------- planning
-@dataclass
-class Job:
-    recipe: str
-    variant: str
-    seed: int | None  # None: a memory run
-    args: list[str]
-    micro_batches: int = 0  # planned forward+backward passes (x3 without CUDA graphs): longest start first
-    rule: str = "plain"  # the --bf16-update it runs with (a finished run with another rule is run again)
-    returncode: int | None = None
-    wall_s: float | None = None
-    log: str | None = None
-    skipped: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def tag(self) -> str:
-        return f"memory-{self.variant}" if self.seed is None else f"{self.variant}-s{self.seed}"
-
-
-def single_gpu_rungs() -> list[str]:
-    """The numbered recipes that train on one device (08/09 default to several GPUs). Rung 16 (weights on
-    the CPU) is left out: its update is an ordinary Adam step on fp32 masters (tests/training/techniques/test_weights_offload.py), at
-    the pace of a CPU Adam step, too slow for a benchmark of thousands of steps; --rungs can still ask."""
-    names = sorted(p.stem for p in (REPO / "recipes").glob("[0-9][0-9]_*.py"))
-    return [n for n in names if declared_rung(n)[0].devices == 1 and not declared_rung(n)[0].weights_offload]
-
-
-def optimizer_kind(recipe: str) -> str:
-    """'adam' or 'sgd', from the recipe's declared rung (the optimizer its code builds)."""
-    name = declared_rung(recipe)[0].optimizer
-    return "sgd" if name.startswith("sgd") else "adam"
-
-
-def plan(args: argparse.Namespace, cuda: bool) -> list[Job]:
-    args.mode = args.mode or ("fast" if cuda else "eager")  # the recipes' own default
-    n_train = len(digits.split_indices(digits.raw()[1])[0])
-    rungs = args.rungs or single_gpu_rungs()
-    jobs: list[Job] = []
-    for seed in args.seed_list:
-        for recipe in rungs:
-            rung, _ = declared_rung(recipe)
-            per_epoch = n_train // rung.micro_batch_size
-            steps_per_epoch = math.ceil(per_epoch / rung.accumulation_steps)
-            # the preset (or its flags), or the rung's own policy where one was tuned (policy.TUNED)
-            policy = rung_policy(args.model, recipe, optimizer_kind(recipe), vars(args), args.tuned)
-            epochs = int(policy["epochs"])
-            steps = steps_per_epoch * epochs
-            base = [
-                "--data", "digits", "--model", args.model, "--weights", "none", "--seed", str(seed),
-                "--epochs", str(epochs), "--lr", str(policy["lr"]),
-                "--warmup-steps", str(round(policy["warmup_epochs"] * steps_per_epoch)),
-                "--log-every", str(max(1, steps // CURVE_POINTS)), "--mode", args.mode,
-            ]  # fmt: skip
-            if args.image_size:
-                base += ["--image-size", str(args.image_size)]
-            measure = args.mode == "eager" or not cuda or (recipe in LOST_RUNGS and seed in args.lost_seeds)
-            if measure:  # --lost-updates reads the weights between steps: no CUDA graphs
-                base += ["--lost-updates", str(max(1, steps // LOST_POINTS))]
-                base += ["--no-cuda-graphs"] if cuda and args.mode == "fast" else []
-            if not cuda and rung.precision == "16-mixed":
-                base += ["--precision", "bf16-mixed"]  # fp16 autocast needs CUDA
-            variants = [("default", [], None)]
-            if recipe in args.variants:
-                variants += VARIANTS.get(recipe, [])
-            for variant, flags, cpu_flags in variants:
-                flags = cpu_flags if (cpu_flags is not None and not cuda) else flags
-                slower = (
-                    3 if "--no-cuda-graphs" in base or "kahan" in flags else 1
-                )  # steps launched from the host
-                rule = flags[flags.index("--bf16-update") + 1] if "--bf16-update" in flags else rung.bf16_update  # fmt: skip
-                rule = rule if "--precision" not in flags else "plain"  # another precision: nothing to round
-                jobs.append(Job(recipe, variant, seed, [*base, *flags], per_epoch * epochs * slower, rule))
-    if cuda and args.memory:
-        for recipe, variant, flags in MEMORY_RUNS:
-            if args.rungs and recipe not in args.rungs:
-                continue
-            memory_flags = [*MEMORY_FLAGS, "--mode", args.mode, *flags]
-            rule = flags[-1] if "--bf16-update" in flags else declared_rung(recipe)[0].bf16_update
-            jobs.append(Job(recipe, variant, None, memory_flags, 10**9, "plain" if "--precision" in flags else rule))  # fmt: skip
-    return jobs
-
-
-POLICY_FLAGS = {"--lr": "lr", "--warmup-steps": "warmup_steps", "--epochs": "epochs"}
-
-
-def finished(job: Job, out: Path) -> bool:
-    """Whether an earlier call left this run's results JSON with status ok, the job's bf16 update rule and
-    its learning rate, warm-up and epochs (it is not run again; a run of the rung from before its default
-    or its policy changed is)."""
-    path = out / "runs" / f"{job.recipe}-{job.tag}.json"
-    try:
-        d = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return False
-    cfg = d.get("config") or {}
-    same = all(
-        float(job.args[job.args.index(flag) + 1]) == float(cfg[key])
-        for flag, key in POLICY_FLAGS.items()
-        if flag in job.args and cfg.get(key) is not None
-    )
-    return same and d.get("status") == "ok" and ((d.get("updates") or {}).get("rule") or "plain") == job.rule
 
 
 # -------------------------------------------------------------------------------------------- running
@@ -262,8 +149,11 @@ def run_all(args: argparse.Namespace) -> int:
     planned = plan(args, cuda)
     jobs = planned if args.rerun else [j for j in planned if not finished(j, out)]
     if len(jobs) < len(planned):
-        print(f"[convergence] {len(planned) - len(jobs)} of {len(planned)} runs finished in an earlier call:"
-              " not run again (--rerun runs them)", flush=True)  # fmt: skip
+        print(
+            f"[convergence] {len(planned) - len(jobs)} of {len(planned)} runs finished in an earlier call:"
+            " not run again (--rerun runs them)",
+            flush=True,
+        )
     # seed by seed (a run cut short by the deadline still leaves whole seeds), longest jobs first
     order = {s: i for i, s in enumerate(args.seed_list)}
     jobs.sort(key=lambda j: (-1 if j.seed is None else order[j.seed], -j.micro_batches))
@@ -278,7 +168,10 @@ def run_all(args: argparse.Namespace) -> int:
     deadline = start + (args.deadline_s or float("inf"))
     lock = threading.Lock()
 
-    slots = {"memory": DeviceSlots(args.gpus, MEMORY_PARALLEL), "accuracy": DeviceSlots(args.gpus, args.parallel)}  # fmt: skip
+    slots = {
+        "memory": DeviceSlots(args.gpus, MEMORY_PARALLEL),
+        "accuracy": DeviceSlots(args.gpus, args.parallel),
+    }
 
     def one(job: Job) -> Job:  # run, then record every run so far: a killed call keeps its record
         kind = "memory" if job.seed is None else "accuracy"
@@ -304,8 +197,10 @@ def run_all(args: argparse.Namespace) -> int:
     save_summary(summary_path, call_summary(args, done, wall, cuda, gpu) | {"started": started}, earlier)
     failed = [j for j in done if j.returncode not in (0, None)]
     skipped = [j for j in done if j.skipped]
-    print(f"[convergence] {len(done) - len(failed) - len(skipped)} ok, {len(failed)} failed,"
-          f" {len(skipped)} skipped (deadline) in {wall:.0f} s")  # fmt: skip
+    print(
+        f"[convergence] {len(done) - len(failed) - len(skipped)} ok, {len(failed)} failed,"
+        f" {len(skipped)} skipped (deadline) in {wall:.0f} s"
+    )
     for j in failed:
         print(f"[convergence]   failed: {j.recipe} {j.tag} (exit {j.returncode}, log {j.log})")
     render(out, args.readme)
@@ -340,15 +235,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-epochs", type=float, help="linear warm-up, in epochs (default: the preset)")
     p.add_argument("--adam-lr", type=float, help="learning rate of the Adam rungs (default: the preset)")
     p.add_argument("--sgd-lr", type=float, help="learning rate of the SGD rungs (default: the preset)")
-    p.add_argument("--parallel", type=int, default=1, help="digits runs at once per GPU (+3 ViT-L/16 memory runs)")  # fmt: skip
-    p.add_argument("--gpus", type=int, default=1, help="GPUs to spread the runs over (CUDA_VISIBLE_DEVICES per run)")  # fmt: skip
+    p.add_argument(
+        "--parallel", type=int, default=1, help="digits runs at once per GPU (+3 ViT-L/16 memory runs)"
+    )
+    p.add_argument(
+        "--gpus", type=int, default=1, help="GPUs to spread the runs over (CUDA_VISIBLE_DEVICES per run)"
+    )
     p.add_argument("--deadline-s", type=float, help="start no run after this many seconds")
     p.add_argument("--rerun", action="store_true", help="run again what an earlier call finished in --out")
     p.add_argument(
-        "--lost-seeds", default="0",
+        "--lost-seeds",
+        default="0",
         help="seeds on which the LOST_RUNGS measure lost updates, without CUDA graphs (default 0: the"
         " first; the other seeds run in full fast mode); in eager mode every run measures them",
-    )  # fmt: skip
+    )
     p.add_argument(
         "--mode",
         choices=MODES,
@@ -362,7 +262,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--no-variants", dest="variants", action="store_const", const="", help="no bf16 fix variants"
     )
     p.add_argument("--no-memory", dest="memory", action="store_false", help="skip the ViT-L/16 memory runs")
-    p.add_argument("--no-tuned", dest="tuned", action="store_false", help="every rung at the preset or these flags (policy.TUNED left out)")  # fmt: skip
+    p.add_argument(
+        "--no-tuned",
+        dest="tuned",
+        action="store_false",
+        help="every rung at the preset or these flags (policy.TUNED left out)",
+    )
     args = p.parse_args(argv)
     args.extra = extra
     if args.model is None:

@@ -1,6 +1,7 @@
 """The convergence benchmark's report, rendered from the runs' JSON files alone (see
 :mod:`fabric_memory_recipes.tools.convergence.benchmark`): the table of test accuracy per rung against the fp32
-baseline, the bf16 fixes, the loss-curve figure, and the README block.
+baseline, the bf16 fixes, the loss-curve figure, and the README block (each group of runs summed up by
+:mod:`~fabric_memory_recipes.tools.convergence.run_stats`).
 
     python -m fabric_memory_recipes.tools.convergence.benchmark --report DIR [--readme README.md:convergence]
 """
@@ -8,10 +9,7 @@ baseline, the bf16 fixes, the loss-curve figure, and the README block.
 from __future__ import annotations
 
 import json
-import math
 import os
-import re
-import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,112 +19,16 @@ from fabric_memory_recipes.measurement.report.loading import load_results
 from fabric_memory_recipes.measurement.results_file import write_atomic
 from fabric_memory_recipes.tools.convergence.calls import device_seconds, later_call, own_policy_note
 from fabric_memory_recipes.tools.convergence.figure import render_figure
-
-BASELINE = "01_baseline"
-TAG = re.compile(r"^(?P<variant>.+)-s(?P<seed>\d+)$")
-MEMORY_TAG = re.compile(r"^memory-(?P<variant>.+)$")
-
-
-def _short(optimizer: str | None) -> str:
-    """'torch.optim.adam.Adam' -> 'torch Adam'; 'optimi.sgd.SGD' -> 'optimi SGD'."""
-    if not optimizer:
-        return DASH
-    parts = optimizer.split(".")
-    return f"{parts[0]} {parts[-1].lstrip('_')}"
-
-
-def _mean_sd(values: list[float]) -> tuple[float | None, float | None]:
-    if not values:
-        return None, None
-    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else None)
-
-
-def _pm(values: list[float], decimals: int = 3) -> str:
-    mean, sd = _mean_sd(values)
-    if mean is None:
-        return DASH
-    text = f"{mean:.{decimals}f}"
-    return text + (f" ± {sd:.{decimals}f}" if sd is not None else "") + f" (n={len(values)})"
-
-
-def _pct(value: float | None) -> str:
-    return DASH if value is None else f"{100 * value:.1f}%"
-
-
-def groups(results: list[dict]) -> tuple[dict[tuple[str, str], list[dict]], dict[tuple[str, str], dict]]:
-    """Accuracy runs by (recipe, variant), and memory runs by (recipe, variant)."""
-    acc: dict[tuple[str, str], list[dict]] = {}
-    mem: dict[tuple[str, str], dict] = {}
-    for r in results:
-        tag = str(r.get("tag") or "")
-        if m := MEMORY_TAG.match(tag):
-            mem[(r["recipe"], m["variant"])] = r
-        elif m := TAG.match(tag):
-            acc.setdefault((r["recipe"], m["variant"]), []).append(r)
-    return acc, mem
-
-
-def final_loss(result: dict) -> float | None:
-    """Mean training loss over the last tenth of the loss curve (at least its last point): one logged
-    window alone is too noisy to compare runs by, with Adam at a constant learning rate."""
-    curve = (result.get("loss") or {}).get("curve") or []
-    if not curve:
-        return (result.get("loss") or {}).get("last")
-    tail = curve[-max(1, len(curve) // 10) :]
-    return statistics.fmean(v for _, v in tail)
-
-
-def warmup_epochs(result: dict) -> float | None:
-    """The run's linear warm-up in epochs: its --warmup-steps over its optimizer steps per epoch."""
-    cfg, steps = result.get("config") or {}, (result.get("timing") or {}).get("optimizer_steps")
-    if not steps or cfg.get("warmup_steps") is None or not cfg.get("epochs"):
-        return None
-    return round(cfg["warmup_steps"] * cfg["epochs"] / steps, 1)
-
-
-def own_policy(s: dict[str, Any], base: dict[str, Any]) -> list[str]:
-    """The warm-up and epochs of a rung that differ from the baseline's: a policy of its own (policy.TUNED)."""
-    out = []
-    if None not in (s["warmup"], base["warmup"]) and s["warmup"] != base["warmup"]:
-        out.append(f"warm-up {s['warmup']:g} epochs vs {base['warmup']:g}")
-    if s["epochs"] and base["epochs"] and s["epochs"] != base["epochs"]:
-        out.append(f"{s['epochs']} epochs vs {base['epochs']}")
-    return out
-
-
-def _stats(runs: list[dict]) -> dict[str, Any]:
-    ok = [r for r in runs if r.get("status") == "ok"]
-
-    def values(get) -> list[float]:
-        out = []
-        for r in ok:
-            v = get(r)
-            if isinstance(v, int | float) and math.isfinite(v):
-                out.append(float(v))
-        return out
-
-    first = ok[0] if ok else (runs[0] if runs else {})
-    cfg = first.get("config") or {}
-    return {
-        "runs": len(runs),
-        "ok": len(ok),
-        "not_ok": sorted(
-            f"s{TAG.match(r.get('tag') or '-s?')['seed']} {r.get('status')}" for r in runs if r not in ok
-        ),
-        "test": values(lambda r: (r.get("accuracy") or {}).get("test")),
-        "loss": values(final_loss),
-        "lost": values(lambda r: ((r.get("updates") or {}).get("lost") or {}).get("mean_lost")),
-        "steps": values(lambda r: (r.get("timing") or {}).get("optimizer_steps")),
-        "precision": cfg.get("precision"),
-        "batch": cfg.get("batch_size"),
-        "micro": cfg.get("micro_batch_size"),
-        "lr": cfg.get("lr"),
-        "warmup": warmup_epochs(first),
-        "epochs": cfg.get("epochs"),
-        "optimizer": (first.get("updates") or {}).get("optimizer"),
-        "short": _short((first.get("updates") or {}).get("optimizer")),
-        "rule": (first.get("updates") or {}).get("rule"),
-    }
+from fabric_memory_recipes.tools.convergence.run_stats import (
+    BASELINE,
+    group_stats,
+    groups,
+    mean_sd,
+    own_policy,
+    percent,
+    plus_minus,
+    short_name,
+)
 
 
 def differences(s: dict[str, Any], base: dict[str, Any], isolated: dict[str, str] | None = None) -> list[str]:
@@ -134,21 +36,21 @@ def differences(s: dict[str, Any], base: dict[str, Any], isolated: dict[str, str
     ``isolated``: per precision, what the rung that differs from the baseline in precision alone measured."""
     out = []
     if s["precision"] != base["precision"]:
-        lost, base_lost = _mean_sd(s["lost"])[0], _mean_sd(base["lost"])[0]
+        lost, base_lost = mean_sd(s["lost"])[0], mean_sd(base["lost"])[0]
         text = f"precision {s['precision']}"
         if lost is not None:
-            text += f" (lost updates {_pct(lost)} of parameters per step vs {_pct(base_lost)})"
+            text += f" (lost updates {percent(lost)} of parameters per step vs {percent(base_lost)})"
         elif (isolated or {}).get(s["precision"]) and s["rule"] in (None, "plain"):
             text += f" ({isolated[s['precision']]})"
         out.append(text)
     if s["rule"] not in (None, "plain"):
         out.append(f"--bf16-update {s['rule']}")
-    if _short(s["optimizer"]) != _short(base["optimizer"]) or s["lr"] != base["lr"]:
+    if short_name(s["optimizer"]) != short_name(base["optimizer"]) or s["lr"] != base["lr"]:
         out.append(
-            f"{_short(s['optimizer'])} lr {s['lr']:g} vs {_short(base['optimizer'])} lr {base['lr']:g}"
+            f"{short_name(s['optimizer'])} lr {s['lr']:g} vs {short_name(base['optimizer'])} lr {base['lr']:g}"
         )
     out += own_policy(s, base)
-    steps, base_steps = _mean_sd(s["steps"])[0], _mean_sd(base["steps"])[0]
+    steps, base_steps = mean_sd(s["steps"])[0], mean_sd(base["steps"])[0]
     if s["batch"] != base["batch"] or steps != base_steps:
         micro = (
             f" ({s['micro']}×{s['batch'] // s['micro']})" if s["micro"] and s["micro"] != s["batch"] else ""
@@ -158,7 +60,7 @@ def differences(s: dict[str, Any], base: dict[str, Any], isolated: dict[str, str
             if steps is not None and base_steps is not None
             else f"batch {s['batch']} vs {base['batch']}"
         )
-    loss, base_loss = _mean_sd(s["loss"])[0], _mean_sd(base["loss"])[0]
+    loss, base_loss = mean_sd(s["loss"])[0], mean_sd(base["loss"])[0]
     if loss is not None and base_loss is not None:
         out.append(f"final training loss {loss:.3f} vs {base_loss:.3f}")
     return out
@@ -168,22 +70,22 @@ def isolated_precision(acc: dict, base: dict[str, Any]) -> dict[str, str]:
     """Per precision, what the rung that changes nothing but the precision measured against the baseline
     (same batch, optimizer and learning-rate policy: rung 03 for bf16-true), with its Kahan fix when it ran:
     the measured part of the gap of every later rung that keeps that precision."""
-    base_mean = _mean_sd(base["test"])[0]
+    base_mean = mean_sd(base["test"])[0]
     found: dict[str, str] = {}
     same = ("batch", "micro", "short", "lr", "warmup", "epochs")  # all but the precision
     for (recipe, variant), runs in sorted(acc.items()):
-        s = _stats(runs)
+        s = group_stats(runs)
         if variant != "default" or recipe == BASELINE or base_mean is None or s["precision"] in found:
             continue
         if s["precision"] == base["precision"] or [s[k] for k in same] != [base[k] for k in same]:
             continue
-        mean, lost = _mean_sd(s["test"])[0], _mean_sd(s["lost"])[0]
+        mean, lost = mean_sd(s["test"])[0], mean_sd(s["lost"])[0]
         if mean is None:
             continue
         text = f"{recipe[:2]} changes only that: {mean - base_mean:+.3f}" + (
-            f", {_pct(lost)} of updates lost" if lost is not None else ""
+            f", {percent(lost)} of updates lost" if lost is not None else ""
         )
-        kahan = _mean_sd(_stats(acc.get((recipe, "kahan"), []))["test"])[0]
+        kahan = mean_sd(group_stats(acc.get((recipe, "kahan"), []))["test"])[0]
         found[s["precision"]] = text + (
             f"; with --bf16-update kahan {kahan - base_mean:+.3f}" if kahan is not None else ""
         )
@@ -193,8 +95,8 @@ def isolated_precision(acc: dict, base: dict[str, Any]) -> dict[str, str]:
 def render_table(results: list[dict]) -> str:
     """Mean ± sd of held-out test accuracy per rung (and bf16 variant), flagged against the baseline."""
     acc, _ = groups(results)
-    base = _stats(acc.get((BASELINE, "default"), []))
-    base_mean, base_sd = _mean_sd(base["test"])
+    base = group_stats(acc.get((BASELINE, "default"), []))
+    base_mean, base_sd = mean_sd(base["test"])
     isolated = isolated_precision(acc, base)
     lines = [
         "| rung | variant | precision | optimizer | batch | optimizer steps | test accuracy | final train loss¹"
@@ -202,8 +104,8 @@ def render_table(results: list[dict]) -> str:
         "|---|---|---|---|---:|---:|---:|---:|---:|---|",
     ]
     for (recipe, variant), runs in sorted(acc.items()):
-        s = _stats(runs)
-        mean = _mean_sd(s["test"])[0]
+        s = group_stats(runs)
+        mean = mean_sd(s["test"])[0]
         if (recipe, variant) == (BASELINE, "default"):
             verdict = "baseline"
         elif mean is None or base_mean is None or base_sd is None:
@@ -216,12 +118,16 @@ def render_table(results: list[dict]) -> str:
             verdict = f"within ({mean - base_mean:+.3f})"
         if s["ok"] < s["runs"]:
             verdict += f" — {s['runs'] - s['ok']} run(s) not finished: {', '.join(s['not_ok'])}"
-        steps = _mean_sd(s["steps"])[0]
+        steps = mean_sd(s["steps"])[0]
         row = [
             recipe,
             variant,
             str(s["precision"] or DASH),
-            (f"{_short(s['optimizer'])} {s['lr']:g}" if s["lr"] is not None else _short(s["optimizer"]))
+            (
+                f"{short_name(s['optimizer'])} {s['lr']:g}"
+                if s["lr"] is not None
+                else short_name(s["optimizer"])
+            )
             + "".join(f", {note}" for note in own_policy(s, base)),
             str(
                 s["batch"]
@@ -229,9 +135,9 @@ def render_table(results: list[dict]) -> str:
                 else f"{s['batch']} ({s['micro']}×{s['batch'] // s['micro']})"
             ),
             DASH if steps is None else f"{steps:.0f}",
-            _pm(s["test"]),
-            _pm(s["loss"]),
-            _pct(_mean_sd(s["lost"])[0]),
+            plus_minus(s["test"]),
+            plus_minus(s["loss"]),
+            percent(mean_sd(s["lost"])[0]),
             verdict,
         ]
         lines.append("| " + " | ".join(row) + " |")
@@ -266,8 +172,10 @@ def render_fixes(results: list[dict]) -> str | None:
     pairs += [
         ("06_sgd_cosine", v, f"SGD: bf16-true {rule('06_sgd_cosine', v)} (rung 06)", sgd) for v in rules
     ]
-    pairs += [("14_memory_floor", v, f"SGD in backward: bf16-true {rule('14_memory_floor', v)} (rung 14)", None)
-              for v in rules]  # fmt: skip
+    pairs += [
+        ("14_memory_floor", v, f"SGD in backward: bf16-true {rule('14_memory_floor', v)} (rung 14)", None)
+        for v in rules
+    ]
     rows = [row for row in pairs if row[:2] in acc or row[:2] in mem]
     if not rows:
         return None
@@ -278,9 +186,9 @@ def render_fixes(results: list[dict]) -> str | None:
         "|---|---:|---:|---:|---:|" + ("---:|---:|" if with_memory else ""),
     ]
     for recipe, variant, label, reference in rows:
-        s = _stats(acc.get((recipe, variant), []))
-        ref = _mean_sd(_stats(acc.get(reference, []))["test"])[0] if reference else None
-        mean = _mean_sd(s["test"])[0]
+        s = group_stats(acc.get((recipe, variant), []))
+        ref = mean_sd(group_stats(acc.get(reference, []))["test"])[0] if reference else None
+        mean = mean_sd(s["test"])[0]
         gap = DASH if mean is None or ref is None else f"{mean - ref:+.3f}"
         m = mem.get((recipe, variant)) or {}
         memory = m.get("memory") or {}
@@ -289,7 +197,7 @@ def render_fixes(results: list[dict]) -> str | None:
             for k in ("peak_allocated_gb", "peak_reserved_gb")
         ]
         lines.append(
-            f"| {label} | {_pm(s['loss'])} | {_pm(s['test'])} | {gap} | {_pct(_mean_sd(s['lost'])[0])} |"
+            f"| {label} | {plus_minus(s['loss'])} | {plus_minus(s['test'])} | {gap} | {percent(mean_sd(s['lost'])[0])} |"
             + ("".join(f" {c} |" for c in cells) if with_memory else "")
         )
     return "\n".join(lines)

@@ -48,12 +48,12 @@ from fabric_memory_recipes.measurement.report.cells import write_into_block, wri
 from fabric_memory_recipes.measurement.results_file import write_json_atomic
 from fabric_memory_recipes.paths import output_folder
 from fabric_memory_recipes.processes import DeviceSlots
-from fabric_memory_recipes.tools.convergence import benchmark
+from fabric_memory_recipes.tools.convergence import benchmark, run_plan
 from fabric_memory_recipes.tools.convergence.policy import CPU_MODEL, MODEL, PRESETS
-from fabric_memory_recipes.tools.convergence.report import BASELINE, final_loss
+from fabric_memory_recipes.tools.convergence.run_stats import BASELINE, final_loss
 from fabric_memory_recipes.training.data import digits
 
-REFERENCE = benchmark.REPO / "results" / "published" / "h100" / "convergence"
+REFERENCE = run_plan.REPO / "results" / "published" / "h100" / "convergence"
 VALUES = {"lr": float, "warmup": float, "epochs": int}  # a grid's keys and their types
 
 
@@ -81,12 +81,12 @@ class Grid:
 def parse_grid(spec: str, model: str) -> Grid:
     """``"06,10 lr=0.03,0.06 warmup=2,6 epochs=30"`` -> a Grid (ValueError with the reason)."""
     words = spec.split()
-    known = benchmark.single_gpu_rungs()
+    known = run_plan.single_gpu_rungs()
     wanted = [w for w in (words[0] if words else "").split(",") if w]
     rungs = [n for n in known if any(n.startswith(w) for w in wanted)]
     if not rungs:
         raise ValueError(f"{spec!r}: its first word names no rung of {', '.join(known)}")
-    kinds = {benchmark.optimizer_kind(r) for r in rungs}
+    kinds = {run_plan.optimizer_kind(r) for r in rungs}
     if len(kinds) > 1:
         raise ValueError(f"{spec!r}: Adam and SGD rungs in one grid (its learning rates are for one of them)")
     kind, preset = kinds.pop(), PRESETS[model]
@@ -117,7 +117,7 @@ def merged(grids: list[Grid]) -> list[Grid]:
     return list(out.values())
 
 
-def setting_jobs(grid: Grid, setting: Setting, args: argparse.Namespace, cuda: bool) -> list[benchmark.Job]:
+def setting_jobs(grid: Grid, setting: Setting, args: argparse.Namespace, cuda: bool) -> list[run_plan.Job]:
     """The benchmark's own jobs for one setting of a grid, named by the setting (its variant)."""
     argv = [
         "--model", args.model, "--rungs", ",".join(grid.rungs), "--seed-list", ",".join(map(str, args.seed_list)),
@@ -125,16 +125,16 @@ def setting_jobs(grid: Grid, setting: Setting, args: argparse.Namespace, cuda: b
         "--no-variants", "--no-memory", "--lost-seeds", "", "--no-tuned", *(["--mode", args.mode] if args.mode else []),
         "--", *args.extra,
     ]  # fmt: skip
-    jobs = benchmark.plan(benchmark.parse_args(argv), cuda)
+    jobs = run_plan.plan(benchmark.parse_args(argv), cuda)
     return [dataclasses.replace(j, variant=setting.name) for j in jobs]
 
 
-def reference_runs(job: benchmark.Job, reference: Path | None, model: str) -> list[dict]:
+def reference_runs(job: run_plan.Job, reference: Path | None, model: str) -> list[dict]:
     """The committed benchmark's finished runs of this job's rung at the same policy (every seed)."""
     found = []
     for path in sorted((reference / "runs").glob(f"{job.recipe}-default-s*.json")) if reference else []:
         same = dataclasses.replace(job, variant="default", seed=int(path.stem.rpartition("-s")[2]))
-        d = json.loads(path.read_text()) if benchmark.finished(same, reference) else {}
+        d = json.loads(path.read_text()) if run_plan.finished(same, reference) else {}
         if (d.get("config") or {}).get("model") == model:
             found.append(d)
     return found
@@ -271,7 +271,7 @@ def run(args: argparse.Namespace, grids: list[Grid]) -> int:
     cuda = torch.cuda.is_available() and "cpu" not in args.extra
     out, logs = Path(args.out), Path(args.out) / "logs"
     (logs / "fabric").mkdir(parents=True, exist_ok=True)
-    jobs: list[benchmark.Job] = []
+    jobs: list[run_plan.Job] = []
     kept = out / "reference" / "runs"  # the committed runs read, kept beside the sweep's own
     kept.mkdir(parents=True, exist_ok=True)
     for grid in grids:
@@ -280,7 +280,7 @@ def run(args: argparse.Namespace, grids: list[Grid]) -> int:
                 if setting == grid.today and (found := reference_runs(job, args.reference, args.model)):
                     for d in found:  # today's setting: read from the committed runs
                         write_json_atomic(str(kept / f"{job.recipe}-{d['tag']}.json"), d)
-                elif not benchmark.finished(job, out):
+                elif not run_plan.finished(job, out):
                     jobs.append(job)
     for path in (
         sorted((args.reference / "runs").glob(f"{BASELINE}-default-s*.json")) if args.reference else []
@@ -313,7 +313,7 @@ def run(args: argparse.Namespace, grids: list[Grid]) -> int:
         record["summary"] = summarise(out, grids, args)
         write_summary(out, record, args.readme)
 
-    def one(job: benchmark.Job) -> None:  # run, then record what finished so far
+    def one(job: run_plan.Job) -> None:  # run, then record what finished so far
         gpu, job_env = slots.take(env)
         try:
             benchmark.run_job(job, out, logs, job_env, args.extra, deadline)

@@ -20,16 +20,9 @@ The fixes, selected with ``--bf16-update`` on the bf16-true rungs (``plain`` kee
                 +2 bytes per parameter. Adam and SGD: the torch-optimi package (``kahan_sum=True``).
                 8-bit Adam has no Kahan variant: refused.
 
-What the measurement counts. Every ``N``-th optimizer step, hooks on the optimizer copy
-the weights before the step and compare after it. A parameter *should* change when its gradient is not
-zero and an update of the size the optimizer intends would move it in fp32 (plain SGD: ``lr * grad``
-exactly; Adam-like: about ``lr``), so that a learning rate decayed to ~0 does not count. It *did* change
-when its effective value moved: the stored weight, plus the Kahan buffer for ``kahan``. Recorded per
-sampled step: ``lost`` = should and did not / should, and ``unchanged`` = stored bf16 weights that did not
-move / all (what a plain comparison of the weights shows). Stochastic rounding leaves many weights
-unchanged in a step by design (each moves with a probability): its ``lost`` stays high and its effect
-shows in the loss curve instead. The copy costs one set of weights while a sampled step runs, and a
-synchronisation: leave the flag off for memory and speed runs.
+The measurement (``--lost-updates N``) is
+:class:`~fabric_memory_recipes.measurement.lost_updates.LostUpdates`, which :func:`updates` attaches to
+the optimizer: what it counts is said there.
 """
 
 from __future__ import annotations
@@ -43,6 +36,7 @@ from fabric_memory_recipes.config import (
     UsageError,  # a --bf16-update the optimizer cannot honour: one line, exit 2
 )
 from fabric_memory_recipes.console import notice
+from fabric_memory_recipes.measurement.lost_updates import LostUpdates
 from fabric_memory_recipes.techniques import BF16_UPDATES
 
 
@@ -72,8 +66,18 @@ def library_rounding():
     return _fp32_to_bf16_sr
 
 
-def sgd_update(p, grad, buf, lr, momentum: float, dampening: float, weight_decay: float,
-               nesterov: bool, first: bool, rounding) -> None:  # fmt: skip
+def sgd_update(
+    p,
+    grad,
+    buf,
+    lr,
+    momentum: float,
+    dampening: float,
+    weight_decay: float,
+    nesterov: bool,
+    first: bool,
+    rounding,
+) -> None:
     """One parameter's SGD step, torch's rule (``torch.optim.SGD``), computed in fp32 and stored in
     ``p``'s dtype, with ``rounding`` (None: to nearest). ``buf`` is the momentum buffer
     (None without momentum), ``first`` its first step; ``lr`` may be a tensor (a captured step reads it)."""
@@ -101,12 +105,20 @@ class StochasticRoundSGD(torch.optim.Optimizer):
 
     compile_on = ("cuda",)
 
-    def __init__(self, params, lr: float, momentum: float = 0.0, dampening: float = 0.0,
-                 weight_decay: float = 0.0, nesterov: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        params,
+        lr: float,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+    ) -> None:
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
-        defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-                        nesterov=nesterov)  # fmt: skip
+        defaults = dict(
+            lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov
+        )
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict) -> None:
@@ -139,8 +151,18 @@ class StochasticRoundSGD(torch.optim.Optimizer):
             buf = state["momentum_buffer"]
         update = compiled_sgd_update() if p.device.type in self.compile_on else sgd_update
         rounding = library_rounding() if p.dtype == torch.bfloat16 else None
-        update(p.detach(), p.grad, buf, group["lr"], group["momentum"], group["dampening"],
-               group["weight_decay"], group["nesterov"], first, rounding)  # fmt: skip
+        update(
+            p.detach(),
+            p.grad,
+            buf,
+            group["lr"],
+            group["momentum"],
+            group["dampening"],
+            group["weight_decay"],
+            group["nesterov"],
+            first,
+            rounding,
+        )
 
 
 @functools.cache
@@ -148,7 +170,9 @@ def compiled_sgd_update():
     """:func:`sgd_update` compiled once per process (dynamo keeps one variant per shape and flags), without
     pointwise autotuning: its benchmark buffer (the size of L2) at each kernel's first run, inside backward
     on rungs 12 and 14, raised the floor's warm-up peak by ~0.04 GB (docs/14_memory_floor.md)."""
-    return torch.compile(sgd_update, fullgraph=True, dynamic=False, options={"triton.autotune_pointwise": False})  # fmt: skip
+    return torch.compile(
+        sgd_update, fullgraph=True, dynamic=False, options={"triton.autotune_pointwise": False}
+    )
 
 
 # ---------------------------------------------------------------------------------- choosing the rule
@@ -203,8 +227,14 @@ def replace(optimizer: torch.optim.Optimizer, update: str) -> torch.optim.Optimi
     kind = type(optimizer).__name__
     if isinstance(optimizer, torch.optim.SGD):
         if update == "stochastic":
-            return StochasticRoundSGD(params, lr=lr, momentum=g.get("momentum", 0), dampening=g.get("dampening", 0),
-                                      weight_decay=g.get("weight_decay", 0), nesterov=g.get("nesterov", False))  # fmt: skip
+            return StochasticRoundSGD(
+                params,
+                lr=lr,
+                momentum=g.get("momentum", 0),
+                dampening=g.get("dampening", 0),
+                weight_decay=g.get("weight_decay", 0),
+                nesterov=g.get("nesterov", False),
+            )
         if g.get("momentum", 0) or g.get("weight_decay", 0) or g.get("nesterov", False):
             raise UsageError(
                 "--bf16-update kahan: only plain SGD (no momentum, no weight decay) is supported"
@@ -259,114 +289,6 @@ def _optimi(name: str, params, **kwargs) -> torch.optim.Optimizer:
             '--bf16-update kahan needs torch-optimi: python3 -m pip install -e ".[bf16]"'
         ) from None
     return getattr(optimi, name)(params, **kwargs)
-
-
-# ---------------------------------------------------------------------------------------- measurement
-class LostUpdates:
-    """Counts lost updates at sampled steps through optimizer step hooks (see the module docstring).
-
-    Several optimizers may report into one probe (rungs 12 and 14: one optimizer per parameter, stepped
-    inside backward); the loop's step counter (``results.optimizer_steps``, increased after each step)
-    tells which step a hook belongs to, so their counts add up per step.
-    """
-
-    def __init__(self, results, every: int) -> None:
-        self.results, self.every = results, every
-        self.record: dict[str, Any] = {"every": every, "steps": []}
-        self._current: list | None = None  # [step, lost, should, unchanged, total] being summed
-        self._before: dict[int, tuple] = {}
-
-    def _sampled(self, step: int) -> bool:
-        return step % self.every == 0
-
-    def attach(self, optimizer: torch.optim.Optimizer) -> None:
-        optimizer.register_step_pre_hook(self._pre)
-        optimizer.register_step_post_hook(self._post)
-
-    @staticmethod
-    def _kahan(optimizer, p) -> torch.Tensor | None:
-        """torch-optimi's compensation buffer of ``p`` (what rounding dropped so far), if it has one."""
-        comp = optimizer.state[p].get("kahan_comp") if p in optimizer.state else None
-        return comp if isinstance(comp, torch.Tensor) and comp.shape == p.shape else None
-
-    @torch.no_grad()
-    def _pre(self, optimizer, args, kwargs) -> None:
-        step = self.results.optimizer_steps + 1
-        if not self._sampled(step):
-            return
-        sgd = type(optimizer).__name__ in ("SGD", "StochasticRoundSGD")  # update = lr * grad exactly
-        for group in optimizer.param_groups:
-            lr = float(group["lr"])
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                comp = self._kahan(optimizer, p)
-                self._before[id(p)] = (
-                    p.detach().clone(),
-                    self._should_change(p, lr, sgd),  # now: some optimizers reuse .grad as a buffer
-                    None if comp is None else comp.detach().clone(),
-                )
-
-    @staticmethod
-    def _should_change(p: torch.Tensor, lr: float, sgd: bool) -> torch.Tensor:
-        """Parameters whose update would move them in fp32: a non-zero gradient, and an update of the
-        size the optimizer intends (SGD: ``lr * grad``; Adam-like: about ``lr``) that fp32 does not
-        round away. The second part keeps a learning rate decayed to ~0 (cosine) from counting as loss."""
-        g = p.grad.detach().float()
-        w = p.detach().float()
-        update = g * lr if sgd else torch.sign(g) * lr
-        return (g != 0) & ((w - update) != w)
-
-    @torch.no_grad()
-    def _post(self, optimizer, args, kwargs) -> None:
-        step = self.results.optimizer_steps + 1
-        if not self._before:
-            return
-        counts = torch.zeros(4, dtype=torch.int64, device=next(iter(self._before.values()))[0].device)
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                saved = self._before.pop(id(p), None)
-                if saved is None:
-                    continue
-                old, should, old_comp = saved
-                stored_same = p.detach() == old
-                same = stored_same
-                comp = self._kahan(optimizer, p)
-                if comp is not None:  # the effective weight is the stored one plus the compensation
-                    before = old.float() + (old_comp.float() if old_comp is not None else 0.0)
-                    same = (p.detach().float() + comp.float()) == before
-                counts += torch.stack(
-                    [
-                        (should & same).sum(),
-                        should.sum(),
-                        stored_same.sum(),
-                        torch.tensor(p.numel(), device=counts.device),
-                    ]
-                ).to(counts.device)
-        self._before.clear()
-        lost, should, unchanged, total = (int(v) for v in counts.tolist())
-        if self._current is not None and self._current[0] == step:  # one optimizer per parameter
-            for i, v in enumerate((lost, should, unchanged, total), start=1):
-                self._current[i] += v
-        else:
-            self._current = [step, lost, should, unchanged, total]
-            self.record["steps"].append(self._current)
-        self._summarise()
-
-    def _summarise(self) -> None:
-        """Keep ``record`` in its JSON form: rows [step, lost, unchanged] and their means."""
-        rows = [
-            [s, lost / should if should else 0.0, unchanged / total if total else 0.0]
-            for s, lost, should, unchanged, total in self.record["steps"]
-        ]
-        self.results.updates["lost"] = {
-            "every": self.every,
-            "columns": ["step", "lost", "unchanged"],
-            "steps": rows,
-            "mean_lost": sum(r[1] for r in rows) / len(rows),
-            "mean_unchanged": sum(r[2] for r in rows) / len(rows),
-            "last_lost": rows[-1][1],
-        }
 
 
 # --------------------------------------------------------------------------------------------- recipes
