@@ -37,12 +37,20 @@ def predict(cfg: Any, gpu: str = "h100", batch_size: int | None = None, new_toke
                     cfg.precision, cfg.kv_cache_dtype, gpu, capacity_gb, cfg.weights_quant)  # fmt: skip
 
 
+def card_capacity_gb(budget_gb: float | None, gpu: str) -> float | None:
+    """What the allocator may reserve on a card of ``budget_gb`` (None: no cap): the card less the
+    inference overhead of ``gpu``, the cap ``--memory-budget-gb`` sets on the run (training/lifecycle.py)."""
+    return None if budget_gb is None else budget_gb - (overhead_per_gpu(gpu, "inference", 1).gb or 0.0)
+
+
 def for_run(cfg: Any) -> dict:
-    """What ``recipes/your_model.py --infer`` records next to its measurement (an error is recorded, never raised)."""
+    """What ``recipes/your_model.py --infer`` records next to its measurement (an error is recorded, never raised).
+    On an emulated card (``--memory-budget-gb``) the replay is capped as the run's allocator is: at the cap the
+    allocator gives its free cached segments back before it asks for more, which a replay without the cap
+    never does (a decode's growing KV cache then reserves many times the card)."""
     try:
-        return predict(
-            cfg, gpu_slug(torch.cuda.get_device_name()) if torch.cuda.is_available() else "h100"
-        ).to_dict()
+        gpu = gpu_slug(torch.cuda.get_device_name()) if torch.cuda.is_available() else "h100"
+        return predict(cfg, gpu, capacity_gb=card_capacity_gb(cfg.memory_budget_gb, gpu)).to_dict()
     except Exception as e:  # a prediction never stops the measurement
         return {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
 
@@ -74,11 +82,11 @@ def fit(cfg: Any, budget_gb: float, gpu: str) -> dict[str, Any]:
     """The largest batch at ``cfg``'s tokens, and for a causal LM the most new tokens at its batch, that fit."""
     seen: dict[tuple[int, int], InferenceEstimate] = {}
 
-    overhead = overhead_per_gpu(gpu, "inference", 1).gb or 0.0
+    capacity = card_capacity_gb(budget_gb, gpu)
 
     def fits(batch: int, new: int) -> bool:  # the replay on the card never runs out of memory
         if (batch, new) not in seen:
-            seen[batch, new] = predict(cfg, gpu, batch, new, capacity_gb=budget_gb - overhead)
+            seen[batch, new] = predict(cfg, gpu, batch, new, capacity_gb=capacity)
         return seen[batch, new].out_of_memory is None
 
     lm = meta_user_model(cfg.model)[0].task == "causal_lm"

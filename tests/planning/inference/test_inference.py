@@ -161,6 +161,23 @@ def test_fit_is_monotone_and_each_answer_fits_its_own_prediction(wide):
         assert beyond.out_of_memory is not None
 
 
+def test_a_run_on_an_emulated_card_records_the_replay_capped_as_its_allocator_is(wide):
+    """A decode's growing KV cache asks for ever larger blocks: uncapped, the replay keeps every freed one
+    cached (3 x the allocated peak here); on a card of --memory-budget-gb the run's allocator gives them back
+    at its cap, and the prediction the run records must too (on an H100 it had said 200 GB for 23)."""
+    cfg = config(wide, batch_size=64, seq_len=128, new_tokens=256)
+    free = cli.predict(cfg)
+    assert free.peak_reserved_gb > 2 * free.peak_allocated_gb
+    capacity = cli.card_capacity_gb(1.1, "h100")
+    assert free.peak_allocated_gb < capacity < free.peak_reserved_gb
+    on_card = cli.for_run(cfg.with_flags(memory_budget_gb=1.1))
+    assert on_card["capacity_gb"] == pytest.approx(capacity)
+    assert on_card["out_of_memory"] is None and on_card["released_gb"] > 0
+    assert on_card["peak_allocated_gb"] == pytest.approx(free.peak_allocated_gb)
+    assert on_card["peak_reserved_gb"] <= capacity
+    assert cli.for_run(cfg)["peak_reserved_gb"] == pytest.approx(free.peak_reserved_gb)
+
+
 def test_largest_searches_a_monotone_answer():
     assert cli.largest(lambda n: n <= 37) == 37
     assert cli.largest(lambda n: n <= 5, most=4) == 4
