@@ -5,14 +5,16 @@
 # 12 distinct compiled graphs (training/your_model/regions.py), so fast mode now runs them eagerly inside its
 # CUDA graph and says so in one line. From the repository root; results under $OUT:
 #
-#   bash scripts/gpu/swin_fast_probe.sh                   # parts "fast eager": ~2 minutes
+#   bash scripts/gpu/swin_fast_probe.sh                   # parts "fast eager equal": ~3 minutes
 #   PARTS="fast eager compiled" bash scripts/gpu/swin_fast_probe.sh   # + the compile fast mode declined:
 #                                                         # the 12 checkpointed blocks compiled with static
 #                                                         # shapes, 3 forward+backward steps timed against
 #                                                         # eager ones (at most 4 more minutes)
 #
-# Parts: fast (the set as the ranking runs it), eager (the same set, --mode eager), compiled (above). Each
-# recipe run is stopped (SIGINT) after RUN_LIMIT s (150), the compiled part after 240 s. Results:
+# Parts: fast (the set as the ranking runs it), eager (the same set, --mode eager), equal (fast == eager:
+# `python -m devtools.your_model.equivalence --only swin_v2_t`, 6 fp32 steps from one start, batch 16; its
+# eager checkpointed blocks draw stochastic depth's random bits inside the captured step), compiled (above).
+# Each recipe run is stopped (SIGINT) after RUN_LIMIT s (150), equal after 200 s, compiled after 240 s. Results:
 # $OUT/summary.md (first step, median step, samples/s, compiled blocks, the fast-mode line, whole-device
 # peak per run) and $OUT/swin_fast_probe.tgz (the runs' JSONs and logs).
 set -u
@@ -35,13 +37,13 @@ for f in sorted((root / "runs").glob("*/your_model.json")):
           f" | {t.get('samples_per_s') or 0:.1f} | {(d.get('extra') or {}).get('compiled_blocks')}"
           f" | {m.get('device_peak_gb')} |")
 for log in sorted(root.glob("*.log")):
-    lines = [x for x in log.read_text(errors="replace").splitlines() if x.startswith(("fast mode:", "compiled"))]
+    lines = [x for x in log.read_text(errors="replace").splitlines() if x.startswith(("fast mode:", "compiled", "{"))]
     print(f"\n{log.stem}: " + (" / ".join(lines) if lines else "no fast-mode line"))
 EOF
 }
 finish() { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$R/gpu.csv" 2>&1
            git log -1 --format='%H %s' > "$R/commit.txt" 2>/dev/null
-           { echo "Made by \`PARTS=\"${PARTS:-fast eager}\" bash scripts/gpu/swin_fast_probe.sh\` on"
+           { echo "Made by \`PARTS=\"${PARTS:-fast eager equal}\" bash scripts/gpu/swin_fast_probe.sh\` on"
              echo "$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1), commit $(git log -1 --format=%h 2>/dev/null), $(date -u +%F)."
              echo; summary; } > "$OUT/summary.md" 2>&1
            tar czf "$OUT/swin_fast_probe.tgz" -C /tmp swin_fast_probe; }
@@ -58,10 +60,15 @@ run() { local name=$1 start; shift; log "start $name: $*"; start=$(date +%s)
         log "end $name: exit $rc after $(cat "$R/$name.wall") s; $(grep -h '^fast mode:' "$R/$name.log" | head -1)"
         grep -h "speed " "$R/$name.log" | tail -1; }
 
-for part in ${PARTS:-fast eager}; do
+for part in ${PARTS:-fast eager equal}; do
   case $part in
     fast) run fast "${SET[@]}" --mode fast ;;
     eager) run eager "${SET[@]}" --mode eager ;;
+    equal)
+      log "start equal: fast == eager for Swin-V2-T (devtools/your_model/equivalence.py)"
+      timeout -k 15 -s INT 200 python3 -m devtools.your_model.equivalence --only swin_v2_t --out "$R/equal" \
+          > "$R/equal.log" 2>&1
+      log "end equal: exit $?"; grep -h '^{' "$R/equal.log" | tee -a "$R/log.txt" ;;
     compiled)
       log "start compiled: the 12 checkpointed blocks compiled with static shapes, batch 64, bf16 autocast"
       timeout -k 15 -s INT 240 python3 - > "$R/compiled.log" 2>&1 <<'EOF'
@@ -101,7 +108,7 @@ for m in wrapped:
 steps("blocks compiled", 4)
 EOF
       log "end compiled: exit $?"; grep -h "^compiled" "$R/compiled.log" | tee -a "$R/log.txt" ;;
-    *) log "unknown part $part (fast, eager, compiled)" ;;
+    *) log "unknown part $part (fast, eager, equal, compiled)" ;;
   esac
 done
 summary | tee -a "$R/log.txt"
