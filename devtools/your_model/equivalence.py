@@ -7,10 +7,11 @@ element change).
     python -m devtools.your_model.equivalence --out runs/your-model-equivalence     # on a CUDA GPU
 
 Rows: one model of each family the runner trains (torchvision, timm, a Hugging Face encoder, a Hugging
-Face causal LM), eager against fast (compiled repeated blocks; CUDA graphs too for image models), in
-fp32 with TF32 off and dropout off so that only the fast machinery differs; the image model also eager
-against eager (the run-to-run spread of its kernels), compiled only and graphs only; and the causal LM
-with ``--fused-loss`` against its own loss, eager.
+Face causal LM), eager against fast (compiled repeated blocks; CUDA graphs too for image models; Swin-V2-T,
+whose blocks need too many compiled graphs, in CUDA graphs with eager checkpointed blocks that draw
+stochastic depth's random bits), in fp32 with TF32 off and dropout off so that only the fast machinery
+differs; the image model also eager against eager (the run-to-run spread of its kernels), compiled only and
+graphs only; and the causal LM with ``--fused-loss`` against its own loss, eager.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ ROWS = [  # (name, common flags, flags of the reference run, flags of the run ch
      ["--mode", "fast", "--no-cuda-graphs"]),
     ("torchvision resnet18, graphs only", ["--model", "torchvision:resnet18", "--batch-size", "32"], ["--mode", "eager"],
      ["--mode", "eager", "--cuda-graphs"]),
+    ("torchvision swin_v2_t, checkpointing (stochastic depth on; fast mode: eager blocks, CUDA graphs)",
+     ["--model", "torchvision:swin_v2_t", "--batch-size", "16", "--checkpoint-blocks"], ["--mode", "eager"], ["--mode", "fast"]),
     ("hf bert-base (dropout off)", ["--model", "hf:{bert}", "--batch-size", "8", "--seq-len", "128"],
      ["--mode", "eager"], ["--mode", "fast"]),
     ("hf llama-0.36b, fused loss + selective checkpointing", ["--model", LM, "--batch-size", "2", "--seq-len", "512",

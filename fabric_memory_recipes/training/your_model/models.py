@@ -26,10 +26,12 @@ from typing import Any
 import torch.nn as nn
 import torchvision.models as tvm
 
+from fabric_memory_recipes import console
 from fabric_memory_recipes.config import UsageError
 from fabric_memory_recipes.training.data.network import hub_online
 from fabric_memory_recipes.training.data.text_samples import TokenIds
 from fabric_memory_recipes.training.hf_models import _cached, require_transformers
+from fabric_memory_recipes.training.your_model import regions
 
 SOURCES = ("torchvision", "timm", "hf")
 IMAGE_CLASSES = 10  # the digits' labels: what the runner trains on
@@ -297,7 +299,9 @@ def compile_repeated(model: nn.Module, blocks: tuple[str, ...]) -> int:
     Blocks that hold BatchNorm stay eager: a compiled ResNet-18 block in training mode was not shown equal
     to eager (devtools/your_model/equivalence.py: 18 % of the eager change apart after 6 fp32 Adam steps, the
     same on an H100 and an H200, while eager twice and CUDA graphs alone matched exactly), so such a
-    model's fast mode is its CUDA graphs.
+    model's fast mode is its CUDA graphs. So is that of a model whose blocks would need more than
+    ``regions.MAX_GRAPHS`` distinct compiled graphs (Swin-V2-T: 12 for its 12 blocks), with one line
+    saying so; blocks that need 2 to ``MAX_GRAPHS`` are compiled with static shapes (regions.py).
 
     An encoder-decoder's checkpointed block is compiled inside its wrapper (the recompute reruns the compiled
     block): inductor refused a compiled wrapper of T5's block on a CPU ("Node ... was invalid, but is
@@ -309,15 +313,25 @@ def compile_repeated(model: nn.Module, blocks: tuple[str, ...]) -> int:
         for module in chosen:
             module.compile()
         return len(chosen)
-    chosen = compilable(model, blocks)
+    chosen = _without_batch_norm(model, blocks)
+    graphs = regions.distinct_graphs(model, chosen)
+    if regions.too_many(graphs):
+        console.notice(regions.fallback_notice(type(model).__name__, graphs, len(chosen)))
+        return 0
     for module in chosen:
-        module.compile()
+        module.compile(dynamic=regions.dynamic(graphs))
     return len(chosen)
 
 
 def compilable(model: nn.Module, blocks: tuple[str, ...]) -> list[nn.Module]:
     """The modules fast mode compiles (:func:`compile_repeated`): each repeated block, or its checkpoint
-    wrapper, that holds no BatchNorm."""
+    wrapper, that holds no BatchNorm; none when they would need more distinct compiled graphs than
+    regional compilation pays for (regions.py)."""
+    chosen = _without_batch_norm(model, blocks)
+    return [] if regions.too_many(regions.distinct_graphs(model, chosen)) else chosen
+
+
+def _without_batch_norm(model: nn.Module, blocks: tuple[str, ...]) -> list[nn.Module]:
     wrapped = [m for m in model.modules() if type(m).__name__ == "CheckpointedBlock"]
     inside = {id(m.block) for m in wrapped}
     chosen = wrapped + [m for m in model.modules() if type(m).__name__ in blocks and id(m) not in inside]
