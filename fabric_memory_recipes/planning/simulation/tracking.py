@@ -38,10 +38,10 @@ class FakeMode(FakeTensorMode):
         return self._avoid_device_init
 
 
-# What calling an op into a Python dispatch mode adds to the reference counts of its first tensor argument,
-# as the innermost mode sees them: three references to the tensor (the dispatcher's boxed stack, the Python
-# object's, the argument tuple's conversion) and one to its storage (the Python storage object). Measured
-# on torch 2.11; tests/planning/test_gradient_sums.py checks the rule against the engine on real tensors.
+# The references that the call into a Python dispatch mode adds to those the engine holds, as the innermost
+# mode counts them for an op's first argument: three to the tensor (its way through the dispatcher to the
+# Python call) and one to its storage (the Python storage object that ``untyped_storage()`` returns).
+# Measured on torch 2.11; tests/planning/test_gradient_sums.py checks the rule against the engine.
 _TENSOR_REFS_IN_DISPATCH = 3
 _STORAGE_REFS_IN_DISPATCH = 1
 
@@ -79,7 +79,7 @@ def _sums_in_place(old: torch.Tensor, new: torch.Tensor) -> bool:
     new tensor, where a GPU run without modes sums in place. ``AccumulateGrad`` (a leaf's ``.grad``) has
     no such test: it steals or adds in place under the modes as it does without them.
     """
-    if torch.is_grad_enabled() or old is new or old.layout != torch.strided or new.layout != torch.strided:
+    if torch.is_grad_enabled() or old is new or old.layout != torch.strided:  # sparse: not modelled
         return False
     if old._is_zerotensor() or old.is_nested or not is_non_overlapping_and_dense_or_false(old):
         return False
