@@ -272,7 +272,7 @@ def simulate(
             scaled = loss / k
             if op_costs is not None:
                 op_costs.section = (micro, "backward")
-            scaled.backward()
+            tracker.backward(scaled)  # gradient parts summed in place where a GPU run sums them
             del loss, batch, scaled
             if op_costs is not None:
                 op_costs.section = None

@@ -1,6 +1,7 @@
 """Counting storages: what autograd saves for backward (:class:`SavedTensorCounter`, also used on real
-runs) and every storage an op creates, by component, with the weighted peak (``Tracker``); the fake mode
-the simulations run under (:class:`FakeMode`)."""
+runs) and every storage an op creates, by component, with the weighted peak (``Tracker``), the gradient
+sums of backward made as the autograd engine makes them without a dispatch mode (``Tracker.backward``);
+the fake mode the simulations run under (:class:`FakeMode`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -34,6 +36,58 @@ class FakeMode(FakeTensorMode):
     @property
     def avoid_device_init(self) -> bool:
         return self._avoid_device_init
+
+
+# The references that the call into a Python dispatch mode adds to those the engine holds, as the innermost
+# mode counts them for an op's first argument: three to the tensor (its way through the dispatcher to the
+# Python call) and one to its storage (the Python storage object that ``untyped_storage()`` returns).
+# Measured on torch 2.11; tests/planning/test_gradient_sums.py checks the rule against the engine.
+_TENSOR_REFS_IN_DISPATCH = 3
+_STORAGE_REFS_IN_DISPATCH = 1
+
+
+def _summing_slots(root: Any) -> list[Any]:
+    """The nodes of ``root``'s backward graph that feed an input which another node feeds too: after such a
+    node runs, the engine adds its output into what is already buffered for that input."""
+    producers: dict[tuple[Any, int], list[Any]] = defaultdict(list)
+    seen, stack = set(), [root]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for following, input_nr in node.next_functions:
+            if following is not None:
+                producers[(following, input_nr)].append(node)
+                stack.append(following)
+    return list({id(n): n for ps in producers.values() if len(ps) > 1 for n in ps}.values())
+
+
+def _sums_in_place(old: torch.Tensor, new: torch.Tensor) -> bool:
+    """Whether the autograd engine, with no dispatch mode active, adds ``new`` into ``old`` in place.
+
+    torch/csrc/autograd/input_buffer.cpp, ``accumulate``: the gradient parts that reach one input of a
+    backward node are summed ``old.add_(new)`` when grad mode is off (no ``create_graph``), ``old`` is dense
+    (not sparse, not a zero tensor, not nested, its strides a permutation of contiguous ones) and the buffer
+    holds the only reference to ``old`` and to its storage (``can_accumulate_inplace``); otherwise
+    ``old + new``, a new tensor. A part that is a view (a transposed weight's gradient: its base is alive)
+    or that another node still holds is summed into a new tensor, on CUDA too. The rule is the same on
+    every device; only the streams differ.
+
+    The engine also requires that neither part is "subclass-like", which every tensor is while a dispatch
+    mode is active (``at::isTensorSubclassLike``): under the simulation's modes the engine always makes a
+    new tensor, where a GPU run without modes sums in place. ``AccumulateGrad`` (a leaf's ``.grad``) has
+    no such test: it steals or adds in place under the modes as it does without them.
+    """
+    if torch.is_grad_enabled() or old is new or old.layout != torch.strided:  # sparse: not modelled
+        return False
+    if old._is_zerotensor() or old.is_nested or not is_non_overlapping_and_dense_or_false(old):
+        return False
+    storage = old.untyped_storage()
+    return (
+        old._use_count() == 1 + _TENSOR_REFS_IN_DISPATCH
+        and torch._C._storage_Use_Count(storage._cdata) == 1 + _STORAGE_REFS_IN_DISPATCH
+    )
 
 
 class _Record:
@@ -121,6 +175,8 @@ class Tracker(TorchDispatchMode):
         self.events: list[tuple[str, int, int]] = []
         self.marks: dict[str, int] = {}
         self._constants: dict[str, list[int]] = defaultdict(list)  # live constant blocks per category
+        self._summing: Any = None  # the backward node whose outputs the engine is adding into its buffers
+        self.gradient_sums: list[tuple[bool, tuple[int, ...]]] = []  # (in place, shape), in backward's order
 
     def mark(self, name: str) -> None:
         self.marks[name] = len(self.events)
@@ -208,7 +264,38 @@ class Tracker(TorchDispatchMode):
         self.totals[category] += nbytes
         self._changed()
 
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``, its gradient sums made as the engine makes them on a GPU (:func:`_sums_in_place`).
+
+        A post-hook on each node that feeds a shared input marks the moment after the node's own ops, when the
+        engine adds the node's outputs into the inputs' buffers: an ``aten.add`` of that node from then on
+        is such a sum, and when the rule allows it, it is made in place here, as the engine would."""
+
+        def after_node(grad_inputs: Any, grad_outputs: Any) -> None:
+            self._summing = torch._C._current_autograd_node()
+
+        handles = [node.register_hook(after_node) for node in _summing_slots(loss.grad_fn)]
+        try:
+            loss.backward()
+        finally:
+            for handle in handles:
+                handle.remove()
+            self._summing = None
+
+    def _engine_sum(self, func: Any, args: tuple, kwargs: dict | None) -> bool:
+        return (
+            func is torch.ops.aten.add.Tensor
+            and self._summing is not None
+            and not kwargs
+            and torch._C._current_autograd_node() is self._summing
+        )
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self._engine_sum(func, args, kwargs):
+            in_place = _sums_in_place(*args)
+            self.gradient_sums.append((in_place, tuple(args[0].shape)))
+            if in_place:
+                return torch.ops.aten.add_.Tensor(*args)  # the buffered part's storage holds the sum
         out = func(*args, **(kwargs or {}))
         category = self.new_category
         if func is torch.ops.aten._to_copy.default and isinstance(args[0], torch.Tensor):
