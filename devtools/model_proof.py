@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from devtools import planner_proof
+from devtools.capped_card import fit_table
 from fabric_memory_recipes.config import at_least
 from fabric_memory_recipes.console import Parser
 from fabric_memory_recipes.measurement.card_overhead import card_overhead
@@ -252,7 +253,7 @@ def pct(p: Any, m: Any) -> str:
 
 
 def render(runs: list[dict[str, Any]], fit_rows: list[dict[str, Any]]) -> str:
-    f = planner_proof.fmt
+    f = fit_table.fmt
     lines = [
         "## Predicted against measured (one H100, eager, whole run)",
         "",
@@ -278,7 +279,7 @@ def render(runs: list[dict[str, Any]], fit_rows: list[dict[str, Any]]) -> str:
             f" read by: {', '.join(methods)} (nvml-process: the process's own).",
         ]
     if fit_rows:
-        lines += ["", "## --fit on a capped GPU", "", planner_proof.render(fit_rows)]
+        lines += ["", "## --fit on a capped GPU", "", fit_table.render(fit_rows)]
     return "\n".join(lines) + "\n"
 
 
@@ -384,7 +385,7 @@ def main(argv: list[str] | None = None, runner=None) -> int:
         + f" -> {args.out / 'table.md'}"
     )
     if fit_rows:
-        print("\n".join(planner_proof.check_targets(fill_fit_rows(runs, fit_rows))))
+        print("\n".join(fit_table.check_targets(fill_fit_rows(runs, fit_rows))))
     return 0 if all(r.get("status") in (r["expect"], "not run") for r in runs) else 1
 
 

@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from devtools.capped_card.fit_table import check_targets, render
 from fabric_memory_recipes.config import VIT_MODELS, at_least
 from fabric_memory_recipes.console import Parser, comma_list
 from fabric_memory_recipes.measurement.card_overhead import card_overhead
@@ -142,19 +143,39 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 # ------------------------------------------------------------------------------------------ the plan
 def _row(budget: float, role: str, c: Candidate) -> dict[str, Any]:
     return {
-        "budget_gb": budget, "role": role, "command": c.command, "recipe": c.rung.recipe, "argv": c.argv(),
-        "predicted_peak_gb": c.predicted_gb, "simulated_peak_allocated_gb": c.simulated_gb,
-        "overhead_gb": c.overhead_gb, "predicted_device_gb": c.card_gb, "measured_device_peak_gb": None,
-        "predicted_images_per_s": c.images_per_s, "speed_source": c.speed_source,
-        "measured_at_budget_gb": None, "measured_peak_reserved_gb": None, "measured_peak_allocated_gb": None,
-        "measured_images_per_s": None, "status": "not run", "error": None, "result_json": None,
-    }  # fmt: skip
+        "budget_gb": budget,
+        "role": role,
+        "command": c.command,
+        "recipe": c.rung.recipe,
+        "argv": c.argv(),
+        "predicted_peak_gb": c.predicted_gb,
+        "simulated_peak_allocated_gb": c.simulated_gb,
+        "overhead_gb": c.overhead_gb,
+        "predicted_device_gb": c.card_gb,
+        "measured_device_peak_gb": None,
+        "predicted_images_per_s": c.images_per_s,
+        "speed_source": c.speed_source,
+        "measured_at_budget_gb": None,
+        "measured_peak_reserved_gb": None,
+        "measured_peak_allocated_gb": None,
+        "measured_images_per_s": None,
+        "status": "not run",
+        "error": None,
+        "result_json": None,
+    }
 
 
 def make_plan(args: argparse.Namespace, planner: Planner | None = None) -> dict[str, Any]:
     """The rows (budget x role) and the distinct runs that measure them."""
-    planner = planner or Planner(args.batch_size, args.model, args.gpu, precisions=PLANNED_PRECISIONS, modes=MODES,
-                                 optimizers=args.optimizers, cache=SimulationCache())  # fmt: skip
+    planner = planner or Planner(
+        args.batch_size,
+        args.model,
+        args.gpu,
+        precisions=PLANNED_PRECISIONS,
+        modes=MODES,
+        optimizers=args.optimizers,
+        cache=SimulationCache(),
+    )
     rows = []
     for budget in args.budgets:
         fit = planner.fit(budget, top=args.candidates)
@@ -173,8 +194,8 @@ def make_plan(args: argparse.Namespace, planner: Planner | None = None) -> dict[
             key = (row["command"], fits)
             at = runs[key]["budget_gb"] if key in runs else None
             at = row["budget_gb"] if at is None else (min if fits else max)(at, row["budget_gb"])
-            runs.setdefault(key, {"command": row["command"], "recipe": row["recipe"], "argv": row["argv"],
-                                  "expect": "ok" if fits else "oom"})["budget_gb"] = at  # fmt: skip
+            run = runs.setdefault(key, {k: row[k] for k in ("command", "recipe", "argv")})
+            run.update(expect="ok" if fits else "oom", budget_gb=at)
     for row in rows:
         row["measured_at_budget_gb"] = runs[(row["command"], row["role"] != "rejected")]["budget_gb"]
     return {
@@ -189,8 +210,15 @@ def plan_key(args: argparse.Namespace) -> dict[str, Any]:
     """The arguments a stored plan answers, and the card overheads it added (a plan made before the
     overhead table changed is made again)."""
     overheads = {m: card_overhead(args.gpu, m).gb for m in MODES}
-    return {"budgets": args.budgets, "gpu": args.gpu, "batch_size": args.batch_size, "model": args.model,
-            "candidates": args.candidates, "optimizers": list(args.optimizers), "card_overhead_gb": overheads}  # fmt: skip
+    return {
+        "budgets": args.budgets,
+        "gpu": args.gpu,
+        "batch_size": args.batch_size,
+        "model": args.model,
+        "candidates": args.candidates,
+        "optimizers": list(args.optimizers),
+        "card_overhead_gb": overheads,
+    }
 
 
 def load_or_plan(args: argparse.Namespace, planner: Planner | None = None) -> dict[str, Any]:
@@ -212,9 +240,12 @@ def load_or_plan(args: argparse.Namespace, planner: Planner | None = None) -> di
 
 
 def run_argv(run: dict[str, Any], steps: int, results_dir: Path) -> list[str]:
-    return [sys.executable, str(REPO / "recipes" / f"{run['recipe']}.py"), *run["argv"], *RUN_ARGS,
-            "--max-steps", str(steps), "--memory-budget-gb", f"{run['budget_gb']:g}",
-            "--results-dir", str(results_dir)]  # fmt: skip
+    recipe = str(REPO / "recipes" / f"{run['recipe']}.py")
+    return [  # flag and value pairs, as a command line reads
+        sys.executable, recipe, *run["argv"], *RUN_ARGS,
+        "--max-steps", str(steps), "--memory-budget-gb", f"{run['budget_gb']:g}",
+        "--results-dir", str(results_dir),
+    ]  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------ running
@@ -233,15 +264,19 @@ def measure(run: dict[str, Any], args: argparse.Namespace, env: dict, runner: Ru
     )
     summary = summarize_project(json_path)
     status = summary["status"] if summary else proc.get("status", "error")  # timeout: no JSON
-    run.update({
-        "status": status, "run_command": shlex.join(cmd), "wall_s": round(proc.get("wall_s", 0.0), 1),
-        "error": (summary or {}).get("error") or proc.get("error"),
-        "measured_peak_reserved_gb": (summary or {}).get("peak_reserved_gb"),
-        "measured_peak_allocated_gb": (summary or {}).get("peak_allocated_gb"),
-        "measured_device_peak_gb": (summary or {}).get("device_peak_gb"),
-        "measured_images_per_s": (summary or {}).get("images_per_s") if status == "ok" else None,
-        "result_json": str(json_path.relative_to(args.out)) if summary else None,
-    })  # fmt: skip
+    run.update(
+        {
+            "status": status,
+            "run_command": shlex.join(cmd),
+            "wall_s": round(proc.get("wall_s", 0.0), 1),
+            "error": (summary or {}).get("error") or proc.get("error"),
+            "measured_peak_reserved_gb": (summary or {}).get("peak_reserved_gb"),
+            "measured_peak_allocated_gb": (summary or {}).get("peak_allocated_gb"),
+            "measured_device_peak_gb": (summary or {}).get("device_peak_gb"),
+            "measured_images_per_s": (summary or {}).get("images_per_s") if status == "ok" else None,
+            "result_json": str(json_path.relative_to(args.out)) if summary else None,
+        }
+    )
 
 
 def fill_rows(plan: dict[str, Any]) -> list[dict[str, Any]]:
@@ -250,91 +285,19 @@ def fill_rows(plan: dict[str, Any]) -> list[dict[str, Any]]:
     for row in plan["rows"]:
         run = runs[(row["command"], row["role"] != "rejected")]
         row = dict(row)
-        for key in ("status", "error", "measured_peak_reserved_gb", "measured_peak_allocated_gb",
-                    "measured_device_peak_gb", "measured_images_per_s", "result_json", "run_command"):  # fmt: skip
+        for key in (
+            "status",
+            "error",
+            "measured_peak_reserved_gb",
+            "measured_peak_allocated_gb",
+            "measured_device_peak_gb",
+            "measured_images_per_s",
+            "result_json",
+            "run_command",
+        ):
             row[key] = run.get(key, row.get(key))
         rows.append(row)
     return rows
-
-
-def fmt(value: Any, spec: str) -> str:
-    return format(value, spec) if isinstance(value, int | float) else "—"
-
-
-def render(rows: list[dict[str, Any]]) -> str:
-    """fit.md: the rows, then each budget against its targets (check_targets)."""
-    lines = [
-        "| card GB | role | command | predicted reserved GB | measured reserved GB | predicted device GB |"
-        " measured device GB | predicted img/s | measured img/s | status | measured at |",
-        "|---:|---|---|---:|---:|---:|---:|---:|---:|---|---:|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['budget_gb']:g} | {r['role']} | `{r['command']}` | {fmt(r['predicted_peak_gb'], '.2f')} |"
-            f" {fmt(r['measured_peak_reserved_gb'], '.2f')} | {fmt(r.get('predicted_device_gb'), '.2f')} |"
-            f" {fmt(r.get('measured_device_peak_gb'), '.2f')} | {fmt(r['predicted_images_per_s'], '.0f')} |"
-            f" {fmt(r['measured_images_per_s'], '.0f')} | {r['status']} | {r['measured_at_budget_gb']:g} GB |"
-        )
-    lines += ["", *check_targets(rows)]
-    return "\n".join(lines) + "\n"
-
-
-def check_targets(rows: list[dict[str, Any]]) -> list[str]:
-    """One line per budget (a card of that size): the pick ran to the end, predicted peaks (reserved;
-    whole device where measured) against measured, the pick within 20 % of the fastest measured fitting
-    configuration, the rejected ran out of memory (or by how much it fitted), and any run whose
-    allocator went over its cap or whose whole-device peak went over the card."""
-    out = []
-    for budget in sorted({r["budget_gb"] for r in rows}):
-        mine = [r for r in rows if r["budget_gb"] == budget]
-        pick = next((r for r in mine if r["role"] == "pick"), None)
-        ok = [r for r in mine if r["role"] != "rejected" and r["status"] == "ok"]
-        errors = [
-            100 * (r["predicted_peak_gb"] / r["measured_peak_reserved_gb"] - 1)
-            for r in ok
-            if r["measured_peak_reserved_gb"]
-        ]
-        parts = [f"{budget:g} GB: pick {pick['status'] if pick else 'none'}"]
-        if errors:
-            parts.append(
-                f"predicted peaks {min(errors):+.1f}% to {max(errors):+.1f}% of measured ({len(errors)} runs)"
-            )
-        device = [
-            100 * (r["predicted_device_gb"] / r["measured_device_peak_gb"] - 1)
-            for r in ok
-            if r.get("measured_device_peak_gb") and r.get("predicted_device_gb")
-        ]
-        if device:
-            parts.append(
-                f"whole device {min(device):+.1f}% to {max(device):+.1f}% of measured ({len(device)} runs)"
-            )
-        speeds = [r["measured_images_per_s"] for r in ok if r["measured_images_per_s"]]
-        if pick and pick.get("measured_images_per_s") and speeds:
-            parts.append(
-                f"pick at {100 * pick['measured_images_per_s'] / max(speeds):.0f}% of the fastest of"
-                f" {len(speeds)} measured fitting configurations"
-            )
-        for r in mine:
-            cap = r["measured_at_budget_gb"] - (
-                r.get("overhead_gb") or 0.0
-            )  # the allocator's share of the card
-            if (r["measured_peak_reserved_gb"] or 0) > cap * 1.001:  # the cap did not hold
-                parts.append(f"{r['command']} reserved {r['measured_peak_reserved_gb']:.2f} GB over its cap")
-            if (r.get("measured_device_peak_gb") or 0) > r[
-                "measured_at_budget_gb"
-            ]:  # the card would not hold it
-                parts.append(
-                    f"{r['command']} used {r['measured_device_peak_gb']:.2f} GB of the device: over the card"
-                )
-            if r["role"] == "rejected" and r["status"] == "ok":
-                parts.append(
-                    f"rejected one fitted: predicted {r['predicted_peak_gb']:.2f} GB, measured"
-                    f" {fmt(r['measured_peak_reserved_gb'], '.2f')} GB (too cautious)"
-                )
-            elif r["role"] == "rejected":
-                parts.append(f"rejected: {r['status']}")
-        out.append("- " + "; ".join(parts))
-    return out
 
 
 def write(out: Path, plan: dict[str, Any]) -> list[dict[str, Any]]:

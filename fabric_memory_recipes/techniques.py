@@ -156,8 +156,14 @@ WEIGHTS_OFFLOAD = Technique("weights_offload", "weights on the CPU", "weights_of
 LLM_TOGGLES = Technique("llm_toggles", "the LLM fine-tune's toggles", "llm_toggles", "bonus_llm_finetune")
 LORA = Technique("lora_rank", "LoRA", "lora", "your_model", flag="--lora-rank", valued=True)  # the rank
 # inference: the frozen weights stored in int8 (--weights-quant int8)
-WEIGHTS_QUANT = Technique("weights_quant", "int8 weights", "inference.weights_quant", "your_model",
-                          flag="--weights-quant", valued=True)  # fmt: skip
+WEIGHTS_QUANT = Technique(
+    "weights_quant",
+    "int8 weights",
+    "inference.weights_quant",
+    "your_model",
+    flag="--weights-quant",
+    valued=True,
+)
 
 TECHNIQUES = (
     ACTIVATION_CHECKPOINTING,

@@ -1,7 +1,7 @@
-"""The policy sweep (fabric_memory_recipes.tools.convergence.sweep) and the rungs' own policies (policy.TUNED):
-a grid is the product of its lists, its flags reach the recipe's optimizer and schedule, the pick reads the
-validation split only, today's setting comes from the committed runs, and a tuned rung is run again and
-reported with its own warm-up and epochs.
+"""The policy sweep (fabric_memory_recipes.tools.convergence.sweep, its grid in sweep_grid) and the rungs'
+own policies (policy.TUNED): a grid is the product of its lists, its flags reach the recipe's optimizer and
+schedule, the pick reads the validation split only, today's setting comes from the committed runs, and a
+tuned rung is run again and reported with its own warm-up and epochs.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from fabric_memory_recipes.measurement import results as results_module
-from fabric_memory_recipes.tools.convergence import benchmark, policy, report, run_plan, sweep
+from fabric_memory_recipes.tools.convergence import benchmark, policy, report, run_plan, sweep, sweep_grid
 from fabric_memory_recipes.training.data import digits
 from tests.conftest import REPO, describe
 
@@ -26,7 +26,7 @@ def _steps_per_epoch(micro: int, k: int) -> int:
 
 
 def test_a_grid_is_the_product_of_its_lists_with_the_preset_for_what_it_leaves_out():
-    grid = sweep.parse_grid("06,10 lr=0.03,0.06 warmup=2,6", "vit_l_16")
+    grid = sweep_grid.parse_grid("06,10 lr=0.03,0.06 warmup=2,6", "vit_l_16")
     assert grid.rungs == ["06_sgd_cosine", "10_activation_checkpointing"] and grid.kind == "sgd"
     assert [s.name for s in grid.settings] == [
         "lr0.03-w2-e30",
@@ -34,10 +34,10 @@ def test_a_grid_is_the_product_of_its_lists_with_the_preset_for_what_it_leaves_o
         "lr0.03-w6-e30",
         "lr0.06-w6-e30",
     ]
-    assert grid.today == sweep.Setting(0.03, 2, 30) and grid.today in grid.settings
-    speed = sweep.parse_grid("15 lr=1e-4,2e-4", "vit_l_16")
-    assert speed.kind == "adam" and speed.today == sweep.Setting(1e-4, 2, 30)
-    [one] = sweep.merged([speed, sweep.parse_grid("15 epochs=90", "vit_l_16")])
+    assert grid.today == sweep_grid.Setting(0.03, 2, 30) and grid.today in grid.settings
+    speed = sweep_grid.parse_grid("15 lr=1e-4,2e-4", "vit_l_16")
+    assert speed.kind == "adam" and speed.today == sweep_grid.Setting(1e-4, 2, 30)
+    [one] = sweep_grid.merged([speed, sweep_grid.parse_grid("15 epochs=90", "vit_l_16")])
     assert [s.name for s in one.settings] == ["lr0.0001-w2-e30", "lr0.0002-w2-e30", "lr0.0001-w2-e90"]
 
 
@@ -63,7 +63,7 @@ def test_the_sweeps_runs_are_the_benchmarks_with_the_settings_flags():
         ["--model", "vit_l_16", "--grid", "06 lr=0.06 warmup=6 epochs=20", "--seed-list", "0,1"]
     )
     [grid] = args.grids
-    jobs = sweep.setting_jobs(grid, sweep.Setting(0.06, 6, 20), args, cuda=True)
+    jobs = sweep_grid.setting_jobs(grid, sweep_grid.Setting(0.06, 6, 20), args, cuda=True)
     assert [j.tag for j in jobs] == ["lr0.06-w6-e20-s0", "lr0.06-w6-e20-s1"]
     for j in jobs:
         value = {f: v for f, v in zip(j.args, j.args[1:], strict=False) if f.startswith("--")}
@@ -108,17 +108,17 @@ def _run_json(recipe, tag, val, test, lr, warmup_steps, epochs, steps, model="vi
 
 
 def test_the_pick_reads_validation_accuracy_and_ties_go_to_todays_setting():
-    today = sweep.Setting(0.03, 2, 30)
+    today = sweep_grid.Setting(0.03, 2, 30)
     rows = [
         sweep._row(today, [{"val": 0.93}], today),
-        sweep._row(sweep.Setting(0.06, 2, 30), [{"val": 0.95}], today),
-        sweep._row(sweep.Setting(0.12, 6, 30), [{"val": 0.953}], today),
+        sweep._row(sweep_grid.Setting(0.06, 2, 30), [{"val": 0.95}], today),
+        sweep._row(sweep_grid.Setting(0.12, 6, 30), [{"val": 0.953}], today),
     ]
     margin = 1 / 179
     assert sweep.choose(rows, today, margin)["name"] == "lr0.06-w2-e30", "0.953 ties 0.95: the nearer lr"
     rows[0] = sweep._row(today, [{"val": 0.949}], today)
     assert sweep.choose(rows, today, margin)["name"] == today.name, "within one image: today's"
-    rows.append(sweep._row(sweep.Setting(0.03, 2, 90), [{"val": 0.99}], today))
+    rows.append(sweep._row(sweep_grid.Setting(0.03, 2, 90), [{"val": 0.99}], today))
     assert sweep.choose(rows, today, margin)["name"] == "lr0.03-w2-e90"
 
 

@@ -28,8 +28,8 @@ def of(planner: Any, c: Any) -> float:
     step plus the copies of its largest saved tensor."""
     if not c.techniques.uses(ACTIVATION_OFFLOAD):
         return c.speed_bound
-    kept = next((k for k in planner.choices if not k.techniques.uses(ACTIVATION_OFFLOAD)
-                 and _sans_offload(k) == _sans_offload(c)), None)  # fmt: skip
+    without = (k for k in planner.choices if not k.techniques.uses(ACTIVATION_OFFLOAD))
+    kept = next((k for k in without if _sans_offload(k) == _sans_offload(c)), None)
     if kept is None or planner.simulated.get(kept.key) is None:
         return c.speed_bound
     largest = planner.simulated[kept.key][3].largest_offloadable

@@ -319,10 +319,20 @@ def table_lines(entry: dict[str, Any]) -> list[str]:
 
 
 # How a configuration is shortened; a flagged technique not named here, to its flag (fused_loss=True: fused-loss).
-SHORT = (("hf:examples/configs/", ""), ("your_model ", ""), ("precision=", ""), ("batch_size=", "b"),
-         (" accumulation_steps=", "/k"), ("seq_len=", "s"), ("optimizer=", ""), ("checkpoint_blocks=True", "ckpt"),
-         (" checkpoint_mode=full", ""), ("checkpoint_mode=", "ckpt-"), ("activation_offload=True", "offload"),
-         ("optimizer_in_backward=True", "step-in-backward"))  # fmt: skip
+SHORT = (
+    ("hf:examples/configs/", ""),
+    ("your_model ", ""),
+    ("precision=", ""),
+    ("batch_size=", "b"),
+    (" accumulation_steps=", "/k"),
+    ("seq_len=", "s"),
+    ("optimizer=", ""),
+    ("checkpoint_blocks=True", "ckpt"),
+    (" checkpoint_mode=full", ""),
+    ("checkpoint_mode=", "ckpt-"),
+    ("activation_offload=True", "offload"),
+    ("optimizer_in_backward=True", "step-in-backward"),
+)
 
 
 def notes_lines(entry: dict[str, Any]) -> list[str]:

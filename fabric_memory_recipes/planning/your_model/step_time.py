@@ -5,7 +5,7 @@ The simulation (planning/simulation/simulate.py) runs the step on fake tensors; 
 (planning/simulation/costs.py) records each op of the forward and backward passes, checkpointing's
 recompute included: its FLOPs, the bytes it reads and writes, whether it is tensor-core work (matmul,
 convolution, fused attention), whether it launches a kernel, and which pass issued it; and the module
-calls. On a GPU kind's calibrated ceilings (:class:`Ceilings`) each op takes
+calls. On a GPU kind's calibrated ceilings (:class:`Ceilings`, in micro_batch_time.py) each op takes
 
     on the GPU   d = max(FLOPs / F, bytes / B) + g        a matmul-like op (fp32: F x TF32_RATIO)
                  d = bytes / B + g                        any other op with a kernel
@@ -117,110 +117,17 @@ import json
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from fabric_memory_recipes.config import DATA_DIR
 from fabric_memory_recipes.measurement.results_file import peak_bf16_flops
 from fabric_memory_recipes.planning.plan import Plan
-from fabric_memory_recipes.planning.simulation.costs import OpCost, OpCosts
+from fabric_memory_recipes.planning.simulation.costs import OpCosts
 from fabric_memory_recipes.planning.your_model.estimate import estimate
+from fabric_memory_recipes.planning.your_model.micro_batch_time import Ceilings, MicroBatch
 from fabric_memory_recipes.techniques import OPTIMIZER_IN_BACKWARD
 from fabric_memory_recipes.training.your_model.models import UserModel
 
 CALIBRATION_FILE = Path(DATA_DIR) / "step_time.json"
 MODES = ("eager", "fast")
-# Dense TF32 over dense bf16 tensor-core peak of the H100 SXM datasheet (494.7 / 989.4 TFLOP/s): an fp32
-# matmul (TF32 allowed, as every run here sets) runs at this share of a bf16 one.
-TF32_RATIO = 0.5
-
-
-@dataclasses.dataclass(frozen=True)
-class Ceilings:
-    """What one GPU kind (and its host) reaches, fitted on its committed runs (the module's docstring)."""
-
-    matmul_flops: float  # F: bf16 FLOP/s of matmul-like ops
-    bandwidth: float  # B: bytes/s of memory-bound ops
-    kernel_s: float  # g: each kernel's fixed time on the GPU
-    python_op_s: float  # L_py: host time of an op Python issues, eager mode
-    module_s: float  # L_mod: host time of a module call, eager mode
-    autograd_op_s: float  # L_ag: host time of an op autograd or autocast issues, eager mode
-    recompute_block_s: float  # C: host time of a checkpointed block's recompute, eager mode
-    fast_op_s: float  # L_fast: host time per op of the eager step, fast mode without CUDA graphs
-    fusion: float  # phi: the share of memory-bound bytes and kernels left after fusion, fast mode
-    hook_s: float  # H: per parameter tensor, the step in backward (host)
-    host_bandwidth: float  # B_host: bytes/s of activation offload's copies
-
-    def to_dict(self) -> dict[str, float]:
-        return dataclasses.asdict(self)
-
-
-@dataclasses.dataclass
-class MicroBatch:
-    """One micro-batch's ops as arrays (one entry per op)."""
-
-    flops: np.ndarray  # FLOPs at the bf16 rate (an fp32 matmul's / TF32_RATIO)
-    bytes: np.ndarray
-    kernels: np.ndarray
-    matmul: np.ndarray  # bool
-    python: np.ndarray  # bool: issued by Python code (a forward op or a recompute; no autocast cast)
-    recompute_starts: np.ndarray  # bool: the first op of a recomputed block
-    module_calls: int
-
-    @classmethod
-    def of(cls, ops: list[OpCost], module_calls: int) -> MicroBatch:
-        rc = np.array([o.recompute for o in ops], dtype=bool)
-        starts = rc & ~np.concatenate(([False], rc[:-1])) if len(rc) else rc
-        return cls(
-            flops=np.array([o.flops / (1.0 if o.low_precision else TF32_RATIO) for o in ops], dtype=float),
-            bytes=np.array([o.bytes for o in ops], dtype=float),
-            kernels=np.array([o.kernels for o in ops], dtype=float),
-            matmul=np.array([o.matmul for o in ops], dtype=bool),
-            python=np.array(
-                [(not o.backward or o.recompute) and o.name != "_to_copy" for o in ops], dtype=bool
-            ),
-            recompute_starts=starts,
-            module_calls=module_calls,
-        )
-
-    def seconds(self, c: Ceilings, mode: str, graphs: bool, fused: bool = True) -> float:
-        """The queue of :mod:`step_time`'s docstring: max over ops of issue time + the GPU time left
-        (``fused``: fast mode compiled the blocks, so their memory-bound ops take the fusion's share)."""
-        memory = self.bytes / c.bandwidth
-        launched = self.kernels * c.kernel_s
-        other = memory * (self.kernels > 0) + launched
-        gpu = np.where(self.matmul, np.maximum(self.flops / c.matmul_flops, memory) + launched,
-                       other if mode == "eager" or not fused else c.fusion * other)  # fmt: skip
-        if mode == "fast" and graphs:
-            return float(gpu.sum())
-        host = self._host(c, mode)
-        if not len(host):
-            return 0.0
-        gpu_left = np.cumsum(gpu[::-1])[::-1]
-        return float((np.cumsum(host) + gpu_left).max())
-
-    def _host(self, c: Ceilings, mode: str) -> np.ndarray:
-        """Each op's time on the host (eager, or fast mode without CUDA graphs)."""
-        if mode == "eager":
-            python_ops = max(1.0, float((self.kernels * self.python).sum()))
-            per_python = c.python_op_s + c.module_s * self.module_calls / python_ops
-            host = self.kernels * np.where(self.python, per_python, c.autograd_op_s)
-            return host + c.recompute_block_s * self.recompute_starts
-        return self.kernels * c.fast_op_s
-
-    def floor_seconds(
-        self, c: Ceilings, mode: str, graphs: bool, fused: bool = True, scale: float = 1.0
-    ) -> float:
-        """No more than :meth:`seconds` of the same ops on ``scale`` x this micro-batch: the matmul FLOPs scale
-        with the batch, each op's launch and the host's work do not, the bytes are left out; the queue takes at
-        least the GPU's sum and at least the host's."""
-        launched = self.kernels * c.kernel_s
-        share = 1.0 if mode == "eager" or not fused else c.fusion
-        gpu = float(
-            np.where(self.matmul, scale * self.flops / c.matmul_flops + launched, share * launched).sum()
-        )
-        if mode == "fast" and graphs:
-            return gpu
-        return max(gpu, float(self._host(c, mode).sum()))
 
 
 @dataclasses.dataclass
@@ -316,8 +223,9 @@ def step_seconds(
     }
 
 
-def floor_step_seconds(costs: StepCosts, c: Ceilings, mode: str, graphs: bool, fused: bool, scale: float,
-                       k: int) -> float:  # fmt: skip
+def floor_step_seconds(
+    costs: StepCosts, c: Ceilings, mode: str, graphs: bool, fused: bool, scale: float, k: int
+) -> float:
     """No more than :func:`step_seconds` of the step without techniques that ``costs`` (one micro-batch)
     describes, on ``scale`` x its micro-batch accumulated over ``k`` (a later micro-batch runs the first's ops
     and adds the gradients): what bounds a set's speed before its own simulation."""
@@ -341,8 +249,10 @@ def ceilings(gpu: str, table: dict[str, Any] | None = None) -> tuple[Ceilings, s
     table = load_calibration() if table is None else table
     kinds = table.get("kinds") or {}
     if not kinds:
-        raise RuntimeError(f"no step-time calibration in {CALIBRATION_FILE}: run python -m"
-                           " fabric_memory_recipes.planning.your_model.step_calibration --write")  # fmt: skip
+        raise RuntimeError(
+            f"no step-time calibration in {CALIBRATION_FILE}: run python -m"
+            " fabric_memory_recipes.planning.your_model.step_calibration --write"
+        )
     kind = gpu if gpu in kinds else ("h100" if "h100" in kinds else sorted(kinds)[0])
     entry = kinds[kind]
     fitted = sum(1 for r in entry["runs"] if r.get("fitted"))
@@ -350,8 +260,15 @@ def ceilings(gpu: str, table: dict[str, Any] | None = None) -> tuple[Ceilings, s
     return Ceilings(**entry["ceilings"]), source if kind == gpu else f"no {gpu} runs: {source}"
 
 
-def predict_step_s(model: Any, um: UserModel, plan: Plan, seq_len: int, gpu: str = "h100", mode: str = "eager",
-                   cuda_graphs: bool | None = None) -> tuple[float, dict[str, Any]]:  # fmt: skip
+def predict_step_s(
+    model: Any,
+    um: UserModel,
+    plan: Plan,
+    seq_len: int,
+    gpu: str = "h100",
+    mode: str = "eager",
+    cuda_graphs: bool | None = None,
+) -> tuple[float, dict[str, Any]]:
     """The predicted time of one optimizer step of ``model`` (built anywhere; the meta device will do)
     under ``plan`` on a GPU of kind ``gpu`` in ``mode`` (eager | fast): (seconds, detail), the detail
     with the model FLOPs per step, the MFU they mean, the terms of the sum and the ceilings' source.

@@ -9,7 +9,8 @@ from typing import Any
 def device_seconds(summary: dict[str, Any]) -> float | None:
     """The GPU time of the benchmark over all its calls (the first call's and ``later_calls``'): each
     call's wall time times the GPUs it spread its runs over (``--gpus``), each of which it had to itself."""
-    calls = [c for c in [summary, *(summary.get("later_calls") or [])] if isinstance(c.get("wall_s"), int | float)]  # fmt: skip
+    calls = [summary, *(summary.get("later_calls") or [])]
+    calls = [c for c in calls if isinstance(c.get("wall_s"), int | float)]
     return sum(c["wall_s"] * ((c.get("settings") or {}).get("gpus") or 1) for c in calls) if calls else None
 
 

@@ -15,7 +15,7 @@ number only; a setting it picks goes into ``policy.TUNED``, and the benchmark's 
 Each ``--grid`` names rungs (prefixes of one optimizer) and lists of ``lr=``, ``warmup=`` (epochs) and
 ``epochs=``; what a grid leaves out is the preset's. Every combination runs on each of its rungs and
 ``--seed-list`` seeds, planned by the benchmark itself (its flags, fast mode, no variants, no lost-update
-measurement) and run as it runs them (``--parallel`` per GPU). Today's setting is not run again where
+measurement; ``sweep_grid.py``) and run as it runs them (``--parallel`` per GPU). Today's setting is not run again where
 ``--reference`` (the committed benchmark) holds runs of it: their validation accuracy is read instead.
 
 The pick, fixed before any number: per grid, the setting with the highest mean validation accuracy over
@@ -39,7 +39,6 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,93 +50,17 @@ from fabric_memory_recipes.processes import DeviceSlots
 from fabric_memory_recipes.tools.convergence import benchmark, run_plan
 from fabric_memory_recipes.tools.convergence.policy import CPU_MODEL, MODEL, PRESETS
 from fabric_memory_recipes.tools.convergence.run_stats import BASELINE, final_loss
+from fabric_memory_recipes.tools.convergence.sweep_grid import (
+    Grid,
+    Setting,
+    merged,
+    parse_grid,
+    reference_runs,
+    setting_jobs,
+)
 from fabric_memory_recipes.training.data import digits
 
 REFERENCE = run_plan.REPO / "results" / "published" / "h100" / "convergence"
-VALUES = {"lr": float, "warmup": float, "epochs": int}  # a grid's keys and their types
-
-
-@dataclass(frozen=True)
-class Setting:
-    lr: float
-    warmup: float  # epochs of linear warm-up
-    epochs: int
-
-    @property
-    def name(self) -> str:
-        """The runs' variant: ``lr0.06-w6-e30`` (a plain name, as --tag needs)."""
-        return f"lr{self.lr:g}-w{self.warmup:g}-e{self.epochs}"
-
-
-@dataclass
-class Grid:
-    spec: str
-    rungs: list[str]
-    kind: str  # "sgd" or "adam": the optimizer whose learning rate the grid sets
-    settings: list[Setting]
-    today: Setting  # the preset's
-
-
-def parse_grid(spec: str, model: str) -> Grid:
-    """``"06,10 lr=0.03,0.06 warmup=2,6 epochs=30"`` -> a Grid (ValueError with the reason)."""
-    words = spec.split()
-    known = run_plan.single_gpu_rungs()
-    wanted = [w for w in (words[0] if words else "").split(",") if w]
-    rungs = [n for n in known if any(n.startswith(w) for w in wanted)]
-    if not rungs:
-        raise ValueError(f"{spec!r}: its first word names no rung of {', '.join(known)}")
-    kinds = {run_plan.optimizer_kind(r) for r in rungs}
-    if len(kinds) > 1:
-        raise ValueError(f"{spec!r}: Adam and SGD rungs in one grid (its learning rates are for one of them)")
-    kind, preset = kinds.pop(), PRESETS[model]
-    today = Setting(preset[f"{kind}_lr"], preset["warmup_epochs"], preset["epochs"])
-    values: dict[str, list] = {"lr": [today.lr], "warmup": [today.warmup], "epochs": [today.epochs]}
-    for word in words[1:]:
-        key, _, listed = word.partition("=")
-        if key not in VALUES:
-            raise ValueError(f"{spec!r}: {word!r} is not lr=, warmup= or epochs= with comma-separated values")
-        try:
-            values[key] = [VALUES[key](v) for v in listed.split(",") if v]
-        except ValueError:
-            raise ValueError(f"{spec!r}: {word!r} holds a value that is not a number of its kind") from None
-        if not values[key] or min(values[key]) < 0 or (key != "warmup" and min(values[key]) == 0):
-            raise ValueError(f"{spec!r}: {word!r} needs values above 0 (warm-up: 0 or more)")
-    grid = [Setting(lr, w, e) for e in values["epochs"] for w in values["warmup"] for lr in values["lr"]]
-    return Grid(spec, rungs, kind, list(dict.fromkeys(grid)), today)
-
-
-def merged(grids: list[Grid]) -> list[Grid]:
-    """Grids of the same rungs as one (one table, one pick): ``--grid "15 lr=1e-4,2e-4" --grid "15 epochs=90"``."""
-    out: dict[tuple[str, ...], Grid] = {}
-    for g in grids:
-        m = out.get(tuple(g.rungs))
-        out[tuple(g.rungs)] = g if m is None else dataclasses.replace(
-            m, spec=f"{m.spec} | {g.spec}", settings=list(dict.fromkeys([*m.settings, *g.settings]))
-        )  # fmt: skip
-    return list(out.values())
-
-
-def setting_jobs(grid: Grid, setting: Setting, args: argparse.Namespace, cuda: bool) -> list[run_plan.Job]:
-    """The benchmark's own jobs for one setting of a grid, named by the setting (its variant)."""
-    argv = [
-        "--model", args.model, "--rungs", ",".join(grid.rungs), "--seed-list", ",".join(map(str, args.seed_list)),
-        f"--{grid.kind}-lr", str(setting.lr), "--warmup-epochs", str(setting.warmup), "--epochs", str(setting.epochs),
-        "--no-variants", "--no-memory", "--lost-seeds", "", "--no-tuned", *(["--mode", args.mode] if args.mode else []),
-        "--", *args.extra,
-    ]  # fmt: skip
-    jobs = run_plan.plan(benchmark.parse_args(argv), cuda)
-    return [dataclasses.replace(j, variant=setting.name) for j in jobs]
-
-
-def reference_runs(job: run_plan.Job, reference: Path | None, model: str) -> list[dict]:
-    """The committed benchmark's finished runs of this job's rung at the same policy (every seed)."""
-    found = []
-    for path in sorted((reference / "runs").glob(f"{job.recipe}-default-s*.json")) if reference else []:
-        same = dataclasses.replace(job, variant="default", seed=int(path.stem.rpartition("-s")[2]))
-        d = json.loads(path.read_text()) if run_plan.finished(same, reference) else {}
-        if (d.get("config") or {}).get("model") == model:
-            found.append(d)
-    return found
 
 
 # ------------------------------------------------------------------------------------------- summary
@@ -178,9 +101,12 @@ def choose(rows: list[dict], today: Setting, margin: float) -> dict[str, Any] | 
     return min(
         tied,
         key=lambda r: (
-            not r["today"], r["epochs"] != today.epochs, abs(math.log(r["lr"] / today.lr)), abs(r["warmup"] - today.warmup)
+            not r["today"],
+            r["epochs"] != today.epochs,
+            abs(math.log(r["lr"] / today.lr)),
+            abs(r["warmup"] - today.warmup),
         ),
-    )  # fmt: skip
+    )
 
 
 def summarise(out: Path, grids: list[Grid], args: argparse.Namespace) -> dict:
@@ -204,8 +130,14 @@ def summarise(out: Path, grids: list[Grid], args: argparse.Namespace) -> dict:
             rows.append(_row(setting, runs, grid.today))
         pick = choose(rows, grid.today, 1 / n_val)
         summary["grids"].append(
-            {"spec": grid.spec, "rungs": grid.rungs, "kind": grid.kind, "rows": rows, "pick": pick and pick["name"]}
-        )  # fmt: skip
+            {
+                "spec": grid.spec,
+                "rungs": grid.rungs,
+                "kind": grid.kind,
+                "rows": rows,
+                "pick": pick and pick["name"],
+            }
+        )
     paths = sorted((args.reference / "runs").glob(f"{BASELINE}-default-s*.json")) if args.reference else []
     runs = [d for d in map(json.loads, (p.read_text() for p in paths)) if d["config"]["model"] == args.model]
     base = [v for v in (_run(d, "reference")["val"] for d in runs) if v is not None]
@@ -239,9 +171,10 @@ def render_summary(summary: dict[str, Any]) -> str:
         ]
         for row in grid["rows"]:
             runs = ", ".join(
-                f"{r['recipe'][:2]} s{r['seed']} " + (f"{r['val']:.3f}" if r["val"] is not None else str(r["status"]))
+                f"{r['recipe'][:2]} s{r['seed']} "
+                + (f"{r['val']:.3f}" if r["val"] is not None else str(r["status"]))
                 for r in row["runs"]
-            )  # fmt: skip
+            )
             losses = [r["final_loss"] for r in row["runs"] if r["final_loss"] is not None]
             mean = "—" if row["val_mean"] is None else f"{row['val_mean']:.3f} ({row['n']})"
             marks = [
@@ -251,7 +184,7 @@ def render_summary(summary: dict[str, Any]) -> str:
             lines.append(
                 f"| {row['name']}{source} | {row['lr']:g} | {row['warmup']:g} | {row['epochs']} | {runs or '—'}"
                 f" | {mean} | {f'{statistics.fmean(losses):.3f}' if losses else '—'} | {' '.join(marks)} |"
-            )  # fmt: skip
+            )
     return "\n".join(lines)
 
 
@@ -259,7 +192,8 @@ def write_summary(out: Path, record: dict[str, Any], readme: str | None = None) 
     write_json_atomic(str(out / "sweep.json"), record)
     text = render_summary(record["summary"])
     head = "# Learning rate, warm-up and epochs on the validation split\n\nGenerated by"
-    head += f" `python -m fabric_memory_recipes.tools.convergence.sweep --report` from `sweep.json`: `{record['command']}`.\n\n"  # fmt: skip
+    head += " `python -m fabric_memory_recipes.tools.convergence.sweep --report` from `sweep.json`:"
+    head += f" `{record['command']}`.\n\n"
     write_text(out / "sweep.md", head + text + "\n")
     return write_into_block(readme, text, "sweep summary") if readme else 0
 
@@ -297,10 +231,13 @@ def run(args: argparse.Namespace, grids: list[Grid]) -> int:
         "started": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(["sweep", *(sys.argv[1:] if args.argv is None else args.argv)]),
         "gpu_name": torch.cuda.get_device_name(0) if cuda else None,
-        "grids": args.grid, "model": args.model, "seeds": args.seed_list, "mode": args.mode,
+        "grids": args.grid,
+        "model": args.model,
+        "seeds": args.seed_list,
+        "mode": args.mode,
         "extra_flags": args.extra,
         "data": digits.splits()[1],
-    }  # fmt: skip
+    }
     print(
         f"[sweep] {len(jobs)} runs, {args.parallel} at a time, on {'CUDA' if cuda else 'CPU'}; in {out}",
         flush=True,
@@ -308,8 +245,8 @@ def run(args: argparse.Namespace, grids: list[Grid]) -> int:
 
     def save() -> None:
         record["wall_s"] = time.monotonic() - start
-        record["jobs"] = [{"recipe": j.recipe, "tag": j.tag, "returncode": j.returncode, "wall_s": j.wall_s,
-                           "skipped": j.skipped} for j in jobs]  # fmt: skip
+        fields = ("recipe", "tag", "returncode", "wall_s", "skipped")
+        record["jobs"] = [{key: getattr(j, key) for key in fields} for j in jobs]
         record["summary"] = summarise(out, grids, args)
         write_summary(out, record, args.readme)
 

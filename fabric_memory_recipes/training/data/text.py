@@ -112,9 +112,12 @@ class AfterConfig(TextConfig):
     an option beside the recipe's own techniques: a larger micro-batch with fewer activations kept)."""
 
     checkpointing: str | None = flag(
-        None, "text", "checkpoint each block (rung 10): full keeps its input only, selective also its matmuls and"
-        " attention, and the rest is recomputed in backward (default: none)", choices=CHECKPOINT_MODES,
-    )  # fmt: skip
+        None,
+        "text",
+        "checkpoint each block (rung 10): full keeps its input only, selective also its matmuls and"
+        " attention, and the rest is recomputed in backward (default: none)",
+        choices=CHECKPOINT_MODES,
+    )
 
     HELP: ClassVar[dict[str, str]] = {
         **TextConfig.HELP,

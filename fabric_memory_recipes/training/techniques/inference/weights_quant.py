@@ -35,8 +35,10 @@ def require_torchao(kind: str = "int8") -> None:
     except ImportError:
         quantization = None
     if not hasattr(quantization, "Int8Tensor"):
-        raise UsageError(f"--weights-quant {kind} needs torchao with Int8WeightOnlyConfig(version=2), 0.17 or"
-                         " newer: python3 -m pip install 'torchao>=0.17'")  # fmt: skip
+        raise UsageError(
+            f"--weights-quant {kind} needs torchao with Int8WeightOnlyConfig(version=2), 0.17 or"
+            " newer: python3 -m pip install 'torchao>=0.17'"
+        )
 
 
 def tied_output(model: nn.Module) -> nn.Module | None:
@@ -73,5 +75,8 @@ def quantize(model: nn.Module, kind: str) -> dict[str, Any]:
         return take
 
     quantize_(model, Int8WeightOnlyConfig(version=2, set_inductor_config=False), filter_fn=chosen)
-    return {"weights_quant": kind, "quantized_layers": len(quantized),
-            "kept": [names[id(kept)]] if kept is not None else []}  # fmt: skip
+    return {
+        "weights_quant": kind,
+        "quantized_layers": len(quantized),
+        "kept": [names[id(kept)]] if kept is not None else [],
+    }

@@ -1,0 +1,109 @@
+"""One micro-batch's time on a GPU kind's ceilings: each op's time on the GPU and on the host, and the
+queue they form (:meth:`MicroBatch.seconds`).
+
+The terms, the queue and why this form: planning/your_model/step_time.py's docstring, which adds the
+micro-batches, the optimizer step and activation offload into a step. The ceilings (:class:`Ceilings`) are
+fitted per GPU kind by planning/your_model/step_calibration.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from fabric_memory_recipes.planning.simulation.costs import OpCost
+
+# Dense TF32 over dense bf16 tensor-core peak of the H100 SXM datasheet (494.7 / 989.4 TFLOP/s): an fp32
+# matmul (TF32 allowed, as every run here sets) runs at this share of a bf16 one.
+TF32_RATIO = 0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class Ceilings:
+    """What one GPU kind (and its host) reaches, fitted on its committed runs (step_time.py's docstring)."""
+
+    matmul_flops: float  # F: bf16 FLOP/s of matmul-like ops
+    bandwidth: float  # B: bytes/s of memory-bound ops
+    kernel_s: float  # g: each kernel's fixed time on the GPU
+    python_op_s: float  # L_py: host time of an op Python issues, eager mode
+    module_s: float  # L_mod: host time of a module call, eager mode
+    autograd_op_s: float  # L_ag: host time of an op autograd or autocast issues, eager mode
+    recompute_block_s: float  # C: host time of a checkpointed block's recompute, eager mode
+    fast_op_s: float  # L_fast: host time per op of the eager step, fast mode without CUDA graphs
+    fusion: float  # phi: the share of memory-bound bytes and kernels left after fusion, fast mode
+    hook_s: float  # H: per parameter tensor, the step in backward (host)
+    host_bandwidth: float  # B_host: bytes/s of activation offload's copies
+
+    def to_dict(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class MicroBatch:
+    """One micro-batch's ops as arrays (one entry per op)."""
+
+    flops: np.ndarray  # FLOPs at the bf16 rate (an fp32 matmul's / TF32_RATIO)
+    bytes: np.ndarray
+    kernels: np.ndarray
+    matmul: np.ndarray  # bool
+    python: np.ndarray  # bool: issued by Python code (a forward op or a recompute; no autocast cast)
+    recompute_starts: np.ndarray  # bool: the first op of a recomputed block
+    module_calls: int
+
+    @classmethod
+    def of(cls, ops: list[OpCost], module_calls: int) -> MicroBatch:
+        rc = np.array([o.recompute for o in ops], dtype=bool)
+        starts = rc & ~np.concatenate(([False], rc[:-1])) if len(rc) else rc
+        return cls(
+            flops=np.array([o.flops / (1.0 if o.low_precision else TF32_RATIO) for o in ops], dtype=float),
+            bytes=np.array([o.bytes for o in ops], dtype=float),
+            kernels=np.array([o.kernels for o in ops], dtype=float),
+            matmul=np.array([o.matmul for o in ops], dtype=bool),
+            python=np.array(
+                [(not o.backward or o.recompute) and o.name != "_to_copy" for o in ops], dtype=bool
+            ),
+            recompute_starts=starts,
+            module_calls=module_calls,
+        )
+
+    def seconds(self, c: Ceilings, mode: str, graphs: bool, fused: bool = True) -> float:
+        """The queue of :mod:`step_time`'s docstring: max over ops of issue time + the GPU time left
+        (``fused``: fast mode compiled the blocks, so their memory-bound ops take the fusion's share)."""
+        memory = self.bytes / c.bandwidth
+        launched = self.kernels * c.kernel_s
+        other = memory * (self.kernels > 0) + launched
+        if mode != "eager" and fused:  # fast mode's compiled blocks fuse the memory-bound ops
+            other = c.fusion * other
+        gpu = np.where(self.matmul, np.maximum(self.flops / c.matmul_flops, memory) + launched, other)
+        if mode == "fast" and graphs:
+            return float(gpu.sum())
+        host = self._host(c, mode)
+        if not len(host):
+            return 0.0
+        gpu_left = np.cumsum(gpu[::-1])[::-1]
+        return float((np.cumsum(host) + gpu_left).max())
+
+    def _host(self, c: Ceilings, mode: str) -> np.ndarray:
+        """Each op's time on the host (eager, or fast mode without CUDA graphs)."""
+        if mode == "eager":
+            python_ops = max(1.0, float((self.kernels * self.python).sum()))
+            per_python = c.python_op_s + c.module_s * self.module_calls / python_ops
+            host = self.kernels * np.where(self.python, per_python, c.autograd_op_s)
+            return host + c.recompute_block_s * self.recompute_starts
+        return self.kernels * c.fast_op_s
+
+    def floor_seconds(
+        self, c: Ceilings, mode: str, graphs: bool, fused: bool = True, scale: float = 1.0
+    ) -> float:
+        """No more than :meth:`seconds` of the same ops on ``scale`` x this micro-batch: the matmul FLOPs scale
+        with the batch, each op's launch and the host's work do not, the bytes are left out; the queue takes at
+        least the GPU's sum and at least the host's."""
+        launched = self.kernels * c.kernel_s
+        share = 1.0 if mode == "eager" or not fused else c.fusion
+        gpu = float(
+            np.where(self.matmul, scale * self.flops / c.matmul_flops + launched, share * launched).sum()
+        )
+        if mode == "fast" and graphs:
+            return gpu
+        return max(gpu, float(self._host(c, mode).sum()))
