@@ -13,7 +13,6 @@ without unpacking it. Runs two checkouts' estimators apart (``--json``) to see w
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tarfile
@@ -21,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from fabric_memory_recipes.console import Parser
 from fabric_memory_recipes.planning.check import simulate_run
 from fabric_memory_recipes.planning.your_model.estimate import estimate, meta_user_model, plan_of
 from fabric_memory_recipes.training.your_model import runner
@@ -66,7 +66,7 @@ def predicted_again(result: dict[str, Any]) -> float | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = Parser(prog="python -m devtools.your_model.repredict", description=__doc__.splitlines()[0])
     parser.add_argument("paths", nargs="+", help="folders or files of committed results (.json, .tgz)")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args(argv)
