@@ -47,7 +47,7 @@ def from_config(auto: Any, config: Any) -> nn.Module:
 
     with torch.device("meta"), no_tie_weights():
         model = auto.from_config(config)
-    materialize(model, device, skip=set(model.all_tied_weights_keys))
+    materialize(model, device, skip=set(getattr(model, "all_tied_weights_keys", None) or {}))
     model.initialize_weights()
     model.tie_weights()
     if uninitialized(model):
