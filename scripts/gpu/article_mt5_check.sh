@@ -8,6 +8,7 @@
 #
 #   OUT=/some/dir bash scripts/gpu/article_mt5_check.sh
 #   DRY=1 OUT=/tmp/x bash scripts/gpu/article_mt5_check.sh    # on a CPU: a 2-layer mT5 of width 64, 2 steps
+#   ROWS=mt5-infer-b1 OUT=/some/dir bash scripts/gpu/article_mt5_check.sh   # only the rows named (about 1 minute)
 #
 # Writes as it goes under $OUT: article_mt5.json (every row), article_mt5.md (the table), article_mt5.tgz (the
 # runs' results JSON, logs, GPU and commit). No row starts after LIMIT seconds (default 400).
@@ -29,7 +30,9 @@ for path in sorted((runs / "runs").glob("your_model-*.json")):
     row = {"name": r.get("tag"), "status": r.get("status"), "error": r.get("error"), "config": r.get("config"),
            "gpu": (r.get("provenance") or {}).get("gpu"), "trainable_parameters": x.get("trainable_parameters"),
            "checkpoint_bytes": int(ckpt.read_text()) if ckpt.exists() and ckpt.read_text().strip() else None,
-           "predicted_checkpoint_bytes": (pred.get("checkpoint_file") or {}).get("total_bytes")}
+           "predicted_checkpoint_bytes": (pred.get("checkpoint_file") or {}).get("total_bytes"),
+           "model_load_allocated_gb": ((mem.get("phases") or {}).get("model_load") or {}).get("peak_allocated_gb"),
+           "model_load_reserved_gb": ((mem.get("phases") or {}).get("model_load") or {}).get("peak_reserved_gb")}
     for name, predicted, measured in (("allocated", "peak_allocated_gb", "run_peak_allocated_gb"),
                                       ("reserved", "peak_reserved_gb", "run_peak_reserved_gb"),
                                       ("device", "device_peak_gb", "device_peak_gb")):
@@ -66,7 +69,9 @@ else  # a CPU dry run: the same rows on a 2-layer mT5 of width 64
     > "$RUNS/tiny/config.json"
 fi
 # row NAME FLAGS...: one recipes/your_model.py process, its results JSON in $RUNS/runs/your_model-NAME.json
+ROWS=${ROWS:-"mt5-full mt5-lora-r8 mt5-infer-b1"}
 row() { local name=$1; shift
+        case " $ROWS " in *" $name "*) ;; *) return;; esac
         if [ $(( $(date +%s) - T0 )) -gt "$LIMIT" ]; then log "skip $name: past ${LIMIT} s"; return; fi
         log "start $name: $*"
         $PY recipes/your_model.py --model "$MT5" --seq-len "$SEQ" --precision 32-true --mode eager --data synthetic \

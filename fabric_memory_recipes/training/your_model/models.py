@@ -31,7 +31,7 @@ from fabric_memory_recipes.config import UsageError
 from fabric_memory_recipes.training.data.network import hub_online
 from fabric_memory_recipes.training.data.text_samples import TokenIds
 from fabric_memory_recipes.training.hf_models import _cached, require_transformers
-from fabric_memory_recipes.training.your_model import regions
+from fabric_memory_recipes.training.your_model import hf_init, regions
 
 SOURCES = ("torchvision", "timm", "hf")
 IMAGE_CLASSES = 10  # the digits' labels: what the runner trains on
@@ -205,7 +205,9 @@ def _hf_task(ref: str, config) -> str:
 def build(um: UserModel) -> nn.Module:
     """The model with random weights on the current default device and dtype (inside
     ``fabric.init_module()``: on the accelerator, in the precision's dtype; under ``torch.device("meta")``:
-    shapes only). Vision models get ``image_size``, the resolution the data path resizes to."""
+    shapes only). Vision models get ``image_size``, the resolution the data path resizes to. A Hugging Face
+    model is built on the meta device and initialized where it lives (training/your_model/hf_init.py), so
+    that building it holds no tensor beyond its weights."""
     if um.source == "torchvision":
         model = tvm.get_model(um.name, weights=None, num_classes=IMAGE_CLASSES)
         model.image_size = _torchvision_size(um.name)
@@ -223,7 +225,7 @@ def build(um: UserModel) -> nn.Module:
     if um.task == "seq2seq_lm":  # an encoder-decoder: the loss on the target, given the source
         if getattr(config, "decoder_start_token_id", None) is None:  # T5's convention when a config omits it
             config.decoder_start_token_id = config.pad_token_id or 0
-        model = AutoModelForSeq2SeqLM.from_config(config)
+        model = hf_init.from_config(AutoModelForSeq2SeqLM, config)
         head = model.get_output_embeddings()
         if getattr(config, "untied_output_embeddings", False) and head is not None:  # the config's own layer
             head.weight = nn.Parameter(head.weight.detach().clone())  # mT5: 582 M parameters, not 390 M
@@ -232,8 +234,8 @@ def build(um: UserModel) -> nn.Module:
         config.num_labels = TEXT_LABELS
         if config.pad_token_id is None:  # decoder classifiers find the last token through the pad id
             config.pad_token_id = 0
-        return AutoModelForSequenceClassification.from_config(config)
-    return AutoModelForCausalLM.from_config(config)
+        return hf_init.from_config(AutoModelForSequenceClassification, config)
+    return hf_init.from_config(AutoModelForCausalLM, config)
 
 
 def _torchvision_size(name: str) -> int:

@@ -1,1 +1,1 @@
-"""fabric_memory_recipes/training/your_model/: the your-model runner's models and their compiled graphs."""
+"""fabric_memory_recipes/training/your_model/: the your-model runner's models, how they are built and their compiled graphs."""
