@@ -13,9 +13,11 @@ from typing import Any
 from fabric_memory_recipes.console import Parser
 
 TARGET = 0.05  # the whole-device peak within +-5 %
-FIELDS = (("allocated", "peak_allocated_gb", "run_peak_allocated_gb"),
-          ("reserved", "peak_reserved_gb", "run_peak_reserved_gb"),
-          ("device", "device_peak_gb", "device_peak_gb"))  # fmt: skip
+FIELDS = (
+    ("allocated", "peak_allocated_gb", "run_peak_allocated_gb"),
+    ("reserved", "peak_reserved_gb", "run_peak_reserved_gb"),
+    ("device", "device_peak_gb", "device_peak_gb"),
+)
 
 
 def row(path: Path, payload: dict[str, Any]) -> dict[str, Any] | None:
@@ -27,16 +29,25 @@ def row(path: Path, payload: dict[str, Any]) -> dict[str, Any] | None:
         payload.get("memory") or {},
         payload.get("config") or {},
     )
-    out = {"run": payload.get("tag") or path.stem, "file": str(path), "status": payload.get("status"),
-           "model": extra.get("model"), "task": extra.get("task"), "precision": cfg.get("precision"),
-           "batch_size": cfg.get("batch_size"),
-           "seq_len": cfg.get("seq_len") if extra.get("task") != "image_classification" else None,
-           "new_tokens": cfg.get("new_tokens") if extra.get("task") in ("causal_lm", "seq2seq_lm") else None,
-           "kv_cache_dtype": cfg.get("kv_cache_dtype") if extra.get("task") == "causal_lm" else None,
-           "weights_quant": cfg.get("weights_quant") or "none",
-           "peak_phase": pred.get("peak_phase"), "prediction_error": pred.get("error"),
-           "components_gb": pred.get("components_gb"), "gpu": (payload.get("provenance") or {}).get("gpu_name"),
-           "infer_s": extra.get("inference_s"), "predict_s": extra.get("predicted_inference_s")}  # fmt: skip
+    out = {
+        "run": payload.get("tag") or path.stem,
+        "file": str(path),
+        "status": payload.get("status"),
+        "model": extra.get("model"),
+        "task": extra.get("task"),
+        "precision": cfg.get("precision"),
+        "batch_size": cfg.get("batch_size"),
+        "seq_len": cfg.get("seq_len") if extra.get("task") != "image_classification" else None,
+        "new_tokens": cfg.get("new_tokens") if extra.get("task") in ("causal_lm", "seq2seq_lm") else None,
+        "kv_cache_dtype": cfg.get("kv_cache_dtype") if extra.get("task") == "causal_lm" else None,
+        "weights_quant": cfg.get("weights_quant") or "none",
+        "peak_phase": pred.get("peak_phase"),
+        "prediction_error": pred.get("error"),
+        "components_gb": pred.get("components_gb"),
+        "gpu": (payload.get("provenance") or {}).get("gpu_name"),
+        "infer_s": extra.get("inference_s"),
+        "predict_s": extra.get("predicted_inference_s"),
+    }
     for name, predicted, measured in FIELDS:
         p, m = pred.get(predicted), memory.get(measured)
         out[f"predicted_{name}_gb"], out[f"measured_{name}_gb"] = p, m
@@ -66,8 +77,10 @@ def _pct(v: float | None) -> str:
 
 def render(rows: list[dict[str, Any]]) -> str:
     within = [r for r in rows if r["device_error"] is not None and abs(r["device_error"]) <= TARGET]
-    lines = ["| run | model | shape | phase | allocated GB pred / meas | reserved GB pred / meas | whole device GB pred / meas | device error |",
-             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| run | model | shape | phase | allocated GB pred / meas | reserved GB pred / meas | whole device GB pred / meas | device error |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         shape = (
             f"{r['batch_size']}"
@@ -76,10 +89,12 @@ def render(rows: list[dict[str, Any]]) -> str:
         )
         status = "" if r["status"] == "ok" else f" ({r['status']})"
         quant = "" if r.get("weights_quant", "none") == "none" else f", {r['weights_quant']} weights"
-        lines.append(f"| {r['run']}{status} | {r['model']} ({r['precision']}{quant}) | {shape} | {r['peak_phase'] or '—'} | "
-                     f"{_gb(r['predicted_allocated_gb'])} / {_gb(r['measured_allocated_gb'])} | "
-                     f"{_gb(r['predicted_reserved_gb'])} / {_gb(r['measured_reserved_gb'])} | "
-                     f"{_gb(r['predicted_device_gb'])} / {_gb(r['measured_device_gb'])} | {_pct(r['device_error'])} |")  # fmt: skip
+        lines.append(
+            f"| {r['run']}{status} | {r['model']} ({r['precision']}{quant}) | {shape} | {r['peak_phase'] or '—'} | "
+            f"{_gb(r['predicted_allocated_gb'])} / {_gb(r['measured_allocated_gb'])} | "
+            f"{_gb(r['predicted_reserved_gb'])} / {_gb(r['measured_reserved_gb'])} | "
+            f"{_gb(r['predicted_device_gb'])} / {_gb(r['measured_device_gb'])} | {_pct(r['device_error'])} |"
+        )
     lines += ["", f"Whole-device peak within ±{100 * TARGET:.0f} %: {len(within)} of {len(rows)} rows."]
     return "\n".join(lines)
 

@@ -29,12 +29,27 @@ from fabric_memory_recipes.training.your_model.models import POSITION_FIELDS
 MOST = 1 << 20  # the search's ceiling for a batch or a count of tokens
 
 
-def predict(cfg: Any, gpu: str = "h100", batch_size: int | None = None, new_tokens: int | None = None,
-            capacity_gb: float | None = None) -> InferenceEstimate:  # fmt: skip
+def predict(
+    cfg: Any,
+    gpu: str = "h100",
+    batch_size: int | None = None,
+    new_tokens: int | None = None,
+    capacity_gb: float | None = None,
+) -> InferenceEstimate:
     """The estimate of ``cfg``'s inference call (its batch and new tokens unless given)."""
     um, model, _, _ = meta_user_model(cfg.model)
-    return estimate(model, um, batch_size or cfg.batch_size, cfg.seq_len, new_tokens or cfg.new_tokens,
-                    cfg.precision, cfg.kv_cache_dtype, gpu, capacity_gb, cfg.weights_quant)  # fmt: skip
+    return estimate(
+        model,
+        um,
+        batch_size or cfg.batch_size,
+        cfg.seq_len,
+        new_tokens or cfg.new_tokens,
+        cfg.precision,
+        cfg.kv_cache_dtype,
+        gpu,
+        capacity_gb,
+        cfg.weights_quant,
+    )
 
 
 def card_capacity_gb(budget_gb: float | None, gpu: str) -> float | None:
@@ -91,16 +106,25 @@ def fit(cfg: Any, budget_gb: float, gpu: str) -> dict[str, Any]:
 
     lm = meta_user_model(cfg.model)[0].task == "causal_lm"
     batch = largest(lambda b: fits(b, cfg.new_tokens))
-    answer = {"budget_gb": budget_gb, "gpu": gpu, "model": cfg.model, "precision": cfg.precision,
-              "weights_quant": cfg.weights_quant,
-              "seq_len": cfg.seq_len, "largest_batch": batch or None,
-              "at_largest_batch": seen[batch, cfg.new_tokens].to_dict() if batch else None}  # fmt: skip
+    answer = {
+        "budget_gb": budget_gb,
+        "gpu": gpu,
+        "model": cfg.model,
+        "precision": cfg.precision,
+        "weights_quant": cfg.weights_quant,
+        "seq_len": cfg.seq_len,
+        "largest_batch": batch or None,
+        "at_largest_batch": seen[batch, cfg.new_tokens].to_dict() if batch else None,
+    }
     if lm:
         answer["new_tokens"] = cfg.new_tokens
         answer["kv_cache_dtype"] = cfg.kv_cache_dtype
         new = largest(lambda n: fits(cfg.batch_size, n), positions_left(cfg))
-        answer.update(batch_size=cfg.batch_size, most_new_tokens=new or None,
-                      at_most_new_tokens=seen[cfg.batch_size, new].to_dict() if new else None)  # fmt: skip
+        answer.update(
+            batch_size=cfg.batch_size,
+            most_new_tokens=new or None,
+            at_most_new_tokens=seen[cfg.batch_size, new].to_dict() if new else None,
+        )
     return answer
 
 
@@ -125,9 +149,12 @@ def run(args: Any, cfg: Any) -> int:
     if args.json:
         print(json.dumps(est.to_dict(), indent=2))
         return 0
-    print(f"[{est.model}] inference, {est.task.replace('_', ' ')}: {est.shape()}, {est.precision}"
-          + (f", {est.weights_quant} weights" if est.weights_quant != "none" else "")
-          + (f", KV cache {cfg.kv_cache_dtype}" if est.new_tokens else "") + f" ({est.parameters / 1e6:.1f} M parameters)")  # fmt: skip
+    print(
+        f"[{est.model}] inference, {est.task.replace('_', ' ')}: {est.shape()}, {est.precision}"
+        + (f", {est.weights_quant} weights" if est.weights_quant != "none" else "")
+        + (f", KV cache {cfg.kv_cache_dtype}" if est.new_tokens else "")
+        + f" ({est.parameters / 1e6:.1f} M parameters)"
+    )
     print(est.table())
     return 0
 
@@ -140,16 +167,34 @@ def fit_text(answer: dict[str, Any], size: str) -> str:
         + f", {answer['gpu']}"
     ]
     lm = "new_tokens" in answer
-    what = f"{answer['seq_len']} prompt + {answer['new_tokens']} new tokens" if lm else (
-        f"{answer['seq_len']} tokens" if answer["at_largest_batch"] and answer["at_largest_batch"]["task"] != "image_classification" else "its image size")  # fmt: skip
+    what = (
+        f"{answer['seq_len']} prompt + {answer['new_tokens']} new tokens"
+        if lm
+        else (
+            f"{answer['seq_len']} tokens"
+            if answer["at_largest_batch"] and answer["at_largest_batch"]["task"] != "image_classification"
+            else "its image size"
+        )
+    )
     got = answer["at_largest_batch"]
     if got and got["task"] == "seq2seq_lm":  # an encoder-decoder's generate(): the source and its new tokens
         what = f"{answer['seq_len']} source tokens -> {got['new_tokens']} new tokens"
-    lines.append(f"  largest batch at {what}: " + (f"{answer['largest_batch']} (predicted whole device"
-                 f" {got['device_peak_gb']:.2f} GB)" if got else "none (batch 1 does not fit)"))  # fmt: skip
+    lines.append(
+        f"  largest batch at {what}: "
+        + (
+            f"{answer['largest_batch']} (predicted whole device {got['device_peak_gb']:.2f} GB)"
+            if got
+            else "none (batch 1 does not fit)"
+        )
+    )
     if lm:
         got = answer["at_most_new_tokens"]
-        lines.append(f"  most new tokens at batch {answer['batch_size']} x {answer['seq_len']} prompt tokens: "
-                     + (f"{answer['most_new_tokens']} (predicted whole device {got['device_peak_gb']:.2f} GB)"
-                        if got else "none (1 new token does not fit)"))  # fmt: skip
+        lines.append(
+            f"  most new tokens at batch {answer['batch_size']} x {answer['seq_len']} prompt tokens: "
+            + (
+                f"{answer['most_new_tokens']} (predicted whole device {got['device_peak_gb']:.2f} GB)"
+                if got
+                else "none (1 new token does not fit)"
+            )
+        )
     return "\n".join(lines)

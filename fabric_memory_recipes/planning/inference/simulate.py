@@ -38,8 +38,11 @@ from fabric_memory_recipes.training.techniques.inference import weights_quant as
 from fabric_memory_recipes.training.your_model import inference
 from fabric_memory_recipes.training.your_model.models import UserModel
 
-_SCALAR_READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default,
-                 torch.ops.aten.is_nonzero.default)  # fmt: skip
+_SCALAR_READS = (
+    torch.ops.aten._local_scalar_dense.default,
+    torch.ops.aten.item.default,
+    torch.ops.aten.is_nonzero.default,
+)
 RECORDED_FORWARDS = 4  # the prefill and three decode steps; later steps are written from the last two
 
 
@@ -164,8 +167,12 @@ def _cache_tensors(cache: Any) -> list[torch.Tensor]:
     parts = [getattr(cache, n, None) for n in ("self_attention_cache", "cross_attention_cache")]
     if any(part is not None for part in parts):
         return [t for part in parts if part is not None for t in _cache_tensors(part)]
-    return [t for layer in getattr(cache, "layers", []) for t in (getattr(layer, "keys", None),
-            getattr(layer, "values", None)) if isinstance(t, torch.Tensor) and t.numel()]  # fmt: skip
+    return [
+        t
+        for layer in getattr(cache, "layers", [])
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+        if isinstance(t, torch.Tensor) and t.numel()
+    ]
 
 
 def _hold_in_place(model: Any, state: dict[str, torch.Tensor]) -> None:
@@ -186,8 +193,17 @@ def _stored_bytes(t: torch.Tensor) -> int:
     return t.untyped_storage().nbytes()
 
 
-def record(model: Any, um: UserModel, batch_size: int, seq_len: int, new_tokens: int, precision: str,
-           kv_cache_dtype: str = "auto", forwards: int = RECORDED_FORWARDS, weights_quant: str = "none") -> Recording:  # fmt: skip
+def record(
+    model: Any,
+    um: UserModel,
+    batch_size: int,
+    seq_len: int,
+    new_tokens: int,
+    precision: str,
+    kv_cache_dtype: str = "auto",
+    forwards: int = RECORDED_FORWARDS,
+    weights_quant: str = "none",
+) -> Recording:
     """Run the inference call on fake tensors: the first ``forwards`` forward passes of ``generate()`` (all of
     them when ``new_tokens`` is not larger; an encoder-decoder's encoder runs before its first), else one
     forward pass."""
@@ -217,8 +233,10 @@ def record(model: Any, um: UserModel, batch_size: int, seq_len: int, new_tokens:
 
     if weights_quant != "none":  # quantizing replaces its weights: the caller's model stays as it is
         model = copy.deepcopy(model)
-    hooks = [model.register_forward_pre_hook(before, with_kwargs=True),
-             model.register_forward_hook(after, with_kwargs=True)]  # fmt: skip
+    hooks = [
+        model.register_forward_pre_hook(before, with_kwargs=True),
+        model.register_forward_hook(after, with_kwargs=True),
+    ]
     try:
         with contextlib.ExitStack() as stack:
             previous = torch.get_default_dtype()
@@ -232,8 +250,10 @@ def record(model: Any, um: UserModel, batch_size: int, seq_len: int, new_tokens:
                 stack.enter_context(_as_on_a_gpu())
             stack.enter_context(_sdpa_on_cuda(kernels))
             with tracker.creating("parameters"):
-                state = {n: torch.empty(p.shape, dtype=dtype if p.is_floating_point() else p.dtype)
-                         for n, p in [*model.named_parameters(), *model.named_buffers()]}  # fmt: skip
+                state = {
+                    n: torch.empty(p.shape, dtype=dtype if p.is_floating_point() else p.dtype)
+                    for n, p in [*model.named_parameters(), *model.named_buffers()]
+                }
             weights = sum(t.untyped_storage().nbytes() for t in state.values())
             # cuBLAS's workspace: one, for the one thread and stream (no autograd thread at inference)
             tracker.add_constant("workspace", CUBLAS_WORKSPACE_BYTES)
@@ -255,8 +275,17 @@ def record(model: Any, um: UserModel, batch_size: int, seq_len: int, new_tokens:
     finally:
         for h in hooks:
             h.remove()
-    return Recording(tracker.events[:end], tracker.raw, starts, end, cache_bytes, logits[0] if logits else 0,
-                     weights, CUBLAS_WORKSPACE_BYTES, kernels)  # fmt: skip
+    return Recording(
+        tracker.events[:end],
+        tracker.raw,
+        starts,
+        end,
+        cache_bytes,
+        logits[0] if logits else 0,
+        weights,
+        CUBLAS_WORKSPACE_BYTES,
+        kernels,
+    )
 
 
 def decode_steps(rec: Recording, new_tokens: int) -> Iterator[tuple[str, Any, int]]:

@@ -25,8 +25,13 @@ from fabric_memory_recipes.training.your_model import models
 from fabric_memory_recipes.training.your_model.models import UserModel
 
 # The KV cache's storage dtype; 'auto' keeps the weights' dtype (what generate() does by itself).
-KV_CACHE_DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
-                   "fp8": torch.float8_e4m3fn}  # fmt: skip
+KV_CACHE_DTYPES = {
+    "auto": None,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp32": torch.float32,
+    "fp8": torch.float8_e4m3fn,
+}
 # Inference runs the model in one dtype: Fabric's "true" precisions.
 WEIGHT_DTYPES = {"32-true": torch.float32, "bf16-true": torch.bfloat16, "16-true": torch.float16}
 PROMPT_TOKEN = 5  # every prompt token (the values change nothing the memory depends on)
@@ -41,8 +46,10 @@ def generates(um: UserModel) -> bool:
 def weights_dtype(precision: str) -> torch.dtype:
     """The dtype of the weights and the compute for ``--precision``; a mixed precision is refused in one line."""
     if precision not in WEIGHT_DTYPES:
-        raise UsageError(f"--infer runs the model in one dtype: --precision {precision} is not one of"
-                         f" {', '.join(WEIGHT_DTYPES)}")  # fmt: skip
+        raise UsageError(
+            f"--infer runs the model in one dtype: --precision {precision} is not one of"
+            f" {', '.join(WEIGHT_DTYPES)}"
+        )
     return WEIGHT_DTYPES[precision]
 
 
@@ -73,8 +80,10 @@ def check(um: UserModel, cfg: Any) -> None:
     if cfg.fsdp or cfg.world_size > 1:
         raise UsageError("--infer runs on one GPU: leave out --devices and --fsdp")
     if cfg.mode == "fast" or cfg.compile or cfg.cuda_graphs:
-        raise UsageError("--infer runs eagerly with the default allocator: leave out --mode fast, --compile and"
-                         " --cuda-graphs")  # fmt: skip
+        raise UsageError(
+            "--infer runs eagerly with the default allocator: leave out --mode fast, --compile and"
+            " --cuda-graphs"
+        )
 
 
 def stored_cache(stored: torch.dtype, compute: torch.dtype, config: Any):
@@ -111,18 +120,27 @@ def infer(
         stored = cache_dtype(kv_cache_dtype, weights)
         cache = stored_cache(stored, weights, model.config) if stored != weights else None
         pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
-        return model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                              use_cache=True, past_key_values=cache, pad_token_id=pad)  # fmt: skip
+        return model.generate(
+            **inputs,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            use_cache=True,
+            past_key_values=cache,
+            pad_token_id=pad,
+        )
     if um.task == "seq2seq_lm":  # the encoder once, then the decoder token by token from its start token
-        return model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                              use_cache=True)  # fmt: skip
+        return model.generate(
+            **inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, use_cache=True
+        )
     if um.is_text:
         return model(**inputs).logits
     return model(inputs["images"])
 
 
-def run(cfg: Any, results: Any, predict: Callable[[Any], dict],
-        quantize: Callable[[Any, str], dict] | None = None) -> None:  # fmt: skip
+def run(
+    cfg: Any, results: Any, predict: Callable[[Any], dict], quantize: Callable[[Any, str], dict] | None = None
+) -> None:
     """``recipes/your_model.py --infer``: build, quantize the weights as ``--weights-quant`` says
     (``quantize(model, kind)``: training/techniques/inference/weights_quant.py), predict (``predict(cfg)``), infer once,
     record."""
