@@ -39,7 +39,8 @@ What the simulation models explicitly, because fake tensors on a CPU cannot show
   to host memory: they count 0 on the GPU.
 * Rung-specific techniques: ``activation_offload`` (saved tensors in pinned host memory, as
   fabric_memory_recipes/training/techniques/offload.py), ``optimizer_in_backward`` (each gradient freed in its hook), torchao's 8-bit AdamW
-  state (``optimizer="adamw8bit"``), and activation checkpointing of named module classes.
+  state (``optimizer="adamw8bit"``), activation checkpointing of named module classes, and rung 16's
+  weights streamed from the CPU (``weights_offload``: its hooks replayed, its copy stream's own segments).
 * A fixed CUDA library workspace: cuBLAS's 32 MiB per (thread, stream) on Hopper, for the forward thread
   and autograd's backward thread, taken from the caching allocator at the first matrix product.
 

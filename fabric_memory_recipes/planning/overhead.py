@@ -245,8 +245,8 @@ def card_prediction(
     """A simulated step taken to the card, per GPU, with the overhead of ``gpu`` in its mode and with
     ``devices`` processes on the machine (:func:`overhead_per_gpu`). One process: :func:`replayed_card`
     of the step's allocator replay ``replayed_gb``. Several: the simulated peak allocated x the largest
-    reserved/simulated ratio of the committed sharded runs (``sharded``; the replay models one stream,
-    not FSDP's all-gathers and reduce-scatters on streams of their own), the prediction and the budget
+    reserved/simulated ratio of the committed sharded runs (``sharded``; the replay does not model FSDP's
+    all-gathers and reduce-scatters on streams of their own), the prediction and the budget
     alike."""
     over = overhead_per_gpu(gpu, "compiled" if compiled or graphs else "eager", devices, table)
     if devices > 1:

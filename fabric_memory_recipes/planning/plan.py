@@ -90,8 +90,8 @@ class Plan:
     per-parameter step in a post-accumulate-grad hook that frees each gradient at once (rung 12).
     ``weights_offload`` models fabric_memory_recipes.training.techniques.weights_offload (rung 16, one GPU): parameters,
     gradients and optimizer state in host memory (0 on the GPU), the modules of ``shard_units`` streamed
-    in like FSDP units (the one in use and the prefetched one, one unit's gradients on their way out) and
-    the rest of the model resident. ``switched`` names the switched techniques (``techniques.switches()``: the
+    in on a copy stream by the technique's own hooks (planning/simulation/streamed.py: the unit in use and
+    the one fetched ahead) and the rest of the model resident. ``switched`` names the switched techniques (``techniques.switches()``: the
     fused loss) that the estimate applies to the model through their modules before the step is simulated.
     """
 

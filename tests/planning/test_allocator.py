@@ -15,6 +15,7 @@ from fabric_memory_recipes import planning
 from fabric_memory_recipes.planning import reserved
 from fabric_memory_recipes.planning.planner import calibration
 from fabric_memory_recipes.planning.simulation.allocator import (
+    COPY,
     RESIDUAL,
     CachingAllocator,
     replay,
@@ -64,6 +65,32 @@ def test_a_remainder_of_1_mib_or_less_stays_with_the_block():
     assert a.allocated == 12 * MiB
     a.malloc("c", 100)  # the small pool never takes from the large one
     assert a.reserved == 12 * MiB + 2 * MiB
+
+
+def test_a_stream_reuses_only_the_blocks_it_freed_itself():
+    """Segments belong to the stream that made them: a block another stream freed is never handed out."""
+    a = CachingAllocator()
+    a.malloc("weights", 24 * MiB, COPY)  # a streamed block's copy, on the copy stream
+    a.free("weights")
+    a.malloc("activation", 24 * MiB)  # the compute stream: a segment of its own
+    assert a.reserved == 48 * MiB and a.reserved_by_stream == {COPY: 24 * MiB, "compute": 24 * MiB}
+    a.free("activation")
+    a.malloc("next weights", 24 * MiB, COPY)  # the copy stream takes back its own block
+    assert a.reserved == 48 * MiB
+
+
+def test_a_block_freed_after_record_stream_is_freed_at_once_but_reused_only_later():
+    """``record_stream``: torch.cuda.memory_allocated drops at the free, but the block goes back to its
+    pool only once the other stream has run past it; until then a request of its size needs a new segment."""
+    a = CachingAllocator()
+    a.malloc("unit 1", 24 * MiB, COPY)
+    a.free_later("unit 1")
+    assert a.allocated == 0
+    a.malloc("unit 2", 24 * MiB, COPY)
+    assert a.reserved == 48 * MiB
+    a.reuse("unit 1")  # the compute stream's kernels that read it have run
+    a.malloc("unit 3", 24 * MiB, COPY)
+    assert a.reserved == 48 * MiB and a.peak_allocated == 48 * MiB
 
 
 def test_a_committed_h100_trace_replays_to_the_segments_the_gpu_reserved():

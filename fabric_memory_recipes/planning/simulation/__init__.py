@@ -1,1 +1,1 @@
-"""One training step simulated on fake tensors (simulate.py): what autograd saves (tracking.py), what fake tensors cannot show (modelled.py), the caching allocator replayed (allocator.py) and what a run built (built.py)."""
+"""One training step simulated on fake tensors (simulate.py): what autograd saves (tracking.py), what fake tensors cannot show (modelled.py), the caching allocator replayed stream by stream (allocator.py), rung 16's streamed weights (streamed.py) and what a run built (built.py)."""

@@ -1,6 +1,6 @@
 """Peak *reserved* memory: the simulated step's allocations and frees replayed through a model of
 PyTorch's CUDA caching allocator (``c10/cuda/CUDACachingAllocator.cpp``, default settings: no
-``PYTORCH_CUDA_ALLOC_CONF``, no expandable segments, one stream).
+``PYTORCH_CUDA_ALLOC_CONF``, no expandable segments).
 
 Reserved memory is what the allocator took from the driver (``cudaMalloc``'d segments) and keeps
 cached; it exceeds the peak allocated when freed blocks cannot be reused for later requests. That
@@ -17,7 +17,14 @@ more than a ViT, whose blocks repeat one set of sizes. The rules modelled here:
 * a block larger than the request is split when the remainder is at least 512 bytes (small pool) or
   more than 1 MiB (large pool): the request takes the front, the remainder stays free;
 * a freed block merges with free neighbours of its segment; segments are never released (no
-  ``empty_cache``, no out-of-memory retry: an uncapped card).
+  ``empty_cache``, no out-of-memory retry: an uncapped card);
+* every segment belongs to the stream whose request made it, and a request is served only from its own
+  stream's free blocks (the blocks are ordered by stream before size): memory one stream freed is never
+  handed to another;
+* a block freed after ``record_stream`` was called on it for another stream (``tensor.record_stream``) counts as
+  freed at once (``torch.cuda.memory_allocated`` drops), but goes back to its pool only once the kernels
+  that other stream had queued have run (an event per stream, polled at later requests): until then
+  nothing can reuse it.
 
 :func:`replay` runs a real run's order: the weights, then steps. The first step creates the optimizer
 state at its optimizer step, after that step's forward and backward have fragmented the pool; later
@@ -43,8 +50,15 @@ ROUND_LARGE = 2 << 20  # kRoundLarge: larger segments are the request rounded up
 RESIDUAL = 1.036
 RESIDUAL_SOURCE = "published/h100/estimate/eager/04_lower_batch_size.json (4.905 GB measured, 4.737 replayed)"
 
-# An event of the simulated step: ("alloc", handle, nbytes) or ("free", handle, 0).
+# The stream that runs the kernels (the current stream of the step), and a side stream the step copies on.
+COMPUTE, COPY = "compute", "copy"
+
+# An event of the simulated step: ("alloc", handle, nbytes), a request on the compute stream; ("alloc_copy",
+# handle, nbytes), a request on the copy stream; ("free", handle, 0); ("free_later", handle, 0), a free after
+# record_stream: allocated at once, reusable from its ("reuse", handle, 0) on.
 Event = tuple[str, int, int]
+ALLOC_COPY = "alloc_copy"
+ALLOCATES = {"alloc": COMPUTE, ALLOC_COPY: COPY}
 
 
 def round_size(nbytes: int) -> int:
@@ -61,39 +75,49 @@ def segment_size(nbytes: int) -> int:
 
 
 class _Block:
-    __slots__ = ("address", "size", "small", "free", "prev", "next")
+    __slots__ = ("address", "size", "small", "free", "prev", "next", "stream")
 
-    def __init__(self, address: int, size: int, small: bool) -> None:
-        self.address, self.size, self.small, self.free = address, size, small, True
+    def __init__(self, address: int, size: int, small: bool, stream: str = COMPUTE) -> None:
+        self.address, self.size, self.small, self.free, self.stream = address, size, small, True, stream
         self.prev: _Block | None = None
         self.next: _Block | None = None
 
 
 class CachingAllocator:
-    """The allocator's bookkeeping without memory: ``malloc(handle, nbytes)``, ``free(handle)``, and the
-    peaks of allocated and reserved bytes."""
+    """The allocator's bookkeeping without memory: ``malloc(handle, nbytes, stream)``, ``free(handle)``,
+    ``free_later(handle)`` and ``reuse(handle)`` (a free after record_stream), and the peaks of allocated
+    and reserved bytes."""
 
     def __init__(self) -> None:
-        self._pools: dict[bool, list[tuple[int, int]]] = {True: [], False: []}  # free (size, address)
+        # free (size, address) per pool: the compute stream's by small/large, another stream's by (stream, small)
+        self._pools: dict[object, list[tuple[int, int]]] = {True: [], False: []}
         self._free: dict[tuple[int, int], _Block] = {}
         self._live: dict[object, _Block] = {}
+        self._waiting: dict[object, _Block] = {}  # freed, not reusable yet
         self._next_address = 0
         self.allocated = self.reserved = self.peak_allocated = self.peak_reserved = 0
+        self.reserved_by_stream: dict[str, int] = {}  # the segments each stream made, in bytes
+
+    @staticmethod
+    def _pool_key(stream: str, small: bool) -> object:
+        return small if stream == COMPUTE else (stream, small)
 
     def _insert(self, block: _Block) -> None:
         key = (block.size, block.address)
-        bisect.insort(self._pools[block.small], key)
+        bisect.insort(self._pools.setdefault(self._pool_key(block.stream, block.small), []), key)
         self._free[key] = block
 
     def _remove(self, block: _Block) -> None:
         key = (block.size, block.address)
-        pool = self._pools[block.small]
+        pool = self._pools[self._pool_key(block.stream, block.small)]
         del pool[bisect.bisect_left(pool, key)]
         del self._free[key]
 
-    def add_segment(self, address: int, size: int, small: bool, live: dict[object, tuple[int, int]]) -> None:
-        """A segment reserved before the replay starts (a recorded trace that begins mid-run), with its
-        blocks in use: ``live`` maps a handle to (address, size); the gaps are cached free blocks."""
+    def add_segment(
+        self, address: int, size: int, small: bool, live: dict[object, tuple[int, int]], stream: str = COMPUTE
+    ) -> None:
+        """A segment of ``stream`` reserved before the replay starts (a recorded trace that begins mid-run),
+        with its blocks in use: ``live`` maps a handle to (address, size); the gaps are cached free blocks."""
         self.reserved += size
         self.peak_reserved = max(self.peak_reserved, self.reserved)
         self._next_address = max(self._next_address, address + size + ROUND_LARGE)
@@ -101,7 +125,7 @@ class CachingAllocator:
         gaps = [(a, n, None) for (a, n) in _gaps(address, size, [(a, n) for a, n, _ in parts])]
         prev = None
         for start, n, handle in sorted(parts + gaps, key=lambda p: p[0]):
-            block = _Block(start, n, small)
+            block = _Block(start, n, small, stream)
             block.prev = prev
             if prev is not None:
                 prev.next = block
@@ -120,21 +144,22 @@ class CachingAllocator:
         self._next_address += size + ROUND_LARGE
         return address
 
-    def malloc(self, handle: object, nbytes: int) -> None:
+    def malloc(self, handle: object, nbytes: int, stream: str = COMPUTE) -> None:
         size = round_size(nbytes)
         small = size <= SMALL_REQUEST
-        pool = self._pools[small]
+        pool = self._pools.get(self._pool_key(stream, small), [])
         i = bisect.bisect_left(pool, (size, -1))
-        if i < len(pool):  # best fit among the cached free blocks
+        if i < len(pool):  # best fit among the stream's cached free blocks
             block = self._free[pool[i]]
             self._remove(block)
         else:  # a new segment (addresses of different segments are never adjacent)
-            block = _Block(self._segment_address(segment_size(size)), segment_size(size), small)
+            block = _Block(self._segment_address(segment_size(size)), segment_size(size), small, stream)
             self.reserved += block.size
+            self.reserved_by_stream[stream] = self.reserved_by_stream.get(stream, 0) + block.size
             self.peak_reserved = max(self.peak_reserved, self.reserved)
         remaining = block.size - size
         if remaining >= ROUND if small else remaining > SMALL_REQUEST:
-            rest = _Block(block.address + size, remaining, small)
+            rest = _Block(block.address + size, remaining, small, stream)
             rest.prev, rest.next = block, block.next
             if block.next is not None:
                 block.next.prev = rest
@@ -145,11 +170,28 @@ class CachingAllocator:
         self.allocated += block.size
         self.peak_allocated = max(self.peak_allocated, self.allocated)
 
+    def free_later(self, handle: object) -> None:
+        """Freed after record_stream: no longer allocated, but not reusable before :meth:`reuse`."""
+        block = self._live.pop(handle, None)
+        if block is not None:
+            self.allocated -= block.size
+            self._waiting[handle] = block
+
+    def reuse(self, handle: object) -> None:
+        """The other stream has run past the block freed by :meth:`free_later`: it joins its pool."""
+        block = self._waiting.pop(handle, None)
+        if block is not None:
+            self._give_back(block)
+
     def free(self, handle: object) -> None:
         block = self._live.pop(handle, None)
         if block is None:  # allocated before the replay started (not modelled)
             return
         self.allocated -= block.size
+        self._give_back(block)
+
+    def _give_back(self, block: _Block) -> None:
+        """A freed block joins its pool, merged with the free blocks beside it in its segment."""
         block.free = True
         before, after = block.prev, block.next
         if before is not None and before.free:  # merge into the free block in front
@@ -172,8 +214,12 @@ class CachingAllocator:
         tensors are not the next step's), those below it (weights, optimizer state) are shared."""
         for kind, handle, nbytes in events:
             key = handle if handle < keep else (tag, handle)
-            if kind == "alloc":
-                self.malloc(key, nbytes)
+            if kind in ALLOCATES:
+                self.malloc(key, nbytes, ALLOCATES[kind])
+            elif kind == "free_later":
+                self.free_later(key)
+            elif kind == "reuse":
+                self.reuse(key)
             else:
                 self.free(key)
 
@@ -205,12 +251,19 @@ def replay(events: list[Event], marks: dict[str, int], steps: int = 3) -> Cachin
     return allocator
 
 
+def _stream(recorded: int) -> str:
+    """A recorded stream: 0 is the default stream, the one a step computes on."""
+    return COMPUTE if not recorded else str(recorded)
+
+
 def replay_recorded(snapshot: dict) -> tuple[CachingAllocator, list[int], list[int]]:
     """The caching allocator's own record of a run (``torch.cuda.memory._snapshot()``, as ``--snapshot``
     writes it: the first device's trace, and the segments at its end) replayed event by event through
-    :class:`CachingAllocator`. The segments that existed before the recording started are taken from the
-    snapshot, with the blocks then in use. Returns the model and the sizes of the segments it reserved and
-    of those the GPU reserved, in order: the same lists when the model is right."""
+    :class:`CachingAllocator`, each request on its stream (a block returns to its pool at its recorded
+    ``free_completed``: after record_stream, once the other stream ran past it). The segments that existed
+    before the recording started are taken from the snapshot, with the blocks then in use. Returns the
+    model and the sizes of the segments it reserved and of those the GPU reserved, in order: the same
+    lists when the model is right."""
     trace = snapshot["device_traces"][0]
     created = [e["size"] for e in trace if e["action"] == "segment_alloc"]
     allocated_here = {e["addr"] for e in trace if e["action"] == "alloc"}
@@ -233,12 +286,14 @@ def replay_recorded(snapshot: dict) -> tuple[CachingAllocator, list[int], list[i
         start, size = segment["address"], segment["total_size"]
         if start not in new_addresses:
             live = {a: (a, n) for a, n in before.items() if start <= a < start + size}
-            model.add_segment(start, size, segment["segment_type"] == "small", live)
+            model.add_segment(
+                start, size, segment["segment_type"] == "small", live, _stream(segment["stream"])
+            )
     grown = []
     for e in trace:
         if e["action"] == "alloc":
             reserved = model.reserved
-            model.malloc(e["addr"], e["size"])
+            model.malloc(e["addr"], e["size"], _stream(e["stream"]))
             if model.reserved > reserved:
                 grown.append(model.reserved - reserved)
         elif e["action"] == "free_completed":

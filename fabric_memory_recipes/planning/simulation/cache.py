@@ -30,6 +30,7 @@ SOURCES = (  # what a cached simulation depends on, relative to the package
     "planning/simulation/modelled.py",
     "planning/simulation/tracking.py",
     "planning/simulation/allocator.py",
+    "planning/simulation/streamed.py",
     "planning/plan.py",
     "training/models.py",
     "training/data/__init__.py",

@@ -37,6 +37,7 @@ from fabric_memory_recipes.planning.simulation.modelled import (
     cuda_autocast_policy,
     host_draws_kept,
 )
+from fabric_memory_recipes.planning.simulation.streamed import StreamedWeights
 from fabric_memory_recipes.planning.simulation.tracking import FakeMode, SavedTensorCounter, Tracker
 from fabric_memory_recipes.training import data
 
@@ -218,14 +219,21 @@ def simulate(
                 dtype = precision.param_dtype if p.is_floating_point() else p.dtype
                 fake_state[n] = torch.empty(p.shape, dtype=dtype, requires_grad=bool(p.requires_grad))
 
+        streamed = StreamedWeights(model, plan.shard_units, pbytes, tracker) if plan.weights_offload else None
+
         def grad_ready(p: torch.Tensor) -> None:
             tracker.retag(p.grad, "gradients")
+            if streamed is not None:  # rung 16: copied out on another stream
+                streamed.gradient(p)
             if plan.optimizer_in_backward or plan.weights_offload:  # stepped/copied out, then freed at once
                 p.grad = None
 
         for n in trainable:
             fake_state[n].register_post_accumulate_grad_hook(grad_ready)
-        if plan.sharding != "none" or plan.weights_offload:  # rung 16: streamed units, the root resident
+        if streamed is not None:  # rung 16: the root resident, the units streamed by the hooks
+            streamed.bind(fake_state)
+            streamed.setup()
+        elif plan.sharding != "none":  # FSDP: the units in use at once
             unit, root = _unit_bytes(model, plan.shard_units, pbytes)
             # in use at once: the current unit, the prefetched one, the root; one unit's unsharded grads
             in_use = plan.prefetch_units * unit + root + (unit if n_train else 0)
@@ -252,6 +260,8 @@ def simulate(
         stack.enter_context(
             checkpointed(model, plan.activation_checkpointing, counter.add, plan.checkpoint_mode)
         )
+        if streamed is not None:
+            stack.enter_context(streamed.hooks())
         wrapped = Wrapped(model, precision)
         k = plan.accumulation_steps
         tracker.record_timeline = record_timeline
@@ -306,6 +316,8 @@ def simulate(
         tracker.phase = "zero_grad(set_to_none=True)"
         for t in fake_state.values():
             t.grad = None
+        if streamed is not None:
+            streamed.step_done()
         tracker.mark("end")
         tracker.record_timeline = False
         del state, fake_state, params_and_buffers, wrapped, counter

@@ -91,12 +91,13 @@ def _sums_in_place(old: torch.Tensor, new: torch.Tensor) -> bool:
 
 
 class _Record:
-    __slots__ = ("nbytes", "category", "handle")
+    __slots__ = ("nbytes", "category", "handle", "later")
 
     def __init__(self, nbytes: int, category: str, handle: int = -1) -> None:
         self.nbytes = nbytes
         self.category = category
         self.handle = handle  # its allocation's index in Tracker.events (-1: not on the device)
+        self.later = False  # freed after record_stream: reusable only from a later "reuse" event
 
 
 class SavedTensorCounter:
@@ -174,6 +175,7 @@ class Tracker(TorchDispatchMode):
         self.largest_temporary = 0  # the largest storage created as working memory (a logits-sized block)
         self.events: list[tuple[str, int, int]] = []
         self.marks: dict[str, int] = {}
+        self.waiting: list[tuple[int, int]] = []  # (handle, its free's index in events): after record_stream
         self._constants: dict[str, list[int]] = defaultdict(list)  # live constant blocks per category
         self._summing: Any = None  # the backward node whose outputs the engine is adding into its buffers
         self.gradient_sums: list[tuple[bool, tuple[int, ...]]] = []  # (in place, shape), in backward's order
@@ -181,13 +183,45 @@ class Tracker(TorchDispatchMode):
     def mark(self, name: str) -> None:
         self.marks[name] = len(self.events)
 
-    def _device_alloc(self, category: str, nbytes: int) -> int:
-        """Log a device allocation of ``nbytes`` at the category's weight; its handle (-1: none)."""
+    def _device_alloc(self, category: str, nbytes: int, kind: str = "alloc") -> int:
+        """Log a device allocation of ``nbytes`` at the category's weight (``kind``: the stream's event,
+        planning/simulation/allocator.py); its handle (-1: none)."""
         size = int(self.scales.get(category, 1.0) * nbytes)
         if size <= 0:
             return -1
-        self.events.append(("alloc", len(self.events), size))
+        self.events.append((kind, len(self.events), size))
         return len(self.events) - 1
+
+    def allocate(self, category: str, nbytes: int, kind: str = "alloc") -> int:
+        """A device block no tensor of the simulation stands for (a streamed unit's weights); its handle."""
+        handle = self._device_alloc(category, nbytes, kind)
+        self.totals[category] += nbytes
+        self._changed()
+        return handle
+
+    def release(self, handle: int, category: str, nbytes: int, later: bool = True) -> None:
+        """Free a block of :meth:`allocate`; ``later``: after record_stream, reusable from
+        :meth:`reuse_waiting` on."""
+        if handle >= 0:
+            if later:
+                self.waiting.append((handle, len(self.events)))
+            self.events.append(("free_later" if later else "free", handle, 0))
+        self.totals[category] -= nbytes
+        self._changed()
+
+    def free_later(self, t: torch.Tensor) -> None:
+        """``t``'s storage, when it is freed, is reusable only from :meth:`reuse_waiting` on (record_stream)."""
+        rec = self.records.get(t.untyped_storage())
+        if rec is not None:
+            rec.later = True
+
+    def reuse_waiting(self, before: int | None = None) -> None:
+        """The blocks freed after record_stream before event ``before`` (an index in :attr:`events`; default:
+        all of them) become reusable."""
+        done = [h for h, at in self.waiting if before is None or at < before]
+        if done:
+            self.waiting = [(h, at) for h, at in self.waiting if before is not None and at >= before]
+            self.events.extend(("reuse", handle, 0) for handle in done)
 
     @contextlib.contextmanager
     def creating(self, category: str) -> Iterator[None]:
@@ -216,7 +250,9 @@ class Tracker(TorchDispatchMode):
     def _free(self, rec: _Record) -> None:
         self.totals[rec.category] -= rec.nbytes
         if rec.handle >= 0:
-            self.events.append(("free", rec.handle, 0))
+            if rec.later:
+                self.waiting.append((rec.handle, len(self.events)))
+            self.events.append(("free_later" if rec.later else "free", rec.handle, 0))
         self._changed()
 
     def record(self, t: Any, category: str = "temporaries") -> _Record | None:

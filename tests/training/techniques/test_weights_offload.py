@@ -117,8 +117,8 @@ def test_evaluation_uses_the_updated_weights():
 
 
 def test_at_most_two_blocks_are_on_the_device_at_once_as_the_estimate_assumes(monkeypatch):
-    """The estimator (planning.simulate with weights_offload) counts the block in use and the prefetched
-    one, plus one block's gradients on their way out; the streamed model never holds more weights."""
+    """The streamed model never holds more than the block in use and the prefetched one (the estimator's
+    simulated step holds what it holds: tests/planning/test_streamed_weights.py)."""
     from fabric_memory_recipes import planning
 
     model = _model(checkpointing=True, layers=5)
