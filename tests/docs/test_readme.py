@@ -28,9 +28,10 @@ CHECKED = {
     "±10 %",
     "±10%",
     "±5%",
+    "±3 %",
     "-22.8%",
     "-8.7%",
-    "+4.7%",
+    "+2.9%",
     "8 ×",
 }  # the numbers the tests below check, as the prose writes them
 
@@ -67,10 +68,11 @@ def test_the_estimate_claim_is_what_its_check_prints():
         assert f"> {summary}" in [line.removesuffix("<br>") for line in README.splitlines()], summary
     rows = [r for r in out.splitlines() if r.startswith("| `results/")]
     errors = {re.search(r"/(\d\d)_", r).group(1): float(r.split("|")[12].strip().rstrip("%")) for r in rows}
-    under = [rung for rung, e in errors.items() if e < 0]
     text = " ".join(README.split())
-    assert under == ["11", "16"] and "Two rungs are under-predicted" in text
-    assert "rung 11 slightly, and rung 16, whose weights stream in from the CPU" in text
+    assert [rung for rung, e in errors.items() if abs(e) > 3] == ["16"] and errors["16"] < 0
+    assert (
+        "Rung 16 is under-predicted" in text and "all other rungs are within ±3 % of the whole device" in text
+    )
 
 
 def test_the_your_model_claim_is_the_committed_proof():

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -24,11 +25,13 @@ from fabric_memory_recipes.planning.plan import (
     OPTIMIZER_STATE_FACTOR,
     Estimate,
     Plan,
+    allocator_of,
+    expandable_in,
     plan_for,
 )
-from fabric_memory_recipes.planning.simulation.allocator import replay
 from fabric_memory_recipes.planning.simulation.built import built_technique
 from fabric_memory_recipes.planning.simulation.costs import OpCosts
+from fabric_memory_recipes.planning.simulation.expandable import peaks_reserved
 from fabric_memory_recipes.planning.simulation.modelled import (
     Precision,
     Wrapped,
@@ -230,11 +233,15 @@ def simulate(
             # in use at once: the current unit, the prefetched one, the root; one unit's unsharded grads
             in_use = plan.prefetch_units * unit + root + (unit if n_train else 0)
             tracker.add_constant("gathered_parameters", in_use)
+        tracker.mark("workspace")  # made by the first step: fast mode's on its side stream
         if plan.device == "cuda":
             for _ in range(CUDA_WORKSPACE_BYTES // CUBLAS_WORKSPACE_BYTES):  # one per thread
                 tracker.add_constant("workspace", CUBLAS_WORKSPACE_BYTES)
-            if plan.activation_offload:  # copies in flight on a side stream (training/techniques/offload.py)
-                tracker.add_constant("activations", plan.offload_window_bytes)
+            tracker.mark("window")
+            if (
+                plan.activation_offload
+            ):  # copies in flight, a window per side stream: training/techniques/offload.py
+                tracker.add_constant("activations", 2 * plan.offload_window_bytes)
 
         tracker.mark("state")
         tracker.phase = "optimizer state"  # as it is from the first optimizer step on
@@ -310,6 +317,12 @@ def simulate(
         tracker.record_timeline = False
         del state, fake_state, params_and_buffers, wrapped, counter
 
+    replays = {}
+    if plan.device == "cuda":  # fast mode keeps the gradients across an accumulation group's micro-batches
+        kept = tracker.gradient_handles if k > 1 and not plan.optimizer_in_backward else ()
+        replays = peaks_reserved(
+            tracker.events, tracker.marks, frozenset(kept), not plan.optimizer_in_backward
+        )
     shard = scales.get("optimizer_state", 1.0)
     static = {  # the arithmetic, exactly
         "weights": n_total * master_bytes * shard / GB,
@@ -331,9 +344,8 @@ def simulate(
         kernels=sorted(kernels),
         timeline=tracker.timeline,
         largest_temporary_gb=tracker.largest_temporary / GB,
-        reserved_gb=replay(tracker.events, tracker.marks).peak_reserved / GB
-        if plan.device == "cuda"
-        else None,
+        reserved_gb=replays[plan.allocator] / GB if replays else None,
+        reserved_by_allocator={name: n / GB for name, n in replays.items()},
     )
 
 
@@ -366,7 +378,10 @@ def for_run(model: Any, cfg: RunConfig, optimizer: Any = None) -> Estimate:
     name = cfg.model or type(model).__name__
     plan = None
     try:
-        plan = plan_for(cfg, **built_technique(model, cfg, optimizer))
+        # the allocator's setting as this process has it (fast mode sets it before CUDA starts)
+        expandable = expandable_in(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+        allocator = allocator_of(cfg, expandable)
+        plan = plan_for(cfg, allocator=allocator, **built_technique(model, cfg, optimizer))
         est = simulate(model, plan, model_name=name)
     except Exception as e:
         est = failed(plan, name, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")

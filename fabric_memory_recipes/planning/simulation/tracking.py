@@ -120,6 +120,7 @@ class Tracker(TorchDispatchMode):
         self.largest_temporary = 0  # the largest storage created as working memory (a logits-sized block)
         self.events: list[tuple[str, int, int]] = []
         self.marks: dict[str, int] = {}
+        self.gradient_handles: set[int] = set()  # the events' allocations that became a .grad
         self._constants: dict[str, list[int]] = defaultdict(list)  # live constant blocks per category
 
     def mark(self, name: str) -> None:
@@ -183,6 +184,8 @@ class Tracker(TorchDispatchMode):
     def retag(self, t: Any, category: str, only_from: tuple[str, ...] | None = None) -> None:
         """Move ``t``'s storage to another component (a temporary that autograd saves, a gradient)."""
         rec = self.record(t, category)
+        if rec is not None and category == "gradients" and rec.handle >= 0:
+            self.gradient_handles.add(rec.handle)
         if rec is None or rec.category == category:
             return
         if only_from is not None and rec.category not in only_from:
