@@ -124,7 +124,9 @@ def card(
     over = overhead_per_gpu(gpu, mode, devices)
     if est.peak_gb is None:
         return {"peak_reserved_gb": None, "device_peak_gb": None, "overhead_legend": over.phrase(devices)}
-    replayed = est.reserved_by_allocator.get(allocator, est.reserved_gb)
+    replayed = (
+        est.reserved_gb if allocator is None else est.reserved_by_allocator.get(allocator, est.reserved_gb)
+    )
     replayed = replayed if replayed is not None else est.peak_gb  # a CPU plan: no allocator
     return {**replayed_card(replayed, over, devices), "gpu": gpu, "mode": mode, "devices": devices}
 

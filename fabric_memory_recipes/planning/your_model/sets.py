@@ -371,4 +371,3 @@ class _Floor:
 
     peak_gb = 0.0
     reserved_gb = 0.0
-    reserved_by_allocator: dict[str, float] = {}
