@@ -24,11 +24,17 @@ planning/simulation/allocator.py):
 weights, then steps, the optimizer state made in the first): a run whose steps are eager under this
 setting (fast mode for a text model: compiled blocks, no CUDA graph; rung 14's own setting).
 :func:`replay_graphs` runs fast mode's order (training/graphs.py): the weights (and, with accumulation, the
-gradients, made once) on the default stream; ``WARMUP_STEPS`` eager steps on a side stream, with
-``empty_cache`` just before the first optimizer step (the state is laid out in freshly returned pages) and
-again before the capture; then one step captured into the graph's private pool, which replays allocate
-nothing from. The measured ladder (``fmr-estimate --check results/published/h100/ladder``) is what it is
-checked against: its fast rungs' graph pools measured 20 MiB pages plus one to four 2 MiB ones.
+gradients, made once) on the default stream; cuBLAS's workspaces, made by the first step, and
+``WARMUP_STEPS`` eager steps on a side stream, with ``empty_cache`` just before the first optimizer step
+(the state is laid out in freshly returned pages) and again before the capture; then one step captured
+into the graph's private pool, which replays allocate nothing from (rung 11's copies in flight are made
+inside each step, so the pool holds them).
+
+Checked: the committed ``--snapshot`` records of two of your model's fast sets (default allocator), replayed
+here, reserve what the same sets' unrecorded runs (expandable segments) reserved, to the byte
+(tests/planning/test_expandable_allocator.py); on the ladder's fast rungs the replayed graph pools come within
+a 2 MiB page of the measured ones (``extra.cuda_graphs.graph_pool_reserved_gb``) on 9 of 13, and the rest of
+the allocator holds up to three 20 MiB pages more than the replay (docs/planner.md).
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ with the batch of its task, and the card: peak reserved and the whole-device pea
 
 Peak reserved = the simulated step's allocations and frees replayed through a model of the CUDA
 caching allocator (planning/simulation/allocator.py: the weights, a first step that creates the optimizer state,
-then steady steps) x the largest measured/replayed ratio of the committed eager runs
+then steady steps; under fast mode's expandable segments, with an image model's CUDA graphs:
+planning/simulation/expandable.py) x the largest measured/replayed ratio of the committed eager runs
 (planning/reserved.py, 1.037). The replay is what tells a ResNet from a ViT: feature maps of many
 sizes strand cached blocks that one ratio for every model cannot know (docs/your_model.md has the
 measured rows). The whole-device peak adds the measured card overhead of the GPU kind

@@ -11,7 +11,8 @@ CPU offload or without (planning/your_model/host_offload.py), the memory per GPU
 others (bf16-true, bf16-mixed, 32-true; AdamW, SGD, 8-bit AdamW); each such row then carries the accuracy
 cost the convergence benchmark measured for the change (planning/planner/advice.py). Memory
 is simulated (planning/your_model/estimate.py: peak allocated, reserved from the allocator replay with its
-margin, + the card overhead); the runner runs eagerly, so the eager mode's overhead applies.
+margin, + the card overhead); the replay is the set's run's allocator setting (:func:`allocator_of_set`: fast
+mode's expandable segments, with its CUDA graphs for an image model).
 
 Speed: each set's simulated step, op by op, on the GPU kind's fitted ceilings (planning/your_model/step_time.py);
 the simulation that gives a set's memory gives its op costs. The search visits the sets from the fastest
