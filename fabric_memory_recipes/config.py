@@ -355,6 +355,20 @@ class RunConfig:
             raise UsageError("--memory-budget-gb caps CUDA devices' memory: use it with GPUs, not on a CPU")
         return c
 
+    def graphs_by_default(self) -> bool:
+        """Whether fast mode captures CUDA graphs without --cuda-graphs (then :meth:`_choose_mode` sets
+        FAST_ALLOCATOR): fast mode on one CUDA device, not profiling, and not torch-optimi's Kahan step (it
+        uses the lr as a Python scalar, alpha=-lr: not capturable)."""
+        one_device = self.devices == 1 and self.num_nodes == 1
+        profiling = self.memory_timeline or self.snapshot
+        return (
+            self.mode == "fast"
+            and self.accelerator == "cuda"
+            and one_device
+            and not profiling
+            and (self.bf16_update != "kahan")
+        )
+
     def _choose_mode(self) -> None:
         """Resolve --mode into --compile and --cuda-graphs (idempotent; refuses impossible combinations)."""
         if self.mode is None:
@@ -365,14 +379,7 @@ class RunConfig:
         one_device = self.devices == 1 and self.num_nodes == 1
         profiling = self.memory_timeline or self.snapshot
         if self.cuda_graphs is None:
-            # torch-optimi's Kahan step uses the lr as a Python scalar (alpha=-lr): not capturable
-            self.cuda_graphs = (
-                self.mode == "fast"
-                and self.accelerator == "cuda"
-                and one_device
-                and not profiling
-                and self.bf16_update != "kahan"
-            )
+            self.cuda_graphs = self.graphs_by_default()
         elif self.cuda_graphs:
             if self.accelerator != "cuda":
                 raise UsageError("--cuda-graphs needs CUDA (on a CPU the fast mode is the eager mode)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections import Counter
@@ -14,7 +15,7 @@ from fabric_memory_recipes.console import program
 from fabric_memory_recipes.declarations import declared_rung
 from fabric_memory_recipes.measurement.results_file import SCHEMA_VERSION, estimate_error_pct, gpu_slug
 from fabric_memory_recipes.planning.overhead import card_prediction, predicted_reserved
-from fabric_memory_recipes.planning.plan import Estimate, Plan, plan_for
+from fabric_memory_recipes.planning.plan import Estimate, Plan, allocator_of, expandable_in, plan_for
 from fabric_memory_recipes.planning.simulation.cache import SimulationCache, ladder_key
 from fabric_memory_recipes.planning.simulation.simulate import simulate
 from fabric_memory_recipes.training.models import meta_ladder_model
@@ -99,10 +100,25 @@ def _rerun(result: dict[str, Any]) -> tuple[Any, Plan, str | None, dict[str, Any
     cfg = rung.with_flags(**{**{k: v for k, v in config.items() if k in flags}, "accelerator": "cuda"})
     assumed = ((result.get("estimate") or {}).get("assumptions")) or {}
     assumed = {RENAMED_FIELDS.get(k, k): v for k, v in assumed.items()}
-    plan = plan_for(cfg, **{k: assumed[k] for k in RECORDED_PLAN if k in assumed})
+    plan = plan_for(
+        cfg,
+        allocator=recorded_allocator(result, cfg),
+        **{k: assumed[k] for k in RECORDED_PLAN if k in assumed},
+    )
     name, size = config.get("model"), config.get("image_size")
     model = meta_ladder_model(name or "vit_l_16", fused_attention=cfg.fused_attention, image_size=size)
     return model, plan, name, ladder_key(plan, name, size, cfg.fused_attention)
+
+
+def recorded_allocator(result: dict[str, Any], cfg: RunConfig) -> str:
+    """The caching allocator a committed run of ``cfg`` trained under (plan.ALLOCATORS): its steps CUDA graphs
+    as its config recorded (none where it recorded no ``cuda_graphs``: a run from before fast mode), its
+    allocator's expandable segments as its ``provenance.cuda_alloc_conf`` says (where it recorded none, as
+    fast mode sets them: with the CUDA graphs)."""
+    provenance = result.get("provenance") or {}
+    expandable = expandable_in(provenance["cuda_alloc_conf"]) if "cuda_alloc_conf" in provenance else None
+    graphs = bool((result.get("config") or {}).get("cuda_graphs"))
+    return allocator_of(dataclasses.replace(cfg, cuda_graphs=graphs), expandable)
 
 
 def simulate_run(result: dict[str, Any]) -> Estimate:
@@ -118,7 +134,10 @@ def replayed_of(result: dict[str, Any], cache: SimulationCache) -> float | None:
     it holds it; None when the simulation fails."""
     model, plan, name, key = _rerun(result)
     try:
-        return cache.lookup(key, lambda: simulate(model, plan, model_name=name), result["recipe"])[2]
+        simulated = cache.lookup(
+            key, lambda: simulate(model, plan, model_name=name), result["recipe"], plan.allocator
+        )
+        return simulated[2]
     except RuntimeError:
         return None
 

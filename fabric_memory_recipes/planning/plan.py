@@ -56,6 +56,10 @@ OPTIMIZER_STATE_FACTOR = {"adam": 2, "adamw": 2, "adamw8bit": 2, "sgd": 0, "sgd-
 LOWBIT_BLOCK = 256  # torchao's 8-bit optimizer: one fp32 scale per block of 256 values
 LOWBIT_MIN_NUMEL = 4096  # ...and smaller tensors keep full-precision state
 OPTIMIZER_IMPLS = ("fused", "foreach", "for-loop")
+# The caching allocator a run trains under, as the replay models it: PyTorch's default
+# (planning/simulation/allocator.py); expandable segments with eager steps, and fast mode's CUDA graphs under
+# them (planning/simulation/expandable.py; fast mode sets expandable segments: config.FAST_ALLOCATOR).
+ALLOCATORS = ("default", "expandable", "graphs")
 ATTENTION_CHOICES = ("auto", "fused", "math")
 SHARDING_CHOICES = ("none", "fsdp", "fsdp2")
 CHECKPOINT_WRAPPERS = (
@@ -86,7 +90,7 @@ class Plan:
     forward, like rung 10's, needs no ``activation_checkpointing``: the simulation runs it). ``world_size`` only
     matters when sharding. ``activation_offload`` models fabric_memory_recipes.training.techniques.offload.offload_activations (saved
     tensors of at least ``offload_min_bytes`` live in host memory, ``offload_window_bytes`` of them in flight
-    on the GPU); ``optimizer_in_backward`` models a
+    on the GPU per side stream: copies out and prefetches in); ``optimizer_in_backward`` models a
     per-parameter step in a post-accumulate-grad hook that frees each gradient at once (rung 12).
     ``weights_offload`` models fabric_memory_recipes.training.techniques.weights_offload (rung 16, one GPU): parameters,
     gradients and optimizer state in host memory (0 on the GPU), the modules of ``shard_units`` streamed
@@ -116,6 +120,7 @@ class Plan:
     weights_offload: bool = False
     checkpoint_mode: str = CHECKPOINT_MODE.default  # what a checkpointed block keeps (its record's option)
     switched: tuple[str, ...] = ()  # techniques.switches() on, by name: each applied by its module
+    allocator: str = "default"  # the caching allocator's setting (ALLOCATORS): which replay is reserved_gb
 
     def __post_init__(self) -> None:
         if self.precision == "32":
@@ -126,6 +131,8 @@ class Plan:
             raise ValueError(f"optimizer {self.optimizer!r}: expected one of {', '.join(OPTIMIZERS)}")
         if self.optimizer_impl not in OPTIMIZER_IMPLS:
             raise ValueError(f"optimizer_impl {self.optimizer_impl!r}: expected one of {OPTIMIZER_IMPLS}")
+        if self.allocator not in ALLOCATORS:
+            raise ValueError(f"allocator {self.allocator!r}: expected one of {', '.join(ALLOCATORS)}")
         if self.attention not in ATTENTION_CHOICES:
             raise ValueError(f"attention {self.attention!r}: expected one of {ATTENTION_CHOICES}")
         if self.sharding not in SHARDING_CHOICES:
@@ -168,9 +175,32 @@ def plan_for(cfg: RunConfig, **overrides: Any) -> Plan:
         offload_window_bytes=cfg.offload_window_mb << 20,
         optimizer_in_backward=cfg.optimizer_in_backward,
         weights_offload=cfg.weights_offload,
+        allocator=allocator_of(cfg),
     )
     fields.update(overrides)
     return Plan(**fields)
+
+
+def expandable_in(alloc_conf: str | None) -> bool:
+    """Whether a ``PYTORCH_CUDA_ALLOC_CONF`` value turns expandable segments on."""
+    options = (o.split(":", 1) for o in (alloc_conf or "").split(","))
+    return any(o[0].strip() == "expandable_segments" and o[-1].strip() == "True" for o in options)
+
+
+def allocator_of(cfg: RunConfig, expandable: bool | None = None) -> str:
+    """The caching allocator a run of ``cfg`` (checked or not) trains under (:data:`ALLOCATORS`): 'graphs'
+    when its steps are CUDA graphs, 'expandable' when they are not but its allocator has expandable segments,
+    else 'default'. ``expandable``: whether it has them, where that is known (a committed run's provenance,
+    the running process's ``PYTORCH_CUDA_ALLOC_CONF``, fast mode of a runner that turns the graphs off after
+    RunConfig chose them); by default, when its steps are CUDA graphs (config.FAST_ALLOCATOR). CUDA graphs
+    under the default allocator (a ``PYTORCH_CUDA_ALLOC_CONF`` of the user's) are replayed as 'default'."""
+    if cfg.accelerator == "cpu":
+        return "default"
+    graphs = cfg.cuda_graphs
+    if graphs is None:  # not checked yet: what fast mode will choose
+        graphs = dataclasses.replace(cfg, accelerator="cuda", mode=cfg.mode or "fast").graphs_by_default()
+    expandable = graphs if expandable is None else expandable
+    return ("graphs" if graphs else "expandable") if expandable else "default"
 
 
 # -------------------------------------------------------------------------------------------- estimate
@@ -195,7 +225,9 @@ class Estimate:
     error: str | None = None
     largest_temporary_gb: float = 0.0  # the largest single block of working memory
     # peak reserved: the step's allocations replayed through the caching allocator (planning/simulation/allocator.py)
+    # under the plan's setting (plan.allocator), and under each of ALLOCATORS
     reserved_gb: float | None = None
+    reserved_by_allocator: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """The ``estimate`` key of the results JSON (documented in fabric_memory_recipes/measurement/results_file.py)."""
@@ -235,6 +267,7 @@ class Estimate:
                 "activation_offload": p.activation_offload,
                 "optimizer_in_backward": p.optimizer_in_backward,
                 "weights_offload": p.weights_offload,
+                "allocator": p.allocator,
                 "workspace_gb": (CUDA_WORKSPACE_BYTES / GB) if p.device == "cuda" else 0.0,
             },
             "kernels": self.kernels,

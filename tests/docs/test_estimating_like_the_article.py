@@ -25,7 +25,7 @@ TEXT = PAGE.read_text().replace("−", "-")  # the page's minus signs, as number
 BLOCK = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
 PUBLISHED = REPO / "results" / "published" / "h100"
 BERT = "fmr-estimate --model hf:examples/configs/bert-base-uncased --seq-len 10 --batch-size 32"
-FULL = "fmr-estimate --model hf:examples/configs/mt5-base --seq-len 10 --batch-size 32"
+FULL = "fmr-estimate --model hf:examples/configs/mt5-base --seq-len 10 --batch-size 32 --mode eager"
 LORA = f"{FULL} --lora-rank 8 --lora-targets q,v"
 INFER = (
     "fmr-estimate --model hf:examples/configs/mt5-base --infer --seq-len 10 --new-tokens 10 --batch-size 1"

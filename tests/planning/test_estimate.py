@@ -144,7 +144,7 @@ def test_fsdp_divides_sharded_state_by_world_size_and_offload_removes_it():
 def test_weights_offload_keeps_state_off_the_gpu_and_streams_two_units():
     """Rung 16: weights, gradients and Adam state in host memory; on the GPU at the peak (in backward) the
     block in use and the one before it, fetched ahead (bf16), and the resident rest; each gradient leaves
-    at once (tests/planning/test_streamed_weights.py: the blocks WeightsOnCPU itself holds)."""
+    at once (tests/planning/simulation/test_streamed_weights.py: the blocks WeightsOnCPU itself holds)."""
     model = small_vit(layers=3)
     (batch, fn) = image_batch(model, 4)
     kw = dict(micro_batch_size=4, precision="bf16-true", activation_checkpointing=("EncoderBlock",))

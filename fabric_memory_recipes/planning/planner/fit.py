@@ -6,7 +6,8 @@ activation offload and the step in backward (each with the rung that runs it); f
 For each combination it predicts
 
 * the peak *reserved* memory: the simulated step replayed through a model of the caching allocator
-  (planning/simulation/allocator.py) x the largest measured/replayed ratio of the committed eager runs,
+  (planning/simulation/allocator.py; fast mode's CUDA graphs under expandable segments:
+  planning/simulation/expandable.py) x the largest measured/replayed ratio of the committed eager runs,
   as your own model's estimate budgets it (:func:`~fabric_memory_recipes.planning.overhead.replayed_card`),
 * the whole-device peak a card must hold: that plus the measured card overhead of the GPU kind and
   mode (CUDA context, libraries, kernels: :mod:`~fabric_memory_recipes.planning.overhead`); a
@@ -17,7 +18,7 @@ For each combination it predicts
 The search is fast: combinations are visited from the fastest down; one whose weights, gradients and
 optimizer state alone (arithmetic, no simulation) exceed the budget is ruled out unsimulated, and the
 search stops once ``top`` fitting ones are faster than anything left. Fast and eager mode share one
-simulation, and simulations are cached on disk (``FMR_PLAN_CACHE``, default
+simulation (each mode takes its own replay of it), and simulations are cached on disk (``FMR_PLAN_CACHE``, default
 ``~/.cache/fabric-memory-recipes/simulations.json``), keyed by the estimator's source and torch's
 version.
 """
@@ -34,7 +35,7 @@ from fabric_memory_recipes.config import DATA_DIR, RECIPES_DIR, RunConfig
 from fabric_memory_recipes.declarations import declared_rung
 from fabric_memory_recipes.measurement.card_overhead import Overhead, card_overhead
 from fabric_memory_recipes.planning.overhead import replayed_card
-from fabric_memory_recipes.planning.plan import CUDA_WORKSPACE_BYTES, GB, plan_for
+from fabric_memory_recipes.planning.plan import CUDA_WORKSPACE_BYTES, GB, allocator_of, plan_for
 from fabric_memory_recipes.planning.planner import calibration
 from fabric_memory_recipes.planning.planner import speed as speed_mod
 from fabric_memory_recipes.planning.simulation.allocator import RESIDUAL
@@ -284,7 +285,9 @@ class Planner:
             def simulated():
                 return simulate(meta_ladder_model(rung.model), plan_for(rung), model_name=rung.model)
 
-            c.simulated_gb, c.offloaded_gb, c.replayed_gb = self.cache.lookup(c.key, simulated, c.command)
+            # the replay of the mode's allocator: fast mode's CUDA graphs under expandable segments, or the default
+            got = self.cache.lookup(c.key, simulated, c.command, allocator_of(rung))
+            c.simulated_gb, c.offloaded_gb, c.replayed_gb = got
             c.predicted_gb = replayed_card(c.replayed_gb, self.overheads[c.mode])["peak_reserved_gb"]
             if c.images_per_s is None:
                 c.images_per_s = self._speed(c, c.offloaded_gb)

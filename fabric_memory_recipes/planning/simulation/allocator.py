@@ -1,6 +1,7 @@
 """Peak *reserved* memory: the simulated step's allocations and frees replayed through a model of
 PyTorch's CUDA caching allocator (``c10/cuda/CUDACachingAllocator.cpp``, default settings: no
-``PYTORCH_CUDA_ALLOC_CONF``, no expandable segments).
+``PYTORCH_CUDA_ALLOC_CONF``, no expandable segments). Expandable segments, which fast mode sets, and fast
+mode's CUDA graphs are modelled in planning/simulation/expandable.py.
 
 Reserved memory is what the allocator took from the driver (``cudaMalloc``'d segments) and keeps
 cached; it exceeds the peak allocated when freed blocks cannot be reused for later requests. That
@@ -30,7 +31,7 @@ more than a ViT, whose blocks repeat one set of sizes. The rules modelled here:
 state at its optimizer step, after that step's forward and backward have fragmented the pool; later
 steps reuse the cached segments. Checked against the allocator's own record of a committed run
 (``results/published/h100/snapshot/``: its trace replayed here reserves the segments the GPU reserved,
-tests/planning/test_allocator.py) and against the committed runs' measured peaks (docs/your_model.md).
+tests/planning/simulation/test_allocator.py) and against the committed runs' measured peaks (docs/your_model.md).
 """
 
 from __future__ import annotations
@@ -256,18 +257,12 @@ def _stream(recorded: int) -> str:
     return COMPUTE if not recorded else str(recorded)
 
 
-def replay_recorded(snapshot: dict) -> tuple[CachingAllocator, list[int], list[int]]:
-    """The caching allocator's own record of a run (``torch.cuda.memory._snapshot()``, as ``--snapshot``
-    writes it: the first device's trace, and the segments at its end) replayed event by event through
-    :class:`CachingAllocator`, each request on its stream (a block returns to its pool at its recorded
-    ``free_completed``: after record_stream, once the other stream ran past it). The segments that existed
-    before the recording started are taken from the snapshot, with the blocks then in use. Returns the
-    model and the sizes of the segments it reserved and of those the GPU reserved, in order: the same
-    lists when the model is right."""
+def in_use_before(snapshot: dict) -> dict[int, int]:
+    """The blocks in use when a recorded trace (``torch.cuda.memory._snapshot()``, its first device) started,
+    address -> size: freed in it without being allocated in it, or still allocated at its end."""
     trace = snapshot["device_traces"][0]
-    created = [e["size"] for e in trace if e["action"] == "segment_alloc"]
     allocated_here = {e["addr"] for e in trace if e["action"] == "alloc"}
-    before: dict[int, int] = {}  # blocks in use when the recording started
+    before: dict[int, int] = {}
     seen: set[int] = set()
     for e in trace:
         if e["action"] == "alloc":
@@ -280,6 +275,20 @@ def replay_recorded(snapshot: dict) -> tuple[CachingAllocator, list[int], list[i
             if block["state"] == "active_allocated" and address not in allocated_here:
                 before[address] = block["size"]
             address += block["size"]
+    return before
+
+
+def replay_recorded(snapshot: dict) -> tuple[CachingAllocator, list[int], list[int]]:
+    """The caching allocator's own record of a run (``torch.cuda.memory._snapshot()``, as ``--snapshot``
+    writes it: the first device's trace, and the segments at its end) replayed event by event through
+    :class:`CachingAllocator`, each request on its stream (a block returns to its pool at its recorded
+    ``free_completed``: after record_stream, once the other stream ran past it). The segments that existed
+    before the recording started are taken from the snapshot, with the blocks then in use. Returns the
+    model and the sizes of the segments it reserved and of those the GPU reserved, in order: the same
+    lists when the model is right."""
+    trace = snapshot["device_traces"][0]
+    created = [e["size"] for e in trace if e["action"] == "segment_alloc"]
+    before = in_use_before(snapshot)
     new_addresses = {e["addr"] for e in trace if e["action"] == "segment_alloc"}
     model = CachingAllocator()
     for segment in snapshot["segments"]:

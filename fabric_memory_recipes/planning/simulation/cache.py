@@ -31,18 +31,23 @@ SOURCES = (  # what a cached simulation depends on, relative to the package
     "planning/simulation/tracking.py",
     "planning/simulation/allocator.py",
     "planning/simulation/streamed.py",
+    "planning/simulation/saved.py",
+    "planning/simulation/expandable.py",
     "planning/plan.py",
     "training/models.py",
     "training/data/__init__.py",
     "planning/simulation/cache.py",  # the entries' own format
 )
-DETAILS = ("peak_phase", "components_gb", "static_gb")  # kept beside the three numbers (--ladder's rows)
+# kept beside the three numbers (--ladder's rows; the replays under every allocator setting)
+DETAILS = ("peak_phase", "components_gb", "static_gb", "reserved_by_allocator")
 
 
 def ladder_key(plan: Any, model: str | None, image_size: int | None = None, fused: bool = False) -> dict:
     """The key of a ladder model's step (``meta_ladder_model(model, fused_attention=fused,
-    image_size=image_size)`` under ``plan``)."""
-    return {"plan": dataclasses.asdict(plan), "model": model, "image_size": image_size, "fused": fused}
+    image_size=image_size)`` under ``plan``), the same for every allocator setting: an entry keeps each one's
+    replay (:meth:`SimulationCache.lookup`'s ``allocator``)."""
+    plan = {k: v for k, v in dataclasses.asdict(plan).items() if k != "allocator"}
+    return {"plan": plan, "model": model, "image_size": image_size, "fused": fused}
 
 
 class SimulationCache:
@@ -71,11 +76,17 @@ class SimulationCache:
         except (OSError, ValueError, KeyError, AttributeError):
             return {}
 
-    def lookup(self, key: Any, simulate_it: Callable[[], Estimate], what: str) -> tuple[float, float, float]:
+    def lookup(
+        self, key: Any, simulate_it: Callable[[], Estimate], what: str, allocator: str | None = None
+    ) -> tuple[float, float, float]:
         """(Peak allocated, bytes offloaded per micro-batch, replayed peak reserved) of ``key`` (anything
         JSON can write), simulated by ``simulate_it`` when there is no entry (a failed simulation raises
-        RuntimeError naming ``what`` was simulated)."""
-        return tuple(self.entry(key, simulate_it, what)[:3])
+        RuntimeError naming ``what`` was simulated); the replay under the caching allocator's setting
+        ``allocator`` (plan.ALLOCATORS), by default the simulated plan's."""
+        peak, host, reserved, details = self.entry(key, simulate_it, what)
+        if allocator is not None and details.get("reserved_by_allocator"):
+            reserved = details["reserved_by_allocator"][allocator]
+        return peak, host, reserved
 
     def entry(self, key: Any, simulate_it: Callable[[], Estimate], what: str) -> list[Any]:
         """:meth:`lookup`'s three numbers and a dict of the estimate's :data:`DETAILS`."""

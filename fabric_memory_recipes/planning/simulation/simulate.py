@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -24,11 +25,13 @@ from fabric_memory_recipes.planning.plan import (
     OPTIMIZER_STATE_FACTOR,
     Estimate,
     Plan,
+    allocator_of,
+    expandable_in,
     plan_for,
 )
-from fabric_memory_recipes.planning.simulation.allocator import replay
 from fabric_memory_recipes.planning.simulation.built import built_technique
 from fabric_memory_recipes.planning.simulation.costs import OpCosts
+from fabric_memory_recipes.planning.simulation.expandable import peaks_reserved
 from fabric_memory_recipes.planning.simulation.modelled import (
     Precision,
     Wrapped,
@@ -37,8 +40,9 @@ from fabric_memory_recipes.planning.simulation.modelled import (
     cuda_autocast_policy,
     host_draws_kept,
 )
+from fabric_memory_recipes.planning.simulation.saved import SimulatedSaves
 from fabric_memory_recipes.planning.simulation.streamed import StreamedWeights
-from fabric_memory_recipes.planning.simulation.tracking import FakeMode, SavedTensorCounter, Tracker
+from fabric_memory_recipes.planning.simulation.tracking import FakeMode, Tracker
 from fabric_memory_recipes.training import data
 
 
@@ -80,43 +84,6 @@ def _optimizer_state(p: torch.Tensor, plan: Plan, dtype: torch.dtype | None = No
     if plan.optimizer in ("adam", "adamw") and plan.optimizer_impl == "fused":
         state.append(torch.zeros((), dtype=torch.float32))  # the step count lives on the device
     return state
-
-
-class _SimulatedSaves(SavedTensorCounter):
-    """The simulation's saved-tensor hooks: count every saved storage (as a real run's counter would),
-    mark it as an activation, and with ``activation_offload`` move it to host memory as
-    fabric_memory_recipes.training.techniques.offload.offload_activations does: the device copy is no longer referenced by the graph (it
-    is freed when the forward pass drops it) and backward copies it back just before it is needed.
-    ``largest_offloadable``: the largest tensor offload copies, or would copy without it (same saves)."""
-
-    def __init__(self, exclude: list[torch.Tensor], tracker: Tracker, plan: Plan) -> None:
-        super().__init__(exclude)
-        self.tracker = tracker
-        self.offload = plan.activation_offload
-        self.min_bytes = plan.offload_min_bytes
-        self.largest_offloadable = 0
-
-    def _pack(self, t: torch.Tensor) -> Any:
-        st = t.untyped_storage()
-        if id(st) in self._exclude:
-            return t
-        nbytes = t.numel() * t.element_size()
-        if nbytes >= self.min_bytes:
-            self.largest_offloadable = max(self.largest_offloadable, nbytes)
-        if self.offload and nbytes >= self.min_bytes:
-            with self.tracker.creating("host"):  # counts 0 on the device
-                host = torch.empty(t.shape, dtype=t.dtype)  # one host copy per saved tensor, as offload.py
-            self._seen[host.untyped_storage()] = host.untyped_storage().nbytes()
-            return ("offloaded", host)
-        super()._pack(t)
-        self.tracker.retag(t, "activations", only_from=("temporaries",))
-        return t
-
-    @staticmethod
-    def _unpack(packed: Any) -> torch.Tensor:
-        if isinstance(packed, tuple) and packed and packed[0] == "offloaded":
-            return packed[1].clone()  # back on the device: a temporary of the backward pass
-        return packed
 
 
 @contextlib.contextmanager
@@ -238,11 +205,15 @@ def simulate(
             # in use at once: the current unit, the prefetched one, the root; one unit's unsharded grads
             in_use = plan.prefetch_units * unit + root + (unit if n_train else 0)
             tracker.add_constant("gathered_parameters", in_use)
+        tracker.mark("workspace")  # made by the first step: fast mode's on its side stream
         if plan.device == "cuda":
             for _ in range(CUDA_WORKSPACE_BYTES // CUBLAS_WORKSPACE_BYTES):  # one per thread
                 tracker.add_constant("workspace", CUBLAS_WORKSPACE_BYTES)
-            if plan.activation_offload:  # copies in flight on a side stream (training/techniques/offload.py)
-                tracker.add_constant("activations", plan.offload_window_bytes)
+            tracker.mark("window")
+            if (
+                plan.activation_offload
+            ):  # copies in flight, a window per side stream: training/techniques/offload.py
+                tracker.add_constant("activations", 2 * plan.offload_window_bytes)
 
         tracker.mark("state")
         tracker.phase = "optimizer state"  # as it is from the first optimizer step on
@@ -253,7 +224,7 @@ def simulate(
         state_bytes = sum(t.untyped_storage().nbytes() for t in state if t.dim() > 0)  # no step counters
 
         params_and_buffers = list(fake_state.values())
-        counter = _SimulatedSaves(params_and_buffers, tracker, plan)
+        counter = SimulatedSaves(params_and_buffers, tracker, plan)
         # The fake weights stand in for the module's own for the whole step: checkpointed blocks
         # recompute in backward, after the forward call has returned.
         stack.enter_context(_reparametrize_module(model, fake_state, tie_weights=True))
@@ -322,6 +293,12 @@ def simulate(
         tracker.record_timeline = False
         del state, fake_state, params_and_buffers, wrapped, counter
 
+    replays = {}
+    if plan.device == "cuda":  # fast mode keeps the gradients across an accumulation group's micro-batches
+        kept = tracker.gradient_handles if k > 1 and not plan.optimizer_in_backward else ()
+        replays = peaks_reserved(
+            tracker.events, tracker.marks, frozenset(kept), not plan.optimizer_in_backward
+        )
     shard = scales.get("optimizer_state", 1.0)
     static = {  # the arithmetic, exactly
         "weights": n_total * master_bytes * shard / GB,
@@ -343,9 +320,8 @@ def simulate(
         kernels=sorted(kernels),
         timeline=tracker.timeline,
         largest_temporary_gb=tracker.largest_temporary / GB,
-        reserved_gb=replay(tracker.events, tracker.marks).peak_reserved / GB
-        if plan.device == "cuda"
-        else None,
+        reserved_gb=replays[plan.allocator] / GB if replays else None,
+        reserved_by_allocator={name: n / GB for name, n in replays.items()},
     )
 
 
@@ -378,7 +354,10 @@ def for_run(model: Any, cfg: RunConfig, optimizer: Any = None) -> Estimate:
     name = cfg.model or type(model).__name__
     plan = None
     try:
-        plan = plan_for(cfg, **built_technique(model, cfg, optimizer))
+        # the allocator's setting as this process has it (fast mode sets it before CUDA starts)
+        expandable = expandable_in(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+        allocator = allocator_of(cfg, expandable)
+        plan = plan_for(cfg, allocator=allocator, **built_technique(model, cfg, optimizer))
         est = simulate(model, plan, model_name=name)
     except Exception as e:
         est = failed(plan, name, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")

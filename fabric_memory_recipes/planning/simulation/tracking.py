@@ -41,7 +41,7 @@ class FakeMode(FakeTensorMode):
 # The references that the call into a Python dispatch mode adds to those the engine holds, as the innermost
 # mode counts them for an op's first argument: three to the tensor (its way through the dispatcher to the
 # Python call) and one to its storage (the Python storage object that ``untyped_storage()`` returns).
-# Measured on torch 2.11; tests/planning/test_gradient_sums.py checks the rule against the engine.
+# Measured on torch 2.11; tests/planning/simulation/test_gradient_sums.py checks the rule against the engine.
 _TENSOR_REFS_IN_DISPATCH = 3
 _STORAGE_REFS_IN_DISPATCH = 1
 
@@ -176,6 +176,7 @@ class Tracker(TorchDispatchMode):
         self.events: list[tuple[str, int, int]] = []
         self.marks: dict[str, int] = {}
         self.waiting: list[tuple[int, int]] = []  # (handle, its free's index in events): after record_stream
+        self.gradient_handles: set[int] = set()  # the events' allocations that became a .grad
         self._constants: dict[str, list[int]] = defaultdict(list)  # live constant blocks per category
         self._summing: Any = None  # the backward node whose outputs the engine is adding into its buffers
         self.gradient_sums: list[tuple[bool, tuple[int, ...]]] = []  # (in place, shape), in backward's order
@@ -275,6 +276,8 @@ class Tracker(TorchDispatchMode):
     def retag(self, t: Any, category: str, only_from: tuple[str, ...] | None = None) -> None:
         """Move ``t``'s storage to another component (a temporary that autograd saves, a gradient)."""
         rec = self.record(t, category)
+        if rec is not None and category == "gradients" and rec.handle >= 0:
+            self.gradient_handles.add(rec.handle)
         if rec is None or rec.category == category:
             return
         if only_from is not None and rec.category not in only_from:

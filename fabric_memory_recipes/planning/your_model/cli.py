@@ -89,7 +89,9 @@ def run(parsed: argparse.Namespace) -> int:
         return fit_main(args, cfg)
     if cfg.uses(ACTIVATION_CHECKPOINTING) and not blocks:
         fail(f"{ACTIVATION_CHECKPOINTING.flag}: no repeated blocks found in {cfg.model}")
-    est = estimate(model, um, plan_of(cfg, blocks), cfg.seq_len, target_len=cfg.target_len)
+    # fast mode sets expandable segments where RunConfig chooses CUDA graphs, which the runner may then leave out
+    expandable = bool(cfg.cuda_graphs) or (args.cuda_graphs is None and cfg.graphs_by_default())
+    est = estimate(model, um, plan_of(cfg, blocks, expandable), cfg.seq_len, target_len=cfg.target_len)
     got = card(est, args.gpu, "eager", cfg.world_size if cfg.fsdp else 1)
     about = {
         "model": um.ref,

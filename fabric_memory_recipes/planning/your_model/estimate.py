@@ -4,7 +4,8 @@ with the batch of its task, and the card: peak reserved and the whole-device pea
 
 Peak reserved = the simulated step's allocations and frees replayed through a model of the CUDA
 caching allocator (planning/simulation/allocator.py: the weights, a first step that creates the optimizer state,
-then steady steps) x the largest measured/replayed ratio of the committed eager runs
+then steady steps; under fast mode's expandable segments, with an image model's CUDA graphs:
+planning/simulation/expandable.py) x the largest measured/replayed ratio of the committed eager runs
 (planning/reserved.py, 1.036). The replay is what tells a ResNet from a ViT: feature maps of many
 sizes strand cached blocks that one ratio for every model cannot know (docs/your_model.md has the
 measured rows). The whole-device peak adds the measured card overhead of the GPU kind
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 from typing import Any
 
 import torch
@@ -23,7 +25,7 @@ from fabric_memory_recipes.console import notice
 from fabric_memory_recipes.measurement.card_overhead import overhead_per_gpu
 from fabric_memory_recipes.measurement.results_file import gpu_slug
 from fabric_memory_recipes.planning.overhead import replayed_card
-from fabric_memory_recipes.planning.plan import Estimate, Plan, plan_for
+from fabric_memory_recipes.planning.plan import Estimate, Plan, allocator_of, expandable_in, plan_for
 from fabric_memory_recipes.planning.simulation.costs import OpCosts
 from fabric_memory_recipes.planning.simulation.simulate import failed, simulate
 from fabric_memory_recipes.planning.your_model import saved_file
@@ -72,13 +74,16 @@ def text_batch(um: UserModel, micro_batch_size: int, seq_len: int, target_len: i
     return make, batch_fn
 
 
-def plan_of(cfg: YourModelConfig, blocks: tuple[str, ...]) -> Plan:
+def plan_of(cfg: YourModelConfig, blocks: tuple[str, ...], expandable: bool | None = None) -> Plan:
     """The runner's flags as the estimator's plan: checkpointing and FSDP units are the found blocks; the
-    techniques' options (the checkpoint mode) are the plan's fields of the same names."""
+    techniques' options (the checkpoint mode) are the plan's fields of the same names. ``expandable``:
+    whether the run's allocator has expandable segments (planning/plan.py ``allocator_of``; fast mode sets
+    them also where the runner then turns the CUDA graphs off: a text model's)."""
     sharding = "fsdp" if cfg.fsdp else "none"
     options = {o.field: getattr(cfg, o.field) for t in flagged() for o in t.options}
     return plan_for(
         cfg,
+        allocator=allocator_of(cfg, expandable),
         activation_checkpointing=blocks if cfg.uses(ACTIVATION_CHECKPOINTING) else (),
         sharding=sharding,
         shard_units=blocks,
@@ -110,14 +115,20 @@ def estimate(
     return simulate(model, plan, make_batch=make, batch_fn=batch_fn, model_name=um.ref, op_costs=op_costs)
 
 
-def card(est: Estimate, gpu: str = "h100", mode: str = "eager", devices: int = 1) -> dict[str, Any]:
+def card(
+    est: Estimate, gpu: str = "h100", mode: str = "eager", devices: int = 1, allocator: str | None = None
+) -> dict[str, Any]:
     """Peak reserved and whole-device peak of ``est`` on a card of kind ``gpu`` (:data:`RESERVED_RULE`,
     planning/overhead.py: :func:`replayed_card`, as the ladder's estimate takes it), per GPU; ``devices`` >
-    1 (``--fsdp``): the measured overhead per GPU of that many processes."""
+    1 (``--fsdp``): the measured overhead per GPU of that many processes. ``allocator``: the replay under
+    that caching-allocator setting (plan.ALLOCATORS), by default the estimate's plan's."""
     over = overhead_per_gpu(gpu, mode, devices)
     if est.peak_gb is None:
         return {"peak_reserved_gb": None, "device_peak_gb": None, "overhead_legend": over.phrase(devices)}
-    replayed = est.reserved_gb if est.reserved_gb is not None else est.peak_gb  # a CPU plan: no allocator
+    replayed = (
+        est.reserved_gb if allocator is None else est.reserved_by_allocator.get(allocator, est.reserved_gb)
+    )
+    replayed = replayed if replayed is not None else est.peak_gb  # a CPU plan: no allocator
     return {**replayed_card(replayed, over, devices), "gpu": gpu, "mode": mode, "devices": devices}
 
 
@@ -127,8 +138,8 @@ def for_user_run(
     """What the runner records next to its measurement (never stops the run: a failed prediction is
     recorded with its error)."""
     plan = None
-    try:
-        plan = plan_of(cfg, blocks)
+    try:  # the allocator's setting as this process has it (fast mode sets it before CUDA starts)
+        plan = plan_of(cfg, blocks, expandable_in(os.environ.get("PYTORCH_CUDA_ALLOC_CONF")))
         est = estimate(
             model, um, plan, getattr(cfg, "seq_len", 0), target_len=getattr(cfg, "target_len", None)
         )

@@ -11,7 +11,8 @@ CPU offload or without (planning/your_model/host_offload.py), the memory per GPU
 others (bf16-true, bf16-mixed, 32-true; AdamW, SGD, 8-bit AdamW); each such row then carries the accuracy
 cost the convergence benchmark measured for the change (planning/planner/advice.py). Memory
 is simulated (planning/your_model/estimate.py: peak allocated, reserved from the allocator replay with its
-margin, + the card overhead); the runner runs eagerly, so the eager mode's overhead applies.
+margin, + the card overhead); the replay is the set's run's allocator setting (:func:`allocator_of_set`: fast
+mode's expandable segments, with its CUDA graphs for an image model).
 
 Speed: each set's simulated step, op by op, on the GPU kind's fitted ceilings (planning/your_model/step_time.py);
 the simulation that gives a set's memory gives its op costs. The search visits the sets from the fastest
@@ -33,7 +34,7 @@ import heapq
 import itertools
 import math
 
-from fabric_memory_recipes.planning.plan import GB, Plan
+from fabric_memory_recipes.planning.plan import ALLOCATORS, GB, Plan
 from fabric_memory_recipes.planning.planner import advice
 from fabric_memory_recipes.planning.planner.fit import divisors, fastest, smallest, static_bytes
 from fabric_memory_recipes.planning.simulation.costs import OpCosts
@@ -108,7 +109,8 @@ class UserPlanner:
         self.trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         self.ceilings, self.ceilings_source = step_time.ceilings(gpu)
         self.compiled = bool(models.compilable(self.model, self.blocks))  # fast mode fuses ops only then
-        self.simulated: dict[tuple, tuple[float, float, float, OpCosts] | None] = {}  # None: it failed
+        # (peak allocated, budgeted peak reserved per allocator setting, offloaded, op costs); None: it failed
+        self.simulated: dict[tuple, tuple[float, dict[str, float], float, OpCosts] | None] = {}
         self.failed: dict[tuple, str] = {}  # sets whose simulation failed: their first label and the error
         self.bounded = False  # every choice's speed_bound set (:meth:`bound`)
         self.plains: dict[tuple, Choice] = {}  # the sets without memory techniques, by Choice.plain
@@ -211,7 +213,7 @@ class UserPlanner:
     def predict(self, c: Choice) -> Choice:
         if c.predicted_gb is None:
             r, used = c.rung, c.techniques
-            key = c.key  # the mode changes the card overhead and the time, not the simulated step
+            key = c.key  # the mode changes the card overhead, the time and the replay, not the step
             if key not in self.simulated:
                 plan = Plan(
                     precision=r.precision,
@@ -250,17 +252,15 @@ class UserPlanner:
                     c.predicted_gb, c.images_per_s = math.inf, 0.0
                     self.simulated[key] = None
                     return c
-                got = card(est, self.gpu, c.mode, c.devices)
-                self.simulated[key] = (
-                    est.peak_gb,
-                    got["peak_reserved_gb"],
-                    est.activations_host_gb,
-                    collector,
-                )
+                reserved = {
+                    a: card(est, self.gpu, c.mode, c.devices, a)["peak_reserved_gb"] for a in ALLOCATORS
+                }
+                self.simulated[key] = (est.peak_gb, reserved, est.activations_host_gb, collector)
             if self.simulated[key] is None:  # its simulation failed (above)
                 c.predicted_gb, c.images_per_s = math.inf, 0.0
                 return c
-            c.simulated_gb, c.predicted_gb, c.offloaded_gb, collector = self.simulated[key]
+            c.simulated_gb, reserved, c.offloaded_gb, collector = self.simulated[key]
+            c.predicted_gb = reserved[allocator_of_set(c, self.um.is_text)]
             c.images_per_s = self._step_speed(c, collector)
         return c
 
@@ -356,6 +356,15 @@ class UserPlanner:
 def _first(mine: str, others: tuple[str, ...]) -> tuple[str, ...]:
     """The user's value first, then the others allowed."""
     return tuple(dict.fromkeys((mine, *others)))
+
+
+def allocator_of_set(c: Choice, is_text: bool) -> str:
+    """The caching allocator a set's run trains under (plan.ALLOCATORS): fast mode on one GPU sets expandable
+    segments (config.FAST_ALLOCATOR, when RunConfig chooses CUDA graphs), also where the runner then
+    leaves the graphs out (a text model, the step in backward: step_time.uses_graphs)."""
+    if step_time.uses_graphs(c, is_text):
+        return "graphs"
+    return "expandable" if c.mode == "fast" and c.devices == 1 else "default"
 
 
 class _Floor:

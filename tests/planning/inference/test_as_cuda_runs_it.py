@@ -16,7 +16,7 @@ from fabric_memory_recipes.planning.plan import CUBLAS_WORKSPACE_BYTES
 from fabric_memory_recipes.planning.simulation.allocator import CachingAllocator
 from fabric_memory_recipes.planning.your_model.estimate import meta_user_model
 from tests.planning.inference.test_inference import llama  # noqa: F401 - the fixture
-from tests.planning.test_allocator import TRACE
+from tests.planning.simulation.test_allocator import TRACE
 
 MiB = 1 << 20
 

@@ -118,7 +118,9 @@ def test_a_memory_technique_never_predicts_faster_than_its_plain_set(lm):
         assert 0 < planner.predict(c).images_per_s <= bound, c.label()
 
 
-def test_fast_and_eager_share_one_simulation(lm):
+def test_fast_and_eager_share_one_simulation_each_with_its_allocators_replay(lm):
+    """A text model's fast mode leaves the CUDA graphs out, but the allocator keeps the expandable segments
+    fast mode set (config.FAST_ALLOCATOR): its replay is that one, eager mode's the default allocator's."""
     planner = UserPlanner(lm, 2, 16, precision="bf16-mixed")
     pair = [
         c
@@ -130,7 +132,11 @@ def test_fast_and_eager_share_one_simulation(lm):
         planner.predict(c)
     assert len(planner.simulated) == 1
     eager, fast = sorted(pair, key=lambda c: c.mode)
-    assert eager.predicted_gb == fast.predicted_gb and eager.images_per_s != fast.images_per_s
+    reserved = next(iter(planner.simulated.values()))[1]
+    assert (eager.predicted_gb, fast.predicted_gb) == (reserved["default"], reserved["expandable"])
+    assert [sets.allocator_of_set(c, True) for c in (eager, fast)] == ["default", "expandable"]
+    assert sets.allocator_of_set(fast, False) == "graphs"  # an image model's fast mode captures its steps
+    assert eager.images_per_s != fast.images_per_s
 
 
 def test_fast_mode_fuses_ops_only_where_it_compiles_blocks(lm):

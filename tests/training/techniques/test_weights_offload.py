@@ -118,7 +118,7 @@ def test_evaluation_uses_the_updated_weights():
 
 def test_at_most_two_blocks_are_on_the_device_at_once_as_the_estimate_assumes(monkeypatch):
     """The streamed model never holds more than the block in use and the prefetched one (the estimator's
-    simulated step holds what it holds: tests/planning/test_streamed_weights.py)."""
+    simulated step holds what it holds: tests/planning/simulation/test_streamed_weights.py)."""
     from fabric_memory_recipes import planning
 
     model = _model(checkpointing=True, layers=5)

@@ -25,7 +25,7 @@ from fabric_memory_recipes.planning.simulation.cache import SimulationCache
 from fabric_memory_recipes.planning.your_model import estimate
 
 MiB = 1 << 20
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 TRACE = REPO / "results/published/h100/snapshot/05_gradient_accumulation-snapshot.pickle.gz"
 
 

@@ -72,20 +72,20 @@ def _simulated(record_timeline: bool = False, hidden: int = 64) -> tuple[plannin
     images = torch.zeros(BATCH, 32, 32, 3, dtype=torch.uint8)
     labels = torch.zeros(BATCH, dtype=torch.long)
     caught = {}
-    replay = simulation.replay
+    replay = simulation.peaks_reserved
 
     def keep(events, marks, *args, **kwargs):
         caught["events"], caught["marks"] = list(events), dict(marks)
         return replay(events, marks, *args, **kwargs)
 
-    simulation.replay = keep
+    simulation.peaks_reserved = keep
     try:
         est = planning.simulate(
             model, plan, make_batch=lambda: (images, labels), batch_fn=data.image_classification(32),
             record_timeline=record_timeline,
         )  # fmt: skip
     finally:
-        simulation.replay = replay
+        simulation.peaks_reserved = replay
     return est, caught
 
 
