@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable
+from typing import Any
 
 ROUND = 512  # kMinBlockSize: every block is a multiple of this
 SMALL_REQUEST = 1 << 20  # kSmallSize: requests up to 1 MiB come from the small pool
@@ -237,12 +238,13 @@ def _gaps(start: int, size: int, used: list[tuple[int, int]]) -> list[tuple[int,
     return out
 
 
-def replay(events: list[Event], marks: dict[str, int], steps: int = 3) -> CachingAllocator:
+def replay(events: list[Event], marks: dict[str, int], steps: int = 3, allocator: Any = None) -> Any:
     """The simulated step as a run makes it: the weights (``events[:marks["state"]]``), then
     ``steps`` steps (``events[marks["step"]:marks["end"]]``); the first step creates the optimizer
-    state (``events[marks["state"]:marks["step"]]``) at its optimizer step (``marks["update"]``)."""
+    state (``events[marks["state"]:marks["step"]]``) at its optimizer step (``marks["update"]``).
+    ``allocator``: the model that takes them (default: a new :class:`CachingAllocator`)."""
     state, step, update, end = marks["state"], marks["step"], marks["update"], marks["end"]
-    allocator = CachingAllocator()
+    allocator = CachingAllocator() if allocator is None else allocator
     allocator.run(events[:state], keep=step)
     for i in range(steps):
         allocator.run(events[step:update], tag=i, keep=step)

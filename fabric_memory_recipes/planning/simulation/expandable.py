@@ -276,15 +276,7 @@ class ExpandableAllocator:
 def replay_eager(events: list[Event], marks: dict[str, int], steps: int = 3) -> ExpandableAllocator:
     """:func:`~fabric_memory_recipes.planning.simulation.allocator.replay`'s order under expandable
     segments, on one stream: eager steps (fast mode of a text model, whose steps are not captured)."""
-    state, step, update, end = marks["state"], marks["step"], marks["update"], marks["end"]
-    allocator = ExpandableAllocator()
-    allocator.run(events[:state], keep=step)
-    for i in range(steps):
-        allocator.run(events[step:update], tag=i, keep=step)
-        if i == 0:
-            allocator.run(events[state:step], keep=step)
-        allocator.run(events[update:end], tag=i, keep=step)
-    return allocator
+    return replay(events, marks, steps, ExpandableAllocator())
 
 
 def replay_graphs(
