@@ -18,17 +18,6 @@ from fabric_memory_recipes.measurement.results import RunResults
 IN, OUT = 12, 10
 # Two Hugging Face configs your model's tests build (hf:<folder>): a 2-layer Llama causal LM of width 64, its
 # embeddings tied, and a 2-layer BERT (BertForMaskedLM: a sequence classifier for the runner) without dropout.
-HF_LLAMA = dict(
-    model_type="llama",
-    architectures=["LlamaForCausalLM"],
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=1000,
-    tie_word_embeddings=True,
-)
 HF_BERT = dict(
     model_type="bert",
     architectures=["BertForMaskedLM"],
@@ -42,12 +31,6 @@ HF_BERT = dict(
 )
 
 
-def causal_lm_config(**overrides) -> dict:
-    """A small Qwen2-shaped causal LM's config (hf:<folder>), embeddings tied: 2 layers of width 64, 4 heads
-    over 2 key-value heads, a 1000-token vocabulary; ``overrides`` change any field."""
-    return {**QWEN2_BASE, **overrides}
-
-
 QWEN2_BASE = dict(
     model_type="qwen2",
     architectures=["Qwen2ForCausalLM"],
@@ -59,6 +42,12 @@ QWEN2_BASE = dict(
     vocab_size=1000,
     tie_word_embeddings=True,
 )
+
+
+def causal_lm_config(**overrides) -> dict:
+    """A small Qwen2-shaped causal LM's config (hf:<folder>), embeddings tied: 2 layers of width 64, 4 heads
+    over 2 key-value heads, a 1000-token vocabulary; ``overrides`` change any field."""
+    return {**QWEN2_BASE, **overrides}
 
 
 def make_log() -> RunResults:
@@ -126,3 +115,6 @@ def write_cifar(root, n_train_files: int = N_TRAIN_FILES, per_batch: int = PER_B
         )
     raw["test_batch"] = (rows, labels)
     return raw
+
+
+HF_LLAMA = causal_lm_config(model_type="llama", architectures=["LlamaForCausalLM"])
