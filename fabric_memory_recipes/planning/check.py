@@ -73,6 +73,7 @@ def _skip_reason(result: Any) -> str | None:
 
 # What a results JSON's ``estimate.assumptions`` record of the plan its run simulated: what the run
 # built or declared beyond its flags (rung 16's activation offload, say), taken as recorded.
+PLAN_FIELDS = {f.name for f in dataclasses.fields(Plan)}  # a run may record more (your model's fused_loss)
 RECORDED_PLAN = (
     "precision",
     "micro_batch_size",
@@ -103,7 +104,7 @@ def _rerun(result: dict[str, Any]) -> tuple[Any, Plan, str | None, dict[str, Any
     plan = plan_for(
         cfg,
         allocator=recorded_allocator(result, cfg),
-        **{k: assumed[k] for k in RECORDED_PLAN if k in assumed},
+        **{k: assumed[k] for k in RECORDED_PLAN if k in assumed and k in PLAN_FIELDS},
     )
     name, size = config.get("model"), config.get("image_size")
     model = meta_ladder_model(name or "vit_l_16", fused_attention=cfg.fused_attention, image_size=size)

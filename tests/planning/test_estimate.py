@@ -15,6 +15,7 @@ from torchvision.models.vision_transformer import VisionTransformer
 from fabric_memory_recipes import planning
 from fabric_memory_recipes.config import RunConfig
 from fabric_memory_recipes.measurement.report import render
+from fabric_memory_recipes.planning import check
 from fabric_memory_recipes.planning.__main__ import main as estimate_main
 from fabric_memory_recipes.planning.inference import simulate as inference_simulate
 from fabric_memory_recipes.planning.simulation import modelled
@@ -583,3 +584,17 @@ def test_ladder_of_a_folder_without_results_is_every_rung(tmp_path, monkeypatch)
     assert names[0] == "01_baseline" and "09_cpu_offload" in names and names[-1] == "16_weights_on_cpu"
     assert len(names) == len(list((ladder.RECIPES_DIR).glob("[0-9][0-9]_*.py")))
     assert json.loads((tmp_path / "new" / "predicted.json").read_text()) == payload
+
+
+def test_a_committed_run_that_recorded_your_models_fields_is_simulated_again():
+    """A ladder run's recorded assumptions may name fields the ladder's plan has not (``fused_loss``, your
+    model's): simulating it again takes the plan's own fields and leaves the rest (it raised TypeError)."""
+    result = json.loads(
+        (REPO / "results/published/h100/quick-check/10_activation_checkpointing.json").read_text()
+    )
+    assert "fused_loss" in result["estimate"]["assumptions"]
+    result["estimate"]["assumptions"]["micro_batch_size"] = (
+        1  # a small step: the plan's fields are what count
+    )
+    est = check.simulate_run(result)
+    assert est.error is None and 0 < est.peak_gb <= est.reserved_gb
