@@ -1,4 +1,13 @@
-"""Rung 09: the host's cores shared out among the processes of one machine (:func:`share_out`).
+"""The host's cores shared out among the processes of one machine: their intra-op threads
+(:func:`share_threads`, every run of several processes) and, for rung 09, the cores themselves
+(:func:`share_out`).
+
+Why the threads. torch starts as many intra-op threads as the machine has cores in every process, so
+4 processes on one host run 4 x as many threads as cores. Each parallel region (a host copy, the
+loader pinning a batch) then waits for threads the scheduler has parked: on 4 x H200 with 64 cores,
+pinning a 196 KB batch of images took 20-33 ms a step and the GPUs stood idle meanwhile
+(results/published/h200x4/sharded-spread/). torchrun avoids it by starting one thread a process;
+:func:`share_threads` gives each process its share of the cores instead.
 
 With the shards in host memory, Adam steps on the CPU in every process at the same moment. Each process
 then gets its own cores: a disjoint slice of the cores this process may run on, taken from the NUMA node
@@ -54,6 +63,14 @@ def cores_of(local_rank: int, local_ranks: int, nodes: list[list[int]]) -> list[
     if len(on_node) > len(cpus):  # more processes than cores: one core each, shared round the node
         return [cpus[i % len(cpus)]]
     return cpus[i * len(cpus) // len(on_node) : (i + 1) * len(cpus) // len(on_node)]
+
+
+def share_threads(local_ranks: int) -> int:
+    """Give torch ``cores // local_ranks`` intra-op threads (at least one) when ``local_ranks`` processes
+    share this host's cores; returns the number set (torch's own when one process runs)."""
+    if local_ranks > 1:
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_ranks))
+    return torch.get_num_threads()
 
 
 def share_out(local_rank: int, local_ranks: int) -> list[int]:

@@ -29,7 +29,7 @@ from fabric_memory_recipes.measurement import card_overhead, device_memory
 from fabric_memory_recipes.measurement import results as results_module
 from fabric_memory_recipes.measurement.results import RunResults
 from fabric_memory_recipes.measurement.results_file import gpu_slug
-from fabric_memory_recipes.training import checkpoints, cli
+from fabric_memory_recipes.training import checkpoints, cli, host_cores
 
 Main = Callable[[RunConfig, RunResults], None]
 
@@ -183,6 +183,8 @@ def _run_main(
         budget = apply_memory_budget(cfg)
         if budget is not None:
             results.extra["memory_budget"] = budget
+        if cfg.devices > 1:  # this host's processes share its cores (not one thread per core each)
+            results.extra["host_threads"] = host_cores.share_threads(cfg.devices)
         with compiling_as_asked(cfg):
             main(cfg, results)
     except faults.Interrupted as stop:

@@ -33,6 +33,8 @@ def test_fsdp2_two_gloo_processes_learn_and_report_per_rank_memory():
     assert proc.returncode == 0, describe(proc)
     assert payload is not None and payload["status"] == "ok"
     assert payload["provenance"]["world_size"] == 2
+    # the two processes share this host's cores: each gets half of them as torch threads, not all
+    assert payload["extra"]["host_threads"] == max(1, len(os.sched_getaffinity(0)) // 2)
     per_rank = payload["memory"]["phases"]["train"]["per_rank"]
     assert [r["rank"] for r in per_rank] == [0, 1]
     assert all(r["allocated_gb"] > 0 for r in per_rank)

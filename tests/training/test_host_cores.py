@@ -48,3 +48,15 @@ def test_share_out_binds_this_process_and_sets_its_threads():
     finally:
         os.sched_setaffinity(0, before)
         torch.set_num_threads(threads)
+
+
+def test_share_threads_gives_each_process_its_share_of_the_cores(monkeypatch):
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(host_cores.os, "sched_getaffinity", lambda pid: set(range(64)))
+    try:
+        assert host_cores.share_threads(4) == 16 == torch.get_num_threads()
+        assert host_cores.share_threads(128) == 1  # more processes than cores: one thread each
+        torch.set_num_threads(3)
+        assert host_cores.share_threads(1) == 3  # one process keeps torch's own number
+    finally:
+        torch.set_num_threads(threads)
