@@ -6,7 +6,7 @@ By default a technique set changes only how memory is used, never what is traine
 accumulation for the requested batch; checkpointing of the repeated blocks, activation offload and the
 step in backward (with the user's optimizer); with ``--devices N``, FSDP over the N GPUs (one unit per
 repeated block: weights, gradients and optimizer state sharded), with checkpointing or without, with FSDP's
-CPU offload or without (planning/your_model/host_offload.py), the memory per GPU. The precision and the optimizer stay the user's
+CPU offload or without (planning/your_model/set_speed.py), the memory per GPU. The precision and the optimizer stay the user's
 (``--precision``, ``--optimizer``) unless ``--may-change precision,optimizer`` lets the planner try
 others (bf16-true, bf16-mixed, 32-true; AdamW, SGD, 8-bit AdamW); each such row then carries the accuracy
 cost the convergence benchmark measured for the change (planning/planner/advice.py). Memory
@@ -14,7 +14,8 @@ is simulated (planning/your_model/estimate.py: peak allocated, reserved from the
 margin, + the card overhead); the replay is the set's run's allocator setting (:func:`allocator_of_set`: fast
 mode's expandable segments, with its CUDA graphs for an image model).
 
-Speed: each set's simulated step, op by op, on the GPU kind's fitted ceilings (planning/your_model/step_time.py);
+Speed (planning/your_model/set_speed.py): each set's simulated step, op by op, on the GPU kind's fitted
+ceilings (planning/your_model/step_time.py);
 the simulation that gives a set's memory gives its op costs. The search visits the sets from the fastest
 bound down and stops once ``top`` fitting ones are faster than anything left. A set's bound is the predicted
 speed of the same set without its memory techniques (the same precision, optimizer, mode, fused loss and
@@ -29,7 +30,6 @@ the top ones on the GPU at hand and ranks them by what they did (planning/your_m
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import itertools
 import math
@@ -38,7 +38,7 @@ from fabric_memory_recipes.planning.plan import ALLOCATORS, GB, Plan
 from fabric_memory_recipes.planning.planner import advice
 from fabric_memory_recipes.planning.planner.fit import divisors, fastest, smallest, static_bytes
 from fabric_memory_recipes.planning.simulation.costs import OpCosts
-from fabric_memory_recipes.planning.your_model import host_offload, offload_bound, step_time
+from fabric_memory_recipes.planning.your_model import offload_bound, set_speed, step_time
 from fabric_memory_recipes.planning.your_model.choice import Choice
 from fabric_memory_recipes.planning.your_model.estimate import card, estimate, meta_user_model
 from fabric_memory_recipes.techniques import (
@@ -182,33 +182,8 @@ class UserPlanner:
         if not self.bounded:
             self.plains = {c.plain: c for c in self.choices if not c.techniques.used and not c.cpu_offload}
             for c in self.choices:
-                c.speed_bound = self._optimistic(self.plains[c.plain])
+                c.speed_bound = set_speed.optimistic(self, self.plains[c.plain])
             self.bounded = True
-
-    def _optimistic(self, p: Choice) -> float:
-        """samples/s no prediction of plain set ``p`` (nor of a set it bounds) is above."""
-        if p.predicted_gb is not None:
-            return p.images_per_s
-        r = p.rung
-        whole = self.plains[
-            (r.precision, p.techniques.optimizer, p.mode, p.devices, p.switched, r.batch_size, 1)
-        ]
-        self.predict(whole)
-        simulated = self.simulated.get(whole.key)
-        if whole is p or simulated is None:  # nothing to scale: predict it
-            return self.predict(p).images_per_s
-        costs = step_time.costs_of(simulated[3], Plan())
-        graphs = step_time.uses_graphs(p, self.um.is_text)  # as _step_speed
-        seconds = step_time.floor_step_seconds(
-            costs,
-            self.ceilings,
-            p.mode,
-            graphs,
-            self.compiled,
-            r.micro_batch_size / r.batch_size,
-            r.accumulation_steps,
-        )
-        return p.devices * r.batch_size / seconds
 
     def predict(self, c: Choice) -> Choice:
         if c.predicted_gb is None:
@@ -261,29 +236,8 @@ class UserPlanner:
                 return c
             c.simulated_gb, reserved, c.offloaded_gb, collector = self.simulated[key]
             c.predicted_gb = reserved[allocator_of_set(c, self.um.is_text)]
-            c.images_per_s = self._step_speed(c, collector)
+            c.images_per_s = set_speed.step_speed(self, c, collector)
         return c
-
-    def _step_speed(self, c: Choice, collector: OpCosts) -> float:
-        """samples/s from the simulated step's op costs on the GPU kind's fitted ceilings
-        (planning/your_model/step_time.py); the set's own accumulation (the simulation ran two of its
-        micro-batches: later ones repeat the second)."""
-        r = c.rung
-        plan = Plan(
-            accumulation_steps=r.accumulation_steps, activation_offload=c.techniques.uses(ACTIVATION_OFFLOAD)
-        )
-        costs = step_time.costs_of(collector, plan, (c.offloaded_gb or 0.0) * 1e9)
-        graphs = step_time.uses_graphs(c, self.um.is_text)  # the runner's fast mode
-        seconds, detail = step_time.step_seconds(costs, self.ceilings, c.mode, graphs, self.compiled)
-        c.model_flops = detail["model_flops_per_step"] / r.batch_size
-        c.speed_source = f"model: the simulated step's op costs ({self.ceilings_source})"
-        c.speed_source += f"; {host_offload.SOURCE}" if c.cpu_offload else ""
-        offload_s = (
-            host_offload.offload_seconds(self.parameters, c.devices, c.techniques.optimizer)
-            if c.cpu_offload
-            else 0.0
-        )
-        return c.devices * r.batch_size / (seconds + offload_s)  # every GPU its own batch (no comms modelled)
 
     def fit(self, budget_gb: float, top: int = 5) -> tuple[list[Choice], Choice | None]:
         """The ``top`` fastest choices predicted to fit, and the fastest predicted not to fit among those
@@ -307,7 +261,9 @@ class UserPlanner:
             if c.lower_bound_gb > budget_gb:
                 too_big.append(c)
                 continue
-            exact = min(self._optimistic(self.predict(self.plains[c.plain])), offload_bound.of(self, c))
+            exact = min(
+                set_speed.optimistic(self, self.predict(self.plains[c.plain])), offload_bound.of(self, c)
+            )
             if exact < c.speed_bound:  # its plain set simulated now: back in the queue at that bound
                 c.speed_bound = exact
                 heapq.heappush(queue, (-exact, c.techniques.count(), c.lower_bound_gb, id(c), c))
@@ -326,31 +282,8 @@ class UserPlanner:
         return smallest(self.choices, self.predict)
 
     def speed_lines(self, verbose: bool = False) -> list[str]:
-        """How samples/s were predicted: two lines, or with ``verbose`` every constant and its source."""
-        summary = step_time.load_calibration()["kinds"].get(self.gpu, {}).get("summary", {})
-        held = summary.get("leave_one_model_out") or {}
-        lines = [
-            "samples/s: predicted, not measured (--measure runs them): each set's simulated step, op by op (FLOPs and"
-            " bytes against the GPU kind's fitted ceilings, and in eager mode the host's time to launch them;"
-            f" planning/your_model/step_time.py), {self.ceilings_source}"
-            + (
-                f"; each model left out of the fit, the error was {100 * held['median_abs_error']:.0f} % (median),"
-                f" {100 * held['max_abs_error']:.0f} % at most"
-                if held
-                else ""
-            )
-            + ("." if verbose else " (--verbose: the ceilings)."),
-        ]
-        if self.devices > 1:
-            lines.append(
-                f"  FSDP over {self.devices} GPUs: {self.devices} x one GPU's samples/s (each its own batch);"
-                " the gathers and reductions are not modelled, and every set here has them. Outside the"
-                " allocator each GPU holds NCCL's buffers besides its context: for a small model the card"
-                " per GPU can be above what one GPU alone needs (leave out --devices to compare)."
-            )
-        if verbose:
-            lines += [f"  {name}: {value:.4g}" for name, value in dataclasses.asdict(self.ceilings).items()]
-        return lines
+        """How samples/s were predicted (planning/your_model/set_speed.py)."""
+        return set_speed.lines(self, verbose)
 
 
 def _first(mine: str, others: tuple[str, ...]) -> tuple[str, ...]:

@@ -1,0 +1,120 @@
+"""How fast a technique set for your own model is predicted to train, which ``--fit``'s search ranks the
+sets by (planning/your_model/sets.py): its simulated step's op costs on the GPU kind's fitted ceilings
+(planning/your_model/step_time.py), plus what FSDP's CPU offload adds, and before a set is simulated the
+bound its search starts from.
+
+FSDP's CPU offload (``--fsdp --cpu-offload``, a ``--fit --devices N`` set) adds to a step's time what the
+simulated step's op costs cannot show. Lightning's FSDPStrategy(cpu_offload=True) is FSDP's
+``CPUOffload(offload_params=True)``: each GPU's fp32 shard of the parameters lives in host memory with its
+gradient, and the optimizer steps there. Per optimizer step and GPU the shard crosses PCIe three times
+(copied in for the forward's and the backward's all-gather, the gradient copied out) and the CPU optimizer
+reads and writes parameter, gradient and state. The two bandwidths below are assumptions, not fitted on a
+run: the prediction says so, and ``--measure`` runs the set.
+
+Each function takes the :class:`~.sets.UserPlanner` whose sets it predicts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from fabric_memory_recipes.planning.plan import OPTIMIZER_STATE_FACTOR, Plan
+from fabric_memory_recipes.planning.simulation.costs import OpCosts
+from fabric_memory_recipes.planning.your_model import step_time
+from fabric_memory_recipes.planning.your_model.choice import Choice
+from fabric_memory_recipes.techniques import ACTIVATION_OFFLOAD
+
+COPY_GBPS = 20.0  # host<->GPU copies of one process (pinned PCIe Gen5 x16 runs ~50, pageable copies ~10-25)
+HOST_OPTIMIZER_GBPS = 40.0  # one process's CPU optimizer streaming over host memory (its share of the cores)
+HOST_OFFLOAD_SOURCE = (
+    f"FSDP's CPU offload: {COPY_GBPS:g} GB/s host copies and a {HOST_OPTIMIZER_GBPS:g} GB/s CPU optimizer per"
+    " process, assumed (planning/your_model/set_speed.py), not measured"
+)
+
+
+def offload_seconds(trainable: int, devices: int, optimizer: str) -> float:
+    """Seconds one optimizer step of FSDP's CPU offload adds per GPU: the copies of each process's fp32 shard
+    (in twice, the gradient out once) and its CPU optimizer step (parameter, gradient and state read,
+    parameter and state written)."""
+    shard = 4.0 * trainable / devices  # fp32 bytes of one process's shard
+    state = OPTIMIZER_STATE_FACTOR.get(optimizer, 2)
+    copies = 3 * shard / (COPY_GBPS * 1e9)
+    step = (2 + state + 1 + state) * shard / (HOST_OPTIMIZER_GBPS * 1e9)
+    return copies + step
+
+
+def step_speed(planner: Any, c: Choice, collector: OpCosts) -> float:
+    """samples/s from the simulated step's op costs on the GPU kind's fitted ceilings
+    (planning/your_model/step_time.py); the set's own accumulation (the simulation ran two of its
+    micro-batches: later ones repeat the second)."""
+    r = c.rung
+    plan = Plan(
+        accumulation_steps=r.accumulation_steps, activation_offload=c.techniques.uses(ACTIVATION_OFFLOAD)
+    )
+    costs = step_time.costs_of(collector, plan, (c.offloaded_gb or 0.0) * 1e9)
+    graphs = step_time.uses_graphs(c, planner.um.is_text)  # the runner's fast mode
+    seconds, detail = step_time.step_seconds(costs, planner.ceilings, c.mode, graphs, planner.compiled)
+    c.model_flops = detail["model_flops_per_step"] / r.batch_size
+    c.speed_source = f"model: the simulated step's op costs ({planner.ceilings_source})"
+    c.speed_source += f"; {HOST_OFFLOAD_SOURCE}" if c.cpu_offload else ""
+    offload_s = (
+        offload_seconds(planner.parameters, c.devices, c.techniques.optimizer) if c.cpu_offload else 0.0
+    )
+    return c.devices * r.batch_size / (seconds + offload_s)  # every GPU its own batch (no comms modelled)
+
+
+def optimistic(planner: Any, p: Choice) -> float:
+    """samples/s no prediction of plain set ``p`` (nor of a set it bounds) is above: its prediction once it
+    is simulated, and before, the floor of its step (step_time.floor_step_seconds) scaled from the same
+    set's at the whole batch (one micro-batch)."""
+    if p.predicted_gb is not None:
+        return p.images_per_s
+    r = p.rung
+    whole = planner.plains[
+        (r.precision, p.techniques.optimizer, p.mode, p.devices, p.switched, r.batch_size, 1)
+    ]
+    planner.predict(whole)
+    simulated = planner.simulated.get(whole.key)
+    if whole is p or simulated is None:  # nothing to scale: predict it
+        return planner.predict(p).images_per_s
+    costs = step_time.costs_of(simulated[3], Plan())
+    graphs = step_time.uses_graphs(p, planner.um.is_text)  # as step_speed
+    seconds = step_time.floor_step_seconds(
+        costs,
+        planner.ceilings,
+        p.mode,
+        graphs,
+        planner.compiled,
+        r.micro_batch_size / r.batch_size,
+        r.accumulation_steps,
+    )
+    return p.devices * r.batch_size / seconds
+
+
+def lines(planner: Any, verbose: bool = False) -> list[str]:
+    """How samples/s were predicted: two lines, or with ``verbose`` every constant and its source."""
+    summary = step_time.load_calibration()["kinds"].get(planner.gpu, {}).get("summary", {})
+    held = summary.get("leave_one_model_out") or {}
+    out = [
+        "samples/s: predicted, not measured (--measure runs them): each set's simulated step, op by op (FLOPs and"
+        " bytes against the GPU kind's fitted ceilings, and in eager mode the host's time to launch them;"
+        f" planning/your_model/step_time.py), {planner.ceilings_source}"
+        + (
+            f"; each model left out of the fit, the error was {100 * held['median_abs_error']:.0f} % (median),"
+            f" {100 * held['max_abs_error']:.0f} % at most"
+            if held
+            else ""
+        )
+        + ("." if verbose else " (--verbose: the ceilings)."),
+    ]
+    if planner.devices > 1:
+        out.append(
+            f"  FSDP over {planner.devices} GPUs: {planner.devices} x one GPU's samples/s (each its own batch);"
+            " the gathers and reductions are not modelled, and every set here has them. Outside the"
+            " allocator each GPU holds NCCL's buffers besides its context: for a small model the card"
+            " per GPU can be above what one GPU alone needs (leave out --devices to compare)."
+        )
+    if verbose:
+        out += [f"  {name}: {value:.4g}" for name, value in dataclasses.asdict(planner.ceilings).items()]
+    return out
