@@ -211,9 +211,13 @@ class UserPlanner:
     def predict(self, c: Choice) -> Choice:
         if c.predicted_gb is None:
             r, used = c.rung, c.techniques
-            key = c.key  # the mode changes the card overhead and the time, not the simulated step
+            # the mode changes the card overhead and the time; the simulated step only by compiled blocks,
+            # whose attention keeps the fused kernel where an eager CUDA run falls back to math
+            compiled = c.mode != "eager" and self.compiled
+            key = (c.key, compiled)
             if key not in self.simulated:
                 plan = Plan(
+                    compile=compiled,
                     precision=r.precision,
                     micro_batch_size=r.micro_batch_size,
                     accumulation_steps=r.accumulation_steps,
