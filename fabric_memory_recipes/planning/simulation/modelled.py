@@ -84,6 +84,9 @@ def cuda_runs_flash(query: torch.Tensor, attn_mask: torch.Tensor | None) -> bool
     return attn_mask is None and half and head_dim % 8 == 0 and head_dim <= 256
 
 
+STRIDED_FALLBACK = "math (strided input)"  # the kernel an eager CUDA step falls back to, as reported
+
+
 def cuda_takes_fused(*tensors: torch.Tensor | None) -> bool:
     """Whether CUDA's fused attention kernels (flash, memory-efficient, cuDNN) take q, k, v and the mask
     at all: each wants their last dimension contiguous (torch's sdp_utils_cpp.h,
@@ -146,7 +149,7 @@ def attention_kernel(kind: str, device: str, used: set[str], compiled: bool = Fa
         learned_mask = attn_mask is not None and attn_mask.requires_grad
         strided = device == "cuda" and not compiled and not cuda_takes_fused(query, key, value, attn_mask)
         if kind == "math" or kw.get("enable_gqa") or device == "cpu" and learned_mask or strided:
-            used.add("math")
+            used.add(STRIDED_FALLBACK if strided and kind != "math" else "math")
             with torch.autocast("cpu", enabled=False), cuda_dropout(device == "cuda"):
                 return torch.ops.aten._scaled_dot_product_attention_math(
                     query, key, value, attn_mask, dropout_p, is_causal, scale=scale

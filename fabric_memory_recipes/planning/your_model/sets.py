@@ -37,6 +37,7 @@ from fabric_memory_recipes.planning.plan import GB, Plan
 from fabric_memory_recipes.planning.planner import advice
 from fabric_memory_recipes.planning.planner.fit import divisors, fastest, smallest, static_bytes
 from fabric_memory_recipes.planning.simulation.costs import OpCosts
+from fabric_memory_recipes.planning.simulation.modelled import STRIDED_FALLBACK
 from fabric_memory_recipes.planning.your_model import host_offload, offload_bound, step_time
 from fabric_memory_recipes.planning.your_model.choice import Choice
 from fabric_memory_recipes.planning.your_model.estimate import card, estimate, meta_user_model
@@ -110,6 +111,7 @@ class UserPlanner:
         self.compiled = bool(models.compilable(self.model, self.blocks))  # fast mode fuses ops only then
         self.simulated: dict[tuple, tuple[float, float, float, OpCosts] | None] = {}  # None: it failed
         self.failed: dict[tuple, str] = {}  # sets whose simulation failed: their first label and the error
+        self.falls_back: set[tuple] = set()  # steps whose eager attention falls back to math on CUDA
         self.bounded = False  # every choice's speed_bound set (:meth:`bound`)
         self.plains: dict[tuple, Choice] = {}  # the sets without memory techniques, by Choice.plain
         modes = MODES_TRIED  # sharded: fast mode is FSDP2 with compiled blocks, eager mode FSDP
@@ -210,63 +212,63 @@ class UserPlanner:
 
     def predict(self, c: Choice) -> Choice:
         if c.predicted_gb is None:
-            r, used = c.rung, c.techniques
-            # the mode changes the card overhead and the time; the simulated step only by compiled blocks,
-            # whose attention keeps the fused kernel where an eager CUDA run falls back to math
-            compiled = c.mode != "eager" and self.compiled
-            key = (c.key, compiled)
+            key = c.key  # the mode changes the card overhead and the time, not the simulated step, unless an
+            # eager CUDA step runs attention on math where compiled blocks keep the fused kernel (a T5)
             if key not in self.simulated:
-                plan = Plan(
-                    compile=compiled,
-                    precision=r.precision,
-                    micro_batch_size=r.micro_batch_size,
-                    accumulation_steps=r.accumulation_steps,
-                    optimizer=used.optimizer,
-                    activation_checkpointing=self.blocks if used.uses(ACTIVATION_CHECKPOINTING) else (),
-                    activation_offload=used.uses(ACTIVATION_OFFLOAD),
-                    optimizer_in_backward=used.uses(OPTIMIZER_IN_BACKWARD),
-                    sharding="fsdp" if c.devices > 1 else "none",
-                    checkpoint_mode=c.checkpoint_mode,
-                    switched=c.switched,
-                    shard_units=self.blocks,
-                    world_size=c.devices,
-                    cpu_offload=c.cpu_offload,
-                )
-                collector = (
-                    OpCosts()
-                )  # the same simulation gives the op costs the step time is predicted from
-                try:
-                    est = estimate(
-                        self.model,
-                        self.um,
-                        plan,
-                        self.seq_len or 0,
-                        op_costs=collector,
-                        target_len=self.target_len,
-                    )
-                    error = est.error
-                except Exception as e:
-                    error = f"{type(e).__name__}: {str(e)[:200]}"
-                if error and not used.used:
-                    raise RuntimeError(f"the simulation of {c.label()} failed: {error}")
-                if error:  # a technique this model's step cannot run: the set is left out, said once
-                    self.failed.setdefault((used, c.switched, c.checkpoint_mode), f"{c.label()}: {error}")
-                    c.predicted_gb, c.images_per_s = math.inf, 0.0
-                    self.simulated[key] = None
-                    return c
-                got = card(est, self.gpu, c.mode, c.devices)
-                self.simulated[key] = (
-                    est.peak_gb,
-                    got["peak_reserved_gb"],
-                    est.activations_host_gb,
-                    collector,
-                )
-            if self.simulated[key] is None:  # its simulation failed (above)
+                self._simulate(c, key, compiled=False)
+            if c.mode != "eager" and self.compiled and key in self.falls_back:
+                key = (key, "compiled")
+                if key not in self.simulated:
+                    self._simulate(c, key, compiled=True)
+            if self.simulated[key] is None:  # its simulation failed
                 c.predicted_gb, c.images_per_s = math.inf, 0.0
                 return c
             c.simulated_gb, c.predicted_gb, c.offloaded_gb, collector = self.simulated[key]
             c.images_per_s = self._step_speed(c, collector)
         return c
+
+    def _simulate(self, c: Choice, key: tuple, compiled: bool) -> None:
+        """Simulate ``c``'s step into ``self.simulated[key]`` (None: it failed, said in ``self.failed``)."""
+        r, used = c.rung, c.techniques
+        plan = Plan(
+            precision=r.precision,
+            micro_batch_size=r.micro_batch_size,
+            accumulation_steps=r.accumulation_steps,
+            optimizer=used.optimizer,
+            activation_checkpointing=self.blocks if used.uses(ACTIVATION_CHECKPOINTING) else (),
+            activation_offload=used.uses(ACTIVATION_OFFLOAD),
+            optimizer_in_backward=used.uses(OPTIMIZER_IN_BACKWARD),
+            sharding="fsdp" if c.devices > 1 else "none",
+            checkpoint_mode=c.checkpoint_mode,
+            switched=c.switched,
+            shard_units=self.blocks,
+            world_size=c.devices,
+            cpu_offload=c.cpu_offload,
+            compile=compiled,
+        )
+        collector = OpCosts()  # the same simulation gives the op costs the step time is predicted from
+        try:
+            est = estimate(
+                self.model,
+                self.um,
+                plan,
+                self.seq_len or 0,
+                op_costs=collector,
+                target_len=self.target_len,
+            )
+            error = est.error
+        except Exception as e:
+            error = f"{type(e).__name__}: {str(e)[:200]}"
+        if error and not used.used:
+            raise RuntimeError(f"the simulation of {c.label()} failed: {error}")
+        if error:  # a technique this model's step cannot run: the set is left out, said once
+            self.failed.setdefault((used, c.switched, c.checkpoint_mode), f"{c.label()}: {error}")
+            self.simulated[key] = None
+            return
+        if STRIDED_FALLBACK in est.kernels:
+            self.falls_back.add(key)
+        got = card(est, self.gpu, c.mode, c.devices)
+        self.simulated[key] = (est.peak_gb, got["peak_reserved_gb"], est.activations_host_gb, collector)
 
     def _step_speed(self, c: Choice, collector: OpCosts) -> float:
         """samples/s from the simulated step's op costs on the GPU kind's fitted ceilings
