@@ -59,8 +59,18 @@ def test_t5_self_attention_runs_math_in_an_eager_cuda_step_and_fused_in_compiled
     """T5's position bias (heads last) is a mask CUDA's fused kernels refuse: an eager step runs its
     self-attention on math, its cross-attention (a contiguous mask) on the efficient kernel; --fit
     simulates fast mode's compiled blocks on their own, smaller."""
-    um, model, _, _ = meta_user_model(tiny["t5"])
+    um, model, blocks, _ = meta_user_model(tiny["t5"])
     plan = Plan(precision="bf16-mixed", micro_batch_size=2)
+    assert estimate(model, um, plan, 32, target_len=8).kernels == ["efficient", STRIDED_FALLBACK]
+    # checkpointed blocks with offloaded activations: the recompute gets the position bias back in its layout
+    # (offload.py copies with empty_like), so it runs the same kernel as the forward
+    plan = Plan(
+        precision="bf16-mixed",
+        micro_batch_size=2,
+        activation_checkpointing=blocks,
+        activation_offload=True,
+        offload_min_bytes=0,
+    )
     assert estimate(model, um, plan, 32, target_len=8).kernels == ["efficient", STRIDED_FALLBACK]
     planner = UserPlanner(tiny["t5"], 2, 32, target_len=8)
     eager, fast = (
