@@ -25,7 +25,8 @@ What the simulation models explicitly, because fake tensors on a CPU cannot show
   the (batch, heads, seq, seq) score matrix. Fake/meta tensors would take the math path, which saves the
   score matrix. ``attention="auto"`` routes SDPA to the fused kernel the target device runs (on a CPU:
   the CPU flash kernel, which torch picks for the ViT's training forward); ``"math"`` forces the math
-  path (what CUDA falls back to when no fused kernel fits).
+  path (what CUDA falls back to when no fused kernel fits: in an eager step, for a mask whose last
+  dimension is strided, as T5's position bias is; its dropout then keeps CUDA's bool mask).
 * Mixed precision. Fabric's ``16-mixed``/``bf16-mixed`` is ``torch.autocast``. CPU autocast casts a
   different set of ops than CUDA autocast (e.g. ``layer_norm`` and ``softmax`` run in fp16 on CPU, in fp32
   on CUDA), so for a CUDA target the CUDA policy for those ops is installed for the duration of the

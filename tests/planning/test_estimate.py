@@ -345,6 +345,56 @@ def test_the_attention_stand_ins_are_put_back_after_an_error_and_agree_on_flash(
     assert not modelled.cuda_runs_flash(query[..., :12], None)  # a head size flash does not take
 
 
+class BiasedAttention(nn.Module):
+    """T5's attention in miniature: q, k, v projections and a learned position bias stored (q, k, heads)
+    and permuted to (1, heads, q, k), so the mask's last dimension has stride ``heads``; attention dropout."""
+
+    B, L, E, H = 4, 64, 128, 4
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(self.E, self.E, bias=False) for _ in range(3))
+        self.bias = nn.Parameter(torch.zeros(self.L, self.L, self.H))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (p(x).view(self.B, self.L, self.H, -1).transpose(1, 2) for p in (self.q, self.k, self.v))
+        mask = self.bias.permute(2, 0, 1).unsqueeze(0)
+        return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.1, scale=1.0)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_eager_cuda_runs_a_strided_mask_on_math_with_a_bool_dropout_mask(precision):
+    """CUDA's fused kernels refuse a mask whose last dimension is strided: eager CUDA runs math, which
+    computes in fp32 inside (autocast is off in it) and whose dropout is CUDA's fused one. It saves x (bf16
+    under autocast) for the projections, the scaled q and k and v in fp32 for the two
+    matrix products, the softmax's output and the dropped-out weights in fp32, and a bool dropout mask."""
+    m = BiasedAttention()
+    b, seq, e, h = m.B, m.L, m.E, m.H
+    mixed = precision == "bf16-mixed"
+
+    def run(compiled: bool):
+        make = lambda: (torch.empty(b, seq, e),)  # noqa: E731
+        fn = lambda model, batch: (model(batch[0]).float().sum(),)  # noqa: E731
+        plan = planning.Plan(precision=precision, micro_batch_size=b, compile=compiled)
+        return planning.simulate(m, plan, make_batch=make, batch_fn=fn)
+
+    eager = run(compiled=False)
+    inputs = b * seq * e * (2 if mixed else 4)  # x (no gradient: the weights' copies are not kept)
+    qkv = 3 * b * h * seq * (e // h) * 4
+    scores = b * h * seq * seq
+    assert eager.kernels == [modelled.STRIDED_FALLBACK]
+    assert eager.activations_saved_bytes == inputs + qkv + scores * (4 + 4 + 1)
+    assert run(compiled=True).kernels == ["efficient"]  # compiled blocks keep the fused kernel
+
+
+def test_cuda_dropout_keeps_a_bool_mask_and_is_put_back():
+    x = torch.ones(8, 64, requires_grad=True)
+    with modelled.cuda_dropout(True):
+        assert type(nn.functional.dropout(x, 0.5, True).grad_fn).__name__ == "NativeDropoutBackward0"
+        assert nn.functional.dropout(x, 0.5, False) is x  # evaluation: the input itself, as aten's
+    assert type(nn.functional.dropout(x, 0.5, True).grad_fn).__name__ == "MulBackward0"  # the CPU's own
+
+
 def test_optimizer_in_backward_activation_offload_and_8bit_state():
     torch.manual_seed(0)
     model = small_vit()

@@ -1,6 +1,6 @@
 """What fake tensors on a CPU cannot show by themselves, modelled for the simulation: CUDA autocast's
-op policy, the attention kernel the target device runs, activation checkpointing of named blocks, and
-Fabric's precision plugins."""
+op policy, the attention kernel the target device runs (and CUDA's dropout inside it), activation
+checkpointing of named blocks, and Fabric's precision plugins."""
 
 from __future__ import annotations
 
@@ -84,8 +84,48 @@ def cuda_runs_flash(query: torch.Tensor, attn_mask: torch.Tensor | None) -> bool
     return attn_mask is None and half and head_dim % 8 == 0 and head_dim <= 256
 
 
+STRIDED_FALLBACK = "math (strided input)"  # the kernel an eager CUDA step falls back to, as reported
+
+
+def cuda_takes_fused(*tensors: torch.Tensor | None) -> bool:
+    """Whether CUDA's fused attention kernels (flash, memory-efficient, cuDNN) take q, k, v and the mask
+    at all: each wants their last dimension contiguous (torch's sdp_utils_cpp.h,
+    check_last_dim_stride_equals_1_dense: "GPU backends require attn_mask's last dimension to have stride
+    1 while the CPU does not"); else CUDA runs math. T5's position bias is such a mask: its bucket
+    embedding permuted to (1, heads, q, k) lays the heads out last."""
+    return all(t is None or t.stride(-1) == 1 for t in tensors)
+
+
 @contextlib.contextmanager
-def attention_kernel(kind: str, device: str, used: set[str]) -> Iterator[None]:
+def cuda_dropout(enabled: bool) -> Iterator[None]:
+    """``aten::dropout`` as CUDA runs it: the fused ``native_dropout``, whose backward keeps a bool mask
+    (1 byte an element). aten picks it by ``input.is_cuda()`` (Dropout.cpp, is_fused_kernel_acceptable);
+    on a CPU it draws a noise tensor of the input's dtype and keeps that (2 or 4 bytes an element). The
+    kernel is registered for the AutogradCPU key while the context is open, so it serves the calls made
+    from C++ too (the math attention kernel's dropout)."""
+    if not enabled:
+        yield
+        return
+
+    def dropout(input, p, train):
+        if train and 0 < p < 1 and input.numel() > 0:
+            return torch.ops.aten.native_dropout(input, p, train)[0]
+        if not train or p == 0 or input.numel() == 0:  # Dropout.cpp, _dropout_impl
+            return input
+        return input * torch.zeros((), dtype=input.dtype)
+
+    lib = torch.library.Library("aten", "IMPL")  # noqa: TOR901 - a temporary override, removed below
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            lib.impl("dropout", dropout, "AutogradCPU")
+        yield
+    finally:
+        lib._destroy()
+
+
+@contextlib.contextmanager
+def attention_kernel(kind: str, device: str, used: set[str], compiled: bool = False) -> Iterator[None]:
     """Make ``F.scaled_dot_product_attention`` run the kernel the target device would run.
 
     'fused' on CUDA mimics its dispatcher: flash attention for fp16/bf16 without a mask, the
@@ -93,20 +133,27 @@ def attention_kernel(kind: str, device: str, used: set[str]) -> Iterator[None]:
     gradient (T5's learned position bias), as torch's CPU dispatcher does. All of them save q, k, v, the
     output and a log-sum-exp, no score matrix. 'math' runs the reference implementation, which saves the
     attention weights (batch x heads x seq x seq): what the meta device runs, and what CUDA falls back to
-    when no fused kernel fits. ``used`` collects the kernels that ran.
+    when no fused kernel fits: eagerly, for inputs whose last dimension is strided (:func:`cuda_takes_fused`;
+    ``compiled`` blocks keep the fused kernel, as the measured runs in fast mode show). Autocast casts the
+    arguments, the mask included, and runs the kernel with itself off (math computes in fp32 inside); on
+    CUDA the math kernel's dropout is CUDA's (:func:`cuda_dropout`). ``used`` collects the kernels that ran.
     """
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):
         if torch.is_autocast_enabled("cpu"):  # autocast lists SDPA as a low-precision op
             dtype = torch.get_autocast_dtype("cpu")
             query, key, value = (t.to(dtype) for t in (query, key, value))
+            if attn_mask is not None and attn_mask.is_floating_point():
+                attn_mask = attn_mask.to(dtype)
         # T5's learned position bias is a mask that needs a gradient: a CPU runs math for it
         learned_mask = attn_mask is not None and attn_mask.requires_grad
-        if kind == "math" or kw.get("enable_gqa") or device == "cpu" and learned_mask:
-            used.add("math")
-            return torch.ops.aten._scaled_dot_product_attention_math(
-                query, key, value, attn_mask, dropout_p, is_causal, scale=scale
-            )[0]
+        strided = device == "cuda" and not compiled and not cuda_takes_fused(query, key, value, attn_mask)
+        if kind == "math" or kw.get("enable_gqa") or device == "cpu" and learned_mask or strided:
+            used.add(STRIDED_FALLBACK if strided and kind != "math" else "math")
+            with torch.autocast("cpu", enabled=False), cuda_dropout(device == "cuda"):
+                return torch.ops.aten._scaled_dot_product_attention_math(
+                    query, key, value, attn_mask, dropout_p, is_causal, scale=scale
+                )[0]
         if device == "cpu":
             used.add("flash (CPU)")
             return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(

@@ -34,7 +34,7 @@ class SimulatedSaves(SavedTensorCounter):
             self.largest_offloadable = max(self.largest_offloadable, nbytes)
         if self.offload and nbytes >= self.min_bytes:
             with self.tracker.creating("host"):  # counts 0 on the device
-                host = torch.empty(t.shape, dtype=t.dtype)  # one host copy per saved tensor, as offload.py
+                host = torch.empty_like(t)  # one host copy per saved tensor, its layout kept, as offload.py
             self._seen[host.untyped_storage()] = host.untyped_storage().nbytes()
             return ("offloaded", host)
         super()._pack(t)

@@ -170,7 +170,7 @@ def simulate(
         if op_costs is not None:  # records nothing until a micro-batch's section is set
             stack.enter_context(op_costs)
         stack.enter_context(tracker)
-        stack.enter_context(attention_kernel(plan.attention_kernel, plan.device, kernels))
+        stack.enter_context(attention_kernel(plan.attention_kernel, plan.device, kernels, plan.compile))
         stack.enter_context(host_draws_kept())  # LayerDrop's draws: every layer runs
         stack.enter_context(torch.compiler.set_stance("force_eager"))  # compiled blocks run eagerly here
         if (

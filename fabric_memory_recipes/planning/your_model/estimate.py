@@ -88,7 +88,7 @@ def plan_of(cfg: YourModelConfig, blocks: tuple[str, ...], expandable: bool | No
         sharding=sharding,
         shard_units=blocks,
         world_size=cfg.world_size if sharding != "none" else 1,
-        compile=False,
+        compile=bool(cfg.compile),  # fast mode: compiled blocks
         switched=tuple(t.name for t in switches() if cfg.uses(t)),
         **options,
     )

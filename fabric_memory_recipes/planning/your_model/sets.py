@@ -38,6 +38,7 @@ from fabric_memory_recipes.planning.plan import ALLOCATORS, GB, Plan
 from fabric_memory_recipes.planning.planner import advice
 from fabric_memory_recipes.planning.planner.fit import divisors, fastest, smallest, static_bytes
 from fabric_memory_recipes.planning.simulation.costs import OpCosts
+from fabric_memory_recipes.planning.simulation.modelled import STRIDED_FALLBACK
 from fabric_memory_recipes.planning.your_model import offload_bound, set_speed, step_time
 from fabric_memory_recipes.planning.your_model.choice import Choice
 from fabric_memory_recipes.planning.your_model.estimate import card, estimate, meta_user_model
@@ -112,6 +113,7 @@ class UserPlanner:
         # (peak allocated, budgeted peak reserved per allocator setting, offloaded, op costs); None: it failed
         self.simulated: dict[tuple, tuple[float, dict[str, float], float, OpCosts] | None] = {}
         self.failed: dict[tuple, str] = {}  # sets whose simulation failed: their first label and the error
+        self.falls_back: set[tuple] = set()  # steps whose eager attention falls back to math on CUDA
         self.bounded = False  # every choice's speed_bound set (:meth:`bound`)
         self.plains: dict[tuple, Choice] = {}  # the sets without memory techniques, by Choice.plain
         modes = MODES_TRIED  # sharded: fast mode is FSDP2 with compiled blocks, eager mode FSDP
@@ -187,57 +189,65 @@ class UserPlanner:
 
     def predict(self, c: Choice) -> Choice:
         if c.predicted_gb is None:
-            r, used = c.rung, c.techniques
-            key = c.key  # the mode changes the card overhead, the time and the replay, not the step
+            # the mode changes the card overhead, the time and the replay, not the step, unless an eager
+            # CUDA step runs attention on math where compiled blocks keep the fused kernel (a T5)
+            key = c.key
             if key not in self.simulated:
-                plan = Plan(
-                    precision=r.precision,
-                    micro_batch_size=r.micro_batch_size,
-                    accumulation_steps=r.accumulation_steps,
-                    optimizer=used.optimizer,
-                    activation_checkpointing=self.blocks if used.uses(ACTIVATION_CHECKPOINTING) else (),
-                    activation_offload=used.uses(ACTIVATION_OFFLOAD),
-                    optimizer_in_backward=used.uses(OPTIMIZER_IN_BACKWARD),
-                    sharding="fsdp" if c.devices > 1 else "none",
-                    checkpoint_mode=c.checkpoint_mode,
-                    switched=c.switched,
-                    shard_units=self.blocks,
-                    world_size=c.devices,
-                    cpu_offload=c.cpu_offload,
-                )
-                collector = (
-                    OpCosts()
-                )  # the same simulation gives the op costs the step time is predicted from
-                try:
-                    est = estimate(
-                        self.model,
-                        self.um,
-                        plan,
-                        self.seq_len or 0,
-                        op_costs=collector,
-                        target_len=self.target_len,
-                    )
-                    error = est.error
-                except Exception as e:
-                    error = f"{type(e).__name__}: {str(e)[:200]}"
-                if error and not used.used:
-                    raise RuntimeError(f"the simulation of {c.label()} failed: {error}")
-                if error:  # a technique this model's step cannot run: the set is left out, said once
-                    self.failed.setdefault((used, c.switched, c.checkpoint_mode), f"{c.label()}: {error}")
-                    c.predicted_gb, c.images_per_s = math.inf, 0.0
-                    self.simulated[key] = None
-                    return c
-                reserved = {
-                    a: card(est, self.gpu, c.mode, c.devices, a)["peak_reserved_gb"] for a in ALLOCATORS
-                }
-                self.simulated[key] = (est.peak_gb, reserved, est.activations_host_gb, collector)
-            if self.simulated[key] is None:  # its simulation failed (above)
+                self._simulate(c, key, compiled=False)
+            if c.mode != "eager" and self.compiled and key in self.falls_back:
+                key = (key, "compiled")
+                if key not in self.simulated:
+                    self._simulate(c, key, compiled=True)
+            if self.simulated[key] is None:  # its simulation failed
                 c.predicted_gb, c.images_per_s = math.inf, 0.0
                 return c
             c.simulated_gb, reserved, c.offloaded_gb, collector = self.simulated[key]
             c.predicted_gb = reserved[allocator_of_set(c, self.um.is_text)]
             c.images_per_s = set_speed.step_speed(self, c, collector)
         return c
+
+    def _simulate(self, c: Choice, key: tuple, compiled: bool) -> None:
+        """Simulate ``c``'s step into ``self.simulated[key]`` (None: it failed, said in ``self.failed``)."""
+        r, used = c.rung, c.techniques
+        plan = Plan(
+            precision=r.precision,
+            micro_batch_size=r.micro_batch_size,
+            accumulation_steps=r.accumulation_steps,
+            optimizer=used.optimizer,
+            activation_checkpointing=self.blocks if used.uses(ACTIVATION_CHECKPOINTING) else (),
+            activation_offload=used.uses(ACTIVATION_OFFLOAD),
+            optimizer_in_backward=used.uses(OPTIMIZER_IN_BACKWARD),
+            sharding="fsdp" if c.devices > 1 else "none",
+            checkpoint_mode=c.checkpoint_mode,
+            switched=c.switched,
+            shard_units=self.blocks,
+            world_size=c.devices,
+            cpu_offload=c.cpu_offload,
+            compile=compiled,
+        )
+        collector = OpCosts()  # the same simulation gives the op costs the step time is predicted from
+        try:
+            est = estimate(
+                self.model,
+                self.um,
+                plan,
+                self.seq_len or 0,
+                op_costs=collector,
+                target_len=self.target_len,
+            )
+            error = est.error
+        except Exception as e:
+            error = f"{type(e).__name__}: {str(e)[:200]}"
+        if error and not used.used:
+            raise RuntimeError(f"the simulation of {c.label()} failed: {error}")
+        if error:  # a technique this model's step cannot run: the set is left out, said once
+            self.failed.setdefault((used, c.switched, c.checkpoint_mode), f"{c.label()}: {error}")
+            self.simulated[key] = None
+            return
+        if STRIDED_FALLBACK in est.kernels:
+            self.falls_back.add(key)
+        reserved = {a: card(est, self.gpu, c.mode, c.devices, a)["peak_reserved_gb"] for a in ALLOCATORS}
+        self.simulated[key] = (est.peak_gb, reserved, est.activations_host_gb, collector)
 
     def fit(self, budget_gb: float, top: int = 5) -> tuple[list[Choice], Choice | None]:
         """The ``top`` fastest choices predicted to fit, and the fastest predicted not to fit among those

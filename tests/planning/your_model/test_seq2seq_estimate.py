@@ -8,7 +8,10 @@ import json
 import pytest
 
 from fabric_memory_recipes.planning.__main__ import main as estimate_main
-from fabric_memory_recipes.planning.your_model.estimate import meta_user_model
+from fabric_memory_recipes.planning.plan import Plan
+from fabric_memory_recipes.planning.simulation.modelled import STRIDED_FALLBACK
+from fabric_memory_recipes.planning.your_model.estimate import estimate, meta_user_model
+from fabric_memory_recipes.planning.your_model.sets import UserPlanner
 
 TINY = {
     "t5": dict(model_type="t5", vocab_size=8192, d_model=64, d_ff=128, num_layers=2, num_heads=4, d_kv=16),
@@ -50,6 +53,31 @@ def test_the_estimate_sees_the_target_length_and_the_fused_loss(tiny, capsys):
     assert long["peak_allocated_gb"] > short["peak_allocated_gb"]  # the logits: target tokens x 8192
     fused = _json(capsys, [*argv, "--target-len", "64", "--fused-loss"])
     assert fused["peak_allocated_gb"] < long["peak_allocated_gb"]
+
+
+def test_t5_self_attention_runs_math_in_an_eager_cuda_step_and_fused_in_compiled_blocks(tiny):
+    """T5's position bias (heads last) is a mask CUDA's fused kernels refuse: an eager step runs its
+    self-attention on math, its cross-attention (a contiguous mask) on the efficient kernel; --fit
+    simulates fast mode's compiled blocks on their own, smaller."""
+    um, model, blocks, _ = meta_user_model(tiny["t5"])
+    plan = Plan(precision="bf16-mixed", micro_batch_size=2)
+    assert estimate(model, um, plan, 32, target_len=8).kernels == ["efficient", STRIDED_FALLBACK]
+    # checkpointed blocks with offloaded activations: the recompute gets the position bias back in its layout
+    # (offload.py copies with empty_like), so it runs the same kernel as the forward
+    plan = Plan(
+        precision="bf16-mixed",
+        micro_batch_size=2,
+        activation_checkpointing=blocks,
+        activation_offload=True,
+        offload_min_bytes=0,
+    )
+    assert estimate(model, um, plan, 32, target_len=8).kernels == ["efficient", STRIDED_FALLBACK]
+    planner = UserPlanner(tiny["t5"], 2, 32, target_len=8)
+    eager, fast = (
+        next(c for c in planner.choices if c.mode == m and not c.techniques.used) for m in ("eager", "fast")
+    )
+    assert planner.predict(fast).simulated_gb < planner.predict(eager).simulated_gb
+    assert len(planner.simulated) == 2
 
 
 def test_fit_answers_for_bart_with_commands_that_keep_the_target_length(tiny, capsys):
