@@ -30,9 +30,10 @@ def of(planner: Any, c: Any) -> float:
         return c.speed_bound
     without = (k for k in planner.choices if not k.techniques.uses(ACTIVATION_OFFLOAD))
     kept = next((k for k in without if _sans_offload(k) == _sans_offload(c)), None)
-    if kept is None or planner.simulated.get(kept.key) is None:
+    simulated = None if kept is None else planner.simulation_of(kept)  # fast mode's own step where it has one
+    if simulated is None:  # not simulated yet, or it failed
         return c.speed_bound
-    largest = planner.simulated[kept.key][3].largest_offloadable
+    largest = simulated[3].largest_offloadable
     seconds = kept.devices * kept.rung.batch_size / planner.predict(kept).images_per_s
     seconds += c.rung.accumulation_steps * 2 * largest / planner.ceilings.host_bandwidth
     return min(c.speed_bound, c.devices * c.rung.batch_size / seconds)

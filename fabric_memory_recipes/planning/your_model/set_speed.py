@@ -75,7 +75,7 @@ def optimistic(planner: Any, p: Choice) -> float:
         (r.precision, p.techniques.optimizer, p.mode, p.devices, p.switched, r.batch_size, 1)
     ]
     planner.predict(whole)
-    simulated = planner.simulated.get(whole.key)
+    simulated = planner.simulation_of(whole)  # in fast mode, its compiled blocks' where eager fell back
     if whole is p or simulated is None:  # nothing to scale: predict it
         return planner.predict(p).images_per_s
     costs = step_time.costs_of(simulated[3], Plan())

@@ -189,15 +189,11 @@ class UserPlanner:
 
     def predict(self, c: Choice) -> Choice:
         if c.predicted_gb is None:
-            # the mode changes the card overhead, the time and the replay, not the step, unless an eager
-            # CUDA step runs attention on math where compiled blocks keep the fused kernel (a T5)
-            key = c.key
-            if key not in self.simulated:
-                self._simulate(c, key, compiled=False)
-            if c.mode != "eager" and self.compiled and key in self.falls_back:
-                key = (key, "compiled")
-                if key not in self.simulated:
-                    self._simulate(c, key, compiled=True)
+            if c.key not in self.simulated:
+                self._simulate(c, c.key, compiled=False)
+            key = self._key(c)
+            if key not in self.simulated:  # fast mode's compiled blocks, where the eager step fell back
+                self._simulate(c, key, compiled=True)
             if self.simulated[key] is None:  # its simulation failed
                 c.predicted_gb, c.images_per_s = math.inf, 0.0
                 return c
@@ -205,6 +201,17 @@ class UserPlanner:
             c.predicted_gb = reserved[allocator_of_set(c, self.um.is_text)]
             c.images_per_s = set_speed.step_speed(self, c, collector)
         return c
+
+    def simulation_of(self, c: Choice) -> tuple[float, dict[str, float], float, OpCosts] | None:
+        """The simulated step ``c`` is predicted from; None: not simulated yet, or it failed."""
+        return self.simulated.get(self._key(c))
+
+    def _key(self, c: Choice) -> tuple:
+        """``c``'s simulated step in ``self.simulated``: the mode changes the card overhead, the time and the
+        replay, not the step, unless an eager CUDA step runs attention on math where compiled blocks keep the
+        fused kernel (a T5): fast mode's step is then its own."""
+        compiled = c.mode != "eager" and self.compiled and c.key in self.falls_back
+        return (c.key, "compiled") if compiled else c.key
 
     def _simulate(self, c: Choice, key: tuple, compiled: bool) -> None:
         """Simulate ``c``'s step into ``self.simulated[key]`` (None: it failed, said in ``self.failed``)."""

@@ -10,6 +10,7 @@ import pytest
 from fabric_memory_recipes.planning.__main__ import main as estimate_main
 from fabric_memory_recipes.planning.plan import Plan
 from fabric_memory_recipes.planning.simulation.modelled import STRIDED_FALLBACK
+from fabric_memory_recipes.planning.your_model import set_speed
 from fabric_memory_recipes.planning.your_model.estimate import estimate, meta_user_model
 from fabric_memory_recipes.planning.your_model.sets import UserPlanner
 
@@ -58,7 +59,7 @@ def test_the_estimate_sees_the_target_length_and_the_fused_loss(tiny, capsys):
 def test_t5_self_attention_runs_math_in_an_eager_cuda_step_and_fused_in_compiled_blocks(tiny):
     """T5's position bias (heads last) is a mask CUDA's fused kernels refuse: an eager step runs its
     self-attention on math, its cross-attention (a contiguous mask) on the efficient kernel; --fit
-    simulates fast mode's compiled blocks on their own, smaller."""
+    simulates fast mode's compiled blocks on their own, smaller, and bounds fast sets from that step."""
     um, model, blocks, _ = meta_user_model(tiny["t5"])
     plan = Plan(precision="bf16-mixed", micro_batch_size=2)
     assert estimate(model, um, plan, 32, target_len=8).kernels == ["efficient", STRIDED_FALLBACK]
@@ -78,6 +79,12 @@ def test_t5_self_attention_runs_math_in_an_eager_cuda_step_and_fused_in_compiled
     )
     assert planner.predict(fast).simulated_gb < planner.predict(eager).simulated_gb
     assert len(planner.simulated) == 2
+    # --fit's bound of a fast set not simulated yet is scaled from the whole batch's step that fast mode is
+    # predicted from (its compiled blocks'), not from the eager step's: no bound under what it bounds
+    planner.plains = {c.plain: c for c in planner.choices if not c.techniques.used and not c.cpu_offload}
+    half = planner.plains[(*fast.plain[:5], 1, 2)]  # micro-batch 1 x 2
+    bound = set_speed.optimistic(planner, half)
+    assert half.predicted_gb is None and planner.predict(half).images_per_s <= bound * (1 + 1e-9)
 
 
 def test_fit_answers_for_bart_with_commands_that_keep_the_target_length(tiny, capsys):
