@@ -32,6 +32,9 @@ from fabric_memory_recipes.techniques import ACTIVATION_CHECKPOINTING, switches
 from fabric_memory_recipes.training.techniques import refusal_of
 from fabric_memory_recipes.training.your_model import runner
 
+# the caching allocator's settings (config.FAST_ALLOCATOR: fast mode's)
+ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
+
 
 def parse(args: argparse.Namespace) -> tuple[argparse.Namespace, runner.YourModelConfig]:
     """fmr-estimate's parsed flags (planning/arguments.py) as your model's checked configuration:
@@ -43,10 +46,15 @@ def parse(args: argparse.Namespace) -> tuple[argparse.Namespace, runner.YourMode
             f" (choose from {', '.join(runner.OPTIMIZERS)})"
         )
     flags = arguments.filled(args, rung)
+    users_alloc_conf = os.environ.get(ALLOC_CONF)
     try:
         cfg = rung.with_flags(**flags).checked(Hardware.planned())  # 'auto': predict for a GPU
     except (UsageError, ValueError) as e:
         fail(str(e))
+    finally:  # checked() sets fast mode's allocator for a run in this process; this one trains nothing,
+        # and each --measure run starts from the user's setting, its runner sets its own (measure.py)
+        if users_alloc_conf is None:
+            os.environ.pop(ALLOC_CONF, None)
     args.budget_gb = fit_cli.budget(args)
     if (args.measure or args.may_change) and not args.fit:
         fail("--measure and --may-change go with --fit SIZE")
