@@ -21,6 +21,7 @@ import torch
 
 from fabric_memory_recipes.config import Hardware, UsageError
 from fabric_memory_recipes.console import fail
+from fabric_memory_recipes.measurement.card_overhead import overhead_mode
 from fabric_memory_recipes.measurement.results_file import peak_bf16_flops
 from fabric_memory_recipes.planning import arguments
 from fabric_memory_recipes.planning.inference import cli as inference_cli
@@ -100,7 +101,8 @@ def run(parsed: argparse.Namespace) -> int:
     # fast mode sets expandable segments where RunConfig chooses CUDA graphs, which the runner may then leave out
     expandable = bool(cfg.cuda_graphs) or (args.cuda_graphs is None and cfg.graphs_by_default())
     est = estimate(model, um, plan_of(cfg, blocks, expandable), cfg.seq_len, target_len=cfg.target_len)
-    got = card(est, args.gpu, "eager", cfg.world_size if cfg.fsdp else 1)
+    # the overhead of the mode estimated, as --fit takes it per set and --memory-budget-gb caps the run
+    got = card(est, args.gpu, overhead_mode(cfg.flags()), cfg.world_size if cfg.fsdp else 1)
     about = {
         "model": um.ref,
         "task": um.task,
