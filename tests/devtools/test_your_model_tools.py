@@ -53,6 +53,8 @@ def runs(tmp_path_factory) -> tuple[str, dict[str, dict]]:
     lm = f"hf:{folder / 'lm'}"
     (folder / "eager.json").write_text(json.dumps(result(lm, "eager")))
     (folder / "oom.json").write_text(json.dumps(result(lm, "eager", status="oom")))  # not a finished run
+    gone = result(lm, "eager")  # a run of a model this checkout does not have: said, and passed over
+    (folder / "gone.json").write_text(json.dumps({**gone, "config": {**gone["config"], "model": "hf:gone"}}))
     (folder / "fast.json").write_text(json.dumps(result(lm, "fast")))
     with tarfile.open(folder / "fast.tgz", "w:gz") as tar:
         tar.add(folder / "fast.json", arcname="call/fast.json")
@@ -78,6 +80,7 @@ def test_repredict_prints_the_simulated_peak_allocated_beside_the_measured_and_t
     }
     assert sorted(rows) == ["eager.json", "fast.tgz:call/fast.json"]  # the oom run and the config passed over
     printed = capsys.readouterr().out
+    assert f"{folder}/gone.json: not simulated (UsageError: --model hf:gone" in printed
     for name, mode in (("eager.json", "eager"), ("fast.tgz:call/fast.json", "fast")):
         again = want[mode]["peak_allocated_gb"]
         assert rows[name] == {
@@ -92,8 +95,10 @@ def test_repredict_prints_the_simulated_peak_allocated_beside_the_measured_and_t
 def test_allocator_check_replays_each_run_under_the_default_allocator_and_its_own(runs, capsys):
     folder, want = runs
     assert allocator_check.main([folder, "--json"]) == 0
-    rows = {r["mode"]: r for r in json.loads(capsys.readouterr().out)}
-    assert sorted(rows) == ["eager", "fast"]  # the oom run and the model's config passed over
+    out, err = capsys.readouterr()
+    rows = {r["mode"]: r for r in json.loads(out)}
+    assert sorted(rows) == ["eager", "fast"]  # the oom run, the model's config and the gone model passed over
+    assert "gone.json: not simulated (UsageError: --model hf:gone" in err
     fast, eager = rows["fast"], rows["eager"]
     assert (fast["allocator"], eager["allocator"]) == ("expandable", "default")
     # the run's own setting replays to what the estimate predicts for the mode; the default allocator to
