@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from fabric_memory_recipes.console import notice
-from fabric_memory_recipes.measurement.card_overhead import overhead_per_gpu
+from fabric_memory_recipes.measurement.card_overhead import overhead_mode, overhead_per_gpu
 from fabric_memory_recipes.measurement.results_file import gpu_slug
 from fabric_memory_recipes.planning.overhead import replayed_card
 from fabric_memory_recipes.planning.plan import Estimate, Plan, allocator_of, expandable_in, plan_for
@@ -147,7 +147,8 @@ def for_user_run(
         est = failed(plan, um.ref, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     gpu = gpu_slug(torch.cuda.get_device_name()) if torch.cuda.is_available() else "h100"
     devices = cfg.devices if getattr(cfg, "fsdp", False) else 1  # processes per machine, each a GPU
-    predicted = card(est, gpu, "fast" if cfg.cuda_graphs else "eager", devices)
+    # the overhead of the run's mode as --memory-budget-gb caps it: compiled blocks without graphs count too
+    predicted = card(est, gpu, overhead_mode(cfg.flags()), devices)
     if not getattr(
         cfg, "fsdp", False
     ):  # the checkpoint file --checkpoint-every writes (FSDP: a folder of shards)
