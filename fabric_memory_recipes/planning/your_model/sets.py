@@ -40,7 +40,7 @@ from fabric_memory_recipes.planning.planner.fit import divisors, fastest, smalle
 from fabric_memory_recipes.planning.simulation.costs import OpCosts
 from fabric_memory_recipes.planning.your_model import host_offload, offload_bound, step_time
 from fabric_memory_recipes.planning.your_model.choice import Choice
-from fabric_memory_recipes.planning.your_model.estimate import card, estimate, meta_user_model
+from fabric_memory_recipes.planning.your_model.estimate import card, estimate, meta_user_model, sharding_of
 from fabric_memory_recipes.techniques import (
     ACTIVATION_CHECKPOINTING,
     ACTIVATION_OFFLOAD,
@@ -213,7 +213,7 @@ class UserPlanner:
     def predict(self, c: Choice) -> Choice:
         if c.predicted_gb is None:
             r, used = c.rung, c.techniques
-            key = c.key  # the mode changes the card overhead, the time and the replay, not the step
+            key = c.key  # the mode changes the card overhead, the time and the replay (sharded: the step)
             if key not in self.simulated:
                 plan = Plan(
                     precision=r.precision,
@@ -223,7 +223,7 @@ class UserPlanner:
                     activation_checkpointing=self.blocks if used.uses(ACTIVATION_CHECKPOINTING) else (),
                     activation_offload=used.uses(ACTIVATION_OFFLOAD),
                     optimizer_in_backward=used.uses(OPTIMIZER_IN_BACKWARD),
-                    sharding="fsdp" if c.devices > 1 else "none",
+                    **sharding_of(c.devices > 1, c.mode == "fast", r.precision),
                     checkpoint_mode=c.checkpoint_mode,
                     switched=c.switched,
                     shard_units=self.blocks,
