@@ -53,7 +53,7 @@ def test_a_fast_text_runs_card_takes_the_compiled_overhead(lm):
     cfg = _cfg(lm, compile=True, cuda_graphs=False, precision="bf16-mixed")
     est, card = estimate.for_user_run(model, um, cfg, blocks)
     assert est.error is None and est.plan.sharding == "fsdp2"
-    assert card["mode"] == "fast" and "compiled" in card["overhead_source"]
+    assert card["mode"] == "compiled" and "compiled" in card["overhead_source"]
     _, eager = estimate.for_user_run(model, um, _cfg(lm, compile=False), blocks)
     assert eager["mode"] == "eager" and "eager" in eager["overhead_source"]
 
