@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import tarfile
 import tempfile
 from pathlib import Path
@@ -68,13 +69,16 @@ def config_of(result: dict[str, Any]) -> runner.YourModelConfig:
 
 
 def replays(cfg: runner.YourModelConfig, memo: dict[str, Any]) -> dict[str, float]:
-    """Peak reserved (GB) of the configuration's simulated step under each allocator setting."""
+    """Peak reserved (GB) of the configuration's simulated step under each allocator setting; raises what
+    the simulation could not do (a failed step: RuntimeError with its error)."""
     um, model, blocks, _ = meta_user_model(cfg.model, cfg.lora_rank, cfg.lora_targets)
     plan = plan_of(cfg, blocks)
     key = json.dumps([cfg.model, dataclasses.asdict(plan) | {"allocator": None}, cfg.seq_len, cfg.target_len])
     if key not in memo:
         est = estimate(model, um, plan, cfg.seq_len or 0, target_len=cfg.target_len)
-        memo[key] = est.reserved_by_allocator if not est.error else {}
+        memo[key] = est.error or est.reserved_by_allocator
+    if isinstance(memo[key], str):
+        raise RuntimeError(memo[key])
     return memo[key]
 
 
@@ -89,11 +93,16 @@ def rows(paths: list[str]) -> list[dict[str, Any]]:
                 continue
             if not training_run(result):
                 continue
+            name = str(path).split(scratch)[-1].lstrip("/")
             cfg = config_of(result)
             allocator = recorded_allocator(result, cfg)
-            got = replays(cfg, memo)
+            try:
+                got = replays(cfg, memo)
+            except Exception as e:  # a run this checkout cannot simulate: say so and go on (as repredict)
+                why = str(e).splitlines()[0] if str(e) else ""
+                print(f"{name}: not simulated ({type(e).__name__}: {why})", file=sys.stderr)
+                continue
             measured = result["memory"]["run_peak_reserved_gb"]
-            name = str(path).split(scratch)[-1].lstrip("/")
             out.append(
                 {
                     "run": name,

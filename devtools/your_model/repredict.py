@@ -21,9 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from fabric_memory_recipes.console import Parser
+from fabric_memory_recipes.measurement.results_file import gpu_slug
 from fabric_memory_recipes.planning.check import simulate_run
-from fabric_memory_recipes.planning.your_model.estimate import estimate, meta_user_model, plan_of
+from fabric_memory_recipes.planning.plan import expandable_in
+from fabric_memory_recipes.planning.your_model.estimate import estimate, meta_user_model, plan_of, run_card
 from fabric_memory_recipes.training.your_model import runner
+
+PEAKS = ("allocated", "reserved", "device")  # what is compared: peak allocated, peak reserved, whole device
 
 
 def results_files(paths: list[str]) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -40,29 +44,65 @@ def results_files(paths: list[str]) -> Iterator[tuple[str, dict[str, Any]]]:
 
 
 def comparable(result: dict[str, Any]) -> bool:
-    """A run of the ladder or of your model, finished, measured on one CUDA GPU, training."""
+    """A run of the ladder on one CUDA GPU, or of your model on one or (``--fsdp``) several, finished,
+    training."""
     config, memory = result.get("config") or {}, result.get("memory") or {}
     return (
         isinstance(result.get("recipe"), str)
         and result.get("status") == "ok"
         and memory.get("kind") == "cuda"
         and memory.get("peak_allocated_gb") is not None
-        and (result.get("provenance") or {}).get("world_size", 1) == 1
+        and ((result.get("provenance") or {}).get("world_size", 1) == 1 or result["recipe"] == "your_model")
         and not config.get("infer")
     )
 
 
-def predicted_again(result: dict[str, Any]) -> float | None:
-    """The peak allocated (GB) of the run's step simulated with this checkout."""
+def measured(result: dict[str, Any]) -> dict[str, float | None]:
+    memory = result["memory"]
+    return dict(
+        zip(
+            PEAKS,
+            (memory.get(k) for k in ("peak_allocated_gb", "peak_reserved_gb", "device_peak_gb")),
+            strict=True,
+        )
+    )
+
+
+def recorded(result: dict[str, Any]) -> dict[str, float | None]:
+    """The prediction the run recorded: its estimate's peak allocated, your model's card."""
+    card = (result.get("extra") or {}).get("predicted_card") or {}
+    allocated = (result.get("estimate") or {}).get("peak_allocated_gb")
+    return {
+        "allocated": allocated,
+        "reserved": card.get("peak_reserved_gb"),
+        "device": card.get("device_peak_gb"),
+    }
+
+
+def predicted_again(result: dict[str, Any]) -> dict[str, float | None]:
+    """The peaks (GB) of the run's step simulated with this checkout: allocated; your model's card too, for the
+    GPU kind the run names and its processes, under the allocator setting its provenance recorded."""
     if result["recipe"] != "your_model":
-        return simulate_run(result).peak_gb
+        return {"allocated": simulate_run(result).peak_gb, "reserved": None, "device": None}
     rung = runner.default_config()
     flags = {f.name for f in type(rung).flag_fields()}
-    config = result["config"]
+    config, provenance = result["config"], result.get("provenance") or {}
     cfg = rung.with_flags(**{**{k: v for k, v in config.items() if k in flags}, "accelerator": "cuda"})
     um, model, blocks, _ = meta_user_model(cfg.model, cfg.lora_rank, cfg.lora_targets)
-    plan = plan_of(cfg, blocks)
-    return estimate(model, um, plan, cfg.seq_len, target_len=runner.target_len(cfg)).peak_gb
+    conf = provenance.get("cuda_alloc_conf")
+    plan = plan_of(cfg, blocks, expandable_in(conf) if "cuda_alloc_conf" in provenance else None)
+    est = estimate(model, um, plan, cfg.seq_len, target_len=runner.target_len(cfg))
+    card = run_card(est, cfg, gpu_slug(provenance.get("gpu_name") or "h100"))
+    return {"allocated": est.peak_gb, "reserved": card["peak_reserved_gb"], "device": card["device_peak_gb"]}
+
+
+def _cell(measured_gb: float | None, recorded_gb: float | None, again_gb: float | None) -> str:
+    """'measured / recorded -> again (error recorded -> error again)'."""
+    if measured_gb is None or again_gb is None:
+        return "-"
+    error = lambda v: "" if v is None else f"{100.0 * (v - measured_gb) / measured_gb:+.1f}%"  # noqa: E731
+    was = "-" if recorded_gb is None else f"{recorded_gb:.2f}"
+    return f"{measured_gb:.2f} / {was} -> {again_gb:.2f} ({error(recorded_gb) or '-'} -> {error(again_gb)})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args(argv)
     rows = []
-    print(f"{'run':<78} {'measured':>9} {'recorded':>9} {'again':>9} {'error':>7}")
+    print("run: GB measured / recorded -> again (error of the recorded -> of the new prediction), per GPU")
     for name, result in results_files(args.paths):
         if not isinstance(result, dict) or not comparable(result):
             continue
@@ -80,12 +120,17 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # a run this checkout cannot simulate: say so and go on
             print(f"{name}: not simulated ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
             continue
-        measured = result["memory"]["peak_allocated_gb"]
-        recorded = (result.get("estimate") or {}).get("peak_allocated_gb")
-        error = None if again is None else 100.0 * (again - measured) / measured
-        rows.append({"run": name, "measured_gb": measured, "recorded_gb": recorded, "again_gb": again})
-        cells = [f"{v:9.3f}" if v is not None else f"{'-':>9}" for v in (measured, recorded, again)]
-        print(f"{name[-78:]:<78} {' '.join(cells)} {'' if error is None else f'{error:+6.1f}%'}", flush=True)
+        row = {
+            "run": name,
+            "measured_gb": measured(result),
+            "recorded_gb": recorded(result),
+            "again_gb": again,
+        }
+        rows.append(row)
+        cells = [
+            f"{k} {_cell(*(row[c][k] for c in ('measured_gb', 'recorded_gb', 'again_gb')))}" for k in PEAKS
+        ]
+        print(f"{name}: {' | '.join(cells)}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
     return 0

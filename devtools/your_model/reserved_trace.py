@@ -2,7 +2,8 @@
 ``recipes/your_model.py --snapshot`` wrote (the caching allocator's own record of its first steps;
 scripts/gpu/reserved_snapshots.sh makes them) and prints:
 
-* the GPU's reserved bytes over the recording (its segments created and released) and their peak;
+* the GPU's reserved bytes over the recording (its segments created and released) and their peak, and at
+  the peak each stream's reserved and allocated bytes (FSDP's side streams hold segments of their own);
 * the recorded trace replayed through the estimate's allocator model
   (planning/simulation/allocator.py: :func:`replay_recorded`): the model right on the real sequence of
   requests reserves what the GPU did;
@@ -25,18 +26,38 @@ from typing import Any
 
 from fabric_memory_recipes.planning import __main__ as estimate_cli
 from fabric_memory_recipes.planning.simulation import simulate
-from fabric_memory_recipes.planning.simulation.allocator import replay_recorded, round_size
+from fabric_memory_recipes.planning.simulation.allocator import in_use_before, replay_recorded, round_size
 
 GB = 1e9
 
 
+# Python frames worth keeping of a request's stack: who asked for the memory (FSDP, the optimizer, the model)
+WHERE = (
+    "distributed/fsdp",
+    "torch/optim",
+    "fabric_memory_recipes",
+    "transformers/",
+    "lightning/",
+    "checkpoint",
+)
+
+
+def where(frames: list[dict[str, Any]] | None) -> str:
+    """The innermost two frames of ``frames`` (innermost first) from :data:`WHERE`: 'file:line name; ...'."""
+    kept = [f for f in frames or [] if any(w in f.get("filename", "") for w in WHERE)][:2]
+    return "; ".join(
+        f"{'/'.join(f['filename'].split('/')[-2:])}:{f.get('line')} {f.get('name')}" for f in kept
+    )
+
+
 def strip(path: Path) -> Path:
-    """The snapshot without its stack frames (the sizes and the order are what this reads), gzip'd."""
+    """The snapshot without its stack frames (the sizes, the streams and the order are what this reads; each
+    request keeps :func:`where` it came from), gzip'd."""
     with open(path, "rb") as f:
         snapshot = pickle.load(f)
     for trace in snapshot["device_traces"]:
         for event in trace:
-            event.pop("frames", None)
+            event["where"] = where(event.pop("frames", None))
     for segment in snapshot["segments"]:
         segment.pop("frames", None)
         for block in segment["blocks"]:
@@ -63,6 +84,38 @@ def gpu_reserved(snapshot: dict[str, Any]) -> tuple[float, float, float]:
             reserved -= e["size"]
         peak = max(peak, reserved)
     return start / GB, peak / GB, at_end / GB
+
+
+def by_stream_at_peak(snapshot: dict[str, Any]) -> tuple[dict[int, int], dict[int, int]]:
+    """(reserved, allocated) bytes per stream when the GPU's reserved memory peaked over the recording
+    (the segments that existed when it started, with their blocks in use, included)."""
+    trace = snapshot["device_traces"][0]
+    created = {e["addr"] for e in trace if e["action"] == "segment_alloc"}
+    reserved: collections.Counter = collections.Counter()
+    allocated: collections.Counter = collections.Counter()
+    for segment in snapshot["segments"]:
+        if segment["address"] not in created:
+            reserved[segment.get("stream", 0)] += segment["total_size"]
+    segments = [(seg["address"], seg["total_size"], seg.get("stream", 0)) for seg in snapshot["segments"]]
+    for address, size in in_use_before(snapshot).items():
+        allocated[next((st for a, n, st in segments if a <= address < a + n), 0)] += size
+    live: dict[int, tuple[int, int]] = {}
+    peak, at_peak = sum(reserved.values()), (dict(reserved), dict(allocated))
+    for e in trace:
+        action, stream = e["action"], e.get("stream", 0)
+        if action == "segment_alloc":
+            reserved[stream] += e["size"]
+        elif action == "segment_free":
+            reserved[stream] -= e["size"]
+        elif action == "alloc":
+            allocated[stream] += e["size"]
+            live[e["addr"]] = (stream, e["size"])
+        elif action == "free_completed" and e["addr"] in live:
+            s, n = live.pop(e["addr"])
+            allocated[s] -= n
+        if sum(reserved.values()) > peak:
+            peak, at_peak = sum(reserved.values()), (dict(reserved), dict(allocated))
+    return at_peak
 
 
 def requests_of_one_step(sizes: list[int], steps: int) -> collections.Counter:
@@ -101,6 +154,10 @@ def report(path: Path, flags: list[str], steps: int) -> None:
     print(f"  the recorded requests replayed in the allocator model: peak reserved {model.peak_reserved / GB:.3f} GB,"
           f" peak allocated {model.peak_allocated / GB:.3f}; segments made {len(grown)} (GPU {len(created)}),"
           f" the same sizes: {sorted(grown) == sorted(created)}")  # fmt: skip
+    reserved, allocated = by_stream_at_peak(snapshot)
+    for stream in sorted(reserved, key=lambda k: -reserved[k]):
+        print(f"  at the peak, stream {stream}: {reserved[stream] / GB:.3f} GB reserved,"
+              f" {allocated.get(stream, 0) / GB:.3f} GB allocated")  # fmt: skip
     trace = snapshot["device_traces"][0]
     gpu_sizes = [e["size"] for e in trace if e["action"] == "alloc"]
     if not flags:

@@ -72,7 +72,8 @@ estimate                         the predicted peak (fabric_memory_recipes.plann
                                  {total, trainable}, assumptions {method, device,
                                  attention_kernel, compile, compile_modelled, precision, micro_batch_size,
                                  accumulation_steps, optimizer, optimizer_impl, activation_checkpointing, sharding,
-                                 shard_units, world_size, cpu_offload, weights_offload, workspace_gb},
+                                 mixed_precision_policy, shard_units, world_size, cpu_offload, weights_offload,
+                                 workspace_gb},
                                  kernels, model, seconds, error}; null when the recipe made none. Compare it with
                                  memory.peak_allocated_gb (per device)
 timing.train_wall_s              wall time of the training loop (start-up and evaluation excluded)

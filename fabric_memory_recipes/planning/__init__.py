@@ -37,7 +37,9 @@ What the simulation models explicitly, because fake tensors on a CPU cannot show
 * FSDP (``sharding="fsdp"``/``"fsdp2"`` over ``world_size`` ranks): parameters, gradients and optimizer
   state count 1/N; the units being all-gathered (the current and the prefetched one) and one unit's
   unsharded gradients count in full. ``cpu_offload=True`` moves parameters, gradients and optimizer state
-  to host memory: they count 0 on the GPU.
+  to host memory: they count 0 on the GPU. FSDP2 with one micro-batch: each unit's unsharded gradients are
+  the step's own and its gradient shard is made on the reduce-scatter stream, whose pool the allocator
+  replay keeps apart, as it does the all-gathers' outputs (planning/simulation/sharded.py).
 * Rung-specific techniques: ``activation_offload`` (saved tensors in pinned host memory, as
   fabric_memory_recipes/training/techniques/offload.py), ``optimizer_in_backward`` (each gradient freed in its hook), torchao's 8-bit AdamW
   state (``optimizer="adamw8bit"``), activation checkpointing of named module classes, and rung 16's

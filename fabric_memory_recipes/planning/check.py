@@ -83,6 +83,7 @@ RECORDED_PLAN = (
     "activation_checkpointing",
     "checkpoint_mode",
     "sharding",
+    "mixed_precision_policy",
     "shard_units",
     "world_size",
     "cpu_offload",

@@ -95,7 +95,10 @@ class Plan:
     ``weights_offload`` models fabric_memory_recipes.training.techniques.weights_offload (rung 16, one GPU): parameters,
     gradients and optimizer state in host memory (0 on the GPU), the modules of ``shard_units`` streamed
     in on a copy stream by the technique's own hooks (planning/simulation/streamed.py: the unit in use and
-    the one fetched ahead) and the rest of the model resident. ``switched`` names the switched techniques (``techniques.switches()``: the
+    the one fetched ahead) and the rest of the model resident. ``mixed_precision_policy`` (FSDP2, sharding
+    "fsdp2"): ``fully_shard``'s ``MixedPrecisionPolicy`` gathers the units in the compute dtype of a "-mixed"
+    precision, as FSDP1 does under Lightning (your model's fast mode); without it FSDP2 gathers the master
+    dtype (the ladder's rungs 08 and 09). ``switched`` names the switched techniques (``techniques.switches()``: the
     fused loss) that the estimate applies to the model through their modules before the step is simulated.
     """
 
@@ -118,6 +121,7 @@ class Plan:
     offload_window_bytes: int = 0
     optimizer_in_backward: bool = False
     weights_offload: bool = False
+    mixed_precision_policy: bool = False  # FSDP2 gathering in the compute dtype (the docstring)
     checkpoint_mode: str = CHECKPOINT_MODE.default  # what a checkpointed block keeps (its record's option)
     switched: tuple[str, ...] = ()  # techniques.switches() on, by name: each applied by its module
     allocator: str = "default"  # the caching allocator's setting (ALLOCATORS): which replay is reserved_gb
@@ -137,6 +141,8 @@ class Plan:
             raise ValueError(f"attention {self.attention!r}: expected one of {ATTENTION_CHOICES}")
         if self.sharding not in SHARDING_CHOICES:
             raise ValueError(f"sharding {self.sharding!r}: expected one of {SHARDING_CHOICES}")
+        if self.mixed_precision_policy and self.sharding != "fsdp2":
+            raise ValueError("mixed_precision_policy is FSDP2's (sharding='fsdp2')")
         if self.cpu_offload and self.sharding == "none":
             raise ValueError("cpu_offload is modelled for FSDP only (sharding='fsdp')")
         if self.weights_offload and (self.sharding != "none" or not self.shard_units):
@@ -261,6 +267,7 @@ class Estimate:
                 "checkpoint_mode": p.checkpoint_mode,
                 **{t.name: t.name in p.switched for t in switches()},
                 "sharding": p.sharding,
+                "mixed_precision_policy": p.mixed_precision_policy,
                 "shard_units": list(p.shard_units),
                 "world_size": p.world_size,
                 "cpu_offload": p.cpu_offload,

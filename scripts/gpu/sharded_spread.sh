@@ -109,7 +109,7 @@ rung() {  # rung NAME ROUND DEVICES GPUS RESERVE: one run of a rung (NAME: recip
   [ ! -f "recipes/$recipe.py" ] && { say "  $name: no recipes/$recipe.py"; return; }
   [ "$(left)" -gt $(( 45 + reserve )) ] || { say "  $recipe $tag x$n: not started (deadline)"; return; }
   mkdir -p "$WORK/x$n/logs"
-  run "$WORK/x$n/logs/$recipe-$tag.log" env CUDA_VISIBLE_DEVICES="$gpus" ${extra_env[@]+"${extra_env[@]}"} timeout "$(limit 150)" \
+  run "$WORK/x$n/logs/$recipe-$tag.log" env CUDA_VISIBLE_DEVICES="$gpus" ${extra_env[@]+"${extra_env[@]}"} timeout -k 20 "$(limit 150)" \
     $PY "recipes/$recipe.py" --data synthetic --weights none --max-steps "$steps" --eval-batches 1 --devices "$n" \
     --mode fast --tag "$tag" --results-dir "$WORK/x$n/r$round" ${flags[@]+"${flags[@]}"}
   say "  $recipe $tag x$n: exit $? $(grep -m1 -E '^   speed' "$WORK/x$n/logs/$recipe-$tag.log" 2>/dev/null | tr -s ' ')"
@@ -120,7 +120,7 @@ reference() {  # reference no-offload|as-written DEVICES GPUS: the article's scr
   [ "$kind" = no-offload ] && { key=$key-no-offload; offload=(--fsdp-cpu-offload off); }
   [ "$(left)" -gt 40 ] || { say "  $key x$n: not started (deadline)"; return; }
   mkdir -p "$WORK/x$n/ref"
-  run "$WORK/x$n/ref/$key.log" env CUDA_VISIBLE_DEVICES="$gpus" timeout "$(limit 150)" $PY -m torch.distributed.run \
+  run "$WORK/x$n/ref/$key.log" env CUDA_VISIBLE_DEVICES="$gpus" timeout -k 20 "$(limit 150)" $PY -m torch.distributed.run \
     --standalone --nproc-per-node "$n" -m fabric_memory_recipes.tools.compare.runner "$REF/11_delay-allocation.py" \
     --devices "$n" ${offload[@]+"${offload[@]}"} --steps "$REF_STEPS" --out "$WORK/x$n/ref/$key.json"
   say "  $key x$n: exit $? $($PY -c 'import json,sys; d=json.load(open(sys.argv[1])); print(d["status"], round(d["images_per_s"] or 0, 1), "img/s", round(d["peak_reserved_gb"] or 0, 2), "GB reserved")' "$WORK/x$n/ref/$key.json" 2>/dev/null)"
@@ -153,7 +153,7 @@ your_model() {  # your_model NAME CONFIG GPUS PORT [flags]: one sharded run of a
   n=$(( $(tr -cd , <<< "$gpus" | wc -c) + 1 ))
   mkdir -p "$WORK/your-model"
   run "$WORK/your-model-$name.log" env CUDA_VISIBLE_DEVICES="$gpus" MASTER_ADDR=127.0.0.1 MASTER_PORT="$port" \
-    timeout "$(limit 240)" $PY recipes/your_model.py --model "hf:examples/configs/$config" --fsdp --devices "$n" \
+    timeout -k 20 "$(limit 240)" $PY recipes/your_model.py --model "hf:examples/configs/$config" --fsdp --devices "$n" \
     --precision bf16-mixed --batch-size 8 --seq-len 1024 --checkpoint-blocks --data synthetic --mode eager \
     --max-steps "$YM_STEPS" --eval-batches 1 --results-dir "$WORK/your-model/$name" "$@" &
 }
@@ -173,10 +173,10 @@ fi
 if wants nodes 60; then  # docs/08_fsdp.md's two-machine command, both "machines" on this host, beside one node
   args=(recipes/08_fsdp2.py --data synthetic --weights none --max-steps "$NODES_STEPS" --eval-batches 1 --mode eager --log-every 1)
   say "nodes: one torchrun node of 4 and two torchrun nodes of 2, at once"
-  run "$WORK/nodes-one.log" timeout "$(limit 150)" $PY -m torch.distributed.run --standalone --nproc-per-node 4 \
+  run "$WORK/nodes-one.log" timeout -k 20 "$(limit 150)" $PY -m torch.distributed.run --standalone --nproc-per-node 4 \
     "${args[@]}" --devices 4 --results-dir "$WORK/nodes/one-node" & pids=($!)
   for rank in 0 1; do
-    run "$WORK/nodes-two-rank$rank.log" env CUDA_VISIBLE_DEVICES=$(( 2 * rank )),$(( 2 * rank + 1 )) timeout "$(limit 150)" \
+    run "$WORK/nodes-two-rank$rank.log" env CUDA_VISIBLE_DEVICES=$(( 2 * rank )),$(( 2 * rank + 1 )) timeout -k 20 "$(limit 150)" \
       $PY -m torch.distributed.run --nnodes 2 --node-rank $rank --nproc-per-node 2 --master-addr 127.0.0.1 \
       --master-port 29538 "${args[@]}" --devices 2 --num-nodes 2 --results-dir "$WORK/nodes/two-nodes" & pids+=($!)
   done
@@ -192,7 +192,7 @@ if wants profile 70; then
     gpus=$(seq -s, 0 $(( n - 1 )))
     [ "$(left)" -gt 60 ] || { say "profile $recipe x$n: not started (deadline)"; continue; }
     say "profile: $recipe on $n GPUs (rank 0, 3 steps after 6)"
-    run "$WORK/profile-$recipe-x$n.log" env CUDA_VISIBLE_DEVICES="$gpus" timeout "$(limit 180)" $PY \
+    run "$WORK/profile-$recipe-x$n.log" env CUDA_VISIBLE_DEVICES="$gpus" timeout -k 20 "$(limit 180)" $PY \
       scripts/gpu/profile_sharded_step.py --out "$WORK/profile/$recipe-x$n" --wait 5 --active 3 -- "recipes/$recipe.py" \
       --data synthetic --weights none --max-steps 10 --eval-batches 1 --devices "$n" --mode fast --no-cuda-graphs \
       --results-dir "$WORK/profile/$recipe-x$n"
@@ -206,7 +206,7 @@ fi
 
 if wants fit 90; then  # --memory-budget-gb per process: the sharded sets measured on emulated 16 GB cards
   say "fit: fmr-estimate --fit 16GB --devices 2 --measure on GPUs 0,1"
-  run "$WORK/fit.log" env CUDA_VISIBLE_DEVICES=0,1 timeout "$(left)" $PY -m fabric_memory_recipes.planning \
+  run "$WORK/fit.log" env CUDA_VISIBLE_DEVICES=0,1 timeout -k 20 "$(left)" $PY -m fabric_memory_recipes.planning \
     --model hf:examples/configs/gpt-neox-1.4b --seq-len 1024 --batch-size 8 --precision bf16-mixed --fit 16GB \
     --devices 2 --top 3 --measure --measure-steps 5 --measure-dir "$WORK/fit"
   say "fit: exit $? ($(grep -m1 -E '^Fastest measured|^None of' "$WORK/fit.log"))"; pack

@@ -51,3 +51,33 @@ def test_strip_keeps_sizes_and_order_without_frames(tmp_path):
 def test_gpu_reserved_counts_the_segments_made_during_the_recording():
     start, peak, end = reserved_trace.gpu_reserved(_snapshot())
     assert round(start * 1e9 / MiB) == 20 and round(peak * 1e9 / MiB) == 60 and round(end * 1e9 / MiB) == 60
+
+
+def test_strip_keeps_where_each_request_came_from():
+    frames = [
+        {"filename": "/usr/lib/python3/site-packages/torch/_tensor.py", "line": 5, "name": "to"},
+        {
+            "filename": "/x/torch/distributed/fsdp/_runtime_utils.py",
+            "line": 880,
+            "name": "_cast_grad_to_param_dtype",
+        },
+        {"filename": "/x/torch/distributed/fsdp/_runtime_utils.py", "line": 790, "name": "_reduce_grad"},
+        {"filename": "/x/fabric_memory_recipes/training/step.py", "line": 56, "name": "train_step"},
+    ]
+    assert reserved_trace.where(frames) == (
+        "fsdp/_runtime_utils.py:880 _cast_grad_to_param_dtype; fsdp/_runtime_utils.py:790 _reduce_grad"
+    )
+    assert reserved_trace.where(None) == ""
+
+
+def test_each_streams_reserved_and_allocated_bytes_at_the_peak():
+    """A side stream's segment (stream 7) made after the default stream's: both counted at the peak."""
+    snapshot = _snapshot()
+    for segment in snapshot["segments"]:
+        segment["stream"] = 0
+    snapshot["segments"][1]["stream"] = 7
+    for event in snapshot["device_traces"][0]:
+        event["stream"] = 0 if event["addr"] < 1 << 30 else 7
+    reserved, allocated = reserved_trace.by_stream_at_peak(snapshot)
+    assert {k: v // MiB for k, v in reserved.items()} == {0: 20, 7: 40}
+    assert allocated[0] // MiB == 16 and not allocated.get(7)  # the peak: when the segment is made

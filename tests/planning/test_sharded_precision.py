@@ -33,7 +33,7 @@ def _loss(model, batch):
     return (model(batch[0]).float().pow(2).mean(),)
 
 
-def sharded(sharding: str, precision: str = "bf16-mixed") -> planning.Estimate:
+def sharded(sharding: str, precision: str = "bf16-mixed", **fields) -> planning.Estimate:
     plan = planning.Plan(
         device="cuda",
         precision=precision,
@@ -43,6 +43,7 @@ def sharded(sharding: str, precision: str = "bf16-mixed") -> planning.Estimate:
         sharding=sharding,
         shard_units=("Linear",),
         world_size=4,
+        **fields,
     )
     return planning.simulate(TwoLinear(), plan, make_batch=_make, batch_fn=_loss)
 
@@ -66,13 +67,27 @@ def test_fsdp_mixed_precision_gathers_bf16_views_and_keeps_fp32_shards():
 
 
 def test_fsdp2_without_a_mixed_precision_policy_gathers_fp32():
-    """FSDP2 here has no MixedPrecisionPolicy: fp32 units are gathered (and autocast copies them)."""
+    """FSDP2 here has no MixedPrecisionPolicy: fp32 units are gathered (and autocast copies them). The unit in
+    use and the prefetched one: its unsharded gradients are the step's own (planning/simulation/sharded.py)."""
     model = TwoLinear()
     largest = max(p.numel() for p in model.parameters()) + 512
     fsdp, fsdp2 = sharded("fsdp"), sharded("fsdp2")
-    assert fsdp2.components_gb["gathered_parameters"] == pytest.approx(3 * 4 * largest / GB, abs=1e-9)
+    assert fsdp2.components_gb["gathered_parameters"] == pytest.approx(2 * 4 * largest / GB, abs=1e-9)
     assert fsdp2.static_gb == fsdp.static_gb  # the same fp32 shards either way
     assert fsdp.peak_gb < fsdp2.peak_gb
+
+
+def test_fsdp2_with_its_mixed_precision_policy_gathers_bf16_as_fsdp_does():
+    """Your model's fast mode: fully_shard with MixedPrecisionPolicy(param_dtype=bf16) gathers bf16 units, so
+    autocast has no weight to copy; the shards stay fp32."""
+    model = TwoLinear()
+    largest = max(p.numel() for p in model.parameters()) + 512
+    fsdp, fsdp2 = sharded("fsdp"), sharded("fsdp2", mixed_precision_policy=True)
+    assert fsdp2.components_gb["gathered_parameters"] == pytest.approx(2 * 2 * largest / GB, abs=1e-9)
+    assert fsdp2.components_gb["weight_copies"] == 0
+    assert fsdp2.static_gb == fsdp.static_gb
+    with pytest.raises(ValueError, match="mixed_precision_policy"):
+        planning.Plan(sharding="fsdp", mixed_precision_policy=True)
 
 
 def test_true_half_precision_under_fsdp_is_unchanged():

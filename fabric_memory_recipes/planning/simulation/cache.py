@@ -31,6 +31,7 @@ SOURCES = (  # what a cached simulation depends on, relative to the package
     "planning/simulation/tracking.py",
     "planning/simulation/allocator.py",
     "planning/simulation/streamed.py",
+    "planning/simulation/sharded.py",
     "planning/simulation/saved.py",
     "planning/simulation/expandable.py",
     "planning/plan.py",

@@ -45,6 +45,8 @@ from collections.abc import Iterable
 
 from fabric_memory_recipes.planning.simulation.allocator import (
     ALLOC_COPY,
+    ALLOC_GATHER,
+    ALLOC_REDUCE,
     LARGE_SEGMENT,
     ROUND,
     SMALL_REQUEST,
@@ -60,6 +62,8 @@ ADDRESS_SPACE = 1 << 44  # one segment's virtual range (the GPU's memory and an 
 MAIN, GRAPH = "main", "graph"  # the allocator's own pools, and a CUDA graph's private pool
 DEFAULT_STREAM, SIDE_STREAM = 0, 1  # fast mode's warm-up and capture run on a side stream
 COPY_STREAM = 2  # the stream a step copies on (ALLOC_COPY events: rung 16's streamed weights)
+REDUCE_STREAM, GATHER_STREAM = 3, 4  # FSDP2's reduce-scatter and all-gather copy-in streams
+SIDE_REQUESTS = {ALLOC_COPY: COPY_STREAM, ALLOC_REDUCE: REDUCE_STREAM, ALLOC_GATHER: GATHER_STREAM}
 
 
 def page_size(small: bool) -> int:
@@ -258,8 +262,8 @@ class ExpandableAllocator:
             key = handle if handle < keep else (tag, handle)
             if kind == "alloc":
                 self.malloc(key, nbytes)
-            elif kind == ALLOC_COPY:  # a request of the copy stream: its own segment
-                stream, self.stream = self.stream, COPY_STREAM
+            elif kind in SIDE_REQUESTS:  # a request of a side stream: its own segment
+                stream, self.stream = self.stream, SIDE_REQUESTS[kind]
                 self.malloc(key, nbytes)
                 self.stream = stream
             elif kind == "free_later":  # after record_stream: its block returns at its "reuse"

@@ -231,7 +231,9 @@ class Precision:
     """What Fabric's precision plugin does to the module, its inputs and its forward (see
     lightning.fabric.plugins.precision: HalfPrecision, MixedPrecision), replayed on fake tensors."""
 
-    def __init__(self, precision: str, cuda_policy: bool, sharding: str = "none") -> None:
+    def __init__(
+        self, precision: str, cuda_policy: bool, sharding: str = "none", policy: bool = False
+    ) -> None:
         self.cuda_policy = cuda_policy
         self.policy_held = (
             False  # simulate() holds CUDA's autocast policy for the whole step (recomputes too)
@@ -252,9 +254,10 @@ class Precision:
         # (lightning.fabric.plugins.precision.fsdp: mixed_precision_config): every unit is all-gathered
         # in low precision, so forward and backward see low-precision weights and buffers (autocast has
         # no weight to copy) and the gradients are reduce-scattered in it, then cast to the fp32 shard.
-        # FSDP2 here (sharding "fsdp2", no MixedPrecisionPolicy) gathers the fp32 parameters.
+        # FSDP2 (sharding "fsdp2") gathers the fp32 parameters, unless its MixedPrecisionPolicy (``policy``)
+        # gathers them in low precision as FSDP1's does.
         self.master_dtype = self.param_dtype
-        if sharding == "fsdp" and self.mixed and low is not None:
+        if (sharding == "fsdp" or (sharding == "fsdp2" and policy)) and self.mixed and low is not None:
             self.param_dtype = low
 
     def convert(self, data):

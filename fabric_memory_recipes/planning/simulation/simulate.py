@@ -41,6 +41,7 @@ from fabric_memory_recipes.planning.simulation.modelled import (
     host_draws_kept,
 )
 from fabric_memory_recipes.planning.simulation.saved import SimulatedSaves
+from fabric_memory_recipes.planning.simulation.sharded import ShardedGradients
 from fabric_memory_recipes.planning.simulation.streamed import StreamedWeights
 from fabric_memory_recipes.planning.simulation.tracking import FakeMode, Tracker
 from fabric_memory_recipes.training import data
@@ -145,7 +146,7 @@ def simulate(
         make_batch = make_batch or default_make
         batch_fn = batch_fn or default_fn
 
-    precision = Precision(plan.precision, cuda_policy=plan.device == "cuda", sharding=plan.sharding)
+    precision = Precision(plan.precision, plan.device == "cuda", plan.sharding, plan.mixed_precision_policy)
     pbytes = torch.empty((), dtype=precision.param_dtype, device="meta").element_size()  # computed with
     master_bytes = torch.empty((), dtype=precision.master_dtype, device="meta").element_size()  # kept
     named_params = dict(model.named_parameters())
@@ -153,12 +154,15 @@ def simulate(
     n_total = sum(p.numel() for p in named_params.values())
     n_train = sum(named_params[n].numel() for n in trainable)
     scales: dict[str, float] = {"host": 0.0}  # offloaded activations live in host memory
+    fsdp2 = plan.sharding == "fsdp2" and plan.accumulation_steps == 1 and not plan.optimizer_in_backward
     if plan.sharding != "none" or plan.weights_offload:
         shard = 0.0 if plan.cpu_offload or plan.weights_offload else 1.0 / plan.world_size
         # the fake weights and their gradients have the dtype the module computes with; the shards kept
         # between steps have the master dtype (FSDP's mixed precision: bf16 views, fp32 shards)
         master = shard * master_bytes / pbytes
-        scales.update({"parameters": master, "gradients": master, "optimizer_state": shard})
+        # FSDP2's gradient shards are made on the GPU, offloaded or not (planning/simulation/sharded.py)
+        gradients = master_bytes / pbytes / plan.world_size if fsdp2 else master
+        scales.update({"parameters": master, "gradients": gradients, "optimizer_state": shard})
     tracker = Tracker(scales)  # the timeline is recorded from the first forward to zero_grad
     kernels: set[str] = set()
     saved_bytes = saved_rounded = None
@@ -187,8 +191,15 @@ def simulate(
                 fake_state[n] = torch.empty(p.shape, dtype=dtype, requires_grad=bool(p.requires_grad))
 
         streamed = StreamedWeights(model, plan.shard_units, pbytes, tracker) if plan.weights_offload else None
+        sharded = None  # FSDP2, one micro-batch: its gradients and all-gathers on its side streams
+        if fsdp2:
+            narrow = pbytes / master_bytes
+            sharded = ShardedGradients(model, plan.shard_units, tracker, narrow, plan.cpu_offload)
 
         def grad_ready(p: torch.Tensor) -> None:
+            if sharded is not None:
+                sharded.ready(p)
+                return
             tracker.retag(p.grad, "gradients")
             if streamed is not None:  # rung 16: copied out on another stream
                 streamed.gradient(p)
@@ -197,14 +208,19 @@ def simulate(
 
         for n in trainable:
             fake_state[n].register_post_accumulate_grad_hook(grad_ready)
+        if sharded is not None:
+            sharded.bind(fake_state)
         if streamed is not None:  # rung 16: the root resident, the units streamed by the hooks
             streamed.bind(fake_state)
             streamed.setup()
         elif plan.sharding != "none":  # FSDP: the units in use at once
             unit, root = _unit_bytes(model, plan.shard_units, pbytes)
             # in use at once: the current unit, the prefetched one, the root; one unit's unsharded grads
-            in_use = plan.prefetch_units * unit + root + (unit if n_train else 0)
+            # (FSDP2's are made by the step, its all-gathers' outputs held on their stream: sharded.py)
+            in_use = plan.prefetch_units * unit + root + (unit if n_train and sharded is None else 0)
             tracker.add_constant("gathered_parameters", in_use)
+            if sharded is not None:
+                sharded.gather_buffers(unit, root)
         tracker.mark("workspace")  # made by the first step: fast mode's on its side stream
         if plan.device == "cuda":
             for _ in range(CUDA_WORKSPACE_BYTES // CUBLAS_WORKSPACE_BYTES):  # one per thread
@@ -254,6 +270,8 @@ def simulate(
             if op_costs is not None:
                 op_costs.section = (micro, "backward")
             tracker.backward(scaled)  # gradient parts summed in place where a GPU run sums them
+            if sharded is not None:
+                sharded.backward_done()
             del loss, batch, scaled
             if op_costs is not None:
                 op_costs.section = None
@@ -287,6 +305,8 @@ def simulate(
         tracker.phase = "zero_grad(set_to_none=True)"
         for t in fake_state.values():
             t.grad = None
+        if sharded is not None:
+            sharded.zero_grad()
         if streamed is not None:
             streamed.step_done()
         tracker.mark("end")

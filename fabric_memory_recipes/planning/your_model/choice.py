@@ -39,7 +39,9 @@ class Choice(Candidate):
 
     @property
     def key(self) -> tuple:
-        return (*super().key, self.devices, self.switched, self.checkpoint_mode, self.cpu_offload)
+        """What its simulation depends on: sharded, the mode too (FSDP2 in fast mode, FSDP in eager mode)."""
+        sharded_by = self.mode if self.devices > 1 else None
+        return (*super().key, self.devices, self.switched, self.checkpoint_mode, self.cpu_offload, sharded_by)
 
     @property
     def plain(self) -> tuple:

@@ -21,6 +21,7 @@ import torch
 
 from fabric_memory_recipes.config import Hardware, UsageError
 from fabric_memory_recipes.console import fail
+from fabric_memory_recipes.measurement.card_overhead import overhead_mode
 from fabric_memory_recipes.measurement.results_file import peak_bf16_flops
 from fabric_memory_recipes.planning import arguments
 from fabric_memory_recipes.planning.inference import cli as inference_cli
@@ -31,6 +32,9 @@ from fabric_memory_recipes.planning.your_model.sets import UserPlanner
 from fabric_memory_recipes.techniques import ACTIVATION_CHECKPOINTING, switches
 from fabric_memory_recipes.training.techniques import refusal_of
 from fabric_memory_recipes.training.your_model import runner
+
+# the caching allocator's settings (config.FAST_ALLOCATOR: fast mode's)
+ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
 
 
 def parse(args: argparse.Namespace) -> tuple[argparse.Namespace, runner.YourModelConfig]:
@@ -43,10 +47,15 @@ def parse(args: argparse.Namespace) -> tuple[argparse.Namespace, runner.YourMode
             f" (choose from {', '.join(runner.OPTIMIZERS)})"
         )
     flags = arguments.filled(args, rung)
+    users_alloc_conf = os.environ.get(ALLOC_CONF)
     try:
         cfg = rung.with_flags(**flags).checked(Hardware.planned())  # 'auto': predict for a GPU
     except (UsageError, ValueError) as e:
         fail(str(e))
+    finally:  # checked() sets fast mode's allocator for a run in this process; this one trains nothing,
+        # and each --measure run starts from the user's setting, its runner sets its own (measure.py)
+        if users_alloc_conf is None:
+            os.environ.pop(ALLOC_CONF, None)
     args.budget_gb = fit_cli.budget(args)
     if (args.measure or args.may_change) and not args.fit:
         fail("--measure and --may-change go with --fit SIZE")
@@ -92,7 +101,8 @@ def run(parsed: argparse.Namespace) -> int:
     # fast mode sets expandable segments where RunConfig chooses CUDA graphs, which the runner may then leave out
     expandable = bool(cfg.cuda_graphs) or (args.cuda_graphs is None and cfg.graphs_by_default())
     est = estimate(model, um, plan_of(cfg, blocks, expandable), cfg.seq_len, target_len=cfg.target_len)
-    got = card(est, args.gpu, "eager", cfg.world_size if cfg.fsdp else 1)
+    # the overhead of the mode estimated, as --fit takes it per set and --memory-budget-gb caps the run
+    got = card(est, args.gpu, overhead_mode(cfg.flags()), cfg.world_size if cfg.fsdp else 1)
     about = {
         "model": um.ref,
         "task": um.task,

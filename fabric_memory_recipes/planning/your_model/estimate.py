@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from fabric_memory_recipes.console import notice
-from fabric_memory_recipes.measurement.card_overhead import overhead_per_gpu
+from fabric_memory_recipes.measurement.card_overhead import overhead_mode, overhead_per_gpu
 from fabric_memory_recipes.measurement.results_file import gpu_slug
 from fabric_memory_recipes.planning.overhead import replayed_card
 from fabric_memory_recipes.planning.plan import Estimate, Plan, allocator_of, expandable_in, plan_for
@@ -31,7 +31,7 @@ from fabric_memory_recipes.planning.simulation.simulate import failed, simulate
 from fabric_memory_recipes.planning.your_model import saved_file
 from fabric_memory_recipes.techniques import ACTIVATION_CHECKPOINTING, flagged, switches
 from fabric_memory_recipes.training.techniques import lora, module_of
-from fabric_memory_recipes.training.your_model import models
+from fabric_memory_recipes.training.your_model import models, sharding
 from fabric_memory_recipes.training.your_model.models import UserModel
 from fabric_memory_recipes.training.your_model.runner import YourModelConfig
 
@@ -74,21 +74,33 @@ def text_batch(um: UserModel, micro_batch_size: int, seq_len: int, target_len: i
     return make, batch_fn
 
 
+def sharding_of(fsdp: bool, compile: bool, precision: str) -> dict[str, Any]:
+    """The plan's sharding fields of a run with these flags: none; FSDP1 (eager mode); FSDP2 in fast mode
+    (training/your_model/sharding.py), gathering in the compute dtype of a "-mixed" precision."""
+    if not fsdp:
+        return {"sharding": "none"}
+    if not sharding.fully_sharded(compile, precision):
+        return {"sharding": "fsdp"}
+    return {"sharding": "fsdp2", "mixed_precision_policy": precision in sharding.LOW}
+
+
 def plan_of(cfg: YourModelConfig, blocks: tuple[str, ...], expandable: bool | None = None) -> Plan:
-    """The runner's flags as the estimator's plan: checkpointing and FSDP units are the found blocks; the
-    techniques' options (the checkpoint mode) are the plan's fields of the same names. ``expandable``:
-    whether the run's allocator has expandable segments (planning/plan.py ``allocator_of``; fast mode sets
-    them also where the runner then turns the CUDA graphs off: a text model's)."""
-    sharding = "fsdp" if cfg.fsdp else "none"
+    """The runner's flags as the estimator's plan: checkpointing and FSDP units are the found blocks (FSDP1 in
+    eager mode, FSDP2 in fast mode: :func:`sharding_of`); the techniques' options (the checkpoint mode) are
+    the plan's fields of the same names. ``expandable``: whether the run's allocator has expandable segments
+    (planning/plan.py ``allocator_of``; fast mode sets them also where the runner then turns the CUDA graphs
+    off: a text model's). The plan records whether the run compiles its blocks; the simulated step is the
+    eager graph either way; only its attention follows compile (compiled blocks keep the fused kernel where an
+    eager CUDA step falls back to math: a T5's position bias, planning/simulation/modelled.py)."""
     options = {o.field: getattr(cfg, o.field) for t in flagged() for o in t.options}
     return plan_for(
         cfg,
         allocator=allocator_of(cfg, expandable),
         activation_checkpointing=blocks if cfg.uses(ACTIVATION_CHECKPOINTING) else (),
-        sharding=sharding,
+        **sharding_of(cfg.fsdp, cfg.compile, cfg.precision),
         shard_units=blocks,
-        world_size=cfg.world_size if sharding != "none" else 1,
-        compile=bool(cfg.compile),  # fast mode: compiled blocks
+        world_size=cfg.world_size if cfg.fsdp else 1,
+        compile=bool(cfg.compile),  # fast mode: compiled blocks, whose attention keeps the fused kernel
         switched=tuple(t.name for t in switches() if cfg.uses(t)),
         **options,
     )
@@ -132,6 +144,13 @@ def card(
     return {**replayed_card(replayed, over, devices), "gpu": gpu, "mode": mode, "devices": devices}
 
 
+def run_card(est: Estimate, cfg: YourModelConfig, gpu: str) -> dict[str, Any]:
+    """:func:`card` of a run of ``cfg`` on a ``gpu``: per GPU of its ``--fsdp`` processes, with the overhead of
+    its mode (fast mode compiles a text model's blocks without CUDA graphs: the compiled runs' overhead)."""
+    devices = cfg.devices if getattr(cfg, "fsdp", False) else 1  # processes per machine, each a GPU
+    return card(est, gpu, overhead_mode(cfg.flags()), devices)  # as --memory-budget-gb caps the run
+
+
 def for_user_run(
     model: Any, um: UserModel, cfg: YourModelConfig, blocks: tuple[str, ...]
 ) -> tuple[Estimate, dict]:
@@ -146,8 +165,7 @@ def for_user_run(
     except Exception as e:
         est = failed(plan, um.ref, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     gpu = gpu_slug(torch.cuda.get_device_name()) if torch.cuda.is_available() else "h100"
-    devices = cfg.devices if getattr(cfg, "fsdp", False) else 1  # processes per machine, each a GPU
-    predicted = card(est, gpu, "fast" if cfg.cuda_graphs else "eager", devices)
+    predicted = run_card(est, cfg, gpu)
     if not getattr(
         cfg, "fsdp", False
     ):  # the checkpoint file --checkpoint-every writes (FSDP: a folder of shards)

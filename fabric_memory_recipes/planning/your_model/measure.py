@@ -8,6 +8,12 @@ the measured card overhead, as the planner assumes (config.py). ``--data synthet
 whole-device peak (NVML, the process's own) is within the card; the measured ranking is the fitting sets by
 measured samples/s (the median between optimizer steps after the warm-up).
 
+Each run starts from the user's environment, ``PYTORCH_CUDA_ALLOC_CONF`` as the user set it or unset (the
+planner's own resolved configuration leaves it as it was: cli.py), and the runner sets its own set's
+allocator before CUDA starts (config.py): expandable segments for a fast set, the default for an eager one,
+as each set's prediction assumed (sets.py ``allocator_of_set``). A setting of the user's is kept for every
+set, as fast mode keeps it (said once: the predictions assumed the runner's own settings).
+
 Writes ``DIR/plan.json`` (every set: the command, predicted and measured peak and speed, status, the
 run's results JSON) after each run, so a stopped call keeps what finished, and ``DIR/plan.md``, the table.
 """
@@ -49,6 +55,7 @@ def _read(path: Path) -> dict[str, Any]:
         "peak_reserved_gb": max(reserved, default=None),
         "device_peak_gb": memory.get("device_peak_gb"),
         "images_per_s": timing.get("images_per_s"),
+        "cuda_alloc_conf": (d.get("provenance") or {}).get("cuda_alloc_conf"),
     }
 
 
@@ -63,6 +70,11 @@ def measure(
     """Run each row's ``argv`` (the planner's order) and fill in what it measured; rank them."""
     out.mkdir(parents=True, exist_ok=True)
     env = run_env(str(out / "logs"))
+    if users := env.get("PYTORCH_CUDA_ALLOC_CONF"):
+        say(
+            f"PYTORCH_CUDA_ALLOC_CONF={users} (yours) is kept for every set; the predictions assumed the"
+            " runner's own settings (fast mode: expandable segments; eager: the default)"
+        )
     start = time.perf_counter()
     for i, row in enumerate(rows, 1):
         folder = out / "runs" / f"{i:02d}"
@@ -81,6 +93,7 @@ def measure(
                 "error": got.get("error") or proc.get("error"),
                 "measured_peak_reserved_gb": got.get("peak_reserved_gb"),
                 "measured_device_peak_gb": device,
+                "cuda_alloc_conf": got.get("cuda_alloc_conf"),  # the allocator's settings the run had
                 "measured_samples_per_s": got.get("images_per_s") if status == "ok" else None,
                 "fits": status == "ok" and device is not None and device <= budget_gb,
                 "result_json": str((folder / "your_model.json").relative_to(out)) if got else None,

@@ -41,7 +41,7 @@ from fabric_memory_recipes.planning.simulation.costs import OpCosts
 from fabric_memory_recipes.planning.simulation.modelled import STRIDED_FALLBACK
 from fabric_memory_recipes.planning.your_model import offload_bound, set_speed, step_time
 from fabric_memory_recipes.planning.your_model.choice import Choice
-from fabric_memory_recipes.planning.your_model.estimate import card, estimate, meta_user_model
+from fabric_memory_recipes.planning.your_model.estimate import card, estimate, meta_user_model, sharding_of
 from fabric_memory_recipes.techniques import (
     ACTIVATION_CHECKPOINTING,
     ACTIVATION_OFFLOAD,
@@ -208,8 +208,8 @@ class UserPlanner:
 
     def _key(self, c: Choice) -> tuple:
         """``c``'s simulated step in ``self.simulated``: the mode changes the card overhead, the time and the
-        replay, not the step, unless an eager CUDA step runs attention on math where compiled blocks keep the
-        fused kernel (a T5): fast mode's step is then its own."""
+        replay (sharded: the step, :attr:`Choice.key`), not the step, unless an eager CUDA step runs attention
+        on math where compiled blocks keep the fused kernel (a T5): fast mode's step is then its own."""
         compiled = c.mode != "eager" and self.compiled and c.key in self.falls_back
         return (c.key, "compiled") if compiled else c.key
 
@@ -224,7 +224,7 @@ class UserPlanner:
             activation_checkpointing=self.blocks if used.uses(ACTIVATION_CHECKPOINTING) else (),
             activation_offload=used.uses(ACTIVATION_OFFLOAD),
             optimizer_in_backward=used.uses(OPTIMIZER_IN_BACKWARD),
-            sharding="fsdp" if c.devices > 1 else "none",
+            **sharding_of(c.devices > 1, c.mode == "fast", r.precision),
             checkpoint_mode=c.checkpoint_mode,
             switched=c.switched,
             shard_units=self.blocks,

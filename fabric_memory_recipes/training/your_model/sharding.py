@@ -25,12 +25,18 @@ LOW = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 FSDP2_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-true")  # what ModelParallelStrategy takes
 
 
+def fully_sharded(compile: bool, precision: str) -> bool:
+    """Whether ``--fsdp`` shards with FSDP2 (``fully_shard``): in fast mode (``compile``), except for 16-mixed,
+    which Lightning's ModelParallelStrategy refuses."""
+    return bool(compile) and precision in FSDP2_PRECISIONS
+
+
 def strategy(cfg: Any, units: set[type]) -> Any:
     """The runner's strategy: "auto" without ``--fsdp``; FSDP in eager mode; FSDP2 with compiled blocks in
-    fast mode (``cfg.compile``), except for 16-mixed, which Lightning's ModelParallelStrategy refuses."""
+    fast mode (``cfg.compile``), except for 16-mixed (:func:`fully_sharded`)."""
     if not cfg.fsdp:
         return "auto"
-    if not cfg.compile or cfg.precision not in FSDP2_PRECISIONS:
+    if not fully_sharded(cfg.compile, cfg.precision):
         return FSDPStrategy(auto_wrap_policy=units, **({"cpu_offload": True} if cfg.cpu_offload else {}))
     names = tuple(sorted(u.__name__ for u in units))
     options = shard_options(cfg.precision, cfg.cpu_offload)
