@@ -151,9 +151,10 @@ def test_hooks_slow_the_step_in_backward_in_the_ranking(capsys):
     assert pairs and all(other is not None and hooked < other for hooked, other in pairs)
 
 
-def test_measure_ranks_by_what_ran(tmp_path):
+def test_measure_ranks_by_what_ran(tmp_path, monkeypatch):
     """--measure's bookkeeping with a stand-in process runner: each set's measurement beside its
     prediction, the fitting sets ranked by measured speed, plan.json/plan.md written after every run."""
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)  # no setting of the user's: no line for it
     rows = [
         {
             "command": f"python recipes/your_model.py --batch-size {b}",
