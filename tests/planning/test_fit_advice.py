@@ -304,7 +304,7 @@ def test_several_gpus_plan_fsdp_sets_with_memory_per_gpu(configs, capsys, monkey
     )
     assert four["card_overhead"].count(" mode: ") == 2, four["card_overhead"]  # both modes
     assert {r["mode"] for r in four["fits"]} == {"eager", "fast"}
-    assert "(h200 x4 eager, 1.68 GB per GPU" in four["card_overhead"], four["card_overhead"]
+    assert "(h200 x4 eager, 2.09 GB per GPU" in four["card_overhead"], four["card_overhead"]
     assert "NCCL" in " ".join(four["speed"]) and "(or h100's)" not in " ".join(four["speed"])
     # --measure runs each sharded set on N GPUs of the machine (each capped at the card): it needs N
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
