@@ -78,14 +78,15 @@ class MicroBatch:
         gpu = np.where(self.matmul, np.maximum(self.flops / c.matmul_flops, memory) + launched, other)
         if mode == "fast" and graphs:
             return float(gpu.sum())
-        host = self._host(c, mode)
+        host = self._host(c, mode if fused else "eager")  # blocks not compiled, step not captured: eager
         if not len(host):
             return 0.0
         gpu_left = np.cumsum(gpu[::-1])[::-1]
         return float((np.cumsum(host) + gpu_left).max())
 
     def _host(self, c: Ceilings, mode: str) -> np.ndarray:
-        """Each op's time on the host (eager, or fast mode without CUDA graphs)."""
+        """Each op's time on the host (eager, or fast mode's compiled blocks without CUDA graphs; fast mode
+        whose blocks run eagerly and whose step is not captured issues every op as eager mode does)."""
         if mode == "eager":
             python_ops = max(1.0, float((self.kernels * self.python).sum()))
             per_python = c.python_op_s + c.module_s * self.module_calls / python_ops
@@ -106,4 +107,4 @@ class MicroBatch:
         )
         if mode == "fast" and graphs:
             return gpu
-        return max(gpu, float(self._host(c, mode).sum()))
+        return max(gpu, float(self._host(c, mode if fused else "eager").sum()))
