@@ -16,13 +16,14 @@
 #                                                 #   of results/published/h100/convergence: only the runs
 #                                                 #   whose policy (policy.TUNED, or the flags given) differs
 #                                                 #   from the committed ones run -> convergence.tgz, README.md
-#       rerun 06,07,15    ~5-6 min (6 ViT-L/16 runs at 4 x 4 + 3 of rung 15)
-#       rerun 10,11       ~5-6 min (6 runs at 4 x 4, with recomputation or offload)
+#       rerun 06,07,10,11  ~7-8 min (12 ViT-L/16 runs at 4 x 4 at once: TUNED's SGD 0.06, warm-up 2 epochs)
+#       rerun 15           ~3 min (3 runs: TUNED's Adam 2e-4, warm-up 6 epochs)
 #       rerun 06 --variants 06   ~8-9 min: rung 06's plain, kahan (no CUDA graphs) and mixed runs at its
 #                                 new policy; run it alone, LIMIT=580
-#   With TUNED not set yet, give the policy as flags, one optimizer per call: e.g.
-#       rerun 06,07,10,11 --sgd-lr 0.06 --warmup-epochs 6   (~7-8 min)
-#       rerun 15 --adam-lr 1e-4 --epochs 90                  (~3 min)
+#   A later part on the same machine goes on in the same folder (its README then has every part's rows).
+#   Another policy than TUNED's: --no-tuned and the flags, one optimizer per call: e.g.
+#       rerun 06,07,10,11 --no-tuned --sgd-lr 0.06 --warmup-epochs 6   (~7-8 min)
+#       rerun 15 --no-tuned --adam-lr 1e-4 --epochs 90                  (~3 min)
 #
 # Carried (ignored path): .whl (the torchao and torch-optimi wheels: stochastic rounding, Kahan). Every
 # part stops its runs with SIGINT before the call's limit (LIMIT, default 560 s): what finished comes back.
@@ -63,7 +64,7 @@ case $part in
     ;;
   rerun)
     rungs=${2:?rerun RUNGS [tool flags]}; shift 2
-    cp -r results/published/h100/convergence "$WORK/convergence"
+    [ -d "$WORK/convergence" ] || cp -r results/published/h100/convergence "$WORK/convergence"
     timeout -s INT -k 20 "$(left)" python3 -m fabric_memory_recipes.tools.convergence.benchmark --model vit_l_16 \
       --out "$WORK/convergence" --rungs "$rungs" --seeds 3 --no-variants --no-memory --lost-seeds "" \
       --parallel 15 --deadline-s 60 "$@" > "$WORK/convergence.log" 2>&1

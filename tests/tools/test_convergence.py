@@ -211,8 +211,8 @@ def test_a_later_call_on_several_gpus_counts_each_gpu_and_names_them():
 
 
 def test_gpu_plan_trains_vit_l_16_at_one_budget_and_measures_lost_updates_where_it_compares_precisions():
-    args = benchmark.parse_args(["--seeds", "3", "--model", "vit_l_16", "--no-memory"])
-    preset = policy.PRESETS["vit_l_16"]
+    args = benchmark.parse_args(["--seeds", "3", "--model", "vit_l_16", "--no-memory", "--no-tuned"])
+    preset = policy.PRESETS["vit_l_16"]  # every rung's (the tuned rungs': test_convergence_sweep.py)
     jobs = run_plan.plan(args, cuda=True)
     assert args.mode == "fast" and len({j.recipe for j in jobs}) == 13
     assert len([j for j in jobs if j.variant == "default"]) == 13 * 3, "every rung, 3 seeds"

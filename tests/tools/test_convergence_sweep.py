@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
 
+from fabric_memory_recipes.declarations import declared_rung
 from fabric_memory_recipes.measurement import results as results_module
 from fabric_memory_recipes.tools.convergence import benchmark, policy, report, run_plan, sweep, sweep_grid
 from fabric_memory_recipes.training.data import digits
@@ -217,13 +219,48 @@ def test_a_tuned_rung_trains_its_own_policy_and_its_older_runs_run_again(tmp_pat
         assert run_plan.finished(job, tmp_path) is done
 
 
-def test_the_committed_benchmark_is_finished_under_todays_plan():
+def test_the_committed_benchmark_is_finished_under_todays_plan_but_for_the_tuned_rungs():
     """Every run of the published benchmark counts under today's plan (rule, learning rate, warm-up and
-    epochs compared): a call with the same folder runs nothing until a rung's policy changes."""
+    epochs compared) except the tuned rungs' (policy.TUNED): a call with the same folder, as
+    ``scripts/gpu/sgd_sweep.sh rerun`` makes, runs exactly those, 3 seeds each, at their own policy."""
     argv = ["--model", "vit_l_16", "--seeds", "3", "--no-memory", "--lost-seeds", ""]
-    missing = [j.recipe + "-" + j.tag for j in run_plan.plan(benchmark.parse_args(argv), cuda=True)
-               if not run_plan.finished(j, PUBLISHED)]  # fmt: skip
-    assert missing == []
+    jobs = run_plan.plan(benchmark.parse_args([*argv, "--no-variants"]), cuda=True)  # as rerun plans
+    missing = [j for j in jobs if not run_plan.finished(j, PUBLISHED)]
+    tuned = policy.TUNED["vit_l_16"]
+    assert sorted(f"{j.recipe}-{j.tag}" for j in missing) == sorted(
+        f"{recipe}-default-s{seed}" for recipe in tuned for seed in range(3)
+    )
+    for j in missing:
+        value = dict(zip(j.args, j.args[1:], strict=False))
+        rung, _ = declared_rung(j.recipe)
+        own = tuned[j.recipe]
+        assert float(value["--lr"]) == own["lr"] and value["--epochs"] == str(own["epochs"]), j.recipe
+        warmup = round(
+            own["warmup_epochs"] * _steps_per_epoch(rung.micro_batch_size, rung.accumulation_steps)
+        )
+        assert value["--warmup-steps"] == str(warmup), j.recipe
+    untuned = run_plan.plan(benchmark.parse_args([*argv, "--no-tuned"]), cuda=True)  # variants too
+    assert [j.tag for j in untuned if not run_plan.finished(j, PUBLISHED)] == [], "the committed policy"
+
+
+def test_tuned_holds_the_committed_sweeps_picks():
+    """policy.TUNED is what the committed sweep (on the validation split) picked: each grid's pick for
+    its rungs, and the SGD grid's (06, 10) for 07 and 11 too."""
+    text = (REPO / "results" / "published" / "h200" / "sgd-sweep" / "sweep.md").read_text()
+    picks = {}
+    for rungs, table in re.findall(
+        r"^`[^`]+` \((?:sgd|adam): ([^)]+)\)\n\n(.*?)(?:\n\n|\Z)", text, re.M | re.S
+    ):
+        [row] = [line for line in table.splitlines() if line.rstrip().endswith("**pick** |")]
+        lr, warmup, epochs = (float(cell) for cell in row.split(" | ")[1:4])
+        for recipe in rungs.split(", "):
+            picks[recipe] = {"lr": lr, "warmup_epochs": warmup, "epochs": epochs}
+    assert set(picks) == {"06_sgd_cosine", "10_activation_checkpointing", "15_speed"}, picks
+    picks["07_init_module"] = picks["06_sgd_cosine"]
+    picks["11_activation_offload"] = picks["10_activation_checkpointing"]
+    assert policy.TUNED["vit_l_16"] == picks
+    assert picks["06_sgd_cosine"] == {"lr": 0.06, "warmup_epochs": 2, "epochs": 30}
+    assert picks["15_speed"] == {"lr": 2e-4, "warmup_epochs": 6, "epochs": 30}
 
 
 def test_a_row_names_its_own_warmup_and_epochs_and_the_report_says_why():
