@@ -367,7 +367,9 @@ def test_the_default_rounding_reaches_the_optimizer_and_other_precisions_run_the
         assert adam.bf16_stochastic_round and adam.param_groups[0]["weight_decay"] == 0
 
 
-AB_COMPENSATED = Path(__file__).resolve().parents[3] / "results" / "published" / "h200x4" / "ab" / "issue37"
+AB_COMPENSATED = (
+    Path(__file__).resolve().parents[3] / "results" / "published" / "h200x4" / "ab" / "stochastic-rounding-ab"
+)
 CONVERGENCE_RUNS = (
     Path(__file__).resolve().parents[3] / "results" / "published" / "h100" / "convergence" / "runs"
 )
