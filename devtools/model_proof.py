@@ -286,16 +286,7 @@ def render(runs: list[dict[str, Any]], fit_rows: list[dict[str, Any]]) -> str:
 def fill_fit_rows(runs: list[dict[str, Any]], fit_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """planner_proof's rows with the outcome of the run that measured each."""
     by_key = {(shlex.join(r["argv"]), r["expect"] == "ok"): r for r in runs if r["part"] == "fit"}
-    keys = (
-        "status",
-        "error",
-        "measured_peak_reserved_gb",
-        "measured_peak_allocated_gb",
-        "measured_device_peak_gb",
-        "measured_images_per_s",
-        "result_json",
-    )
-    return [{**row, **{k: by_key[tuple(row["key"])].get(k, row.get(k)) for k in keys}} for row in fit_rows]
+    return [fit_table.with_outcome(row, by_key[tuple(row["key"])]) for row in fit_rows]
 
 
 def write(out: Path, runs: list[dict[str, Any]], fit_rows: list[dict[str, Any]]) -> None:

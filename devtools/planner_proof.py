@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from devtools.capped_card.fit_table import check_targets, render
+from devtools.capped_card.fit_table import MEASURED, check_targets, render, with_outcome
 from fabric_memory_recipes.config import VIT_MODELS, at_least
 from fabric_memory_recipes.console import Parser, comma_list
 from fabric_memory_recipes.measurement.card_overhead import card_overhead
@@ -280,24 +280,12 @@ def measure(run: dict[str, Any], args: argparse.Namespace, env: dict, runner: Ru
 
 
 def fill_rows(plan: dict[str, Any]) -> list[dict[str, Any]]:
+    """The plan's rows with the outcome of the run that measured each, and that run's command line."""
     runs = {(r["command"], r["expect"] == "ok"): r for r in plan["runs"]}
-    rows = []
-    for row in plan["rows"]:
-        run = runs[(row["command"], row["role"] != "rejected")]
-        row = dict(row)
-        for key in (
-            "status",
-            "error",
-            "measured_peak_reserved_gb",
-            "measured_peak_allocated_gb",
-            "measured_device_peak_gb",
-            "measured_images_per_s",
-            "result_json",
-            "run_command",
-        ):
-            row[key] = run.get(key, row.get(key))
-        rows.append(row)
-    return rows
+    keys = (*MEASURED, "run_command")
+    return [
+        with_outcome(row, runs[(row["command"], row["role"] != "rejected")], keys) for row in plan["rows"]
+    ]
 
 
 def write(out: Path, plan: dict[str, Any]) -> list[dict[str, Any]]:

@@ -90,11 +90,15 @@ def recipe_names() -> list[str]:
 
 
 def load_recipe_module(name: str):
-    """Import ``recipes/<name>.py`` as a module (its ``main`` and ``RUNG``), not as __main__."""
+    """Import ``recipes/<name>.py`` as a module (its ``main`` and ``RUNG``), not as __main__. What the file
+    sets for its process at import (rung 14 exports PYTORCH_CUDA_ALLOC_CONF before CUDA starts) is put
+    back: a module loaded outside a test (a background job's set-up, at collection) would leave it to
+    every test after."""
     path = RECIPES_DIR / f"{name}.py"
     spec = importlib.util.spec_from_file_location(f"recipe_{name}", path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    with process_state_kept():
+        spec.loader.exec_module(module)
     return module
 
 
@@ -468,8 +472,41 @@ def process_state_kept():
             torch.set_grad_enabled(grad)
 
 
+# Settings a test must find as the session began and leave so: what sets them for the process outside a
+# test (a recipe imported at collection, a fixture of module scope) reaches every test after it.
+KEPT_FOR_THE_SESSION = ("PYTORCH_CUDA_ALLOC_CONF",)
+
+
+def session_setting_changed(when: str) -> str | None:
+    """A line naming each of KEPT_FOR_THE_SESSION that differs from the session's value (each put back
+    to it), or None when all are as the session began."""
+    changed = []
+    for name in KEPT_FOR_THE_SESSION:
+        now, began = os.environ.get(name), _SESSION_ENV.get(name)
+        if now != began:
+            changed.append(f"{name}={now!r} {when} (the session began with {began!r})")
+            if began is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = began
+    return "; ".join(changed) or None
+
+
 @pytest.fixture(autouse=True)
-def _process_state_restored():
+def _session_settings_kept():
+    """Fails the test in whose set-up or teardown a setting of KEPT_FOR_THE_SESSION is not the session's:
+    set before its function's fixtures began (at collection, by a background job, or by a fixture of wider
+    scope it uses) or left after them: set up before :func:`_process_state_restored` (which asks for it),
+    torn down after it."""
+    if problem := session_setting_changed("when this test's set-up began"):
+        pytest.fail(problem + ": set outside a test, or by a module or session fixture of this test")
+    yield
+    if problem := session_setting_changed("after this test"):
+        pytest.fail(problem + ": this test or one of its fixtures set it and did not put it back")
+
+
+@pytest.fixture(autouse=True)
+def _process_state_restored(_session_settings_kept):
     """Each test leaves the process as it found it (:func:`process_state_kept`), so that none depends on
     what ran before it. In-process recipe runs and the libraries they call set process-wide state meant
     for a recipe's own process: the recipes torch's float32 matmul precision, rung 09 its thread count

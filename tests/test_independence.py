@@ -9,9 +9,17 @@ import signal
 
 import torch
 
-from tests.conftest import _SESSION_ENV, process_state_kept, subprocess_env
+from tests.conftest import (
+    _SESSION_ENV,
+    KEPT_FOR_THE_SESSION,
+    load_recipe_module,
+    process_state_kept,
+    session_setting_changed,
+    subprocess_env,
+)
 
 SET_BY_A_TEST = "FMR_TEST_SET_BY_A_TEST"
+ALLOC = "PYTORCH_CUDA_ALLOC_CONF"
 
 
 def _state() -> tuple:
@@ -51,3 +59,22 @@ def test_a_started_process_gets_the_sessions_environment_not_a_running_tests(mon
     assert SET_BY_A_TEST not in env
     assert env.get("FMR_PUBLISH") == _SESSION_ENV.get("FMR_PUBLISH")  # unset, unless the session had it
     assert env["FMR_OFFLINE"] == "1" and env["OMP_NUM_THREADS"]
+
+
+def test_a_recipe_loaded_as_a_module_leaves_the_allocator_setting_as_it_was(monkeypatch):
+    """Rung 14 exports PYTORCH_CUDA_ALLOC_CONF at import; test_recipes.py loads every recipe while the tests
+    are collected, outside any test, and every test after it found expandable segments set."""
+    monkeypatch.delenv(ALLOC, raising=False)
+    assert load_recipe_module("14_memory_floor").RUNG.recipe == "14_memory_floor"
+    assert ALLOC not in os.environ
+
+
+def test_a_setting_left_for_the_session_is_named_and_put_back(monkeypatch):
+    assert ALLOC in KEPT_FOR_THE_SESSION and session_setting_changed("now") is None
+    monkeypatch.setenv(ALLOC, "expandable_segments:True")
+    problem = session_setting_changed("after this test")
+    assert (
+        problem
+        == f"{ALLOC}='expandable_segments:True' after this test (the session began with {_SESSION_ENV.get(ALLOC)!r})"
+    )
+    assert os.environ.get(ALLOC) == _SESSION_ENV.get(ALLOC) and session_setting_changed("now") is None

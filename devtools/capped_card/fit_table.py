@@ -9,6 +9,31 @@ from __future__ import annotations
 
 from typing import Any
 
+from devtools.capped_card.markdown import markdown_table
+
+COLUMNS = [
+    ("card GB", ">"), ("role", "<"), ("command", "<"), ("predicted reserved GB", ">"),
+    ("measured reserved GB", ">"), ("predicted device GB", ">"), ("measured device GB", ">"),
+    ("predicted img/s", ">"), ("measured img/s", ">"), ("status", "<"), ("measured at", ">"),
+]  # fmt: skip
+# What a row takes from the run that measured it (planner_proof's and model_proof's rows alike)
+MEASURED = (
+    "status",
+    "error",
+    "measured_peak_reserved_gb",
+    "measured_peak_allocated_gb",
+    "measured_device_peak_gb",
+    "measured_images_per_s",
+    "result_json",
+)
+
+
+def with_outcome(
+    row: dict[str, Any], run: dict[str, Any], keys: tuple[str, ...] = MEASURED
+) -> dict[str, Any]:
+    """``row`` with the outcome of the run that measured it: each of ``keys`` the run's where it has it."""
+    return {**row, **{k: run.get(k, row.get(k)) for k in keys}}
+
 
 def fmt(value: Any, spec: str) -> str:
     return format(value, spec) if isinstance(value, int | float) else "—"
@@ -16,19 +41,14 @@ def fmt(value: Any, spec: str) -> str:
 
 def render(rows: list[dict[str, Any]]) -> str:
     """fit.md: the rows, then each budget against its targets (check_targets)."""
-    lines = [
-        "| card GB | role | command | predicted reserved GB | measured reserved GB | predicted device GB |"
-        " measured device GB | predicted img/s | measured img/s | status | measured at |",
-        "|---:|---|---|---:|---:|---:|---:|---:|---:|---|---:|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['budget_gb']:g} | {r['role']} | `{r['command']}` | {fmt(r['predicted_peak_gb'], '.2f')} |"
-            f" {fmt(r['measured_peak_reserved_gb'], '.2f')} | {fmt(r.get('predicted_device_gb'), '.2f')} |"
-            f" {fmt(r.get('measured_device_peak_gb'), '.2f')} | {fmt(r['predicted_images_per_s'], '.0f')} |"
-            f" {fmt(r['measured_images_per_s'], '.0f')} | {r['status']} | {r['measured_at_budget_gb']:g} GB |"
-        )
-    lines += ["", *check_targets(rows)]
+    cells = (
+        [f"{r['budget_gb']:g}", r["role"], f"`{r['command']}`", fmt(r["predicted_peak_gb"], ".2f"),
+         fmt(r["measured_peak_reserved_gb"], ".2f"), fmt(r.get("predicted_device_gb"), ".2f"),
+         fmt(r.get("measured_device_peak_gb"), ".2f"), fmt(r["predicted_images_per_s"], ".0f"),
+         fmt(r["measured_images_per_s"], ".0f"), r["status"], f"{r['measured_at_budget_gb']:g} GB"]
+        for r in rows
+    )  # fmt: skip
+    lines = [*markdown_table(COLUMNS, cells), "", *check_targets(rows)]
     return "\n".join(lines) + "\n"
 
 

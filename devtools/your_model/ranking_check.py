@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from devtools.capped_card.markdown import markdown_table
 from fabric_memory_recipes.config import at_least
 from fabric_memory_recipes.console import Parser
 from fabric_memory_recipes.measurement.results_file import write_atomic, write_json_atomic
@@ -174,13 +175,16 @@ def check(name: str, fit: dict[str, Any], measured: dict[str, Any] | None) -> di
     }  # fmt: skip
 
 
+COLUMNS = [
+    ("model", "<"), ("card", "<"), ("CPU pick (predicted rank 1)", "<"), ("predicted samples/s, ranks 1-3", "<"),
+    ("measured", "<"), ("pick ÷ fastest measured (≥ 0.90)", ">"), ("pick predicted ÷ measured − 1 (±25 %)", ">"),
+    ("sets fit card", "<"), ("plan s", ">"),
+]  # fmt: skip
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     """The markdown table of :func:`check`'s rows, and the totals against the targets."""
-    lines = [
-        "| model | card | CPU pick (predicted rank 1) | predicted samples/s, ranks 1-3 | measured | pick ÷ fastest"
-        " measured (≥ 0.90) | pick predicted ÷ measured − 1 (±25 %) | sets fit card | plan s |",
-        "|---|---|---|---|---|---:|---:|---|---:|",
-    ]
+    cells = []
     for r in rows:
         measured = r.get("measured")
         seq = f" × {r['seq_len']}" if r.get("seq_len") else ""
@@ -203,13 +207,12 @@ def table(rows: list[dict[str, Any]]) -> str:
             if measured is None
             else ", ".join("—" if m is None else f"{m:.1f}" for m in measured)
         )
-        lines.append(
-            f"| {r['model']} (batch {r['batch']}{seq}) | {r['card']} | {r['pick'] or 'nothing fits'} |"
-            f" {', '.join(f'{p:.1f}' for p in r['predicted'])} | {shown} | {ratio} | {error} | {fits} |"
-            f" {r.get('plan_s') or '—'} |"
-        )
+        predicted = ", ".join(f"{p:.1f}" for p in r["predicted"])
+        cells.append([f"{r['model']} (batch {r['batch']}{seq})", r["card"], r["pick"] or "nothing fits",
+                      predicted, shown, ratio, error, fits, str(r.get("plan_s") or "—")])  # fmt: skip
     done = [r for r in rows if r.get("measured") is not None]
-    lines += [
+    lines = [
+        *markdown_table(COLUMNS, cells),
         "",
         f"Measured {len(done)} of {len(rows)} models: first pick ≥ 0.90 of the fastest on"
         f" {sum(r['ratio_met'] for r in done)}, predicted within ±25 % on {sum(r['error_met'] for r in done)},"

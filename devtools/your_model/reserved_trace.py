@@ -18,9 +18,11 @@ scripts/gpu/reserved_snapshots.sh makes them) and prints:
 from __future__ import annotations
 
 import collections
+import contextlib
 import gzip
 import pickle
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -126,20 +128,28 @@ def requests_of_one_step(sizes: list[int], steps: int) -> collections.Counter:
     return collections.Counter({k: v / steps for k, v in out.items()})
 
 
-def simulated(flags: list[str]) -> tuple[list, dict[str, int]]:
-    """The simulated step's allocation events for ``fmr-estimate FLAGS`` (the estimate runs in process)."""
+@contextlib.contextmanager
+def step_events() -> Iterator[dict[str, Any]]:
+    """Inside: the allocator events of each simulated step (the last one's), caught where the simulation
+    hands them to the allocator replay; the dict yielded gets ``events`` and ``marks``."""
     caught: dict[str, Any] = {}
-    original = simulate.replay
+    original = simulate.peaks_reserved
 
     def keep(events, marks, *args, **kwargs):
         caught["events"], caught["marks"] = list(events), dict(marks)
         return original(events, marks, *args, **kwargs)
 
-    simulate.replay = keep
+    simulate.peaks_reserved = keep
     try:
-        estimate_cli.main(flags)
+        yield caught
     finally:
-        simulate.replay = original
+        simulate.peaks_reserved = original
+
+
+def simulated(flags: list[str]) -> tuple[list, dict[str, int]]:
+    """The simulated step's allocation events for ``fmr-estimate FLAGS`` (the estimate runs in process)."""
+    with step_events() as caught:
+        estimate_cli.main(flags)
     return caught["events"], caught["marks"]
 
 

@@ -75,10 +75,14 @@ def share_threads(local_ranks: int) -> int:
 
 def share_out(local_rank: int, local_ranks: int) -> list[int]:
     """Bind this process (from now on: the threads it starts later, the CPU optimizer's among them) to
-    its slice of the cores and give torch as many intra-op threads; returns the cores. Call it after
-    ``fabric.launch()``: processes started later inherit the binding."""
+    its slice of the cores, with as many intra-op threads as the slice has cores; returns the cores. The
+    lifecycle's :func:`share_threads` gave it ``cores // local_ranks`` threads before the launch: that is
+    the slice's size where the cores split evenly, and then only the binding is left to do; a slice of
+    another size (cores that do not split evenly, NUMA nodes of unequal sizes) sets its own number. Call
+    it after ``fabric.launch()``: processes started later inherit the binding."""
     allowed = sorted(os.sched_getaffinity(0))
     cores = cores_of(local_rank, local_ranks, numa_nodes(allowed))
     os.sched_setaffinity(0, cores)
-    torch.set_num_threads(len(cores))
+    if torch.get_num_threads() != len(cores):
+        torch.set_num_threads(len(cores))
     return cores

@@ -11,17 +11,18 @@
 set -u
 : "${OUT:?set OUT}"
 BASE=${BASE:-build/ab-base}
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 FMR_OFFLINE=1
+. "$(dirname "${BASH_SOURCE[0]}")/common.sh"  # the functions the GPU scripts share
+export_run_env
 T0=$(date +%s)
 log() { echo "[ab_run_all_quick $(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/ab_run_all_quick.log"; }
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site
+install_wheels
+export PYTHONPATH=/tmp/site  # the wheels only: each side imports its own installed checkout
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv > "$OUT/gpus.csv" 2>&1
 HERE=$(pwd)
 sides=("$@"); [ ${#sides[@]} -eq 0 ] && sides=(base after)
 for side in "${sides[@]}"; do
   dir=$HERE; case $side in base*) dir=$HERE/$BASE ;; esac
-  (cd "$dir" && python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1) || log "$side: pip install -e failed"
+  (cd "$dir" && install_checkout) || log "$side: pip install -e failed"
   log "$side: starting in $dir"
   mkdir -p /tmp/E
   left=$(( ${LIMIT:-585} - ($(date +%s) - T0) - 15 ))  # the tars must come back before the call's limit

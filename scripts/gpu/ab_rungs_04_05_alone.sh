@@ -5,9 +5,10 @@
 set -u
 : "${OUT:?set OUT}"
 BASE=${BASE:-build/ab-base}
+. "$(dirname "${BASH_SOURCE[0]}")/common.sh"  # the functions the GPU scripts share
 export PYTHONUNBUFFERED=1 FMR_OFFLINE=1
 T0=$(date +%s); HERE=$(pwd)
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+install_wheels
 mkdir -p /tmp/A
 i=0
 for pair in 05:base 05:after 05:base 05:after 05:base 05:after 04:base 04:after 04:after 04:base; do

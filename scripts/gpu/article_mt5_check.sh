@@ -14,6 +14,7 @@
 # runs' results JSON, logs, GPU and commit). No row starts after LIMIT seconds (default 400).
 set -u
 : "${OUT:?set OUT}"
+. "$(dirname "${BASH_SOURCE[0]}")/common.sh"  # the functions the GPU scripts share
 export PYTHONUNBUFFERED=1 FMR_OFFLINE=1 HF_HUB_OFFLINE=1
 T0=$(date +%s); LIMIT=${LIMIT:-400}; RUNS=/tmp/article-mt5; rm -rf "$RUNS"; mkdir -p "$RUNS/runs" "$RUNS/ckpt" "$OUT"
 log() { echo "[article_mt5 $(( $(date +%s) - T0 )) s] $*" | tee -a "$RUNS/log.txt"; }
@@ -54,14 +55,13 @@ for x in rows:
 print("\n".join(lines))
 EOF
 }
-finish() { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$RUNS/gpu.csv" 2>&1
-           git log -1 --format='%H %s' > "$RUNS/commit.txt" 2>/dev/null; table > /dev/null 2>> "$RUNS/log.txt"
+finish() { record_machine "$RUNS"; table > /dev/null 2>> "$RUNS/log.txt"
            tar czf "$OUT/article_mt5.tgz" -C /tmp article-mt5; }
 trap finish EXIT
 
 MT5=hf:examples/configs/mt5-base; BATCH=32; SEQ=10; STEPS=4; EVERY=3; DEV=()
 if [ -z "${DRY:-}" ]; then
-  $PY -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1 || log "pip install -e . failed"
+  install_checkout || log "pip install -e . failed"
 else  # a CPU dry run: the same rows on a 2-layer mT5 of width 64
   mkdir -p "$RUNS/tiny"; MT5=hf:$RUNS/tiny; BATCH=2; STEPS=2; EVERY=1; DEV=(--accelerator cpu)
   echo '{"model_type":"mt5","vocab_size":1000,"d_model":64,"d_ff":128,"d_kv":16,"num_layers":2,"num_heads":4,

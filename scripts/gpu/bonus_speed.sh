@@ -37,7 +37,8 @@
 # Carried (ignored path): .whl, only for the llm case (liger-kernel: the fused loss's kernel).
 set -u
 : "${OUT:?set OUT}"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 FMR_OFFLINE=1
+. "$(dirname "${BASH_SOURCE[0]}")/common.sh"  # the functions the GPU scripts share
+export_run_env
 PY=${PYTHON:-python3}; T0=$(date +%s); LIMIT=${LIMIT:-470}; RUN_LIMIT=${RUN_LIMIT:-150}; REPEATS=${REPEATS:-3}
 ONLY=${ONLY:-distilbert bigbird}; ONLY=${ONLY//,/ }
 RUNS=/tmp/bonus_speed; rm -rf "$RUNS"; mkdir -p "$RUNS/runs" "$OUT"
@@ -128,17 +129,15 @@ PY
 write_out() {  # after every run: what is there so far
   summary > "$RUNS/summary.md" 2> "$RUNS/summary.err"; cp "$RUNS/summary.md" "$OUT/summary.md"
   tar czf "$OUT/bonus_speed.tgz" -C /tmp bonus_speed; }
-finish() { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$RUNS/gpu.csv" 2>&1
-           git log -1 --format='%H %s' > "$RUNS/commit.txt" 2>/dev/null; write_out; }
+finish() { record_machine "$RUNS"; write_out; }
 trap finish EXIT
 
 if [ -z "${DRY:-}" ]; then
   if [[ " $ONLY " == *" llm"* || " $ONLY " == *" all "* ]]; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/liger_kernel*.whl \
+    install_wheels .whl/liger_kernel*.whl \
       || log "liger-kernel not installed (.whl not carried?): the fused loss runs its torch path"
-    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
   fi
-  "$PY" -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1 || log "pip install -e . failed"
+  install_checkout || log "pip install -e . failed"
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # this checkout's package, installed or not
 

@@ -22,13 +22,13 @@
 set -u
 part=${1:?conv, ab, one or cmp}
 : "${OUT:?set OUT}"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 FMR_OFFLINE=1
+. "$(dirname "${BASH_SOURCE[0]}")/common.sh"  # the functions the GPU scripts share
+export_run_env
 T0=$(date +%s); LIMIT=${LIMIT:-570}
 left() { echo $(( LIMIT - ($(date +%s) - T0) )); }
 log() { echo "[calls $part $(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/calls-$part.log"; }
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1 || log "pip install -e . failed"
+install_wheels
+install_checkout || log "pip install -e . failed"
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv > "$OUT/gpus-$part.csv" 2>&1
 git log -1 --format='%H %s' > "$OUT/commit-$part.txt" 2>/dev/null || true
 log "installed; $(python3 -c 'import torch, torchao; print(torch.__version__, torchao.__version__)' 2>&1)"

@@ -11,7 +11,8 @@
 # The fit proof resumes from .wt/fit (the last call's fit.tgz, unpacked there) when it is carried.
 set -u
 phase=${1:?A, B or C}
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 FMR_OFFLINE=1
+. "$(dirname "${BASH_SOURCE[0]}")/common.sh"  # the functions the GPU scripts share
+export_run_env
 T0=$(date +%s); left() { echo $(( ${LIMIT:-570} - ($(date +%s) - T0) )); }
 FIT=/tmp/fit; mkdir -p $FIT; [ -d .wt/fit ] && cp -rn .wt/fit/. $FIT/
 packfit() { tar -czf $OUT/.fit.tgz -C /tmp fit && mv -f $OUT/.fit.tgz $OUT/fit.tgz; }

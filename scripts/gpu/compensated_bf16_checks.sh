@@ -26,12 +26,7 @@ log() { echo "[compensated_bf16 $(date +%T)] $*" | tee -a "$out/compensated_bf16
 ALL="04 05 06 07 10 11 12 13 14 15"  # the rungs whose default is stochastic rounding (03 stays plain)
 QUICK=(--data synthetic --weights none --max-steps 20 --eval-batches 1)
 
-mps_on() {  # several runs share each GPU through CUDA MPS (a user daemon: no GPU setting changes)
-  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
-  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-  nvidia-cuda-mps-control -d && log "MPS started" || log "MPS not started: runs share the GPU without it"
-}
-mps_off() { echo quit | nvidia-cuda-mps-control 2>/dev/null || true; }
+. "$(dirname "${BASH_SOURCE[0]}")/common.sh"  # mps_on, mps_off
 
 case "$part" in
   smoke)

@@ -20,6 +20,7 @@
 # and no row starts after it (a second SIGINT 12 s later ends a row still running: its results are lost).
 set -u
 : "${OUT:?set OUT}"
+. "$(dirname "${BASH_SOURCE[0]}")/common.sh"  # the functions the GPU scripts share
 export PYTHONUNBUFFERED=1 FMR_OFFLINE=1 HF_HUB_OFFLINE=1 PYTORCH_NVML_BASED_CUDA_CHECK=1
 T0=$(date +%s); LIMIT=${LIMIT:-540}; RUNS=/tmp/inference-check; rm -rf "$RUNS"; mkdir -p "$RUNS/cfg" "$RUNS/runs" "$OUT"
 log() { echo "[inference_check $(( $(date +%s) - T0 )) s] $*" | tee -a "$RUNS/log.txt"; cp "$RUNS/log.txt" "$OUT/progress.log"; }
@@ -27,14 +28,13 @@ summarise() { python3 -m fabric_memory_recipes.planning.inference.check "$RUNS/r
               cp "$RUNS"/runs/inference_check.* "$OUT/" 2>/dev/null
               tar czf "$OUT/inference.tgz.part" -C /tmp inference-check 2>/dev/null && mv "$OUT/inference.tgz.part" "$OUT/inference.tgz"; }
 finish() { kill "$WATCH" 2>/dev/null
-           nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$RUNS/gpu.csv" 2>&1
+           record_machine "$RUNS"
            python3 -c "import torch, transformers, timm; print(torch.__version__, transformers.__version__, timm.__version__)" > "$RUNS/versions.txt" 2>&1
-           git log -1 --format='%H %s' > "$RUNS/commit.txt" 2>/dev/null; summarise; log "done"; }
+           summarise; log "done"; }
 trap finish EXIT
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 if [ -z "${SMALL:-}" ] && ls .whl/torchao-*.whl > /dev/null 2>&1; then  # the GPU image lacks torchao
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/torchao-*.whl \
-    && export PYTHONPATH=$PYTHONPATH:/tmp/site || log "torchao wheel: install failed (the int8 rows will say so)"
+  install_wheels .whl/torchao-*.whl || log "torchao wheel: install failed (the int8 rows will say so)"
 fi
 ( sleep $(( LIMIT - 30 )); touch "$RUNS/stop"; echo "limit near: SIGINT" >> "$RUNS/log.txt"
   [ -s "$RUNS/pid" ] && kill -INT "$(cat "$RUNS/pid")"; sleep 12  # generate() has no step to stop at: a

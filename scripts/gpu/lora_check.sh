@@ -14,15 +14,15 @@
 # results JSON, logs, GPU and commit). No run starts after LIMIT seconds (default 330).
 set -u
 : "${OUT:?set OUT}"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 FMR_OFFLINE=1
+. "$(dirname "${BASH_SOURCE[0]}")/common.sh"  # the functions the GPU scripts share
+export_run_env
 T0=$(date +%s); LIMIT=${LIMIT:-330}; RUNS=/tmp/lora-check; CK=/tmp/lora-check-ckpt
 rm -rf "$RUNS" "$CK"; mkdir -p "$RUNS/runs" "$CK" "$OUT"
 log() { echo "[lora_check $(( $(date +%s) - T0 )) s] $*" | tee -a "$RUNS/log.txt"; }
-finish() { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$RUNS/gpu.csv" 2>&1
-           git log -1 --format='%H %s' > "$RUNS/commit.txt" 2>/dev/null; tar czf "$OUT/lora_check.tgz" -C /tmp lora-check; }
+finish() { record_machine "$RUNS"; tar czf "$OUT/lora_check.tgz" -C /tmp lora-check; }
 trap finish EXIT
 if [ -z "${DRY:-}" ]; then
-  python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1 || log "pip install -e . failed"
+  install_checkout || log "pip install -e . failed"
   PY=python3; STEPS=6; EVERY=3; SIZE=full
 else  # a CPU dry run: the same rows, tiny shapes
   PY=${PY:-python3}; STEPS=2; EVERY=1; SIZE=tiny

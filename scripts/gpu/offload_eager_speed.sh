@@ -21,7 +21,8 @@
 # summary.json, offload_hooks.json, profile-*.txt, log.txt, runs.tgz (every results JSON and log).
 set -u
 : "${OUT:?set OUT}"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 FMR_OFFLINE=1
+. "$(dirname "${BASH_SOURCE[0]}")/common.sh"  # the functions the GPU scripts share
+export_run_env
 T0=$(date +%s); LIMIT=${LIMIT:-540}; RUNS=${RUNS:-3}; JOBS=${JOBS:-3}; BASE=${BASE:-build/offload-base}
 W=/tmp/offload-eager; rm -rf "$W"; mkdir -p "$W/runs"
 HERE=$(pwd)
@@ -64,9 +65,8 @@ EOF
 }
 trap finish EXIT
 if [ -z "${SKIP_INSTALL:-}" ]; then  # SKIP_INSTALL=1: a dry run in an environment that has the project
-  [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-  python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1 || log "pip install -e . failed"
+  [ -d .whl ] && install_wheels
+  install_checkout || log "pip install -e . failed"
 fi
 export FMR_GPU_LOCK=$W/gpu.lock
 : > "$FMR_GPU_LOCK"

@@ -5,15 +5,14 @@
 # torch-optimi). Results: $OUT/quick.tgz (the run folder, the comparison table).
 set -u
 : "${OUT:?set OUT}"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 FMR_OFFLINE=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/torchao*.whl .whl/torch_optimi*.whl
-export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1
+. "$(dirname "${BASH_SOURCE[0]}")/common.sh"  # the functions the GPU scripts share
+export_run_env
+install_wheels .whl/torchao*.whl .whl/torch_optimi*.whl
+install_checkout
 R=/tmp/quick; mkdir -p $R
 trap 'tar czf "$OUT/quick.tgz" -C /tmp quick' EXIT
 ( time ./run_all.sh --quick --results-dir $R/runs ) > $R/console.log 2>&1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > $R/gpu.csv
-git log -1 --format='%H %s' > $R/commit.txt
+record_machine $R
 python3 - <<'PY' | tee $R/compare.txt
 import json, pathlib
 new, old = pathlib.Path("/tmp/quick/runs"), pathlib.Path("results/published/h100/ladder")

@@ -25,10 +25,10 @@
 set -u
 part=${1:?lm, vision, peft or seq2seq}
 : "${OUT:?set OUT}"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 FMR_OFFLINE=1
+. "$(dirname "${BASH_SOURCE[0]}")/common.sh"  # the functions the GPU scripts share
+export_run_env
 R=/tmp/ranking-$part; mkdir -p "$R"
-finish() { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$R/gpu.csv" 2>&1
-           git log -1 --format='%H %s' > "$R/commit.txt" 2>/dev/null
+finish() { record_machine "$R"
            { echo "Made by \`bash scripts/gpu/ranking_check.sh $part\` (STEPS=${STEPS:-10}) on $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1),"
              echo "commit $(git log -1 --format=%h 2>/dev/null), $(date -u +%F): each model's sets from \`fmr-estimate ... --fit SIZE --top 3\`,"
              echo "measured one at a time on the card emulated (\`--memory-budget-gb SIZE\`), bf16-mixed AdamW."; echo
@@ -36,8 +36,7 @@ finish() { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 
            cp "$R/summary.json" "$OUT/summary-$part.json" 2>/dev/null
            tar czf "$OUT/ranking-$part.tgz" -C /tmp "ranking-$part"; }
 trap finish EXIT
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/liger*.whl
-export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+install_wheels .whl/liger*.whl
 nproc; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 timeout -k 20 -s INT "${LIMIT:-450}" python3 -m devtools.your_model.ranking_check "$part" --out "$R" --top 3 \
     --steps "${STEPS:-10}" --deadline "${DEADLINE:-330}" --only "${ONLY:-}" ${PLANS:+--plans "$PLANS"} --archive "$OUT/ranking-$part.tgz" \

@@ -10,14 +10,13 @@
 #                                                     # llama-eager neox-fast
 set -u
 : "${OUT:?set OUT}"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 FMR_OFFLINE=1
+. "$(dirname "${BASH_SOURCE[0]}")/common.sh"  # the functions the GPU scripts share
+export_run_env
 T0=$(date +%s); R=/tmp/reserved-snapshots; mkdir -p "$R"
 log() { echo "[reserved_snapshots $(( $(date +%s) - T0 )) s] $*" | tee -a "$R/log.txt"; }
-finish() { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$R/gpu.csv" 2>&1
-           git log -1 --format='%H %s' > "$R/commit.txt" 2>/dev/null; tar czf "$OUT/reserved-snapshots.tgz" -C /tmp reserved-snapshots; }
+finish() { record_machine "$R"; tar czf "$OUT/reserved-snapshots.tgz" -C /tmp reserved-snapshots; }
 trap finish EXIT
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/liger*.whl
-export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+install_wheels .whl/liger*.whl
 LM=(--seq-len 1024 --batch-size 8 --precision bf16-mixed --optimizer adamw --data synthetic --max-steps 6
     --eval-batches 1 --checkpoint-blocks --fused-loss --snapshot)
 run() { local name=$1; shift

@@ -15,16 +15,15 @@
 # (LIMIT, default 400 s, by timeout), so what finished comes back.
 set -u
 : "${OUT:?set OUT}"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 FMR_OFFLINE=1
+. "$(dirname "${BASH_SOURCE[0]}")/common.sh"  # the functions the GPU scripts share
+export_run_env
 T0=$(date +%s); LIMIT=${LIMIT:-400}; JOBS=${JOBS:-3}; R=/tmp/seq2seq; rm -rf "$R"; mkdir -p "$R/runs" "$OUT"
 log() { echo "[seq2seq_check $(( $(date +%s) - T0 )) s] $*" | tee -a "$R/log.txt"; }
 left() { echo $(( LIMIT - ($(date +%s) - T0) )); }
 PY=${PY:-python3}
 if [ -z "${DRY:-}" ]; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/liger*.whl \
-    || log "liger-kernel not installed: the fused loss runs its torch path"
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-  $PY -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1 || log "pip install -e . failed"
+  install_wheels .whl/liger*.whl || log "liger-kernel not installed: the fused loss runs its torch path"
+  install_checkout || log "pip install -e . failed"
 fi
 
 # The table: every run's predicted (the estimate it recorded) against measured, and the --fit's sets.
@@ -68,8 +67,7 @@ if fit:
 (root / "table.md").write_text("\n".join(lines) + "\n")
 print("\n".join(lines))
 EOF
-finish() { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$R/gpu.csv" 2>&1
-           git log -1 --format='%H %s' > "$R/commit.txt" 2>/dev/null
+finish() { record_machine "$R"
            $PY "$R/summarize.py" "$R" > /dev/null 2>> "$R/log.txt"
            cp "$R/rows.json" "$R/table.md" "$OUT/" 2>/dev/null; tar czf "$OUT/seq2seq.tgz" -C /tmp seq2seq; }
 trap finish EXIT

@@ -30,23 +30,17 @@
 set -u
 part=${1:?sweep or rerun}
 : "${OUT:?set OUT}"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 FMR_OFFLINE=1
+. "$(dirname "${BASH_SOURCE[0]}")/common.sh"  # the functions the GPU scripts share
+export_run_env
 T0=$(date +%s); LIMIT=${LIMIT:-560}; WORK=/tmp/sgd-$part; mkdir -p "$WORK"
 log() { echo "[sgd_sweep $part $(( $(date +%s) - T0 )) s] $*" | tee -a "$WORK/log.txt"; }
 left() { echo $(( LIMIT - 25 - ($(date +%s) - T0) )); }
-mps_on() {  # several runs share the GPU through CUDA MPS (a user daemon: no GPU setting changes)
-  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
-  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-  nvidia-cuda-mps-control -d && log "MPS started" || log "MPS not started: runs share the GPU without it"
-}
-finish() { echo quit | nvidia-cuda-mps-control 2>/dev/null || true
-           nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$WORK/gpu.csv" 2>&1
-           git log -1 --format='%H %s' > "$WORK/commit.txt" 2>/dev/null
+finish() { mps_off
+           record_machine "$WORK"
            tar czf "$OUT/$part.tgz" -C /tmp "sgd-$part"; }
 trap finish EXIT
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1 || log "pip install -e . failed"
+install_wheels
+install_checkout || log "pip install -e . failed"
 log "installed; $(python3 -c 'import torch, torchao; print(torch.__version__, torchao.__version__)' 2>&1)"
 mps_on
 

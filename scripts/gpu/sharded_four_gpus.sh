@@ -16,21 +16,15 @@
 #              steps, then their loss curves compared (nodes/equivalence.json)
 # Then: python3 scripts/gpu/publish_sharded_runs.py $OUT/sharded.tgz (on any machine) publishes it.
 set -u
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # no NVLink multicast
-export PYTHONUNBUFFERED=1 FMR_OFFLINE=1
+. "$(dirname "${BASH_SOURCE[0]}")/common.sh"  # the functions the GPU scripts share
+export_run_env  # no NVLink multicast
 OUT=${OUT:?set OUT to the folder whose files come back}
 REF=${REF:-.ref/pytorch-memory-optim}
 STEPS=${STEPS:-20}
 PARTS=${PARTS-gpu4 gpu2 yourmodel nodes}
 DEADLINE=${DEADLINE:-530}   # seconds: no part starts after it, a compare gets only the time left
 PY=${PYTHON:-python3}
-SCRATCH=$(mktemp -d)
-WORK=$SCRATCH/sharded
-mkdir -p "$WORK" "$OUT"
-T0=$(date +%s)
-elapsed() { echo $(( $(date +%s) - T0 )); }
-say() { echo "[$(elapsed) s] $*" | tee -a "$WORK/progress.log" "$OUT/progress.log"; }
-left() { echo $(( DEADLINE - $(elapsed) )); }
+start_clock sharded  # SCRATCH, WORK=$SCRATCH/sharded, T0; elapsed, left, say
 pack() { tar -czf "$SCRATCH/sharded.tgz" -C "$SCRATCH" sharded 2>/dev/null; cp -f "$SCRATCH/sharded.tgz" "$OUT/.sharded.tgz" && mv -f "$OUT/.sharded.tgz" "$OUT/sharded.tgz"; }
 wants() { case " $PARTS " in *" $1 "*) [ "$(left)" -gt 30 ] || { say "$1: not started (deadline)"; return 1; } ;; *) return 1 ;; esac; }
 

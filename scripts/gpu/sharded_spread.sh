@@ -33,13 +33,10 @@
 # throttle reasons are logged every second (telemetry.csv). NVLink multicast stays off (KINDS.md).
 # DRY_RUN=1 prints the commands instead of running them (no GPU needed).
 set -u
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # no NVLink multicast
-export PYTHONUNBUFFERED=1 FMR_OFFLINE=1
+. "$(dirname "${BASH_SOURCE[0]}")/common.sh"  # the functions the GPU scripts share
+export_run_env  # no NVLink multicast
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # this checkout's package, installed or not
-if [ -d .whl ] && ls .whl/*.whl > /dev/null 2>&1; then  # liger-kernel for a --fused-loss set (part fit), if carried
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=$PYTHONPATH:/tmp/site
-fi
+ls .whl/*.whl > /dev/null 2>&1 && install_wheels  # liger-kernel for a --fused-loss set (part fit), if carried
 OUT=${OUT:?set OUT to the folder whose files come back}
 REF=${REF:-.ref/pytorch-memory-optim}
 [ -d "$REF" ] || { [ -d shared/reference/pytorch-memory-optim ] && REF=shared/reference/pytorch-memory-optim; }
@@ -57,13 +54,7 @@ PROFILE_RUNS=${PROFILE_RUNS:-08_fsdp2:4 08_fsdp2:1}
 DEADLINE=${DEADLINE:-560}       # seconds: no run starts after it; a run is given at most the time left
 DRY_RUN=${DRY_RUN:-}
 PY=${PYTHON:-python3}
-SCRATCH=$(mktemp -d)
-WORK=$SCRATCH/spread
-mkdir -p "$WORK" "$OUT"
-T0=$(date +%s)
-elapsed() { echo $(( $(date +%s) - T0 )); }
-left() { echo $(( DEADLINE - $(elapsed) )); }
-say() { echo "[$(elapsed) s $(date -u +%T)] $*" | tee -a "$WORK/progress.log" "$OUT/progress.log"; }
+start_clock spread  # SCRATCH, WORK=$SCRATCH/spread, T0; elapsed, left, say
 pack() {  # each caller its own temporary tar (the 20 s packer and a part may pack at once)
   local t=$SCRATCH/pack.$BASHPID.tgz
   tar -czf "$t" -C "$SCRATCH" spread 2>/dev/null && mv -f "$t" "$OUT/.spread.$BASHPID.tgz" && mv -f "$OUT/.spread.$BASHPID.tgz" "$OUT/spread.tgz"

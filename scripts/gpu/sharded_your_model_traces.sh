@@ -19,23 +19,18 @@
 # $OUT gets progress.log and traces.tgz (every run's folder, log, stripped snapshot and readings), written as
 # each run ends. DRY_RUN=1 prints the commands instead (no GPU needed). NVLink multicast stays off (KINDS.md).
 set -u
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # no NVLink multicast
-export PYTHONUNBUFFERED=1 FMR_OFFLINE=1
+. "$(dirname "${BASH_SOURCE[0]}")/common.sh"  # the functions the GPU scripts share
+export_run_env  # no NVLink multicast
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # this checkout's package, installed or not
 OUT=${OUT:?set OUT to the folder whose files come back}
 DEADLINE=${DEADLINE:-420}
 DRY_RUN=${DRY_RUN:-}
 PY=${PYTHON:-python3}
-SCRATCH=$(mktemp -d)
-W=$SCRATCH/traces
-mkdir -p "$W" "$OUT"
-T0=$(date +%s)
-left() { echo $(( DEADLINE - ($(date +%s) - T0) )); }
-say() { echo "[$(( $(date +%s) - T0 )) s $(date -u +%T)] $*" | tee -a "$W/progress.log" "$OUT/progress.log"; }
+start_clock traces  # SCRATCH, WORK=$SCRATCH/traces, T0; elapsed, left, say
 pack() { tar -czf "$SCRATCH/t.tgz" -C "$SCRATCH" traces 2>/dev/null && mv -f "$SCRATCH/t.tgz" "$OUT/traces.tgz"; }
 trap pack EXIT
 GPUS=$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | wc -l)
-{ nvidia-smi --query-gpu=index,name,memory.total --format=csv; git rev-parse HEAD; } > "$W/machine.txt" 2>&1
+{ nvidia-smi --query-gpu=index,name,memory.total --format=csv; git rev-parse HEAD; } > "$WORK/machine.txt" 2>&1
 say "start: $GPUS GPUs, deadline $DEADLINE s, runs '${ONLY:-all}'"
 
 LM=(--fsdp --precision bf16-mixed --batch-size 8 --seq-len 1024 --checkpoint-blocks --data synthetic
@@ -51,20 +46,20 @@ run() {  # run NAME GPUS CONFIG [flags]: one run of recipes/your_model.py, then 
   PORT=$(( PORT + 1 ))
   local cmd=(env CUDA_VISIBLE_DEVICES="$gpus" MASTER_ADDR=127.0.0.1 MASTER_PORT="$PORT" timeout "$(left)"
              "$PY" recipes/your_model.py --model "hf:examples/configs/$config" --devices "$n" "${LM[@]}"
-             --results-dir "$W/$name" "$@")
+             --results-dir "$WORK/$name" "$@")
   if [ -n "$DRY_RUN" ]; then say "dry run: ${cmd[*]}"; return; fi
   say "$name: start"
-  "${cmd[@]}" > "$W/$name.log" 2>&1
-  say "$name: exit $? | $(grep -m1 -E 'peak memory \(train\)' "$W/$name.log" | tr -s ' ')"
-  for p in "$W/$name"/*snapshot.pickle; do
+  "${cmd[@]}" > "$WORK/$name.log" 2>&1
+  say "$name: exit $? | $(grep -m1 -E 'peak memory \(train\)' "$WORK/$name.log" | tr -s ' ')"
+  for p in "$WORK/$name"/*snapshot.pickle; do
     [ -f "$p" ] || continue
     "$PY" -m devtools.your_model.reserved_trace --strip "$p" > /dev/null && rm -f "$p"
-    "$PY" -m devtools.your_model.reserved_trace "$p.gz" --steps 5 > "$W/$name.trace.txt" 2>&1
-    say "$name: $(grep -m1 'GPU reserved' "$W/$name.trace.txt")"
-    grep 'at the peak, stream' "$W/$name.trace.txt" | while read -r line; do say "  $line"; done
+    "$PY" -m devtools.your_model.reserved_trace "$p.gz" --steps 5 > "$WORK/$name.trace.txt" 2>&1
+    say "$name: $(grep -m1 'GPU reserved' "$WORK/$name.trace.txt")"
+    grep 'at the peak, stream' "$WORK/$name.trace.txt" | while read -r line; do say "  $line"; done
   done
-  "$PY" -m devtools.your_model.repredict "$W/$name" > "$W/$name.repredict.txt" 2>&1
-  say "$name: $(grep -m1 'allocated' "$W/$name.repredict.txt" | sed 's|.*json: ||')"
+  "$PY" -m devtools.your_model.repredict "$WORK/$name" > "$WORK/$name.repredict.txt" 2>&1
+  say "$name: $(grep -m1 'allocated' "$WORK/$name.repredict.txt" | sed 's|.*json: ||')"
   pack
 }
 run offload-snap 0,1 gpt-neox-1.4b --cpu-offload --snapshot --profile-steps 5

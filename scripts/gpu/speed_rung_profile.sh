@@ -27,7 +27,8 @@ set -u
 part=${1:-profile}
 case $part in profile|ab|autotune) ;; *) echo "speed_rung_profile.sh: part must be profile, ab or autotune, not '$part'" >&2; exit 2 ;; esac
 : "${OUT:?set OUT}"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 FMR_OFFLINE=1
+. "$(dirname "${BASH_SOURCE[0]}")/common.sh"  # the functions the GPU scripts share
+export_run_env
 T0=$(date +%s); LIMIT=${LIMIT:-560}; W=/tmp/speed-$part; rm -rf "$W"; mkdir -p "$W/runs"
 log() { echo "[speed_rung_profile $part $(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/log.txt"; }
 finish() {
@@ -56,9 +57,8 @@ EOF
 }
 trap finish EXIT
 if [ -z "${SKIP_INSTALL:-}" ]; then  # SKIP_INSTALL=1: a dry run in an environment that has the project
-  [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-  python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1 || log "pip install -e . failed"
+  [ -d .whl ] && install_wheels
+  install_checkout || log "pip install -e . failed"
 fi
 read -ra extra <<< "${EXTRA:-}"  # e.g. EXTRA="--accelerator cpu --model vit_tiny --batch-size 8" for a dry run
 QUICK=(--data synthetic --weights none --eval-batches 1 ${extra[@]+"${extra[@]}"})  # run_all.sh --quick's flags

@@ -19,7 +19,8 @@
 # peak per run) and $OUT/swin_fast_probe.tgz (the runs' JSONs and logs).
 set -u
 : "${OUT:?set OUT}"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 FMR_OFFLINE=1
+. "$(dirname "${BASH_SOURCE[0]}")/common.sh"  # the functions the GPU scripts share
+export_run_env
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 T0=$(date +%s); R=/tmp/swin_fast_probe; mkdir -p "$R/runs"
 log() { echo "[swin_fast_probe $(( $(date +%s) - T0 )) s] $*" | tee -a "$R/log.txt"; }
@@ -41,8 +42,7 @@ for log in sorted(root.glob("*.log")):
     print(f"\n{log.stem}: " + (" / ".join(lines) if lines else "no fast-mode line"))
 EOF
 }
-finish() { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$R/gpu.csv" 2>&1
-           git log -1 --format='%H %s' > "$R/commit.txt" 2>/dev/null
+finish() { record_machine "$R"
            { echo "Made by \`PARTS=\"${PARTS:-fast eager equal}\" bash scripts/gpu/swin_fast_probe.sh\` on"
              echo "$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1), commit $(git log -1 --format=%h 2>/dev/null), $(date -u +%F)."
              echo; summary; } > "$OUT/summary.md" 2>&1

@@ -12,14 +12,14 @@
 #   OUT=... bash scripts/gpu/weights_offload_traces.sh       # ONLY=name,name: r16-b24 r16-b16 r04-b16 r16-plain
 set -u
 : "${OUT:?set OUT}"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 FMR_OFFLINE=1
+. "$(dirname "${BASH_SOURCE[0]}")/common.sh"  # the functions the GPU scripts share
+export_run_env
 T0=$(date +%s); R=/tmp/weights-offload-traces; mkdir -p "$R"
 log() { echo "[weights_offload_traces $(( $(date +%s) - T0 )) s] $*" | tee -a "$R/log.txt"; }
-finish() { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$R/gpu.csv" 2>&1
-           git log -1 --format='%H %s' > "$R/commit.txt" 2>/dev/null
+finish() { record_machine "$R"
            tar czf "$OUT/weights-offload-traces.tgz" -C /tmp weights-offload-traces; }
 trap finish EXIT
-python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1 || log "pip install -e . failed"
+install_checkout || log "pip install -e . failed"
 QUICK=(--data synthetic --weights none --eval-batches 1)
 
 reduce() {  # SNAPSHOT.pickle -> SNAPSHOT.events.json.gz (one line per event) + a summary on stdout

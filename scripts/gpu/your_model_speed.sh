@@ -18,15 +18,14 @@
 set -u
 part=${1:?check or lm}
 : "${OUT:?set OUT}"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 FMR_OFFLINE=1
+. "$(dirname "${BASH_SOURCE[0]}")/common.sh"  # the functions the GPU scripts share
+export_run_env
 T0=$(date +%s); LIMIT=${LIMIT:-560}; RUNS=/tmp/ym-$part; mkdir -p "$RUNS"
 log() { echo "[your_model_speed $part $(( $(date +%s) - T0 )) s] $*" | tee -a "$RUNS/log.txt"; }
-finish() { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$RUNS/gpu.csv" 2>&1
-           git log -1 --format='%H %s' > "$RUNS/commit.txt" 2>/dev/null; tar czf "$OUT/$part.tgz" -C /tmp "ym-$part"; }
+finish() { record_machine "$RUNS"; tar czf "$OUT/$part.tgz" -C /tmp "ym-$part"; }
 trap finish EXIT
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1 || log "pip install -e . failed"
+install_wheels
+install_checkout || log "pip install -e . failed"
 ( sleep $(( LIMIT - 20 )); log "limit near: SIGINT"; pkill -INT -f "recipes/your_model.py|devtools\." ) &
 
 # run NAME ARGS...: one recipes/your_model.py process, its results JSON and log in $RUNS

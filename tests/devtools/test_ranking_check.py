@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
+from devtools.capped_card.markdown import markdown_table
 from devtools.your_model import ranking_check
 
 
@@ -93,3 +96,10 @@ def test_a_plan_made_elsewhere_is_reused_only_for_the_same_command(tmp_path):
     assert json.loads((out / "a" / "fit.json").read_text())["argv"] == argv
     assert ranking_check.reused(plans, "a", [*argv[:-1], "h200"]) is None  # another command: planned again
     assert ranking_check.reused(plans, "b", argv) is None
+
+
+def test_the_markdown_table_aligns_numbers_right_and_refuses_a_row_of_another_width():
+    lines = markdown_table([("model", "<"), ("samples/s", ">")], [["a", "1.0"]])
+    assert lines == ["| model | samples/s |", "|---|---:|", "| a | 1.0 |"]
+    with pytest.raises(ValueError, match="a row of 1 cells in a table of 2 columns"):
+        markdown_table([("model", "<"), ("samples/s", ">")], [["a"]])

@@ -5,9 +5,12 @@ writes)."""
 from __future__ import annotations
 
 import gzip
+import json
 import pickle
 
 from devtools.your_model import reserved_trace
+from fabric_memory_recipes.planning.simulation import simulate
+from tests.tiny import causal_lm_config
 
 MiB = 1 << 20
 
@@ -81,3 +84,20 @@ def test_each_streams_reserved_and_allocated_bytes_at_the_peak():
     reserved, allocated = reserved_trace.by_stream_at_peak(snapshot)
     assert {k: v // MiB for k, v in reserved.items()} == {0: 20, 7: 40}
     assert allocated[0] // MiB == 16 and not allocated.get(7)  # the peak: when the segment is made
+
+
+def test_the_estimates_step_events_are_caught_for_its_flags(tmp_path, capsys):
+    """``--estimate FLAGS``: the estimate runs in process and its simulated step's requests are caught where
+    the simulation replays them (a step that allocates between its marks), the replay left as it was."""
+    folder = tmp_path / "qwen"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(causal_lm_config()))
+    replay = simulate.peaks_reserved
+    events, marks = reserved_trace.simulated(
+        ["--model", f"hf:{folder}", "--seq-len", "32", "--batch-size", "2"]
+    )
+    assert simulate.peaks_reserved is replay
+    step = events[marks["step"] : marks["end"]]
+    assert (
+        sum(n for kind, _, n in step if kind == "alloc") > 0 and "predicted peak" in capsys.readouterr().out
+    )

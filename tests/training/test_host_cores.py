@@ -60,3 +60,26 @@ def test_share_threads_gives_each_process_its_share_of_the_cores(monkeypatch):
         assert host_cores.share_threads(1) == 3  # one process keeps torch's own number
     finally:
         torch.set_num_threads(threads)
+
+
+def test_rung_09_sets_its_threads_once_where_the_cores_split_evenly_and_to_its_slice_where_not(monkeypatch):
+    """The lifecycle's share_threads, then the recipe's share_out, on a made-up host: 64 cores in two NUMA
+    nodes and 4 processes (16 threads each, set once: share_out only binds), then 10 cores and 3 processes
+    (3 threads each before the launch; the last process's slice has 4 cores, and 4 threads)."""
+    threads, calls, bound = torch.get_num_threads(), [], []
+    set_threads = torch.set_num_threads
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: (calls.append(n), set_threads(n)))
+    monkeypatch.setattr(host_cores.os, "sched_setaffinity", lambda pid, cores: bound.append(list(cores)))
+    try:
+        for cores, nodes, ranks, rank, slice_, counts in (
+            (64, [range(32), range(32, 64)], 4, 1, list(range(16, 32)), [16]),
+            (10, [range(10)], 3, 2, [6, 7, 8, 9], [3, 4]),
+        ):
+            calls.clear()
+            monkeypatch.setattr(host_cores.os, "sched_getaffinity", lambda pid, n=cores: set(range(n)))
+            monkeypatch.setattr(host_cores, "numa_nodes", lambda allowed, n=nodes: [list(c) for c in n])
+            host_cores.share_threads(ranks)
+            assert host_cores.share_out(rank, ranks) == slice_ == bound[-1]
+            assert calls == counts and torch.get_num_threads() == len(slice_)
+    finally:
+        set_threads(threads)

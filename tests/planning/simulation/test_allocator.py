@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import gzip
 import pickle
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,9 +22,9 @@ from fabric_memory_recipes.planning.simulation.allocator import (
 )
 from fabric_memory_recipes.planning.simulation.cache import SimulationCache
 from fabric_memory_recipes.planning.your_model import estimate
+from tests.conftest import REPO
+from tests.planning.simulation.conftest import MiB
 
-MiB = 1 << 20
-REPO = Path(__file__).resolve().parents[3]
 TRACE = REPO / "results/published/h100/snapshot/05_gradient_accumulation-snapshot.pickle.gz"
 
 
@@ -104,14 +103,10 @@ def test_a_committed_h100_trace_replays_to_the_segments_the_gpu_reserved():
     assert sorted(grown) == sorted(created)
 
 
-def test_replay_makes_the_optimizer_state_in_the_first_step():
+def test_replay_makes_the_optimizer_state_in_the_first_step(one_step_events):
     """Weights, then steps; the state arrives after the first step's backward, in a cache the step
     already fragmented; later steps reuse what the first one reserved."""
-    events = [("alloc", 0, 30 * MiB)]  # weights
-    events += [("alloc", 1, 60 * MiB)]  # optimizer state
-    events += [("alloc", 2, 50 * MiB), ("free", 2, 0), ("alloc", 4, 20 * MiB)]  # forward, backward (grads)
-    events += [("free", 4, 0)]  # optimizer step, zero_grad
-    marks = {"state": 1, "step": 2, "update": 5, "end": 6}
+    events, marks = one_step_events
     one = replay(events, marks, steps=1)
     # the gradients took 20 MiB of the 50 the activations freed; the state (60 MiB) fits nothing cached
     assert one.reserved == (30 + 50 + 60) * MiB
@@ -119,13 +114,8 @@ def test_replay_makes_the_optimizer_state_in_the_first_step():
     assert replay(events, marks, steps=3).reserved == one.reserved  # later steps reuse the cache
 
 
-def test_simulated_estimate_replays_its_step_and_the_card_adds_the_committed_margin():
-    est = planning.simulate(
-        nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 1024)),
-        planning.Plan(device="cuda", micro_batch_size=512, optimizer="adamw"),
-        make_batch=lambda: (torch.empty(512, 1024),),
-        batch_fn=lambda m, b: (m(b[0]).float().pow(2).mean(),),
-    )
+def test_simulated_estimate_replays_its_step_and_the_card_adds_the_committed_margin(simulate_mlp):
+    est = simulate_mlp(planning.Plan(device="cuda", micro_batch_size=512, optimizer="adamw"))
     assert est.reserved_gb >= est.peak_gb  # reserved holds what is allocated
     got = estimate.card(est)
     assert got["replayed_reserved_gb"] == pytest.approx(est.reserved_gb, abs=1e-6)

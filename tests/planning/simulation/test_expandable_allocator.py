@@ -11,7 +11,6 @@ import json
 import os
 import pickle
 import tarfile
-from pathlib import Path
 
 import pytest
 import torch
@@ -32,9 +31,9 @@ from fabric_memory_recipes.planning.simulation.expandable import (
     replay_recorded_expandable,
 )
 from fabric_memory_recipes.training.your_model import runner
+from tests.conftest import REPO
+from tests.planning.simulation.conftest import MiB
 
-MiB = 1 << 20
-REPO = Path(__file__).resolve().parents[3]
 PUBLISHED = REPO / "results/published/h100"
 
 
@@ -82,7 +81,9 @@ def test_small_requests_map_2_mib_pages_and_split_any_remainder():
     assert (a.reserved, a.allocated) == (22 * MiB, 20 * MiB)
 
 
-def test_fast_modes_capture_allocates_from_its_own_pool_after_the_warm_up_gave_its_pages_back():
+def test_fast_modes_capture_allocates_from_its_own_pool_after_the_warm_up_gave_its_pages_back(
+    one_step_events,
+):
     """Weights (30 MiB), optimizer state (60), a step of a 50 MiB activation and 20 MiB of gradients.
     Default stream: the weights, 2 pages (40 MiB). Warm-up step 1, side stream: the activation maps 3 pages
     (100), the gradients take its first 20 MiB; ``empty_cache`` before the first optimizer step unmaps the
@@ -90,9 +91,7 @@ def test_fast_modes_capture_allocates_from_its_own_pool_after_the_warm_up_gave_i
     page cannot hold the activation: 3 more pages at the end (180, the peak), the gradients back in their
     page. ``empty_cache`` before the capture leaves the weights and the state (40 + 60); the captured step
     maps 3 pages of its own pool."""
-    events = [("alloc", 0, 30 * MiB), ("alloc", 1, 60 * MiB)]
-    events += [("alloc", 2, 50 * MiB), ("free", 2, 0), ("alloc", 4, 20 * MiB), ("free", 4, 0)]
-    marks = {"state": 1, "step": 2, "update": 5, "end": 6}
+    events, marks = one_step_events
     graphs = replay_graphs(events, marks)
     assert graphs.peak_reserved == 180 * MiB
     assert graphs.mapped == {MAIN: 100 * MiB, GRAPH: 60 * MiB}
@@ -127,10 +126,8 @@ def test_a_recorded_runs_requests_under_expandable_segments_reserve_what_its_unr
     )
 
 
-def test_an_estimate_carries_every_settings_replay_and_reserves_its_plans():
-    model = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 1024))
-    args = dict(make_batch=lambda: (torch.empty(512, 1024),), batch_fn=lambda m, b: (m(b[0]).pow(2).mean(),))
-    est = planning.simulate(model, planning.Plan(micro_batch_size=512, allocator="expandable"), **args)
+def test_an_estimate_carries_every_settings_replay_and_reserves_its_plans(simulate_mlp):
+    est = simulate_mlp(planning.Plan(micro_batch_size=512, allocator="expandable"))
     assert set(est.reserved_by_allocator) == {"default", "expandable", "graphs"}
     assert est.reserved_gb == est.reserved_by_allocator["expandable"]
     assert est.to_dict()["assumptions"]["allocator"] == "expandable"

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from torchvision.models.vision_transformer import VisionTransformer
 
+from devtools.your_model import reserved_trace
 from fabric_memory_recipes import planning
 from fabric_memory_recipes.planning.plan import round_bytes
-from fabric_memory_recipes.planning.simulation import simulate as simulation
 from fabric_memory_recipes.planning.simulation.allocator import COPY, CachingAllocator
 from fabric_memory_recipes.training import data, models
 from fabric_memory_recipes.training.techniques.checkpointing import CheckpointedBlock
@@ -71,21 +71,11 @@ def _simulated(record_timeline: bool = False, hidden: int = 64) -> tuple[plannin
     )
     images = torch.zeros(BATCH, 32, 32, 3, dtype=torch.uint8)
     labels = torch.zeros(BATCH, dtype=torch.long)
-    caught = {}
-    replay = simulation.peaks_reserved
-
-    def keep(events, marks, *args, **kwargs):
-        caught["events"], caught["marks"] = list(events), dict(marks)
-        return replay(events, marks, *args, **kwargs)
-
-    simulation.peaks_reserved = keep
-    try:
+    with reserved_trace.step_events() as caught:
         est = planning.simulate(
             model, plan, make_batch=lambda: (images, labels), batch_fn=data.image_classification(32),
             record_timeline=record_timeline,
         )  # fmt: skip
-    finally:
-        simulation.peaks_reserved = replay
     return est, caught
 
 

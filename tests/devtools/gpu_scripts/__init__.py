@@ -1,0 +1,1 @@
+"""scripts/gpu/*.sh on a CPU: their syntax, the preamble they share, their dry runs."""
