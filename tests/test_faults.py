@@ -300,6 +300,24 @@ def _sigterm_to_rank_0_of_two() -> dict:
     return dict(proc=run.wait(), results=results, ckpt=ckpt)
 
 
+def _sigterm_during_evaluation() -> dict:
+    """Rung 01: two training steps, then a test split of 3000 images; SIGTERM once the evaluation's bar
+    has moved."""
+    tmp = session_dir("faults-sigterm-eval")
+    write_cifar(tmp / "data", n_train_files=1, per_batch=40, n_test=3000)
+    results = tmp / "results"
+    args = ["--accelerator", "cpu", "--model", "vit_tiny", "--weights", "none", "--batch-size", "4",
+            "--max-steps", "2", "--data", "cifar10", "--data-dir", tmp / "data", "--results-dir", results]  # fmt: skip
+    run = Running("01_baseline", args, tmp / "logs")
+    in_test = run.wait_until(
+        lambda out, err: re.search(r"test accuracy: +\d+%\|.*\| *[1-9]\d*/", err) is not None
+    )
+    run.send(signal.SIGTERM)
+    start = time.monotonic()
+    proc = run.wait()
+    return dict(proc=proc, in_test=in_test, seconds=time.monotonic() - start, results=results)
+
+
 _REFUSED: dict = {}
 
 
@@ -408,6 +426,7 @@ JOBS = {
     "faults:fsdp2": _sigterm_to_rank_0_of_two,
     "faults:twice": _second_ctrl_c,
     "faults:run_all": _run_all_ctrl_c,
+    "faults:sigterm-eval": _sigterm_during_evaluation,
 }
 BACKGROUND_TESTS = {
     "test_sigint_stops_at_a_step_and_keeps_the_earlier_result",
@@ -419,6 +438,7 @@ BACKGROUND_TESTS = {
     "test_truncated_newest_checkpoint_falls_back_to_the_intact_one",
     "test_a_second_ctrl_c_exits_at_once",
     "test_run_all_ctrl_c_prints_the_summary_and_renders_the_report",
+    "test_sigterm_during_evaluation_stops_a_real_process_at_the_next_batch",
 }
 NEEDS = {  # test -> the job it waits for
     "test_sigint_stops_at_a_step_and_keeps_the_earlier_result": "faults:sigint",
@@ -430,6 +450,7 @@ NEEDS = {  # test -> the job it waits for
     "test_truncated_newest_checkpoint_falls_back_to_the_intact_one": "faults:usr1",
     "test_a_second_ctrl_c_exits_at_once": "faults:twice",
     "test_run_all_ctrl_c_prints_the_summary_and_renders_the_report": "faults:run_all",
+    "test_sigterm_during_evaluation_stops_a_real_process_at_the_next_batch": "faults:sigterm-eval",
 }
 assert set(NEEDS) == BACKGROUND_TESTS
 
@@ -1278,24 +1299,15 @@ def test_a_module_run_with_dash_m_is_named_while_its_package_imports(monkeypatch
     assert console.program() == "python -m fabric_memory_recipes.planning"
 
 
-def test_sigterm_during_evaluation_stops_a_real_process_at_the_next_batch(tmp_path):
+def test_sigterm_during_evaluation_stops_a_real_process_at_the_next_batch():
     """A SIGTERM sent while a run evaluates is not ignored until SIGKILL (it once was, for 16 minutes).
     A real process: two training steps, then a test split long enough to be mid-evaluation when the signal
     comes; it stops at the next batch, exits 143 and records where it stopped."""
-    write_cifar(tmp_path / "data", n_train_files=1, per_batch=40, n_test=3000)
-    results = tmp_path / "results"
-    args = ["--accelerator", "cpu", "--model", "vit_tiny", "--weights", "none", "--batch-size", "4",
-            "--max-steps", "2", "--data", "cifar10", "--data-dir", tmp_path / "data", "--results-dir", results]  # fmt: skip
-    run = Running("01_baseline", args, tmp_path / "logs")
-    in_test = run.wait_until(
-        lambda out, err: re.search(r"test accuracy: +\d+%\|.*\| *[1-9]\d*/", err) is not None
-    )
-    run.send(signal.SIGTERM)
-    start = time.monotonic()
-    proc = run.wait()
-    assert in_test and proc.returncode == 143, describe(proc)
-    assert time.monotonic() - start < 60, "it went on evaluating"
-    written = [json.loads(p.read_text()) for p in results.glob("01_baseline*.json")]
+    job = result("faults:sigterm-eval")
+    proc = job["proc"]
+    assert job["in_test"] and proc.returncode == 143, describe(proc)
+    assert job["seconds"] < 60, "it went on evaluating"
+    written = [json.loads(p.read_text()) for p in job["results"].glob("01_baseline*.json")]
     stopped = [d for d in written if d["status"] == "interrupted"]
     assert stopped and "evaluation" in stopped[0]["extra"]["stopped"]["during"], written
     test = stopped[0]["extra"]["evaluation"]["test"]

@@ -14,17 +14,19 @@ import pytest
 
 from fabric_memory_recipes import console
 from fabric_memory_recipes.tools import ladder
-from tests.conftest import REPO
+from tests.conftest import REPO, result, session_dir, submit
 
 SCRIPTS = ("fmr-ladder", "fmr-estimate", "fmr-report", "fmr-compare", "fmr-convergence")
 
 
+# The environment at collection: the jobs below run while other tests may set variables of their own.
+ENV = dict(os.environ)
+SHELL_ENV = {k: v for k, v in ENV.items() if k != "PYTHONPATH"}  # as a user's shell: no checkout on the path
+
+
 def _python(code_or_args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    env = {
-        k: v for k, v in os.environ.items() if k != "PYTHONPATH"
-    }  # as a user's shell: no checkout on the path
     return subprocess.run(
-        [sys.executable, *code_or_args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, *code_or_args], cwd=cwd, env=SHELL_ENV, capture_output=True, text=True, timeout=120
     )
 
 
@@ -35,47 +37,88 @@ def _installed() -> bool:
     return probe.returncode == 0
 
 
-needs_install = pytest.mark.skipif(not _installed(), reason="the project is not installed (pip install -e .)")
+INSTALLED = _installed()
+needs_install = pytest.mark.skipif(not INSTALLED, reason="the project is not installed (pip install -e .)")
+
+
+# ------------------------------------------------------------------------------------ background jobs
+# Each check starts fresh interpreters that import torch and Lightning (~6 s of CPU each): they run in the
+# background while the in-process tests go on (conftest: background jobs), each test waits for its own.
+def _imports_from_any_folder() -> dict[str, subprocess.CompletedProcess]:
+    tmp = session_dir("package-imports")
+    runs = {
+        "ok": _python(
+            ["-c", "import fabric_memory_recipes.training.loop, fabric_memory_recipes.planning"], tmp
+        )
+    }
+    return runs | {name: _python(["-c", f"import {name}"], tmp) for name in ("common", "tools")}
+
+
+def _dash_m_from_any_folder() -> dict[str, subprocess.CompletedProcess]:
+    tmp = session_dir("package-dash-m")
+    modules = ("fabric_memory_recipes.measurement.report.render", "fabric_memory_recipes.planning")
+    return {m: _python(["-m", m, "--help"], tmp) for m in modules}
+
+
+def _script_paths() -> dict[str, str | None]:
+    return {s: shutil.which(s, path=str(Path(sys.executable).parent)) for s in SCRIPTS}
+
+
+def _console_scripts_help() -> dict[str, subprocess.CompletedProcess]:
+    """Each installed console script's ``--help``, one after the other (each imports torch)."""
+    tmp = session_dir("package-scripts")
+    return {
+        s: subprocess.run([p, "--help"], cwd=tmp, env=ENV, capture_output=True, text=True, timeout=180)
+        for s, p in _script_paths().items()
+        if p is not None
+    }
+
+
+JOBS = {
+    "test_the_package_imports_from_any_folder_and_common_does_not": ("package:imports", _imports_from_any_folder),
+    "test_python_dash_m_works_from_any_folder_and_help_names_the_module": ("package:dash-m", _dash_m_from_any_folder),
+    "test_console_scripts_are_installed_and_help_shows_their_name": ("package:scripts", _console_scripts_help),
+}  # fmt: skip
+BACKGROUND_TESTS = set(JOBS)
+
+
+def start_background_jobs(selected: list[str]) -> None:
+    if INSTALLED:
+        for name in selected:
+            if name in JOBS:
+                submit(*JOBS[name])
 
 
 @needs_install
-def test_the_package_imports_from_any_folder_and_common_does_not(tmp_path):
-    ok = _python(
-        ["-c", "import fabric_memory_recipes.training.loop, fabric_memory_recipes.planning"], tmp_path
-    )
-    assert ok.returncode == 0, ok.stderr
+def test_the_package_imports_from_any_folder_and_common_does_not():
+    runs = result("package:imports")
+    assert runs["ok"].returncode == 0, runs["ok"].stderr
     for name in ("common", "tools"):
-        gone = _python(["-c", f"import {name}"], tmp_path)
+        gone = runs[name]
         assert gone.returncode != 0 and "ModuleNotFoundError" in gone.stderr, name
 
 
 @needs_install
-def test_python_dash_m_works_from_any_folder_and_help_names_the_module(tmp_path):
-    run = _python(["-m", "fabric_memory_recipes.measurement.report.render", "--help"], tmp_path)
+def test_python_dash_m_works_from_any_folder_and_help_names_the_module():
+    runs = result("package:dash-m")
+    run = runs["fabric_memory_recipes.measurement.report.render"]
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith("usage: python -m fabric_memory_recipes.measurement.report.render")
-    run = _python(["-m", "fabric_memory_recipes.planning", "--help"], tmp_path)
+    run = runs["fabric_memory_recipes.planning"]
     assert run.returncode == 0 and run.stdout.startswith("usage: python -m fabric_memory_recipes.planning ")
 
 
 @needs_install
-def test_console_scripts_are_installed_and_help_shows_their_name(tmp_path):
-    paths = {s: shutil.which(s, path=str(Path(sys.executable).parent)) for s in SCRIPTS}
+def test_console_scripts_are_installed_and_help_shows_their_name():
+    paths = _script_paths()
     if None in paths.values():
         pytest.skip(f"not beside {sys.executable}: {[s for s, p in paths.items() if p is None]}")
-    running = {
-        s: subprocess.Popen(
-            [p, "--help"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-        for s, p in paths.items()
-    }  # fmt: skip  (side by side: each imports torch)
-    for script, proc in running.items():
-        out, err = proc.communicate(timeout=180)
-        assert proc.returncode == 0, (script, err)
+    for script, proc in result("package:scripts").items():
+        assert proc.returncode == 0, (script, proc.stderr)
         if script == "fmr-ladder":  # run_all.sh's own help, from the checkout the package was installed from
-            assert "./run_all.sh --quick" in out
+            assert "./run_all.sh --quick" in proc.stdout
         else:
-            assert out.startswith(f"usage: {script}"), (script, out[:200])
+            assert proc.stdout.startswith(f"usage: {script}"), (script, proc.stdout[:200])
 
 
 def test_program_names_what_was_typed():

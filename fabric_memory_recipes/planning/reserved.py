@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from fabric_memory_recipes.console import Parser
 from fabric_memory_recipes.planning.check import replayed_of
 from fabric_memory_recipes.planning.planner import calibration
 from fabric_memory_recipes.planning.simulation.allocator import RESIDUAL
@@ -64,7 +65,12 @@ def residuals(
     return rows
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    Parser(
+        prog="python -m fabric_memory_recipes.planning.reserved",
+        description="measured / replayed peak reserved of every committed single-GPU eager run, and the"
+        " margin in use (RESIDUAL)",
+    ).parse_args(argv)  # no flags: --help answers at once (the replays take minutes on a CPU)
     rows = residuals()
     for r in sorted(rows, key=lambda r: r["ratio"]):
         print(

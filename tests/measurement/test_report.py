@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from fabric_memory_recipes.measurement.report import render
+from tests.conftest import run_recipe_inprocess
 
 REPO = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -283,21 +284,10 @@ def test_nothing_to_render_exits_2(tmp_path, kind):
 
 
 def test_end_to_end_with_a_real_run(tmp_path):
-    """Guards that report.py reads what metrics.py really writes."""
-    env = {**os.environ, "FMR_OFFLINE": "1", "FMR_LOG_DIR": str(tmp_path / "logs")}
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [
-        sys.executable,
-        "recipes/01_baseline.py",
-        "--accelerator", "cpu",
-        "--model", "vit_tiny",
-        "--data", "synthetic",
-        "--weights", "none",
-        "--max-steps", "3",
-        "--eval-batches", "1",
-        "--results-dir", str(tmp_path),
-    ]  # fmt: skip
-    run = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    """Guards that report.py reads what metrics.py really writes (the run in this interpreter: conftest)."""
+    args = ["--accelerator", "cpu", "--model", "vit_tiny", "--data", "synthetic", "--weights", "none",
+            "--max-steps", "3", "--eval-batches", "1"]  # fmt: skip
+    run, _ = run_recipe_inprocess("01_baseline", args, tmp_path)
     assert run.returncode == 0, run.stderr[-2000:]
     assert render.main([str(tmp_path)]) == 0
     markdown = (tmp_path / "README.md").read_text()

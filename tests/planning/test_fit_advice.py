@@ -1,6 +1,7 @@
 """Advice a user can follow: ``--fit`` for every model family the runner trains, the user's
 precision and optimizer kept unless ``--may-change`` names them (each change with its measured accuracy
-cost), bad input as one line and exit 2, ``--measure``'s ranking, and planning from a wheel's data.
+cost), bad input as one line and exit 2, ``--measure``'s ranking, and the planner data a wheel ships (that both
+planners plan from them without the checkout: tests/test_wheel.py).
 
 Tiny configs of each family are written here; the runner trains each for 2 steps on the CPU, in this
 process (conftest's ``run_recipe``)."""
@@ -223,34 +224,6 @@ def test_the_ladders_fit_keeps_its_sources_for_verbose(capsys):
     long = capsys.readouterr().out
     assert "fixed_ms:" not in short and "--verbose" in short and "fixed_ms: " in long
     assert len(short.splitlines()) < len(long.splitlines()) and max(map(len, short.splitlines())) < 250
-
-
-def test_an_installed_package_plans_without_the_checkout(tmp_path):
-    """A wheel has no results/ or recipes/ beside the package: both planners plan from its package data
-    (a copy of the package alone stands for the wheel; pyproject's package-data ships data/*.json)."""
-    import shutil
-    import subprocess
-    import sys
-
-    package = Path(snapshot.__file__).resolve().parents[2]
-    shutil.copytree(package, tmp_path / "site" / package.name, ignore=shutil.ignore_patterns("__pycache__"))
-    env = {**__import__("os").environ, "PYTHONPATH": str(tmp_path / "site")}
-    code = (
-        "import sys; from fabric_memory_recipes.planning.__main__ import main;"
-        "import fabric_memory_recipes as f; assert f.__file__.startswith(sys.argv[1]), f.__file__;"
-        "main(['--model', 'torchvision:resnet18', '--batch-size', '8', '--fit', '4GB']); main(['--fit', '8GB'])"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code, str(tmp_path)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    assert "Which technique sets fit 4 GB?" in proc.stdout and "Fastest that fit" in proc.stdout
-    assert "measured" in proc.stdout  # the committed runs came along as package data
 
 
 def test_several_gpus_plan_fsdp_sets_with_memory_per_gpu(configs, capsys, monkeypatch):

@@ -144,3 +144,26 @@ def test_the_margin_is_the_committed_run_that_sets_it():
     assert (
         simulated <= 1 and reserved.residuals(tuple(rung04), cache) == [row] and cache.simulated == simulated
     )
+
+
+def test_the_margins_command_answers_help_at_once_and_prints_each_ratio(monkeypatch, capsys):
+    """``python -m fabric_memory_recipes.planning.reserved --help`` printed no help: it replayed every committed
+    eager run (tens of seconds on a CPU, the docs check's slowest page). It answers at once now; the command
+    prints each run's ratio and the largest beside the margin in use (here on rung 04's run alone)."""
+
+    def replays():
+        raise AssertionError("--help replayed the committed runs")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(reserved, "residuals", replays)
+        with pytest.raises(SystemExit) as e:
+            reserved.main(["--help"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: python -m fabric_memory_recipes.planning.reserved")
+    runs = calibration.load_runs((str(calibration.RESULTS_DIR),))
+    rung04 = tuple(r for r in runs if r.path == "published/h100/estimate/eager/04_lower_batch_size.json")
+    monkeypatch.setattr(calibration, "load_runs", lambda dirs: rung04)
+    assert reserved.main([]) == 0
+    ratio, largest = capsys.readouterr().out.strip().splitlines()
+    assert ratio.endswith(rung04[0].path) and f"measured {rung04[0].reserved_gb:.3f}" in ratio
+    assert largest == f"largest: {float(ratio.split()[0]):.4f} ({rung04[0].path}); in use: {RESIDUAL}"
