@@ -23,7 +23,12 @@ from typing import Any
 
 from fabric_memory_recipes.console import Parser
 from fabric_memory_recipes.planning.check import recorded_allocator
-from fabric_memory_recipes.planning.your_model.estimate import estimate, meta_user_model, plan_of
+from fabric_memory_recipes.planning.your_model.estimate import (
+    estimate,
+    meta_user_model,
+    partitioned_blocks,
+    plan_of,
+)
 from fabric_memory_recipes.techniques import flagged
 from fabric_memory_recipes.training.your_model import runner
 
@@ -72,7 +77,7 @@ def replays(cfg: runner.YourModelConfig, memo: dict[str, Any]) -> dict[str, floa
     """Peak reserved (GB) of the configuration's simulated step under each allocator setting; raises what
     the simulation could not do (a failed step: RuntimeError with its error)."""
     um, model, blocks, _ = meta_user_model(cfg.model, cfg.lora_rank, cfg.lora_targets)
-    plan = plan_of(cfg, blocks)
+    plan = plan_of(cfg, blocks, compiled_blocks=partitioned_blocks(um, blocks))
     key = json.dumps([cfg.model, dataclasses.asdict(plan) | {"allocator": None}, cfg.seq_len, cfg.target_len])
     if key not in memo:
         est = estimate(model, um, plan, cfg.seq_len or 0, target_len=cfg.target_len)

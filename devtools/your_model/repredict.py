@@ -24,7 +24,13 @@ from fabric_memory_recipes.console import Parser
 from fabric_memory_recipes.measurement.results_file import gpu_slug
 from fabric_memory_recipes.planning.check import simulate_run
 from fabric_memory_recipes.planning.plan import expandable_in
-from fabric_memory_recipes.planning.your_model.estimate import estimate, meta_user_model, plan_of, run_card
+from fabric_memory_recipes.planning.your_model.estimate import (
+    estimate,
+    meta_user_model,
+    partitioned_blocks,
+    plan_of,
+    run_card,
+)
 from fabric_memory_recipes.training.your_model import runner
 
 PEAKS = ("allocated", "reserved", "device")  # what is compared: peak allocated, peak reserved, whole device
@@ -90,7 +96,8 @@ def predicted_again(result: dict[str, Any]) -> dict[str, float | None]:
     cfg = rung.with_flags(**{**{k: v for k, v in config.items() if k in flags}, "accelerator": "cuda"})
     um, model, blocks, _ = meta_user_model(cfg.model, cfg.lora_rank, cfg.lora_targets)
     conf = provenance.get("cuda_alloc_conf")
-    plan = plan_of(cfg, blocks, expandable_in(conf) if "cuda_alloc_conf" in provenance else None)
+    expandable = expandable_in(conf) if "cuda_alloc_conf" in provenance else None
+    plan = plan_of(cfg, blocks, expandable, partitioned_blocks(um, blocks))
     est = estimate(model, um, plan, cfg.seq_len, target_len=runner.target_len(cfg))
     card = run_card(est, cfg, gpu_slug(provenance.get("gpu_name") or "h100"))
     return {"allocated": est.peak_gb, "reserved": card["peak_reserved_gb"], "device": card["device_peak_gb"]}

@@ -74,6 +74,12 @@ LOW_PRECISION = {
 }
 
 
+def _compile_phrase(p: Plan) -> str:
+    if p.compiled_blocks:
+        return f"on ({', '.join(p.compiled_blocks)} partitioned as inductor does)"
+    return "on (eager graph traced)" if p.compile else "off"
+
+
 def round_bytes(nbytes: int) -> int:
     """Bytes as the CUDA caching allocator hands them out (blocks of 512)."""
     return max(ALLOCATOR_ROUND, -(-nbytes // ALLOCATOR_ROUND) * ALLOCATOR_ROUND) if nbytes else 0
@@ -100,6 +106,8 @@ class Plan:
     precision, as FSDP1 does under Lightning (your model's fast mode); without it FSDP2 gathers the master
     dtype (the ladder's rungs 08 and 09). ``switched`` names the switched techniques (``techniques.switches()``: the
     fused loss) that the estimate applies to the model through their modules before the step is simulated.
+    ``compiled_blocks`` names the compiled block classes that the step runs as inductor partitions them
+    (planning/simulation/compiled/partition.py: what they keep for backward); the others run the eager graph.
     """
 
     precision: str = "32-true"
@@ -115,6 +123,7 @@ class Plan:
     attention: str = "auto"
     device: str = "cuda"
     compile: bool = False
+    compiled_blocks: tuple[str, ...] = ()  # run as inductor partitions them (the docstring)
     prefetch_units: int = 2
     activation_offload: bool = False
     offload_min_bytes: int = 1 << 16
@@ -257,7 +266,7 @@ class Estimate:
                 "device": p.device,
                 "attention_kernel": p.attention_kernel,
                 "compile": p.compile,
-                "compile_modelled": False,
+                "compile_modelled": bool(p.compiled_blocks),
                 "precision": p.precision,
                 "micro_batch_size": p.micro_batch_size,
                 "accumulation_steps": p.accumulation_steps,
@@ -295,8 +304,7 @@ class Estimate:
             + (f" | {p.sharding} over {p.world_size}" if p.sharding != "none" else "")
             + (" + cpu offload" if p.cpu_offload else "")
             + (" + weights on the CPU" if p.weights_offload else ""),
-            f"  device {p.device}, attention kernel {p.attention_kernel}, "
-            f"compile {'on (eager graph traced)' if p.compile else 'off'}",
+            f"  device {p.device}, attention kernel {p.attention_kernel}, compile {_compile_phrase(p)}",
             "",
             f"  {'component':<22}{'GB at peak':>11}   what",
         ]

@@ -384,7 +384,52 @@ def test_eager_cuda_runs_a_strided_mask_on_math_with_a_bool_dropout_mask(precisi
     scores = b * h * seq * seq
     assert eager.kernels == [modelled.STRIDED_FALLBACK]
     assert eager.activations_saved_bytes == inputs + qkv + scores * (4 + 4 + 1)
-    assert run(compiled=True).kernels == ["efficient"]  # compiled blocks keep the fused kernel
+    # compiled blocks that run their eager graph here (checkpointed ones) count the fused kernel
+    assert run(compiled=True).kernels == ["efficient"]
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_a_compiled_block_keeps_what_inductors_partition_keeps(precision):
+    """A compiled block runs its math attention as inductor partitions it. In fp32 it keeps what eager keeps
+    (x, q, k, v, the softmax's output, the dropped-out weights, the bool mask); under autocast it keeps q, k
+    and v in bf16 (made fp32 again in backward) and recomputes the dropped-out weights from the softmax's
+    output and the mask, where eager keeps fp32 copies of q, k, v and the dropped-out weights in fp32."""
+    m = BiasedAttention()
+    b, seq, e, h = m.B, m.L, m.E, m.H
+    make = lambda: (torch.empty(b, seq, e),)  # noqa: E731
+    fn = lambda model, batch: (model(batch[0]).float().sum(),)  # noqa: E731
+    plan = planning.Plan(
+        precision=precision, micro_batch_size=b, compile=True, compiled_blocks=("BiasedAttention",)
+    )
+    est = planning.simulate(m, plan, make_batch=make, batch_fn=fn)
+    width = 2 if precision == "bf16-mixed" else 4
+    scores = b * h * seq * seq
+    if precision == "bf16-mixed":  # x, q, k, v in bf16; the softmax's output (fp32) and the mask
+        assert est.activations_saved_bytes == 4 * b * seq * e * width + scores * (4 + 1)
+    else:
+        assert est.activations_saved_bytes == 4 * b * seq * e * width + scores * (4 + 4 + 1)
+    assert est.kernels == [modelled.STRIDED_FALLBACK]
+
+
+def test_cross_entropy_under_cuda_autocast_keeps_the_bf16_log_probabilities_and_an_fp32_copy():
+    """CUDA autocast has no policy for cross_entropy_loss (CPU autocast runs it in fp32): its log_softmax
+    keeps bf16 logits' dtype and nll_loss, an fp32 op, copies them to fp32; both are kept for backward."""
+    logits = torch.zeros(4, 10, dtype=torch.bfloat16, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16), modelled.cuda_autocast_policy(True):
+        loss = nn.functional.cross_entropy(logits, torch.zeros(4, dtype=torch.long))
+        given = torch.softmax(logits, -1, dtype=torch.bfloat16)  # a dtype given: run as called
+    nll = loss.grad_fn
+    assert nll._saved_self.dtype == torch.float32
+    log_softmax = nll.next_functions[0][0].next_functions[0][0]
+    assert type(log_softmax).__name__ == "LogSoftmaxBackward0"
+    assert log_softmax._saved_result.dtype == torch.bfloat16
+    assert (
+        given.dtype == torch.bfloat16
+        and type(given.grad_fn.next_functions[0][0]).__name__ != "ToCopyBackward0"
+    )
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # CPU autocast's own once the policy is put back
+        cpu = nn.functional.cross_entropy(logits, torch.zeros(4, dtype=torch.long)).grad_fn
+    assert type(cpu.next_functions[0][0]).__name__ == "LogSoftmaxBackward0"  # an fp32 log_softmax
 
 
 def test_cuda_dropout_keeps_a_bool_mask_and_is_put_back():

@@ -34,6 +34,7 @@ SOURCES = (  # what a cached simulation depends on, relative to the package
     "planning/simulation/sharded.py",
     "planning/simulation/saved.py",
     "planning/simulation/expandable.py",
+    "planning/simulation/compiled/partition.py",
     "planning/plan.py",
     "training/models.py",
     "training/data/__init__.py",

@@ -23,15 +23,24 @@ from fabric_memory_recipes.training.techniques import checkpointing
 def cuda_autocast_policy(enabled: bool) -> Iterator[None]:
     """Give CPU autocast CUDA autocast's choices for the ops where the two differ.
 
-    CUDA runs these in fp32 under autocast; CPU autocast runs them in low precision. The kernels are
-    registered for the AutocastCPU key only while the simulation runs and removed afterwards.
+    CUDA runs these in fp32 under autocast; CPU autocast runs them in low precision. softmax and
+    log_softmax given a dtype run as called (CUDA's ``fp32_set_opt_dtype`` policy). CUDA lists no policy
+    for ``cross_entropy_loss``, which CPU autocast runs in fp32: on CUDA its log_softmax keeps the input's
+    dtype (it passes that dtype) and nll_loss, an fp32 op, takes an fp32 copy of the log-probabilities, so
+    bf16 logits leave both for backward (:func:`cuda_cross_entropy`). The kernels are registered for the
+    AutocastCPU key only while the simulation runs and removed afterwards.
     """
     if not enabled:
         yield
         return
 
-    def fp32(op):
+    def fp32(op, dtype_at: int | None = None):
         def kernel(*args, **kwargs):
+            given = args[dtype_at] if dtype_at is not None and len(args) > dtype_at else kwargs.get("dtype")
+            if dtype_at is not None and given is not None:  # a dtype given: CUDA runs the op as called
+                with torch._C._ExcludeDispatchKeyGuard(DispatchKeySet(DispatchKey.AutocastCPU)):
+                    return op(*args, **kwargs)
+
             def up(t):
                 if isinstance(t, torch.Tensor) and t.dtype in (torch.float16, torch.bfloat16):
                     return t.float()
@@ -47,20 +56,28 @@ def cuda_autocast_policy(enabled: bool) -> Iterator[None]:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            for name, overload in (
-                ("layer_norm", "default"),
-                ("native_layer_norm", "default"),
-                ("group_norm", "default"),
-                ("softmax", "int"),
-                ("log_softmax", "int"),
-                ("nll_loss", "default"),
-                ("mse_loss", "default"),
+            for name, overload, dtype_at in (
+                ("layer_norm", "default", None),
+                ("native_layer_norm", "default", None),
+                ("group_norm", "default", None),
+                ("softmax", "int", 2),
+                ("log_softmax", "int", 2),
+                ("nll_loss", "default", None),
+                ("mse_loss", "default", None),
             ):
                 op = getattr(getattr(torch.ops.aten, name), overload)
-                lib.impl(name if overload == "default" else f"{name}.{overload}", fp32(op), "AutocastCPU")
+                name = name if overload == "default" else f"{name}.{overload}"
+                lib.impl(name, fp32(op, dtype_at), "AutocastCPU")
+            lib.impl("cross_entropy_loss", cuda_cross_entropy, "AutocastCPU")
         yield
     finally:
         lib._destroy()
+
+
+def cuda_cross_entropy(*args, **kwargs):
+    """``aten::cross_entropy_loss`` under CUDA autocast, which has no policy for it: its own composite
+    (LossNLL.cpp), whose ops meet autocast one by one (:func:`cuda_autocast_policy`)."""
+    return torch.ops.aten.cross_entropy_loss.default.decompose(*args, **kwargs)
 
 
 @contextlib.contextmanager
@@ -84,7 +101,7 @@ def cuda_runs_flash(query: torch.Tensor, attn_mask: torch.Tensor | None) -> bool
     return attn_mask is None and half and head_dim % 8 == 0 and head_dim <= 256
 
 
-STRIDED_FALLBACK = "math (strided input)"  # the kernel an eager CUDA step falls back to, as reported
+STRIDED_FALLBACK = "math (strided input)"  # the kernel a CUDA step falls back to, as reported
 
 
 def cuda_takes_fused(*tensors: torch.Tensor | None) -> bool:
@@ -100,9 +117,10 @@ def cuda_takes_fused(*tensors: torch.Tensor | None) -> bool:
 def cuda_dropout(enabled: bool) -> Iterator[None]:
     """``aten::dropout`` as CUDA runs it: the fused ``native_dropout``, whose backward keeps a bool mask
     (1 byte an element). aten picks it by ``input.is_cuda()`` (Dropout.cpp, is_fused_kernel_acceptable);
-    on a CPU it draws a noise tensor of the input's dtype and keeps that (2 or 4 bytes an element). The
-    kernel is registered for the AutogradCPU key while the context is open, so it serves the calls made
-    from C++ too (the math attention kernel's dropout)."""
+    on a CPU it draws a noise tensor of the input's dtype and keeps that (2 or 4 bytes an element): T5-small's
+    dropout layers at batch 32 x 256 -> 64 kept 226 MB more so than on the GPU. The kernel is registered
+    for the AutogradCPU key while the context is open, so it serves ``nn.Dropout`` and the calls made from
+    C++ too (the math attention kernel's dropout)."""
     if not enabled:
         yield
         return
@@ -133,10 +151,16 @@ def attention_kernel(kind: str, device: str, used: set[str], compiled: bool = Fa
     gradient (T5's learned position bias), as torch's CPU dispatcher does. All of them save q, k, v, the
     output and a log-sum-exp, no score matrix. 'math' runs the reference implementation, which saves the
     attention weights (batch x heads x seq x seq): what the meta device runs, and what CUDA falls back to
-    when no fused kernel fits: eagerly, for inputs whose last dimension is strided (:func:`cuda_takes_fused`;
-    ``compiled`` blocks keep the fused kernel, as the measured runs in fast mode show). Autocast casts the
+    when no fused kernel fits, for inputs whose last dimension is strided (:func:`cuda_takes_fused`), in
+    compiled blocks too (T5-small's compiled step on an H200 ran its self-attention's softmax as inductor
+    kernels), where inductor fuses the softmax and the dropout into kernels. ``compiled``: the step's
+    compiled blocks run their eager graph here (checkpointed ones, which keep nothing but their input:
+    planning/simulation/simulate.py), so their strided attention is counted as the memory-efficient
+    kernel, whose transients stand in for those fused kernels' (the committed checkpointed fast rows of
+    T5-small, T5-base and mT5-base: within 1 % of their measured peak allocated). Autocast casts the
     arguments, the mask included, and runs the kernel with itself off (math computes in fp32 inside); on
-    CUDA the math kernel's dropout is CUDA's (:func:`cuda_dropout`). ``used`` collects the kernels that ran.
+    CUDA the simulation runs CUDA's dropout (:func:`cuda_dropout`) for the whole step. ``used`` collects the
+    kernels that ran.
     """
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):
@@ -150,7 +174,7 @@ def attention_kernel(kind: str, device: str, used: set[str], compiled: bool = Fa
         strided = device == "cuda" and not compiled and not cuda_takes_fused(query, key, value, attn_mask)
         if kind == "math" or kw.get("enable_gqa") or device == "cpu" and learned_mask or strided:
             used.add(STRIDED_FALLBACK if strided and kind != "math" else "math")
-            with torch.autocast("cpu", enabled=False), cuda_dropout(device == "cuda"):
+            with torch.autocast("cpu", enabled=False):
                 return torch.ops.aten._scaled_dot_product_attention_math(
                     query, key, value, attn_mask, dropout_p, is_causal, scale=scale
                 )[0]

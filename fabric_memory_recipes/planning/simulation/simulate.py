@@ -30,6 +30,7 @@ from fabric_memory_recipes.planning.plan import (
     plan_for,
 )
 from fabric_memory_recipes.planning.simulation.built import built_technique
+from fabric_memory_recipes.planning.simulation.compiled.partition import partitioned
 from fabric_memory_recipes.planning.simulation.costs import OpCosts
 from fabric_memory_recipes.planning.simulation.expandable import peaks_reserved
 from fabric_memory_recipes.planning.simulation.modelled import (
@@ -38,6 +39,7 @@ from fabric_memory_recipes.planning.simulation.modelled import (
     attention_kernel,
     checkpointed,
     cuda_autocast_policy,
+    cuda_dropout,
     host_draws_kept,
 )
 from fabric_memory_recipes.planning.simulation.saved import SimulatedSaves
@@ -174,7 +176,11 @@ def simulate(
         if op_costs is not None:  # records nothing until a micro-batch's section is set
             stack.enter_context(op_costs)
         stack.enter_context(tracker)
-        stack.enter_context(attention_kernel(plan.attention_kernel, plan.device, kernels, plan.compile))
+        # compiled blocks run as inductor partitions them, unless checkpointed (which keeps their input only)
+        partition = tuple(b for b in plan.compiled_blocks if b not in plan.activation_checkpointing)
+        eager_compiled = plan.compile and not partition  # compiled blocks run their eager graph here
+        stack.enter_context(attention_kernel(plan.attention_kernel, plan.device, kernels, eager_compiled))
+        stack.enter_context(cuda_dropout(plan.device == "cuda"))  # a bool mask kept, as CUDA's dropout
         stack.enter_context(host_draws_kept())  # LayerDrop's draws: every layer runs
         stack.enter_context(torch.compiler.set_stance("force_eager"))  # compiled blocks run eagerly here
         if (
@@ -244,6 +250,8 @@ def simulate(
         # The fake weights stand in for the module's own for the whole step: checkpointed blocks
         # recompute in backward, after the forward call has returned.
         stack.enter_context(_reparametrize_module(model, fake_state, tie_weights=True))
+        context = (plan.device, plan.attention_kernel)  # what the blocks' traces depend on besides
+        stack.enter_context(partitioned(model, partition, context, kernels))
         stack.enter_context(
             checkpointed(model, plan.activation_checkpointing, counter.add, plan.checkpoint_mode)
         )

@@ -27,7 +27,13 @@ from fabric_memory_recipes.planning import arguments
 from fabric_memory_recipes.planning.inference import cli as inference_cli
 from fabric_memory_recipes.planning.planner import cli as fit_cli
 from fabric_memory_recipes.planning.your_model import measure, saved_file
-from fabric_memory_recipes.planning.your_model.estimate import card, estimate, meta_user_model, plan_of
+from fabric_memory_recipes.planning.your_model.estimate import (
+    card,
+    estimate,
+    meta_user_model,
+    partitioned_blocks,
+    plan_of,
+)
 from fabric_memory_recipes.planning.your_model.sets import UserPlanner
 from fabric_memory_recipes.techniques import ACTIVATION_CHECKPOINTING, switches
 from fabric_memory_recipes.training.techniques import refusal_of
@@ -100,7 +106,8 @@ def run(parsed: argparse.Namespace) -> int:
         fail(f"{ACTIVATION_CHECKPOINTING.flag}: no repeated blocks found in {cfg.model}")
     # fast mode sets expandable segments where RunConfig chooses CUDA graphs, which the runner may then leave out
     expandable = bool(cfg.cuda_graphs) or (args.cuda_graphs is None and cfg.graphs_by_default())
-    est = estimate(model, um, plan_of(cfg, blocks, expandable), cfg.seq_len, target_len=cfg.target_len)
+    plan = plan_of(cfg, blocks, expandable, partitioned_blocks(um, blocks))
+    est = estimate(model, um, plan, cfg.seq_len, target_len=cfg.target_len)
     # the overhead of the mode estimated, as --fit takes it per set and --memory-budget-gb caps the run
     got = card(est, args.gpu, overhead_mode(cfg.flags()), cfg.world_size if cfg.fsdp else 1)
     about = {

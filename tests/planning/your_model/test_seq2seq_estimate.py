@@ -3,19 +3,26 @@ target's length and the fused loss seen by the estimate, --fit's commands, and b
 
 from __future__ import annotations
 
+import collections
 import json
+import re
+from pathlib import Path
 
 import pytest
+import torch
 
 from fabric_memory_recipes.planning.__main__ import main as estimate_main
 from fabric_memory_recipes.planning.plan import Plan
+from fabric_memory_recipes.planning.simulation import saved
 from fabric_memory_recipes.planning.simulation.modelled import STRIDED_FALLBACK
 from fabric_memory_recipes.planning.your_model import set_speed
 from fabric_memory_recipes.planning.your_model.estimate import estimate, meta_user_model
 from fabric_memory_recipes.planning.your_model.sets import UserPlanner
 
+H200_LOG = Path(__file__).parents[3] / "results/published/h200/t5-attention-backend/log.txt"
 TINY = {
     "t5": dict(model_type="t5", vocab_size=8192, d_model=64, d_ff=128, num_layers=2, num_heads=4, d_kv=16),
+    "t5-one": dict(model_type="t5", vocab_size=512, d_model=64, d_ff=128, num_layers=1, num_heads=4, d_kv=16),
     "bart": dict(model_type="bart", vocab_size=512, d_model=64, encoder_layers=2, decoder_layers=2,
                  encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,
                  max_position_embeddings=128),
@@ -48,7 +55,7 @@ def test_the_shipped_mt5_is_the_articles_582_million_parameters():
 
 
 def test_the_estimate_sees_the_target_length_and_the_fused_loss(tiny, capsys):
-    argv = ["--model", tiny["t5"], "--seq-len", "32", "--batch-size", "8"]
+    argv = ["--model", tiny["t5"], "--seq-len", "32", "--batch-size", "8", "--mode", "eager"]
     short, long = (_json(capsys, [*argv, "--target-len", n]) for n in ("8", "64"))
     assert short["task"] == "seq2seq_lm" and (short["target_len"], long["target_len"]) == (8, 64)
     assert long["peak_allocated_gb"] > short["peak_allocated_gb"]  # the logits: target tokens x 8192
@@ -85,6 +92,59 @@ def test_t5_self_attention_runs_math_in_an_eager_cuda_step_and_fused_in_compiled
     half = planner.plains[(*fast.plain[:5], 1, 2)]  # micro-batch 1 x 2
     bound = set_speed.optimistic(planner, half)
     assert half.predicted_gb is None and planner.predict(half).images_per_s <= bound * (1 + 1e-9)
+
+
+def test_t5_small_eager_step_keeps_what_the_h200_measured():
+    """T5-small at batch 32 x 256 -> 64, bf16-mixed, one H200 (scripts/gpu/t5_attention_backend.sh): the
+    forward kept 3,770,105,956 bytes for backward, and so does the simulated step: CUDA's dropout keeps a
+    bool mask (the CPU's a noise tensor of the input's dtype: 226 MB more), and CUDA's cross-entropy keeps
+    the bf16 log-probabilities and nll_loss's fp32 copy of them (131.6 MB that CPU autocast does not make)."""
+    measured = int(re.search(r"eager step 2 saved (\d+)", H200_LOG.read_text()).group(1))
+    um, model, blocks, _ = meta_user_model("hf:examples/configs/t5-small")
+    est = estimate(model, um, Plan(precision="bf16-mixed", micro_batch_size=32), 256, target_len=64)
+    assert est.activations_saved_bytes == measured == 3_770_105_956
+
+
+def test_compiled_t5_blocks_keep_what_inductors_partition_keeps(tiny, monkeypatch):
+    """Fast mode's compiled T5 blocks (not checkpointed) run as inductor partitions them: where the eager
+    graph keeps the ReLU's bf16 output, fp32 copies of the self-attention's q, k, v and its dropped-out
+    weights in fp32, the compiled blocks keep a bool mask of the ReLU and q, k, v in bf16, and recompute the
+    rest in backward (T5-small on an H200: 2.52 GB kept where the eager blocks keep 3.77,
+    docs/your_model.md)."""
+    kept: list[collections.Counter] = []
+    pack = saved.SimulatedSaves._pack
+
+    def counting(self, t):
+        if id(t.untyped_storage()) not in self._exclude and t.untyped_storage() not in self._seen:
+            kept[-1][(tuple(t.shape), t.dtype)] += 1
+        return pack(self, t)
+
+    monkeypatch.setattr(saved.SimulatedSaves, "_pack", counting)
+    um, model, blocks, _ = meta_user_model(tiny["t5-one"])
+    b, src, tgt, ff = 2, 32, 8, 128
+    steps = []
+    for compiled in ((), blocks):
+        kept.append(collections.Counter())
+        plan = Plan(
+            precision="bf16-mixed", micro_batch_size=b, compile=bool(compiled), compiled_blocks=compiled
+        )
+        steps.append(estimate(model, um, plan, src, target_len=tgt))
+    (eager, fast), (eager_kept, fast_kept) = steps, kept
+    assert fast.activations_saved_bytes < 0.8 * eager.activations_saved_bytes
+    for tokens in (src, tgt):  # the encoder's and the decoder's feed-forward
+        assert (
+            eager_kept[((b, tokens, ff), torch.bfloat16)] and not fast_kept[((b, tokens, ff), torch.bfloat16)]
+        )
+        assert fast_kept[((b, tokens, ff), torch.bool)] == eager_kept[((b, tokens, ff), torch.bool)] + 1
+    heads, head_dim = 4, 16
+    qkv = ((b * heads, src, head_dim), (b * heads, head_dim, src))  # the encoder's self-attention
+    assert sum(eager_kept[(s, torch.float32)] for s in qkv) == 3 and not any(
+        fast_kept[(s, torch.float32)] for s in qkv
+    )
+    assert sum(fast_kept[(s, torch.bfloat16)] for s in qkv) == 3
+    assert eager_kept[((b * heads, src, src), torch.float32)] == 1  # the dropped-out weights
+    assert not fast_kept[((b * heads, src, src), torch.float32)]
+    assert fast.kernels == eager.kernels == ["efficient", STRIDED_FALLBACK]
 
 
 def test_fit_answers_for_bart_with_commands_that_keep_the_target_length(tiny, capsys):
