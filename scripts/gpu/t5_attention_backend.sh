@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Which attention kernel T5-small's training step runs on one GPU, eager and with compiled blocks (fast
 # mode), and what its forward saves for backward, against the simulation's count of the same step. The
-# estimator models eager CUDA as running T5's self-attention on the math kernel (its position-bias mask is
-# laid out heads-last; CUDA's fused kernels want the mask's last dimension contiguous), compiled blocks as
-# keeping the memory-efficient kernel, and the math kernel's dropout as CUDA's fused one (a bool mask).
+# estimator models CUDA as running T5's self-attention on the math kernel (its position-bias mask is laid
+# out heads-last; CUDA's fused kernels want the mask's last dimension contiguous), compiled blocks as
+# inductor partitions them (planning/simulation/compiled/partition.py), and dropout as CUDA's fused one (a
+# bool mask).
 # From the repository root; about 3 minutes (compiling the blocks: about 1); results under $OUT:
 #
 #   bash scripts/gpu/t5_attention_backend.sh
@@ -118,7 +119,8 @@ for mode in ("eager", "compiled"):
 
 um, model, blocks, _ = meta_user_model(REF)
 for compiled in (False, True):
-    est = estimate(model, um, Plan(precision="bf16-mixed", micro_batch_size=B, compile=compiled), L, target_len=T)
+    plan = Plan(precision="bf16-mixed", micro_batch_size=B, compile=compiled, compiled_blocks=blocks if compiled else ())
+    est = estimate(model, um, plan, L, target_len=T)
     result[f"simulated_{'compiled' if compiled else 'eager'}"] = {
         "saved_bytes": est.activations_saved_bytes, "peak_allocated_gb": est.peak_gb, "kernels": est.kernels}
     log("simulated", "compiled" if compiled else "eager", est.activations_saved_bytes, est.kernels)
