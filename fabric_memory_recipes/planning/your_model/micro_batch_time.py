@@ -95,16 +95,25 @@ class MicroBatch:
         return self.kernels * c.fast_op_s
 
     def floor_seconds(
-        self, c: Ceilings, mode: str, graphs: bool, fused: bool = True, scale: float = 1.0
+        self,
+        c: Ceilings,
+        mode: str,
+        graphs: bool,
+        fused: bool = True,
+        scale: float = 1.0,
+        kept: float = 1.0,
+        kept_memory: float = 1.0,
     ) -> float:
         """No more than :meth:`seconds` of the same ops on ``scale`` x this micro-batch: the matmul FLOPs scale
-        with the batch, each op's launch and the host's work do not, the bytes are left out; the queue takes at
-        least the GPU's sum and at least the host's."""
-        launched = self.kernels * c.kernel_s
+        with the batch, the bytes are left out, and each op's launch and the host's work count ``kept`` times
+        (``kept * kept_memory`` for an op without FLOPs): as often as the smaller micro-batch runs the op at
+        least (1: every op runs there too); the queue takes at least the GPU's sum and at least the host's."""
+        runs = np.where(self.matmul, kept, kept * kept_memory)
+        launched = runs * self.kernels * c.kernel_s
         share = 1.0 if mode == "eager" or not fused else c.fusion
         gpu = float(
             np.where(self.matmul, scale * self.flops / c.matmul_flops + launched, share * launched).sum()
         )
         if mode == "fast" and graphs:
             return gpu
-        return max(gpu, float(self._host(c, mode if fused else "eager").sum()))
+        return max(gpu, float((runs * self._host(c, mode if fused else "eager")).sum()))

@@ -23,7 +23,8 @@ from fabric_memory_recipes.planning.plan import OPTIMIZER_STATE_FACTOR, Plan
 from fabric_memory_recipes.planning.simulation.costs import OpCosts
 from fabric_memory_recipes.planning.your_model import step_time
 from fabric_memory_recipes.planning.your_model.choice import Choice
-from fabric_memory_recipes.techniques import ACTIVATION_OFFLOAD
+from fabric_memory_recipes.techniques import ACTIVATION_OFFLOAD, FUSED_LOSS
+from fabric_memory_recipes.training.techniques import fused_loss
 
 COPY_GBPS = 20.0  # host<->GPU copies of one process (pinned PCIe Gen5 x16 runs ~50, pageable copies ~10-25)
 HOST_OPTIMIZER_GBPS = 40.0  # one process's CPU optimizer streaming over host memory (its share of the cores)
@@ -88,8 +89,29 @@ def optimistic(planner: Any, p: Choice) -> float:
         planner.compiled,
         r.micro_batch_size / r.batch_size,
         r.accumulation_steps,
+        *ops_kept(planner, p),
     )
     return p.devices * r.batch_size / seconds
+
+
+def ops_kept(planner: Any, p: Choice) -> tuple[float, float]:
+    """How often plain set ``p``'s micro-batch runs each op of the whole batch's step at least, as the floor
+    of its step counts them (step_time.floor_step_seconds): every op, and besides an op without FLOPs. Most
+    ops run once a micro-batch whatever its size, but the fused loss walks the tokens in chunks whose number
+    follows the tokens where they are few (fused_loss.chunk_count; never fewer than micro-batch / batch of the
+    whole batch's), and at micro-batch 1 an op without FLOPs may not run at all (a copy of a tensor that a
+    batch of one leaves contiguous, a sum of a gradient over a batch of one): those count micro-batch / batch."""
+    r = p.rung
+    scale = r.micro_batch_size / r.batch_size
+    kept = 1.0
+    if FUSED_LOSS.name in p.switched:
+        head = planner.model.get_output_embeddings()
+        target = (planner.target_len or planner.seq_len) if planner.um.task == "seq2seq_lm" else None
+        per_sample = target or (planner.seq_len or 0) - 1  # a causal LM's loss: every token but the first
+        vocab, hidden = head.weight.shape
+        whole = fused_loss.chunk_count(r.batch_size * per_sample, vocab, hidden)
+        kept = min(1.0, fused_loss.chunk_count(r.micro_batch_size * per_sample, vocab, hidden) / whole)
+    return kept, scale if r.micro_batch_size == 1 else 1.0
 
 
 def lines(planner: Any, verbose: bool = False) -> list[str]:

@@ -224,12 +224,21 @@ def step_seconds(
 
 
 def floor_step_seconds(
-    costs: StepCosts, c: Ceilings, mode: str, graphs: bool, fused: bool, scale: float, k: int
+    costs: StepCosts,
+    c: Ceilings,
+    mode: str,
+    graphs: bool,
+    fused: bool,
+    scale: float,
+    k: int,
+    kept: float = 1.0,
+    kept_memory: float = 1.0,
 ) -> float:
     """No more than :func:`step_seconds` of the step without techniques that ``costs`` (one micro-batch)
     describes, on ``scale`` x its micro-batch accumulated over ``k`` (a later micro-batch runs the first's ops
-    and adds the gradients): what bounds a set's speed before its own simulation."""
-    per = costs.micro[0].floor_seconds(c, mode, graphs and mode == "fast", fused, scale)
+    and adds the gradients), each op run at least ``kept`` times as often (``kept * kept_memory`` for one
+    without FLOPs: :meth:`MicroBatch.floor_seconds`): what bounds a set's speed before its own simulation."""
+    per = costs.micro[0].floor_seconds(c, mode, graphs and mode == "fast", fused, scale, kept, kept_memory)
     opt = costs.optimizer
     return k * per + (2 * (opt["parameter_bytes"] + opt["state_bytes"]) + opt["gradient_bytes"]) / c.bandwidth
 

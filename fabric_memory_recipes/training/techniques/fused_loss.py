@@ -120,6 +120,12 @@ def chunk_rows(tokens: int, vocab: int, hidden: int) -> int:
     return 2 ** max(0, math.ceil(math.log2(max(1, math.ceil(tokens / max(1, math.ceil(vocab / hidden)))))))
 
 
+def chunk_count(tokens: int, vocab: int, hidden: int) -> int:
+    """How many chunks the loss of ``tokens`` rows walks (:func:`chunk_rows` each): one a token while there
+    are fewer tokens than vocabulary / hidden, then between half that and that many."""
+    return math.ceil(tokens / chunk_rows(tokens, vocab, hidden)) if tokens > 0 else 0
+
+
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
     """The fused loss in torch: the gradients are made in the forward pass, one chunk of tokens at a time,
     and the backward pass only scales them (so nothing of size tokens x vocabulary is saved)."""

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from fabric_memory_recipes.planning.plan import Plan
-from fabric_memory_recipes.planning.your_model import offload_bound, sets, step_time
+from fabric_memory_recipes.planning.your_model import offload_bound, set_speed, sets, step_time
 from fabric_memory_recipes.planning.your_model.sets import UserPlanner
 from fabric_memory_recipes.techniques import (
     ACTIVATION_CHECKPOINTING,
@@ -37,6 +37,35 @@ def lm(tmp_path_factory) -> str:
         )
     )
     return f"hf:{folder}"
+
+
+@pytest.fixture(scope="module")
+def t5(tmp_path_factory) -> str:
+    """A 2-layer T5 of width 64 with an 8192-token vocabulary: with its 8-token targets the fused loss walks
+    each micro-batch one token a chunk (fewer tokens than vocabulary / width), so a smaller micro-batch runs
+    fewer of the loss's ops."""
+    folder = tmp_path_factory.mktemp("search_t5")
+    fields = dict(model_type="t5", vocab_size=8192, d_model=64, d_ff=128, num_layers=2, num_heads=4, d_kv=16)
+    (folder / "config.json").write_text(json.dumps(fields))
+    return f"hf:{folder}"
+
+
+def test_a_plain_sets_bound_before_its_simulation_is_never_below_its_prediction(t5):
+    """The bound --fit prunes a set by before its plain set is simulated (set_speed.optimistic: the floor of
+    that set's step, scaled from the whole batch's) is an upper bound of the speed the simulation then
+    predicts, with the fused loss and without: at micro-batch 1 some copies are views and some gradients
+    need no sum over the batch, and the fused loss's chunks follow the tokens where they are fewer than
+    vocabulary / width (this T5's 32 tokens at the whole batch, 16 at micro-batch 2). Eager mode: fast
+    mode's floor counts the ops the same way."""
+    planner = UserPlanner(t5, 4, 16, precision="bf16-mixed", target_len=8)
+    planner.plains = {c.plain: c for c in planner.choices if not c.techniques.used and not c.cpu_offload}
+    eager = [p for p in planner.plains.values() if p.mode == "eager"]
+    assert {(p.rung.micro_batch_size, bool(p.switched)) for p in eager} == {
+        (m, fused) for m in (1, 2, 4) for fused in (False, True)
+    }
+    for p in eager:
+        bound = set_speed.optimistic(planner, p)  # p's whole batch simulated, p itself not yet
+        assert planner.predict(p).images_per_s <= bound * (1 + 1e-9), p.label()
 
 
 def stand_in(planner: UserPlanner):
