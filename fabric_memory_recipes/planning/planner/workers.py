@@ -21,6 +21,7 @@ which only Linux does safely here; elsewhere the search runs alone.
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.connection
 import os
 import signal
 import sys
@@ -85,9 +86,7 @@ class Workers:
     job runs backward passes, as a simulation does)."""
 
     def __init__(self, job: Callable[..., Any], count: int, autograd: bool = True) -> None:
-        global _JOB
-        _JOB = job
-        self.autograd = autograd
+        self.job, self.autograd = job, autograd
         self._processes: list[tuple[Any, Any]] = []
         self._idle: list[Any] = []
         self._running: dict[Hashable, Any] = {}  # key -> the connection of the worker that runs it
@@ -96,6 +95,8 @@ class Workers:
 
     def grow(self, count: int) -> None:
         """Fork ``count`` more workers."""
+        global _JOB
+        _JOB = self.job
         context = multiprocessing.get_context("fork")
         for _ in range(count):
             ours, theirs = context.Pipe()
@@ -129,11 +130,14 @@ class Workers:
         self._running[key] = connection
         return True
 
-    def take(self, key: Hashable) -> tuple[bool, Any, float]:
-        """(True, the result of ``key``, its CPU seconds), waiting for it if it runs; (False, None, 0) if it
-        was never submitted or did not end well (the caller then runs it itself)."""
-        while key in self._running and self._receive(self._running[key], wait=True):
-            pass
+    def take(self, key: Hashable, feed: Callable[[], None] = lambda: None) -> tuple[bool, Any, float]:
+        """(True, the result of ``key``, its CPU seconds), waiting for it if it runs (``feed()`` whenever
+        another worker is done meanwhile: to give it more); (False, None, 0) if it was never submitted or did
+        not end well (the caller then runs it itself)."""
+        while key in self._running:
+            for connection in multiprocessing.connection.wait(list(self._running.values())):
+                self._receive(connection, wait=True)
+            feed()
         status, result, cpu = self._done.pop(key, ("missing", None, 0.0))
         return (True, result, cpu) if status == "ok" else (False, None, 0.0)
 
@@ -187,8 +191,11 @@ class Ahead:
         if self.forkable and self.workers is None:  # the search's first simulation
             self.workers = Workers(self.job, self.count if self.immediate else 1)
             self.workers.submit(key, *args)
+        if self.workers is not None and len(self.workers) > 1 and key not in self.workers:
+            self.workers.submit(key, *args)  # many workers: this process waits for it and feeds the others
         self.offer(key)
-        taken, result, cpu = self.workers.take(key) if self.workers is not None else (False, None, 0.0)
+        found = self.workers.take(key, self.offer) if self.workers is not None else None
+        taken, result, cpu = found or (False, None, 0.0)
         if self.forkable and not self.immediate and taken and cpu >= SLOW_S:  # a slow step: the cores help
             self.workers.grow(self.count - 1)
         elif self.forkable and not self.immediate:  # a quick step (or no usable worker): this process alone

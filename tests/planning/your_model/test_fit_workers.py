@@ -64,7 +64,7 @@ from fabric_memory_recipes.planning.__main__ import main as estimate_main
 from fabric_memory_recipes.planning.planner import workers
 from fabric_memory_recipes.planning.__main__ import main
 taken, take = [], workers.Workers.take
-workers.Workers.take = lambda self, key: taken.append(take(self, key)) or taken[-1]
+workers.Workers.take = lambda self, key, *feed: taken.append(take(self, key, *feed)) or taken[-1]
 code = main(sys.argv[1:])
 print(f"taken from workers: {sum(t[0] for t in taken)}", file=sys.stderr)
 sys.exit(code)
