@@ -152,7 +152,7 @@ def run(parsed: argparse.Namespace) -> int:
 def fit_main(args: Any, cfg: runner.YourModelConfig) -> int:
     start = time.perf_counter()
     try:
-        workers.wanted()
+        asked = workers.wanted()
     except ValueError as e:
         fail(str(e))
     planner = UserPlanner(
@@ -176,8 +176,9 @@ def fit_main(args: Any, cfg: runner.YourModelConfig) -> int:
             " no technique set fits a smaller card"
         )
     planner.progress = lambda p, c: _progress(p, c, time.perf_counter() - start)
+    planner.workers_asked = asked  # simulations ahead of the search on the other cores
     try:
-        fits, rejected = planner.fit(args.budget_gb, args.top, ahead=True)
+        fits, rejected = planner.fit(args.budget_gb, args.top)
     except RuntimeError as e:  # a simulation failed: one line, exit 1 (the contract above)
         print(f"fmr-estimate: {str(e).splitlines()[0]}", file=sys.stderr)
         return 1

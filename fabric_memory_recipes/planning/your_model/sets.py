@@ -120,6 +120,10 @@ class UserPlanner:
         self.bounded = False  # every choice's speed_bound set (:meth:`bound`)
         self.plains: dict[tuple, Choice] = {}  # the sets without memory techniques, by Choice.plain
         self.pool: workers.Ahead | None = None  # simulating ahead of the search (planner/workers.py)
+        self.workers_asked = (
+            0,
+            False,
+        )  # (how many, all at once) for :meth:`fit`: workers.wanted(), the CLI's
         self.ahead: Callable[[], list[Choice]] = list  # what the search most likely simulates next, in order
         self.progress: Callable[[UserPlanner, Choice], None] | None = None  # told of each simulated choice
         self.simulations = 0
@@ -294,11 +298,12 @@ class UserPlanner:
         """(key, what :meth:`_outcome` takes) of what the search will most likely simulate next (:attr:`ahead`)."""
         return ((x.key, (self.index[id(x)], False)) for x in self.ahead() if x.key not in self.simulated)
 
-    def fit(self, budget_gb: float, top: int = 5, ahead: bool = False) -> tuple[list[Choice], Choice | None]:
+    def fit(self, budget_gb: float, top: int = 5) -> tuple[list[Choice], Choice | None]:
         """The ``top`` fastest choices predicted to fit, and the fastest predicted not to fit among those
         faster than the last pick (None if there is none): the ladder planner's search (planning/planner/fit.py),
-        on the bounds of :meth:`bound`; ``ahead``: with worker processes (planning/planner/workers.py)."""
-        self.pool = workers.Ahead(self._outcome, self._wanted, *workers.wanted()) if ahead else None
+        on the bounds of :meth:`bound`, with :attr:`workers_asked` worker processes (planner/workers.py)."""
+        asked = self.workers_asked
+        self.pool = workers.Ahead(self._outcome, self._wanted, *asked) if asked[0] else None
         try:
             return self._search(budget_gb, top)
         finally:
