@@ -159,6 +159,14 @@ def test_the_number_of_workers_is_the_environments_or_the_cores_but_one():
         workers.wanted({workers.WORKERS_ENV: "two"})
 
 
+def test_a_bad_number_of_workers_is_one_line_and_exit_2(lm, capsys, monkeypatch):
+    monkeypatch.setenv(workers.WORKERS_ENV, "two")
+    with pytest.raises(SystemExit) as e:
+        estimate_main(["--model", lm, "--seq-len", "16", "--batch-size", "2", "--fit", "4GB"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and "FMR_PLAN_WORKERS='two'" in err
+
+
 def test_a_long_search_says_each_simulation_on_stderr_a_quick_one_nothing(lm, capsys):
     planner = UserPlanner(lm, 4, 16, precision="bf16-mixed")
     c = planner.predict(planner.choices[0])
