@@ -13,9 +13,10 @@ more gets the others, a quicker one (a tiny model's) is simulated in the search'
 Workers fork before the search's process runs any backward pass (autograd refuses to run in a process
 forked after its own engine started): a worker that finds autograd unusable leaves its sets to the search.
 
-``FMR_PLAN_WORKERS`` sets how many: 0 none; unset, one fewer than the cores this process may run on (at most
-:data:`MOST`; the search simulates too); a number: that many, from the first simulation on. Workers fork,
-which only Linux does safely here; elsewhere the search runs alone.
+``FMR_PLAN_WORKERS`` sets how many: 0 none; unset, as many as the cores this process may run on (none on one
+core; at most :data:`MOST`); a number: that many, from the first simulation on. With several workers the
+search's process hands them its own simulations too and feeds them while it waits; with one, it simulates
+beside it. Workers fork, which only Linux does safely here; elsewhere the search runs alone.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def wanted(env: dict[str, str] | None = None) -> tuple[int, bool]:
     if value:
         return int(value), True
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(0, min(cores - 1, MOST)), False
+    return (min(cores, MOST) if cores > 1 else 0), False
 
 
 def _autograd_works() -> bool:
