@@ -22,10 +22,12 @@ pass): the step time model weighs each op against the GPU's ceilings, which a su
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import defaultdict
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
@@ -48,6 +50,9 @@ NO_KERNEL = {
     aten.is_same_size.default,
     aten._has_compatible_shallow_copy_type.default,
 }
+# A tensor's device, which autograd's engine asks of a fake tensor through the dispatch modes (most of the
+# ops of a simulated backward pass).
+DEVICE_QUERY = torch.ops.prim.device.default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,10 +80,12 @@ def tensor_bytes(t: torch.Tensor) -> int:
 
 def op_cost(func: Any, args: tuple, kwargs: dict, out: Any) -> OpCost:
     """The cost of one op from its inputs and outputs (fake tensors are enough: only shapes are read)."""
-    name = str(func.overloadpacket.__name__) if hasattr(func, "overloadpacket") else str(func)
+    name = _name(func)
+    if func in NO_KERNEL or getattr(func, "is_view", False):  # views
+        return _no_kernel(name)
     tensors_out = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-    if func in NO_KERNEL or getattr(func, "is_view", False) or not tensors_out:  # views, queries (.device)
-        return OpCost(name, 0.0, 0.0, False, False, 0)
+    if not tensors_out:  # queries (.device)
+        return _no_kernel(name)
     tensors_in = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     nbytes = sum(tensor_bytes(t) for t in tensors_in) + sum(tensor_bytes(t) for t in tensors_out)
     packet = getattr(func, "overloadpacket", None)
@@ -87,6 +94,26 @@ def op_cost(func: Any, args: tuple, kwargs: dict, out: Any) -> OpCost:
     floats = [t for t in tensors_in if t.is_floating_point()]
     low = bool(floats) and floats[0].dtype in LOW_PRECISION
     return OpCost(name, flops, float(nbytes), formula is not None, low, 1)
+
+
+@functools.cache
+def _name(func: Any) -> str:
+    return str(func.overloadpacket.__name__) if hasattr(func, "overloadpacket") else str(func)
+
+
+@functools.cache
+def _no_kernel(name: str, backward: bool = False, recompute: bool = False) -> OpCost:
+    """The row of an op that runs no kernel (one frozen row shared by every such op of one name)."""
+    return OpCost(name, 0.0, 0.0, False, False, 0, backward, recompute)
+
+
+def _in_backward(cost: OpCost, recompute: bool) -> OpCost:
+    """``cost`` run by the backward pass (``recompute``: a checkpointed block's forward op run again)."""
+    if cost is _no_kernel(cost.name):
+        return _no_kernel(cost.name, True, recompute)
+    return OpCost(
+        cost.name, cost.flops, cost.bytes, cost.matmul, cost.low_precision, cost.kernels, True, recompute
+    )
 
 
 class OpCosts(TorchDispatchMode):
@@ -124,14 +151,25 @@ class OpCosts(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is DEVICE_QUERY and fake_device_known(args):
+            return self.device_query(args[0])
         out = func(*args, **kwargs)
         if self.section is not None and isinstance(func, torch._ops.OpOverload):
-            cost = op_cost(func, args, kwargs, out)
-            if self.section[-1] == "backward":  # recompute: inside autograd's engine, gradients on
-                recompute = torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1
-                cost = dataclasses.replace(cost, backward=True, recompute=recompute)
-            self.ops[self.section].append(cost)
+            self._record(op_cost(func, args, kwargs, out))
         return out
+
+    def device_query(self, t: FakeTensor) -> torch.device:
+        """A fake tensor's device, as the fake mode answers it (without its dispatch: autograd's engine asks it
+        of most tensors of a backward pass), recorded as the op it is (no kernel)."""
+        if self.section is not None:
+            self._record(_no_kernel(_name(DEVICE_QUERY)))
+        return t.fake_device
+
+    def _record(self, cost: OpCost) -> None:
+        if self.section[-1] == "backward":  # recompute: inside autograd's engine, gradients on
+            recompute = torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1
+            cost = _in_backward(cost, recompute)
+        self.ops[self.section].append(cost)
 
     def of(self, micro: int) -> list[OpCost]:
         """The ops of one micro-batch, forward then backward (empty if it did not run)."""
@@ -154,3 +192,9 @@ class OpCosts(TorchDispatchMode):
             "kernels": sum(r.kernels for r in rows),
             "ops": len(rows),
         }
+
+
+def fake_device_known(args: tuple) -> bool:
+    """Whether the fake mode would answer a device query of ``args`` with the fake tensor's own device (its
+    ``_device_handler``: always, but inside a kernel it runs, where the answer is the meta device)."""
+    return len(args) == 1 and isinstance(args[0], FakeTensor) and not args[0].fake_mode.in_kernel_invocation

@@ -14,11 +14,12 @@ from typing import Any
 import torch
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fabric_memory_recipes.planning.plan import GB, round_bytes
+from fabric_memory_recipes.planning.simulation.costs import DEVICE_QUERY, OpCosts, fake_device_known
 
 
 class FakeMode(FakeTensorMode):
@@ -180,6 +181,7 @@ class Tracker(TorchDispatchMode):
         self._constants: dict[str, list[int]] = defaultdict(list)  # live constant blocks per category
         self._summing: Any = None  # the backward node whose outputs the engine is adding into its buffers
         self.gradient_sums: list[tuple[bool, tuple[int, ...]]] = []  # (in place, shape), in backward's order
+        self._costs: OpCosts | None = None  # the collector right below this mode (:meth:`__enter__`)
 
     def mark(self, name: str) -> None:
         self.marks[name] = len(self.events)
@@ -329,7 +331,16 @@ class Tracker(TorchDispatchMode):
             and torch._C._current_autograd_node() is self._summing
         )
 
+    def __enter__(self) -> Tracker:
+        below = _get_current_dispatch_mode()  # the op-cost collector, when simulate enters it just before
+        self._costs = below if isinstance(below, OpCosts) else None
+        return super().__enter__()
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is DEVICE_QUERY:  # a tensor's device (autograd's engine asks it of each gradient): no storage
+            if self._costs is not None and fake_device_known(args):  # answered as the modes below would
+                return self._costs.device_query(args[0])
+            return func(*args, **(kwargs or {}))
         if self._engine_sum(func, args, kwargs):
             in_place = _sums_in_place(*args)
             self.gradient_sums.append((in_place, tuple(args[0].shape)))

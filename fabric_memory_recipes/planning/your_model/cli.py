@@ -14,6 +14,7 @@ import json
 import os
 import re
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from fabric_memory_recipes.measurement.results_file import peak_bf16_flops
 from fabric_memory_recipes.planning import arguments
 from fabric_memory_recipes.planning.inference import cli as inference_cli
 from fabric_memory_recipes.planning.planner import cli as fit_cli
+from fabric_memory_recipes.planning.planner import workers
 from fabric_memory_recipes.planning.your_model import measure, saved_file
 from fabric_memory_recipes.planning.your_model.estimate import (
     card,
@@ -41,6 +43,7 @@ from fabric_memory_recipes.training.your_model import runner
 
 # the caching allocator's settings (config.FAST_ALLOCATOR: fast mode's)
 ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
+PROGRESS_S = 5.0  # a --fit search that has run this long says on stderr each set it simulates
 
 
 def parse(args: argparse.Namespace) -> tuple[argparse.Namespace, runner.YourModelConfig]:
@@ -154,6 +157,11 @@ def run(parsed: argparse.Namespace) -> int:
 
 
 def fit_main(args: Any, cfg: runner.YourModelConfig) -> int:
+    start = time.perf_counter()
+    try:
+        asked = workers.wanted()
+    except ValueError as e:
+        fail(str(e))
     planner = UserPlanner(
         cfg.model,
         cfg.batch_size,
@@ -174,6 +182,8 @@ def fit_main(args: Any, cfg: runner.YourModelConfig) -> int:
             f" ({planner.parameters / 1e6:.0f} M parameters in {cfg.precision if 'precision' not in args.may_change else 'bf16'}):"
             " no technique set fits a smaller card"
         )
+    planner.progress = lambda p, c: _progress(p, c, time.perf_counter() - start)
+    planner.workers_asked = asked  # simulations ahead of the search on the other cores
     try:
         fits, rejected = planner.fit(args.budget_gb, args.top)
     except RuntimeError as e:  # a simulation failed: one line, exit 1 (the contract above)
@@ -285,6 +295,19 @@ def measure_main(args: Any, cfg: runner.YourModelConfig, fits: list) -> int:
     if args.json:
         _print(json.dumps({"sets": rows, "measured_pick": best[0]["command"]}, indent=2))
     return 0
+
+
+def _progress(planner: UserPlanner, c: Any, elapsed: float) -> None:
+    """A line on stderr for each set simulated once the search has run :data:`PROGRESS_S` (a quick plan says
+    nothing), with the worker processes that simulate ahead of it (planning/planner/workers.py)."""
+    if elapsed >= PROGRESS_S:
+        ahead = f", {len(planner.pool)} worker processes ahead" if planner.pool else ""
+        print(
+            f"[fit {elapsed:4.0f} s] {planner.simulations} simulated{ahead}: {c.label()}: {c.card_gb:.2f} GB,"
+            f" {c.images_per_s:.1f} samples/s",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _print(text: str) -> None:

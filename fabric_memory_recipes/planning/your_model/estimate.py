@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import functools
 import os
+import weakref
 from typing import Any
 
 import torch
@@ -66,12 +67,14 @@ def text_batch(um: UserModel, micro_batch_size: int, seq_len: int, target_len: i
         mask = torch.ones(micro_batch_size, seq_len, dtype=torch.long)
         return ids, mask, torch.zeros(shape.get(um.task, (micro_batch_size,)), dtype=torch.long)
 
-    def batch_fn(model, batch):
-        input_ids, attention_mask, labels = batch
-        out = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
-        return out.loss, out.logits, labels
+    return make, _model_loss
 
-    return make, batch_fn
+
+def _model_loss(model, batch):
+    """A text model's batch function: its own loss."""
+    input_ids, attention_mask, labels = batch
+    out = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+    return out.loss, out.logits, labels
 
 
 def sharding_of(fsdp: bool, compile: bool, precision: str) -> dict[str, Any]:
@@ -136,10 +139,24 @@ def estimate(
     if um.is_text:
         make, batch_fn = text_batch(um, plan.micro_batch_size, seq_len, target_len)
     if plan.switched:  # what the switches do (the fused loss: no logits), on a copy: the model may be shared
-        model = copy.deepcopy(model)
-        for t in (t for t in switches() if t.name in plan.switched):
-            batch_fn = module_of(t).apply(model, batch_fn)
+        model, batch_fn = _switched(model, plan.switched, batch_fn)
     return simulate(model, plan, make_batch=make, batch_fn=batch_fn, model_name=um.ref, op_costs=op_costs)
+
+
+def _switched(model: Any, switched: tuple[str, ...], batch_fn: Any) -> tuple[Any, Any]:
+    """A copy of ``model`` with the switches on, and the batch function they give; made once per model, switches
+    and batch function (a simulation leaves the model it ran as it was: the next one may run the same)."""
+    made = _SWITCHED.setdefault(model, {})
+    if (switched, batch_fn) not in made:
+        copied = copy.deepcopy(model)  # a LoRA model takes a second
+        fn = batch_fn
+        for t in (t for t in switches() if t.name in switched):
+            fn = module_of(t).apply(copied, fn)
+        made[switched, batch_fn] = copied, fn
+    return made[switched, batch_fn]
+
+
+_SWITCHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(switches, batch_fn): made}
 
 
 def card(

@@ -30,12 +30,14 @@ the top ones on the GPU at hand and ranks them by what they did (planning/your_m
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import math
+from collections.abc import Callable, Iterator
 
 from fabric_memory_recipes.planning.plan import ALLOCATORS, GB, Plan
-from fabric_memory_recipes.planning.planner import advice
+from fabric_memory_recipes.planning.planner import advice, workers
 from fabric_memory_recipes.planning.planner.fit import divisors, fastest, smallest, static_bytes
 from fabric_memory_recipes.planning.simulation.costs import OpCosts
 from fabric_memory_recipes.planning.simulation.modelled import STRIDED_FALLBACK
@@ -75,6 +77,7 @@ SETS = (
 # What else each set is tried with: its mode, what a checkpointed block keeps, each switch its model allows.
 MODES_TRIED = subset(MODES, "fast", "eager")
 SPEED_SOURCE = "model: the simulated step's op costs"
+MOST_AHEAD = 4 * workers.MOST  # how far down its queue the search looks for what workers may simulate
 
 
 class UserPlanner:
@@ -116,6 +119,14 @@ class UserPlanner:
         self.falls_back: set[tuple] = set()  # steps whose eager attention falls back to math on CUDA
         self.bounded = False  # every choice's speed_bound set (:meth:`bound`)
         self.plains: dict[tuple, Choice] = {}  # the sets without memory techniques, by Choice.plain
+        self.pool: workers.Ahead | None = None  # simulating ahead of the search (planner/workers.py)
+        self.workers_asked = (
+            0,
+            False,
+        )  # (how many, all at once) for :meth:`fit`: workers.wanted(), the CLI's
+        self.ahead: Callable[[], list[Choice]] = list  # what the search most likely simulates next, in order
+        self.progress: Callable[[UserPlanner, Choice], None] | None = None  # told of each simulated choice
+        self.simulations = 0
         modes = MODES_TRIED  # sharded: fast mode is FSDP2 with compiled blocks, eager mode FSDP
         overhead = {m: card(_Floor(), gpu, m, devices) for m in modes}  # the card overhead alone, per GPU
         self.overhead_source = "; ".join(f"{m}: {o['overhead_source']}" for m, o in overhead.items())
@@ -126,9 +137,10 @@ class UserPlanner:
         allowed = [t.name for t in switches() if t.applies_to(self.um.task) and not refusal_of(t, self.model)]
         switched = [s for n in range(len(allowed) + 1) for s in itertools.combinations(allowed, n)]
         self.choices = []
+        cost = functools.cache(advice.cost)  # each reads the benchmark's run files
         for prec, opt, mode, switch, on in itertools.product(precisions, optimizers, modes, switched, SETS):
             changes = tuple(
-                advice.cost(what, value, gpu)
+                cost(what, value, gpu)
                 for what, value, mine in (("precision", prec, precision), ("optimizer", opt, optimizer))
                 if value != mine
             )
@@ -167,6 +179,7 @@ class UserPlanner:
                     cpu_offload=off,
                 )
                 self.choices.append(c)
+        self.index = {id(c): n for n, c in enumerate(self.choices)}  # what a worker is told to simulate
 
     def weights_gb(self) -> float:
         """The weights alone in the narrowest precision the planner may use: no card below this fits (with
@@ -183,12 +196,16 @@ class UserPlanner:
         micro-batch), the one simulation each group of plain sets needs up front."""
         if not self.bounded:
             self.plains = {c.plain: c for c in self.choices if not c.techniques.used and not c.cpu_offload}
+            wholes = (self.plains[(*p[:5], c.rung.batch_size, 1)] for p, c in self.plains.items())
+            first = list({id(w): w for w in wholes}.values())  # what the loop below simulates first
+            self.ahead = lambda: first
             for c in self.choices:
                 c.speed_bound = set_speed.optimistic(self, self.plains[c.plain])
             self.bounded = True
 
     def predict(self, c: Choice) -> Choice:
         if c.predicted_gb is None:
+            simulations = self.simulations
             if c.key not in self.simulated:
                 self._simulate(c, c.key, compiled=False)
             key = self._key(c)
@@ -200,6 +217,8 @@ class UserPlanner:
             c.simulated_gb, reserved, c.offloaded_gb, collector = self.simulated[key]
             c.predicted_gb = reserved[allocator_of_set(c, self.um.is_text)]
             c.images_per_s = set_speed.step_speed(self, c, collector)
+            if self.simulations > simulations and self.progress is not None:
+                self.progress(self, c)
         return c
 
     def simulation_of(self, c: Choice) -> tuple[float, dict[str, float], float, OpCosts] | None:
@@ -214,9 +233,51 @@ class UserPlanner:
         return (c.key, "compiled") if compiled else c.key
 
     def _simulate(self, c: Choice, key: tuple, compiled: bool) -> None:
-        """Simulate ``c``'s step into ``self.simulated[key]`` (None: it failed, said in ``self.failed``)."""
+        """Simulate ``c``'s step into ``self.simulated[key]`` (None: it failed, said in ``self.failed``), or take
+        it from the worker that simulated it ahead (planner/workers.py)."""
+        args = (self.index[id(c)], compiled)
+        outcome = self.pool.run(key, args) if self.pool is not None else self._outcome(*args)
+        self.simulations += 1
+        error, peak_gb, reserved, host_gb, collector, fell_back = outcome
+        used = c.techniques
+        if error and not used.used:
+            raise RuntimeError(f"the simulation of {c.label()} failed: {error}")
+        if error:  # a technique this model's step cannot run: the set is left out, said once
+            self.failed.setdefault((used, c.switched, c.checkpoint_mode), f"{c.label()}: {error}")
+            self.simulated[key] = None
+            return
+        if fell_back:
+            self.falls_back.add(key)
+        self.simulated[key] = (peak_gb, reserved, host_gb, collector)
+
+    def _outcome(self, index: int, compiled: bool) -> tuple:
+        """The simulation of choice ``index``'s step: (its error or None, peak allocated GB, budgeted peak
+        reserved GB per allocator setting, offloaded GB, op costs, whether eager attention fell back to math)."""
+        c = self.choices[index]
+        collector = OpCosts()  # the same simulation gives the op costs the step time is predicted from
+        try:
+            est = estimate(
+                self.model,
+                self.um,
+                self.plan_of(c, compiled),
+                self.seq_len or 0,
+                op_costs=collector,
+                target_len=self.target_len,
+            )
+            error = est.error
+        except Exception as e:
+            error = f"{type(e).__name__}: {str(e)[:200]}"
+        if error:
+            return error, None, None, None, None, False
+        reserved = {a: card(est, self.gpu, c.mode, c.devices, a)["peak_reserved_gb"] for a in ALLOCATORS}
+        fell_back = STRIDED_FALLBACK in est.kernels
+        return None, est.peak_gb, reserved, est.activations_host_gb, collector, fell_back
+
+    def plan_of(self, c: Choice, compiled: bool) -> Plan:
+        """The plan of ``c``'s simulated step (``compiled``: fast mode's compiled blocks): what its entry in
+        :attr:`simulated` holds, under :attr:`Choice.key`."""
         r, used = c.rung, c.techniques
-        plan = Plan(
+        return Plan(
             precision=r.precision,
             micro_batch_size=r.micro_batch_size,
             accumulation_steps=r.accumulation_steps,
@@ -232,34 +293,25 @@ class UserPlanner:
             cpu_offload=c.cpu_offload,
             compile=compiled,
         )
-        collector = OpCosts()  # the same simulation gives the op costs the step time is predicted from
-        try:
-            est = estimate(
-                self.model,
-                self.um,
-                plan,
-                self.seq_len or 0,
-                op_costs=collector,
-                target_len=self.target_len,
-            )
-            error = est.error
-        except Exception as e:
-            error = f"{type(e).__name__}: {str(e)[:200]}"
-        if error and not used.used:
-            raise RuntimeError(f"the simulation of {c.label()} failed: {error}")
-        if error:  # a technique this model's step cannot run: the set is left out, said once
-            self.failed.setdefault((used, c.switched, c.checkpoint_mode), f"{c.label()}: {error}")
-            self.simulated[key] = None
-            return
-        if STRIDED_FALLBACK in est.kernels:
-            self.falls_back.add(key)
-        reserved = {a: card(est, self.gpu, c.mode, c.devices, a)["peak_reserved_gb"] for a in ALLOCATORS}
-        self.simulated[key] = (est.peak_gb, reserved, est.activations_host_gb, collector)
+
+    def _wanted(self) -> Iterator[tuple[tuple, tuple]]:
+        """(key, what :meth:`_outcome` takes) of what the search will most likely simulate next (:attr:`ahead`)."""
+        return ((x.key, (self.index[id(x)], False)) for x in self.ahead() if x.key not in self.simulated)
 
     def fit(self, budget_gb: float, top: int = 5) -> tuple[list[Choice], Choice | None]:
         """The ``top`` fastest choices predicted to fit, and the fastest predicted not to fit among those
         faster than the last pick (None if there is none): the ladder planner's search (planning/planner/fit.py),
-        on the bounds of :meth:`bound`."""
+        on the bounds of :meth:`bound`, with :attr:`workers_asked` worker processes (planner/workers.py)."""
+        asked = self.workers_asked
+        self.pool = workers.Ahead(self._outcome, self._wanted, *asked) if asked[0] else None
+        try:
+            return self._search(budget_gb, top)
+        finally:
+            if self.pool is not None:
+                self.pool.close()
+                self.pool = None
+
+    def _search(self, budget_gb: float, top: int) -> tuple[list[Choice], Choice | None]:
         self.bound()
         shown: dict[tuple, Choice] = {}  # each set once, at its fastest micro-batch that fits
         too_big = []
@@ -269,6 +321,7 @@ class UserPlanner:
         heapq.heapify(queue)
         while queue:  # fastest bound first
             c = heapq.heappop(queue)[-1]
+            self.ahead = lambda: self._next(queue, budget_gb, shown)
             ranked = sorted(shown.values(), key=lambda x: -x.images_per_s)
             if len(ranked) >= top and ranked[top - 1].images_per_s >= c.speed_bound:
                 break  # nothing left can be faster than the picks
@@ -293,7 +346,20 @@ class UserPlanner:
             elif known is None or c.images_per_s > known.images_per_s:
                 shown[c.family] = c
         fits = sorted(shown.values(), key=lambda x: -x.images_per_s)[:top]
+        self.ahead = lambda: sorted(too_big, key=lambda x: -x.speed_bound)  # as fastest() visits them
         return fits, fastest(too_big, self.predict)
+
+    def _next(self, queue: list, budget_gb: float, shown: dict[tuple, Choice]) -> list[Choice]:
+        """What the search simulates when it visits the heads of ``queue`` (its plain set first, until that
+        is simulated), as far as its state tells now: a few per worker."""
+        out = []
+        for *_, x in heapq.nsmallest(MOST_AHEAD, queue):
+            known = shown.get(x.family)
+            if x.lower_bound_gb > budget_gb or (known is not None and known.images_per_s >= x.speed_bound):
+                continue
+            plain = self.plains[x.plain]
+            out.append(plain if plain.predicted_gb is None else x)
+        return out
 
     def smallest(self) -> Choice:
         return smallest(self.choices, self.predict)
