@@ -8,6 +8,8 @@
 #
 # SIDEs run in the order given (default: base after); a side named base* runs $BASE, any other
 # this checkout, so `after base after2` measures both sides on warm caches, after a cold first run.
+# ONLY=14,15,16 passes `--only` to run_all.sh; COLD=1 gives each side its own empty compile caches (inductor,
+# triton), so every side starts cold. $OUT/compare.txt: each rung's peak allocated and reserved per side.
 set -u
 : "${OUT:?set OUT}"
 BASE=${BASE:-build/ab-base}
@@ -26,9 +28,24 @@ for side in "${sides[@]}"; do
   log "$side: starting in $dir"
   mkdir -p /tmp/E
   left=$(( ${LIMIT:-585} - ($(date +%s) - T0) - 15 ))  # the tars must come back before the call's limit
+  if [ -n "${COLD:-}" ]; then
+    export TORCHINDUCTOR_CACHE_DIR=/tmp/caches/$side/inductor TRITON_CACHE_DIR=/tmp/caches/$side/triton
+  fi
   (cd "$dir" && timeout -s INT "$left" /usr/bin/time -v -o "/tmp/E/$side-time.txt" ./run_all.sh --quick \
-      --results-dir "/tmp/E/$side" > "/tmp/E/$side-console.log" 2> "/tmp/E/$side-stderr.log")
+      ${ONLY:+--only "$ONLY"} --results-dir "/tmp/E/$side" > "/tmp/E/$side-console.log" 2> "/tmp/E/$side-stderr.log")
   log "$side: exit $?"
   tar -czf "$OUT/$side.tgz" -C /tmp/E "$side" "$side-console.log" "$side-time.txt" "$side-stderr.log"
 done
+python3 - "${sides[@]}" <<'PY' | tee "$OUT/compare.txt"
+import json, pathlib, sys
+sides = sys.argv[1:]
+runs = {s: {f.stem: json.loads(f.read_text()) for f in pathlib.Path("/tmp/E", s).glob("[0-9]*.json")} for s in sides}
+print(f"{'rung':28}" + "".join(f" {s + ' alloc':>14} {s + ' reserved':>16}" for s in sides))
+for rung in sorted(set().union(*runs.values())):
+    cells = []
+    for s in sides:
+        m = runs[s].get(rung, {}).get("memory", {})
+        cells.append(f" {m.get('peak_allocated_gb', float('nan')):14.4f} {m.get('peak_reserved_gb', float('nan')):16.4f}")
+    print(f"{rung:28}" + "".join(cells))
+PY
 log done
