@@ -75,6 +75,8 @@ MATRIX: dict[str, list[tuple[str, list[str], str]]] = {
                      "--batch-size", "16"], "6GB"),
         ("bart-base", ["--model", "hf:examples/configs/bart-base", "--seq-len", "256", "--target-len", "256",
                        "--batch-size", "16"], "5GB"),
+        ("t5-small", ["--model", "hf:examples/configs/t5-small", "--seq-len", "256", "--target-len", "64",
+                      "--batch-size", "64"], "4GB"),
     ],
 }  # fmt: skip
 
@@ -292,7 +294,7 @@ def run(args: Any) -> None:
             if time.perf_counter() - start > args.deadline:
                 say(f"{name}: not measured (past --deadline {args.deadline:.0f} s)")
                 continue
-            rows = [{**f, "predicted_rank": i} for i, f in enumerate(answer["fits"], 1)]
+            rows = [{**f, "predicted_rank": i} for i, f in enumerate(answer["fits"], 1)][: args.measure_top]
             budget = answer["budget_gb"]
             measure.measure(
                 rows, budget, out / name, args.steps, say=lambda t, n=name: say(f"{n}: {t.strip()}")
@@ -326,6 +328,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--only", default="", help="comma-separated model names of the part (default: all)")
     p.add_argument("--plan-only", action="store_true", help="the CPU plans only (no GPU needed)")
+    p.add_argument(
+        "--measure-top",
+        type=at_least(1),
+        default=None,
+        help="measure only the first K sets of each plan (default: all --top sets)",
+    )
     p.add_argument(
         "--plans",
         type=Path,

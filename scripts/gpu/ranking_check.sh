@@ -12,9 +12,11 @@
 #   bash scripts/gpu/ranking_check.sh vision   # MobileNetV3-Large 3 GB, ResNet-50 4 GB (batch 128),
 #                                              # Swin-V2-T 4 GB, ViT-B/16 (timm) 6 GB (batch 64)
 #   bash scripts/gpu/ranking_check.sh peft     # LoRA rank 8: Qwen2 0.5 B 6 GB, Llama 0.36 B 4 GB (8 x 1024)
-#   bash scripts/gpu/ranking_check.sh seq2seq  # T5-base 6 GB, BART-base 5 GB (16 x 256 source + 256 target)
+#   bash scripts/gpu/ranking_check.sh seq2seq  # T5-base 6 GB, BART-base 5 GB (16 x 256 source + 256 target),
+#                                              # T5-small 4 GB (64 x 256 source + 64 target)
 #
-# bf16-mixed AdamW (the user's, kept). STEPS (10) optimizer steps per set; ONLY=a,b (model names) reruns
+# bf16-mixed AdamW (the user's, kept). STEPS (10) optimizer steps per set; MEASURE_TOP=K measures each plan's
+# first K sets only (the picks, when K is 1); ONLY=a,b (model names) reruns
 # some; PLANS=DIR (carried) reuses the plans a `--plan-only` run made there for the same command lines; no
 # model starts measuring after DEADLINE (330 s) and the whole call stops at LIMIT (450 s). Time: the
 # plans take minutes of CPU each (the slowest model's sets the first wait), each measured set 20-50 s (process
@@ -39,6 +41,6 @@ trap finish EXIT
 install_wheels .whl/liger*.whl
 nproc; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 timeout -k 20 -s INT "${LIMIT:-450}" python3 -m devtools.your_model.ranking_check "$part" --out "$R" --top 3 \
-    --steps "${STEPS:-10}" --deadline "${DEADLINE:-330}" --only "${ONLY:-}" ${PLANS:+--plans "$PLANS"} --archive "$OUT/ranking-$part.tgz" \
+    --steps "${STEPS:-10}" ${MEASURE_TOP:+--measure-top "$MEASURE_TOP"} --deadline "${DEADLINE:-330}" --only "${ONLY:-}" ${PLANS:+--plans "$PLANS"} --archive "$OUT/ranking-$part.tgz" \
     2>&1 | tee "$R/log.txt"
 echo "ranking_check $part: exit ${PIPESTATUS[0]}"

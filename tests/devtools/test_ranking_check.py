@@ -103,3 +103,21 @@ def test_the_markdown_table_aligns_numbers_right_and_refuses_a_row_of_another_wi
     assert lines == ["| model | samples/s |", "|---|---:|", "| a | 1.0 |"]
     with pytest.raises(ValueError, match="a row of 1 cells in a table of 2 columns"):
         markdown_table([("model", "<"), ("samples/s", ">")], [["a"]])
+
+
+def test_measure_top_measures_only_each_plans_first_sets(tmp_path, monkeypatch):
+    measured = []
+
+    def plan(name, flags, card, out, top, cpus, plans=None):
+        (out / name).mkdir(parents=True, exist_ok=True)
+        return {**_fit([30.0, 20.0, 10.0]), "name": name, "argv": flags, "exit": 0}
+
+    monkeypatch.setattr(ranking_check, "plan", plan)
+    monkeypatch.setattr(ranking_check.measure, "measure", lambda rows, *a, **k: measured.append(rows))
+    monkeypatch.setattr(ranking_check.measure, "write", lambda *a, **k: None)
+    monkeypatch.setattr(ranking_check.os, "sched_setaffinity", lambda *a: None)  # this process's cores stay
+    ranking_check.main(["peft", "--out", str(tmp_path), "--only", "qwen2-0.5b-lora", "--measure-top", "1"])
+    assert [[(r["label"], r["predicted_rank"]) for r in rows] for rows in measured] == [[("set 1", 1)]]
+    measured.clear()
+    ranking_check.main(["peft", "--out", str(tmp_path), "--only", "qwen2-0.5b-lora"])
+    assert [len(rows) for rows in measured] == [3]  # by default every set the plan lists
