@@ -22,11 +22,13 @@ model that finished. No model starts measuring after ``--deadline`` seconds.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
@@ -244,14 +246,24 @@ def report(folders: list[Path]) -> list[dict[str, Any]]:
     return rows
 
 
+_SUMMARY = threading.Lock()  # the planners' threads and the measuring one write the summary and the archive
+
+
 def write_summary(out: Path, archive: Path | None) -> None:
-    rows = report([out])
-    write_json_atomic(str(out / "summary.json"), {"rows": rows})
-    write_atomic(out / "summary.md", lambda f: f.write(table(rows)))
-    if archive is not None:
+    """``out``'s table (summary.json, summary.md) and, with ``archive``, ``out`` packed into it; one thread at a
+    time, leaving out the files being written (``.tmp-*``) and any that another thread replaced meanwhile."""
+    with _SUMMARY:
+        rows = report([out])
+        write_json_atomic(str(out / "summary.json"), {"rows": rows})
+        write_atomic(out / "summary.md", lambda f: f.write(table(rows)))
+        if archive is None:
+            return
         part = archive.with_name(archive.name + ".part")
         with tarfile.open(part, "w:gz") as tar:
-            tar.add(out, arcname=out.name)
+            for path in sorted(out.rglob("*")):
+                if path.is_file() and not path.name.startswith(".tmp-"):
+                    with contextlib.suppress(FileNotFoundError):  # a plan's file replaced by its thread
+                        tar.add(path, arcname=f"{out.name}/{path.relative_to(out)}", recursive=False)
         part.replace(archive)
 
 

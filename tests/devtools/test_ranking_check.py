@@ -4,6 +4,9 @@ sets, the targets and the table, without a GPU (the plans and measurements are w
 from __future__ import annotations
 
 import json
+import tarfile
+import threading
+import time
 
 import pytest
 
@@ -121,3 +124,34 @@ def test_measure_top_measures_only_each_plans_first_sets(tmp_path, monkeypatch):
     measured.clear()
     ranking_check.main(["peft", "--out", str(tmp_path), "--only", "qwen2-0.5b-lora"])
     assert [len(rows) for rows in measured] == [3]  # by default every set the plan lists
+
+
+def test_the_summary_is_written_by_one_thread_at_a_time_and_skips_files_being_written(tmp_path, monkeypatch):
+    """The planners' threads and the measuring one all write the summary; a reused plan returns at once, so
+    three wrote together and one thread's archive met another's vanished temporary file (a GPU call lost)."""
+    out = tmp_path / "ranking"
+    (out / "a").mkdir(parents=True)
+    (out / "a" / "fit.json").write_text(json.dumps(_fit([100.0])))
+    (out / "a" / ".tmp-half.json").write_text("{")  # a plan another thread is writing
+    inside, most = [0], [0]
+    report = ranking_check.report
+
+    def slow_report(folders):
+        inside[0] += 1
+        most[0] = max(most[0], inside[0])
+        time.sleep(0.05)
+        inside[0] -= 1
+        return report(folders)
+
+    monkeypatch.setattr(ranking_check, "report", slow_report)
+    archive = tmp_path / "ranking.tgz"
+    threads = [threading.Thread(target=ranking_check.write_summary, args=(out, archive)) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert most[0] == 1
+    with tarfile.open(archive) as tar:
+        names = set(tar.getnames())
+    assert {"ranking/a/fit.json", "ranking/summary.json", "ranking/summary.md"} <= names
+    assert not any(".tmp-" in n for n in names)
