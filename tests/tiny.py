@@ -1,6 +1,6 @@
 """Tiny models, data and files the tests make: a two-layer network on random features (the loop's
-tests), CIFAR-10's python pickles written to a folder (the data loaders' tests), and the configs of two
-tiny Hugging Face models (your model's tests)."""
+tests), CIFAR-10's python pickles written to a folder (the data loaders' tests), the configs of two
+tiny Hugging Face models (your model's tests) and a two-block Swin-V2 (checkpointing's tests)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
+from torchvision.models import swin_transformer
 
 from fabric_memory_recipes.config import RunConfig
 from fabric_memory_recipes.measurement.results import RunResults
@@ -62,6 +63,23 @@ def settings(**flags) -> RunConfig:
 def tiny_model(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(IN, 16), nn.Tanh(), nn.Linear(16, OUT))
+
+
+def tiny_swin_v2(seed: int = 0) -> nn.Module:
+    """One stage of two Swin-V2 blocks (the second's windows shifted) on 16 x 16 images, 3 classes: the blocks of
+    torchvision's swin_v2_t, whose position-bias MLP runs ``ReLU(inplace=True)`` on a linear layer's output."""
+    torch.manual_seed(seed)
+    return swin_transformer.SwinTransformer(
+        patch_size=[4, 4],
+        embed_dim=16,
+        depths=[2],
+        num_heads=[2],
+        window_size=[2, 2],
+        stochastic_depth_prob=0.0,
+        num_classes=3,
+        block=swin_transformer.SwinTransformerBlockV2,
+        downsample_layer=swin_transformer.PatchMergingV2,
+    )
 
 
 def tiny_data(n: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:

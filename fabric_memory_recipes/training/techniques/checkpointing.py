@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from fabric_memory_recipes.config import UsageError
@@ -49,13 +50,72 @@ def _keep_costly(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+@functools.cache
+def _written_arguments(op) -> tuple[tuple[int, str], ...]:
+    """(position, name) of each argument ``op`` writes in place (``relu_``'s self, an ``out=``); none for an
+    op without a schema (a higher-order operator)."""
+    schema = getattr(op, "_schema", None)
+    if schema is None or not schema.is_mutable:
+        return ()
+    return tuple(
+        (i, a.name)
+        for i, a in enumerate(schema.arguments)
+        if a.alias_info is not None and a.alias_info.is_write
+    )
+
+
+def _written_tensors(op, args, kwargs) -> list[torch.Tensor]:
+    written = []
+    for i, name in _written_arguments(op):
+        value = args[i] if i < len(args) else kwargs.get(name)
+        values = value if isinstance(value, list | tuple) else (value,)
+        written += [v for v in values if isinstance(v, torch.Tensor)]
+    return written
+
+
+def _kept_as_they_were(storage, written: list[torch.Tensor]) -> None:
+    """Before an op writes ``written`` in place, replace each kept output that shares its memory with a copy:
+    the recompute reads the kept output as it was made, not as the block changed it afterwards (torch's
+    selective checkpointing refuses a kept tensor changed since: "Tensor cached during selective activation
+    checkpoint has been mutated"). Swin-V2's position-bias MLP is such a block: its ``ReLU(inplace=True)``
+    rewrites the output of the linear layer before it, a kept matmul."""
+    for entries in storage.values():
+        for entry in entries:
+            for kept in tree_leaves(entry):  # torch's wrappers of the kept tensors (their value and version)
+                value = kept.val
+                if isinstance(value, torch.Tensor) and any(torch._C._is_alias_of(w, value) for w in written):
+                    kept.val = value.clone()
+                    kept.version = kept.val._version
+
+
+def _tracing() -> bool:
+    """Under torch.compile's tracing (torch's own test in selective checkpointing): in-place ops are traced
+    into a graph there, whose partitioner decides what is kept; nothing kept is read back in eager mode."""
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is not None
+
+
+def _selective_contexts():
+    """The forward and recompute contexts of ``selective``: :func:`_keep_costly`'s choice of what to keep, and
+    a kept output that the block then changes in place is kept as it was made (:func:`_kept_as_they_were`)."""
+    storage = {}
+
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        if not ctx.is_recompute and storage and _written_arguments(op) and not _tracing():
+            written = _written_tensors(op, args, kwargs)
+            if written:
+                _kept_as_they_were(storage, written)
+        return _keep_costly(ctx, op, *args, **kwargs)
+
+    forward, recompute = create_selective_checkpoint_contexts(policy)
+    storage = forward.storage  # what the forward keeps: op -> [its outputs, one entry per call]
+    return forward, recompute
+
+
 def context_fn(mode: str):
     """``checkpoint(..., context_fn=...)`` for ``mode``: None for ``full`` (torch's default: recompute all)."""
     if mode not in MODES:
         raise ValueError(f"checkpointing mode {mode!r}: expected one of {', '.join(MODES)}")
-    return (
-        functools.partial(create_selective_checkpoint_contexts, _keep_costly) if mode == "selective" else None
-    )
+    return _selective_contexts if mode == "selective" else None
 
 
 class CheckpointedBlock(torch.nn.Module):

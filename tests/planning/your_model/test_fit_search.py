@@ -190,8 +190,9 @@ def test_fast_mode_fuses_ops_only_where_it_compiles_blocks(lm):
 
 
 def test_a_set_whose_simulation_fails_is_left_out_and_said(lm, monkeypatch):
-    """Swin-V2-T's step fails under selective checkpointing (a tensor the checkpoint cached is changed in
-    place): the other sets are still planned, and the failure is one line; a plain set's failure stops."""
+    """A set whose step fails on fake tensors (as Swin-V2-T's did under selective checkpointing while a kept
+    tensor changed in place failed it): the other sets are still planned, and the failure is one line; a plain
+    set's failure stops."""
     real = sets.estimate
 
     def estimate(model, um, plan, seq_len, op_costs=None, target_len=None):

@@ -4,6 +4,7 @@ runner's flag and field, its check, its technique flags and the estimate's plan 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from fabric_memory_recipes import techniques
 from fabric_memory_recipes.config import Hardware
@@ -12,6 +13,7 @@ from fabric_memory_recipes.planning.your_model.estimate import plan_of
 from fabric_memory_recipes.training import cli
 from fabric_memory_recipes.training.techniques import checkpointing
 from fabric_memory_recipes.training.your_model import runner
+from tests.tiny import tiny_swin_v2
 
 CPU = Hardware(cuda_devices=0, cpu_cores=2)
 
@@ -45,3 +47,22 @@ def test_the_runner_and_the_estimate_read_the_option(capsys):
         capsys.readouterr().err.split("error: ")[1]
         == "--checkpoint-mode selective goes with --checkpoint-blocks\n"
     )
+
+
+def _gradients(model: torch.nn.Module, images: torch.Tensor) -> dict[str, torch.Tensor]:
+    model(images).square().sum().backward()
+    return {name: p.grad for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("mode", checkpointing.MODES)
+def test_a_swin_v2_step_under_checkpointing_gives_the_plain_gradients(mode):
+    """A kept matmul output that the block then changes in place (Swin-V2's position-bias MLP) is recomputed
+    from as it was made: the step runs under selective checkpointing, with the gradients of no checkpointing."""
+    images = torch.randn(2, 3, 16, 16)
+    plain = _gradients(tiny_swin_v2(), images)
+    model = tiny_swin_v2()
+    assert checkpointing.checkpoint_blocks(model, ("SwinTransformerBlockV2",), mode=mode) == 2
+    checkpointed = _gradients(model, images)
+    for (name, want), (wrapped, got) in zip(plain.items(), checkpointed.items(), strict=True):
+        assert wrapped.replace(".block.", ".") == name
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)
