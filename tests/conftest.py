@@ -358,6 +358,15 @@ def submit_recipe(key: str, name: str, args: Sequence[str], results_dir: Path | 
     return submit(key, lambda: (*run_recipe_process(name, args, results_dir), results_dir))
 
 
+def submit_estimate(command: str) -> str:
+    """An ``fmr-estimate`` command the docs show, as a process in the background (once per command, whichever
+    test module asks first); returns the key :func:`result` waits for (a ``CompletedProcess``)."""
+    key = f"estimate:{command}"
+    argv = [sys.executable, "-m", "fabric_memory_recipes.planning", *shlex.split(command)[1:]]
+    submit(key, run_process, argv, subprocess_env())
+    return key
+
+
 _START_ERRORS: dict[str, Exception] = {}
 
 

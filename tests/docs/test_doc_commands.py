@@ -37,7 +37,7 @@ import pytest
 import tomllib
 
 from fabric_memory_recipes.config import Hardware
-from tests.conftest import REPO, load_recipe_module, result, run_estimate, run_process, submit, subprocess_env
+from tests.conftest import REPO, load_recipe_module, result, run_estimate, submit_estimate
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 NOTEBOOK = REPO / "docs" / "workshop.ipynb"
@@ -370,8 +370,7 @@ BACKGROUND_PRIORITY = 10  # the planner's search is one of the longest jobs: sta
 
 def start_background_jobs() -> None:
     for command in AS_PROCESSES:
-        argv = [sys.executable, "-m", "fabric_memory_recipes.planning", *shlex.split(command)[1:]]
-        submit(f"readme:{command}", run_process, argv, subprocess_env())
+        submit_estimate(command)
 
 
 @pytest.mark.parametrize("command", sorted(set(RUN_ON_CPU) - set(AS_PROCESSES)))
@@ -387,7 +386,7 @@ def test_readme_estimate_commands_run_as_processes(command):
     assert command in RUN_ON_CPU
     if RUN_ON_CPU[command]:
         pytest.xfail(RUN_ON_CPU[command])
-    proc = result(f"readme:{command}")
+    proc = result(submit_estimate(command))
     assert proc.returncode == 0 and proc.stdout.strip() and "Traceback" not in proc.stderr, proc.stderr[
         -2000:
     ]
