@@ -13,8 +13,10 @@ by kind only; without the graph, each kernel is also assigned to the phase whose
 
 Written to ``--out``: ``profile-<tag>.md`` (the table: GPU ms per step by kind - linear-layer matrix
 products, attention, the patch convolution, Triton pointwise and reduction kernels (LayerNorm, GELU,
-residual adds, casts), ATen elementwise kernels, copies, the GPU idle between kernels - then the longest
-kernels, and the model's FLOPs by kind against the time of their kernels), ``profile-<tag>.json`` and the
+residual adds, casts), ATen elementwise kernels, copies, the GPU idle between kernels - the host's
+kernel launches and its time in calls that wait for the GPU (synchronisations, device-to-host copies),
+then the longest kernels, and the model's FLOPs by kind against the time of their kernels; none for
+your model's), ``profile-<tag>.json`` and the
 Chrome trace ``trace-<tag>.json.gz``. The recipe writes its results JSON as usual (its speed includes
 the profiler: time the rung in a run of its own).
 
@@ -85,6 +87,14 @@ KINDS = [
 ]
 GPU_CATS = {"kernel": "kernel", "gpu_memcpy": "copies (memcpy)", "gpu_memset": "copies (memset)"}
 LAUNCH_CATS = {"cuda_runtime", "cuda_driver"}
+# Runtime calls that launch a kernel, and those in which the host waits for the GPU (a device-to-host copy
+# such as ``.item()`` or a boolean mask's size returns when the stream has run up to it)
+KERNEL_LAUNCHES = re.compile(
+    r"^(cudaLaunchKernel|cuLaunchKernel|cudaLaunchKernelExC|cudaLaunchCooperativeKernel)"
+)
+HOST_WAITS = re.compile(
+    r"^(cudaStreamSynchronize|cudaDeviceSynchronize|cudaEventSynchronize|cudaMemcpy\b|cudaMemcpyAsync)"
+)
 
 
 def kind_of(name: str, cat: str) -> str:
@@ -99,7 +109,10 @@ def kind_of(name: str, cat: str) -> str:
 
 def model_flops(name: str, batch: int) -> dict[str, float]:
     """Forward+backward FLOPs of the rung's model (fused-qkv attention) by kind, counted on the meta
-    device: linear layers (mm/addmm), attention (its batched products or SDPA), the patch convolution."""
+    device: linear layers (mm/addmm), attention (its batched products or SDPA), the patch convolution;
+    none for your model's (a ``SOURCE:NAME`` reference, recipes/your_model.py): its table is left out."""
+    if ":" in name:
+        return {}
     with torch.device("meta"):
         model = models.build_model(name, None)
         attention.fuse_attention(model)
@@ -125,10 +138,15 @@ def summarise(trace_path: str, steps: int, flops: dict[str, float], title: str) 
     with open(trace_path) as f:
         events = [e for e in json.load(f).get("traceEvents", []) if e.get("ph") == "X"]
     ranges, launches, gpu, compiled = [], {}, [], 0
+    kernel_launches, waits = 0, []
     for e in events:
         name, cat = e.get("name", ""), e.get("cat")
         ts, dur = float(e.get("ts", 0.0)), float(e.get("dur", 0.0))
         corr = (e.get("args") or {}).get("correlation")
+        if cat in LAUNCH_CATS:
+            kernel_launches += bool(KERNEL_LAUNCHES.match(name))
+            if HOST_WAITS.match(name):
+                waits.append(dur)
         if cat == "user_annotation" and name.startswith("## ") and name.endswith(" ##"):
             ranges.append((ts, ts + dur, name[3:-3]))
         elif cat in LAUNCH_CATS and corr is not None:
@@ -179,6 +197,10 @@ def summarise(trace_path: str, steps: int, flops: dict[str, float], title: str) 
         f" for the host: launches, data, synchronisation); compiled-graph calls per step"
         f" {compiled / steps:.1f}",
         "",
+        f"Host: {kernel_launches / steps:.0f} kernel launches per step; {len(waits) / steps:.1f} calls"
+        " per step in which it waited for the GPU (synchronisations, device-to-host copies),"
+        f" {sum(waits) / 1000.0 / steps:.1f} ms per step in them",
+        "",
         "| kind | ms / step | % of step | " + " | ".join(phases) + " |",
         "|---|---:|---:|" + "---:|" * len(phases),
     ]
@@ -215,6 +237,9 @@ def summarise(trace_path: str, steps: int, flops: dict[str, float], title: str) 
         "busy_ms": busy / 1000.0 / steps,
         "idle_ms": idle,
         "compiled_calls_per_step": compiled / steps,
+        "kernel_launches_per_step": kernel_launches / steps,
+        "host_waits_per_step": len(waits) / steps,
+        "host_wait_ms_per_step": sum(waits) / 1000.0 / steps,
         "ms_by_kind": total_by_kind,
         "ms_by_kind_and_phase": {k: {p: v / steps for p, v in d.items()} for k, d in by_kind.items()},
         "model_flops_per_step": flops,

@@ -55,6 +55,7 @@ def test_the_summary_splits_a_step_by_kind_phase_and_idle_time(tmp_path):
             {"cat": "kernel", "name": "triton_red_fused_native_layer_norm_backward_0", "ts": t + 9000, "dur": 2000, "args": {"correlation": 10 * step + 3}},
             {"cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "ts": t + 11000, "dur": 1000, "args": {"correlation": 10 * step + 4}},
             {"cat": "cpu_op", "name": "CompiledFunction", "ts": t, "dur": 900},
+            {"cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": t + 1100, "dur": 1500},  # .item()
         ]  # fmt: skip
     flops = {"linear matmul": 8e9, "attention": 1e9}
     text, data = rung_profile.summarise(_trace(tmp_path, events), 2, flops, "a test")
@@ -69,6 +70,10 @@ def test_the_summary_splits_a_step_by_kind_phase_and_idle_time(tmp_path):
     assert phases["triton reduction (layernorm, softmax, loss)"] == {"backward": 2.0}
     assert phases["copies (memcpy)"] == {"outside phases": 1.0}
     assert data["compiled_calls_per_step"] == 1.0
+    assert data["kernel_launches_per_step"] == 3.0  # the copy is no kernel
+    assert data["host_waits_per_step"] == 2.0  # the synchronisation and the copy
+    assert data["host_wait_ms_per_step"] == pytest.approx(1.505)
+    assert "Host: 3 kernel launches per step; 2.0 calls per step" in text
     assert "| linear matmul | 4.00 | 26.7 |" in text
     assert "| linear matmul | 0.01 | 4.00 | 2 |" in text  # 8 GFLOP in 4 ms: 2 TFLOP/s
 
@@ -87,6 +92,11 @@ def test_the_models_flops_by_kind_add_up_to_the_recipes_count():
     kinds = rung_profile.model_flops("vit_tiny", 4)
     assert set(kinds) == {"linear matmul", "attention", "patch convolution"}
     assert kinds["linear matmul"] > kinds["attention"] > 0
+
+
+def test_your_models_flops_are_left_out():
+    """recipes/your_model.py's ``--model SOURCE:NAME``: no ladder model to count (the profile is still written)."""
+    assert rung_profile.model_flops("hf:examples/configs/t5-small", 4) == {}
 
 
 def test_a_knob_is_set_before_the_recipe_runs_with_its_own_flags(tmp_path, monkeypatch):
