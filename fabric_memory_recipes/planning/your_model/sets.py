@@ -43,7 +43,13 @@ from fabric_memory_recipes.planning.simulation.costs import OpCosts
 from fabric_memory_recipes.planning.simulation.modelled import STRIDED_FALLBACK
 from fabric_memory_recipes.planning.your_model import offload_bound, set_speed, step_time
 from fabric_memory_recipes.planning.your_model.choice import Choice
-from fabric_memory_recipes.planning.your_model.estimate import card, estimate, meta_user_model, sharding_of
+from fabric_memory_recipes.planning.your_model.estimate import (
+    card,
+    estimate,
+    meta_user_model,
+    partitioned_blocks,
+    sharding_of,
+)
 from fabric_memory_recipes.techniques import (
     ACTIVATION_CHECKPOINTING,
     ACTIVATION_OFFLOAD,
@@ -64,8 +70,7 @@ from fabric_memory_recipes.training.your_model import runner as user_run
 # their own model trains with, for 16-mixed), and one optimizer of each kind of state (AdamW for Adam too).
 PRECISIONS_TRIED = subset(PRECISIONS, "bf16-true", "bf16-mixed", "32-true")
 OPTIMIZERS_TRIED = subset(user_run.OPTIMIZERS, "adamw", "sgd", "adamw8bit")
-# The planned techniques each set turns on (their flags: Technique.flag): every combination but activation
-# offload with the step in backward.
+# Each set's techniques (Technique.flag): every combination but activation offload with the step in backward.
 SETS = (
     (),
     (ACTIVATION_CHECKPOINTING,),
@@ -113,6 +118,8 @@ class UserPlanner:
         self.trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         self.ceilings, self.ceilings_source = step_time.ceilings(gpu)
         self.compiled = bool(models.compilable(self.model, self.blocks))  # fast mode fuses ops only then
+        # what fast sets run as inductor partitions it, as the run's own estimate (an encoder-decoder's blocks)
+        self.partitioned = partitioned_blocks(self.um, self.blocks) if self.compiled else ()
         # (peak allocated, budgeted peak reserved per allocator setting, offloaded, op costs); None: it failed
         self.simulated: dict[tuple, tuple[float, dict[str, float], float, OpCosts] | None] = {}
         self.failed: dict[tuple, str] = {}  # sets whose simulation failed: their first label and the error
@@ -209,7 +216,7 @@ class UserPlanner:
             if c.key not in self.simulated:
                 self._simulate(c, c.key, compiled=False)
             key = self._key(c)
-            if key not in self.simulated:  # fast mode's compiled blocks, where the eager step fell back
+            if key not in self.simulated:  # fast mode's compiled blocks (:meth:`_key`)
                 self._simulate(c, key, compiled=True)
             if self.simulated[key] is None:  # its simulation failed
                 c.predicted_gb, c.images_per_s = math.inf, 0.0
@@ -228,8 +235,10 @@ class UserPlanner:
     def _key(self, c: Choice) -> tuple:
         """``c``'s simulated step in ``self.simulated``: the mode changes the card overhead, the time and the
         replay (sharded: the step, :attr:`Choice.key`), not the step, unless an eager CUDA step runs attention
-        on math where compiled blocks keep the fused kernel (a T5): fast mode's step is then its own."""
-        compiled = c.mode != "eager" and self.compiled and c.key in self.falls_back
+        on math where compiled blocks keep the fused kernel, or blocks are :attr:`partitioned`: then its own."""
+        compiled = (
+            c.mode != "eager" and self.compiled and (bool(self.partitioned) or c.key in self.falls_back)
+        )
         return (c.key, "compiled") if compiled else c.key
 
     def _simulate(self, c: Choice, key: tuple, compiled: bool) -> None:
@@ -292,6 +301,7 @@ class UserPlanner:
             world_size=c.devices,
             cpu_offload=c.cpu_offload,
             compile=compiled,
+            compiled_blocks=self.partitioned if compiled else (),
         )
 
     def _wanted(self) -> Iterator[tuple[tuple, tuple]]:
