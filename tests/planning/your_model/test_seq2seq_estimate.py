@@ -6,7 +6,6 @@ from __future__ import annotations
 import collections
 import json
 import re
-import shlex
 from pathlib import Path
 
 import pytest
@@ -172,16 +171,13 @@ def test_bad_input_is_one_line_and_exit_2(tiny, capsys):
 def test_fit_predicts_a_fast_set_as_the_estimate_of_its_command(tiny, capsys):
     """--fit simulates an encoder-decoder's fast sets with the compiled blocks as inductor partitions them, as
     the estimate of the set's own command (and the run's) does; it simulated them as the eager graph."""
-    argv = ["--model", tiny["t5-one"], "--seq-len", "32", "--target-len", "16", "--batch-size", "4",
-            "--precision", "bf16-mixed", "--gpu", "h100"]  # fmt: skip
-    fits = _json(capsys, [*argv, "--fit", "80GB", "--top", "40"])["fits"]
-    plain = [
-        f
-        for f in fits
-        if f["mode"] == "fast" and f["technique"] == "AdamW" and "--fused-loss" not in f["command"]
-    ]
-    assert len(plain) == 1
-    flags = shlex.split(plain[0]["command"])[2:]  # python recipes/your_model.py ...
-    alone = _json(capsys, [*flags, "--gpu", "h100"])
-    assert alone["assumptions"]["compile_modelled"]
-    assert plain[0]["simulated_peak_allocated_gb"] == pytest.approx(alone["peak_allocated_gb"], rel=5e-4)
+    planner = UserPlanner(tiny["t5-one"], 4, 32, target_len=16)
+    fast = next(
+        c
+        for c in planner.choices
+        if c.mode == "fast" and not c.techniques.used and not c.switched and c.rung.accumulation_steps == 1
+    )
+    planner.predict(fast)
+    alone = _json(capsys, [*fast.argv(), "--gpu", "h100"])
+    assert alone["assumptions"]["compile_modelled"] and "--mode" in fast.argv()
+    assert fast.simulated_gb == pytest.approx(alone["peak_allocated_gb"], rel=5e-4)
