@@ -358,12 +358,17 @@ def submit_recipe(key: str, name: str, args: Sequence[str], results_dir: Path | 
     return submit(key, lambda: (*run_recipe_process(name, args, results_dir), results_dir))
 
 
+def run_estimate_process(command: str) -> subprocess.CompletedProcess:
+    """An ``fmr-estimate`` command line run as its own process (this interpreter, the session's environment)."""
+    argv = [sys.executable, "-m", "fabric_memory_recipes.planning", *shlex.split(command)[1:]]
+    return run_process(argv, subprocess_env())
+
+
 def submit_estimate(command: str) -> str:
     """An ``fmr-estimate`` command the docs show, as a process in the background (once per command, whichever
     test module asks first); returns the key :func:`result` waits for (a ``CompletedProcess``)."""
     key = f"estimate:{command}"
-    argv = [sys.executable, "-m", "fabric_memory_recipes.planning", *shlex.split(command)[1:]]
-    submit(key, run_process, argv, subprocess_env())
+    submit(key, run_estimate_process, command)
     return key
 
 
