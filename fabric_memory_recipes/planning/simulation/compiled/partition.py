@@ -50,6 +50,21 @@ def _meta(t: torch.Tensor) -> tuple:
     return (tuple(t.shape), t.dtype, tuple(t.stride()), t.storage_offset(), t.requires_grad, t.device.type)
 
 
+def _stand_ins(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Tensors like ``tensors`` (shapes, strides, dtypes, which share a storage, whether they need gradients)
+    in storages of their own: the trace may keep its example inputs, and the step's own would then outlive
+    their last use in every later count of the simulation that traced the block."""
+    bases: dict[int, torch.Tensor] = {}
+    out = []
+    for t in tensors:
+        storage = t.untyped_storage()
+        if id(storage) not in bases:
+            bases[id(storage)] = t.new_empty(storage.nbytes(), dtype=torch.uint8)
+        view = bases[id(storage)].view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
+        out.append(view.detach().requires_grad_(t.requires_grad))
+    return out
+
+
 class _Block:
     """One block's compiled forward for the simulation: traced on its first call of each kind."""
 
@@ -83,7 +98,9 @@ class _Block:
             before = set(self.used)  # the attention kernels its trace runs (the simulation's stand-in)
             compiled = self._trace(names, spec, at, constants)
             with _disable_current_modes(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-                compiled(state, inputs)  # the first call traces and partitions: away from the step's counts
+                compiled(
+                    state, _stand_ins(inputs)
+                )  # the first call traces and partitions: away from the counts
             _TRACED[key] = (compiled, frozenset(self.used - before))
             while len(_TRACED) > KEPT:
                 del _TRACED[next(iter(_TRACED))]
