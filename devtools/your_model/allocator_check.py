@@ -26,7 +26,6 @@ from fabric_memory_recipes.planning.check import recorded_allocator
 from fabric_memory_recipes.planning.your_model.estimate import (
     estimate,
     meta_user_model,
-    partitioned_blocks,
     plan_of,
 )
 from fabric_memory_recipes.techniques import flagged
@@ -77,7 +76,7 @@ def replays(cfg: runner.YourModelConfig, memo: dict[str, Any]) -> dict[str, floa
     """Peak reserved (GB) of the configuration's simulated step under each allocator setting; raises what
     the simulation could not do (a failed step: RuntimeError with its error)."""
     um, model, blocks, _ = meta_user_model(cfg.model, cfg.lora_rank, cfg.lora_targets)
-    plan = plan_of(cfg, blocks, compiled_blocks=partitioned_blocks(um, blocks))
+    plan = plan_of(cfg, blocks, um=um)
     key = json.dumps([cfg.model, dataclasses.asdict(plan) | {"allocator": None}, cfg.seq_len, cfg.target_len])
     if key not in memo:
         est = estimate(model, um, plan, cfg.seq_len or 0, target_len=cfg.target_len)

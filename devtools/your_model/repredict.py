@@ -27,7 +27,6 @@ from fabric_memory_recipes.planning.plan import expandable_in
 from fabric_memory_recipes.planning.your_model.estimate import (
     estimate,
     meta_user_model,
-    partitioned_blocks,
     plan_of,
     run_card,
 )
@@ -97,7 +96,7 @@ def predicted_again(result: dict[str, Any]) -> dict[str, float | None]:
     um, model, blocks, _ = meta_user_model(cfg.model, cfg.lora_rank, cfg.lora_targets)
     conf = provenance.get("cuda_alloc_conf")
     expandable = expandable_in(conf) if "cuda_alloc_conf" in provenance else None
-    plan = plan_of(cfg, blocks, expandable, partitioned_blocks(um, blocks))
+    plan = plan_of(cfg, blocks, expandable, um)
     est = estimate(model, um, plan, cfg.seq_len, target_len=runner.target_len(cfg))
     card = run_card(est, cfg, gpu_slug(provenance.get("gpu_name") or "h100"))
     return {"allocated": est.peak_gb, "reserved": card["peak_reserved_gb"], "device": card["device_peak_gb"]}

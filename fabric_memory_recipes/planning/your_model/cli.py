@@ -33,7 +33,6 @@ from fabric_memory_recipes.planning.your_model.estimate import (
     card,
     estimate,
     meta_user_model,
-    partitioned_blocks,
     plan_of,
 )
 from fabric_memory_recipes.planning.your_model.sets import UserPlanner
@@ -109,7 +108,7 @@ def run(parsed: argparse.Namespace) -> int:
         fail(f"{ACTIVATION_CHECKPOINTING.flag}: no repeated blocks found in {cfg.model}")
     # fast mode sets expandable segments where RunConfig chooses CUDA graphs, which the runner may then leave out
     expandable = bool(cfg.cuda_graphs) or (args.cuda_graphs is None and cfg.graphs_by_default())
-    plan = plan_of(cfg, blocks, expandable, partitioned_blocks(um, blocks))
+    plan = plan_of(cfg, blocks, expandable, um)
     est = estimate(model, um, plan, cfg.seq_len, target_len=cfg.target_len)
     # the overhead of the mode estimated, as --fit takes it per set and --memory-budget-gb caps the run
     got = card(est, args.gpu, overhead_mode(cfg.flags()), cfg.world_size if cfg.fsdp else 1)

@@ -101,14 +101,14 @@ def plan_of(
     cfg: YourModelConfig,
     blocks: tuple[str, ...],
     expandable: bool | None = None,
-    compiled_blocks: tuple[str, ...] = (),
+    um: UserModel | None = None,
 ) -> Plan:
     """The runner's flags as the estimator's plan: checkpointing and FSDP units are the found blocks (FSDP1 in
     eager mode, FSDP2 in fast mode: :func:`sharding_of`); the techniques' options (the checkpoint mode) are
     the plan's fields of the same names. ``expandable``: whether the run's allocator has expandable segments
     (planning/plan.py ``allocator_of``; fast mode sets them also where the runner then turns the CUDA graphs
-    off: a text model's). The plan records whether the run compiles its blocks; in fast mode the step runs
-    ``compiled_blocks`` (:func:`partitioned_blocks`) as inductor partitions them, the rest as the eager graph."""
+    off: a text model's). The plan records whether the run compiles its blocks; in fast mode the step runs the
+    blocks :func:`partitioned_blocks` names for ``um`` as inductor partitions them, the rest as the eager graph."""
     options = {o.field: getattr(cfg, o.field) for t in flagged() for o in t.options}
     return plan_for(
         cfg,
@@ -118,7 +118,7 @@ def plan_of(
         shard_units=blocks,
         world_size=cfg.world_size if cfg.fsdp else 1,
         compile=bool(cfg.compile),  # fast mode: compiled blocks
-        compiled_blocks=compiled_blocks if cfg.compile else (),
+        compiled_blocks=partitioned_blocks(um, blocks) if cfg.compile and um is not None else (),
         switched=tuple(t.name for t in switches() if cfg.uses(t)),
         **options,
     )
@@ -193,7 +193,7 @@ def for_user_run(
     plan = None
     try:  # the allocator's setting as this process has it (fast mode sets it before CUDA starts)
         expandable = expandable_in(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
-        plan = plan_of(cfg, blocks, expandable, partitioned_blocks(um, blocks))
+        plan = plan_of(cfg, blocks, expandable, um)
         est = estimate(
             model, um, plan, getattr(cfg, "seq_len", 0), target_len=getattr(cfg, "target_len", None)
         )

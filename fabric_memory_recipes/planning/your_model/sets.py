@@ -127,10 +127,8 @@ class UserPlanner:
         self.bounded = False  # every choice's speed_bound set (:meth:`bound`)
         self.plains: dict[tuple, Choice] = {}  # the sets without memory techniques, by Choice.plain
         self.pool: workers.Ahead | None = None  # simulating ahead of the search (planner/workers.py)
-        self.workers_asked = (
-            0,
-            False,
-        )  # (how many, all at once) for :meth:`fit`: workers.wanted(), the CLI's
+        # (how many, all at once) for :meth:`fit`: workers.wanted(), the CLI's
+        self.workers_asked = (0, False)
         self.ahead: Callable[[], list[Choice]] = list  # what the search most likely simulates next, in order
         self.progress: Callable[[UserPlanner, Choice], None] | None = None  # told of each simulated choice
         self.simulations = 0
@@ -213,7 +211,8 @@ class UserPlanner:
     def predict(self, c: Choice) -> Choice:
         if c.predicted_gb is None:
             simulations = self.simulations
-            if c.key not in self.simulated:
+            # the eager step, unless a fast set's own step does not depend on it (partitioned blocks)
+            if c.key not in self.simulated and not (c.mode != "eager" and self.compiled and self.partitioned):
                 self._simulate(c, c.key, compiled=False)
             key = self._key(c)
             if key not in self.simulated:  # fast mode's compiled blocks (:meth:`_key`)
