@@ -161,7 +161,11 @@ def run_costs(run: Run) -> step_time.StepCosts:
         cfg = rung.with_flags(**{**{k: v for k, v in config.items() if k in flags}, "accelerator": "cuda"})
         um, model, blocks, _ = meta_user_model(cfg.model)
         return step_time.simulated_costs(
-            model, um, plan_of(cfg, blocks, um=um), cfg.seq_len if um.is_text else 0
+            model,
+            um,
+            plan_of(cfg, blocks, um=um),
+            cfg.seq_len if um.is_text else 0,
+            getattr(cfg, "target_len", None),
         )
     rung, _ = declared_rung(run.recipe)
     flags = {f.name for f in RunConfig.flag_fields()}

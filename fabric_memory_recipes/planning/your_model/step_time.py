@@ -175,11 +175,14 @@ def costs_of(collector: OpCosts, plan: Plan, offloaded_bytes: float = 0.0) -> St
     )
 
 
-def simulated_costs(model: Any, um: UserModel, plan: Plan, seq_len: int) -> StepCosts:
+def simulated_costs(
+    model: Any, um: UserModel, plan: Plan, seq_len: int, target_len: int | None = None
+) -> StepCosts:
     """Simulate one step of ``model`` under ``plan`` (planning/your_model/estimate.py's step: the batch of
-    the model's task, the fused loss when the plan has it) and return its costs."""
+    the model's task, an encoder-decoder's ``target_len`` target tokens, the fused loss when the plan has
+    it) and return its costs."""
     collector = OpCosts()
-    est = estimate(model, um, plan, seq_len, op_costs=collector)
+    est = estimate(model, um, plan, seq_len, op_costs=collector, target_len=target_len)
     if est.error:
         raise RuntimeError(est.error)
     offloaded = (est.activations_host_gb or 0.0) * 1e9 if plan.activation_offload else 0.0

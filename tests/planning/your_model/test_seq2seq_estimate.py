@@ -16,7 +16,7 @@ from fabric_memory_recipes.planning.plan import Plan
 from fabric_memory_recipes.planning.simulation import saved
 from fabric_memory_recipes.planning.simulation.compiled import partition
 from fabric_memory_recipes.planning.simulation.modelled import STRIDED_FALLBACK
-from fabric_memory_recipes.planning.your_model import set_speed
+from fabric_memory_recipes.planning.your_model import set_speed, step_calibration
 from fabric_memory_recipes.planning.your_model.estimate import estimate, meta_user_model
 from fabric_memory_recipes.planning.your_model.sets import UserPlanner
 
@@ -193,3 +193,16 @@ def test_the_simulation_that_traces_a_compiled_block_counts_as_a_later_one(tiny,
     first, second = (_json(capsys, argv) for _ in range(2))
     assert first["assumptions"]["compile_modelled"]
     assert first["peak_allocated_gb"] == second["peak_allocated_gb"]
+
+
+def test_the_speed_calibration_simulates_a_runs_target_length(tiny):
+    """A committed encoder-decoder run is timed with its own target tokens (``--target-len``), as it trained:
+    the step-time calibration and devtools/speed/host_components.py simulate those, not ``seq_len`` of them."""
+    config = {"model": tiny["t5"], "precision": "bf16-mixed", "batch_size": 4, "seq_len": 32}
+    flops = {}
+    for target in (8, 32):
+        run = step_calibration.Run(
+            "run.json", "your_model", tiny["t5"], "fast", {**config, "target_len": target}, 0.1, 1
+        )
+        flops[target] = step_calibration.run_costs(run).model_flops
+    assert flops[8] < 0.8 * flops[32]
