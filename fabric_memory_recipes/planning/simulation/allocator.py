@@ -52,17 +52,30 @@ ROUND_LARGE = 2 << 20  # kRoundLarge: larger segments are the request rounded up
 RESIDUAL = 1.036
 RESIDUAL_SOURCE = "published/h100/estimate/eager/04_lower_batch_size.json (4.905 GB measured, 4.737 replayed)"
 
-# The stream that runs the kernels (the current stream of the step), a side stream the step copies on, and
-# FSDP2's side streams of the reduce-scatters and of the all-gathers' outputs (planning/simulation/sharded.py).
-COMPUTE, COPY, REDUCE, GATHER = "compute", "copy", "reduce", "gather"
+# The stream that runs the kernels (the current stream of the step), a side stream the step copies on,
+# FSDP's side streams of the reduce-scatters and of the all-gathers' outputs, and FSDP1's stream that makes a
+# unit's low-precision shard before its all-gather (planning/simulation/sharded.py).
+COMPUTE, COPY, REDUCE, GATHER, SHARD = "compute", "copy", "reduce", "gather", "shard"
 
 # An event of the simulated step: ("alloc", handle, nbytes), a request on the compute stream; ("alloc_copy",
 # handle, nbytes), a request on the copy stream; ("alloc_reduce", ...) and ("alloc_gather", ...), requests on
-# FSDP2's reduce-scatter and all-gather copy-in streams; ("free", handle, 0); ("free_later", handle, 0), a free
-# after record_stream: allocated at once, reusable from its ("reuse", handle, 0) on.
+# FSDP's reduce-scatter and all-gather streams, ("alloc_shard", ...) on FSDP1's low-precision shard stream;
+# ("free", handle, 0); ("free_later", handle, 0), a free after record_stream: allocated at once, reusable from
+# its ("reuse", handle, 0) on.
 Event = tuple[str, int, int]
-ALLOC_COPY, ALLOC_REDUCE, ALLOC_GATHER = "alloc_copy", "alloc_reduce", "alloc_gather"
-ALLOCATES = {"alloc": COMPUTE, ALLOC_COPY: COPY, ALLOC_REDUCE: REDUCE, ALLOC_GATHER: GATHER}
+ALLOC_COPY, ALLOC_REDUCE, ALLOC_GATHER, ALLOC_SHARD = (
+    "alloc_copy",
+    "alloc_reduce",
+    "alloc_gather",
+    "alloc_shard",
+)
+ALLOCATES = {
+    "alloc": COMPUTE,
+    ALLOC_COPY: COPY,
+    ALLOC_REDUCE: REDUCE,
+    ALLOC_GATHER: GATHER,
+    ALLOC_SHARD: SHARD,
+}
 
 
 def round_size(nbytes: int) -> int:

@@ -47,6 +47,7 @@ from fabric_memory_recipes.planning.simulation.allocator import (
     ALLOC_COPY,
     ALLOC_GATHER,
     ALLOC_REDUCE,
+    ALLOC_SHARD,
     LARGE_SEGMENT,
     ROUND,
     SMALL_REQUEST,
@@ -62,8 +63,17 @@ ADDRESS_SPACE = 1 << 44  # one segment's virtual range (the GPU's memory and an 
 MAIN, GRAPH = "main", "graph"  # the allocator's own pools, and a CUDA graph's private pool
 DEFAULT_STREAM, SIDE_STREAM = 0, 1  # fast mode's warm-up and capture run on a side stream
 COPY_STREAM = 2  # the stream a step copies on (ALLOC_COPY events: rung 16's streamed weights)
-REDUCE_STREAM, GATHER_STREAM = 3, 4  # FSDP2's reduce-scatter and all-gather copy-in streams
-SIDE_REQUESTS = {ALLOC_COPY: COPY_STREAM, ALLOC_REDUCE: REDUCE_STREAM, ALLOC_GATHER: GATHER_STREAM}
+REDUCE_STREAM, GATHER_STREAM, SHARD_STREAM = (
+    3,
+    4,
+    5,
+)  # FSDP's reduce-scatter, all-gather, FSDP1's shard streams
+SIDE_REQUESTS = {
+    ALLOC_COPY: COPY_STREAM,
+    ALLOC_REDUCE: REDUCE_STREAM,
+    ALLOC_GATHER: GATHER_STREAM,
+    ALLOC_SHARD: SHARD_STREAM,
+}
 
 
 def page_size(small: bool) -> int:

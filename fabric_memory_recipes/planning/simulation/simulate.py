@@ -43,7 +43,7 @@ from fabric_memory_recipes.planning.simulation.modelled import (
     host_draws_kept,
 )
 from fabric_memory_recipes.planning.simulation.saved import SimulatedSaves
-from fabric_memory_recipes.planning.simulation.sharded import ShardedGradients
+from fabric_memory_recipes.planning.simulation.sharded import side_streams
 from fabric_memory_recipes.planning.simulation.streamed import StreamedWeights
 from fabric_memory_recipes.planning.simulation.tracking import FakeMode, Tracker
 from fabric_memory_recipes.training import data
@@ -156,13 +156,13 @@ def simulate(
     n_total = sum(p.numel() for p in named_params.values())
     n_train = sum(named_params[n].numel() for n in trainable)
     scales: dict[str, float] = {"host": 0.0}  # offloaded activations live in host memory
-    fsdp2 = plan.sharding == "fsdp2" and plan.accumulation_steps == 1 and not plan.optimizer_in_backward
+    fsdp2 = plan.sharding != "none" and plan.accumulation_steps == 1 and not plan.optimizer_in_backward
     if plan.sharding != "none" or plan.weights_offload:
         shard = 0.0 if plan.cpu_offload or plan.weights_offload else 1.0 / plan.world_size
         # the fake weights and their gradients have the dtype the module computes with; the shards kept
         # between steps have the master dtype (FSDP's mixed precision: bf16 views, fp32 shards)
         master = shard * master_bytes / pbytes
-        # FSDP2's gradient shards are made on the GPU, offloaded or not (planning/simulation/sharded.py)
+        # FSDP's gradient shards are made on the GPU, offloaded or not (planning/simulation/sharded.py)
         gradients = master_bytes / pbytes / plan.world_size if fsdp2 else master
         scales.update({"parameters": master, "gradients": gradients, "optimizer_state": shard})
     tracker = Tracker(scales)  # the timeline is recorded from the first forward to zero_grad
@@ -197,10 +197,9 @@ def simulate(
                 fake_state[n] = torch.empty(p.shape, dtype=dtype, requires_grad=bool(p.requires_grad))
 
         streamed = StreamedWeights(model, plan.shard_units, pbytes, tracker) if plan.weights_offload else None
-        sharded = None  # FSDP2, one micro-batch: its gradients and all-gathers on its side streams
+        sharded = None  # FSDP, one micro-batch: its gradients and all-gathers on its side streams
         if fsdp2:
-            narrow = pbytes / master_bytes
-            sharded = ShardedGradients(model, plan.shard_units, tracker, narrow, plan.cpu_offload)
+            sharded = side_streams(model, plan, tracker, pbytes / master_bytes)
 
         def grad_ready(p: torch.Tensor) -> None:
             if sharded is not None:
@@ -222,11 +221,12 @@ def simulate(
         elif plan.sharding != "none":  # FSDP: the units in use at once
             unit, root = _unit_bytes(model, plan.shard_units, pbytes)
             # in use at once: the current unit, the prefetched one, the root; one unit's unsharded grads
-            # (FSDP2's are made by the step, its all-gathers' outputs held on their stream: sharded.py)
-            in_use = plan.prefetch_units * unit + root + (unit if n_train and sharded is None else 0)
-            tracker.add_constant("gathered_parameters", in_use)
-            if sharded is not None:
-                sharded.gather_buffers(unit, root)
+            # (made by the step where its side streams are modelled, the gathered units there: sharded.py)
+            in_use = (plan.prefetch_units + bool(n_train)) * unit + root
+            if sharded is None:
+                tracker.add_constant("gathered_parameters", in_use)
+            else:
+                sharded.gather_buffers(unit, root, plan.prefetch_units)
         tracker.mark("workspace")  # made by the first step: fast mode's on its side stream
         if plan.device == "cuda":
             for _ in range(CUDA_WORKSPACE_BYTES // CUBLAS_WORKSPACE_BYTES):  # one per thread

@@ -1,4 +1,4 @@
-"""FSDP2's gradients and all-gather outputs on their own streams in the simulated step
+"""FSDP's gradients and all-gather outputs on their own streams in the simulated step
 (planning/simulation/sharded.py), and the allocator models' pools for those streams."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from fabric_memory_recipes.planning.simulation import simulate as simulation
 from fabric_memory_recipes.planning.simulation.allocator import (
     ALLOC_GATHER,
     ALLOC_REDUCE,
+    ALLOC_SHARD,
     REDUCE,
     CachingAllocator,
     replay,
@@ -101,10 +102,34 @@ def test_fsdp2_all_gather_outputs_reserve_their_own_stream_and_mixed_precision_c
     assert reduced[:2] == [WIDTH * WIDTH * 2 // 2, WIDTH * WIDTH * 4 // 2]  # bf16 output, then the fp32 shard
 
 
-def test_fsdp1_keeps_the_one_stream_model(monkeypatch):
-    """FSDP1 (sharding "fsdp") is not replayed with its streams (sharded.py says why)."""
-    _, events, _ = _step(monkeypatch, "fsdp")
-    assert not [e for e in events if e[0] in (ALLOC_REDUCE, ALLOC_GATHER)]
+def test_fsdp1_cpu_offload_keeps_its_gradient_shards_on_the_post_backward_stream_to_the_end_of_backward(
+    monkeypatch,
+):
+    """FSDP1 with CPU offload: each unit's fp32 gradient shard is made on the post-backward stream and kept
+    there until the end of backward, so the stream reserves them all; the compute stream's freed blocks
+    (the loss's, the activations') cannot hold them, and the replay reserves more than on one stream."""
+    est, events, marks = _step(monkeypatch, "fsdp", cpu_offload=True, precision="bf16-mixed")
+    shards = [(h, n) for kind, h, n in events if kind == ALLOC_REDUCE and n == WIDTH * WIDTH * 4 // 2]
+    assert len(shards) == UNITS + 1  # the units and the root
+    frees = [i for i, (kind, h, _) in enumerate(events) if kind == "free" and h in dict(shards)]
+    assert min(frees) > max(h for h, _ in shards)  # none freed before the last is made
+    allocator = replay(events, marks)
+    assert allocator.reserved_by_stream[REDUCE] >= sum(n for _, n in shards)
+    merged = replay([("alloc" if kind.startswith("alloc") else kind, h, n) for kind, h, n in events], marks)
+    assert allocator.peak_reserved > merged.peak_reserved
+    assert est.static_gb["gradients"] == 0
+
+
+def test_fsdp1_gathers_on_its_unshard_stream_and_casts_shards_on_another(monkeypatch):
+    """FSDP1's gathered units (the root and two units, allocated) and one more unit and root (reserved) on
+    the unshard stream; under mixed precision each low-precision shard, with offload its fp32 copy from the
+    host, on the low-precision shard stream."""
+    unit = WIDTH * WIDTH * 2
+    _, events, _ = _step(monkeypatch, "fsdp", cpu_offload=True, precision="bf16-mixed")
+    assert [n for kind, _, n in events if kind == ALLOC_GATHER] == [unit] * 5
+    assert [n for kind, _, n in events if kind == ALLOC_SHARD] == [unit // 2, unit, unit // 2, unit]
+    _, events, _ = _step(monkeypatch, "fsdp", precision="bf16-mixed")
+    assert [n for kind, _, n in events if kind == ALLOC_SHARD] == [unit // 2, unit // 2]
 
 
 @pytest.mark.parametrize("model", [CachingAllocator, ExpandableAllocator])
