@@ -21,9 +21,12 @@ not fitted: the model knows only their state's bytes (:data:`NOT_FITTED`).
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import json
 import math
 import statistics
+import tarfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +56,13 @@ RUN_GLOBS = {
         "results/published/h100/your-model-speed/lm/*.json",
         "results/published/h100/your-model-speed/lm-probe/*.json",
         "results/published/h100/compare/runs/*.json",
+    ),
+    # committed as archives only (ARCHIVE:MEMBER-PATTERN): the ranking check's picks, the timed (not the
+    # profiled) encoder-decoder steps, the Swin fast-mode probe
+    "h200": (
+        "results/published/h200/ranking-check/*.tgz:*/runs/*/your_model.json",
+        "results/published/h200/encdec-step-profile/encdec_profile.tgz:*/runs/*-timed/your_model.json",
+        "results/published/h200/swin-fast-probe/swin_fast_probe.tgz:*/runs/*/your_model.json",
     ),
 }
 NOT_FITTED = {
@@ -127,12 +137,26 @@ def run_mode(config: dict[str, Any]) -> str:
     return "fast" if config.get("compile") else "eager"
 
 
+def results_of(pattern: str, repo: Path = REPO) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(path relative to the checkout, payload) of each results JSON ``pattern`` names: a glob, or
+    ``ARCHIVE-GLOB:MEMBER-PATTERN`` for JSONs inside committed ``.tgz`` archives (``archive.tgz:member``)."""
+    archives, _, members = pattern.partition(":")
+    for path in sorted(repo.glob(archives)):
+        name = str(path.relative_to(repo))
+        if not members:
+            yield name, json.loads(path.read_text())
+            continue
+        with tarfile.open(path) as tar:
+            for m in sorted(tar.getmembers(), key=lambda m: m.name):
+                if m.isfile() and fnmatch.fnmatch(m.name, members):
+                    yield f"{name}:{m.name}", json.load(tar.extractfile(m))
+
+
 def read_runs(gpu: str = "h100", repo: Path = REPO) -> list[Run]:
     """The successful single-GPU runs of ``gpu`` that :data:`RUN_GLOBS` names."""
     runs = []
     for pattern in RUN_GLOBS.get(gpu, ()):
-        for path in sorted(repo.glob(pattern)):
-            d = json.loads(path.read_text())
+        for path, d in results_of(pattern, repo):
             timing, prov = d.get("timing") or {}, d.get("provenance") or {}
             if d.get("status") != "ok" or not timing.get("median_step_s") or prov.get("world_size", 1) != 1:
                 continue
@@ -140,7 +164,7 @@ def read_runs(gpu: str = "h100", repo: Path = REPO) -> list[Run]:
                 continue
             runs.append(
                 Run(
-                    str(path.relative_to(repo)),
+                    path,
                     d["recipe"],
                     d["config"]["model"],
                     run_mode(d["config"]),
