@@ -21,12 +21,8 @@ not fitted: the model knows only their state's bytes (:data:`NOT_FITTED`).
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
-import json
 import math
 import statistics
-import tarfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +33,7 @@ from fabric_memory_recipes import techniques
 from fabric_memory_recipes.config import RunConfig
 from fabric_memory_recipes.console import Parser, fail
 from fabric_memory_recipes.declarations import declared_rung
-from fabric_memory_recipes.measurement.results_file import gpu_slug, write_json_atomic
+from fabric_memory_recipes.measurement.results_file import gpu_slug, results_of, write_json_atomic
 from fabric_memory_recipes.planning.plan import plan_for
 from fabric_memory_recipes.planning.planner.calibration import REPO
 from fabric_memory_recipes.planning.simulation.costs import OpCosts
@@ -47,9 +43,9 @@ from fabric_memory_recipes.planning.your_model.estimate import meta_user_model, 
 from fabric_memory_recipes.training.models import meta_ladder_model
 from fabric_memory_recipes.training.your_model import runner
 
-# The committed runs, per GPU kind (relative to the checkout), each process alone on the GPU: your model's
-# runs (eager), the causal LMs at speed (eager; fast: compiled blocks), and the ladder's ViT-L/16 beside the
-# article's scripts (eager; fast: compiled blocks + CUDA graphs; results/published/h100/compare/NOTES.md).
+# The committed runs per GPU kind (from the checkout; ARCHIVE:MEMBER inside a .tgz), each alone on the GPU.
+# h100: your model's runs (eager), the causal LMs at speed (eager; fast: compiled blocks), the ladder's
+# ViT-L/16 beside the article's scripts (eager; fast: + CUDA graphs; results/published/h100/compare/NOTES.md).
 RUN_GLOBS = {
     "h100": (
         "results/published/h100/your-model/runs/*/your_model.json",
@@ -57,8 +53,6 @@ RUN_GLOBS = {
         "results/published/h100/your-model-speed/lm-probe/*.json",
         "results/published/h100/compare/runs/*.json",
     ),
-    # committed as archives only (ARCHIVE:MEMBER-PATTERN): the ranking check's picks, the timed (not the
-    # profiled) encoder-decoder steps, the Swin fast-mode probe
     "h200": (
         "results/published/h200/ranking-check/*.tgz:*/runs/*/your_model.json",
         "results/published/h200/encdec-step-profile/encdec_profile.tgz:*/runs/*-timed/your_model.json",
@@ -135,21 +129,6 @@ def run_mode(config: dict[str, Any]) -> str:
     if config.get("cuda_graphs"):
         return "graphs"
     return "fast" if config.get("compile") else "eager"
-
-
-def results_of(pattern: str, repo: Path = REPO) -> Iterator[tuple[str, dict[str, Any]]]:
-    """(path relative to the checkout, payload) of each results JSON ``pattern`` names: a glob, or
-    ``ARCHIVE-GLOB:MEMBER-PATTERN`` for JSONs inside committed ``.tgz`` archives (``archive.tgz:member``)."""
-    archives, _, members = pattern.partition(":")
-    for path in sorted(repo.glob(archives)):
-        name = str(path.relative_to(repo))
-        if not members:
-            yield name, json.loads(path.read_text())
-            continue
-        with tarfile.open(path) as tar:
-            for m in sorted(tar.getmembers(), key=lambda m: m.name):
-                if m.isfile() and fnmatch.fnmatch(m.name, members):
-                    yield f"{name}:{m.name}", json.load(tar.extractfile(m))
 
 
 def read_runs(gpu: str = "h100", repo: Path = REPO) -> list[Run]:
@@ -387,9 +366,7 @@ def notes_lines(entry: dict[str, Any]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = Parser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--gpu", default="h100", choices=sorted(RUN_GLOBS), help="the GPU kind whose runs to fit"
-    )
+    parser.add_argument("--gpu", default="h100", choices=sorted(RUN_GLOBS), help="the kind whose runs to fit")
     parser.add_argument(
         "--write", action="store_true", help=f"store the table in {step_time.CALIBRATION_FILE}"
     )
