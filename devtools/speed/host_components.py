@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("paths", nargs="+", help="results JSONs, folders or .tgz archives")
     args = parser.parse_args(argv)
     for name, d in results_files(args.paths):
-        if d.get("recipe") != "your_model" or d.get("status") != "ok":
+        if not isinstance(d, dict) or d.get("recipe") != "your_model" or d.get("status") != "ok":
             continue
         timing, config = d.get("timing") or {}, d["config"]
         gpu = gpu_slug((d.get("provenance") or {}).get("gpu_name")) or "h100"

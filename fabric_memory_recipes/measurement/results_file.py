@@ -113,11 +113,15 @@ extra                            recipe-specific measurements (e.g. rung 07's tw
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import json
 import os
 import re
 import statistics
+import tarfile
 import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from fabric_memory_recipes import paths
@@ -306,3 +310,18 @@ def summary(p: dict[str, Any], path: str | None = None) -> str:
     if path:
         lines.append(f"   results       {path}")
     return "\n".join(lines)
+
+
+def results_of(pattern: str, repo: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(path relative to the checkout, payload) of each results JSON ``pattern`` names: a glob, or
+    ``ARCHIVE-GLOB:MEMBER-PATTERN`` for JSONs inside committed ``.tgz`` archives (``archive.tgz:member``)."""
+    archives, _, members = pattern.partition(":")
+    for path in sorted(repo.glob(archives)):
+        name = str(path.relative_to(repo))
+        if not members:
+            yield name, json.loads(path.read_text())
+            continue
+        with tarfile.open(path) as tar:
+            for m in sorted(tar.getmembers(), key=lambda m: m.name):
+                if m.isfile() and fnmatch.fnmatch(m.name, members):
+                    yield f"{name}:{m.name}", json.load(tar.extractfile(m))

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 import sys
+import tarfile
 
 import pytest
 import torch
 import torch._dynamo
 import torch._inductor.config as inductor_config
 
-from devtools.speed import rung_profile
+from devtools.speed import host_components, rung_profile
 
 H100_KERNELS = {  # names as an H100 trace spells them -> kind
     "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64_warpgroupsize2x1x1_execute_segment_k_off_kernel__5x_cublas": "linear matmul",
@@ -121,3 +122,13 @@ def test_a_knob_leaves_torch_compile_working_for_later_tests():
     """The knob test above runs first in the suite's order; a compile afterwards must still work."""
     torch._dynamo.reset()
     assert inductor_config.get_config_copy()["coordinate_descent_tuning"] is False
+
+
+def test_an_archive_with_a_json_list_beside_its_runs_is_read_past(tmp_path, capsys):
+    """A committed probe archive holds an equivalence JSON (a list) beside its run: it is not a run."""
+    (tmp_path / "probe").mkdir()
+    (tmp_path / "probe" / "equivalence.json").write_text(json.dumps([{"step": 1}]))
+    with tarfile.open(tmp_path / "probe.tgz", "w:gz") as tar:
+        tar.add(tmp_path / "probe", arcname="probe")
+    assert host_components.main([str(tmp_path / "probe.tgz")]) == 0
+    assert capsys.readouterr().out == ""

@@ -21,7 +21,6 @@ not fitted: the model knows only their state's bytes (:data:`NOT_FITTED`).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import statistics
 from pathlib import Path
@@ -34,7 +33,7 @@ from fabric_memory_recipes import techniques
 from fabric_memory_recipes.config import RunConfig
 from fabric_memory_recipes.console import Parser, fail
 from fabric_memory_recipes.declarations import declared_rung
-from fabric_memory_recipes.measurement.results_file import gpu_slug, write_json_atomic
+from fabric_memory_recipes.measurement.results_file import gpu_slug, results_of, write_json_atomic
 from fabric_memory_recipes.planning.plan import plan_for
 from fabric_memory_recipes.planning.planner.calibration import REPO
 from fabric_memory_recipes.planning.simulation.costs import OpCosts
@@ -44,15 +43,20 @@ from fabric_memory_recipes.planning.your_model.estimate import meta_user_model, 
 from fabric_memory_recipes.training.models import meta_ladder_model
 from fabric_memory_recipes.training.your_model import runner
 
-# The committed runs, per GPU kind (relative to the checkout), each process alone on the GPU: your model's
-# runs (eager), the causal LMs at speed (eager; fast: compiled blocks), and the ladder's ViT-L/16 beside the
-# article's scripts (eager; fast: compiled blocks + CUDA graphs; results/published/h100/compare/NOTES.md).
+# The committed runs per GPU kind (from the checkout; ARCHIVE:MEMBER inside a .tgz), each alone on the GPU.
+# h100: your model's runs (eager), the causal LMs at speed (eager; fast: compiled blocks), the ladder's
+# ViT-L/16 beside the article's scripts (eager; fast: + CUDA graphs; results/published/h100/compare/NOTES.md).
 RUN_GLOBS = {
     "h100": (
         "results/published/h100/your-model/runs/*/your_model.json",
         "results/published/h100/your-model-speed/lm/*.json",
         "results/published/h100/your-model-speed/lm-probe/*.json",
         "results/published/h100/compare/runs/*.json",
+    ),
+    "h200": (
+        "results/published/h200/ranking-check/*.tgz:*/runs/*/your_model.json",
+        "results/published/h200/encdec-step-profile/encdec_profile.tgz:*/runs/*-timed/your_model.json",
+        "results/published/h200/swin-fast-probe/swin_fast_probe.tgz:*/runs/*/your_model.json",
     ),
 }
 NOT_FITTED = {
@@ -131,8 +135,7 @@ def read_runs(gpu: str = "h100", repo: Path = REPO) -> list[Run]:
     """The successful single-GPU runs of ``gpu`` that :data:`RUN_GLOBS` names."""
     runs = []
     for pattern in RUN_GLOBS.get(gpu, ()):
-        for path in sorted(repo.glob(pattern)):
-            d = json.loads(path.read_text())
+        for path, d in results_of(pattern, repo):
             timing, prov = d.get("timing") or {}, d.get("provenance") or {}
             if d.get("status") != "ok" or not timing.get("median_step_s") or prov.get("world_size", 1) != 1:
                 continue
@@ -140,7 +143,7 @@ def read_runs(gpu: str = "h100", repo: Path = REPO) -> list[Run]:
                 continue
             runs.append(
                 Run(
-                    str(path.relative_to(repo)),
+                    path,
                     d["recipe"],
                     d["config"]["model"],
                     run_mode(d["config"]),
@@ -363,9 +366,7 @@ def notes_lines(entry: dict[str, Any]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = Parser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--gpu", default="h100", choices=sorted(RUN_GLOBS), help="the GPU kind whose runs to fit"
-    )
+    parser.add_argument("--gpu", default="h100", choices=sorted(RUN_GLOBS), help="the kind whose runs to fit")
     parser.add_argument(
         "--write", action="store_true", help=f"store the table in {step_time.CALIBRATION_FILE}"
     )

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import statistics
+import tarfile
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fabric_memory_recipes import planning
+from fabric_memory_recipes.measurement import results_file
 from fabric_memory_recipes.measurement.results_file import PEAK_BF16_FLOPS
 from fabric_memory_recipes.planning.planner.calibration import REPO
 from fabric_memory_recipes.planning.simulation.costs import OpCosts
@@ -251,3 +253,27 @@ def test_the_calibration_without_runs_fails_in_one_line(monkeypatch, capsys):
         step_calibration.main(["--gpu", "h100"])
     err = capsys.readouterr().err
     assert stop.value.code == 2 and len(err.strip().splitlines()) == 1 and "from a checkout" in err
+
+
+def test_the_calibration_reads_runs_committed_inside_archives(tmp_path):
+    """A RUN_GLOBS entry ``ARCHIVE-GLOB:MEMBER-PATTERN`` reads the results JSONs the pattern names inside
+    each archive, and only those (the h200 runs are committed as .tgz only)."""
+    run = {
+        "status": "ok",
+        "recipe": "your_model",
+        "config": {"model": "hf:examples/configs/t5-small", "compile": True},
+        "timing": {"median_step_s": 0.1, "timed_intervals": 9},
+        "provenance": {"gpu_name": "NVIDIA H200", "world_size": 1},
+    }
+    for member in ("runs/a-timed/your_model.json", "runs/a-profiled/your_model.json"):
+        (tmp_path / member).parent.mkdir(parents=True)
+        (tmp_path / member).write_text(json.dumps(run))
+    (tmp_path / "published").mkdir()
+    with tarfile.open(tmp_path / "published" / "runs.tgz", "w:gz") as tar:
+        tar.add(tmp_path / "runs", arcname="runs")
+    found = list(results_file.results_of("published/*.tgz:runs/*-timed/your_model.json", tmp_path))
+    assert [name for name, _ in found] == ["published/runs.tgz:runs/a-timed/your_model.json"]
+    assert found[0][1] == run
+    assert [r.path for r in step_calibration.read_runs("h200", REPO)][-1].endswith(
+        "swin_fast_probe.tgz:swin_fast_probe/runs/fast/your_model.json"
+    )
