@@ -5,6 +5,9 @@
 #
 #   OUT=... bash scripts/gpu/encdec_step_profile.sh        # about 7 minutes on one H100; carry .whl (liger-kernel)
 #   DRY=1 OUT=/tmp/out bash scripts/gpu/encdec_step_profile.sh   # the same on a CPU: tiny configs, eager, 2 rows
+#   SWEEP=host OUT=... bash scripts/gpu/encdec_step_profile.sh  # T5-small fast at batch 16, 32, 128 (with the
+#                  committed batch-64 row: host cost per sample against per compiled call) and BART-base's
+#                  selective-checkpointing set (its per-op policy cost); about 8 minutes, LIMIT=560
 #
 # Per row, two processes one after the other: the run timed as --measure times it (14 steps, the first 3
 # intervals left out of the median), then the same run with torch.profiler on for steps 9-12
@@ -58,6 +61,14 @@ ROWS=(
   "bart-base-fast $BART --seq-len 256 --target-len 256 --batch-size 16 --accumulation-steps 4 --mode fast"
   "t5-small-eager $T5S --seq-len 256 --target-len 64 --batch-size 64 --checkpoint-blocks --mode eager"
 )
+if [ "${SWEEP:-}" = host ]; then  # per-sample against per-call host cost: one model, the batch changed alone,
+  # then BART-base's selective-checkpointing set (its per-op policy calls), each timed and profiled
+  ROWS=()
+  for b in 16 32 128; do
+    ROWS+=("t5-small-fast-b$b $T5S --seq-len 256 --target-len 64 --batch-size $b --checkpoint-blocks --mode fast")
+  done
+  ROWS+=("bart-base-selective $BART --seq-len 256 --target-len 256 --batch-size 16 --accumulation-steps 4 --checkpoint-blocks --checkpoint-mode selective --mode fast")
+fi
 if [ -n "${DRY:-}" ]; then  # tiny configs of the same types, small shapes, eager on the CPU
   for kind in t5 bart; do mkdir -p "$W/cfg/$kind"; done
   echo '{"model_type":"t5","vocab_size":512,"d_model":64,"d_ff":128,"num_layers":2,"num_heads":4,"d_kv":16}' > "$W/cfg/t5/config.json"
