@@ -156,14 +156,14 @@ def simulate(
     n_total = sum(p.numel() for p in named_params.values())
     n_train = sum(named_params[n].numel() for n in trainable)
     scales: dict[str, float] = {"host": 0.0}  # offloaded activations live in host memory
-    fsdp2 = plan.sharding != "none" and plan.accumulation_steps == 1 and not plan.optimizer_in_backward
+    on_streams = plan.sharding != "none" and plan.accumulation_steps == 1 and not plan.optimizer_in_backward
     if plan.sharding != "none" or plan.weights_offload:
         shard = 0.0 if plan.cpu_offload or plan.weights_offload else 1.0 / plan.world_size
         # the fake weights and their gradients have the dtype the module computes with; the shards kept
         # between steps have the master dtype (FSDP's mixed precision: bf16 views, fp32 shards)
         master = shard * master_bytes / pbytes
         # FSDP's gradient shards are made on the GPU, offloaded or not (planning/simulation/sharded.py)
-        gradients = master_bytes / pbytes / plan.world_size if fsdp2 else master
+        gradients = master_bytes / pbytes / plan.world_size if on_streams else master
         scales.update({"parameters": master, "gradients": gradients, "optimizer_state": shard})
     tracker = Tracker(scales)  # the timeline is recorded from the first forward to zero_grad
     kernels: set[str] = set()
@@ -198,7 +198,7 @@ def simulate(
 
         streamed = StreamedWeights(model, plan.shard_units, pbytes, tracker) if plan.weights_offload else None
         sharded = None  # FSDP, one micro-batch: its gradients and all-gathers on its side streams
-        if fsdp2:
+        if on_streams:
             sharded = side_streams(model, plan, tracker, pbytes / master_bytes)
 
         def grad_ready(p: torch.Tensor) -> None:
