@@ -10,6 +10,10 @@
 #   start_clock NAME        a run folder WORK=$SCRATCH/NAME in a new temporary SCRATCH, $OUT made, the clock
 #                           started (T0); then `elapsed`, `left` (seconds before DEADLINE) and `say` (a line,
 #                           timed, on the console and in WORK/progress.log and $OUT/progress.log)
+#   limit_clock NAME DIR    for a script that stops at LIMIT seconds: DIR made afresh, $OUT made, the clock
+#                           started (T0, DEADLINE=LIMIT, so `left` counts to it); then `log` (a line, timed,
+#                           on the console and in DIR/log.txt)
+#   install_for_runs        liger-kernel from .whl (the fused loss) and this checkout, each failure logged
 
 export_run_env() {
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 FMR_OFFLINE=1
@@ -47,3 +51,13 @@ start_clock() {
 elapsed() { echo $(( $(date +%s) - T0 )); }
 left() { echo $(( DEADLINE - $(elapsed) )); }
 say() { echo "[$(elapsed) s $(date -u +%T)] $*" | tee -a "$WORK/progress.log" "$OUT/progress.log"; }
+
+limit_clock() {
+  CLOCK_NAME=$1; CLOCK_DIR=$2; T0=$(date +%s); DEADLINE=$LIMIT
+  rm -rf "$CLOCK_DIR"; mkdir -p "$CLOCK_DIR" "$OUT"
+  log() { echo "[$CLOCK_NAME $(elapsed) s] $*" | tee -a "$CLOCK_DIR/log.txt"; }
+}
+install_for_runs() {
+  install_wheels .whl/liger*.whl || log "liger-kernel not installed: the fused loss runs its torch path"
+  install_checkout || log "pip install -e . failed"
+}

@@ -23,14 +23,9 @@ set -u
 : "${OUT:?set OUT}"
 . "$(dirname "${BASH_SOURCE[0]}")/common.sh"  # the functions the GPU scripts share
 export_run_env
-T0=$(date +%s); LIMIT=${LIMIT:-480}; W=/tmp/encdec-profile; rm -rf "$W"; mkdir -p "$W/runs" "$W/prof" "$OUT"
-log() { echo "[encdec_step_profile $(( $(date +%s) - T0 )) s] $*" | tee -a "$W/log.txt"; }
-left() { echo $(( LIMIT - ($(date +%s) - T0) )); }
+LIMIT=${LIMIT:-480}; W=/tmp/encdec-profile; limit_clock encdec_step_profile "$W"; mkdir -p "$W/runs" "$W/prof"
 PY=${PY:-python3}
-if [ -z "${DRY:-}" ]; then
-  install_wheels .whl/liger*.whl || log "liger-kernel not installed: the fused loss runs its torch path"
-  install_checkout || log "pip install -e . failed"
-fi
+[ -n "${DRY:-}" ] || install_for_runs
 
 finish() {
   record_machine "$W"

@@ -17,14 +17,9 @@ set -u
 : "${OUT:?set OUT}"
 . "$(dirname "${BASH_SOURCE[0]}")/common.sh"  # the functions the GPU scripts share
 export_run_env
-T0=$(date +%s); LIMIT=${LIMIT:-400}; JOBS=${JOBS:-3}; R=/tmp/seq2seq; rm -rf "$R"; mkdir -p "$R/runs" "$OUT"
-log() { echo "[seq2seq_check $(( $(date +%s) - T0 )) s] $*" | tee -a "$R/log.txt"; }
-left() { echo $(( LIMIT - ($(date +%s) - T0) )); }
+LIMIT=${LIMIT:-400}; JOBS=${JOBS:-3}; R=/tmp/seq2seq; limit_clock seq2seq_check "$R"; mkdir -p "$R/runs"
 PY=${PY:-python3}
-if [ -z "${DRY:-}" ]; then
-  install_wheels .whl/liger*.whl || log "liger-kernel not installed: the fused loss runs its torch path"
-  install_checkout || log "pip install -e . failed"
-fi
+[ -n "${DRY:-}" ] || install_for_runs
 
 # The table: every run's predicted (the estimate it recorded) against measured, and the --fit's sets.
 cat > "$R/summarize.py" <<'EOF'
