@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import json
 import sys
-import tarfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from fabric_memory_recipes.console import Parser
-from fabric_memory_recipes.measurement.results_file import gpu_slug
+from fabric_memory_recipes.measurement.results_file import archived, gpu_slug
 from fabric_memory_recipes.planning.check import simulate_run
 from fabric_memory_recipes.planning.plan import expandable_in
 from fabric_memory_recipes.planning.your_model.estimate import (
@@ -42,10 +41,8 @@ def results_files(paths: list[str]) -> Iterator[tuple[str, dict[str, Any]]]:
             if path.suffix == ".json":
                 yield str(path), json.loads(path.read_text())
             elif path.name.endswith(".tgz"):
-                with tarfile.open(path) as tar:
-                    for member in sorted(tar.getmembers(), key=lambda m: m.name):
-                        if member.isfile() and member.name.endswith(".json"):
-                            yield f"{path}:{member.name}", json.load(tar.extractfile(member))
+                for member, payload in archived(path):
+                    yield f"{path}:{member}", payload
 
 
 def comparable(result: dict[str, Any]) -> bool:

@@ -321,7 +321,14 @@ def results_of(pattern: str, repo: Path) -> Iterator[tuple[str, dict[str, Any]]]
         if not members:
             yield name, json.loads(path.read_text())
             continue
-        with tarfile.open(path) as tar:
-            for m in sorted(tar.getmembers(), key=lambda m: m.name):
-                if m.isfile() and fnmatch.fnmatch(m.name, members):
-                    yield f"{name}:{m.name}", json.load(tar.extractfile(m))
+        for member, payload in archived(path, members):
+            yield f"{name}:{member}", payload
+
+
+def archived(path: Path, pattern: str = "*.json") -> Iterator[tuple[str, Any]]:
+    """(member name, payload) of each file in the ``.tgz`` archive ``path`` whose name ``pattern`` matches
+    (a glob whose ``*`` crosses folders), in name order."""
+    with tarfile.open(path) as tar:
+        for m in sorted(tar.getmembers(), key=lambda m: m.name):
+            if m.isfile() and fnmatch.fnmatch(m.name, pattern):
+                yield m.name, json.load(tar.extractfile(m))
