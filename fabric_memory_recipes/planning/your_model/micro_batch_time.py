@@ -78,13 +78,13 @@ class MicroBatch:
         gpu = np.where(self.matmul, np.maximum(self.flops / c.matmul_flops, memory) + launched, other)
         if mode == "fast" and graphs:
             return float(gpu.sum())
-        host = self._host(c, mode if fused else "eager")  # blocks not compiled, step not captured: eager
+        host = self.host_times(c, mode if fused else "eager")  # blocks not compiled, step not captured: eager
         if not len(host):
             return 0.0
         gpu_left = np.cumsum(gpu[::-1])[::-1]
         return float((np.cumsum(host) + gpu_left).max())
 
-    def _host(self, c: Ceilings, mode: str) -> np.ndarray:
+    def host_times(self, c: Ceilings, mode: str) -> np.ndarray:
         """Each op's time on the host (eager, or fast mode's compiled blocks without CUDA graphs; fast mode
         whose blocks run eagerly and whose step is not captured issues every op as eager mode does)."""
         if mode == "eager":
@@ -116,4 +116,4 @@ class MicroBatch:
         )
         if mode == "fast" and graphs:
             return gpu
-        return max(gpu, float((runs * self._host(c, mode if fused else "eager")).sum()))
+        return max(gpu, float((runs * self.host_times(c, mode if fused else "eager")).sum()))
