@@ -6,17 +6,19 @@ from __future__ import annotations
 import collections
 import json
 import re
+import tarfile
 from pathlib import Path
 
 import pytest
 import torch
 
+from devtools.speed import host_components
 from fabric_memory_recipes.planning.__main__ import main as estimate_main
 from fabric_memory_recipes.planning.plan import Plan
 from fabric_memory_recipes.planning.simulation import saved
 from fabric_memory_recipes.planning.simulation.compiled import partition
 from fabric_memory_recipes.planning.simulation.modelled import STRIDED_FALLBACK
-from fabric_memory_recipes.planning.your_model import set_speed, step_calibration
+from fabric_memory_recipes.planning.your_model import set_speed, step_calibration, step_time
 from fabric_memory_recipes.planning.your_model.estimate import estimate, meta_user_model
 from fabric_memory_recipes.planning.your_model.sets import UserPlanner
 
@@ -206,3 +208,26 @@ def test_the_speed_calibration_simulates_a_runs_target_length(tiny):
         )
         flops[target] = step_calibration.run_costs(run).model_flops
     assert flops[8] < 0.8 * flops[32]
+
+
+def test_host_components_prints_a_runs_terms_which_add_up_to_its_prediction(tiny, tmp_path, capsys):
+    """devtools/speed/host_components.py on a committed run inside an archive: its terms are the model's (the
+    predicted step is the calibration's prediction, the queue at least the host's sum) and its measured step."""
+    config = {"model": tiny["t5"], "precision": "bf16-mixed", "batch_size": 4, "seq_len": 32, "target_len": 8}
+    config |= {"mode": "fast", "compile": True}
+    payload = {"recipe": "your_model", "status": "ok", "config": config, "timing": {"median_step_s": 0.1}}
+    payload["provenance"] = {"gpu_name": "NVIDIA H100 80GB HBM3"}
+    (tmp_path / "runs" / "a").mkdir(parents=True)
+    (tmp_path / "runs" / "a" / "your_model.json").write_text(json.dumps(payload))
+    with tarfile.open(tmp_path / "runs.tgz", "w:gz") as tar:
+        tar.add(tmp_path / "runs", arcname="runs")
+    assert host_components.main([str(tmp_path / "runs.tgz")]) == 0
+    title, line = capsys.readouterr().out.splitlines()
+    assert title.endswith("runs/a/your_model.json (h100, fast)")
+    terms = {k: float(v) for k, v in (t.split(" ") for t in line.strip().split(", "))}
+    run = step_calibration.Run("run.json", "your_model", tiny["t5"], "fast", config, 0.1, 1)
+    expected = step_calibration.predicted_s(
+        run, step_calibration.run_costs(run), step_time.ceilings("h100")[0]
+    )
+    assert terms["predicted_ms"] == pytest.approx(1e3 * expected, abs=0.05) and terms["measured_ms"] == 100.0
+    assert terms["mb0_kernels"] > 0 and terms["mb0_queue_ms"] >= terms["mb0_host_ms"] > 0
