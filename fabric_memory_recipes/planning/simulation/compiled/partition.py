@@ -98,9 +98,8 @@ class _Block:
             before = set(self.used)  # the attention kernels its trace runs (the simulation's stand-in)
             compiled = self._trace(names, spec, at, constants)
             with _disable_current_modes(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-                compiled(
-                    state, _stand_ins(inputs)
-                )  # the first call traces and partitions: away from the counts
+                # the first call traces and partitions: away from the step's counts, on stand-ins of its inputs
+                compiled(state, _stand_ins(inputs))
             _TRACED[key] = (compiled, frozenset(self.used - before))
             while len(_TRACED) > KEPT:
                 del _TRACED[next(iter(_TRACED))]
