@@ -39,18 +39,44 @@ BACKENDS = ("liger", "torch")
 
 class HiddenStates(torch.nn.Module):
     """The output projection's stand-in: holds the projection (its weight stays a parameter of the model,
-    tied where it was) and returns its input, the hidden states, in place of the logits."""
+    tied where it was) and returns its input, the hidden states, in place of the logits.
+
+    Told the targets first (:meth:`expect`, what the batch functions do), its forward computes the fused
+    loss itself and returns the loss in place of the logits; :meth:`outcome` hands the batch function the
+    loss and, in evaluation, the predicted tokens. The loss is made inside the model's forward because a
+    sharded model holds the projection's weight gathered only there: under FSDP the weight read after the
+    forward is the rank's flat shard."""
 
     def __init__(self, projection: torch.nn.Linear) -> None:
         super().__init__()
         self.projection = projection
+        self._expected: tuple[torch.Tensor, bool] | None = None
+        self._outcome: tuple | None = None
 
     @property
     def weight(self) -> torch.nn.Parameter:
         return self.projection.weight
 
+    def expect(self, targets: torch.Tensor, shift: bool) -> None:
+        """The next forward's targets; ``shift``: a causal LM's (the hidden state of token t predicts t + 1)."""
+        self._expected, self._outcome = (targets, shift), None
+
+    def outcome(self) -> tuple:
+        """(loss, predicted ids or None, their targets or None) of the forward that :meth:`expect` prepared."""
+        if self._outcome is None:
+            raise RuntimeError("--fused-loss: the model's forward did not reach its output embeddings")
+        outcome, self._outcome = self._outcome, None
+        return outcome
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden
+        if self._expected is None:
+            return hidden
+        (targets, shift), self._expected = self._expected, None
+        if shift:
+            hidden = hidden[:, :-1]
+        hidden = hidden.reshape(-1, hidden.shape[-1])
+        self._outcome = _loss_and_predictions(hidden, self.projection.weight, targets.reshape(-1))
+        return self._outcome[0]
 
 
 def refusal(model: torch.nn.Module) -> str | None:
@@ -193,9 +219,9 @@ def causal_lm_loss(head: HiddenStates):
 
     def batch_fn(model, batch):
         input_ids, attention_mask, labels = batch
-        hidden = model(input_ids=input_ids, attention_mask=attention_mask).logits  # the hidden states
-        hidden, targets = hidden[:, :-1].reshape(-1, hidden.shape[-1]), labels[:, 1:].reshape(-1)
-        return _loss_and_predictions(hidden, head.weight, targets)
+        head.expect(labels[:, 1:], shift=True)  # the loss is made in the model's forward (HiddenStates)
+        model(input_ids=input_ids, attention_mask=attention_mask)
+        return head.outcome()
 
     return batch_fn
 
@@ -217,11 +243,9 @@ def seq2seq_lm_loss(head: HiddenStates, decoder_input_ids):
 
     def batch_fn(model, batch):
         input_ids, attention_mask, labels = batch
-        hidden = model(
-            input_ids=input_ids, attention_mask=attention_mask, decoder_input_ids=decoder_input_ids(labels)
-        ).logits
-        hidden, targets = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
-        return _loss_and_predictions(hidden, head.weight, targets)
+        head.expect(labels, shift=False)
+        model(input_ids=input_ids, attention_mask=attention_mask, decoder_input_ids=decoder_input_ids(labels))
+        return head.outcome()
 
     return batch_fn
 

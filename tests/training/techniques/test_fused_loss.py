@@ -99,3 +99,64 @@ def test_what_cannot_be_fused_is_one_line():
     model.config.final_logit_softcapping = 30.0
     with pytest.raises(UsageError, match="rescales its logits"):
         fused_loss.fuse_output_embeddings(model)
+
+
+def _sharded_rank(rank: int, port: int, queue) -> None:
+    """One of two gloo processes: the fused loss of a Llama sharded by FSDP (FSDP1, the blocks each a unit,
+    the original parameters kept, as Fabric's FSDPStrategy wraps your model in eager mode), against the
+    plain loss of the same model whole; puts (loss, plain loss, largest gradient difference)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        plain, fused = _llama(tie=False), _llama(tie=False)
+        head = fused_loss.fuse_output_embeddings(fused)
+        ids = torch.randint(0, 500, (2, 16), generator=torch.Generator().manual_seed(1))
+        labels = ids.clone()
+        labels[:, :5] = IGNORE_INDEX
+        expected = plain(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels).loss
+        expected.backward()
+        sharded = FSDP(
+            fused,
+            auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}),
+            use_orig_params=True,
+            device_id="cpu",
+        )
+        loss, _, _ = fused_loss.causal_lm_loss(head)(sharded, (ids, torch.ones_like(ids), labels))
+        loss.backward()  # both ranks saw the same batch: the averaged gradients are the plain ones
+        with FSDP.summon_full_params(sharded, with_grads=True):  # the original parameters, in order
+            worst = max(
+                (a.grad - b.grad).abs().max().item()
+                for a, b in zip(sharded.parameters(), plain.parameters(), strict=True)
+            )
+        queue.put((float(loss), float(expected), worst))
+    except Exception as error:  # the parent asserts on what comes back
+        queue.put((repr(error), None, None))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_under_fsdp_the_loss_is_made_where_the_projection_is_gathered():
+    """Under FSDP the projection's weight outside the model's forward is the rank's flat shard: the loss
+    made there failed on every rank (a GPT-NeoX --fit set on 2 GPUs); made in the forward, it and the
+    gradients equal the plain loss's."""
+    import multiprocessing
+    import socket
+
+    with socket.socket() as probe:  # a free port
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    ranks = [context.Process(target=_sharded_rank, args=(rank, port, queue)) for rank in range(2)]
+    for process in ranks:
+        process.start()
+    outcomes = [queue.get(timeout=240) for _ in ranks]
+    for process in ranks:
+        process.join(60)
+    for loss, expected, worst in outcomes:
+        assert isinstance(loss, float), loss  # an exception's repr otherwise
+        assert loss == pytest.approx(expected, rel=1e-5) and worst < 1e-5, (loss, expected, worst)
