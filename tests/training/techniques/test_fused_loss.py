@@ -160,3 +160,73 @@ def test_under_fsdp_the_loss_is_made_where_the_projection_is_gathered():
     for loss, expected, worst in outcomes:
         assert isinstance(loss, float), loss  # an exception's repr otherwise
         assert loss == pytest.approx(expected, rel=1e-5) and worst < 1e-5, (loss, expected, worst)
+
+
+def _sharded_t5_rank(rank: int, port: int, queue) -> None:
+    """As :func:`_sharded_rank` for an encoder-decoder (a tiny T5, its blocks each an FSDP1 unit)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from transformers import T5Config, T5ForConditionalGeneration
+    from transformers.models.t5.modeling_t5 import T5Block
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        config = T5Config(
+            vocab_size=300,
+            d_model=32,
+            d_kv=8,
+            d_ff=64,
+            num_layers=2,
+            num_heads=4,
+            tie_word_embeddings=False,
+            decoder_start_token_id=0,
+            pad_token_id=0,
+        )
+        torch.manual_seed(0)
+        plain = T5ForConditionalGeneration(config).eval()  # no dropout: the two losses comparable
+        fused = T5ForConditionalGeneration(config).eval()
+        fused.load_state_dict(plain.state_dict())
+        head = fused_loss.fuse_output_embeddings(fused)
+        ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(1))
+        labels = torch.randint(0, 300, (2, 8), generator=torch.Generator().manual_seed(2))
+        labels[:, 6:] = IGNORE_INDEX
+        expected = plain(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels).loss
+        expected.backward()
+        sharded = FSDP(
+            fused, auto_wrap_policy=ModuleWrapPolicy({T5Block}), use_orig_params=True, device_id="cpu"
+        )
+        batch_fn = fused_loss.seq2seq_lm_loss(head, fused.prepare_decoder_input_ids_from_labels)
+        loss, _, _ = batch_fn(sharded, (ids, torch.ones_like(ids), labels))
+        loss.backward()
+        with FSDP.summon_full_params(sharded, with_grads=True):
+            pairs = zip(sharded.named_parameters(), plain.named_parameters(), strict=True)
+            worst = max(
+                (a.grad - b.grad).abs().max().item() for (_, a), (_, b) in pairs if b.grad is not None
+            )
+        queue.put((float(loss), float(expected), worst))
+    except Exception as error:  # the parent asserts on what comes back
+        queue.put((repr(error), None, None))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_under_fsdp_the_encoder_decoder_loss_is_made_where_the_projection_is_gathered():
+    """The encoder-decoder's fused loss under FSDP1 equals its plain loss and gradients."""
+    import multiprocessing
+    import socket
+
+    with socket.socket() as probe:  # a free port
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    ranks = [context.Process(target=_sharded_t5_rank, args=(rank, port, queue)) for rank in range(2)]
+    for process in ranks:
+        process.start()
+    outcomes = [queue.get(timeout=240) for _ in ranks]
+    for process in ranks:
+        process.join(60)
+    for loss, expected, worst in outcomes:
+        assert isinstance(loss, float), loss  # an exception's repr otherwise
+        assert loss == pytest.approx(expected, rel=1e-5) and worst < 1e-5, (loss, expected, worst)
