@@ -30,6 +30,7 @@ import runpy
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -80,6 +81,13 @@ WORKERS = int(os.environ.get("FMR_TEST_WORKERS", "0")) or max(2, min(4, os.cpu_c
 
 
 # ------------------------------------------------------------------------------------------ discovery
+def free_port() -> int:
+    """A TCP port free on this host now (a gloo group's rendezvous): another suite here may hold a fixed one."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def recipe_files() -> list[Path]:
     """The numbered ladder, discovered (new rungs are covered without editing the tests)."""
     return sorted(RECIPES_DIR.glob("[0-9][0-9]_*.py"))

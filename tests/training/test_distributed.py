@@ -7,7 +7,6 @@ the FSDP2 variant (fully_shard through ModelParallelStrategy) really runs here w
 from __future__ import annotations
 
 import os
-import socket
 
 import numpy as np
 import pytest
@@ -15,7 +14,7 @@ import torch
 
 from fabric_memory_recipes.config import RunConfig
 from fabric_memory_recipes.training import cli, data
-from tests.conftest import describe, load_recipe_module, result, submit_recipe
+from tests.conftest import describe, free_port, load_recipe_module, result, submit_recipe
 
 FSDP2_ARGS = (
     "--accelerator", "cpu", "--devices", "2", "--model", "vit_tiny", "--data", "synthetic",
@@ -112,10 +111,7 @@ def test_fsdp2_parallelize_shards_every_block_with_checkpointing(name, offload):
     )
     started = not dist.is_initialized()
     if started:
-        with socket.socket() as probe:  # a free port: another suite on this machine may hold a fixed one
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
         model = module.parallelize(models.build_model("vit_tiny", None), mesh)

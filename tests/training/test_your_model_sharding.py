@@ -3,7 +3,6 @@ in the compute precision in fast mode, on a 1-process gloo group (CPU only)."""
 
 from __future__ import annotations
 
-import socket
 import types
 
 import pytest
@@ -17,6 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from fabric_memory_recipes.training.techniques import checkpointing
 from fabric_memory_recipes.training.your_model import sharding
+from tests.conftest import free_port
 
 
 class Block(nn.Module):
@@ -48,10 +48,7 @@ class Tiny(nn.Module):
 def gloo_group():
     started = not dist.is_initialized()
     if started:
-        with socket.socket() as probe:  # a free port
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     yield init_device_mesh("cpu", (1, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
     if started:
         dist.destroy_process_group()

@@ -13,6 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from fabric_memory_recipes.config import UsageError
 from fabric_memory_recipes.training.data.text_samples import IGNORE_INDEX
 from fabric_memory_recipes.training.techniques import fused_loss
+from tests.conftest import free_port
 
 
 def test_chunked_loss_and_gradients_equal_the_plain_ones():
@@ -101,132 +102,95 @@ def test_what_cannot_be_fused_is_one_line():
         fused_loss.fuse_output_embeddings(model)
 
 
-def _sharded_rank(rank: int, port: int, queue) -> None:
-    """One of two gloo processes: the fused loss of a Llama sharded by FSDP (FSDP1, the blocks each a unit,
-    the original parameters kept, as Fabric's FSDPStrategy wraps your model in eager mode), against the
-    plain loss of the same model whole; puts (loss, plain loss, largest gradient difference)."""
-    import torch.distributed as dist
+def _fsdp1_case(model, unit: type, make_batch_fn, batch, plain_loss_of) -> tuple:
+    """``model``'s fused loss (``make_batch_fn(head, model)``'s) sharded by FSDP (FSDP1, each ``unit`` its own,
+    the original parameters kept, as Fabric's FSDPStrategy wraps your model in eager mode) against
+    ``plain_loss_of`` a whole copy: (loss, plain loss, largest gradient difference)."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    plain = copy.deepcopy(model)  # before the fusion: the same weights
+    plain_loss = plain_loss_of(plain)
+    plain_loss.backward()
+    batch_fn = make_batch_fn(fused_loss.fuse_output_embeddings(model), model)
+    sharded = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({unit}), use_orig_params=True, device_id="cpu")
+    loss, _, _ = batch_fn(sharded, batch)
+    loss.backward()  # both ranks saw the same batch: the averaged gradients are the plain ones
+    with FSDP.summon_full_params(sharded, with_grads=True):  # the original parameters, in order
+        pairs = zip(sharded.parameters(), plain.parameters(), strict=True)
+        worst = max((a.grad - b.grad).abs().max().item() for a, b in pairs if b.grad is not None)
+    return float(loss), float(plain_loss), worst
+
+
+def _sharded_rank(rank: int, port: int, queue) -> None:
+    """One of two gloo processes: a causal LM's (Llama) and an encoder-decoder's (T5) fused loss under FSDP1;
+    puts {case: (loss, plain loss, largest gradient difference), or the exception's repr}."""
+    import torch.distributed as dist
+    from transformers import T5Config, T5ForConditionalGeneration
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+    from transformers.models.t5.modeling_t5 import T5Block
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(1))
+    labels = ids.clone()
+    labels[:, :5] = IGNORE_INDEX  # the prompt
+    targets = torch.randint(0, 300, (2, 8), generator=torch.Generator().manual_seed(2))
+    targets[:, 6:] = IGNORE_INDEX
+    mask = torch.ones_like(ids)
+    config = T5Config(
+        vocab_size=300, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+        tie_word_embeddings=False, decoder_start_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    cases = {
+        "causal": lambda: _fsdp1_case(
+            _llama(tie=False),
+            LlamaDecoderLayer,
+            lambda head, model: fused_loss.causal_lm_loss(head),
+            (ids, mask, labels),
+            lambda plain: plain(input_ids=ids, attention_mask=mask, labels=labels).loss,
+        ),
+        "seq2seq": lambda: _fsdp1_case(
+            T5ForConditionalGeneration(config).eval(),  # no dropout: the two losses comparable
+            T5Block,
+            lambda head, model: fused_loss.seq2seq_lm_loss(head, model.prepare_decoder_input_ids_from_labels),
+            (ids, mask, targets),
+            lambda plain: plain(input_ids=ids, attention_mask=mask, labels=targets).loss,
+        ),
+    }
+    outcomes = {}
     try:
-        plain, fused = _llama(tie=False), _llama(tie=False)
-        head = fused_loss.fuse_output_embeddings(fused)
-        ids = torch.randint(0, 500, (2, 16), generator=torch.Generator().manual_seed(1))
-        labels = ids.clone()
-        labels[:, :5] = IGNORE_INDEX
-        expected = plain(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels).loss
-        expected.backward()
-        sharded = FSDP(
-            fused,
-            auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}),
-            use_orig_params=True,
-            device_id="cpu",
-        )
-        loss, _, _ = fused_loss.causal_lm_loss(head)(sharded, (ids, torch.ones_like(ids), labels))
-        loss.backward()  # both ranks saw the same batch: the averaged gradients are the plain ones
-        with FSDP.summon_full_params(sharded, with_grads=True):  # the original parameters, in order
-            worst = max(
-                (a.grad - b.grad).abs().max().item()
-                for a, b in zip(sharded.parameters(), plain.parameters(), strict=True)
-            )
-        queue.put((float(loss), float(expected), worst))
-    except Exception as error:  # the parent asserts on what comes back
-        queue.put((repr(error), None, None))
+        for case, run in cases.items():
+            try:
+                outcomes[case] = run()
+            except Exception as error:  # the parent asserts on what comes back
+                outcomes[case] = repr(error)
     finally:
+        queue.put(outcomes)
         dist.destroy_process_group()
 
 
-def test_under_fsdp_the_loss_is_made_where_the_projection_is_gathered():
-    """Under FSDP the projection's weight outside the model's forward is the rank's flat shard: the loss
-    made there failed on every rank (a GPT-NeoX --fit set on 2 GPUs); made in the forward, it and the
-    gradients equal the plain loss's."""
+@pytest.fixture(scope="module")
+def under_fsdp1() -> list[dict]:
+    """What each of the two gloo processes of :func:`_sharded_rank` put (one spawn for both cases)."""
     import multiprocessing
-    import socket
 
-    with socket.socket() as probe:  # a free port
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     context = multiprocessing.get_context("spawn")
-    queue = context.Queue()
+    queue, port = context.Queue(), free_port()
     ranks = [context.Process(target=_sharded_rank, args=(rank, port, queue)) for rank in range(2)]
     for process in ranks:
         process.start()
     outcomes = [queue.get(timeout=240) for _ in ranks]
     for process in ranks:
         process.join(60)
-    for loss, expected, worst in outcomes:
-        assert isinstance(loss, float), loss  # an exception's repr otherwise
-        assert loss == pytest.approx(expected, rel=1e-5) and worst < 1e-5, (loss, expected, worst)
+    return outcomes
 
 
-def _sharded_t5_rank(rank: int, port: int, queue) -> None:
-    """As :func:`_sharded_rank` for an encoder-decoder (a tiny T5, its blocks each an FSDP1 unit)."""
-    import torch.distributed as dist
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-    from transformers import T5Config, T5ForConditionalGeneration
-    from transformers.models.t5.modeling_t5 import T5Block
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        config = T5Config(
-            vocab_size=300,
-            d_model=32,
-            d_kv=8,
-            d_ff=64,
-            num_layers=2,
-            num_heads=4,
-            tie_word_embeddings=False,
-            decoder_start_token_id=0,
-            pad_token_id=0,
-        )
-        torch.manual_seed(0)
-        plain = T5ForConditionalGeneration(config).eval()  # no dropout: the two losses comparable
-        fused = T5ForConditionalGeneration(config).eval()
-        fused.load_state_dict(plain.state_dict())
-        head = fused_loss.fuse_output_embeddings(fused)
-        ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(1))
-        labels = torch.randint(0, 300, (2, 8), generator=torch.Generator().manual_seed(2))
-        labels[:, 6:] = IGNORE_INDEX
-        expected = plain(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels).loss
-        expected.backward()
-        sharded = FSDP(
-            fused, auto_wrap_policy=ModuleWrapPolicy({T5Block}), use_orig_params=True, device_id="cpu"
-        )
-        batch_fn = fused_loss.seq2seq_lm_loss(head, fused.prepare_decoder_input_ids_from_labels)
-        loss, _, _ = batch_fn(sharded, (ids, torch.ones_like(ids), labels))
-        loss.backward()
-        with FSDP.summon_full_params(sharded, with_grads=True):
-            pairs = zip(sharded.named_parameters(), plain.named_parameters(), strict=True)
-            worst = max(
-                (a.grad - b.grad).abs().max().item() for (_, a), (_, b) in pairs if b.grad is not None
-            )
-        queue.put((float(loss), float(expected), worst))
-    except Exception as error:  # the parent asserts on what comes back
-        queue.put((repr(error), None, None))
-    finally:
-        dist.destroy_process_group()
-
-
-def test_under_fsdp_the_encoder_decoder_loss_is_made_where_the_projection_is_gathered():
-    """The encoder-decoder's fused loss under FSDP1 equals its plain loss and gradients."""
-    import multiprocessing
-    import socket
-
-    with socket.socket() as probe:  # a free port
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    context = multiprocessing.get_context("spawn")
-    queue = context.Queue()
-    ranks = [context.Process(target=_sharded_t5_rank, args=(rank, port, queue)) for rank in range(2)]
-    for process in ranks:
-        process.start()
-    outcomes = [queue.get(timeout=240) for _ in ranks]
-    for process in ranks:
-        process.join(60)
-    for loss, expected, worst in outcomes:
-        assert isinstance(loss, float), loss  # an exception's repr otherwise
+@pytest.mark.parametrize("case", ["causal", "seq2seq"])
+def test_under_fsdp_the_loss_is_made_where_the_projection_is_gathered(under_fsdp1, case):
+    """Under FSDP the projection's weight outside the model's forward is the rank's flat shard: the loss
+    made there failed on every rank (a GPT-NeoX --fit set on 2 GPUs); made in the forward, a causal LM's and
+    an encoder-decoder's loss and gradients equal the plain loss's."""
+    for outcomes in under_fsdp1:
+        assert isinstance(outcomes[case], tuple), outcomes[case]  # the exception's repr otherwise
+        loss, expected, worst = outcomes[case]
         assert loss == pytest.approx(expected, rel=1e-5) and worst < 1e-5, (loss, expected, worst)
