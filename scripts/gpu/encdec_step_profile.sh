@@ -8,6 +8,9 @@
 #   SWEEP=host OUT=... bash scripts/gpu/encdec_step_profile.sh  # T5-small fast at batch 16, 32, 128 (with the
 #                  committed batch-64 row: host cost per sample against per compiled call) and BART-base's
 #                  selective-checkpointing set (its per-op policy cost); about 8 minutes, LIMIT=560
+#   SWEEP=lm OUT=... bash scripts/gpu/encdec_step_profile.sh    # Llama 0.36 B (micro-batch 8 and 2) and GPT-NeoX
+#                  0.4 B fast with the fused loss, and T5-small fast at 16: the LMs' host cost per launch and per
+#                  compiled call beside the encoder-decoder's; about 8 minutes, LIMIT=540, carry .whl
 #
 # Per row, two processes one after the other: the run timed as --measure times it (14 steps, the first 3
 # intervals left out of the median), then the same run with torch.profiler on for steps 9-12
@@ -63,6 +66,14 @@ if [ "${SWEEP:-}" = host ]; then  # per-sample against per-call host cost: one m
     ROWS+=("t5-small-fast-b$b $T5S --seq-len 256 --target-len 64 --batch-size $b --checkpoint-blocks --mode fast")
   done
   ROWS+=("bart-base-selective $BART --seq-len 256 --target-len 256 --batch-size 16 --accumulation-steps 4 --checkpoint-blocks --checkpoint-mode selective --mode fast")
+fi
+if [ "${SWEEP:-}" = lm ]; then  # the causal LMs' fast rows the speed model is fitted on (8 x 1024, fused loss,
+  # checkpointing), Llama's at micro-batch 2 as well (its GPU work a quarter: the host's cost laid bare), and
+  # T5-small's batch-16 row again: per launch and per compiled call, the LMs' host against the encoder-decoder's
+  LLAMA=hf:$C/llama-0.36b; NEOX=hf:$C/gpt-neox-0.4b; LMFLAGS="--seq-len 1024 --checkpoint-blocks --fused-loss --mode fast"
+  ROWS=("llama-fast-b8 $LLAMA --batch-size 8 $LMFLAGS" "llama-fast-b2 $LLAMA --batch-size 2 $LMFLAGS"
+        "neox-fast-b8 $NEOX --batch-size 8 $LMFLAGS"
+        "t5-small-fast-b16 $T5S --seq-len 256 --target-len 64 --batch-size 16 --checkpoint-blocks --mode fast")
 fi
 if [ -n "${DRY:-}" ]; then  # tiny configs of the same types, small shapes, eager on the CPU
   for kind in t5 bart; do mkdir -p "$W/cfg/$kind"; done
