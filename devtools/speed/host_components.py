@@ -8,7 +8,9 @@ the optimizer step and the predicted step, on the stored ceilings of the run's G
     python -m devtools.speed.host_components results/published/h200/encdec-step-profile/encdec_profile.tgz
 
 A host-bound step (the GPU idle most of it: measurement/profiling.py's tables) is predicted from the
-host's sum; that is the term to compare with a profile's host time per step.
+host's sum; that is the term to compare with a profile's host time per step. A sharded run (``--devices N``,
+one GPU's shard simulated) adds what ``--fit`` adds to its step: FSDP's exposed collectives and, with
+``--cpu-offload``, the offload's copies and CPU step (planning/your_model/set_speed.py).
 """
 
 from __future__ import annotations
@@ -20,12 +22,14 @@ import numpy as np
 from devtools.your_model.repredict import results_files
 from fabric_memory_recipes.console import Parser
 from fabric_memory_recipes.measurement.results_file import gpu_slug
-from fabric_memory_recipes.planning.your_model import step_time
+from fabric_memory_recipes.planning.your_model import set_speed, step_time
+from fabric_memory_recipes.planning.your_model.estimate import meta_user_model
 from fabric_memory_recipes.planning.your_model.step_calibration import Run, run_costs, run_mode
 
 
-def components(run: Run, gpu: str) -> dict[str, float]:
-    """The predicted terms of ``run``'s step on ``gpu``'s stored ceilings (ms, and counts)."""
+def components(run: Run, gpu: str, parameters: int = 0, trainable: int = 0) -> dict[str, float]:
+    """The predicted terms of ``run``'s step on ``gpu``'s stored ceilings (ms, and counts); a sharded run's
+    collectives and CPU offload from its ``parameters`` (``trainable`` of them)."""
     costs = run_costs(run)
     c, _ = step_time.ceilings(gpu)
     mode = "eager" if run.mode == "eager" else "fast"
@@ -39,6 +43,18 @@ def components(run: Run, gpu: str) -> dict[str, float]:
         out[f"mb{i}_queue_ms"] = 1e3 * detail["per_micro_batch_s"][i]
     out["micro_batches"] = costs.accumulation_steps
     out["optimizer_ms"] = 1e3 * detail["optimizer_s"]
+    cfg, devices = run.config, int(run.config.get("devices") or 1)
+    if devices > 1:
+        comms = set_speed.collective_seconds(
+            parameters, trainable, devices, cfg["precision"], costs.accumulation_steps
+        )
+        offload = (
+            set_speed.offload_seconds(parameters, devices, cfg.get("optimizer") or "adamw")
+            if cfg.get("cpu_offload")
+            else 0.0
+        )
+        out["collectives_ms"], out["cpu_offload_ms"] = 1e3 * comms, 1e3 * offload
+        out["predicted_ms"] += out["collectives_ms"] + out["cpu_offload_ms"]
     return out
 
 
@@ -52,7 +68,12 @@ def main(argv: list[str] | None = None) -> int:
         timing, config = d.get("timing") or {}, d["config"]
         gpu = gpu_slug((d.get("provenance") or {}).get("gpu_name")) or "h100"
         run = Run(name, "your_model", config["model"], run_mode(config), config, timing["median_step_s"], 1)
-        terms = components(run, gpu)
+        total = trainable = 0
+        if int(config.get("devices") or 1) > 1:  # the whole model's count (a sharded run records its shard's)
+            _, model, _, _ = meta_user_model(config["model"])
+            total = sum(p.numel() for p in model.parameters())
+            trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        terms = components(run, gpu, total, trainable)
         print(f"{name} ({gpu}, {run.mode})")
         print("  " + ", ".join(f"{k} {v:.1f}" for k, v in terms.items()))
     return 0

@@ -266,7 +266,7 @@ def test_several_gpus_plan_fsdp_sets_with_memory_per_gpu(configs, capsys, monkey
         alone = one[key(row)]
         assert row["simulated_peak_allocated_gb"] < alone["simulated_peak_allocated_gb"]  # sharded state
         assert row["overhead_gb"] > alone["overhead_gb"]  # four processes' contexts and NCCL, measured
-        # each GPU its own batch at the sharded step's predicted time (no communication modelled)
+        # each GPU its own batch at the sharded step's predicted time, its collectives' exposed time added
         assert (
             alone["predicted_samples_per_s"]
             < row["predicted_samples_per_s"]
@@ -296,6 +296,10 @@ def test_several_gpus_plan_fsdp_sets_with_memory_per_gpu(configs, capsys, monkey
     assert {r["mode"] for r in four["fits"]} == {"eager", "fast"}
     assert "(h200 x4 eager, 2.09 GB per GPU" in four["card_overhead"], four["card_overhead"]
     assert "NCCL" in " ".join(four["speed"]) and "(or h100's)" not in " ".join(four["speed"])
+    # the gathers and reduce-scatters are priced and the plan says how (set_speed.collective_seconds)
+    assert "each step longer by its gathers (two per micro-batch)" in " ".join(four["speed"])
+    assert all("rung 08_fsdp2's 4 x H200 profile" in r["speed_source"] for r in four["fits"])
+    assert all("08_fsdp2" not in r["speed_source"] for r in _fit(capsys, argv)["fits"])  # one GPU: none
     # --measure runs each sharded set on N GPUs of the machine (each capped at the card): it needs N
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)

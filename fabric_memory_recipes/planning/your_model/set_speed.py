@@ -11,6 +11,16 @@ gradient, and the optimizer steps there. Per optimizer step and GPU the shard cr
 reads and writes parameter, gradient and state. The two bandwidths below are assumptions, not fitted on a
 run: the prediction says so, and ``--measure`` runs the set.
 
+FSDP's collectives (every ``--devices N`` set) are priced by what they leave exposed, the time a step waits
+for them with no compute running: each micro-batch gathers the parameters twice in the compute dtype (its
+forward, and its backward after the forward resharded them; a checkpointed block recomputes inside the
+backward's gather), and each optimizer step reduce-scatters the gradients once (the runner accumulates
+without syncing but the last micro-batch: training/step.py). The exposed seconds per GB a rank receives are
+those of the 4 x H200 profile of rung 08_fsdp2 (``results/published/h200x4/sharded-spread/call3/
+profile_summary.md``: ViT-L/16 in fp32, 303.3 M parameters, one micro-batch; of 49.0 ms of all-gather
+kernels 25.3 ms ran with no compute kernel, of 7.9 ms of reduce-scatter 1.2 ms), one configuration: the
+share a step hides depends on its compute, which this constant does not follow.
+
 Each function takes the :class:`~.sets.UserPlanner` whose sets it predicts.
 """
 
@@ -32,6 +42,31 @@ HOST_OFFLOAD_SOURCE = (
     f"FSDP's CPU offload: {COPY_GBPS:g} GB/s host copies and a {HOST_OPTIMIZER_GBPS:g} GB/s CPU optimizer per"
     " process, assumed (planning/your_model/set_speed.py), not measured"
 )
+
+
+# rung 08_fsdp2's profile (module docstring): bytes a rank receives per step, and the exposed seconds
+_RUNG08_RECEIVED_GB = 303.3e6 * 4 * 3 / 4 / 1e9  # one gather of 4 ranks' fp32 shards: 0.910 GB
+GATHER_EXPOSED_S_PER_GB = 25.3e-3 / (2 * _RUNG08_RECEIVED_GB)  # two gathers in its one micro-batch
+REDUCE_EXPOSED_S_PER_GB = 1.2e-3 / _RUNG08_RECEIVED_GB
+COLLECTIVES_SOURCE = (
+    "FSDP's gathers and reduce-scatters at the exposed time of rung 08_fsdp2's 4 x H200 profile"
+    " (planning/your_model/set_speed.py)"
+)
+FULL_WIDTH = ("32-true", "32", "64-true", "64")  # precisions whose compute dtype is the parameters' own
+
+
+def collective_seconds(
+    parameters: int, trainable: int, devices: int, precision: str, micro_batches: int
+) -> float:
+    """Seconds per optimizer step that FSDP's collectives leave exposed on ``devices`` GPUs: two gathers of
+    the parameters in the compute dtype per micro-batch, one reduce-scatter of the trainable ones' gradients
+    per step (the bytes each rank receives, (N - 1) / N of the whole, at rung 08_fsdp2's exposed rate)."""
+    if devices <= 1:
+        return 0.0
+    width = 8 if precision.startswith("64") else 4 if precision in FULL_WIDTH else 2
+    share = width * (devices - 1) / devices / 1e9  # GB a rank receives per parameter
+    gathers = micro_batches * 2 * parameters * share * GATHER_EXPOSED_S_PER_GB
+    return gathers + trainable * share * REDUCE_EXPOSED_S_PER_GB
 
 
 def offload_seconds(trainable: int, devices: int, optimizer: str) -> float:
@@ -58,11 +93,15 @@ def step_speed(planner: Any, c: Choice, collector: OpCosts) -> float:
     seconds, detail = step_time.step_seconds(costs, planner.ceilings, c.mode, graphs, planner.compiled)
     c.model_flops = detail["model_flops_per_step"] / r.batch_size
     c.speed_source = f"model: the simulated step's op costs ({planner.ceilings_source})"
+    c.speed_source += f"; {COLLECTIVES_SOURCE}" if c.devices > 1 else ""
     c.speed_source += f"; {HOST_OFFLOAD_SOURCE}" if c.cpu_offload else ""
     offload_s = (
         offload_seconds(planner.parameters, c.devices, c.techniques.optimizer) if c.cpu_offload else 0.0
     )
-    return c.devices * r.batch_size / (seconds + offload_s)  # every GPU its own batch (no comms modelled)
+    comms_s = collective_seconds(
+        planner.parameters, planner.trainable, c.devices, r.precision, r.accumulation_steps
+    )
+    return c.devices * r.batch_size / (seconds + offload_s + comms_s)  # every GPU its own batch
 
 
 def optimistic(planner: Any, p: Choice) -> float:
@@ -132,8 +171,10 @@ def lines(planner: Any, verbose: bool = False) -> list[str]:
     ]
     if planner.devices > 1:
         out.append(
-            f"  FSDP over {planner.devices} GPUs: {planner.devices} x one GPU's samples/s (each its own batch);"
-            " the gathers and reductions are not modelled, and every set here has them. Outside the"
+            f"  FSDP over {planner.devices} GPUs: {planner.devices} x one GPU's samples/s (each its own batch),"
+            " each step longer by its gathers (two per micro-batch) and its reduce-scatter at the exposed"
+            " time one profiled rung measured (an assumption for your model: how much of them its compute"
+            " hides is not modelled). Outside the"
             " allocator each GPU holds NCCL's buffers besides its context: for a small model the card"
             " per GPU can be above what one GPU alone needs (leave out --devices to compare)."
         )
