@@ -30,7 +30,7 @@ class Ceilings:
     module_s: float  # L_mod: host time of a module call, eager mode
     autograd_op_s: float  # L_ag: host time of an op autograd or autocast issues, eager mode
     recompute_block_s: float  # C: host time of a checkpointed block's recompute, eager mode
-    fast_op_s: float  # L_fast: host time per op of the eager step, fast mode without CUDA graphs
+    compiled_call_s: float  # L_call: host time per compiled-region call, fast mode without CUDA graphs
     fusion: float  # phi: the share of memory-bound bytes and kernels left after fusion, fast mode
     hook_s: float  # H: per parameter tensor, the step in backward (host)
     host_bandwidth: float  # B_host: bytes/s of activation offload's copies
@@ -50,9 +50,10 @@ class MicroBatch:
     python: np.ndarray  # bool: issued by Python code (a forward op or a recompute; no autocast cast)
     recompute_starts: np.ndarray  # bool: the first op of a recomputed block
     module_calls: int
+    compiled_calls: float = 0.0  # fast mode's compiled-region calls (step_time.fast_calls)
 
     @classmethod
-    def of(cls, ops: list[OpCost], module_calls: int) -> MicroBatch:
+    def of(cls, ops: list[OpCost], module_calls: int, compiled_calls: float = 0.0) -> MicroBatch:
         rc = np.array([o.recompute for o in ops], dtype=bool)
         starts = rc & ~np.concatenate(([False], rc[:-1])) if len(rc) else rc
         return cls(
@@ -65,6 +66,7 @@ class MicroBatch:
             ),
             recompute_starts=starts,
             module_calls=module_calls,
+            compiled_calls=compiled_calls,
         )
 
     def seconds(self, c: Ceilings, mode: str, graphs: bool, fused: bool = True) -> float:
@@ -86,13 +88,15 @@ class MicroBatch:
 
     def host_times(self, c: Ceilings, mode: str) -> np.ndarray:
         """Each op's time on the host (eager, or fast mode's compiled blocks without CUDA graphs; fast mode
-        whose blocks run eagerly and whose step is not captured issues every op as eager mode does)."""
+        whose blocks run eagerly and whose step is not captured issues every op as eager mode does); fast mode's
+        is its compiled-region calls' (``compiled_calls`` x L_call), spread over the ops by their kernels."""
         if mode == "eager":
             python_ops = max(1.0, float((self.kernels * self.python).sum()))
             per_python = c.python_op_s + c.module_s * self.module_calls / python_ops
             host = self.kernels * np.where(self.python, per_python, c.autograd_op_s)
             return host + c.recompute_block_s * self.recompute_starts
-        return self.kernels * c.fast_op_s
+        per_kernel = c.compiled_call_s * self.compiled_calls / max(1.0, float(self.kernels.sum()))
+        return self.kernels * per_kernel  # the compiled-region calls' host time, spread over the kernels
 
     def floor_seconds(
         self,

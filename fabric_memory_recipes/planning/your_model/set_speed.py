@@ -33,7 +33,7 @@ from fabric_memory_recipes.planning.plan import OPTIMIZER_STATE_FACTOR, Plan
 from fabric_memory_recipes.planning.simulation.costs import OpCosts
 from fabric_memory_recipes.planning.your_model import step_time
 from fabric_memory_recipes.planning.your_model.choice import Choice
-from fabric_memory_recipes.techniques import ACTIVATION_OFFLOAD, FUSED_LOSS
+from fabric_memory_recipes.techniques import ACTIVATION_CHECKPOINTING, ACTIVATION_OFFLOAD, FUSED_LOSS
 from fabric_memory_recipes.training.techniques import fused_loss
 
 COPY_GBPS = 20.0  # host<->GPU copies of one process (pinned PCIe Gen5 x16 runs ~50, pageable copies ~10-25)
@@ -88,7 +88,9 @@ def step_speed(planner: Any, c: Choice, collector: OpCosts) -> float:
     plan = Plan(
         accumulation_steps=r.accumulation_steps, activation_offload=c.techniques.uses(ACTIVATION_OFFLOAD)
     )
-    costs = step_time.costs_of(collector, plan, (c.offloaded_gb or 0.0) * 1e9)
+    checkpointed = c.techniques.uses(ACTIVATION_CHECKPOINTING)
+    calls = step_time.fast_calls(planner.model, planner.blocks, checkpointed)
+    costs = step_time.costs_of(collector, plan, (c.offloaded_gb or 0.0) * 1e9, calls)
     graphs = step_time.uses_graphs(c, planner.um.is_text)  # the runner's fast mode
     seconds, detail = step_time.step_seconds(costs, planner.ceilings, c.mode, graphs, planner.compiled)
     c.model_flops = detail["model_flops_per_step"] / r.batch_size
@@ -118,7 +120,8 @@ def optimistic(planner: Any, p: Choice) -> float:
     simulated = planner.simulation_of(whole)  # in fast mode, its compiled blocks' where eager fell back
     if whole is p or simulated is None:  # nothing to scale: predict it
         return planner.predict(p).images_per_s
-    costs = step_time.costs_of(simulated[3], Plan())
+    calls = step_time.fast_calls(planner.model, planner.blocks, p.techniques.uses(ACTIVATION_CHECKPOINTING))
+    costs = step_time.costs_of(simulated[3], Plan(), compiled_calls=calls)
     graphs = step_time.uses_graphs(p, planner.um.is_text)  # as step_speed
     seconds = step_time.floor_step_seconds(
         costs,

@@ -43,9 +43,8 @@ from fabric_memory_recipes.planning.your_model.estimate import meta_user_model, 
 from fabric_memory_recipes.training.models import meta_ladder_model
 from fabric_memory_recipes.training.your_model import runner
 
-# The committed runs per GPU kind (from the checkout; ARCHIVE:MEMBER inside a .tgz), each alone on the GPU.
-# h100: your model's runs (eager), the causal LMs at speed (eager; fast: compiled blocks), the ladder's
-# ViT-L/16 beside the article's scripts (eager; fast: + CUDA graphs; results/published/h100/compare/NOTES.md).
+# The committed runs per GPU kind (ARCHIVE:MEMBER inside a .tgz), each alone on the GPU. h100: your model's
+# (eager; the causal LMs also fast), the ladder's beside the article's scripts (h100/compare/NOTES.md).
 RUN_GLOBS = {
     "h100": (
         "results/published/h100/your-model/runs/*/your_model.json",
@@ -71,7 +70,7 @@ START = step_time.Ceilings(
     module_s=10e-6,
     autograd_op_s=20e-6,
     recompute_block_s=1e-3,
-    fast_op_s=5e-6,
+    compiled_call_s=1e-3,
     fusion=0.5,
     hook_s=0.3e-3,
     host_bandwidth=10e9,
@@ -169,6 +168,7 @@ def run_costs(run: Run) -> step_time.StepCosts:
             plan_of(cfg, blocks, um=um),
             cfg.seq_len if um.is_text else 0,
             getattr(cfg, "target_len", None),
+            blocks,
         )
     rung, _ = declared_rung(run.recipe)
     flags = {f.name for f in RunConfig.flag_fields()}

@@ -139,8 +139,11 @@ def test_accumulation_records_a_later_micro_batch_and_the_optimizer_bytes():
 
 
 def test_fast_mode_is_faster_than_eager_for_a_pointwise_heavy_block():
-    _, collector = simulated(nn.Sequential(Block(width=256, pointwise=8)), batch=512, width=256)
-    costs = step_time.costs_of(collector, planning.Plan())
+    model = nn.Sequential(Block(width=256, pointwise=64))  # enough ops that eager's host outweighs 3 calls
+    _, collector = simulated(model, batch=512, width=256)
+    calls = step_time.fast_calls(model, ("Block",), checkpointed=False)
+    assert calls == 3  # the block's region, its compiled autograd function, its backward
+    costs = step_time.costs_of(collector, planning.Plan(), compiled_calls=calls)
     c, _ = step_time.ceilings("h100")
     eager, _ = step_time.step_seconds(costs, c, "eager")
     fast, _ = step_time.step_seconds(costs, c, "fast")
@@ -148,11 +151,34 @@ def test_fast_mode_is_faster_than_eager_for_a_pointwise_heavy_block():
     assert graphs < fast < eager
     # with nothing to fuse and no launch cost fast and eager are the same
     free = dataclasses.replace(
-        c, fusion=1.0, kernel_s=0.0, python_op_s=0.0, module_s=0.0, autograd_op_s=0.0, fast_op_s=0.0
+        c, fusion=1.0, kernel_s=0.0, python_op_s=0.0, module_s=0.0, autograd_op_s=0.0, compiled_call_s=0.0
     )
     assert step_time.step_seconds(costs, free, "fast")[0] == pytest.approx(
         step_time.step_seconds(costs, free, "eager")[0]
     )
+    # fast mode's host time is its compiled calls' (the GPU's share left out): calls x L_call
+    host_only = dataclasses.replace(c, matmul_flops=1e30, bandwidth=1e30, kernel_s=0.0)
+    micro = costs.micro[0]
+    assert micro.host_times(host_only, "fast").sum() == pytest.approx(calls * c.compiled_call_s)
+    assert step_time.step_seconds(costs, host_only, "fast")[1]["per_micro_batch_s"][0] == pytest.approx(
+        calls * c.compiled_call_s
+    )
+
+
+def test_fast_calls_follow_the_blocks_and_an_encoder_decoders_recompute():
+    """3 compiled calls a block (region, compiled function, backward); an encoder-decoder's checkpointed
+    block enters its region again for the recompute: 5 (the profiled rows of
+    results/published/h200/encdec-step-profile/: Llama 32 blocks 96, T5-small 12 blocks 60)."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    with torch.device("meta"):
+        t5 = T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=2,
+                                                 num_heads=4))  # fmt: skip
+    assert step_time.fast_calls(t5, ("T5Block",), checkpointed=True) == 4 * 5  # 2 encoder + 2 decoder blocks
+    assert step_time.fast_calls(t5, ("T5Block",), checkpointed=False) == 4 * 3
+    stack = nn.Sequential(Block(width=8, pointwise=1), Block(width=8, pointwise=1))
+    assert step_time.fast_calls(stack, ("Block",), checkpointed=True) == 2 * 3  # not an encoder-decoder
+    assert step_time.fast_calls(stack, (), checkpointed=True) == 0  # nothing compiled
 
 
 def test_fast_mode_with_eager_blocks_and_no_graphs_runs_at_eager_speed():
