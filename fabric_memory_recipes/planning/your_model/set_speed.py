@@ -162,7 +162,8 @@ def lines(planner: Any, verbose: bool = False) -> list[str]:
     held = summary.get("leave_one_model_out") or {}
     out = [
         "samples/s: predicted, not measured (--measure runs them): each set's simulated step, op by op (FLOPs and"
-        " bytes against the GPU kind's fitted ceilings, and in eager mode the host's time to launch them;"
+        " bytes against the GPU kind's fitted ceilings, and the host's time: in eager mode to launch them, in"
+        " fast mode without CUDA graphs to call its compiled blocks;"
         f" planning/your_model/step_time.py), {planner.ceilings_source}"
         + (
             f"; each model left out of the fit, the error was {100 * held['median_abs_error']:.0f} % (median),"
