@@ -213,7 +213,7 @@ def lines(planner: Any, verbose: bool = False) -> list[str]:
             f"  FSDP over {planner.devices} GPUs: {planner.devices} x one GPU's samples/s (each its own batch),"
             " each step longer by its gathers (two per micro-batch) and its reduce-scatter (one per step),"
             f" at {GATHER_GBPS:.0f} and {REDUCE_GBPS:.0f} GB/s with the share one profiled rung left exposed"
-            " (how much of them your model's compute hides is not modelled), and with --cpu-offload by"
+            " (the share your model's compute hides taken as that rung's, an assumption), and with --cpu-offload by"
             " its copies and CPU optimizer at the host's measured rate. Outside the"
             " allocator each GPU holds NCCL's buffers besides its context: for a small model the card"
             " per GPU can be above what one GPU alone needs (leave out --devices to compare)."
