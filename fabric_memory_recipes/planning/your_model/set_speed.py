@@ -47,14 +47,17 @@ from fabric_memory_recipes.training.your_model.sharding import fully_sharded
 # 93.6 ms) and results/published/h200x4/sharded-spread/call{5,6}/x4/r{1,2}/ (126.4, 104.5, 95.4, 291.5 ms)
 RUNG09_OFFLOAD_S = 111.8e-3  # the median of those 7 pairs (ViT-L/16, fp32 AdamW, 2 and 4 GPUs)
 _VIT_L16 = 303_311_882  # its parameters (the runs' provenance)
-HOST_PASSES = (
-    3 + 3 + 2 * 2
-)  # per fp32 parameter: 3 PCIe copies, AdamW's step (p, g, m, v read; p, m, v written)
-FSDP2_HOST_GBPS = HOST_PASSES * 4 * _VIT_L16 / 1e9 / RUNG09_OFFLOAD_S  # 108.5 GB/s for the host's processes
+# per fp32 parameter of the whole model, the host moves: 3 PCIe copies; AdamW reads p, g, m, v, writes p, m, v
+ADAMW_HOST_PASSES = 3 + 3 + 2 * 2
+FSDP2_HOST_GBPS = (
+    ADAMW_HOST_PASSES * 4 * _VIT_L16 / 1e9 / RUNG09_OFFLOAD_S
+)  # 108.5 GB/s for the host's processes
 # FSDP1: your model (GPT-NeoX 1.4 B, bf16-mixed AdamW, 2 x H200, eager, 8 x 1): --cpu-offload's steps 1060.2
 # and 1128.2 ms against 270.8 ms without, one call (results/published/h200x2/your-model-sharded-traces/)
 FSDP1_OFFLOAD_S = (1060.2e-3 + 1128.2e-3) / 2 - 270.8e-3
-FSDP1_HOST_GBPS = HOST_PASSES * 4 * 1_414_647_808 / 1e9 / FSDP1_OFFLOAD_S  # 68.8 GB/s
+FSDP1_HOST_GBPS = (
+    ADAMW_HOST_PASSES * 4 * 1_414_647_808 / 1e9 / FSDP1_OFFLOAD_S
+)  # 68.7 GB/s: set on those two runs
 HOST_OFFLOAD_SOURCE = (
     f"FSDP's CPU offload at {FSDP2_HOST_GBPS:.0f} GB/s of host traffic (FSDP2: rung 09_cpu_offload against"
     f" 08_fsdp2 on 2 and 4 H200s), {FSDP1_HOST_GBPS:.0f} GB/s (FSDP1: your model's runs on 2 H200s) per host"
@@ -213,8 +216,8 @@ def lines(planner: Any, verbose: bool = False) -> list[str]:
             f"  FSDP over {planner.devices} GPUs: {planner.devices} x one GPU's samples/s (each its own batch),"
             " each step longer by its gathers (two per micro-batch) and its reduce-scatter (one per step),"
             f" at {GATHER_GBPS:.0f} and {REDUCE_GBPS:.0f} GB/s with the share one profiled rung left exposed"
-            " (the share your model's compute hides taken as that rung's, an assumption), and with --cpu-offload by"
-            " its copies and CPU optimizer at the host's measured rate. Outside the"
+            " (what your model's compute hides: that rung's share, an assumption), and with --cpu-offload"
+            " by its copies and CPU optimizer at the host's measured rate. Outside the"
             " allocator each GPU holds NCCL's buffers besides its context: for a small model the card"
             " per GPU can be above what one GPU alone needs (leave out --devices to compare)."
         )
