@@ -25,6 +25,7 @@ from fabric_memory_recipes.measurement.results_file import gpu_slug
 from fabric_memory_recipes.planning.your_model import set_speed, step_time
 from fabric_memory_recipes.planning.your_model.estimate import meta_user_model
 from fabric_memory_recipes.planning.your_model.step_calibration import Run, run_costs, run_mode
+from fabric_memory_recipes.training.your_model.sharding import fully_sharded
 
 
 def components(run: Run, gpu: str, parameters: int = 0, trainable: int = 0) -> dict[str, float]:
@@ -49,7 +50,12 @@ def components(run: Run, gpu: str, parameters: int = 0, trainable: int = 0) -> d
             parameters, trainable, devices, cfg["precision"], costs.accumulation_steps
         )
         offload = (
-            set_speed.offload_seconds(parameters, devices, cfg.get("optimizer") or "adamw")
+            set_speed.offload_seconds(
+                parameters,
+                devices,
+                cfg.get("optimizer") or "adamw",
+                fully_sharded(bool(cfg.get("compile")), cfg["precision"]),  # FSDP2 in fast mode, else FSDP1
+            )
             if cfg.get("cpu_offload")
             else 0.0
         )
