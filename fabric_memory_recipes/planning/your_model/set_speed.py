@@ -36,6 +36,7 @@ from typing import Any
 
 from fabric_memory_recipes.planning.plan import OPTIMIZER_STATE_FACTOR, Plan
 from fabric_memory_recipes.planning.simulation.costs import OpCosts
+from fabric_memory_recipes.planning.simulation.modelled import Precision
 from fabric_memory_recipes.planning.your_model import step_time
 from fabric_memory_recipes.planning.your_model.choice import Choice
 from fabric_memory_recipes.techniques import ACTIVATION_CHECKPOINTING, ACTIVATION_OFFLOAD, FUSED_LOSS
@@ -77,7 +78,6 @@ COLLECTIVES_SOURCE = (
     f" {100 * GATHER_EXPOSED:.0f} % and {100 * REDUCE_EXPOSED:.0f} % of them exposed, as rung 08_fsdp2's"
     " 4 x H200 profile measured (planning/your_model/set_speed.py)"
 )
-FULL_WIDTH = ("32-true", "32", "64-true", "64")  # precisions whose compute dtype is the parameters' own
 
 
 def collective_seconds(
@@ -95,7 +95,7 @@ def collective_seconds(
     rung 08_fsdp2's exposed shares)."""
     if devices <= 1:
         return 0.0
-    width = 8 if precision.startswith("64") else 4 if precision in FULL_WIDTH else 2
+    width = Precision(precision, False, "fsdp").param_dtype.itemsize  # what FSDP gathers and reduces in
     share = width * (devices - 1) / devices / 1e9  # GB a rank receives per parameter
     gathers = micro_batches * 2 * parameters * share * GATHER_EXPOSED / gather_gbps
     return gathers + trainable * share * REDUCE_EXPOSED / reduce_gbps
@@ -112,6 +112,11 @@ def offload_seconds(trainable: int, devices: int, optimizer: str, fsdp2: bool = 
     return host / ((FSDP2_HOST_GBPS if fsdp2 else FSDP1_HOST_GBPS) * 1e9)
 
 
+def _compiled_calls(planner: Any, c: Choice) -> float:
+    """The compiled-region calls a micro-batch of set ``c`` makes in fast mode (step_time.fast_calls)."""
+    return step_time.fast_calls(planner.model, planner.blocks, c.techniques.uses(ACTIVATION_CHECKPOINTING))
+
+
 def step_speed(planner: Any, c: Choice, collector: OpCosts) -> float:
     """samples/s from the simulated step's op costs on the GPU kind's fitted ceilings
     (planning/your_model/step_time.py); the set's own accumulation (the simulation ran two of its
@@ -120,9 +125,7 @@ def step_speed(planner: Any, c: Choice, collector: OpCosts) -> float:
     plan = Plan(
         accumulation_steps=r.accumulation_steps, activation_offload=c.techniques.uses(ACTIVATION_OFFLOAD)
     )
-    checkpointed = c.techniques.uses(ACTIVATION_CHECKPOINTING)
-    calls = step_time.fast_calls(planner.model, planner.blocks, checkpointed)
-    costs = step_time.costs_of(collector, plan, (c.offloaded_gb or 0.0) * 1e9, calls)
+    costs = step_time.costs_of(collector, plan, (c.offloaded_gb or 0.0) * 1e9, _compiled_calls(planner, c))
     graphs = step_time.uses_graphs(c, planner.um.is_text)  # the runner's fast mode
     seconds, detail = step_time.step_seconds(costs, planner.ceilings, c.mode, graphs, planner.compiled)
     c.model_flops = detail["model_flops_per_step"] / r.batch_size
@@ -159,8 +162,7 @@ def optimistic(planner: Any, p: Choice) -> float:
     simulated = planner.simulation_of(whole)  # in fast mode, its compiled blocks' where eager fell back
     if whole is p or simulated is None:  # nothing to scale: predict it
         return planner.predict(p).images_per_s
-    calls = step_time.fast_calls(planner.model, planner.blocks, p.techniques.uses(ACTIVATION_CHECKPOINTING))
-    costs = step_time.costs_of(simulated[3], Plan(), compiled_calls=calls)
+    costs = step_time.costs_of(simulated[3], Plan(), compiled_calls=_compiled_calls(planner, p))
     graphs = step_time.uses_graphs(p, planner.um.is_text)  # as step_speed
     seconds = step_time.floor_step_seconds(
         costs,

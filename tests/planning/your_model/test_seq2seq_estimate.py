@@ -231,3 +231,27 @@ def test_host_components_prints_a_runs_terms_which_add_up_to_its_prediction(tiny
     )
     assert terms["predicted_ms"] == pytest.approx(1e3 * expected, abs=0.05) and terms["measured_ms"] == 100.0
     assert terms["mb0_kernels"] > 0 and terms["mb0_queue_ms"] >= terms["mb0_host_ms"] > 0
+
+
+def test_host_components_adds_a_sharded_runs_collectives_and_its_fsdp1_offload(tiny, tmp_path, capsys):
+    """A sharded run (``--fsdp --devices 2 --cpu-offload``, eager: FSDP1), as docs/your_model.md predicts the
+    committed ones again: the step plus FSDP's collectives over the whole model's parameters (a sharded run
+    records its shard's count) and the CPU offload at FSDP1's rate, as --fit prices them."""
+    config = {"model": tiny["t5"], "precision": "bf16-mixed", "batch_size": 4, "seq_len": 32, "target_len": 8}
+    config |= {"mode": "eager", "compile": False, "fsdp": True, "devices": 2, "cpu_offload": True}
+    payload = {"recipe": "your_model", "status": "ok", "config": config, "timing": {"median_step_s": 0.1}}
+    payload["provenance"] = {"gpu_name": "NVIDIA H100 80GB HBM3", "parameters": 1}
+    (tmp_path / "your_model.json").write_text(json.dumps(payload))
+    assert host_components.main([str(tmp_path / "your_model.json")]) == 0
+    _, line = capsys.readouterr().out.splitlines()
+    terms = {k: float(v) for k, v in (t.split(" ") for t in line.strip().split(", "))}
+    _, model, _, _ = meta_user_model(tiny["t5"])
+    n = sum(p.numel() for p in model.parameters())
+    comms = set_speed.collective_seconds(n, n, 2, "bf16-mixed", 1)
+    offload = set_speed.offload_seconds(n, 2, "adamw", fsdp2=False)
+    assert offload > set_speed.offload_seconds(n, 2, "adamw", fsdp2=True)  # FSDP1's slower rate, not FSDP2's
+    assert terms["collectives_ms"] == pytest.approx(1e3 * comms, abs=0.05)
+    assert terms["cpu_offload_ms"] == pytest.approx(1e3 * offload, abs=0.05)
+    run = step_calibration.Run("run.json", "your_model", tiny["t5"], "eager", config, 0.1, 1)
+    step = step_calibration.predicted_s(run, step_calibration.run_costs(run), step_time.ceilings("h100")[0])
+    assert terms["predicted_ms"] == pytest.approx(1e3 * (step + comms + offload), abs=0.1)
