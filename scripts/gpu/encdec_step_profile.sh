@@ -5,6 +5,7 @@
 #
 #   OUT=... bash scripts/gpu/encdec_step_profile.sh        # about 7 minutes on one H100; carry .whl (liger-kernel)
 #   DRY=1 OUT=/tmp/out bash scripts/gpu/encdec_step_profile.sh   # the same on a CPU: tiny configs, eager, 2 rows
+#   LIST=1 OUT=/tmp/out bash scripts/gpu/encdec_step_profile.sh  # (with SWEEP=...) print each row, run nothing
 #   SWEEP=host OUT=... bash scripts/gpu/encdec_step_profile.sh  # T5-small fast at batch 16, 32, 128 (with the
 #                  committed batch-64 row: host cost per sample against per compiled call) and BART-base's
 #                  selective-checkpointing set (its per-op policy cost); about 8 minutes, LIMIT=560
@@ -28,7 +29,7 @@ set -u
 export_run_env
 LIMIT=${LIMIT:-480}; W=/tmp/encdec-profile; limit_clock encdec_step_profile "$W"; mkdir -p "$W/runs" "$W/prof"
 PY=${PY:-python3}
-[ -n "${DRY:-}" ] || install_for_runs
+[ -n "${DRY:-}${LIST:-}" ] || install_for_runs
 
 finish() {
   record_machine "$W"
@@ -82,6 +83,9 @@ if [ -n "${DRY:-}" ]; then  # tiny configs of the same types, small shapes, eage
   ROWS=("t5-small-fast hf:$W/cfg/t5 --seq-len 16 --target-len 8 --batch-size 2 --checkpoint-blocks --mode eager"
         "bart-base-fast hf:$W/cfg/bart --seq-len 16 --target-len 16 --batch-size 4 --accumulation-steps 2 --mode eager")
   COMMON+=(--accelerator cpu); STEPS=4
+fi
+if [ -n "${LIST:-}" ]; then  # the rows' your_model.py flags, one row a line, and nothing run
+  trap - EXIT; for r in "${ROWS[@]}"; do echo "$r ${COMMON[*]}"; done; exit 0
 fi
 START=$(( STEPS - 6 )); [ "$START" -lt 1 ] && START=1  # the profiler's first step, after compilation and warm-up
 

@@ -92,3 +92,21 @@ def test_a_sharded_scripts_dry_run_lists_its_runs_under_its_run_folder(tmp_path)
     assert len(runs) == 5 and all("/traces/" in line and "recipes/your_model.py" in line for line in runs)
     assert (tmp_path / "progress.log").read_text().count("dry run: ") == 5
     assert (tmp_path / "traces.tgz").is_file()
+
+
+@pytest.mark.parametrize("sweep", ["", "host", "lm"])
+def test_the_encdec_profiles_rows_are_commands_the_runner_accepts(sweep, tmp_path):
+    """scripts/gpu/encdec_step_profile.sh's rows (LIST=1 prints them and runs nothing): each names a committed
+    config and parses with recipes/your_model.py's flags, the mode and precision it says."""
+    from fabric_memory_recipes.training import cli
+    from fabric_memory_recipes.training.your_model import runner
+
+    done = bash("bash scripts/gpu/encdec_step_profile.sh", REPO, SWEEP=sweep, LIST="1", OUT=str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    rows = [line.split() for line in done.stdout.splitlines()]
+    assert len(rows) == 4 and not list(tmp_path.iterdir())  # nothing run, nothing written
+    for name, model, *flags in rows:
+        assert (REPO / model.removeprefix("hf:") / "config.json").exists(), name
+        parsed = cli.build_parser(runner.default_config()).parse_args(["--model", model, *flags])
+        assert parsed.precision == "bf16-mixed", name
+        assert parsed.mode == ("eager" if "eager" in name else "fast"), name  # each row's name says its mode
