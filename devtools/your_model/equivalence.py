@@ -11,7 +11,8 @@ Face causal LM), eager against fast (compiled repeated blocks; CUDA graphs too f
 whose blocks need too many compiled graphs, in CUDA graphs with eager checkpointed blocks that draw
 stochastic depth's random bits), in fp32 with TF32 off and dropout off so that only the fast machinery
 differs; the image model also eager against eager (the run-to-run spread of its kernels), compiled only and
-graphs only; and the causal LM with ``--fused-loss`` against its own loss, eager.
+graphs only; the causal LM in CUDA graphs too (``--cuda-graphs``); and the causal LM with ``--fused-loss``
+against its own loss, eager.
 """
 
 from __future__ import annotations
@@ -44,6 +45,11 @@ ROWS = [  # (name, common flags, flags of the reference run, flags of the run ch
      ["--mode", "eager"], ["--mode", "fast"]),
     ("hf llama-0.36b, fused loss + selective checkpointing", ["--model", LM, "--batch-size", "2", "--seq-len", "512",
      "--fused-loss", "--checkpoint-blocks", "--checkpoint-mode", "selective"], ["--mode", "eager"], ["--mode", "fast"]),
+    ("hf llama-0.36b, its own loss, CUDA graphs", ["--model", LM, "--batch-size", "2", "--seq-len", "512"],
+     ["--mode", "eager"], ["--mode", "fast", "--cuda-graphs"]),
+    ("hf llama-0.36b, fused loss + selective checkpointing, CUDA graphs", ["--model", LM, "--batch-size", "2",
+     "--seq-len", "512", "--fused-loss", "--checkpoint-blocks", "--checkpoint-mode", "selective"],
+     ["--mode", "eager"], ["--mode", "fast", "--cuda-graphs"]),
     ("hf llama-0.36b, fused loss vs its own loss (eager)", ["--model", LM, "--batch-size", "2", "--seq-len", "512",
      "--mode", "eager"], [], ["--fused-loss"]),
 ]  # fmt: skip

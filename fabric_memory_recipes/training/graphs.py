@@ -271,6 +271,8 @@ class StepGraph:
             keep,
             free_gradients=not self.persistent_grads,
         )
+        if any(x is None for x in logits_):  # a loss alone (a text model's graph, the fused loss)
+            return torch.stack(losses).sum(), None, None
         return torch.stack(losses).sum(), torch.cat(logits_), torch.cat(targets_)
 
     def memory(self) -> dict[str, float] | None:

@@ -12,11 +12,15 @@
 #                                                 # and the 0.36 B Llama shape at 8 GB; REPEAT=N: N rounds
 #                                                 # of the fastest eager set without the levers, the fast
 #                                                 # set with them, and the Llama set (a claim's spread)
+#   bash scripts/gpu/your_model_speed.sh graphs   # the causal LMs' fast set (fused loss, checkpointing, 8 x 1024)
+#                                                 # with its steps eager and captured (--cuda-graphs), the
+#                                                 # Llama at 8 GB and the GPT-NeoX at 10 GB; REPEAT=N rounds;
+#                                                 # ONLY=llama|neox one model
 #
 # Carried (ignored path): .whl (liger-kernel, cut-cross-entropy wheels). Runs stop with SIGINT before the
 # call's limit (LIMIT, default 560 s), so what finished comes back.
 set -u
-part=${1:?check or lm}
+part=${1:?check, lm or graphs}
 : "${OUT:?set OUT}"
 . "$(dirname "${BASH_SOURCE[0]}")/common.sh"  # the functions the GPU scripts share
 export_run_env
@@ -49,6 +53,21 @@ case $part in
       [ "${REPEAT:-1}" = 1 ] && run "neox-fast-fused-sel-mb4x2-r$r" "${NEOX[@]}" --mode fast --fused-loss \
           --checkpoint-blocks --checkpoint-mode selective --accumulation-steps 2
       [ "${REPEAT:-1}" = 1 ] && run "neox-eager-fused-ckpt-mb8-r$r" "${NEOX[@]}" --mode eager --fused-loss --checkpoint-blocks
+    done
+    ;;
+  graphs)
+    NEOX=(--model hf:examples/configs/gpt-neox-0.4b "${LM[@]}" --memory-budget-gb 10)
+    LLAMA=(--model hf:examples/configs/llama-0.36b "${LM[@]}" --memory-budget-gb 8)
+    FAST=(--mode fast --fused-loss --checkpoint-blocks)
+    for r in $(seq 1 "${REPEAT:-1}"); do
+      if [ "${ONLY:-llama}" = llama ]; then
+        run "llama-fast-fused-ckpt-mb8-r$r" "${LLAMA[@]}" "${FAST[@]}"
+        run "llama-graphs-fused-ckpt-mb8-r$r" "${LLAMA[@]}" "${FAST[@]}" --cuda-graphs
+      fi
+      if [ "${ONLY:-neox}" = neox ]; then
+        run "neox-fast-fused-ckpt-mb8-r$r" "${NEOX[@]}" "${FAST[@]}"
+        run "neox-graphs-fused-ckpt-mb8-r$r" "${NEOX[@]}" "${FAST[@]}" --cuda-graphs
+      fi
     done
     ;;
 esac

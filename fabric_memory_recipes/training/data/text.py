@@ -335,32 +335,50 @@ def sequence_classification(model, batch):
     return out.loss, out.logits, labels
 
 
-def sequence_classification_capturable(model, batch):
-    """:func:`sequence_classification` with the padding mask handed to the model as a 4-D (batch, 1, 1, tokens)
-    tensor, which Hugging Face's attention takes as it is. From the 2-D mask it would first check on the host
-    whether any token is padded, to drop the mask when none is: a synchronisation in every forward pass, which
-    a CUDA graph cannot capture (fast mode of the after recipes). The same attention: boolean for SDPA
-    (``True``: attend), added to the scores (0 or the lowest value) for the eager implementation."""
-    input_ids, attention_mask, labels = batch
+def mask_4d(model, attention_mask: torch.Tensor, causal: bool) -> torch.Tensor:
+    """The 2-D padding mask in the 4-D form Hugging Face's attention takes as it is, (batch, 1, 1, tokens), or
+    (batch, 1, tokens, tokens) with the causal triangle: from a 2-D one it checks on the host whether any token
+    is padded (to drop the mask), a synchronisation a CUDA graph cannot capture. Boolean for SDPA (``True``:
+    attend), added to the scores for eager attention. A padded token attends to itself (no row all masked)."""
     keep = attention_mask[:, None, None, :].bool()
+    if causal:
+        tokens = attention_mask.shape[-1]
+        keep = keep & torch.ones(tokens, tokens, dtype=torch.bool, device=keep.device).tril()
+        keep = keep | torch.eye(tokens, dtype=torch.bool, device=keep.device)
     if model.config._attn_implementation == "eager":
         dtype = next(model.parameters()).dtype
         keep = torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(
             ~keep, torch.finfo(dtype).min
         )
-    out = model(input_ids=input_ids, attention_mask=keep, labels=labels)
+    return keep
+
+
+def capturable(batch_fn: Callable, causal: bool) -> Callable:
+    """``batch_fn`` with the padding mask handed to the model in 4-D (:func:`mask_4d`): fast mode's graph's."""
+
+    def captured(model, batch):
+        input_ids, attention_mask, labels = batch
+        return batch_fn(model, (input_ids, mask_4d(model, attention_mask, causal), labels))
+
+    return captured
+
+
+def sequence_classification_capturable(model, batch):
+    """:func:`sequence_classification` with a 4-D padding mask (:func:`mask_4d`): the after recipes'."""
+    input_ids, attention_mask, labels = batch
+    out = model(input_ids=input_ids, attention_mask=mask_4d(model, attention_mask, False), labels=labels)
     return out.loss, out.logits, labels
 
 
-def causal_lm(model, batch):
-    """batch_fn for ``fabric_memory_recipes.training.loop``: next-token loss on completion tokens; accuracy on the same tokens.
-
-    Returns the predicted ids (argmax, a small int tensor) rather than the logits, which at a 150k
-    vocabulary would be copied for the metric. Selecting the completion tokens makes the host wait for
-    the forward pass once per micro-batch; negligible next to a forward pass of a 0.5B model.
-    """
+def causal_lm(model, batch, train_accuracy: bool = True):
+    """batch_fn for ``fabric_memory_recipes.training.loop``: next-token loss on completion tokens; accuracy on
+    the same tokens, as predicted ids (the logits of a 150k vocabulary would be copied for the metric). Their
+    selection waits for the forward pass, and its size is data's, which no CUDA graph captures:
+    ``train_accuracy=False`` (fast mode's graph) returns the loss alone in training, as the fused loss does."""
     input_ids, attention_mask, labels = batch
     out = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+    if not train_accuracy and torch.is_grad_enabled():
+        return out.loss, None, None
     predicted = out.logits[:, :-1].argmax(dim=-1)
     targets = labels[:, 1:]
     keep = targets != IGNORE_INDEX

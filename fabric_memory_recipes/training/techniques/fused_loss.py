@@ -18,7 +18,8 @@ Backends, one call (:func:`linear_cross_entropy`): on CUDA Liger-Kernel's ``Lige
 (``pip install liger-kernel``), which computes the same chunked gradients with a Triton softmax; elsewhere,
 and on the estimator's fake tensors, :class:`ChunkedLinearCrossEntropy` in plain torch, whose allocations
 follow Liger's (the gradients made in the forward pass, one chunk's logits at a time), so the estimate
-sees what the GPU run holds. ``FMR_FUSED_LOSS=torch`` forces the torch path on CUDA too.
+sees what the GPU run holds. ``FMR_FUSED_LOSS=torch`` forces the torch path on CUDA too; fast mode's CUDA
+graph records the torch path (Liger reads the count of tokens on the host, which a graph cannot capture).
 """
 
 from __future__ import annotations
@@ -121,6 +122,8 @@ def backend(hidden: torch.Tensor) -> str:
     if forced and forced not in BACKENDS:
         raise UsageError(f"FMR_FUSED_LOSS={forced}: one of {', '.join(BACKENDS)}")
     if is_fake(hidden) or hidden.device.type != "cuda":
+        return "torch"
+    if torch.cuda.is_current_stream_capturing():  # Liger counts the tokens on the host (.item())
         return "torch"
     return forced or ("liger" if importlib.util.find_spec("liger_kernel") else "torch")
 

@@ -12,6 +12,7 @@ IMDb when present (training/data/text.py), else on the synthetic token stand-in 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from typing import Any, ClassVar
 
@@ -174,13 +175,16 @@ class YourModelConfig(RunConfig):
             self = dataclasses.replace(self, mode="eager")
         graphs_asked = self.cuda_graphs  # None: fast mode decides
         c = super().checked(hardware)
-        if c.cuda_graphs and models.resolve(c.model).is_text:
+        task = models.resolve(c.model).task
+        if c.cuda_graphs and task in ("classification", "seq2seq_lm"):
             if graphs_asked:
                 raise UsageError(
-                    "--cuda-graphs: a text model's batch picks its tokens by a mask of data-dependent"
-                    " size, which a CUDA graph cannot capture (fast mode compiles its blocks)"
+                    f"--cuda-graphs: a {task.replace('_', ' ')} model's steps are not captured here (its"
+                    " batch reads its padding on the host): fast mode compiles its blocks"
                 )
             c.cuda_graphs = False  # fast mode for a text model: compiled blocks, eager steps
+        if c.cuda_graphs and task == "causal_lm" and not graphs_asked:
+            c.cuda_graphs = False  # a causal LM's graph (--cuda-graphs) is asked for, not the default
         if c.cuda_graphs and c.optimizer_in_backward:  # its per-parameter optimizers are not made capturable
             if graphs_asked:
                 raise UsageError(
@@ -270,8 +274,8 @@ def load_data(cfg: YourModelConfig, um: UserModel):
         raise UsageError(
             f"the tokenizer's {splits.vocab_size} tokens exceed the model's vocabulary ({um.vocab_size})"
         )
-    if um.task == "causal_lm":
-        return splits, text.causal_lm, um.vocab_size
+    if um.task == "causal_lm":  # fast mode's graph: no token accuracy in training (text.causal_lm)
+        return splits, functools.partial(text.causal_lm, train_accuracy=not cfg.cuda_graphs), um.vocab_size
     return splits, text.sequence_classification, text.NUM_LABELS
 
 

@@ -1,0 +1,156 @@
+"""Fast mode's CUDA graph for a causal LM (``recipes/your_model.py --cuda-graphs``), on a CPU.
+
+A CUDA graph cannot wait for the host. A causal LM's step would, at the 2-D padding mask that Hugging Face
+checks on the host (``text.capturable`` hands it over in 4-D, with the causal triangle) and at the token
+accuracy's selection of completion tokens (``text.causal_lm(..., train_accuracy=False)``). Here: the 4-D
+path gives the 2-D path's loss and gradients with nothing read on the host, for the model's own loss and the
+fused loss; the captured step, replayed by fast mode's bookkeeping (the graph stood in for, as in
+tests/training/test_graphs.py), trains as the eager step does; and the runner takes ``--cuda-graphs`` for a
+causal LM only.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+
+import pytest
+import torch
+
+from fabric_memory_recipes.config import Hardware, UsageError
+from fabric_memory_recipes.training import data, loop, loop_plumbing
+from fabric_memory_recipes.training.data import text
+from fabric_memory_recipes.training.techniques import fused_loss
+from fabric_memory_recipes.training.your_model import models, runner
+from tests.tiny import causal_lm_config, make_log, settings
+from tests.training.test_bonus_fast_mode import HostReads
+from tests.training.test_graphs import FakeGraph, FakeStepGraph
+
+VOCAB, TOKENS = 1000, 24
+
+
+@pytest.fixture(scope="module")
+def lm_ref(tmp_path_factory) -> str:
+    folder = tmp_path_factory.mktemp("graph_lm")
+    (folder / "config.json").write_text(json.dumps(causal_lm_config(vocab_size=VOCAB)))
+    return f"hf:{folder}"
+
+
+def _model(lm_ref: str, attn: str = "sdpa"):
+    torch.manual_seed(0)
+    model = models.build(models.resolve(lm_ref))
+    model.config._attn_implementation = attn
+    return model.train()
+
+
+def _batch():
+    torch.manual_seed(1)
+    ids = torch.randint(8, VOCAB, (3, TOKENS))
+    mask = torch.ones(3, TOKENS, dtype=torch.long)
+    mask[0, 15:] = 0  # right-padded, as the SFT samples are
+    mask[2, 6:] = 0
+    labels = ids.masked_fill(mask == 0, text.IGNORE_INDEX)
+    labels[:, :4] = text.IGNORE_INDEX  # the prompt's tokens are not learned
+    return ids, mask, labels
+
+
+class HostWaits(HostReads):
+    """Counts the host reads, and the selections by a boolean mask (a size the host waits for)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func) == "aten.index.Tensor":
+            self.count += any(i is not None and i.dtype == torch.bool for i in args[1])
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def _loss_and_gradients(model, batch_fn, batch):
+    model.zero_grad()
+    reads = HostWaits()
+    with reads:
+        loss, predicted, _ = batch_fn(model, batch)
+        loss.backward()
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    return loss.detach(), grads, reads.count, predicted
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_the_4d_causal_mask_gives_the_2d_masks_loss_and_gradients_without_host_reads(lm_ref, attn):
+    model = _model(lm_ref, attn)
+    ids, mask, labels = _batch()
+    graphed = text.capturable(functools.partial(text.causal_lm, train_accuracy=False), causal=True)
+    for m in (mask, torch.ones_like(mask)):  # padded, and nothing padded (where a 2-D mask is dropped)
+        want = _loss_and_gradients(model, text.causal_lm, (ids, m, labels))
+        got = _loss_and_gradients(model, graphed, (ids, m, labels))
+        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+        assert len(got[1]) == len(want[1]) > 0
+        for a, b in zip(got[1], want[1], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+        assert got[2] == 0 and got[3] is None  # nothing read on the host, no token accuracy: capturable
+        assert want[2] >= 1 and want[3] is not None  # the selection (and SDPA's 2-D mask check) wait
+    with torch.no_grad():  # evaluation (eager, never captured) keeps its token accuracy
+        _, predicted, targets = graphed(model, (ids, mask, labels))
+    assert predicted.shape == targets.shape == (int((labels[:, 1:] != text.IGNORE_INDEX).sum()),)
+
+
+def test_the_fused_loss_under_the_4d_mask_reads_nothing_on_the_host(lm_ref):
+    plain = _model(lm_ref)
+    want = _loss_and_gradients(plain, text.causal_lm, _batch())
+    fused = copy.deepcopy(plain)
+    batch_fn = text.capturable(fused_loss.fused_batch_fn(fused), causal=True)
+    got = _loss_and_gradients(fused, batch_fn, _batch())
+    torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-5)
+    for a, b in zip(got[1], want[1], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
+    assert got[2] == 0 and got[3] is None
+
+
+def _train(fabric, model, splits, batch_fn, graphed, monkeypatch):
+    model = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    model, optimizer = fabric.setup(model, optimizer)
+    torch.manual_seed(2)  # the same shuffle
+    train, _, _ = data.build_loaders(splits.datasets(), 2, 2)
+    if graphed:
+        monkeypatch.setattr(loop_plumbing, "StepGraph", FakeStepGraph)
+    log = make_log()
+    cfg = settings(accumulation_steps=2, max_steps=5, log_every=1, cuda_graphs=graphed)
+    loop.fit(fabric, model, optimizer, fabric.setup_dataloaders(train), batch_fn, cfg, log, num_classes=VOCAB)
+    monkeypatch.undo()
+    return model, log
+
+
+def test_a_causal_lms_replayed_step_trains_as_its_eager_step(fabric, lm_ref, monkeypatch):
+    model = _model(lm_ref)
+    splits = text.load("synthetic", None, TOKENS, models.token_ids(models.resolve(lm_ref)), lambda: None,
+                       task="causal_lm")  # fmt: skip
+    FakeGraph.captures, FakeStepGraph.replays = 0, []
+    graphed_fn = text.capturable(functools.partial(text.causal_lm, train_accuracy=False), causal=True)
+    eager, log_e = _train(fabric, model, splits, text.causal_lm, False, monkeypatch)
+    fast, log_f = _train(fabric, model, splits, graphed_fn, True, monkeypatch)
+    assert FakeGraph.captures == 1 and len(FakeStepGraph.replays) == 5 - 2  # 2 warm-up steps, then replays
+    assert log_f.optimizer_steps == log_e.optimizer_steps == 5 and log_f.micro_batches == 10
+    for p, q in zip(fast.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+    assert log_f.loss["last"] == pytest.approx(log_e.loss["last"], rel=1e-4)
+    assert log_e.accuracy["train"] is not None and log_f.accuracy["train"] is None  # no selection in a graph
+    assert not torch.equal(next(fast.parameters()), next(model.parameters()))  # it trained
+
+
+def test_the_runner_captures_a_causal_lm_when_asked_and_other_text_models_never(lm_ref, tmp_path):
+    gpu = Hardware(cuda_devices=1, cpu_cores=2, bf16_supported=lambda: True)
+    base = runner.default_config().with_flags(model=lm_ref, seq_len=TOKENS, batch_size=2, accelerator="cuda")
+    fast = base.checked(gpu)
+    assert (fast.mode, fast.compile, fast.cuda_graphs) == ("fast", True, False)  # the default: blocks only
+    asked = base.with_flags(cuda_graphs=True).checked(gpu)
+    assert (asked.compile, asked.cuda_graphs) == (True, True)
+    with pytest.raises(UsageError, match="--cuda-graphs: this runner's step in backward"):
+        base.with_flags(cuda_graphs=True, optimizer_in_backward=True).checked(gpu)
+    (tmp_path / "bert").mkdir()
+    (tmp_path / "bert" / "config.json").write_text(json.dumps({"model_type": "bert", "vocab_size": 100,
+        "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64,
+        "architectures": ["BertForSequenceClassification"]}))  # fmt: skip
+    bert = base.with_flags(model=f"hf:{tmp_path / 'bert'}", cuda_graphs=True)
+    with pytest.raises(UsageError, match="--cuda-graphs: a classification model's steps are not captured"):
+        bert.checked(gpu)
+    assert bert.with_flags(cuda_graphs=None).checked(gpu).cuda_graphs is False
