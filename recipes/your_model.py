@@ -19,7 +19,7 @@ import torch
 from fabric_memory_recipes.planning.inference import cli as inference_estimate
 from fabric_memory_recipes.planning.your_model import estimate
 from fabric_memory_recipes.training import data, lifecycle, loop
-from fabric_memory_recipes.training.data import text
+from fabric_memory_recipes.training.data import attention_masks
 from fabric_memory_recipes.training.techniques import checkpointing, fused_loss, lora, offload, step_in_backward  # fmt: skip
 from fabric_memory_recipes.training.techniques.inference import weights_quant
 from fabric_memory_recipes.training.your_model import inference, models, runner, sharding
@@ -78,8 +78,8 @@ def main(cfg: runner.YourModelConfig, results) -> None:
         *data.loaders(splits, cfg, fabric, shard=cfg.fsdp)
     )
     task_batch = batch_fn or data.image_classification(model.image_size)
-    if cfg.cuda_graphs and um.is_text:  # fast mode's graph: the padding mask in 4-D, no check on the host
-        task_batch = text.capturable(task_batch, causal=um.task == "causal_lm")
+    if cfg.cuda_graphs and um.is_text:  # fast mode's graph: no padding mask read on the host
+        task_batch = attention_masks.capturable(task_batch, model, causal=um.task == "causal_lm")
     offloaded = offload.offload_activations() if cfg.activation_offload else contextlib.nullcontext()
 
     def step_batch(model, batch):

@@ -39,6 +39,7 @@ import torch
 
 from fabric_memory_recipes.config import RunConfig, UsageError, at_least, flag
 from fabric_memory_recipes.console import notice
+from fabric_memory_recipes.training.data.attention_masks import mask_4d
 from fabric_memory_recipes.training.data.network import hub_online, reachable
 from fabric_memory_recipes.training.data.text_samples import (
     IGNORE_INDEX,
@@ -335,36 +336,9 @@ def sequence_classification(model, batch):
     return out.loss, out.logits, labels
 
 
-def mask_4d(model, attention_mask: torch.Tensor, causal: bool) -> torch.Tensor:
-    """The 2-D padding mask in the 4-D form Hugging Face's attention takes as it is, (batch, 1, 1, tokens), or
-    (batch, 1, tokens, tokens) with the causal triangle: from a 2-D one it checks on the host whether any token
-    is padded (to drop the mask), a synchronisation a CUDA graph cannot capture. Boolean for SDPA (``True``:
-    attend), added to the scores for eager attention. A padded token attends to itself (no row all masked)."""
-    keep = attention_mask[:, None, None, :].bool()
-    if causal:
-        tokens = attention_mask.shape[-1]
-        keep = keep & torch.ones(tokens, tokens, dtype=torch.bool, device=keep.device).tril()
-        keep = keep | torch.eye(tokens, dtype=torch.bool, device=keep.device)
-    if model.config._attn_implementation == "eager":
-        dtype = next(model.parameters()).dtype
-        keep = torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(
-            ~keep, torch.finfo(dtype).min
-        )
-    return keep
-
-
-def capturable(batch_fn: Callable, causal: bool) -> Callable:
-    """``batch_fn`` with the padding mask handed to the model in 4-D (:func:`mask_4d`): fast mode's graph's."""
-
-    def captured(model, batch):
-        input_ids, attention_mask, labels = batch
-        return batch_fn(model, (input_ids, mask_4d(model, attention_mask, causal), labels))
-
-    return captured
-
-
 def sequence_classification_capturable(model, batch):
-    """:func:`sequence_classification` with a 4-D padding mask (:func:`mask_4d`): the after recipes'."""
+    """:func:`sequence_classification` with a 4-D padding mask (``attention_masks.mask_4d``), which a CUDA
+    graph can capture: the after recipes' fast mode."""
     input_ids, attention_mask, labels = batch
     out = model(input_ids=input_ids, attention_mask=mask_4d(model, attention_mask, False), labels=labels)
     return out.loss, out.logits, labels

@@ -1,12 +1,12 @@
 """Fast mode's CUDA graph for a causal LM (``recipes/your_model.py --cuda-graphs``), on a CPU.
 
 A CUDA graph cannot wait for the host. A causal LM's step would, at the 2-D padding mask that Hugging Face
-checks on the host (``text.capturable`` hands it over in 4-D, with the causal triangle) and at the token
-accuracy's selection of completion tokens (``text.causal_lm(..., train_accuracy=False)``). Here: the 4-D
-path gives the 2-D path's loss and gradients with nothing read on the host, for the model's own loss and the
-fused loss; the captured step, replayed by fast mode's bookkeeping (the graph stood in for, as in
-tests/training/test_graphs.py), trains as the eager step does; and the runner takes ``--cuda-graphs`` for a
-causal LM only.
+checks on the host (``attention_masks.capturable``: no mask under SDPA, the samples being padded at their end;
+the 4-D mask with the causal triangle for eager attention) and at the token accuracy's selection of
+completion tokens (``text.causal_lm(..., train_accuracy=False)``). Here: each path gives the 2-D path's loss
+and gradients with nothing read on the host, for the model's own loss and the fused loss; the captured step,
+replayed by fast mode's bookkeeping (the graph stood in for, as in tests/training/test_graphs.py), trains as
+the eager step does; and the runner takes ``--cuda-graphs`` for a causal LM only.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 
 from fabric_memory_recipes.config import Hardware, UsageError
 from fabric_memory_recipes.training import data, loop, loop_plumbing
-from fabric_memory_recipes.training.data import text
+from fabric_memory_recipes.training.data import attention_masks, text, text_samples
 from fabric_memory_recipes.training.techniques import fused_loss
 from fabric_memory_recipes.training.your_model import models, runner
 from tests.tiny import causal_lm_config, make_log, settings
@@ -78,9 +78,12 @@ def _loss_and_gradients(model, batch_fn, batch):
 def test_the_4d_causal_mask_gives_the_2d_masks_loss_and_gradients_without_host_reads(lm_ref, attn):
     model = _model(lm_ref, attn)
     ids, mask, labels = _batch()
-    graphed = text.capturable(functools.partial(text.causal_lm, train_accuracy=False), causal=True)
+    reference = copy.deepcopy(model)  # its attention left as it is
+    graphed = attention_masks.capturable(functools.partial(text.causal_lm, train_accuracy=False), model, True)
+    want_impl = attention_masks.CAUSAL_SDPA if attn == "sdpa" else "eager"
+    assert model.config._attn_implementation == want_impl  # SDPA: the causal flag alone; eager: the 4-D mask
     for m in (mask, torch.ones_like(mask)):  # padded, and nothing padded (where a 2-D mask is dropped)
-        want = _loss_and_gradients(model, text.causal_lm, (ids, m, labels))
+        want = _loss_and_gradients(reference, text.causal_lm, (ids, m, labels))
         got = _loss_and_gradients(model, graphed, (ids, m, labels))
         torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
         assert len(got[1]) == len(want[1]) > 0
@@ -93,16 +96,29 @@ def test_the_4d_causal_mask_gives_the_2d_masks_loss_and_gradients_without_host_r
     assert predicted.shape == targets.shape == (int((labels[:, 1:] != text.IGNORE_INDEX).sum()),)
 
 
-def test_the_fused_loss_under_the_4d_mask_reads_nothing_on_the_host(lm_ref):
-    plain = _model(lm_ref)
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_the_fused_loss_in_the_captured_form_reads_nothing_on_the_host(lm_ref, attn):
+    plain = _model(lm_ref, attn)
     want = _loss_and_gradients(plain, text.causal_lm, _batch())
     fused = copy.deepcopy(plain)
-    batch_fn = text.capturable(fused_loss.fused_batch_fn(fused), causal=True)
+    batch_fn = attention_masks.capturable(fused_loss.fused_batch_fn(fused), fused, causal=True)
     got = _loss_and_gradients(fused, batch_fn, _batch())
     torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-5)
     for a, b in zip(got[1], want[1], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
     assert got[2] == 0 and got[3] is None
+
+
+def test_the_causal_lm_samples_are_padded_at_their_end(lm_ref):
+    """What lets SDPA's causal flag stand in for the padding mask (attention_masks.causal_only)."""
+    ids, mask, labels = text_samples.sft_example([5, 6, 7], [8, 9], max_length=8, pad_id=0)
+    assert mask.tolist() == [1] * 5 + [0] * 3 and labels[5:].tolist() == [text.IGNORE_INDEX] * 3
+    splits = text.load("synthetic", None, TOKENS, models.token_ids(models.resolve(lm_ref)), lambda: None,
+                       task="causal_lm")  # fmt: skip
+    for i in range(20):
+        m = splits.train[i][1]
+        assert torch.equal(m, torch.sort(m, descending=True).values)  # ones, then zeros
+    assert any(splits.train[i][1].min() == 0 for i in range(20))  # some are padded
 
 
 def _train(fabric, model, splits, batch_fn, graphed, monkeypatch):
@@ -125,9 +141,12 @@ def test_a_causal_lms_replayed_step_trains_as_its_eager_step(fabric, lm_ref, mon
     splits = text.load("synthetic", None, TOKENS, models.token_ids(models.resolve(lm_ref)), lambda: None,
                        task="causal_lm")  # fmt: skip
     FakeGraph.captures, FakeStepGraph.replays = 0, []
-    graphed_fn = text.capturable(functools.partial(text.causal_lm, train_accuracy=False), causal=True)
     eager, log_e = _train(fabric, model, splits, text.causal_lm, False, monkeypatch)
-    fast, log_f = _train(fabric, model, splits, graphed_fn, True, monkeypatch)
+    graphed = copy.deepcopy(model)
+    graphed_fn = attention_masks.capturable(
+        functools.partial(text.causal_lm, train_accuracy=False), graphed, True
+    )
+    fast, log_f = _train(fabric, graphed, splits, graphed_fn, True, monkeypatch)
     assert FakeGraph.captures == 1 and len(FakeStepGraph.replays) == 5 - 2  # 2 warm-up steps, then replays
     assert log_f.optimizer_steps == log_e.optimizer_steps == 5 and log_f.micro_batches == 10
     for p, q in zip(fast.parameters(), eager.parameters(), strict=True):

@@ -1,0 +1,74 @@
+"""A text batch's attention mask in a form a CUDA graph can capture (fast mode of a text model).
+
+From a 2-D padding mask a Hugging Face model first checks on the host whether any token is padded, to drop
+the mask when none is (so that SDPA can run its causal flash kernel): a synchronisation in every forward pass,
+which a CUDA graph cannot capture. Two ways round it, chosen once per run by :func:`capturable`:
+
+- :func:`mask_4d`: the mask handed over in the 4-D form the model takes as it is (boolean for SDPA, added to
+  the scores for eager attention), with the causal triangle for a causal LM. Any attention, any padding.
+- For a causal LM under SDPA, the causal flag alone (:func:`causal_only`): the project's causal-LM samples are padded
+  at their end (``text_samples.sft_example``), and under the causal triangle a real token never sees a later
+  position, so the padding changes nothing a real token computes; the padded positions' outputs differ, but
+  their labels are ignored, so the loss and every gradient are the masked run's. The model's attention is then
+  registered under :data:`CAUSAL_SDPA`, whose mask function returns no mask, so the flash kernel runs in the
+  graph as in the warm-up (Hugging Face would build the full causal mask under capture).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+CAUSAL_SDPA = "sdpa_causal_only"  # SDPA attention with no mask but the causal flag (registered below)
+
+
+def mask_4d(model, attention_mask: torch.Tensor, causal: bool) -> torch.Tensor:
+    """The 2-D padding mask as (batch, 1, 1, tokens), or (batch, 1, tokens, tokens) with the causal triangle:
+    boolean for SDPA (``True``: attend), added to the scores for eager attention. A padded token attends to
+    itself (no row all masked)."""
+    keep = attention_mask[:, None, None, :].bool()
+    if causal:
+        tokens = attention_mask.shape[-1]
+        keep = keep & torch.ones(tokens, tokens, dtype=torch.bool, device=keep.device).tril()
+        keep = keep | torch.eye(tokens, dtype=torch.bool, device=keep.device)
+    if model.config._attn_implementation == "eager":
+        dtype = next(model.parameters()).dtype
+        keep = torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(
+            ~keep, torch.finfo(dtype).min
+        )
+    return keep
+
+
+def _no_mask(*args, **kwargs) -> None:
+    return None
+
+
+def causal_only(model) -> bool:
+    """Run ``model``'s SDPA attention with the causal flag alone (its mask function returns none); False, and
+    nothing changed, for another attention implementation."""
+    if model.config._attn_implementation not in ("sdpa", CAUSAL_SDPA):
+        return False
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(CAUSAL_SDPA, sdpa_attention_forward)
+    AttentionMaskInterface.register(CAUSAL_SDPA, _no_mask)
+    model.config._attn_implementation = CAUSAL_SDPA
+    return True
+
+
+def capturable(batch_fn: Callable, model, causal: bool) -> Callable:
+    """``batch_fn`` (a classifier's, a causal LM's or its fused loss's) as fast mode's CUDA graph runs it: a
+    causal LM under SDPA with the causal flag alone (:func:`causal_only`, applied to ``model`` now: its mask
+    function ignores the 2-D mask), any other model with the 4-D mask (:func:`mask_4d`)."""
+    unmasked = causal and causal_only(model)
+
+    def captured(model, batch):
+        input_ids, attention_mask, labels = batch
+        if not unmasked:  # (the 2-D mask stays for a causal-only model: without one, Hugging Face would
+            attention_mask = mask_4d(model, attention_mask, causal)  # look for packed sequences on the host)
+        return batch_fn(model, (input_ids, attention_mask, labels))
+
+    return captured
