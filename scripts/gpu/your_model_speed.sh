@@ -15,7 +15,8 @@
 #   bash scripts/gpu/your_model_speed.sh graphs   # the causal LMs' fast set (fused loss, checkpointing, 8 x 1024)
 #                                                 # with its steps eager and captured (--cuda-graphs), the
 #                                                 # Llama at 8 GB and the GPT-NeoX at 10 GB; REPEAT=N rounds;
-#                                                 # ONLY=llama|neox one model
+#                                                 # ONLY=llama|neox one model; EAGER=1 adds the NeoX's
+#                                                 # fastest eager set without the levers (lm's baseline)
 #
 # Carried (ignored path): .whl (liger-kernel, cut-cross-entropy wheels). Runs stop with SIGINT before the
 # call's limit (LIMIT, default 560 s), so what finished comes back.
@@ -65,6 +66,7 @@ case $part in
         run "llama-graphs-fused-ckpt-mb8-r$r" "${LLAMA[@]}" "${FAST[@]}" --cuda-graphs
       fi
       if [ "${ONLY:-neox}" = neox ]; then
+        [ -n "${EAGER:-}" ] && run "neox-eager-ckpt-mb2x4-r$r" "${NEOX[@]}" --mode eager --checkpoint-blocks --accumulation-steps 4
         run "neox-fast-fused-ckpt-mb8-r$r" "${NEOX[@]}" "${FAST[@]}"
         run "neox-graphs-fused-ckpt-mb8-r$r" "${NEOX[@]}" "${FAST[@]}" --cuda-graphs
       fi
