@@ -95,13 +95,15 @@ def plan(
     top: int,
     cpus: set[int] | None,
     plans: Path | None = None,
+    gpu: str = "h100",
 ) -> dict[str, Any]:
-    """The CPU ranking of one model: ``fmr-estimate ... --fit CARD --json`` in its own process, or the plan
-    of the same command line already in ``plans/<name>/fit.json`` (made on another machine's CPU)."""
+    """The CPU ranking of one model for a GPU of kind ``gpu`` (its step-time ceilings): ``fmr-estimate ...
+    --fit CARD --json`` in its own process, or the plan of the same command line already in
+    ``plans/<name>/fit.json`` (made on another machine's CPU)."""
     folder = out / name
     folder.mkdir(parents=True, exist_ok=True)
     argv = [*flags, "--precision", PRECISION, "--optimizer", OPTIMIZER, "--fit", card, "--top", str(top),
-            "--gpu", "h100"]  # fmt: skip
+            "--gpu", gpu]  # fmt: skip
     made = reused(plans, name, argv)
     if made is not None:
         write_json_atomic(str(folder / "fit.json"), made)
@@ -281,7 +283,7 @@ def run(args: Any) -> None:
 
     def planned(job):
         name, flags, card = job
-        answer = plan(name, flags, card, out, args.top, planner_cpus, args.plans)
+        answer = plan(name, flags, card, out, args.top, planner_cpus, args.plans, args.gpu)
         pick = answer["fits"][0] if answer.get("fits") else None
         say(
             f"{name} at {card}: {'reused the plan of' if answer.get('reused_from') else 'planned in'}"
@@ -337,6 +339,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--deadline", type=float, default=1e9, help="seconds after which no model starts measuring"
+    )
+    p.add_argument(
+        "--gpu", default="h100", help="the GPU kind the plans are made for (its ceilings; default h100)"
     )
     p.add_argument("--only", default="", help="comma-separated model names of the part (default: all)")
     p.add_argument("--plan-only", action="store_true", help="the CPU plans only (no GPU needed)")

@@ -17,7 +17,8 @@
 #
 # bf16-mixed AdamW (the user's, kept). STEPS (10) optimizer steps per set; MEASURE_TOP=K measures each plan's
 # first K sets only (the picks, when K is 1); ONLY=a,b (model names) reruns
-# some; PLANS=DIR (carried) reuses the plans a `--plan-only` run made there for the same command lines; no
+# some; GPU=h200 plans for that kind's ceilings (default h100);
+# PLANS=DIR (carried) reuses the plans a `--plan-only` run made there for the same command lines; no
 # model starts measuring after DEADLINE (330 s) and the whole call stops at LIMIT (450 s). Time: the
 # plans take minutes of CPU each (the slowest model's sets the first wait), each measured set 20-50 s (process
 # start, the runner's own estimate, fast mode's compilation): a model not measured before DEADLINE is listed
@@ -41,6 +42,6 @@ trap finish EXIT
 install_wheels .whl/liger*.whl
 nproc; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 timeout -k 20 -s INT "${LIMIT:-450}" python3 -m devtools.your_model.ranking_check "$part" --out "$R" --top 3 \
-    --steps "${STEPS:-10}" ${MEASURE_TOP:+--measure-top "$MEASURE_TOP"} --deadline "${DEADLINE:-330}" --only "${ONLY:-}" ${PLANS:+--plans "$PLANS"} --archive "$OUT/ranking-$part.tgz" \
+    --steps "${STEPS:-10}" ${MEASURE_TOP:+--measure-top "$MEASURE_TOP"} --deadline "${DEADLINE:-330}" --only "${ONLY:-}" --gpu "${GPU:-h100}" ${PLANS:+--plans "$PLANS"} --archive "$OUT/ranking-$part.tgz" \
     2>&1 | tee "$R/log.txt"
 echo "ranking_check $part: exit ${PIPESTATUS[0]}"

@@ -111,8 +111,11 @@ def test_the_markdown_table_aligns_numbers_right_and_refuses_a_row_of_another_wi
 def test_measure_top_measures_only_each_plans_first_sets(tmp_path, monkeypatch):
     measured = []
 
-    def plan(name, flags, card, out, top, cpus, plans=None):
+    gpus = []
+
+    def plan(name, flags, card, out, top, cpus, plans=None, gpu="h100"):
         (out / name).mkdir(parents=True, exist_ok=True)
+        gpus.append(gpu)
         return {**_fit([30.0, 20.0, 10.0]), "name": name, "argv": flags, "exit": 0}
 
     monkeypatch.setattr(ranking_check, "plan", plan)
@@ -122,8 +125,9 @@ def test_measure_top_measures_only_each_plans_first_sets(tmp_path, monkeypatch):
     ranking_check.main(["peft", "--out", str(tmp_path), "--only", "qwen2-0.5b-lora", "--measure-top", "1"])
     assert [[(r["label"], r["predicted_rank"]) for r in rows] for rows in measured] == [[("set 1", 1)]]
     measured.clear()
-    ranking_check.main(["peft", "--out", str(tmp_path), "--only", "qwen2-0.5b-lora"])
+    ranking_check.main(["peft", "--out", str(tmp_path), "--only", "qwen2-0.5b-lora", "--gpu", "h200"])
     assert [len(rows) for rows in measured] == [3]  # by default every set the plan lists
+    assert gpus == ["h100", "h200"]  # --gpu: the kind the plan is made for
 
 
 def test_the_summary_is_written_by_one_thread_at_a_time_and_skips_files_being_written(tmp_path, monkeypatch):

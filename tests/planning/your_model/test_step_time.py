@@ -303,3 +303,20 @@ def test_the_calibration_reads_runs_committed_inside_archives(tmp_path):
     assert [r.path for r in step_calibration.read_runs("h200", REPO)][-1].endswith(
         "swin_fast_probe.tgz:swin_fast_probe/runs/fast/your_model.json"
     )
+
+
+def test_the_stored_h200_kind_is_physical_and_plans_for_an_h200():
+    """An h200 plan takes h200's ceilings, fitted on the committed H200 runs (vision and text, eager, compiled
+    blocks and CUDA graphs) within the datasheet's peaks: fusion a share (at most 1), the bandwidth and the
+    matrix FLOP/s below an H200's 4.8 TB/s and 989 TFLOP/s (the unbounded fit went to 39 TB/s at fusion 9.2)."""
+    entry = step_time.load_calibration()["kinds"]["h200"]
+    c, source = step_time.ceilings("h200")
+    assert c == step_time.Ceilings(**entry["ceilings"]) and source.startswith("h200: fitted on")
+    assert 0 < c.fusion <= step_calibration.UPPER["fusion"]
+    assert c.bandwidth < 4.8e12 and c.matmul_flops < 989e12
+    core = [r for r in entry["runs"] if r["fitted"] and r["fitted_for"] != "host_bandwidth"]
+    modes = {r["mode"] for r in core}
+    assert len(core) >= 30 and modes == {"eager", "fast", "graphs"}
+    assert any(r["model"].startswith("hf:") for r in core) and any(r["model"] == "vit_l_16" for r in core)
+    assert entry["summary"]["fitted"]["median_abs_error"] <= 0.15
+    assert step_time.ceilings("a100")[1].startswith("no a100 runs: h100")  # a kind without runs: h100's
