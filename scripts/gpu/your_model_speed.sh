@@ -14,8 +14,8 @@
 #                                                 # set with them, and the Llama set (a claim's spread)
 #   bash scripts/gpu/your_model_speed.sh graphs   # the causal LMs' fast set (fused loss, checkpointing, 8 x 1024)
 #                                                 # with its steps eager and captured (--cuda-graphs), the
-#                                                 # Llama at 8 GB and the GPT-NeoX at 10 GB; REPEAT=N rounds;
-#                                                 # ONLY=llama|neox one model; EAGER=1 adds the NeoX's
+#                                                 # Llama and the Qwen2 0.2 B at 8 GB, the GPT-NeoX at 10 GB;
+#                                                 # REPEAT=N rounds; ONLY=llama|neox|qwen one model; EAGER=1 adds the NeoX's
 #                                                 # fastest eager set without the levers (lm's baseline)
 #
 # Carried (ignored path): .whl (liger-kernel, cut-cross-entropy wheels). Runs stop with SIGINT before the
@@ -59,6 +59,7 @@ case $part in
   graphs)
     NEOX=(--model hf:examples/configs/gpt-neox-0.4b "${LM[@]}" --memory-budget-gb 10)
     LLAMA=(--model hf:examples/configs/llama-0.36b "${LM[@]}" --memory-budget-gb 8)
+    QWEN=(--model hf:examples/configs/qwen2-0.2b "${LM[@]}" --memory-budget-gb 8)
     FAST=(--mode fast --fused-loss --checkpoint-blocks)
     for r in $(seq 1 "${REPEAT:-1}"); do
       if [ "${ONLY:-llama}" = llama ]; then
@@ -69,6 +70,10 @@ case $part in
         [ -n "${EAGER:-}" ] && run "neox-eager-ckpt-mb2x4-r$r" "${NEOX[@]}" --mode eager --checkpoint-blocks --accumulation-steps 4
         run "neox-fast-fused-ckpt-mb8-r$r" "${NEOX[@]}" "${FAST[@]}"
         run "neox-graphs-fused-ckpt-mb8-r$r" "${NEOX[@]}" "${FAST[@]}" --cuda-graphs
+      fi
+      if [ "${ONLY:-qwen}" = qwen ]; then
+        run "qwen-fast-fused-ckpt-mb8-r$r" "${QWEN[@]}" "${FAST[@]}"
+        run "qwen-graphs-fused-ckpt-mb8-r$r" "${QWEN[@]}" "${FAST[@]}" --cuda-graphs
       fi
     done
     ;;
