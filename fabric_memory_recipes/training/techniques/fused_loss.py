@@ -165,8 +165,11 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         keep = targets != IGNORE_INDEX
         count = keep.sum().clamp(min=1)
         grad_hidden = torch.zeros_like(hidden) if hidden.requires_grad else None
-        wide = torch.promote_types(hidden.dtype, torch.float32)  # the softmax's and the sums' dtype
-        grad_weight = torch.zeros_like(weight, dtype=wide) if weight.requires_grad else None
+        wide = torch.promote_types(hidden.dtype, torch.float32)  # the softmax's and the loss's dtype
+        # the weight's gradient in the weight's dtype, each chunk's product added inside one addmm, as Liger does
+        # (a wide copy of the weight's size made, cast and added per chunk was 265 of the 474 GB a micro-batch of
+        # Qwen2 0.2 B moved, simulated: 152 k vocabulary, 128 chunks)
+        grad_weight = torch.zeros_like(weight) if weight.requires_grad else None
         loss = torch.zeros((), device=hidden.device, dtype=wide)
         step = chunk_rows(rows, weight.shape[0], weight.shape[1])
         for start in range(0, rows, step):
@@ -183,7 +186,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             if grad_hidden is not None:
                 grad_hidden[start : start + step] = grad @ weight
             if grad_weight is not None:
-                grad_weight += (grad.t() @ h).to(wide)
+                torch.addmm(grad_weight, grad.t(), h.to(grad.dtype), out=grad_weight)
         ctx.save_for_backward(grad_hidden, grad_weight, count)
         ctx.weight_dtype = weight.dtype
         return loss / count
