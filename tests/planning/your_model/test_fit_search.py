@@ -144,7 +144,8 @@ def test_a_memory_technique_never_predicts_faster_than_its_plain_set(lm):
     }
     for c in picked:
         bound = planner.predict(plain[c.plain]).images_per_s
-        assert 0 < planner.predict(c).images_per_s <= bound, c.label()
+        # (a host-bound fast set ties its plain one: the same compiled calls, summed in another order)
+        assert 0 < planner.predict(c).images_per_s <= bound * (1 + 1e-12), c.label()
 
 
 def test_fast_and_eager_share_one_simulation_each_with_its_allocators_replay(lm):
