@@ -45,6 +45,13 @@ class YourModelConfig(RunConfig):
         None, "technique", "an encoder-decoder's target tokens (default: --seq-len)", type=at_least(2)
     )
     optimizer: str = flag("adamw", "technique", "optimizer (adamw8bit needs torchao)", choices=OPTIMIZERS)
+    cuda_graphs: bool | None = flag(
+        None,
+        "hardware",
+        "capture each optimizer step as a CUDA graph after a 2-step warm-up (default: on in fast mode for an"
+        " image model; a causal LM's when asked, docs/your_model.md; one CUDA device only)",
+        action=BOOL,
+    )
     checkpoint_mode: str = flag(
         techniques.CHECKPOINT_MODE.default,
         "technique",
