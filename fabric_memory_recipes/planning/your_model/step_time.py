@@ -310,8 +310,8 @@ def predict_step_s(
     """The predicted time of one optimizer step of ``model`` (built anywhere; the meta device will do)
     under ``plan`` on a GPU of kind ``gpu`` in ``mode`` (eager | fast): (seconds, detail), the detail
     with the model FLOPs per step, the MFU they mean, the terms of the sum and the ceilings' source.
-    ``cuda_graphs`` (fast mode): None does what your model's runner does, graphs for a vision model and
-    none for a text model (its batch's mask has a data-dependent size); ``blocks``: the repeated blocks fast
+    ``cuda_graphs`` (fast mode): None does what your model's runner does by default, graphs for a vision
+    model and none for a text model (a causal LM's only when asked: ``--cuda-graphs``); ``blocks``: the repeated blocks fast
     mode compiles (their calls are fast mode's host time).
 
     A planner that simulates the step for its memory anyway can time the same simulation: pass an
@@ -342,7 +342,7 @@ def mfu(model_flops_per_step: float, step_s: float, gpu: str = "h100") -> float 
 def uses_graphs(choice: Any, is_text: bool) -> bool:
     """Whether the runner's fast mode captures the step in CUDA graphs for a planner set (``choice``:
     its mode, devices and techniques): image models on one GPU, without the step in backward
-    (training/your_model/runner.py's ``checked``)."""
+    (training/your_model/runner.py's ``checked``; a causal LM's graph is not a default, so not planned)."""
     return (
         choice.mode == "fast"
         and not is_text
