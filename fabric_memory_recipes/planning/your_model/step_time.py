@@ -311,8 +311,8 @@ def predict_step_s(
     under ``plan`` on a GPU of kind ``gpu`` in ``mode`` (eager | fast): (seconds, detail), the detail
     with the model FLOPs per step, the MFU they mean, the terms of the sum and the ceilings' source.
     ``cuda_graphs`` (fast mode): None does what your model's runner does by default, graphs for a vision
-    model and none for a text model (a causal LM's only when asked: ``--cuda-graphs``); ``blocks``: the repeated blocks fast
-    mode compiles (their calls are fast mode's host time).
+    model and none for a text model (a causal LM's only when asked: ``--cuda-graphs``); ``blocks``: the
+    repeated blocks fast mode compiles (their calls are fast mode's host time).
 
     A planner that simulates the step for its memory anyway can time the same simulation: pass an
     :class:`OpCosts` to ``estimate(..., op_costs=collector)``, then :func:`predict_costs` of
