@@ -9,13 +9,10 @@ it is fitted on, the fit, and the stored table an installed wheel plans with
 Each run's configuration (its results JSON's ``config``) is planned as the run planned it (your model:
 planning/your_model/estimate.py ``plan_of``, the fused loss as ``estimate`` applies it; a ladder rung:
 its declared rung, planning/plan.py ``plan_for``) and simulated on the meta model with the op-cost
-collector. Repeats of one configuration are one point, at their median. The fit is nonlinear least
-squares on log time (``scipy.optimize.least_squares`` over the logs of the ceilings, from four fixed
-starts, the best kept): log, so that a 10 ms step weighs as much as a 1 s one and the error is the
-ratio the planner's samples/s are off by; least squares rather than a grid because the ceilings are ten
-and a grid of ten dimensions is too coarse or too slow. Two stages: every ceiling but B_host on the runs
-without activation offload, then B_host alone on the offload runs. Runs with 8-bit AdamW are reported,
-not fitted: the model knows only their state's bytes (:data:`NOT_FITTED`).
+collector. Repeats of one configuration are one point, at their median. The fit: least squares on log time
+(``scipy.optimize.least_squares`` over the ceilings' logs, the best of four starts; log, so that the error is
+the ratio the planner's samples/s are off by), every ceiling but B_host on the runs without activation offload,
+then B_host alone on the offload runs. 8-bit AdamW runs are reported, not fitted (:data:`NOT_FITTED`).
 """
 
 from __future__ import annotations
@@ -56,8 +53,7 @@ RUN_GLOBS = {
         "results/published/h200/ranking-check/*.tgz:*/runs/*/your_model.json",
         "results/published/h200/encdec-step-profile/encdec_profile.tgz:*/runs/*-timed/your_model.json",
         "results/published/h200/encdec-step-profile/*/encdec_profile.tgz:*/runs/*-timed/your_model.json",
-        # (not call5: Qwen2's graph ran the fused loss's torch path before it accumulated as Liger does, 50 ms
-        # a step apart at its vocabulary; the Llama's and the NeoX's, 3-5 ms by the same count, are kept)
+        # not call5: Qwen2's graph ran the fused loss's earlier torch path (graphs/NOTES.md, "After these calls")
         "results/published/h200/your-model-speed/graphs/call[23]/*.tgz:*/runs/*.json",
         "results/published/h200/ab/quick-ladder/*/after.tgz:after/*.json",
         "results/published/h200/swin-fast-probe/swin_fast_probe.tgz:*/runs/*/your_model.json",
@@ -82,8 +78,8 @@ START = step_time.Ceilings(
 )
 FIELDS = [f.name for f in dataclasses.fields(step_time.Ceilings)]
 OFFLOAD_FIELDS = ["host_bandwidth"]
-# Upper bounds the fit keeps: fusion is the share of the memory-bound ops' time left after fast mode fuses them
-# (unbounded, an H200 fit traded it against the bandwidth: fusion 9.2 at 39 TB/s, neither physical).
+OFFLOAD_RUNGS = ("11_activation_offload", "14_memory_floor")  # the ladder's rungs that offload activations
+# Upper bounds the fit keeps: fusion is a share (unbounded, an H200 fit made it 9.2 at 39 TB/s, neither physical)
 UPPER = {"fusion": 1.0}
 
 
@@ -103,14 +99,8 @@ class Run:
     def group(self) -> str:
         """The configuration: runs that repeat it are one point of the fit."""
         c = self.config
-        keys = (
-            "precision",
-            "batch_size",
-            "accumulation_steps",
-            "seq_len",
-            "optimizer",
-            *(k for t in techniques.flagged() for k in (t.field, *(o.field for o in t.options))),
-        )
+        keys = ("precision", "batch_size", "accumulation_steps", "seq_len", "optimizer")
+        keys += tuple(k for t in techniques.flagged() for k in (t.field, *(o.field for o in t.options)))
         text = self.model.startswith("hf:")  # a vision model's config has the runner's default seq_len too
         flags = " ".join(
             f"{k}={c.get(k)}" for k in keys if c.get(k) not in (None, False) and (text or k != "seq_len")
@@ -119,10 +109,7 @@ class Run:
 
     @property
     def offload(self) -> bool:
-        return bool(self.config.get("activation_offload")) or self.recipe in (
-            "11_activation_offload",
-            "14_memory_floor",
-        )
+        return bool(self.config.get("activation_offload")) or self.recipe in OFFLOAD_RUNGS
 
     @property
     def not_fitted(self) -> str | None:
