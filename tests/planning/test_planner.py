@@ -217,7 +217,7 @@ def test_a_candidates_peak_reserved_is_the_allocator_replay_with_the_margin(tiny
     assert c.to_dict()["replayed_peak_reserved_gb"] == c.replayed_gb
 
 
-def test_fast_and_eager_share_a_simulation_and_the_cache_is_reused(cache_file):
+def test_fast_and_eager_share_a_simulation_and_the_cache_is_reused(cache_file, tmp_path):
     first = Planner(4, cache=SimulationCache(cache_file), **TINY)
     first.fit(1e-6)  # simulates everything it needs for the smallest peak
     again = Planner(4, cache=SimulationCache(cache_file), **TINY)
@@ -225,10 +225,12 @@ def test_fast_and_eager_share_a_simulation_and_the_cache_is_reused(cache_file):
     assert again.cache.simulated == 0
     keys = {c.key for c in again.candidates}
     assert len(keys) == len(again.candidates) // 2  # one simulation for fast and eager alike
-    stale = json.loads(Path(cache_file).read_text())
+    # a copy made stale: the module's file keeps its simulations for the tests after this one
+    stale, stale_file = json.loads(Path(cache_file).read_text()), tmp_path / "stale.json"
+    assert stale["entries"]
     stale["version"] = "another estimator"
-    Path(cache_file).write_text(json.dumps(stale))
-    assert SimulationCache(cache_file).entries == {}
+    stale_file.write_text(json.dumps(stale))
+    assert SimulationCache(str(stale_file)).entries == {}
 
 
 def test_cli_nothing_fits_exit_1_and_json(capsys, cache_file, monkeypatch):
