@@ -50,14 +50,15 @@ def _no_dropout(model):
     return model
 
 
-def _loss_and_gradients(model, batch_fn, batch):
+def loss_and_gradients(model, batch_fn, batch, reads_mode=HostReads):
+    """(loss, the gradients, host reads counted by ``reads_mode``, the predictions) of one forward and backward."""
     model.zero_grad()
-    reads = HostReads()
+    reads = reads_mode()
     with reads:
-        loss, _, _ = batch_fn(model, batch)
+        loss, predicted, _ = batch_fn(model, batch)
         loss.backward()
     grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
-    return loss.detach(), grads, reads.count
+    return loss.detach(), grads, reads.count, predicted
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
@@ -71,8 +72,8 @@ def test_the_4d_padding_mask_gives_the_2d_masks_loss_and_gradients_without_host_
     mask[2, 5:] = 0
     for m in (mask, torch.ones_like(mask)):  # padded, and nothing padded (where a 2-D mask is dropped)
         batch = (ids, m, torch.tensor([0, 1, 1]))
-        want = _loss_and_gradients(model, text.sequence_classification, batch)
-        got = _loss_and_gradients(model, text.sequence_classification_capturable, batch)
+        want = loss_and_gradients(model, text.sequence_classification, batch)
+        got = loss_and_gradients(model, text.sequence_classification_capturable, batch)
         torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-7)
         for a, b in zip(got[1], want[1], strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
@@ -108,9 +109,9 @@ def test_bigbird_blocks_kept_on_the_device_give_the_redrawn_blocks_results_with_
     for _ in range(2):
         copies_redrawn, copies_kept = TensorsFromArrays(), TensorsFromArrays()
         with copies_redrawn:
-            want = _loss_and_gradients(model, text.sequence_classification, batch)
+            want = loss_and_gradients(model, text.sequence_classification, batch)
         with copies_kept:
-            got = _loss_and_gradients(kept, text.sequence_classification, batch)
+            got = loss_and_gradients(kept, text.sequence_classification, batch)
         assert torch.equal(got[0], want[0])
         assert all(torch.equal(a, b) for a, b in zip(got[1], want[1], strict=True))
         assert (copies_redrawn.count, copies_kept.count) == (2, 0)  # one per layer; none kept on the device

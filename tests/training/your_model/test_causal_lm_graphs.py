@@ -24,7 +24,7 @@ from fabric_memory_recipes.training.data import attention_masks, text, text_samp
 from fabric_memory_recipes.training.techniques import fused_loss
 from fabric_memory_recipes.training.your_model import models, runner
 from tests.tiny import causal_lm_config, make_log, settings
-from tests.training.test_bonus_fast_mode import HostReads
+from tests.training.test_bonus_fast_mode import HostReads, loss_and_gradients
 from tests.training.test_graphs import FakeGraph, FakeStepGraph
 
 VOCAB, TOKENS = 1000, 24
@@ -65,13 +65,7 @@ class HostWaits(HostReads):
 
 
 def _loss_and_gradients(model, batch_fn, batch):
-    model.zero_grad()
-    reads = HostWaits()
-    with reads:
-        loss, predicted, _ = batch_fn(model, batch)
-        loss.backward()
-    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
-    return loss.detach(), grads, reads.count, predicted
+    return loss_and_gradients(model, batch_fn, batch, HostWaits)
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
