@@ -78,8 +78,8 @@ def main(cfg: runner.YourModelConfig, results) -> None:
         *data.loaders(splits, cfg, fabric, shard=cfg.fsdp)
     )
     task_batch = batch_fn or data.image_classification(model.image_size)
-    if cfg.cuda_graphs and um.is_text:  # fast mode's graph: no padding mask read on the host
-        task_batch = attention_masks.capturable(task_batch, model, causal=um.task == "causal_lm")
+    if cfg.cuda_graphs and um.task == "causal_lm":  # fast mode's graph: no padding mask read on the host
+        task_batch = attention_masks.capturable(task_batch, model)
     offloaded = offload.offload_activations() if cfg.activation_offload else contextlib.nullcontext()
 
     def step_batch(model, batch):

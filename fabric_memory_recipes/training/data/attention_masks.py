@@ -2,7 +2,7 @@
 
 From a 2-D padding mask a Hugging Face model first checks on the host whether any token is padded, to drop
 the mask when none is (so that SDPA can run its causal flash kernel): a synchronisation in every forward pass,
-which a CUDA graph cannot capture. Two ways round it, chosen once per run by :func:`capturable`:
+which a CUDA graph cannot capture. Two ways round it (a causal LM's chosen once per run by :func:`capturable`):
 
 - :func:`mask_4d`: the mask handed over in the 4-D form the model takes as it is (boolean for SDPA, added to
   the scores for eager attention), with the causal triangle for a causal LM. Any attention, any padding.
@@ -59,16 +59,16 @@ def causal_only(model) -> bool:
     return True
 
 
-def capturable(batch_fn: Callable, model, causal: bool) -> Callable:
-    """``batch_fn`` (a classifier's, a causal LM's or its fused loss's) as fast mode's CUDA graph runs it: a
-    causal LM under SDPA with the causal flag alone (:func:`causal_only`, applied to ``model`` now: its mask
-    function ignores the 2-D mask), any other model with the 4-D mask (:func:`mask_4d`)."""
-    unmasked = causal and causal_only(model)
+def capturable(batch_fn: Callable, model) -> Callable:
+    """A causal LM's ``batch_fn`` (its own loss or the fused loss) as fast mode's CUDA graph runs it: under SDPA
+    with the causal flag alone (:func:`causal_only`, applied to ``model`` now: its mask function ignores the 2-D
+    mask), under eager attention with the 4-D causal mask (:func:`mask_4d`)."""
+    unmasked = causal_only(model)
 
     def captured(model, batch):
         input_ids, attention_mask, labels = batch
         if not unmasked:  # (the 2-D mask stays for a causal-only model: without one, Hugging Face would
-            attention_mask = mask_4d(model, attention_mask, causal)  # look for packed sequences on the host)
+            attention_mask = mask_4d(model, attention_mask, True)  # look for packed sequences on the host)
         return batch_fn(model, (input_ids, attention_mask, labels))
 
     return captured

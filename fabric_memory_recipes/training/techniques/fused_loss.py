@@ -186,7 +186,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             if grad_hidden is not None:
                 grad_hidden[start : start + step] = grad @ weight
             if grad_weight is not None:
-                torch.addmm(grad_weight, grad.t(), h.to(grad.dtype), out=grad_weight)
+                torch.addmm(grad_weight, grad.t(), h, out=grad_weight)
         ctx.save_for_backward(grad_hidden, grad_weight, count)
         ctx.weight_dtype = weight.dtype
         return loss / count

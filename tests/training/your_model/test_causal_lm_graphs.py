@@ -23,7 +23,7 @@ from fabric_memory_recipes.training import data, loop, loop_plumbing
 from fabric_memory_recipes.training.data import attention_masks, text, text_samples
 from fabric_memory_recipes.training.techniques import fused_loss
 from fabric_memory_recipes.training.your_model import models, runner
-from tests.tiny import causal_lm_config, make_log, settings
+from tests.tiny import HF_BERT, causal_lm_config, make_log, settings
 from tests.training.test_bonus_fast_mode import HostReads, loss_and_gradients
 from tests.training.test_graphs import FakeGraph, FakeStepGraph
 
@@ -73,7 +73,7 @@ def test_the_4d_causal_mask_gives_the_2d_masks_loss_and_gradients_without_host_r
     model = _model(lm_ref, attn)
     ids, mask, labels = _batch()
     reference = copy.deepcopy(model)  # its attention left as it is
-    graphed = attention_masks.capturable(functools.partial(text.causal_lm, train_accuracy=False), model, True)
+    graphed = attention_masks.capturable(functools.partial(text.causal_lm, train_accuracy=False), model)
     want_impl = attention_masks.CAUSAL_SDPA if attn == "sdpa" else "eager"
     assert model.config._attn_implementation == want_impl  # SDPA: the causal flag alone; eager: the 4-D mask
     for m in (mask, torch.ones_like(mask)):  # padded, and nothing padded (where a 2-D mask is dropped)
@@ -95,7 +95,7 @@ def test_the_fused_loss_in_the_captured_form_reads_nothing_on_the_host(lm_ref, a
     plain = _model(lm_ref, attn)
     want = _loss_and_gradients(plain, text.causal_lm, _batch())
     fused = copy.deepcopy(plain)
-    batch_fn = attention_masks.capturable(fused_loss.fused_batch_fn(fused), fused, causal=True)
+    batch_fn = attention_masks.capturable(fused_loss.fused_batch_fn(fused), fused)
     got = _loss_and_gradients(fused, batch_fn, _batch())
     torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-5)
     for a, b in zip(got[1], want[1], strict=True):
@@ -137,9 +137,7 @@ def test_a_causal_lms_replayed_step_trains_as_its_eager_step(fabric, lm_ref, mon
     FakeGraph.captures, FakeStepGraph.replays = 0, []
     eager, log_e = _train(fabric, model, splits, text.causal_lm, False, monkeypatch)
     graphed = copy.deepcopy(model)
-    graphed_fn = attention_masks.capturable(
-        functools.partial(text.causal_lm, train_accuracy=False), graphed, True
-    )
+    graphed_fn = attention_masks.capturable(functools.partial(text.causal_lm, train_accuracy=False), graphed)
     fast, log_f = _train(fabric, graphed, splits, graphed_fn, True, monkeypatch)
     assert FakeGraph.captures == 1 and len(FakeStepGraph.replays) == 5 - 2  # 2 warm-up steps, then replays
     assert log_f.optimizer_steps == log_e.optimizer_steps == 5 and log_f.micro_batches == 10
@@ -160,9 +158,9 @@ def test_the_runner_captures_a_causal_lm_when_asked_and_other_text_models_never(
     with pytest.raises(UsageError, match="--cuda-graphs: this runner's step in backward"):
         base.with_flags(cuda_graphs=True, optimizer_in_backward=True).checked(gpu)
     (tmp_path / "bert").mkdir()
-    (tmp_path / "bert" / "config.json").write_text(json.dumps({"model_type": "bert", "vocab_size": 100,
-        "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64,
-        "architectures": ["BertForSequenceClassification"]}))  # fmt: skip
+    (tmp_path / "bert" / "config.json").write_text(
+        json.dumps(HF_BERT)
+    )  # a classifier, as the runner reads it
     bert = base.with_flags(model=f"hf:{tmp_path / 'bert'}", cuda_graphs=True)
     with pytest.raises(UsageError, match="--cuda-graphs: a classification model's steps are not captured"):
         bert.checked(gpu)
