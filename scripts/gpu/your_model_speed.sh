@@ -27,11 +27,15 @@ part=${1:?check, lm or graphs}
 export_run_env
 T0=$(date +%s); LIMIT=${LIMIT:-560}; RUNS=/tmp/ym-$part; mkdir -p "$RUNS"
 log() { echo "[your_model_speed $part $(( $(date +%s) - T0 )) s] $*" | tee -a "$RUNS/log.txt"; }
-finish() { record_machine "$RUNS"; tar czf "$OUT/$part.tgz" -C /tmp "ym-$part"; }
+# the watchdog (below) ends with the script, and writes to its log only: its sleep, left over, would otherwise
+# hold the call's output open until LIMIT
+finish() { [ -n "${WATCH:-}" ] && { kill "$WATCH"; wait "$WATCH"; } 2>/dev/null
+           record_machine "$RUNS"; tar czf "$OUT/$part.tgz" -C /tmp "ym-$part"; }
 trap finish EXIT
 install_wheels
 install_checkout || log "pip install -e . failed"
-( sleep $(( LIMIT - 20 )); log "limit near: SIGINT"; pkill -INT -f "recipes/your_model.py|devtools\." ) &
+( sleep $(( LIMIT - 20 )); log "limit near: SIGINT"; pkill -INT -f "recipes/your_model.py|devtools\." ) > /dev/null 2>&1 &
+WATCH=$!
 
 # run NAME ARGS...: one recipes/your_model.py process, its results JSON and log in $RUNS
 run() { local name=$1; shift; log "start $name: $*"
