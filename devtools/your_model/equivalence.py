@@ -11,8 +11,9 @@ Face causal LM), eager against fast (compiled repeated blocks; CUDA graphs too f
 whose blocks need too many compiled graphs, in CUDA graphs with eager checkpointed blocks that draw
 stochastic depth's random bits), in fp32 with TF32 off and dropout off so that only the fast machinery
 differs; the image model also eager against eager (the run-to-run spread of its kernels), compiled only and
-graphs only; the causal LM in CUDA graphs too (``--cuda-graphs``); and the causal LM with ``--fused-loss``
-against its own loss, eager.
+graphs only; the causal LM in CUDA graphs too (``--cuda-graphs``); and the causal LMs with ``--fused-loss``
+against their own loss, eager (the Llama, whose loss takes Liger's chunks, and Qwen2 0.2 B, whose 152 k
+vocabulary takes the torch path's larger ones).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "recipes" / "your_model.py"
 FP32 = ["--precision", "32-true", "--no-tf32", "--data", "synthetic", "--eval-batches", "1"]
 LM = "hf:examples/configs/llama-0.36b"
+QWEN = "hf:examples/configs/qwen2-0.2b"
 ROWS = [  # (name, common flags, flags of the reference run, flags of the run checked)
     ("torchvision resnet18", ["--model", "torchvision:resnet18", "--batch-size", "32"], ["--mode", "eager"], ["--mode", "fast"]),
     ("timm vit_small", ["--model", "timm:vit_small_patch16_224", "--batch-size", "16"], ["--mode", "eager"], ["--mode", "fast"]),
@@ -52,6 +54,8 @@ ROWS = [  # (name, common flags, flags of the reference run, flags of the run ch
      ["--mode", "eager"], ["--mode", "fast", "--cuda-graphs"]),
     ("hf llama-0.36b, fused loss vs its own loss (eager)", ["--model", LM, "--batch-size", "2", "--seq-len", "512",
      "--mode", "eager"], [], ["--fused-loss"]),
+    ("hf qwen2-0.2b (152 k vocabulary), fused loss vs its own loss (eager)", ["--model", QWEN, "--batch-size", "2",
+     "--seq-len", "512", "--mode", "eager"], [], ["--fused-loss"]),
 ]  # fmt: skip
 
 

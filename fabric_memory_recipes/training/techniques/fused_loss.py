@@ -29,7 +29,6 @@ import math
 import os
 
 import torch
-import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
 from fabric_memory_recipes.config import UsageError
@@ -115,9 +114,11 @@ def fuse_output_embeddings(model: torch.nn.Module) -> HiddenStates:
     return stand_in
 
 
-def backend(hidden: torch.Tensor) -> str:
+def backend(hidden: torch.Tensor, vocab: int | None = None) -> str:
     """The implementation ``hidden`` gets: Liger's kernel for a real CUDA tensor when liger-kernel is
-    installed, else torch (the CPU, and the estimator's fake tensors, which no kernel can read)."""
+    installed and its chunks are the torch path's (:func:`chunk_rows`; at a large vocabulary over a small
+    hidden size the torch path takes more tokens a chunk and reads the weight fewer times), else torch (the
+    CPU, and the estimator's fake tensors, which no kernel can read)."""
     forced = os.environ.get("FMR_FUSED_LOSS")
     if forced and forced not in BACKENDS:
         raise UsageError(f"FMR_FUSED_LOSS={forced}: one of {', '.join(BACKENDS)}")
@@ -125,7 +126,13 @@ def backend(hidden: torch.Tensor) -> str:
         return "torch"
     if torch.cuda.is_current_stream_capturing():  # Liger counts the tokens on the host (.item())
         return "torch"
-    return forced or ("liger" if importlib.util.find_spec("liger_kernel") else "torch")
+    if forced:
+        return forced
+    if vocab is not None:
+        tokens, width = hidden.shape[0], hidden.shape[-1]
+        if chunk_rows(tokens, vocab, width) != liger_rows(tokens, vocab, width):
+            return "torch"
+    return "liger" if importlib.util.find_spec("liger_kernel") else "torch"
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -137,33 +144,48 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     else:  # a 16-bit-true model's outputs come back from Fabric in fp32: the projection's dtype, as in the model
         hidden = hidden.to(weight.dtype)
     with torch.autocast(hidden.device.type, enabled=False):
-        if backend(hidden) == "liger":
+        if backend(hidden, weight.shape[0]) == "liger":
             from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
             return LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX)(weight, hidden, targets)
         return ChunkedLinearCrossEntropy.apply(hidden, weight, targets)
 
 
-def chunk_rows(tokens: int, vocab: int, hidden: int) -> int:
-    """Tokens per chunk: about as many logits per chunk as the hidden states hold (Liger's choice)."""
+def liger_rows(tokens: int, vocab: int, hidden: int) -> int:
+    """Liger's tokens per chunk: about as many logits per chunk as the hidden states hold."""
     return 2 ** max(0, math.ceil(math.log2(max(1, math.ceil(tokens / max(1, math.ceil(vocab / hidden)))))))
 
 
+def chunk_rows(tokens: int, vocab: int, hidden: int) -> int:
+    """The torch path's tokens per chunk: Liger's (:func:`liger_rows`), or more where a chunk would hold
+    fewer than hidden / 3 tokens (a power of two, no more than the tokens). Each chunk reads the weight in
+    three matmuls and reads and writes its gradient once, so few tokens a chunk make the weight's traffic
+    the loss's time (Qwen2's 152 k x 896 weight, 64 tokens a chunk: 128 chunks, 139 GB a micro-batch of
+    8 x 1023 tokens); hidden / 3 tokens of fp32 log-probabilities and bf16 gradients (6 bytes a logit) take
+    about the bytes of the weight's gradient, which the loss holds anyway."""
+    floor = 2 ** max(0, math.floor(math.log2(max(1, hidden // 3))))
+    return max(liger_rows(tokens, vocab, hidden), min(floor, 2 ** math.ceil(math.log2(max(1, tokens)))))
+
+
 def chunk_count(tokens: int, vocab: int, hidden: int) -> int:
-    """How many chunks the loss of ``tokens`` rows walks (:func:`chunk_rows` each): one a token while there
-    are fewer tokens than vocabulary / hidden, then between half that and that many."""
+    """How many chunks the loss of ``tokens`` rows walks (:func:`chunk_rows` each)."""
     return math.ceil(tokens / chunk_rows(tokens, vocab, hidden)) if tokens > 0 else 0
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
     """The fused loss in torch: the gradients are made in the forward pass, one chunk of tokens at a time,
-    and the backward pass only scales them (so nothing of size tokens x vocabulary is saved)."""
+    and the backward pass only scales them, in place (so nothing of size tokens x vocabulary is saved, and
+    the loss is backward once).
+
+    A chunk's logits pass through memory three times: the matmul writes them, ``log_softmax`` reads them
+    and writes fp32 log-probabilities, whose ``exp_`` in place is the softmax, cast once to the gradient;
+    the one-hot is subtracted at the targets alone, and ignored tokens are masked in the small tensors
+    (their hidden states and their rows of the hidden states' gradient), not in the chunk's logits."""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         rows = hidden.shape[0]
-        keep = targets != IGNORE_INDEX
-        count = keep.sum().clamp(min=1)
+        count = (targets != IGNORE_INDEX).sum().clamp(min=1)
         grad_hidden = torch.zeros_like(hidden) if hidden.requires_grad else None
         wide = torch.promote_types(hidden.dtype, torch.float32)  # the softmax's and the loss's dtype
         # the weight's gradient in the weight's dtype, each chunk's product added inside one addmm, as Liger does
@@ -174,29 +196,29 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         step = chunk_rows(rows, weight.shape[0], weight.shape[1])
         for start in range(0, rows, step):
             h, t = hidden[start : start + step], targets[start : start + step]
-            logits = (h @ weight.t()).to(wide)
-            loss = loss + F.cross_entropy(logits, t, ignore_index=IGNORE_INDEX, reduction="sum")
-            # d(sum of losses)/d(logits) = softmax - one-hot, zero on ignored rows; then / count
-            grad = logits.softmax(dim=-1)
-            valid = t != IGNORE_INDEX
-            rows_idx = torch.arange(t.shape[0], device=t.device)
-            grad[rows_idx, t.clamp(min=0)] -= 1.0
-            grad = (grad * valid.unsqueeze(1)).to(hidden.dtype)
-            del logits
+            valid = (t != IGNORE_INDEX).unsqueeze(1)
+            index = t.clamp(min=0).unsqueeze(1)
+            log_p = torch.log_softmax(h @ weight.t(), dim=-1, dtype=wide)
+            loss = loss - (log_p.gather(1, index) * valid).sum()
+            # d(sum of losses)/d(logits) = softmax - one-hot; ignored rows are masked below
+            grad = log_p.exp_().scatter_add_(
+                1, index, torch.full(index.shape, -1.0, dtype=wide, device=t.device)
+            )
+            grad = grad.to(hidden.dtype)
+            del log_p
             if grad_hidden is not None:
-                grad_hidden[start : start + step] = grad @ weight
+                grad_hidden[start : start + step] = (grad @ weight) * valid
             if grad_weight is not None:
-                torch.addmm(grad_weight, grad.t(), h, out=grad_weight)
+                torch.addmm(grad_weight, grad.t(), h * valid, out=grad_weight)
         ctx.save_for_backward(grad_hidden, grad_weight, count)
-        ctx.weight_dtype = weight.dtype
         return loss / count
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
         grad_hidden, grad_weight, count = ctx.saved_tensors
         scale = grad_loss / count
-        gh = (grad_hidden * scale).to(grad_hidden.dtype) if grad_hidden is not None else None
-        gw = (grad_weight * scale).to(ctx.weight_dtype) if grad_weight is not None else None
+        gh = grad_hidden.mul_(scale) if grad_hidden is not None else None
+        gw = grad_weight.mul_(scale) if grad_weight is not None else None
         return gh, gw, None
 
 
