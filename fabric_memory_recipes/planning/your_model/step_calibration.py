@@ -53,8 +53,9 @@ RUN_GLOBS = {
         "results/published/h200/ranking-check/*.tgz:*/runs/*/your_model.json",
         "results/published/h200/encdec-step-profile/encdec_profile.tgz:*/runs/*-timed/your_model.json",
         "results/published/h200/encdec-step-profile/*/encdec_profile.tgz:*/runs/*-timed/your_model.json",
-        # not call5: Qwen2's graph ran the fused loss's earlier torch path (graphs/NOTES.md, "After these calls")
-        "results/published/h200/your-model-speed/graphs/call[23]/*.tgz:*/runs/*.json",
+        # the causal LMs' fused-loss sets as the loss now runs (graphs/NOTES.md); of the calls before, the eager set
+        "results/published/h200/your-model-speed/graphs/chunked-loss/*.tgz:*/runs/*.json",
+        "results/published/h200/your-model-speed/graphs/call3/*.tgz:*/runs/*-eager-*.json",
         "results/published/h200/ab/quick-ladder/*/after.tgz:after/*.json",
         "results/published/h200/swin-fast-probe/swin_fast_probe.tgz:*/runs/*/your_model.json",
     ),

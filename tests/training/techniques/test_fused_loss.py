@@ -16,13 +16,17 @@ from fabric_memory_recipes.training.techniques import fused_loss
 from tests.conftest import free_port
 
 
-def test_chunked_loss_and_gradients_equal_the_plain_ones():
+@pytest.mark.parametrize(
+    ("vocab", "width", "rows"),
+    [(1000, 32, 16), (4000, 96, 32)],  # Liger's chunks; 4 x Liger's (a third of the hidden size)
+)
+def test_chunked_loss_and_gradients_equal_the_plain_ones(vocab, width, rows):
     torch.manual_seed(0)
-    hidden = torch.randn(300, 32, dtype=torch.float64, requires_grad=True)
-    weight = torch.randn(1000, 32, dtype=torch.float64, requires_grad=True)
-    targets = torch.randint(0, 1000, (300,))
+    hidden = torch.randn(300, width, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(vocab, width, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, vocab, (300,))
     targets[::7] = IGNORE_INDEX
-    assert fused_loss.chunk_rows(300, 1000, 32) < 300  # several chunks
+    assert fused_loss.chunk_rows(300, vocab, width) == rows  # several chunks
     plain = F.cross_entropy(hidden @ weight.t(), targets, ignore_index=IGNORE_INDEX)
     g_plain = torch.autograd.grad(plain * 3, (hidden, weight))
     fused = fused_loss.linear_cross_entropy(hidden, weight, targets)
@@ -30,6 +34,23 @@ def test_chunked_loss_and_gradients_equal_the_plain_ones():
     assert torch.allclose(fused, plain, rtol=1e-10)
     for a, b in zip(g_fused, g_plain, strict=True):
         assert torch.allclose(a, b, rtol=1e-8, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("shape", "liger", "torch_rows", "torch_on_cuda"),
+    [
+        ((8184, 151936, 896), 64, 256, True),  # Qwen2 0.2 B: Liger's chunks read the weight 4 x as often
+        ((8184, 49152, 960), 256, 256, False),  # the Llama 0.36 B: the same chunks
+        ((8184, 50257, 768), 128, 256, False),  # GPT-2 small: 2 x, Liger stays
+        ((3, 151936, 896), 1, 4, True),  # a few tokens: no more than their next power of two
+    ],
+)
+def test_the_torch_paths_chunks_hold_at_least_a_third_of_the_hidden_size(
+    shape, liger, torch_rows, torch_on_cuda
+):
+    assert fused_loss.liger_rows(*shape) == liger
+    assert fused_loss.chunk_rows(*shape) == torch_rows
+    assert fused_loss.torch_reads_less(*shape) is torch_on_cuda
 
 
 def test_fp32_hidden_states_of_a_bf16_true_model_meet_its_bf16_projection():
