@@ -11,7 +11,8 @@ Face causal LM), eager against fast (compiled repeated blocks; CUDA graphs too f
 whose blocks need too many compiled graphs, in CUDA graphs with eager checkpointed blocks that draw
 stochastic depth's random bits), in fp32 with TF32 off and dropout off so that only the fast machinery
 differs; the image model also eager against eager (the run-to-run spread of its kernels), compiled only and
-graphs only; the causal LM in CUDA graphs too (``--cuda-graphs``); and the causal LMs with ``--fused-loss``
+graphs only; the causal LM in CUDA graphs too (``--cuda-graphs``: its own loss, the fused loss with selective
+checkpointing or accumulation, LoRA, activation offload); and the causal LMs with ``--fused-loss``
 against their own loss, eager (the Llama, whose loss takes Liger's chunks, and Qwen2 0.2 B, whose 152 k
 vocabulary takes the torch path's larger ones).
 """
@@ -56,6 +57,14 @@ ROWS = [  # (name, common flags, flags of the reference run, flags of the run ch
      "--mode", "eager"], [], ["--fused-loss"]),
     ("hf qwen2-0.2b (152 k vocabulary), fused loss vs its own loss (eager)", ["--model", QWEN, "--batch-size", "2",
      "--seq-len", "512", "--mode", "eager"], [], ["--fused-loss"]),
+    # the sets a causal LM's graph would take by default (graphs/NOTES.md's probe ran them, not compared)
+    ("hf llama-0.36b, LoRA rank 8, CUDA graphs", ["--model", LM, "--batch-size", "2", "--seq-len", "512",
+     "--lora-rank", "8"], ["--mode", "eager"], ["--mode", "fast", "--cuda-graphs"]),
+    ("hf llama-0.36b, fused loss, accumulation 2, CUDA graphs", ["--model", LM, "--batch-size", "2", "--seq-len",
+     "512", "--fused-loss", "--accumulation-steps", "2"], ["--mode", "eager"], ["--mode", "fast", "--cuda-graphs"]),
+    ("hf llama-0.36b, activation offload + checkpointing, CUDA graphs", ["--model", LM, "--batch-size", "2",
+     "--seq-len", "512", "--activation-offload", "--checkpoint-blocks"], ["--mode", "eager"],
+     ["--mode", "fast", "--cuda-graphs"]),
 ]  # fmt: skip
 
 

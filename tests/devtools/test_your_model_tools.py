@@ -111,3 +111,22 @@ def test_allocator_check_replays_each_run_under_the_default_allocator_and_its_ow
     table = capsys.readouterr().out
     for r in (fast, eager):  # the table's errors: each replay against the measured peak reserved
         assert f"{r['own_gb']:.3f} | {100 * (r['own_gb'] / 0.08 - 1):+.1f}% |" in table
+
+
+def test_the_equivalence_rows_are_runs_the_runner_accepts():
+    """Every row of devtools/your_model/equivalence.py (which runs on a GPU only) is two commands the runner's
+    parser takes, its flags reaching the config; the causal LM's graph rows ask for the graph."""
+    from devtools.your_model import equivalence
+    from fabric_memory_recipes.training import cli
+
+    parser = cli.build_parser(runner.default_config())
+    graphs = 0
+    for name, common, ref, checked in equivalence.ROWS:
+        for flags in (ref, checked):
+            argv = [c.format(bert="bert.json") for c in common] + [*equivalence.FP32, *flags]
+            parsed = parser.parse_args(argv)
+            assert parsed.model == argv[argv.index("--model") + 1], name
+            assert bool(parsed.cuda_graphs) == ("--cuda-graphs" in flags), name
+            assert (parsed.lora_rank == 8) == ("--lora-rank" in common), name
+        graphs += "--cuda-graphs" in checked and "CUDA graphs" in name
+    assert graphs >= 5  # own loss; fused + selective; LoRA; accumulation; offload
