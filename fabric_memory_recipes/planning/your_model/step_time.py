@@ -146,6 +146,7 @@ class StepCosts:
     offloaded_bytes: float  # per micro-batch, to host memory and back (activation offload)
     micro_model_flops: list[float]  # as ``micro``: forward and backward, no recompute
     micro_simulated_flops: list[float]  # as ``micro``, recompute included
+    compiled: bool = True  # fast mode compiles the blocks (models.compilable; the calibration's runs read it)
 
     def per_step(self, values: list[float]) -> float:
         """A per-micro-batch quantity over the step: the first, and k - 1 times a later one."""
