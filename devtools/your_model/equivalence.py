@@ -13,8 +13,8 @@ stochastic depth's random bits), in fp32 with TF32 off and dropout off so that o
 differs; the image model also eager against eager (the run-to-run spread of its kernels), compiled only and
 graphs only; the causal LM in CUDA graphs too (``--cuda-graphs``: its own loss, the fused loss with selective
 checkpointing or accumulation, LoRA, activation offload); and the causal LMs with ``--fused-loss``
-against their own loss, eager (the Llama, whose loss takes Liger's chunks, and Qwen2 0.2 B, whose 152 k
-vocabulary takes the torch path's larger ones).
+against their own loss, eager (the Llama and Qwen2 0.2 B: at 2 x 511 tokens both take the torch path's
+256-token chunks, 8 and 32 times Liger's, so CUDA runs the torch path).
 """
 
 from __future__ import annotations
