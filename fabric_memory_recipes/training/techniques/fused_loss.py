@@ -159,7 +159,7 @@ def liger_rows(tokens: int, vocab: int, hidden: int) -> int:
 
 def chunk_rows(tokens: int, vocab: int, hidden: int) -> int:
     """The torch path's tokens per chunk: Liger's (:func:`liger_rows`), or more where a chunk would hold
-    fewer than hidden / 3 tokens (a power of two, no more than the tokens). Each chunk reads the weight in
+    fewer than hidden / 3 tokens (a power of two, at most the tokens' next one). Each chunk reads the weight in
     three matmuls and reads and writes its gradient once, so few tokens a chunk make the weight's traffic
     the loss's time (Qwen2's 152 k x 896 weight, 64 tokens a chunk: 128 chunks, 139 GB a micro-batch of
     8 x 1023 tokens); hidden / 3 tokens of fp32 log-probabilities and bf16 gradients (6 bytes a logit) take
