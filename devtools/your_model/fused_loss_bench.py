@@ -6,8 +6,9 @@ Hugging Face causal LM computes): peak memory of forward + backward above what t
     python -m devtools.your_model.fused_loss_bench --out runs/fused-loss        # on a CUDA GPU
 
 Implementations: ``plain``; ``liger`` (liger-kernel's LigerFusedLinearCrossEntropyLoss), ``cce``
-(cut-cross-entropy's linear_cross_entropy), ``torch`` (this project's chunked fallback,
-training/techniques/fused_loss.py); each skipped with a reason when its package is missing.
+(cut-cross-entropy's linear_cross_entropy), ``torch`` (this project's chunked path,
+training/techniques/fused_loss.py, which CUDA runs where its chunks are 4 x Liger's); each skipped with a
+reason when its package is missing.
 Shapes: ``--tokens`` rows of ``--hidden`` features onto ``--vocab`` classes, bf16 (autocast's dtype).
 """
 
