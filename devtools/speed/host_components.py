@@ -38,7 +38,9 @@ def components(run: Run, gpu: str, parameters: int = 0, trainable: int = 0) -> d
     total, detail = step_time.step_seconds(costs, c, mode, graphs)
     out: dict[str, float] = {"predicted_ms": 1e3 * total, "measured_ms": 1e3 * run.measured_s}
     for i, m in enumerate(costs.micro):
-        host = m.host_times(c, mode)  # each op's host time (the queue's host side)
+        host = m.host_times(
+            c, mode if costs.compiled else "eager"
+        )  # each op's host time (the queue's host side)
         out[f"mb{i}_kernels"] = float(m.kernels.sum())
         out[f"mb{i}_host_ms"] = 1e3 * float(np.sum(host))
         out[f"mb{i}_queue_ms"] = 1e3 * detail["per_micro_batch_s"][i]

@@ -38,7 +38,7 @@ from fabric_memory_recipes.planning.simulation.simulate import simulate
 from fabric_memory_recipes.planning.your_model import step_time
 from fabric_memory_recipes.planning.your_model.estimate import meta_user_model, plan_of
 from fabric_memory_recipes.training.models import meta_ladder_model
-from fabric_memory_recipes.training.your_model import models, runner
+from fabric_memory_recipes.training.your_model import runner
 
 # The committed runs per GPU kind (ARCHIVE:MEMBER inside a .tgz), each alone on the GPU. h100: your model's
 # (eager; the causal LMs also fast), the ladder's beside the article's scripts (h100/compare/NOTES.md).
@@ -158,7 +158,7 @@ def run_costs(run: Run) -> step_time.StepCosts:
         flags = {f.name for f in type(rung).flag_fields()}
         cfg = rung.with_flags(**{**{k: v for k, v in config.items() if k in flags}, "accelerator": "cuda"})
         um, model, blocks, _ = meta_user_model(cfg.model)
-        costs = step_time.simulated_costs(
+        return step_time.simulated_costs(
             model,
             um,
             plan_of(cfg, blocks, um=um),
@@ -166,8 +166,6 @@ def run_costs(run: Run) -> step_time.StepCosts:
             getattr(cfg, "target_len", None),
             blocks,
         )
-        # fast mode fuses nothing where the runner compiles no block (BatchNorm; Swin-V2-T's 12 graphs)
-        return dataclasses.replace(costs, compiled=bool(models.compilable(model, blocks)))
     rung, _ = declared_rung(run.recipe)
     flags = {f.name for f in RunConfig.flag_fields()}
     cfg = rung.with_flags(**{**{k: v for k, v in config.items() if k in flags}, "accelerator": "cuda"})
@@ -184,7 +182,7 @@ def run_costs(run: Run) -> step_time.StepCosts:
 
 def predicted_s(run: Run, costs: step_time.StepCosts, c: step_time.Ceilings) -> float:
     mode = "eager" if run.mode == "eager" else "fast"
-    return step_time.step_seconds(costs, c, mode, graphs=run.mode == "graphs", fused=costs.compiled)[0]
+    return step_time.step_seconds(costs, c, mode, graphs=run.mode == "graphs")[0]  # fused: costs.compiled
 
 
 @dataclasses.dataclass

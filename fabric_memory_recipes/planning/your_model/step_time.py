@@ -130,6 +130,7 @@ from fabric_memory_recipes.planning.simulation.costs import OpCosts
 from fabric_memory_recipes.planning.your_model.estimate import estimate
 from fabric_memory_recipes.planning.your_model.micro_batch_time import Ceilings, MicroBatch
 from fabric_memory_recipes.techniques import OPTIMIZER_IN_BACKWARD
+from fabric_memory_recipes.training.your_model import models
 from fabric_memory_recipes.training.your_model.models import UserModel
 
 CALIBRATION_FILE = Path(DATA_DIR) / "step_time.json"
@@ -146,7 +147,7 @@ class StepCosts:
     offloaded_bytes: float  # per micro-batch, to host memory and back (activation offload)
     micro_model_flops: list[float]  # as ``micro``: forward and backward, no recompute
     micro_simulated_flops: list[float]  # as ``micro``, recompute included
-    compiled: bool = True  # fast mode compiles the blocks (models.compilable; the calibration's runs read it)
+    compiled: bool = True  # fast mode compiles the blocks (models.compilable, as simulated_costs sets it)
 
     def per_step(self, values: list[float]) -> float:
         """A per-micro-batch quantity over the step: the first, and k - 1 times a later one."""
@@ -212,18 +213,22 @@ def simulated_costs(
         raise RuntimeError(est.error)
     offloaded = (est.activations_host_gb or 0.0) * 1e9 if plan.activation_offload else 0.0
     calls = fast_calls(model, blocks, bool(plan.activation_checkpointing))
-    return costs_of(collector, plan, offloaded, calls)
+    # fast mode fuses nothing where the runner compiles no block (BatchNorm; Swin-V2-T's 12 graphs)
+    return dataclasses.replace(
+        costs_of(collector, plan, offloaded, calls), compiled=bool(models.compilable(model, blocks))
+    )
 
 
 def step_seconds(
-    costs: StepCosts, c: Ceilings, mode: str = "eager", graphs: bool = False, fused: bool = True
+    costs: StepCosts, c: Ceilings, mode: str = "eager", graphs: bool = False, fused: bool | None = None
 ) -> tuple[float, dict]:
     """(seconds, how they add up) of the step ``costs`` describes, in ``mode`` (eager | fast; ``graphs``:
     fast mode with CUDA graphs, as your model's runner does for a vision model; ``fused``: fast mode compiled
     the blocks, which your model's runner does not for blocks holding BatchNorm: their fast mode is the CUDA
-    graphs alone, no op fused)."""
+    graphs alone, no op fused; None: ``costs.compiled``)."""
     if mode not in MODES:
         raise ValueError(f"mode {mode!r}: expected one of {', '.join(MODES)}")
+    fused = costs.compiled if fused is None else fused
     graphs = graphs and mode == "fast"
     per_micro = [m.seconds(c, mode, graphs, fused) for m in costs.micro]
     k = costs.accumulation_steps

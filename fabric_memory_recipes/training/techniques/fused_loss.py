@@ -201,6 +201,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_weight = torch.zeros_like(weight) if weight.requires_grad else None
         loss = torch.zeros((), device=hidden.device, dtype=wide)
         step = chunk_rows(rows, weight.shape[0], weight.shape[1])
+        minus_one = torch.full((step, 1), -1.0, dtype=wide, device=hidden.device)  # the one-hot, subtracted
         for start in range(0, rows, step):
             h, t = hidden[start : start + step], targets[start : start + step]
             valid = (t != IGNORE_INDEX).unsqueeze(1)
@@ -208,9 +209,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             log_p = torch.log_softmax(h @ weight.t(), dim=-1, dtype=wide)
             loss = loss - (log_p.gather(1, index) * valid).sum()
             # d(sum of losses)/d(logits) = softmax - one-hot; ignored rows are masked below
-            grad = log_p.exp_().scatter_add_(
-                1, index, torch.full(index.shape, -1.0, dtype=wide, device=t.device)
-            )
+            grad = log_p.exp_().scatter_add_(1, index, minus_one[: t.shape[0]])
             grad = grad.to(hidden.dtype)
             del log_p
             if grad_hidden is not None:
