@@ -244,11 +244,6 @@ def fit_main(args: Any, cfg: runner.YourModelConfig) -> int:
         )
         lines += [f"       accuracy: {cost.line()}" for cost in c.changes]
     lines += [f"Left out, its simulation failed: {why}" for why in planner.failed.values()]
-    if planner.um.task == "causal_lm" and cfg.world_size == 1 and any(c.mode == "fast" for c in fits):
-        lines += [
-            "Not planned: --cuda-graphs, a causal LM's fast step captured in one CUDA graph (opt-in; its graph"
-            " pool adds to the card's reserved memory; measured: docs/your_model.md, '--cuda-graphs')"
-        ]
     if rejected:
         lines += [
             "",

@@ -126,7 +126,7 @@ def step_speed(planner: Any, c: Choice, collector: OpCosts) -> float:
         accumulation_steps=r.accumulation_steps, activation_offload=c.techniques.uses(ACTIVATION_OFFLOAD)
     )
     costs = step_time.costs_of(collector, plan, (c.offloaded_gb or 0.0) * 1e9, _compiled_calls(planner, c))
-    graphs = step_time.uses_graphs(c, planner.um.is_text)  # the runner's fast mode
+    graphs = step_time.uses_graphs(c, planner.um)  # the runner's fast mode
     seconds, detail = step_time.step_seconds(costs, planner.ceilings, c.mode, graphs, planner.compiled)
     c.model_flops = detail["model_flops_per_step"] / r.batch_size
     c.speed_source = f"model: the simulated step's op costs ({planner.ceilings_source})"
@@ -163,7 +163,7 @@ def optimistic(planner: Any, p: Choice) -> float:
     if whole is p or simulated is None:  # nothing to scale: predict it
         return planner.predict(p).images_per_s
     costs = step_time.costs_of(simulated[3], Plan(), compiled_calls=_compiled_calls(planner, p))
-    graphs = step_time.uses_graphs(p, planner.um.is_text)  # as step_speed
+    graphs = step_time.uses_graphs(p, planner.um)  # as step_speed
     seconds = step_time.floor_step_seconds(
         costs,
         planner.ceilings,

@@ -221,7 +221,7 @@ class UserPlanner:
                 c.predicted_gb, c.images_per_s = math.inf, 0.0
                 return c
             c.simulated_gb, reserved, c.offloaded_gb, collector = self.simulated[key]
-            c.predicted_gb = reserved[allocator_of_set(c, self.um.is_text)]
+            c.predicted_gb = reserved[allocator_of_set(c, self.um)]
             c.images_per_s = set_speed.step_speed(self, c, collector)
             if self.simulations > simulations and self.progress is not None:
                 self.progress(self, c)
@@ -383,11 +383,11 @@ def _first(mine: str, others: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(dict.fromkeys((mine, *others)))
 
 
-def allocator_of_set(c: Choice, is_text: bool) -> str:
+def allocator_of_set(c: Choice, um: models.UserModel) -> str:
     """The caching allocator a set's run trains under (plan.ALLOCATORS): fast mode on one GPU sets expandable
     segments (config.FAST_ALLOCATOR, when RunConfig chooses CUDA graphs), also where the runner then
-    leaves the graphs out (a text model, the step in backward: step_time.uses_graphs)."""
-    if step_time.uses_graphs(c, is_text):
+    leaves the graphs out (a text classifier, an encoder-decoder, the step in backward: step_time.uses_graphs)."""
+    if step_time.uses_graphs(c, um):
         return "graphs"
     return "expandable" if c.mode == "fast" and c.devices == 1 else "default"
 

@@ -317,13 +317,13 @@ def predict_step_s(
     under ``plan`` on a GPU of kind ``gpu`` in ``mode`` (eager | fast): (seconds, detail), the detail
     with the model FLOPs per step, the MFU they mean, the terms of the sum and the ceilings' source.
     ``cuda_graphs`` (fast mode): None does what your model's runner does by default, graphs for a vision
-    model and none for a text model (a causal LM's only when asked: ``--cuda-graphs``); ``blocks``: the
+    model and a causal LM, none for a text classifier or an encoder-decoder; ``blocks``: the
     repeated blocks fast mode compiles (their calls are fast mode's host time).
 
     A planner that simulates the step for its memory anyway can time the same simulation: pass an
     :class:`OpCosts` to ``estimate(..., op_costs=collector)``, then :func:`predict_costs` of
     ``costs_of(collector, plan, offloaded_bytes)``."""
-    graphs = (not um.is_text and not plan.optimizer_in_backward) if cuda_graphs is None else cuda_graphs
+    graphs = (um.captured and not plan.optimizer_in_backward) if cuda_graphs is None else cuda_graphs
     return predict_costs(simulated_costs(model, um, plan, seq_len, blocks=blocks), gpu, mode, graphs)
 
 
@@ -345,13 +345,13 @@ def mfu(model_flops_per_step: float, step_s: float, gpu: str = "h100") -> float 
     return model_flops_per_step / step_s / peak if peak and step_s > 0 else None
 
 
-def uses_graphs(choice: Any, is_text: bool) -> bool:
+def uses_graphs(choice: Any, um: UserModel) -> bool:
     """Whether the runner's fast mode captures the step in CUDA graphs for a planner set (``choice``:
-    its mode, devices and techniques): image models on one GPU, without the step in backward
-    (training/your_model/runner.py's ``checked``; a causal LM's graph is not a default, so not planned)."""
+    its mode, devices and techniques): an image model's or a causal LM's (``um.captured``) on one GPU,
+    without the step in backward (training/your_model/runner.py's ``checked``)."""
     return (
         choice.mode == "fast"
-        and not is_text
+        and um.captured
         and choice.devices == 1
         and not choice.techniques.uses(OPTIMIZER_IN_BACKWARD)
     )

@@ -52,6 +52,11 @@ def is_user_model(name: object) -> bool:
     return isinstance(name, str) and ":" in name and name.split(":", 1)[0] in SOURCES
 
 
+# Tasks whose fast-mode step the runner captures in CUDA graphs on one GPU: their batches have static shapes
+# and nothing is read on the host (a text classifier's and an encoder-decoder's batches read their padding).
+CAPTURED_TASKS = ("image_classification", "causal_lm")
+
+
 @dataclass(frozen=True, eq=False)
 class UserModel:
     """What ``--model SOURCE:NAME`` resolved to."""
@@ -65,6 +70,11 @@ class UserModel:
     @property
     def is_text(self) -> bool:
         return self.task != "image_classification"
+
+    @property
+    def captured(self) -> bool:
+        """Whether fast mode captures this model's step in CUDA graphs on one GPU (:data:`CAPTURED_TASKS`)."""
+        return self.task in CAPTURED_TASKS
 
     @property
     def vocab_size(self) -> int | None:

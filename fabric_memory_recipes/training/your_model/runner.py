@@ -49,7 +49,7 @@ class YourModelConfig(RunConfig):
         None,
         "hardware",
         "capture each optimizer step as a CUDA graph after a 2-step warm-up (default: on in fast mode for an"
-        " image model; a causal LM's when asked, docs/your_model.md; one CUDA device only)",
+        " image model or a causal LM on one CUDA device; docs/your_model.md)",
         action=BOOL,
     )
     checkpoint_mode: str = flag(
@@ -182,16 +182,14 @@ class YourModelConfig(RunConfig):
             self = dataclasses.replace(self, mode="eager")
         graphs_asked = self.cuda_graphs  # None: fast mode decides
         c = super().checked(hardware)
-        task = models.resolve(c.model).task
-        if c.cuda_graphs and task in ("classification", "seq2seq_lm"):
+        um = models.resolve(c.model)
+        if c.cuda_graphs and not um.captured:
             if graphs_asked:
                 raise UsageError(
-                    f"--cuda-graphs: a {task.replace('_', ' ')} model's steps are not captured here (its"
+                    f"--cuda-graphs: a {um.task.replace('_', ' ')} model's steps are not captured here (its"
                     " batch reads its padding on the host): fast mode compiles its blocks"
                 )
             c.cuda_graphs = False  # fast mode for a text model: compiled blocks, eager steps
-        if c.cuda_graphs and task == "causal_lm" and not graphs_asked:
-            c.cuda_graphs = False  # a causal LM's graph (--cuda-graphs) is asked for, not the default
         if c.cuda_graphs and c.optimizer_in_backward:  # its per-parameter optimizers are not made capturable
             if graphs_asked:
                 raise UsageError(

@@ -18,6 +18,7 @@ from fabric_memory_recipes.techniques import (
     FUSED_LOSS,
     OPTIMIZER_IN_BACKWARD,
 )
+from fabric_memory_recipes.training.your_model import models
 from tests.tiny import causal_lm_config
 
 
@@ -149,8 +150,9 @@ def test_a_memory_technique_never_predicts_faster_than_its_plain_set(lm):
 
 
 def test_fast_and_eager_share_one_simulation_each_with_its_allocators_replay(lm):
-    """A text model's fast mode leaves the CUDA graphs out, but the allocator keeps the expandable segments
-    fast mode set (config.FAST_ALLOCATOR): its replay is that one, eager mode's the default allocator's."""
+    """A causal LM's fast mode captures its steps in CUDA graphs under the expandable segments fast mode
+    sets (config.FAST_ALLOCATOR): its replay is the graphs' one, eager mode's the default allocator's. A text
+    classifier's fast mode leaves the graphs out but keeps the segments."""
     planner = UserPlanner(lm, 2, 16, precision="bf16-mixed")
     pair = [
         c
@@ -163,9 +165,11 @@ def test_fast_and_eager_share_one_simulation_each_with_its_allocators_replay(lm)
     assert len(planner.simulated) == 1
     eager, fast = sorted(pair, key=lambda c: c.mode)
     reserved = next(iter(planner.simulated.values()))[1]
-    assert (eager.predicted_gb, fast.predicted_gb) == (reserved["default"], reserved["expandable"])
-    assert [sets.allocator_of_set(c, True) for c in (eager, fast)] == ["default", "expandable"]
-    assert sets.allocator_of_set(fast, False) == "graphs"  # an image model's fast mode captures its steps
+    assert (eager.predicted_gb, fast.predicted_gb) == (reserved["default"], reserved["graphs"])
+    assert [sets.allocator_of_set(c, planner.um) for c in (eager, fast)] == ["default", "graphs"]
+    for task, allocator in (("classification", "expandable"), ("seq2seq_lm", "expandable"),
+                            ("image_classification", "graphs")):  # fmt: skip
+        assert sets.allocator_of_set(fast, models.UserModel("m", "hf", "m", task)) == allocator
     assert eager.images_per_s != fast.images_per_s
 
 

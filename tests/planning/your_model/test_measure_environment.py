@@ -18,7 +18,7 @@ from fabric_memory_recipes.planning.your_model import measure
 from fabric_memory_recipes.planning.your_model.estimate import meta_user_model
 from fabric_memory_recipes.planning.your_model.sets import UserPlanner, allocator_of_set
 from fabric_memory_recipes.training import cli as training_cli
-from fabric_memory_recipes.training.your_model import runner
+from fabric_memory_recipes.training.your_model import models, runner
 from tests.tiny import causal_lm_config
 
 ALLOC = "PYTORCH_CUDA_ALLOC_CONF"
@@ -26,7 +26,7 @@ ALLOC = "PYTORCH_CUDA_ALLOC_CONF"
 
 @pytest.fixture(scope="module")
 def lm(tmp_path_factory) -> str:
-    """A tiny causal LM: fast mode sets expandable segments (its steps uncaptured), eager mode nothing."""
+    """A tiny causal LM: fast mode sets expandable segments (its steps captured), eager mode nothing."""
     folder = tmp_path_factory.mktemp("measured_lm")
     (folder / "config.json").write_text(json.dumps(causal_lm_config()))
     meta_user_model(f"hf:{folder}")  # its class imported here: transformers probes a GPU the test fakes
@@ -78,8 +78,11 @@ def test_each_measured_set_runs_under_the_allocator_its_prediction_assumed(
     argv = ["--model", lm, "--seq-len", "32", "--batch-size", "2", "--fit", "4GB", "--measure"]
     assert estimate_main([*argv, "--measure-dir", str(tmp_path)]) == 0  # the user's mode: fast, the default
 
-    assumed = [allocator_of_set(c, True) for c in picked]
-    assert assumed == ["expandable", "default"]  # fast mode's expandable segments; eager: PyTorch's default
+    assumed = [allocator_of_set(c, models.resolve(lm)) for c in picked]
+    assert assumed == [
+        "graphs",
+        "default",
+    ]  # fast mode's graphs, expandable segments; eager: PyTorch's default
     expected = [FAST_ALLOCATOR, None] if users is None else [users, users]  # a user's setting is kept
     assert ran == list(zip(("fast", "eager"), expected, strict=True))
     assert os.environ.get(ALLOC) == users  # the planner's process is left as the user started it

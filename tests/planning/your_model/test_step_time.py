@@ -22,6 +22,7 @@ from fabric_memory_recipes.planning.planner.calibration import REPO
 from fabric_memory_recipes.planning.simulation.costs import OpCosts
 from fabric_memory_recipes.planning.your_model import step_calibration, step_time
 from fabric_memory_recipes.planning.your_model.estimate import meta_user_model
+from tests.tiny import HF_BERT, causal_lm_config
 
 F32 = 4
 
@@ -339,3 +340,17 @@ def test_a_run_is_priced_as_the_runner_ran_its_fast_mode(model, compiled):
     as_run = step_time.step_seconds(costs, c, "fast", graphs=True, fused=compiled)[0]
     assert step_calibration.predicted_s(run, costs, c) == as_run
     assert as_run != step_time.step_seconds(costs, c, "fast", graphs=True, fused=not compiled)[0]
+
+
+def test_fast_mode_prices_a_causal_lms_step_in_cuda_graphs_and_a_classifiers_without(tmp_path):
+    """As the runner captures them (runner.checked): a causal LM's fast step in one CUDA graph, a text
+    classifier's compiled blocks alone (its batch reads its padding on the host)."""
+    modes = {}
+    for name, config in (("lm", causal_lm_config()), ("bert", HF_BERT)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+        um, model, blocks, _ = meta_user_model(f"hf:{tmp_path / name}")
+        plan = planning.Plan(precision="bf16-mixed", micro_batch_size=2, optimizer="adamw")
+        _, detail = step_time.predict_step_s(model, um, plan, 32, "h100", "fast", blocks=blocks)
+        modes[um.task] = detail["mode"]
+    assert modes == {"causal_lm": "fast (CUDA graphs)", "classification": "fast"}
