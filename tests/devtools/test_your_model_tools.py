@@ -99,7 +99,10 @@ def test_allocator_check_replays_each_run_under_the_default_allocator_and_its_ow
     assert sorted(rows) == ["eager", "fast"]  # the oom run, the model's config and the gone model passed over
     assert "gone.json: not simulated (UsageError: --model hf:gone" in err
     fast, eager = rows["fast"], rows["eager"]
-    assert (fast["allocator"], eager["allocator"]) == ("expandable", "default")
+    assert (fast["allocator"], eager["allocator"]) == (
+        "graphs",
+        "default",
+    )  # a causal LM's fast steps: a graph
     # the run's own setting replays to what the estimate predicts for the mode; the default allocator to
     # what it predicts for eager mode, the same step
     assert fast["own_gb"] == pytest.approx(want["fast"]["peak_reserved_simulated_gb"], abs=1e-6)

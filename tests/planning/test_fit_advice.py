@@ -294,13 +294,14 @@ def test_several_gpus_plan_fsdp_sets_with_memory_per_gpu(configs, capsys, monkey
         alone = one[key(row)]
         assert row["simulated_peak_allocated_gb"] < alone["simulated_peak_allocated_gb"]  # sharded state
         assert row["overhead_gb"] > alone["overhead_gb"]  # four processes' contexts and NCCL, measured
-        # each GPU its own batch at the sharded step's predicted time, its collectives' exposed time added
-        assert (
-            alone["predicted_samples_per_s"]
-            < row["predicted_samples_per_s"]
-            < 8 * alone["predicted_samples_per_s"]
-        )
+        # each GPU its own batch at the sharded step's predicted time, its collectives' exposed time added;
+        # fast mode on one GPU replays the step in a CUDA graph (no host time), FSDP's fast mode does not: a
+        # model this small, host-bound, can then train faster on one GPU, so only eager mode compares so
+        speed = row["predicted_samples_per_s"]
+        assert speed < 8 * alone["predicted_samples_per_s"]
+        assert speed > alone["predicted_samples_per_s"] or row["mode"] == "fast"
     assert {r["technique"] for r in four["fits"]} <= {"AdamW", "AdamW + checkpointing"}
+    assert {r["mode"] for r in four["fits"]} == {"eager", "fast"}  # both compared above
     # FSDP's CPU offload is a set of its own: shards, gradients and Adam on the host, its copies and CPU step
     # at the host rate rung 09 measured (said), so less memory per GPU and less speed than the same set kept on the GPUs
     offloaded = [r for r in four["fits"] if r["cpu_offload"]]

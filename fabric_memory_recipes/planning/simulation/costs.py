@@ -14,6 +14,10 @@ follows from the state's bytes (planning/planner/step_time.py).
 * kind: ``matmul`` for the ops of the registry (tensor-core work), ``memory`` for the rest.
 * kernels: 1 per op, 0 for ops that only make a view or an uninitialised tensor, or return no tensor
   (a query such as ``prim.device``): no kernel runs.
+* in a block: the op runs inside one of the repeated blocks the collector is given (what fast mode compiles,
+  so only these ops' kernels fuse): in the forward and the recompute, between the block's forward pre-hook
+  and hook; in the backward, when the autograd node running it was made by a block's forward (its sequence
+  number in a range the forward hooks recorded).
 
 The ops are kept one row each, in the order they ran, per section (the micro-batch's index and the
 pass): the step time model weighs each op against the GPU's ceilings, which a sum over ops could not.
@@ -21,6 +25,7 @@ pass): the step time model weighs each op against the GPU's ceilings, which a su
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 from collections import defaultdict
@@ -67,6 +72,7 @@ class OpCost:
     kernels: int  # 0: a view or metadata only
     backward: bool = False  # run by the backward pass (autograd's engine, no Python module around it)
     recompute: bool = False  # a forward op run again in backward by activation checkpointing
+    in_block: bool = False  # run inside a repeated block (fast mode compiles those: module docstring)
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
@@ -123,10 +129,18 @@ class OpCosts(TorchDispatchMode):
     ``section`` is ``(micro-batch, "forward" | "backward")``. An op that autograd's engine runs with
     gradients enabled is a checkpointed block's recompute (the engine runs the backward ops themselves
     with gradients off; the recompute turns them on to rebuild the block's graph): it is marked ``recompute``,
-    so that the model FLOPs of :meth:`model_flops` leave it out, as model FLOPs utilisation does."""
+    so that the model FLOPs of :meth:`model_flops` leave it out, as model FLOPs utilisation does.
 
-    def __init__(self) -> None:
+    ``blocks``: the class names of the repeated blocks; each op is marked ``in_block`` when one of them runs it
+    (the module docstring says how)."""
+
+    def __init__(self, blocks: tuple[str, ...] | frozenset[str] = ()) -> None:
         super().__init__()
+        self.blocks = frozenset(blocks)
+        self._depth = 0  # blocks entered and not left (forward and recompute)
+        self._started = 0  # the autograd sequence number when the outermost block was entered
+        self._node_starts: list[int] = []  # sequence-number ranges of the blocks' forward nodes, sorted
+        self._node_ends: list[int] = []
         self.section: Any = None
         self.ops: dict[Any, list[OpCost]] = defaultdict(list)
         self.optimizer: dict[str, float] = {}  # the optimizer step's bytes and tensors (simulate fills it)
@@ -136,18 +150,46 @@ class OpCosts(TorchDispatchMode):
         self._module_hook = None
 
     def __enter__(self) -> OpCosts:
-        self._module_hook = torch.nn.modules.module.register_module_forward_pre_hook(self._module_called)
+        hooks = torch.nn.modules.module
+        self._module_hook = (
+            hooks.register_module_forward_pre_hook(self._module_called),
+            hooks.register_module_forward_hook(self._module_left),
+        )
         return super().__enter__()
 
     def __exit__(self, *exc) -> None:
-        if self._module_hook is not None:
-            self._module_hook.remove()
-            self._module_hook = None
+        for hook in self._module_hook or ():
+            hook.remove()
+        self._module_hook = None
         super().__exit__(*exc)
 
     def _module_called(self, module: torch.nn.Module, args: Any) -> None:
         if self.section is not None:
             self.modules[self.section] += 1
+        if type(module).__name__ in self.blocks:
+            self._depth += 1
+            if self._depth == 1:
+                self._started = torch._C._autograd._get_sequence_nr()
+
+    def _module_left(self, module: torch.nn.Module, args: Any, out: Any) -> None:
+        if type(module).__name__ not in self.blocks or not self._depth:
+            return
+        self._depth -= 1
+        forward = self.section is not None and self.section[-1] == "forward"  # not a recompute's nodes
+        if not self._depth and forward:
+            self._node_starts.append(self._started)
+            self._node_ends.append(torch._C._autograd._get_sequence_nr())
+
+    def _in_block(self) -> bool:
+        """Whether the op being recorded runs inside a block (forward, recompute, or a block's backward node)."""
+        if self._depth:
+            return True
+        node = torch._C._current_autograd_node()
+        if node is None or not self._node_starts:
+            return False
+        seq = node._sequence_nr()
+        i = bisect.bisect_right(self._node_starts, seq) - 1
+        return i >= 0 and seq < self._node_ends[i]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -169,6 +211,8 @@ class OpCosts(TorchDispatchMode):
         if self.section[-1] == "backward":  # recompute: inside autograd's engine, gradients on
             recompute = torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1
             cost = _in_backward(cost, recompute)
+        if cost.kernels and self.blocks and self._in_block():
+            cost = dataclasses.replace(cost, in_block=True)
         self.ops[self.section].append(cost)
 
     def of(self, micro: int) -> list[OpCost]:

@@ -34,6 +34,7 @@ class Ceilings:
     fusion: float  # phi: the share of memory-bound bytes and kernels left after fusion, fast mode
     hook_s: float  # H: per parameter tensor, the step in backward (host)
     host_bandwidth: float  # B_host: bytes/s of activation offload's copies
+    graph_kernel_s: float = 0.0  # g_graph: each kernel's fixed time in a CUDA graph's replay (0: g)
 
     def to_dict(self) -> dict[str, float]:
         return dataclasses.asdict(self)
@@ -51,6 +52,7 @@ class MicroBatch:
     recompute_starts: np.ndarray  # bool: the first op of a recomputed block
     module_calls: int
     compiled_calls: float = 0.0  # fast mode's compiled-region calls (step_time.fast_calls)
+    in_block: np.ndarray | None = None  # bool: run inside a repeated block (fast mode fuses these); None: all
 
     @classmethod
     def of(cls, ops: list[OpCost], module_calls: int, compiled_calls: float = 0.0) -> MicroBatch:
@@ -67,16 +69,29 @@ class MicroBatch:
             recompute_starts=starts,
             module_calls=module_calls,
             compiled_calls=compiled_calls,
+            in_block=np.array([o.in_block for o in ops], dtype=bool),
         )
+
+    @staticmethod
+    def kernel_s(c: Ceilings, mode: str, graphs: bool) -> float:
+        """Each kernel's fixed time on the GPU: g_graph in a CUDA graph's replay (the GPU starts its nodes back to
+        back), g where the host launches each (a kind fitted without g_graph: g everywhere)."""
+        return c.graph_kernel_s if mode == "fast" and graphs and c.graph_kernel_s else c.kernel_s
+
+    def fusion_share(self, c: Ceilings, mode: str, fused: bool) -> np.ndarray | float:
+        """What is left of each memory-bound op's bytes and launches: in fast mode with compiled blocks, the
+        fusion's share phi for the ops inside the blocks (the rest run as eager mode runs them: the embedding,
+        the loss, anything outside the compiled regions), else all of it."""
+        if mode == "eager" or not fused:
+            return 1.0
+        return c.fusion if self.in_block is None else np.where(self.in_block, c.fusion, 1.0)
 
     def seconds(self, c: Ceilings, mode: str, graphs: bool, fused: bool = True) -> float:
         """The queue of :mod:`step_time`'s docstring: max over ops of issue time + the GPU time left
         (``fused``: fast mode compiled the blocks, so their memory-bound ops take the fusion's share)."""
         memory = self.bytes / c.bandwidth
-        launched = self.kernels * c.kernel_s
-        other = memory * (self.kernels > 0) + launched
-        if mode != "eager" and fused:  # fast mode's compiled blocks fuse the memory-bound ops
-            other = c.fusion * other
+        launched = self.kernels * self.kernel_s(c, mode, graphs)
+        other = self.fusion_share(c, mode, fused) * (memory * (self.kernels > 0) + launched)
         gpu = np.where(self.matmul, np.maximum(self.flops / c.matmul_flops, memory) + launched, other)
         if mode == "fast" and graphs:
             return float(gpu.sum())
@@ -113,8 +128,8 @@ class MicroBatch:
         (``kept * kept_memory`` for an op without FLOPs): as often as the smaller micro-batch runs the op at
         least (1: every op runs there too); the queue takes at least the GPU's sum and at least the host's."""
         runs = np.where(self.matmul, kept, kept * kept_memory)
-        launched = runs * self.kernels * c.kernel_s
-        share = 1.0 if mode == "eager" or not fused else c.fusion
+        launched = runs * self.kernels * self.kernel_s(c, mode, graphs)
+        share = self.fusion_share(c, mode, fused)
         gpu = float(
             np.where(self.matmul, scale * self.flops / c.matmul_flops + launched, share * launched).sum()
         )

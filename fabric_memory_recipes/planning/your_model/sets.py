@@ -262,7 +262,9 @@ class UserPlanner:
         """The simulation of choice ``index``'s step: (its error or None, peak allocated GB, budgeted peak
         reserved GB per allocator setting, offloaded GB, op costs, whether eager attention fell back to math)."""
         c = self.choices[index]
-        collector = OpCosts()  # the same simulation gives the op costs the step time is predicted from
+        collector = OpCosts(
+            self.blocks
+        )  # the same simulation gives the op costs the step time is predicted from
         try:
             est = estimate(
                 self.model,
@@ -385,8 +387,7 @@ def _first(mine: str, others: tuple[str, ...]) -> tuple[str, ...]:
 
 def allocator_of_set(c: Choice, um: models.UserModel) -> str:
     """The caching allocator a set's run trains under (plan.ALLOCATORS): fast mode on one GPU sets expandable
-    segments (config.FAST_ALLOCATOR, when RunConfig chooses CUDA graphs), also where the runner then
-    leaves the graphs out (a text classifier, an encoder-decoder, the step in backward: step_time.uses_graphs)."""
+    segments (config.FAST_ALLOCATOR), its steps in CUDA graphs where step_time.uses_graphs says so."""
     if step_time.uses_graphs(c, um):
         return "graphs"
     return "expandable" if c.mode == "fast" and c.devices == 1 else "default"

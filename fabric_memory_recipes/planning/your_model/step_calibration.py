@@ -37,6 +37,7 @@ from fabric_memory_recipes.planning.simulation.costs import OpCosts
 from fabric_memory_recipes.planning.simulation.simulate import simulate
 from fabric_memory_recipes.planning.your_model import step_time
 from fabric_memory_recipes.planning.your_model.estimate import meta_user_model, plan_of
+from fabric_memory_recipes.training.models import blocks as ladder_blocks
 from fabric_memory_recipes.training.models import meta_ladder_model
 from fabric_memory_recipes.training.your_model import runner
 
@@ -76,6 +77,7 @@ START = step_time.Ceilings(
     fusion=0.5,
     hook_s=0.3e-3,
     host_bandwidth=10e9,
+    graph_kernel_s=2e-6,
 )
 FIELDS = [f.name for f in dataclasses.fields(step_time.Ceilings)]
 OFFLOAD_FIELDS = ["host_bandwidth"]
@@ -174,7 +176,7 @@ def run_costs(run: Run) -> step_time.StepCosts:
         fused_attention=cfg.fused_attention,
         image_size=config.get("image_size"),
     )
-    plan, collector = plan_for(cfg), OpCosts()
+    plan, collector = plan_for(cfg), OpCosts({type(b).__name__ for b in ladder_blocks(model)})
     est = simulate(model, plan, op_costs=collector)
     offloaded = (est.activations_host_gb or 0.0) * 1e9 if plan.activation_offload else 0.0
     return step_time.costs_of(collector, plan, offloaded)

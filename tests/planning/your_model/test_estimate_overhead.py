@@ -19,7 +19,7 @@ from tests.tiny import causal_lm_config
 
 @pytest.fixture(scope="module")
 def lm(tmp_path_factory) -> str:
-    """A tiny causal LM: fast mode compiles its blocks and leaves its steps uncaptured (no CUDA graphs)."""
+    """A tiny causal LM: fast mode compiles its blocks and captures its steps in CUDA graphs."""
     folder = tmp_path_factory.mktemp("overhead_lm")
     (folder / "config.json").write_text(json.dumps(causal_lm_config()))
     return f"hf:{folder}"
@@ -39,6 +39,6 @@ def test_the_estimate_adds_the_overhead_of_the_mode_it_estimates(lm, capsys):
 
     flags = dict(model=lm, seq_len=32, batch_size=2, accelerator="cuda")
     cfg = runner.default_config().with_flags(**flags).checked(Hardware.planned())
-    assert cfg.mode == "fast" and cfg.compile and not cfg.cuda_graphs  # compiled blocks, eager steps
+    assert cfg.mode == "fast" and cfg.compile and cfg.cuda_graphs  # compiled blocks, captured steps
     um, model, blocks, _ = meta_user_model(lm)
     assert for_user_run(model, um, cfg, blocks)[1]["overhead_gb"] == compiled  # the run's own prediction
