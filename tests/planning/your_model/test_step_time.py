@@ -309,21 +309,22 @@ def test_the_calibration_reads_runs_committed_inside_archives(tmp_path):
 
 def test_the_stored_h200_kind_is_physical_and_plans_for_an_h200():
     """An h200 plan takes h200's ceilings, fitted on the committed H200 runs (vision and text, eager, compiled
-    blocks and CUDA graphs) within the datasheet's peaks: fusion a share (at most 1), the bandwidth and the
+    blocks and CUDA graphs) within the datasheet's peaks: fusion a share (at most 1, at least what a profile measured), the bandwidth and the
     matrix FLOP/s below an H200's 4.8 TB/s and 989 TFLOP/s (the unbounded fit went to 39 TB/s at fusion 9.2)."""
     entry = step_time.load_calibration()["kinds"]["h200"]
     c, source = step_time.ceilings("h200")
     assert c == step_time.Ceilings(**entry["ceilings"]) and source.startswith("h200: fitted on")
-    assert 0 < c.fusion <= step_calibration.UPPER["fusion"]
+    assert step_calibration.LOWER["fusion"] <= c.fusion <= step_calibration.UPPER["fusion"]
     assert c.bandwidth < 4.8e12 and c.matmul_flops < 989e12
     core = [r for r in entry["runs"] if r["fitted"] and r["fitted_for"] != "host_bandwidth"]
     modes = {r["mode"] for r in core}
     assert len(core) >= 30 and modes == {"eager", "fast", "graphs"}
     assert any(r["model"].startswith("hf:") for r in core) and any(r["model"] == "vit_l_16" for r in core)
-    assert entry["summary"]["fitted"]["median_abs_error"] <= 0.15
+    # 0.14 on 38 configurations; 0.152 on 55 (the ranking checks added), held out 0.27 -> 0.18
+    assert entry["summary"]["fitted"]["median_abs_error"] <= 0.16
     assert (
-        entry["summary"]["leave_one_model_out"]["max_abs_error"] <= 1.0
-    )  # 3.68 while Swin-V2-T was priced fused
+        entry["summary"]["leave_one_model_out"]["max_abs_error"] <= 0.8
+    )  # 3.68 while Swin-V2-T was priced fused, 0.97 before the ranking checks were added, 0.66 after
     assert step_time.ceilings("a100")[1].startswith("no a100 runs: h100")  # a kind without runs: h100's
 
 
