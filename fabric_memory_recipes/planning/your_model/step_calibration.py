@@ -66,28 +66,16 @@ NOT_FITTED = {
 }
 # The ceilings' starting point (H100-like orders of magnitude; the fit moves every one).
 START = step_time.Ceilings(
-    matmul_flops=500e12,
-    bandwidth=2e12,
-    kernel_s=3e-6,
-    python_op_s=40e-6,
-    module_s=10e-6,
-    autograd_op_s=20e-6,
-    recompute_block_s=1e-3,
-    compiled_call_s=1e-3,
-    fusion=0.5,
-    hook_s=0.3e-3,
-    host_bandwidth=10e9,
+    matmul_flops=500e12, bandwidth=2e12, kernel_s=3e-6, python_op_s=40e-6, module_s=10e-6, autograd_op_s=20e-6,
+    recompute_block_s=1e-3, compiled_call_s=1e-3, fusion=0.5, hook_s=0.3e-3, host_bandwidth=10e9,
     graph_kernel_s=2e-6,
-)
+)  # fmt: skip
 FIELDS = [f.name for f in dataclasses.fields(step_time.Ceilings)]
 OFFLOAD_FIELDS = ["host_bandwidth"]
 OFFLOAD_RUNGS = ("11_activation_offload", "14_memory_floor")  # the ladder's rungs that offload activations
-# Upper bounds the fit keeps: fusion is a share (unbounded, an H200 fit made it 9.2 at 39 TB/s, neither physical)
+# Bounds the fit keeps: fusion a share (free, an H200 fit made it 9.2 at 39 TB/s), at least the smallest share a
+# profile measured (the LM graph steps' blocks, h200/your-model-speed/graphs/NOTES.md; free, the fit made it 0)
 UPPER = {"fusion": 1.0}
-# Lower bounds: fusion at least the share a profile measured. Inside the compiled blocks of three causal LMs'
-# graph steps the memory-bound ops took 0.09-0.2 of their unfused time on one H200
-# (results/published/h200/your-model-speed/graphs/NOTES.md, "Where a graphed LM step's GPU time goes"); left
-# free, the h200 fit drove the share to 0 (those ops free), which no profile shows.
 LOWER = {"fusion": 0.09}
 
 
