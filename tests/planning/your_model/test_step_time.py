@@ -43,7 +43,7 @@ class Block(nn.Module):
 
 
 def simulated(model: nn.Module, batch: int = 8, width: int = 64, **plan) -> tuple[planning.Estimate, OpCosts]:
-    collector = OpCosts()
+    collector = OpCosts(("Block",))  # fast mode compiles the Blocks: their ops fuse
     plan = planning.Plan(device="cpu", optimizer_impl="foreach", micro_batch_size=batch, **plan)
     est = planning.simulate(
         model,
