@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import shlex
-import subprocess
-import sys
 import types
 from pathlib import Path
 
@@ -23,7 +21,7 @@ from fabric_memory_recipes.planning.planner import advice, snapshot
 from fabric_memory_recipes.planning.your_model import measure
 from fabric_memory_recipes.training import cli
 from fabric_memory_recipes.training.your_model import runner
-from tests.conftest import result, run_process, session_dir, submit, subprocess_env
+from tests.conftest import result, run_estimate_process, session_dir, submit
 
 SMALL = dict(
     vocab_size=512,
@@ -95,46 +93,20 @@ def test_fit_and_train_every_family(configs, family, capsys, run_recipe):
 
 
 # --may-change searches three precisions and three optimizers (40 s of CPU in this process): its two plans run
-# in the background, on configs written for them, in one process of their own (planning/planner/workers.py may
-# fork there), one after the other: a fresh interpreter spends ~8 s of CPU importing the planner, once.
+# as processes in the background (planning/planner/workers.py may fork there), on configs written for them.
 BACKGROUND_TESTS = {"test_may_change_names_what_changes_with_its_measured_cost"}
 MAY_CHANGE_ARGV = "--seq-len 32 --batch-size 1 --precision 32-true --fit 8GB --top 40 --json"
-# Runs each fmr-estimate command line given (its words after fmr-estimate) as the console script would, and
-# prints each one's exit code, stdout and stderr as JSON.
-PLANS = """
-import contextlib, io, json, shlex, sys
-from fabric_memory_recipes.planning.__main__ import main
-done = []
-for command in sys.argv[1:]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(shlex.split(command)) or 0
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    done.append([code, out.getvalue(), err.getvalue()])
-print(json.dumps(done))
-"""
-
-
-def _plans(commands: list[str]) -> list[subprocess.CompletedProcess]:
-    """The fmr-estimate ``commands``, one after the other in one process: each one's outcome."""
-    proc = run_process([sys.executable, "-c", PLANS, *commands], subprocess_env())
-    try:
-        done = json.loads(proc.stdout.splitlines()[-1])
-    except (IndexError, ValueError):  # the process itself failed: each command gets its outcome
-        return [proc for _ in commands]
-    return [
-        subprocess.CompletedProcess(c, code, out, err)
-        for c, (code, out, err) in zip(commands, done, strict=True)
-    ]
 
 
 def start_background_jobs() -> None:
     root = session_dir("may-change")
     (root / "config.json").write_text(json.dumps(FAMILIES["llama"]))
-    argv = f"--model hf:{root} {MAY_CHANGE_ARGV}"
-    submit("may-change", _plans, [argv, f"{argv} --may-change precision,optimizer"])
+    argv = f"fmr-estimate --model hf:{root} {MAY_CHANGE_ARGV}"
+    # one job, the two plans one after the other: the second finds the first's simulations in the session's cache
+    submit(
+        "may-change",
+        lambda: [run_estimate_process(c) for c in (argv, f"{argv} --may-change precision,optimizer")],
+    )
 
 
 def test_may_change_names_what_changes_with_its_measured_cost():
