@@ -151,10 +151,9 @@ class OpCosts(TorchDispatchMode):
 
     def __enter__(self) -> OpCosts:
         hooks = torch.nn.modules.module
-        self._module_hook = (
-            hooks.register_module_forward_pre_hook(self._module_called),
-            hooks.register_module_forward_hook(self._module_left),
-        )
+        self._module_hook = (hooks.register_module_forward_pre_hook(self._module_called),)
+        if self.blocks:  # where a block's forward ends (no blocks: nothing to mark)
+            self._module_hook += (hooks.register_module_forward_hook(self._module_left),)
         return super().__enter__()
 
     def __exit__(self, *exc) -> None:

@@ -262,9 +262,8 @@ class UserPlanner:
         """The simulation of choice ``index``'s step: (its error or None, peak allocated GB, budgeted peak
         reserved GB per allocator setting, offloaded GB, op costs, whether eager attention fell back to math)."""
         c = self.choices[index]
-        collector = OpCosts(
-            self.blocks
-        )  # the same simulation gives the op costs the step time is predicted from
+        # the same simulation gives the op costs the step time is predicted from (its blocks' ops fuse)
+        collector = OpCosts(self.blocks)
         try:
             est = estimate(
                 self.model,

@@ -189,7 +189,7 @@ class YourModelConfig(RunConfig):
                     f"--cuda-graphs: a {um.task.replace('_', ' ')} model's steps are not captured here (its"
                     " batch reads its padding on the host): fast mode compiles its blocks"
                 )
-            c.cuda_graphs = False  # fast mode for a text model: compiled blocks, eager steps
+            c.cuda_graphs = False  # a text classifier's, an encoder-decoder's: compiled blocks, eager steps
         if c.cuda_graphs and c.optimizer_in_backward:  # its per-parameter optimizers are not made capturable
             if graphs_asked:
                 raise UsageError(
