@@ -14,6 +14,15 @@ follows from the state's bytes (planning/planner/step_time.py).
 * kind: ``matmul`` for the ops of the registry (tensor-core work), ``memory`` for the rest.
 * kernels: 1 per op, 0 for ops that only make a view or an uninitialised tensor, or return no tensor
   (a query such as ``prim.device``): no kernel runs.
+* a matrix product with an operand whose last two dimensions are not whole 16-byte vectors (``unaligned``: a
+  vocabulary of 50257 tokens in bf16) runs cuBLAS's element-wise-reading kernels: GPT-2 small's fused loss
+  ran its vocabulary products at about 105 TFLOP/s on an H200, its other linear layers at 600 and more
+  (results/published/h200/your-model-speed/vision-graph-profile/).
+* BatchNorm in training (:data:`STATISTICS_PASS`): ATen's CUDA kernels first reduce per channel (forward: the
+  batch's statistics from the input; backward: the sums of the output's gradient and of its product with the
+  input), then run the elementwise pass; the first pass's reads are ``reduced_bytes`` and a kernel more (the
+  step time model prices them at their own rate: channels-last statistics kernels read at 0.2-0.7 TB/s on an
+  H200 where the elementwise pass reaches 1-3, results/published/h200/your-model-speed/vision-graph-profile/).
 * in a block: the op runs inside one of the repeated blocks the collector is given (what fast mode compiles,
   so only these ops' kernels fuse): in the forward and the recompute, between the block's forward pre-hook
   and hook; in the backward, when the autograd node running it was made by a block's forward (its sequence
@@ -58,6 +67,18 @@ NO_KERNEL = {
 # A tensor's device, which autograd's engine asks of a fake tensor through the dispatch modes (most of the
 # ops of a simulated backward pass).
 DEVICE_QUERY = torch.ops.prim.device.default
+# The matrix products whose operands' alignment decides cuBLAS's kernels (:func:`unaligned`).
+MATRIX_PRODUCTS = {"mm", "addmm", "bmm", "baddbmm"}
+# BatchNorm's ops that reduce per channel before their elementwise pass, when training: the op's name and the
+# inputs that pass reads (module docstring).
+STATISTICS_PASS = {
+    "native_batch_norm": ("input",),
+    "_native_batch_norm_legit": ("input",),
+    "_native_batch_norm_legit_functional": ("input",),
+    "cudnn_batch_norm": ("input",),
+    "native_batch_norm_backward": ("grad_out", "input"),
+    "batch_norm_backward": ("grad_out", "input"),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +94,13 @@ class OpCost:
     backward: bool = False  # run by the backward pass (autograd's engine, no Python module around it)
     recompute: bool = False  # a forward op run again in backward by activation checkpointing
     in_block: bool = False  # run inside a repeated block (fast mode compiles those: module docstring)
+    reduced_bytes: float = (
+        0.0  # read by a per-channel statistics pass before the op's own (BatchNorm training)
+    )
+    strided: bool = False  # a memory-bound op whose tensors are not all dense in one order (:func:`strided`)
+    unaligned: bool = (
+        False  # a matrix product with a dimension cuBLAS cannot read in 16-byte vectors (:func:`unaligned`)
+    )
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
@@ -99,7 +127,68 @@ def op_cost(func: Any, args: tuple, kwargs: dict, out: Any) -> OpCost:
     flops = float(formula(*args, **kwargs, out_val=out)) if formula is not None else 0.0
     floats = [t for t in tensors_in if t.is_floating_point()]
     low = bool(floats) and floats[0].dtype in LOW_PRECISION
-    return OpCost(name, flops, float(nbytes), formula is not None, low, 1)
+    reduced = statistics_bytes(func, name, args, kwargs)
+    gather = formula is None and strided([*tensors_in, *tensors_out], tensors_out[0].dim())
+    odd = name in MATRIX_PRODUCTS and unaligned([*tensors_in, *tensors_out])
+    kernels = 2 if reduced else 1
+    return OpCost(
+        name,
+        flops,
+        float(nbytes),
+        formula is not None,
+        low,
+        kernels,
+        reduced_bytes=reduced,
+        strided=gather,
+        unaligned=odd,
+    )
+
+
+def unaligned(tensors: list[torch.Tensor]) -> bool:
+    """Whether a matrix product's operands have a matrix dimension that is not a whole number of 16-byte vectors
+    (a 50257-token vocabulary in bf16): cuBLAS then falls back to kernels that read one element at a time."""
+    return any(
+        t.dim() >= 2 and any(n % max(1, 16 // t.element_size()) for n in t.shape[-2:]) for t in tensors
+    )
+
+
+def strided(tensors: list[torch.Tensor], ndim: int) -> bool:
+    """Whether an op's tensors of ``ndim`` dimensions are not all dense in one order of their dimensions (a
+    permuted view beside a contiguous tensor, a slice): ATen's elementwise kernels then compute each element's
+    offset instead of reading vectors. Broadcast (stride 0) and size-1 dimensions are left out of the order.
+    """
+    orders: list[tuple[int, ...]] = []
+    for t in tensors:
+        if t.dim() != ndim or t.numel() < 2:
+            continue
+        dims = sorted(
+            (i for i in range(ndim) if t.shape[i] > 1 and t.stride(i) > 0), key=lambda i: -t.stride(i)
+        )
+        expected = 1
+        for i in reversed(dims):
+            if t.stride(i) != expected:
+                return True
+            expected *= t.shape[i]
+        orders.append(tuple(dims))
+    return any(_order_differs(a, b) for a, b in zip(orders, orders[1:], strict=False))
+
+
+def statistics_bytes(func: Any, name: str, args: tuple, kwargs: dict) -> float:
+    """The bytes a BatchNorm op's per-channel statistics pass reads in training (0: another op, or evaluation)."""
+    read = STATISTICS_PASS.get(name)
+    if read is None:
+        return 0.0
+    given = {
+        a.name: args[i] if i < len(args) else kwargs.get(a.name) for i, a in enumerate(func._schema.arguments)
+    }
+    if not given.get("training", given.get("train", given.get("update", True))):
+        return 0.0
+    return float(sum(tensor_bytes(given[k]) for k in read if isinstance(given.get(k), torch.Tensor)))
+
+
+def _order_differs(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
+    """Whether two tensors lay out the dimensions both hold in different orders."""
+    return [d for d in a if d in b] != [d for d in b if d in a]
 
 
 @functools.cache
@@ -117,9 +206,7 @@ def _in_backward(cost: OpCost, recompute: bool) -> OpCost:
     """``cost`` run by the backward pass (``recompute``: a checkpointed block's forward op run again)."""
     if cost is _no_kernel(cost.name):
         return _no_kernel(cost.name, True, recompute)
-    return OpCost(
-        cost.name, cost.flops, cost.bytes, cost.matmul, cost.low_precision, cost.kernels, True, recompute
-    )
+    return dataclasses.replace(cost, backward=True, recompute=recompute)
 
 
 class OpCosts(TorchDispatchMode):

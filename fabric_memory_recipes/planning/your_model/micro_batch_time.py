@@ -35,6 +35,9 @@ class Ceilings:
     hook_s: float  # H: per parameter tensor, the step in backward (host)
     host_bandwidth: float  # B_host: bytes/s of activation offload's copies
     graph_kernel_s: float = 0.0  # g_graph: each kernel's fixed time in a CUDA graph's replay (0: g)
+    statistics_bandwidth: float = 0.0  # B_stat: bytes/s of BatchNorm's per-channel statistics passes (0: B)
+    strided_bandwidth: float = 0.0  # B_str: bytes/s of a memory-bound op on strided tensors (0: B)
+    unaligned_flops: float = 0.0  # F_odd: FLOP/s of a matrix product on unaligned operands (0: F)
 
     def to_dict(self) -> dict[str, float]:
         return dataclasses.asdict(self)
@@ -53,6 +56,9 @@ class MicroBatch:
     module_calls: int
     compiled_calls: float = 0.0  # fast mode's compiled-region calls (step_time.fast_calls)
     in_block: np.ndarray | None = None  # bool: run inside a repeated block (fast mode fuses these); None: all
+    reduced: np.ndarray | float = 0.0  # bytes of a per-channel statistics pass (BatchNorm in training)
+    strided: np.ndarray | bool = False  # bool: a memory-bound op on strided tensors (costs.strided)
+    unaligned: np.ndarray | bool = False  # bool: a matrix product on unaligned operands (costs.unaligned)
 
     @classmethod
     def of(cls, ops: list[OpCost], module_calls: int, compiled_calls: float = 0.0) -> MicroBatch:
@@ -70,6 +76,9 @@ class MicroBatch:
             module_calls=module_calls,
             compiled_calls=compiled_calls,
             in_block=np.array([o.in_block for o in ops], dtype=bool),
+            reduced=np.array([o.reduced_bytes for o in ops], dtype=float),
+            strided=np.array([o.strided for o in ops], dtype=bool),
+            unaligned=np.array([o.unaligned for o in ops], dtype=bool),
         )
 
     @staticmethod
@@ -77,6 +86,10 @@ class MicroBatch:
         """Each kernel's fixed time on the GPU: g_graph in a CUDA graph's replay (the GPU starts its nodes back to
         back), g where the host launches each (a kind fitted without g_graph: g everywhere)."""
         return c.graph_kernel_s if mode == "fast" and graphs and c.graph_kernel_s else c.kernel_s
+
+    def flop_rate(self, c: Ceilings) -> np.ndarray | float:
+        """Each op's FLOP/s: F, or F_odd for a matrix product on unaligned operands."""
+        return np.where(self.unaligned, c.unaligned_flops or c.matmul_flops, c.matmul_flops)
 
     def fusion_share(self, c: Ceilings, mode: str, fused: bool) -> np.ndarray | float:
         """What is left of each memory-bound op's bytes and launches: in fast mode with compiled blocks, the
@@ -89,10 +102,11 @@ class MicroBatch:
     def seconds(self, c: Ceilings, mode: str, graphs: bool, fused: bool = True) -> float:
         """The queue of :mod:`step_time`'s docstring: max over ops of issue time + the GPU time left
         (``fused``: fast mode compiled the blocks, so their memory-bound ops take the fusion's share)."""
-        memory = self.bytes / c.bandwidth
+        memory = self.bytes / np.where(self.strided, c.strided_bandwidth or c.bandwidth, c.bandwidth)
+        memory = memory + self.reduced / (c.statistics_bandwidth or c.bandwidth)
         launched = self.kernels * self.kernel_s(c, mode, graphs)
         other = self.fusion_share(c, mode, fused) * (memory * (self.kernels > 0) + launched)
-        gpu = np.where(self.matmul, np.maximum(self.flops / c.matmul_flops, memory) + launched, other)
+        gpu = np.where(self.matmul, np.maximum(self.flops / self.flop_rate(c), memory) + launched, other)
         if mode == "fast" and graphs:
             return float(gpu.sum())
         host = self.host_times(c, mode if fused else "eager")  # blocks not compiled, step not captured: eager
@@ -131,7 +145,7 @@ class MicroBatch:
         launched = runs * self.kernels * self.kernel_s(c, mode, graphs)
         share = self.fusion_share(c, mode, fused)
         gpu = float(
-            np.where(self.matmul, scale * self.flops / c.matmul_flops + launched, share * launched).sum()
+            np.where(self.matmul, scale * self.flops / self.flop_rate(c) + launched, share * launched).sum()
         )
         if mode == "fast" and graphs:
             return gpu

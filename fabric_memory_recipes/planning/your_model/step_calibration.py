@@ -68,7 +68,8 @@ NOT_FITTED = {
 START = step_time.Ceilings(
     matmul_flops=500e12, bandwidth=2e12, kernel_s=3e-6, python_op_s=40e-6, module_s=10e-6, autograd_op_s=20e-6,
     recompute_block_s=1e-3, compiled_call_s=1e-3, fusion=0.5, hook_s=0.3e-3, host_bandwidth=10e9,
-    graph_kernel_s=2e-6,
+    graph_kernel_s=2e-6, statistics_bandwidth=0.6e12, strided_bandwidth=1e12,
+    unaligned_flops=100e12,
 )  # fmt: skip
 FIELDS = [f.name for f in dataclasses.fields(step_time.Ceilings)]
 OFFLOAD_FIELDS = ["host_bandwidth"]
