@@ -66,6 +66,16 @@ MATRIX: dict[str, list[tuple[str, list[str], str]]] = {
         ("swin_v2_t", ["--model", "torchvision:swin_v2_t", "--batch-size", "64"], "4GB"),
         ("vit_b16", ["--model", "timm:vit_base_patch16_224", "--batch-size", "64"], "6GB"),
     ],
+    # models no step-time fit has seen (vision: BatchNorm with SiLU and squeeze-excitation, LayerNorm on permuted
+    # tensors, concatenations, a RegNet; a causal LM of 1.1 B): the out-of-sample check of a refitted kind
+    "held-out": [
+        ("efficientnet_b0", ["--model", "torchvision:efficientnet_b0", "--batch-size", "128"], "4GB"),
+        ("convnext_tiny", ["--model", "torchvision:convnext_tiny", "--batch-size", "64"], "3GB"),
+        ("densenet121", ["--model", "torchvision:densenet121", "--batch-size", "64"], "3GB"),
+        ("regnet_y_1_6gf", ["--model", "torchvision:regnet_y_1_6gf", "--batch-size", "128"], "4GB"),
+        ("tinyllama-1.1b", ["--model", "hf:examples/configs/tinyllama-1.1b", "--seq-len", "1024", "--batch-size", "8"],
+         "20GB"),
+    ],
     "peft": [  # LoRA rank 8 on the attention and MLP projections peft's defaults pick, 8 x 1024 tokens
         ("qwen2-0.5b-lora", ["--model", "hf:examples/configs/qwen2-0.5b", "--seq-len", "1024", "--batch-size", "8",
                              "--lora-rank", "8"], "6GB"),

@@ -14,6 +14,9 @@
 #   bash scripts/gpu/ranking_check.sh peft     # LoRA rank 8: Qwen2 0.5 B 6 GB, Llama 0.36 B 4 GB (8 x 1024)
 #   bash scripts/gpu/ranking_check.sh seq2seq  # T5-base 6 GB, BART-base 5 GB (16 x 256 source + 256 target),
 #                                              # T5-small 4 GB (64 x 256 source + 64 target)
+#   bash scripts/gpu/ranking_check.sh held-out # models no step-time fit has seen: EfficientNet-B0 4 GB,
+#                                              # RegNetY-1.6GF 4 GB (batch 128), ConvNeXt-T 3 GB, DenseNet-121
+#                                              # 3 GB (batch 64), TinyLlama 1.1 B 20 GB (8 x 1024)
 #
 # bf16-mixed AdamW (the user's, kept). STEPS (10) optimizer steps per set; MEASURE_TOP=K measures each plan's
 # first K sets only (the picks, when K is 1); ONLY=a,b (model names) reruns
@@ -26,7 +29,7 @@
 # Results, rewritten after each model: $OUT/ranking-<part>.tgz (each model's fit.json, plan.json, plan.md,
 # runs and logs), $OUT/summary-<part>.md (the table) and $OUT/summary-<part>.json.
 set -u
-part=${1:?lm, vision, peft or seq2seq}
+part=${1:?lm, vision, held-out, peft or seq2seq}
 : "${OUT:?set OUT}"
 . "$(dirname "${BASH_SOURCE[0]}")/common.sh"  # the functions the GPU scripts share
 export_run_env
