@@ -49,6 +49,8 @@ LAZY = {
     "transformers": "only the text models need it; importing it takes seconds (and scikit-learn with it,"
     " when installed), which fmr-estimate for a torchvision or timm model must not pay (its target: < 30 s)",
     "sklearn": "only --data digits reads scikit-learn's bundled set; ~0.5 s per process otherwise",
+    "lightning": "only a run's Fabric and strategy need it; fmr-estimate imports the runner's modules, and"
+    " Lightning (torchmetrics, and transformers with it) would cost its every start ~4 s of CPU",
 }
 
 

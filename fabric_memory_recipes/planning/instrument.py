@@ -14,12 +14,14 @@ import. It records only: what changes the training (the bf16 update rule) stays 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fabric_memory_recipes.config import RunConfig
-from fabric_memory_recipes.measurement.results import RunResults
 from fabric_memory_recipes.planning.simulation.simulate import for_run
 from fabric_memory_recipes.training import models
+
+if TYPE_CHECKING:  # only a type here: importing the results module imports Lightning (seconds of start-up)
+    from fabric_memory_recipes.measurement.results import RunResults
 
 
 def instrument(results: RunResults, model: Any, cfg: RunConfig, optimizer: Any = None) -> None:

@@ -92,3 +92,38 @@ def test_run_flags_take_the_modes_defaults():
     args = arguments.build().parse_args(["--batch-size", "8"])
     from_rung = arguments.filled(args, arguments.RunConfig(batch_size=3, lr=0.5))
     assert from_rung["batch_size"] == 8 and from_rung["lr"] == 0.5
+
+
+def _imported_at_start(tree: ast.Module) -> set[str]:
+    """The modules a module imports when it is imported: its top-level imports, not those inside a function
+    or under ``if TYPE_CHECKING:``."""
+    names = set()
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+    return names
+
+
+def test_the_estimator_starts_without_lightning():
+    """fmr-estimate imports no Lightning when it starts (importing it costs every start ~4 s of CPU): no
+    module it imports at start-up imports Lightning at its top (only a run's functions do)."""
+    package = PLANNING.parent
+    todo, seen, third_party = ["fabric_memory_recipes.planning.__main__"], set(), set()
+    while todo:
+        name = todo.pop()
+        parts = name.split(".")[1:]
+        module, init = package.joinpath(*parts).with_suffix(".py"), package.joinpath(*parts, "__init__.py")
+        path = module if module.exists() else init
+        if name in seen or not path.exists():  # a name imported from a module, not a module
+            continue
+        seen.add(name)
+        for imported in _imported_at_start(ast.parse(path.read_text())):
+            if imported.startswith("fabric_memory_recipes"):
+                pieces = imported.split(".")  # a package's __init__ runs before its module
+                todo += [".".join(pieces[:i]) for i in range(2, len(pieces) + 1)]
+            else:
+                third_party.add(imported.split(".")[0])
+    assert "fabric_memory_recipes.planning.your_model.cli" in seen and "torch" in third_party  # it read them
+    assert "lightning" not in third_party

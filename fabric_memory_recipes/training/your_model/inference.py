@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import lightning as L
 import torch
 
 from fabric_memory_recipes.config import UsageError
@@ -144,6 +143,8 @@ def run(
     """``recipes/your_model.py --infer``: build, quantize the weights as ``--weights-quant`` says
     (``quantize(model, kind)``: training/techniques/inference/weights_quant.py), predict (``predict(cfg)``), infer once,
     record."""
+    import lightning as L  # here: the estimator imports this module, and Lightning costs it seconds of start-up
+
     um = models.resolve(cfg.model)
     check(um, cfg)
     dtype = weights_dtype(cfg.precision)

@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from lightning.fabric.strategies import FSDPStrategy, ModelParallelStrategy
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
@@ -36,6 +35,9 @@ def strategy(cfg: Any, units: set[type]) -> Any:
     fast mode (``cfg.compile``), except for 16-mixed (:func:`fully_sharded`)."""
     if not cfg.fsdp:
         return "auto"
+    # here: the estimator imports this module (fully_sharded, LOW), and Lightning costs it seconds of start-up
+    from lightning.fabric.strategies import FSDPStrategy, ModelParallelStrategy
+
     if not fully_sharded(cfg.compile, cfg.precision):
         return FSDPStrategy(auto_wrap_policy=units, **({"cpu_offload": True} if cfg.cpu_offload else {}))
     names = tuple(sorted(u.__name__ for u in units))
