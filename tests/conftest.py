@@ -57,6 +57,10 @@ os.environ["FMR_OFFLINE"] = "1"
 # 8-bit Adam (rung 13) compiles its update step; with dynamo disabled it runs the same step eagerly.
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 os.environ["FMR_LOG_DIR"] = str(_LOG_DIR)
+# No planner worker processes (planning/planner/workers.py): on the suite's 2 busy cores their simulations ahead
+# of the search only add CPU (the README's Qwen2 --fit: ~130 CPU-s with two, ~98 without, the same plan).
+# tests/planning/your_model/test_fit_workers.py sets it where the workers are what it tests.
+os.environ.setdefault("FMR_PLAN_WORKERS", "0")
 # The planners' simulated steps (planning/simulation/cache.py), kept for this session: its tests and the
 # processes they start share them (the README's --fit 8GB, --check and the planner's tests simulate the same
 # ViT-L/16 steps), and a session starts without the user's own cache file, as CI does (unless FMR_PLAN_CACHE
