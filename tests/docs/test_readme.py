@@ -34,6 +34,7 @@ CHECKED = {
     "+6.0%",
     "+5.9%",
     "8 ×",
+    "±25 %",
 }  # the numbers the tests below check, as the prose writes them
 
 
@@ -154,6 +155,29 @@ def test_your_models_speed_is_the_committed_runs():
     )
     assert f"against {statistics.median(eager):.1f} for the fastest eager set" in text
     assert f"fits an 8 GB card at {statistics.median(llama):.1f} samples/s" in text
+
+
+def test_the_h200_ranking_claim_is_the_committed_checks():
+    """The README's H200 ranking totals: each model's last measured row of the checks with fast mode's graphs
+    planned (the four causal LMs, four vision models, and the held-out part's two calls)."""
+    folder = REPO / "results" / "published" / "h200" / "ranking-check"
+    rows = {}
+    for name in ("lm-graphs", "vision-graphs", "held-out-call1", "held-out-call2"):
+        for row in json.loads((folder / f"summary-{name}.json").read_text())["rows"]:
+            if row.get("pick_over_fastest") is not None:
+                rows[row["model"]] = row
+    fastest = sum(r["pick_over_fastest"] == 1.0 for r in rows.values())
+    near = sum(r["pick_over_fastest"] >= 0.9 for r in rows.values())
+    within = sum(abs(r["pick_error"]) <= 0.25 for r in rows.values())
+    held_out = {
+        r["model"]
+        for c in (1, 2)
+        for r in json.loads((folder / f"summary-held-out-call{c}.json").read_text())["rows"]
+    }
+    text = " ".join(README.split())
+    assert (len(rows), fastest, near, within, len(held_out)) == (13, 11, 12, 8, 5)
+    assert f"fastest of three measured sets for {fastest} of {len(rows)} models (five of them" in text
+    assert f"at least 0.90 of it for {near}" in text and f"within ±25 % for {within}." in text
 
 
 def test_every_number_in_the_prose_is_checked():
