@@ -14,6 +14,9 @@ follows from the state's bytes (planning/planner/step_time.py).
 * kind: ``matmul`` for the ops of the registry (tensor-core work), ``memory`` for the rest.
 * kernels: 1 per op, 0 for ops that only make a view or an uninitialised tensor, or return no tensor
   (a query such as ``prim.device``): no kernel runs.
+* strided: a memory-bound op whose tensors are not all dense in one order of their dimensions (a permuted view
+  beside a contiguous tensor, a slice) runs ATen's elementwise kernels that compute each element's offset (a fifth
+  of Swin-V2-T's memory-bound bytes: its windows).
 * a matrix product with an operand whose last two dimensions are not whole 16-byte vectors (``unaligned``: a
   vocabulary of 50257 tokens in bf16) runs cuBLAS's element-wise-reading kernels: GPT-2 small's fused loss
   ran its vocabulary products at about 105 TFLOP/s on an H200, its other linear layers at 600 and more
@@ -94,13 +97,11 @@ class OpCost:
     backward: bool = False  # run by the backward pass (autograd's engine, no Python module around it)
     recompute: bool = False  # a forward op run again in backward by activation checkpointing
     in_block: bool = False  # run inside a repeated block (fast mode compiles those: module docstring)
-    reduced_bytes: float = (
-        0.0  # read by a per-channel statistics pass before the op's own (BatchNorm training)
-    )
+    # read by a per-channel statistics pass before the op's own (BatchNorm in training: :func:`statistics_bytes`)
+    reduced_bytes: float = 0.0
     strided: bool = False  # a memory-bound op whose tensors are not all dense in one order (:func:`strided`)
-    unaligned: bool = (
-        False  # a matrix product with a dimension cuBLAS cannot read in 16-byte vectors (:func:`unaligned`)
-    )
+    # a matrix product with a dimension cuBLAS cannot read in 16-byte vectors (:func:`unaligned`)
+    unaligned: bool = False
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
