@@ -46,6 +46,9 @@ each element's offset (a fifth of Swin-V2-T's memory-bound bytes), and GPT-2 sma
 its fused loss's products at about 105 TFLOP/s, its other linear layers at 600 and more. With them the h200 kind's
 fitted median fell from 15 % to 8 % and g_graph from 6.5 to 3.0 us (the profiled gaps between a graph's kernels:
 0.6-0.8 us); held out, it rose from 18 % to 22 % (max 103 %: Swin-V2-T, the one model whose strided bytes set B_str).
+On five models no fit had seen (results/published/h200/ranking-check/NOTES.md, "Models no fit has seen") the picks
+came out -8 to +22 % for EfficientNet-B0, DenseNet-121 and ConvNeXt-T (their 9 sets: median 9 %, 11 % before the
+terms), +66 % for RegNetY-1.6GF (grouped convolutions at F) and -47 % for TinyLlama 1.1 B (big matmuls above F).
 
 Accuracy on h100, as stored (tests/planning/your_model/test_step_time.py checks this copy against the table): 45
 configurations of 8 models (ResNet-50, ConvNeXt-T, timm ViT-B/16, torchvision ViT-L/16; BERT-base,
