@@ -32,7 +32,7 @@ def main(cfg: runner.YourModelConfig, results) -> None:
         return inference.run(cfg, results, inference_estimate.for_run, weights_quant.quantize)  # int8 weights
     torch.set_float32_matmul_precision("high" if cfg.tf32 else "highest")
     um = runner.resolve(cfg)
-    meta = estimate.built_on_meta(um)  # the repeated blocks: FSDP's units, what --checkpoint-blocks wraps
+    meta = models.build_on_meta(um)  # the repeated blocks: FSDP's units, what --checkpoint-blocks wraps
     blocks, found_by = models.repeated_blocks(meta)
     units = {type(m) for m in meta.modules() if type(m).__name__ in blocks}
     strategy = sharding.strategy(cfg, units)  # --fsdp: a unit per block (fast mode: FSDP2, compiled blocks)

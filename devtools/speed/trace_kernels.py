@@ -86,19 +86,15 @@ def batch_norm_rates(events: list[dict[str, Any]], input_bytes: list[float]) -> 
 
 
 def simulated_batch_norm_inputs(results: str) -> list[float]:
-    """The input bytes of each forward BatchNorm op of the run ``results`` describes, simulated on the CPU."""
-    from fabric_memory_recipes.planning.simulation.costs import OpCosts
-    from fabric_memory_recipes.planning.your_model.estimate import estimate, meta_user_model, plan_of
-    from fabric_memory_recipes.training.your_model import runner
+    """The input bytes of each forward BatchNorm op of the run ``results`` describes, in order, from the step-time
+    fit's own simulation of that run (its first micro-batch's statistics passes issued by the forward)."""
+    from fabric_memory_recipes.planning.your_model import step_calibration
 
     config = json.loads(open(results).read())["config"]
-    rung = runner.default_config()
-    flags = {f.name for f in type(rung).flag_fields()}
-    cfg = rung.with_flags(**{**{k: v for k, v in config.items() if k in flags}, "accelerator": "cuda"})
-    um, model, blocks, _ = meta_user_model(cfg.model)
-    collector = OpCosts(blocks)
-    estimate(model, um, plan_of(cfg, blocks, um=um), cfg.seq_len if um.is_text else 0, op_costs=collector)
-    return [o.reduced_bytes for o in collector.of(0) if o.reduced_bytes and not o.backward]
+    mode = step_calibration.run_mode(config)
+    run = step_calibration.Run(results, "your_model", config["model"], mode, config, 0.0, 1)
+    first = step_calibration.run_costs(run).micro[0]
+    return [float(b) for b in first.reduced[first.python & (first.reduced > 0)]]
 
 
 def main(argv: list[str] | None = None) -> int:

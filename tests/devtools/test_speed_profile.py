@@ -188,3 +188,20 @@ def test_main_prints_each_trace(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "3 kernels/step" not in out and "4 kernels/step" in out
     assert "BatchNorm statistics" in out and "mean 1.00 us" in out
+
+
+def test_the_batch_norm_inputs_are_the_fits_simulation_of_the_run(tmp_path):
+    """--results pairs a trace with the step-time fit's own simulation of the run: one input per forward
+    BatchNorm layer, in order (ResNet-18: 20 layers; the stem's input is the largest)."""
+    config = {
+        "model": "torchvision:resnet18",
+        "batch_size": 2,
+        "mode": "fast",
+        "compile": True,
+        "cuda_graphs": True,
+    }
+    path = tmp_path / "your_model.json"
+    path.write_text(json.dumps({"config": config}))
+    inputs = trace_kernels.simulated_batch_norm_inputs(str(path))
+    assert len(inputs) == 20 and all(b > 0 for b in inputs)
+    assert inputs[0] == max(inputs)

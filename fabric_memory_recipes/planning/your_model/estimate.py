@@ -45,24 +45,12 @@ def meta_user_model(
     they were found); with ``lora_rank``, LoRA's adapters added as the runner adds them
     (training/techniques/lora.py), so that only they and the head train."""
     um = models.resolve(ref)
-    model = built_on_meta(um)
+    model = models.build_on_meta(um)
     with torch.device("meta"):
         blocks, found_by = models.repeated_blocks(model)
         if lora_rank:
             lora.add_adapters(model, um.source, um.task, blocks, lora_rank, lora_targets)
     return um, model, blocks, found_by
-
-
-def built_on_meta(um: UserModel) -> Any:
-    """``um``'s model on the meta device. A constructor that computes with tensor values (torchvision's RegNets
-    derive their widths with ``.tolist()``) cannot run there: it is built on the CPU and moved."""
-    try:
-        with torch.device("meta"):
-            return models.build(um)
-    except NotImplementedError as error:
-        if "meta" not in str(error):
-            raise
-    return models.build(um).to("meta")
 
 
 def text_batch(um: UserModel, micro_batch_size: int, seq_len: int, target_len: int | None = None):

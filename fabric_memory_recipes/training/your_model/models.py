@@ -23,6 +23,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.nn as nn
 import torchvision.models as tvm
 
@@ -246,6 +247,18 @@ def build(um: UserModel) -> nn.Module:
             config.pad_token_id = 0
         return hf_init.from_config(AutoModelForSequenceClassification, config)
     return hf_init.from_config(AutoModelForCausalLM, config)
+
+
+def build_on_meta(um: UserModel) -> nn.Module:
+    """:func:`build` on the meta device (shapes only). A constructor that computes with tensor values (torchvision's
+    RegNets derive their widths with ``.tolist()``) cannot run there: that model is built on the CPU and moved."""
+    try:
+        with torch.device("meta"):
+            return build(um)
+    except NotImplementedError as error:
+        if "meta" not in str(error):
+            raise
+    return build(um).to("meta")
 
 
 def _torchvision_size(name: str) -> int:

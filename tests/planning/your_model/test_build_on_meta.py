@@ -1,10 +1,10 @@
 """The estimate builds the user's model on the meta device, or, where its constructor computes with tensor values,
-on the CPU and moves it there (planning/your_model/estimate.py ``built_on_meta``)."""
+on the CPU and moves it there (training/your_model/models.py ``build_on_meta``)."""
 
 import pytest
 import torch
 
-from fabric_memory_recipes.planning.your_model.estimate import built_on_meta, meta_user_model
+from fabric_memory_recipes.planning.your_model.estimate import meta_user_model
 from fabric_memory_recipes.training.your_model import models
 
 
@@ -21,5 +21,5 @@ def test_other_models_are_built_on_meta_directly(monkeypatch):
     monkeypatch.setattr(
         models, "build", lambda um: built.append(torch.empty(1).device.type) or torch.nn.Linear(2, 2)
     )
-    assert built_on_meta(models.resolve("torchvision:resnet18")).weight.device.type == "meta"
+    assert models.build_on_meta(models.resolve("torchvision:resnet18")).weight.device.type == "meta"
     assert built == ["meta"]  # built once, under the meta device
