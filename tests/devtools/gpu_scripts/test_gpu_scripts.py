@@ -110,3 +110,20 @@ def test_the_encdec_profiles_rows_are_commands_the_runner_accepts(sweep, tmp_pat
         parsed = cli.build_parser(runner.default_config()).parse_args(["--model", model, *flags])
         assert parsed.precision == "bf16-mixed", name
         assert parsed.mode == ("eager" if "eager" in name else "fast"), name  # each row's name says its mode
+
+
+def test_the_vision_graph_profiles_rows_are_commands_the_runner_accepts(tmp_path):
+    """scripts/gpu/vision_graph_profile.sh's rows (LIST=1 prints them and runs nothing): each parses with
+    recipes/your_model.py's flags, with the mode its tag says (its results are committed under
+    results/published/h200/your-model-speed/vision-graph-profile/)."""
+    from fabric_memory_recipes.training import cli
+    from fabric_memory_recipes.training.your_model import runner
+
+    done = bash("bash scripts/gpu/vision_graph_profile.sh", REPO, LIST="1", OUT=str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    rows = [line.split() for line in done.stdout.splitlines()]
+    assert len(rows) == 9 and not list(tmp_path.iterdir())  # nothing run, nothing written
+    for tag, *flags in rows:
+        parsed = cli.build_parser(runner.default_config()).parse_args(flags)
+        assert parsed.mode == ("eager" if tag.endswith("eager") else "fast"), tag
+        assert parsed.checkpoint_blocks == ("ckpt" in tag or "pick" in tag), tag
