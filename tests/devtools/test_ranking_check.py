@@ -159,3 +159,17 @@ def test_the_summary_is_written_by_one_thread_at_a_time_and_skips_files_being_wr
         names = set(tar.getnames())
     assert {"ranking/a/fit.json", "ranking/summary.json", "ranking/summary.md"} <= names
     assert not any(".tmp-" in n for n in names)
+
+
+@pytest.mark.parametrize("part", sorted(ranking_check.MATRIX))
+def test_every_parts_plan_command_parses_and_names_a_model_the_runner_resolves(part):
+    """The command each part's plans run (`fmr-estimate ... --fit CARD`, the --plan-only runs the results NOTES
+    show) parses with the estimator's flags, and each model reference resolves here (no download)."""
+    from fabric_memory_recipes.planning import arguments
+    from fabric_memory_recipes.training.your_model import models
+
+    for name, flags, card in ranking_check.jobs(part):
+        argv = [*flags, "--precision", ranking_check.PRECISION, "--optimizer", ranking_check.OPTIMIZER]
+        args = arguments.build().parse_args([*argv, "--fit", card, "--top", "3", "--gpu", "h200"])
+        assert args.fit == card and args.model == flags[1], name
+        assert models.resolve(args.model).ref, name
