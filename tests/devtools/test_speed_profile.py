@@ -205,3 +205,40 @@ def test_the_batch_norm_inputs_are_the_fits_simulation_of_the_run(tmp_path):
     inputs = trace_kernels.simulated_batch_norm_inputs(str(path))
     assert len(inputs) == 20 and all(b > 0 for b in inputs)
     assert inputs[0] == max(inputs)
+
+
+def test_a_fit_without_some_runs_predicts_them_with_the_others_ceilings(monkeypatch, capsys):
+    """devtools.speed.held_out_fit: the runs whose path holds the text are left out of the fit and predicted;
+    here they ran 1.5x as long as the same step the fit saw, so each is predicted 50 % fast."""
+    from devtools.speed import held_out_fit
+    from fabric_memory_recipes import planning
+    from fabric_memory_recipes.planning.simulation.costs import OpCosts
+    from fabric_memory_recipes.planning.your_model import step_calibration as sc
+    from fabric_memory_recipes.planning.your_model import step_time
+
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.GELU(), torch.nn.Linear(32, 32))
+    collector = OpCosts()
+    plan = planning.Plan(device="cpu", optimizer_impl="foreach", micro_batch_size=4)
+    planning.simulate(model, plan, make_batch=lambda: (torch.empty(4, 32),),
+                      batch_fn=lambda m, b: (m(b[0]).pow(2).mean(),), op_costs=collector)  # fmt: skip
+    costs = step_time.costs_of(collector, plan)
+    truth, _ = step_time.ceilings("h100")
+
+    def point(path: str, batch: int, slower: float) -> sc.Point:
+        config = {"precision": "bf16-mixed", "batch_size": batch, "optimizer": "adamw"}
+        seconds = sc.predicted_s(sc.Run(path, "your_model", "m", "eager", config, 1.0, 3), costs, truth)
+        return sc.Point([sc.Run(path, "your_model", "m", "eager", config, seconds * slower, 3)], costs)
+
+    pts = [point(f"runs/seen-{b}.json", b, 1.0) for b in (1, 2, 3)]
+    pts += [point(f"runs/held-out-{b}.json", b, 1.5) for b in (4, 5)]
+    result = held_out_fit.held_out_fit(pts, "held-out")
+    assert [r["configuration"].split("batch_size=")[1][0] for r in result["predicted"]] == ["4", "5"]
+    assert all(abs(r["error"]) < 1e-3 for r in result["fitted"])
+    assert all(r["error"] == pytest.approx(0.5, abs=1e-3) for r in result["predicted"])
+    assert result["summary"]["predicted"]["within_25_percent"] == 0
+    with pytest.raises(ValueError, match="0 to predict"):
+        held_out_fit.held_out_fit(pts, "nowhere")
+    monkeypatch.setattr(sc, "read_runs", lambda gpu: [p.first for p in pts])
+    with pytest.raises(SystemExit) as e:
+        held_out_fit.main(["--without", "nowhere"])
+    assert e.value.code != 0 and "no committed h200 run's path holds 'nowhere'" in capsys.readouterr().err

@@ -59,6 +59,7 @@ class MicroBatch:
     reduced: np.ndarray | float = 0.0  # bytes of a per-channel statistics pass (BatchNorm in training)
     strided: np.ndarray | bool = False  # bool: a memory-bound op on strided tensors (costs.strided)
     unaligned: np.ndarray | bool = False  # bool: a matrix product on unaligned operands (costs.unaligned)
+    backward: np.ndarray | bool = False  # bool: run in the backward pass (its own ops and any recompute)
 
     @classmethod
     def of(cls, ops: list[OpCost], module_calls: int, compiled_calls: float = 0.0) -> MicroBatch:
@@ -79,6 +80,7 @@ class MicroBatch:
             reduced=np.array([o.reduced_bytes for o in ops], dtype=float),
             strided=np.array([o.strided for o in ops], dtype=bool),
             unaligned=np.array([o.unaligned for o in ops], dtype=bool),
+            backward=np.array([o.backward for o in ops], dtype=bool),
         )
 
     @staticmethod
@@ -99,17 +101,29 @@ class MicroBatch:
             return 1.0
         return c.fusion if self.in_block is None else np.where(self.in_block, c.fusion, 1.0)
 
-    def seconds(self, c: Ceilings, mode: str, graphs: bool, fused: bool = True) -> float:
+    def seconds(
+        self,
+        c: Ceilings,
+        mode: str,
+        graphs: bool,
+        fused: bool = True,
+        hooks_s: float = 0.0,
+    ) -> float:
         """The queue of :mod:`step_time`'s docstring: max over ops of issue time + the GPU time left
-        (``fused``: fast mode compiled the blocks, so their memory-bound ops take the fusion's share)."""
+        (``fused``: fast mode compiled the blocks, so their memory-bound ops take the fusion's share;
+        ``hooks_s``: the step in backward's host time, issued as the backward pass makes the gradients:
+        spread over its ops by their kernels)."""
         memory = self.bytes / np.where(self.strided, c.strided_bandwidth or c.bandwidth, c.bandwidth)
         memory = memory + self.reduced / (c.statistics_bandwidth or c.bandwidth)
         launched = self.kernels * self.kernel_s(c, mode, graphs)
         other = self.fusion_share(c, mode, fused) * (memory * (self.kernels > 0) + launched)
         gpu = np.where(self.matmul, np.maximum(self.flops / self.flop_rate(c), memory) + launched, other)
+        host = self.host_times(c, mode if fused else "eager")  # blocks not compiled, step not captured: eager
+        if hooks_s and len(host):
+            kernels = self.kernels * self.backward
+            host = host + hooks_s * (kernels / kernels.sum() if kernels.sum() else np.eye(len(host))[-1])
         if mode == "fast" and graphs:
             return float(gpu.sum())
-        host = self.host_times(c, mode if fused else "eager")  # blocks not compiled, step not captured: eager
         if not len(host):
             return 0.0
         gpu_left = np.cumsum(gpu[::-1])[::-1]
