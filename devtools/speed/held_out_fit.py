@@ -21,9 +21,10 @@ from fabric_memory_recipes.console import Parser, fail
 from fabric_memory_recipes.planning.your_model import step_calibration
 
 
-def held_out_fit(pts: list[step_calibration.Point], without: str) -> dict[str, Any]:
-    """Fit on the points whose runs' paths all lack ``without``; predict the others (offload runs and runs the
-    calibration does not fit left out of both: B_host is fitted apart)."""
+def held_out_fit(pts: list[step_calibration.Point], without: str, gpu: str | None = None) -> dict[str, Any]:
+    """Fit on the points whose runs' paths all lack ``without`` (within ``gpu``'s datasheet, as the calibration
+    fits); predict the others (offload runs and runs the calibration does not fit left out of both: B_host is
+    fitted apart)."""
     core = [p for p in pts if not p.first.offload and not p.first.not_fitted]
     left = [p for p in core if any(without in r.path for r in p.runs)]
     kept = [p for p in core if p not in left]
@@ -32,7 +33,7 @@ def held_out_fit(pts: list[step_calibration.Point], without: str) -> dict[str, A
             f"--without {without!r} leaves {len(kept)} configurations to fit, {len(left)} to predict"
         )
     fields = [f for f in step_calibration.FIELDS if f not in step_calibration.OFFLOAD_FIELDS]
-    c = step_calibration.fit(kept, fields, step_calibration.START)
+    c = step_calibration.fit(kept, fields, step_calibration.START, step_calibration.upper_of(gpu))
 
     def rows(sel: list[step_calibration.Point]) -> list[dict[str, Any]]:
         return [
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     if not any(args.without in r.path for r in runs):
         fail(f"no committed {args.gpu} run's path holds {args.without!r}")
     try:
-        result = held_out_fit(step_calibration.points(runs), args.without)
+        result = held_out_fit(step_calibration.points(runs), args.without, args.gpu)
     except ValueError as e:
         fail(str(e))
     print("\n".join(lines(result)))

@@ -30,6 +30,7 @@ from fabric_memory_recipes import techniques
 from fabric_memory_recipes.config import RunConfig
 from fabric_memory_recipes.console import Parser, fail
 from fabric_memory_recipes.declarations import declared_rung
+from fabric_memory_recipes.measurement import results_file
 from fabric_memory_recipes.measurement.results_file import gpu_slug, results_of, write_json_atomic
 from fabric_memory_recipes.planning.plan import plan_for
 from fabric_memory_recipes.planning.planner.calibration import REPO
@@ -78,6 +79,17 @@ OFFLOAD_RUNGS = ("11_activation_offload", "14_memory_floor")  # the ladder's run
 # profile measured (the LM graph steps' blocks, h200/your-model-speed/graphs/NOTES.md; free, the fit made it 0)
 UPPER = {"fusion": 1.0}
 LOWER = {"fusion": 0.09}
+# And a kind's datasheet HBM bandwidth and dense bf16 peak (H100 SXM, H200) over each rate of its kind (free, an h100
+# fit put B at 5.7 TB/s, trading it against fusion and g_graph; bounded, its errors the same within a point)
+PEAK = results_file.PEAK_BF16_FLOPS
+DATASHEET = {"h100": (3.35e12, PEAK["H100"]), "h200": (4.8e12, PEAK["H200"])}
+
+
+def upper_of(gpu: str | None) -> dict[str, float]:
+    """:data:`UPPER`, and the rates of ``gpu``'s kind at most its datasheet's (:data:`DATASHEET`)."""
+    b, f = DATASHEET.get(gpu or "", (math.inf, math.inf))
+    rates = {"bandwidth": b, "statistics_bandwidth": b, "strided_bandwidth": b, "matmul_flops": f}
+    return {**UPPER, **rates, "unaligned_flops": f}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,17 +144,9 @@ def read_runs(gpu: str = "h100", repo: Path = REPO) -> list[Run]:
                 continue
             if gpu_slug(prov.get("gpu_name")) != gpu or d["recipe"] == "16_weights_on_cpu":
                 continue
-            runs.append(
-                Run(
-                    path,
-                    d["recipe"],
-                    d["config"]["model"],
-                    run_mode(d["config"]),
-                    d["config"],
-                    timing["median_step_s"],
-                    timing.get("timed_intervals") or 1,
-                )
-            )
+            config, seconds = d["config"], timing["median_step_s"]
+            intervals = timing.get("timed_intervals") or 1
+            runs.append(Run(path, d["recipe"], config["model"], run_mode(config), config, seconds, intervals))
     return runs
 
 
@@ -209,9 +213,11 @@ def points(runs: list[Run], log=print) -> list[Point]:
     return out
 
 
-def fit(pts: list[Point], fields: list[str], start: step_time.Ceilings) -> step_time.Ceilings:
+def fit(
+    pts: list[Point], fields: list[str], start: step_time.Ceilings, upper: dict[str, float] = UPPER
+) -> step_time.Ceilings:
     """The ceilings named in ``fields`` that minimise the squared log errors of ``pts`` (the others kept
-    from ``start``; :data:`UPPER` and :data:`LOWER` bound some): the best of four fixed starts."""
+    from ``start``; ``upper`` (:func:`upper_of`) and :data:`LOWER` bound some): the best of four fixed starts."""
 
     def ceilings_of(x: np.ndarray) -> step_time.Ceilings:
         return dataclasses.replace(start, **{f: math.exp(v) for f, v in zip(fields, x, strict=True)})
@@ -220,7 +226,7 @@ def fit(pts: list[Point], fields: list[str], start: step_time.Ceilings) -> step_
         c = ceilings_of(x)
         return np.array([math.log(predicted_s(p.first, p.costs, c) / p.measured_s) for p in pts])
 
-    upper = np.array([math.log(UPPER[f]) if f in UPPER else np.inf for f in fields])
+    upper = np.array([math.log(upper[f]) if f in upper else np.inf for f in fields])
     lower = np.array([math.log(LOWER[f]) if f in LOWER else -np.inf for f in fields])
     x0 = np.clip(np.log([getattr(start, f) for f in fields]), lower + 1e-9, upper - 1e-9)
     best = None
@@ -233,19 +239,22 @@ def fit(pts: list[Point], fields: list[str], start: step_time.Ceilings) -> step_
     return ceilings_of(best.x)
 
 
-def calibrate(pts: list[Point], leave_one_out: bool = False, log=print) -> dict[str, Any]:
-    """Fit the ceilings on ``pts``; the stored table's entry of one GPU kind."""
+def calibrate(
+    pts: list[Point], leave_one_out: bool = False, log=print, gpu: str | None = None
+) -> dict[str, Any]:
+    """Fit the ceilings on ``pts`` (``gpu``'s kind: :func:`upper_of`); the stored table's entry of one GPU kind."""
+    upper = upper_of(gpu)
     core = [p for p in pts if not p.first.offload and not p.first.not_fitted]
     offload = [p for p in pts if p.first.offload and not p.first.not_fitted]
     fields = [f for f in FIELDS if f not in OFFLOAD_FIELDS]
-    c = fit(core, fields, START)
+    c = fit(core, fields, START, upper)
     if offload:
         c = fit(offload, OFFLOAD_FIELDS, c)
     held_out: dict[str, float] = {}
     if leave_one_out:
         for model in sorted({p.first.model for p in core}):
             log(f"leaving {model} out")
-            rest = fit([p for p in core if p.first.model != model], fields, START)
+            rest = fit([p for p in core if p.first.model != model], fields, START, upper)
             rest = dataclasses.replace(rest, host_bandwidth=c.host_bandwidth)
             held_out |= {p.first.group: _error(p, rest) for p in core if p.first.model == model}
     rows = []
@@ -324,19 +333,11 @@ def table_lines(entry: dict[str, Any]) -> list[str]:
 
 # How a configuration is shortened; a flagged technique not named here, to its flag (fused_loss=True: fused-loss).
 SHORT = (
-    ("hf:examples/configs/", ""),
-    ("your_model ", ""),
-    ("precision=", ""),
-    ("batch_size=", "b"),
-    (" accumulation_steps=", "/k"),
-    ("seq_len=", "s"),
-    ("optimizer=", ""),
-    ("checkpoint_blocks=True", "ckpt"),
-    (" checkpoint_mode=full", ""),
-    ("checkpoint_mode=", "ckpt-"),
-    ("activation_offload=True", "offload"),
+    ("hf:examples/configs/", ""), ("your_model ", ""), ("precision=", ""), ("batch_size=", "b"),
+    (" accumulation_steps=", "/k"), ("seq_len=", "s"), ("optimizer=", ""), ("checkpoint_blocks=True", "ckpt"),
+    (" checkpoint_mode=full", ""), ("checkpoint_mode=", "ckpt-"), ("activation_offload=True", "offload"),
     ("optimizer_in_backward=True", "step-in-backward"),
-)
+)  # fmt: skip
 
 
 def notes_lines(entry: dict[str, Any]) -> list[str]:
@@ -373,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     if not runs:
         fail(f"no committed {args.gpu} runs under {REPO / 'results'}: the calibration runs from a checkout")
     pts = points(runs)
-    entry = calibrate(pts, args.leave_one_out)
+    entry = calibrate(pts, args.leave_one_out, gpu=args.gpu)
     print("\n".join(table_lines(entry)))
     print("ceilings: " + ", ".join(f"{k}={v:.4g}" for k, v in entry["ceilings"].items()))
     if args.write:

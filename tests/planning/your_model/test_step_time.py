@@ -363,6 +363,20 @@ def test_the_stored_h200_kind_is_physical_and_plans_for_an_h200():
     assert step_time.ceilings("a100")[1].startswith("no a100 runs: h100")  # a kind without runs: h100's
 
 
+@pytest.mark.parametrize("gpu", sorted(step_calibration.DATASHEET))
+def test_every_stored_kinds_rates_are_within_its_datasheet(gpu):
+    """The fit bounds each rate by its kind's datasheet (an unbounded h100 fit put B at 5.7 TB/s, above an
+    H100 SXM's 3.35, trading it against fusion and g_graph); a kind without a datasheet entry is unbounded."""
+    c, _ = step_time.ceilings(gpu)
+    bandwidth, flops = step_calibration.DATASHEET[gpu]
+    assert max(c.bandwidth, c.statistics_bandwidth, c.strided_bandwidth) <= bandwidth * (1 + 1e-6)
+    assert max(c.matmul_flops, c.unaligned_flops) <= flops * (1 + 1e-6)
+    upper = step_calibration.upper_of(gpu)
+    assert upper["fusion"] == 1.0 and upper["strided_bandwidth"] == bandwidth
+    unknown = step_calibration.upper_of("a100")
+    assert unknown == step_calibration.upper_of(None) and unknown["bandwidth"] == float("inf")
+
+
 @pytest.mark.parametrize(("model", "compiled"), [("torchvision:resnet18", False), ("timm:test_vit", True)])
 def test_a_run_is_priced_as_the_runner_ran_its_fast_mode(model, compiled):
     """The fit prices a fast run's memory-bound ops at the fusion share only where the runner compiled its
