@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from fabric_memory_recipes.config import UsageError
 from fabric_memory_recipes.training.data.text_samples import IGNORE_INDEX
 from fabric_memory_recipes.training.techniques import fused_loss
-from tests.conftest import free_port
+from tests.conftest import free_port, result, submit
 
 
 @pytest.mark.parametrize(
@@ -190,8 +190,22 @@ def _sharded_rank(rank: int, port: int, queue) -> None:
         dist.destroy_process_group()
 
 
+# The two gloo processes run in the background from the start of the session (conftest.submit), while the
+# in-process tests go on: the tests below wait for them at the end.
+BACKGROUND_TESTS = {"test_under_fsdp_the_loss_is_made_where_the_projection_is_gathered"}
+BACKGROUND_PRIORITY = 20  # two processes, about 10 s
+
+
+def start_background_jobs() -> None:
+    submit("fused-loss-fsdp1", _sharded_ranks)
+
+
 @pytest.fixture(scope="module")
 def under_fsdp1() -> list[dict]:
+    return result("fused-loss-fsdp1")
+
+
+def _sharded_ranks() -> list[dict]:
     """What each of the two gloo processes of :func:`_sharded_rank` put (one spawn for both cases)."""
     import multiprocessing
 
