@@ -158,6 +158,7 @@ def write_reference(folder: Path, scripts: dict[str, str]) -> Path:
 BACKGROUND_TESTS = {
     "test_runner_runs_the_script_offline_and_stops_it_after_n_steps",
     "test_runner_under_torchrun_sets_the_devices_and_the_offload_and_every_rank_reports",
+    "test_tool_runs_everything_keeps_going_past_failures_and_exits_1",
 }
 
 
@@ -189,6 +190,7 @@ def _torchrun_job():
 def start_background_jobs() -> None:
     submit("compare:runner", _runner_job)
     submit("compare:runner-torchrun", _torchrun_job)
+    submit("compare:tool", _tool_job)
 
 
 def test_runner_runs_the_script_offline_and_stops_it_after_n_steps():
@@ -497,14 +499,24 @@ def _tool(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_tool_runs_everything_keeps_going_past_failures_and_exits_1(tmp_path):
-    ref = write_reference(tmp_path / "ref", {"05_gradient-accum.py": "", "06_sgd-with-scheduler.py": ""})
-    fake = tmp_path / "python"
+def _tool_job() -> tuple:
+    """The test below's two calls of the tool, in the background (the first waits out a --timeout), and the
+    comparison (and the failed run's log) each left: ``(call, comparison, log, call, comparison)``."""
+    tmp = session_dir("reference-tool")
+    ref = write_reference(tmp / "ref", {"05_gradient-accum.py": "", "06_sgd-with-scheduler.py": ""})
+    fake = tmp / "python"
     fake.write_text(FAKE_PYTHON.format(python=sys.executable))
     fake.chmod(0o755)
-    out = tmp_path / "out"
+    out = tmp / "out"
     args = ["--reference", str(ref), "--rungs", "05,07,10,11", "--steps", "6", "--out", str(out)]
-    proc = _tool(*args, "--timeout", "3", "--python", str(fake))
+    read = [out / "comparison.json", out / "runs" / "10_activation_checkpointing-fast.log"]
+    first = [_tool(*args, "--timeout", "3", "--python", str(fake))] + [p.read_text() for p in read]
+    again = _tool(*args[:3], "05", *args[4:], "--modes", "eager", "--python", str(fake))
+    return *first, again, read[0].read_text()
+
+
+def test_tool_runs_everything_keeps_going_past_failures_and_exits_1():
+    proc, comparison, log, again, comparison_again = result("compare:tool")
     assert proc.returncode == 1, describe(proc)
     lines = proc.stdout.splitlines()
     assert sum("started" in line for line in lines) == 2 + 4 * 2  # 05 and 06 scripts, 4 rungs x 2 modes
@@ -514,7 +526,7 @@ def test_tool_runs_everything_keeps_going_past_failures_and_exits_1(tmp_path):
     )
     assert any(line.startswith("compare: 10 runs in ") for line in lines)
     assert "10 fast: error (RuntimeError: boom)" in proc.stderr and "11 fast: timeout" in proc.stderr
-    rows = {r["rung"]: r for r in json.loads((out / "comparison.json").read_text())}
+    rows = {r["rung"]: r for r in json.loads(comparison)}
     assert set(rows) == {"05", "07", "10", "11"}
     assert (
         rows["05"]["fast"]["images_per_s"] == 400.0 and rows["05"]["ratios"]["speed_fast_vs_reference"] == 5.0
@@ -522,12 +534,11 @@ def test_tool_runs_everything_keeps_going_past_failures_and_exits_1(tmp_path):
     assert rows["07"]["reference"]["script"] == "06_sgd-with-scheduler.py"
     assert rows["10"]["fast"]["status"] == "error" and rows["10"]["eager"]["status"] == "ok"
     assert rows["11"]["fast"]["status"] == "timeout" and rows["11"]["fast"]["wall_s"] < 30
-    assert (out / "runs" / "10_activation_checkpointing-fast.log").read_text().count("boom") == 1
+    assert log.count("boom") == 1
 
     # a later call for other rungs keeps these rows
-    again = _tool(*args[:3], "05", *args[4:], "--modes", "eager", "--python", str(fake))
     assert again.returncode == 0, describe(again)
-    rows = {r["rung"]: r for r in json.loads((out / "comparison.json").read_text())}
+    rows = {r["rung"]: r for r in json.loads(comparison_again)}
     assert set(rows) == {"05", "07", "10", "11"} and rows["05"]["fast"] is None
     assert rows["11"]["fast"]["status"] == "timeout"
 
