@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import sys
 import types
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from fabric_memory_recipes.planning.planner import advice, snapshot
 from fabric_memory_recipes.planning.your_model import measure
 from fabric_memory_recipes.training import cli
 from fabric_memory_recipes.training.your_model import runner
-from tests.conftest import result, run_estimate_process, session_dir, submit
+from tests.conftest import result, run_process, session_dir, submit, subprocess_env
 
 SMALL = dict(
     vocab_size=512,
@@ -92,27 +93,36 @@ def test_fit_and_train_every_family(configs, family, capsys, run_recipe):
     assert result["timing"]["optimizer_steps"] == 2
 
 
-# --may-change searches three precisions and three optimizers (40 s of CPU in this process): its two plans run
-# as processes in the background (planning/planner/workers.py may fork there), on configs written for them.
+# --may-change searches three precisions and three optimizers (40 s of CPU in this process): its plan and the one
+# that keeps the user's precision and optimizer run in the background (planning/planner/workers.py may fork
+# there), on a config written for them, in one process one after the other (fmr-estimate's main, each plan's
+# output in its own file): the second plan's simulations are quicker after the first's (the fake mode's
+# dispatch cache and the model are warm), and one interpreter starts instead of two.
 BACKGROUND_TESTS = {"test_may_change_names_what_changes_with_its_measured_cost"}
 MAY_CHANGE_ARGV = "--seq-len 32 --batch-size 1 --precision 32-true --fit 8GB --top 40 --json"
+TWO_PLANS = """
+import contextlib, sys
+from fabric_memory_recipes.planning.__main__ import main
+out, argv = sys.argv[1], sys.argv[2:]
+codes = []
+for name, extra in (("kept", []), ("free", ["--may-change", "precision,optimizer"])):
+    with open(f"{out}/{name}.json", "w") as f, contextlib.redirect_stdout(f):
+        codes.append(main([*argv, *extra]))
+sys.exit(max(codes))
+"""
 
 
 def start_background_jobs() -> None:
     root = session_dir("may-change")
     (root / "config.json").write_text(json.dumps(FAMILIES["llama"]))
-    argv = f"fmr-estimate --model hf:{root} {MAY_CHANGE_ARGV}"
-    # one job, the two plans one after the other: the second finds the first's simulations in the session's cache
-    submit(
-        "may-change",
-        lambda: [run_estimate_process(c) for c in (argv, f"{argv} --may-change precision,optimizer")],
-    )
+    argv = [sys.executable, "-c", TWO_PLANS, str(root), "--model", f"hf:{root}", *MAY_CHANGE_ARGV.split()]
+    submit("may-change", lambda: (run_process(argv, subprocess_env()), root))
 
 
 def test_may_change_names_what_changes_with_its_measured_cost():
-    done = result("may-change")
-    assert all(proc.returncode == 0 for proc in done), [proc.stderr[-2000:] for proc in done]
-    kept, free = (json.loads(proc.stdout) for proc in done)
+    proc, root = result("may-change")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    kept, free = (json.loads((root / f"{name}.json").read_text()) for name in ("kept", "free"))
     assert {r["precision"] for r in kept["fits"]} == {"32-true"}
     assert {r["technique"].split(" + ")[0] for r in kept["fits"]} == {"AdamW"}
     assert {r["precision"] for r in free["fits"]} == {"32-true", "bf16-mixed", "bf16-true"}
