@@ -12,6 +12,11 @@ which a CUDA graph cannot capture. Two ways round it (a causal LM's chosen once 
   their labels are ignored, so the loss and every gradient are the masked run's. The model's attention is then
   registered under :data:`CAUSAL_SDPA`, whose mask function returns no mask, so the flash kernel runs in the
   graph as in the warm-up (Hugging Face would build the full causal mask under capture).
+
+A model with its own attention code, off Hugging Face's attention interface (``_supports_attention_backend``
+false), may read the 2-D mask for more than the mask: BLOOM builds its ALiBi biases from it, and a 4-D mask
+stops its first step. It keeps the 2-D mask: such a model runs eager attention, whose 4-D mask Hugging Face
+builds on the device from the 2-D one without reading it on the host (the host check is SDPA's).
 """
 
 from __future__ import annotations
@@ -62,13 +67,15 @@ def causal_only(model) -> bool:
 def capturable(batch_fn: Callable, model) -> Callable:
     """A causal LM's ``batch_fn`` (its own loss or the fused loss) as fast mode's CUDA graph runs it: under SDPA
     with the causal flag alone (:func:`causal_only`, applied to ``model`` now: its mask function ignores the 2-D
-    mask), under eager attention with the 4-D causal mask (:func:`mask_4d`)."""
+    mask), under eager attention with the 4-D causal mask (:func:`mask_4d`), the 2-D one for a model with
+    its own attention code."""
     unmasked = causal_only(model)
+    four_d = not unmasked and getattr(model, "_supports_attention_backend", False)
 
     def captured(model, batch):
         input_ids, attention_mask, labels = batch
-        if not unmasked:  # (the 2-D mask stays for a causal-only model: without one, Hugging Face would
-            attention_mask = mask_4d(model, attention_mask, True)  # look for packed sequences on the host)
+        if four_d:  # (the 2-D mask stays for a causal-only model: without one, Hugging Face would look
+            attention_mask = mask_4d(model, attention_mask, True)  # for packed sequences on the host)
         return batch_fn(model, (input_ids, attention_mask, labels))
 
     return captured

@@ -104,6 +104,28 @@ def test_the_fused_loss_in_the_captured_form_reads_nothing_on_the_host(lm_ref, a
     assert got[2] == 0 and got[3] is None
 
 
+def test_a_model_with_its_own_attention_code_keeps_its_2d_mask_and_reads_nothing_on_the_host(tmp_path):
+    """BLOOM builds its ALiBi biases from the 2-D mask (a 4-D one stopped its first step); off Hugging Face's
+    attention interface the 2-D mask stays, and under eager attention its 4-D form is built on the device."""
+    bloom = {"model_type": "bloom", "architectures": ["BloomForCausalLM"], "hidden_size": 64, "n_head": 4,
+             "n_layer": 2, "vocab_size": VOCAB, "hidden_dropout": 0.0, "attention_dropout": 0.0}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(bloom))
+    model = _model(f"hf:{tmp_path}", "eager")
+    ids, mask, labels = _batch()
+    want = _loss_and_gradients(copy.deepcopy(model), text.causal_lm, (ids, mask, labels))
+    for fused in (False, True):  # the model's own loss, then the fused loss (its head replaced)
+        batch_fn = (
+            fused_loss.fused_batch_fn(model)
+            if fused
+            else functools.partial(text.causal_lm, train_accuracy=False)
+        )
+        got = _loss_and_gradients(model, attention_masks.capturable(batch_fn, model), (ids, mask, labels))
+        torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-5)
+        for a, b in zip(got[1], want[1], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
+        assert got[2] == 0 and got[3] is None
+
+
 def test_the_causal_lm_samples_are_padded_at_their_end(lm_ref):
     """What lets SDPA's causal flag stand in for the padding mask (attention_masks.causal_only)."""
     ids, mask, labels = text_samples.sft_example([5, 6, 7], [8, 9], max_length=8, pad_id=0)
