@@ -32,6 +32,12 @@ Offloaded activations (rungs 11, 14) are copied into pinned host buffers that pe
 
 Outputs of the graph (the summed loss, the logits and targets of the step) live in the graph's pool
 and are overwritten by the next replay: the loop consumes them (accuracy, loss window) right after.
+
+A step that cannot be captured (a model that copies host data to the GPU inside its forward: BLOOM makes
+its ALiBi slopes from a Python number on every call) fails at the capture, before any of it ran. Each
+step then runs as the warm-up ran it, without the graph (the compiled blocks stay), after one line that
+says why; the results record it (``cuda_graphs.not_captured``). Running out of memory is not that: it
+stops the run as eagerly.
 """
 
 from __future__ import annotations
@@ -144,6 +150,7 @@ class StepGraph:
         self.static: dict[int, Any] = {}  # group size n -> its micro-batches, each tensor with a leading n
         self.graphs: dict[int, tuple[Any, tuple]] = {}  # group size -> (graph, outputs)
         self.pool = None
+        self.not_captured: str | None = None  # why the step could not be captured: each step runs eagerly
         self.warmup_steps_done = 0
         # With accumulation the gradients must outlive each micro-batch anyway (the eager peak already
         # holds them), so they stay allocated outside the graph and are zeroed in it: the graph's pool,
@@ -218,8 +225,11 @@ class StepGraph:
                 )
             for buffer, tensor in zip(tree_leaves(self.static[size]), tree_leaves(batch), strict=True):
                 buffer[slot].copy_(tensor, non_blocking=True)
-        if size not in self.graphs:
+        if size not in self.graphs and self.not_captured is None:
             self._capture(size)  # a last, shorter group of an epoch gets its own graph
+        if self.not_captured is not None:
+            with self.warmup():  # as the warm-up ran it: on the side stream, reading the device rates
+                return self._step(size)
         graph, outputs = self.graphs[size]
         self.lrs.sync()
         graph.replay()
@@ -235,8 +245,20 @@ class StepGraph:
                     if p.requires_grad and p.grad is None:
                         p.grad = torch.zeros_like(p)
         graph = self.make_graph()
-        with self.lrs.as_tensors():
-            outputs = self.capture(graph, lambda: self._step(group_size))
+        try:
+            with self.lrs.as_tensors():
+                outputs = self.capture(graph, lambda: self._step(group_size))
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as error:
+            if "captur" not in str(error):  # not the capture's refusal: the step's own error
+                raise
+            self.not_captured = str(error).splitlines()[0]
+            self.fabric.print(
+                f"fast mode: the step could not be captured in a CUDA graph ({self.not_captured}); each step"
+                " runs without the graph"
+            )
+            return
         self.graphs[group_size] = (graph, outputs)
 
     def _cuda_capture(self, graph, body: Callable):

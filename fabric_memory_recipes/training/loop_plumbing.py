@@ -285,6 +285,7 @@ class TrainingRun:
             self.results.extra["cuda_graphs"] = {
                 "graphs": len(self.graph.graphs),
                 **(self.graph.memory() or {}),
+                **({"not_captured": self.graph.not_captured} if self.graph.not_captured else {}),
             }
             self.graph.close()
         if self.window_batches:

@@ -52,14 +52,14 @@ class FakeStepGraph(graphs.StepGraph):
         return out
 
 
-def _train(fab, model, opt_fn, sched_fn, dl, k, epochs, graphed, monkeypatch, max_steps=None):
+def _train(fab, model, opt_fn, sched_fn, dl, k, epochs, graphed, monkeypatch, max_steps=None, graph=None):
     model = copy.deepcopy(model)
     optimizer = opt_fn(model.parameters())
     model, optimizer = fab.setup(model, optimizer)
     scheduler = sched_fn(optimizer) if sched_fn else None
     log = make_log()
     if graphed:
-        monkeypatch.setattr(loop_plumbing, "StepGraph", FakeStepGraph)
+        monkeypatch.setattr(loop_plumbing, "StepGraph", graph or FakeStepGraph)
     cfg = settings(accumulation_steps=k, epochs=epochs, log_every=1, max_steps=max_steps, cuda_graphs=graphed)
     loop.fit(fab, model, optimizer, dl, batch_fn, cfg, log, scheduler=scheduler)
     monkeypatch.undo()
@@ -111,6 +111,45 @@ def test_graphed_steps_equal_eager_steps(fabric, monkeypatch, opt, num_micro, k,
     # outside the capture the schedulers see floats again, and the parameters really moved
     assert isinstance(opt_f.param_groups[0]["lr"], float)
     assert not torch.allclose(next(fast.parameters()), next(model0.parameters()))
+
+
+class RefusedCapture(FakeStepGraph):
+    """A capture that fails as CUDA refuses one (a host tensor copied to the GPU inside the forward)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.capture = self._refuse
+
+    def _refuse(self, graph, body):
+        FakeGraph.captures += 1
+        raise RuntimeError(self.error)
+
+
+@pytest.mark.parametrize(
+    "error", ["Cannot copy between CPU and CUDA tensors during CUDA graph capture\nmore", "bug"]
+)
+def test_a_step_that_cannot_be_captured_runs_eagerly_and_says_why(fabric, monkeypatch, capsys, error):
+    """BLOOM stopped at its capture on an H200 (results/published/h200/ranking-check/unseen-call3/): such a
+    step now runs as the warm-up ran it and trains as the eager run does; any other error stops the run."""
+    x, y = tiny_data(10 * 4)
+    model0 = tiny_model()
+    opt_fn = lambda p: torch.optim.Adam(p, lr=0.02, fused=True)  # noqa: E731
+    RefusedCapture.error, FakeGraph.captures, FakeStepGraph.replays = error, 0, []
+    run = lambda graphed: _train(fabric, model0, opt_fn, None, loader(x, y, 4), 2, 1, graphed, monkeypatch,  # noqa: E731
+                                 graph=RefusedCapture)  # fmt: skip
+    if error == "bug":
+        with pytest.raises(RuntimeError, match="bug"):  # not the capture's refusal: the run stops, as eagerly
+            run(True)
+        return
+    eager, log_e, _ = run(False)
+    fast, log_f, _ = run(True)
+    assert FakeGraph.captures == 1 and len(FakeStepGraph.replays) == 5 - graphs.WARMUP_STEPS  # tried once
+    for p, q in zip(fast.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert log_f.optimizer_steps == log_e.optimizer_steps == 5
+    assert log_f.extra["cuda_graphs"] == {"graphs": 0, "not_captured": error.splitlines()[0]}
+    assert "the step could not be captured in a CUDA graph (Cannot copy" in capsys.readouterr().out
+    assert not torch.allclose(next(fast.parameters()), next(model0.parameters()))  # it trained
 
 
 def test_step_counters_move_to_the_device_and_capturable_is_set():
