@@ -145,6 +145,8 @@ def read_runs(gpu: str = "h100", repo: Path = REPO) -> list[Run]:
             if gpu_slug(prov.get("gpu_name")) != gpu or d["recipe"] == "16_weights_on_cpu":
                 continue
             config, seconds = d["config"], timing["median_step_s"]
+            if ((d.get("extra") or {}).get("cuda_graphs") or {}).get("not_captured"):  # ran without its graph
+                config = {**config, "cuda_graphs": False}
             intervals = timing.get("timed_intervals") or 1
             runs.append(Run(path, d["recipe"], config["model"], run_mode(config), config, seconds, intervals))
     return runs

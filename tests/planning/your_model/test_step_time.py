@@ -338,6 +338,21 @@ def test_the_calibration_reads_runs_committed_inside_archives(tmp_path):
     )
 
 
+def test_a_run_whose_step_was_not_captured_is_fitted_as_run_without_its_graph(tmp_path, monkeypatch):
+    """BLOOM's graph sets ran without their graph (the capture refused: results ``cuda_graphs.not_captured``):
+    the fit prices them as fast mode without CUDA graphs, as they ran."""
+    base = {"status": "ok", "recipe": "your_model", "timing": {"median_step_s": 0.1},
+            "config": {"model": "hf:examples/configs/bloom-560m", "compile": True, "cuda_graphs": True},
+            "provenance": {"gpu_name": "NVIDIA H200", "world_size": 1}}  # fmt: skip
+    refused = {**base, "extra": {"cuda_graphs": {"graphs": 0, "not_captured": "Cannot copy ... capture"}}}
+    for name, run in (("a", base), ("b", refused)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "your_model.json").write_text(json.dumps(run))
+    monkeypatch.setitem(step_calibration.RUN_GLOBS, "h200", ("*/your_model.json",))
+    runs = step_calibration.read_runs("h200", tmp_path)
+    assert [(r.mode, r.config["cuda_graphs"]) for r in runs] == [("graphs", True), ("fast", False)]
+
+
 def test_the_stored_h200_kind_is_physical_and_plans_for_an_h200():
     """An h200 plan takes h200's ceilings, fitted on the committed H200 runs (vision and text, eager, compiled
     blocks and CUDA graphs) within the datasheet's peaks: fusion a share (at most 1, at least what a profile measured), the bandwidth and the
