@@ -33,8 +33,8 @@ Offloaded activations (rungs 11, 14) are copied into pinned host buffers that pe
 Outputs of the graph (the summed loss, the logits and targets of the step) live in the graph's pool
 and are overwritten by the next replay: the loop consumes them (accuracy, loss window) right after.
 
-A step that cannot be captured (a model that copies host data to the GPU inside its forward: BLOOM makes
-its ALiBi slopes from a Python number on every call) fails at the capture, before any of it ran. Each
+A step that cannot be captured (a forward that copies host data to the GPU: Hugging Face's eager mask for
+BLOOM copied a zero from the host in every forward) fails at the capture, before any of it ran. Each
 step then runs as the warm-up ran it, without the graph (the compiled blocks stay), after one line that
 says why; the results record it (``cuda_graphs.not_captured``). Running out of memory is not that: it
 stops the run as eagerly.

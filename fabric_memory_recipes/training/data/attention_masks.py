@@ -15,12 +15,14 @@ which a CUDA graph cannot capture. Two ways round it (a causal LM's chosen once 
 
 A model with its own attention code, off Hugging Face's attention interface (``_supports_attention_backend``
 false), may read the 2-D mask for more than the mask: BLOOM builds its ALiBi biases from it, and a 4-D mask
-stops its first step. It keeps the 2-D mask: such a model runs eager attention, whose 4-D mask Hugging Face
-builds on the device from the 2-D one without reading it on the host (the host check is SDPA's).
+stops its first step. It keeps the 2-D mask, and its eager attention's 4-D mask is made inside
+:func:`eager_mask_on_device`: Hugging Face's eager mask without the zero it copies from the host in every
+forward (a CUDA graph refuses the copy: results/published/h200/ranking-check/NOTES.md, "Six more families").
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -64,18 +66,55 @@ def causal_only(model) -> bool:
     return True
 
 
+def _mask_on_device(*args, dtype: torch.dtype = torch.float32, **kwargs) -> torch.Tensor | None:
+    """``masking_utils.eager_mask``: SDPA's boolean mask, 0 where a token attends and the dtype's minimum
+    elsewhere; the 0 written on the device, not copied from the host."""
+    from transformers.masking_utils import sdpa_mask
+
+    kwargs["allow_is_causal_skip"] = False
+    mask = sdpa_mask(*args, **kwargs)
+    if mask is None:
+        return None
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+
+
+def own_attention(model) -> bool:
+    """Whether ``model`` runs its own eager attention code, off Hugging Face's attention interface: its 2-D mask
+    stays, and its 4-D mask is made by :func:`eager_mask_on_device`."""
+    return (
+        not getattr(model, "_supports_attention_backend", False)
+        and model.config._attn_implementation == "eager"
+    )
+
+
+@contextlib.contextmanager
+def eager_mask_on_device():
+    """Within it, Hugging Face makes an eager attention's mask with :func:`_mask_on_device` (a local override of
+    its mask functions' table, removed on leaving)."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS as table
+
+    table["eager"] = _mask_on_device
+    try:
+        yield
+    finally:
+        del table["eager"]
+
+
 def capturable(batch_fn: Callable, model) -> Callable:
     """A causal LM's ``batch_fn`` (its own loss or the fused loss) as fast mode's CUDA graph runs it: under SDPA
     with the causal flag alone (:func:`causal_only`, applied to ``model`` now: its mask function ignores the 2-D
     mask), under eager attention with the 4-D causal mask (:func:`mask_4d`), the 2-D one for a model with
-    its own attention code."""
+    its own attention code (:func:`own_attention`)."""
     unmasked = causal_only(model)
-    four_d = not unmasked and getattr(model, "_supports_attention_backend", False)
+    own = not unmasked and own_attention(model)
 
     def captured(model, batch):
         input_ids, attention_mask, labels = batch
-        if four_d:  # (the 2-D mask stays for a causal-only model: without one, Hugging Face would look
-            attention_mask = mask_4d(model, attention_mask, True)  # for packed sequences on the host)
+        if own:
+            with eager_mask_on_device():
+                return batch_fn(model, batch)
+        if not unmasked:  # (the 2-D mask stays for a causal-only model: without one, Hugging Face would
+            attention_mask = mask_4d(model, attention_mask, True)  # look for packed sequences on the host)
         return batch_fn(model, (input_ids, attention_mask, labels))
 
     return captured

@@ -104,22 +104,33 @@ def test_the_fused_loss_in_the_captured_form_reads_nothing_on_the_host(lm_ref, a
     assert got[2] == 0 and got[3] is None
 
 
-def test_a_model_with_its_own_attention_code_keeps_its_2d_mask_and_reads_nothing_on_the_host(tmp_path):
-    """BLOOM builds its ALiBi biases from the 2-D mask (a 4-D one stopped its first step); off Hugging Face's
-    attention interface the 2-D mask stays, and under eager attention its 4-D form is built on the device."""
+class HostCopies(HostWaits):
+    """Counts the host reads and waits, and the tensors made from host data (each a copy to the GPU there)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops.aten.lift_fresh.default
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def test_a_model_with_its_own_attention_code_keeps_its_2d_mask_and_copies_nothing_from_the_host(tmp_path):
+    """BLOOM builds its ALiBi biases from the 2-D mask (a 4-D one stopped its first step on an H200), and
+    Hugging Face's eager mask copies a zero from the host (the capture refused it there): off the attention
+    interface the 2-D mask stays and the mask is made on the device, with the 2-D path's loss and gradients."""
     bloom = {"model_type": "bloom", "architectures": ["BloomForCausalLM"], "hidden_size": 64, "n_head": 4,
              "n_layer": 2, "vocab_size": VOCAB, "hidden_dropout": 0.0, "attention_dropout": 0.0}  # fmt: skip
     (tmp_path / "config.json").write_text(json.dumps(bloom))
     model = _model(f"hf:{tmp_path}", "eager")
     ids, mask, labels = _batch()
-    want = _loss_and_gradients(copy.deepcopy(model), text.causal_lm, (ids, mask, labels))
+    want = loss_and_gradients(copy.deepcopy(model), text.causal_lm, (ids, mask, labels), HostCopies)
+    assert want[2] >= 2  # the selection of the accuracy's tokens, and the eager mask's zero from the host
     for fused in (False, True):  # the model's own loss, then the fused loss (its head replaced)
         batch_fn = (
             fused_loss.fused_batch_fn(model)
             if fused
             else functools.partial(text.causal_lm, train_accuracy=False)
         )
-        got = _loss_and_gradients(model, attention_masks.capturable(batch_fn, model), (ids, mask, labels))
+        captured = attention_masks.capturable(batch_fn, model)
+        got = loss_and_gradients(model, captured, (ids, mask, labels), HostCopies)
         torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-5)
         for a, b in zip(got[1], want[1], strict=True):
             torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
