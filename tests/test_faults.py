@@ -38,9 +38,9 @@ from tests.conftest import (
     RECIPES_DIR,
     REPO,
     Started,
-    as_from_a_terminal,
     describe,
     free_port,
+    from_a_terminal,
     load_recipe_module,
     result,
     run_recipe_inprocess,
@@ -1255,14 +1255,8 @@ def test_ctrl_c_while_a_recipe_imports_is_one_line_and_exit_130(tmp_path):
 
 def python_c(code: str) -> subprocess.CompletedProcess:
     """``python -c code``, started as from a terminal (SIGINT at its default): the Ctrl-C tests' child."""
-    return subprocess.run(
-        [sys.executable, "-c", code],
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        preexec_fn=as_from_a_terminal,
-    )
+    argv, terminal = from_a_terminal([sys.executable, "-c", code])
+    return subprocess.run(argv, env=subprocess_env(), capture_output=True, text=True, timeout=60, **terminal)
 
 
 def test_ctrl_c_in_a_tool_is_one_line_and_exit_130():
