@@ -1,6 +1,7 @@
 """Does the CPU ranking's first pick run fastest, at the speed predicted, within its card? ``fmr-estimate
---fit SIZE`` then ``--measure``'s runs, for the causal LMs (``lm``), the vision models (``vision``), LoRA
-(``peft``) or the encoder-decoders (``seq2seq``) of :data:`MATRIX`, on one GPU, and the targets per model:
+--fit SIZE`` then ``--measure``'s runs, for the causal LMs (``lm``), the vision models (``vision``), models no
+step-time fit had seen (``held-out``, ``unseen``), LoRA (``peft``) or the encoder-decoders (``seq2seq``) of
+:data:`MATRIX`, on one GPU, and the targets per model:
 
 * the first pick (predicted rank 1) measured at >= 90 % of the fastest measured set that fits;
 * its predicted samples/s within +-25 % of measured;

@@ -17,6 +17,9 @@
 #   bash scripts/gpu/ranking_check.sh held-out # models no step-time fit has seen: EfficientNet-B0 4 GB,
 #                                              # RegNetY-1.6GF 4 GB (batch 128), ConvNeXt-T 3 GB, DenseNet-121
 #                                              # 3 GB (batch 64), TinyLlama 1.1 B 20 GB (8 x 1024)
+#   bash scripts/gpu/ranking_check.sh unseen   # six more families no fit had seen: ResNeXt-50 5 GB, EfficientNetV2-S
+#                                              # 6 GB, ShuffleNetV2 2.5 GB; OPT-350m 10 GB, BLOOM-560m 14 GB,
+#                                              # Phi-1.5 32 GB (8 x 1024)
 #
 # bf16-mixed AdamW (the user's, kept). STEPS (10) optimizer steps per set; MEASURE_TOP=K measures each plan's
 # first K sets only (the picks, when K is 1); ONLY=a,b (model names) reruns
@@ -29,7 +32,7 @@
 # Results, rewritten after each model: $OUT/ranking-<part>.tgz (each model's fit.json, plan.json, plan.md,
 # runs and logs), $OUT/summary-<part>.md (the table) and $OUT/summary-<part>.json.
 set -u
-part=${1:?lm, vision, held-out, peft or seq2seq}
+part=${1:?lm, vision, held-out, unseen, peft or seq2seq}
 : "${OUT:?set OUT}"
 . "$(dirname "${BASH_SOURCE[0]}")/common.sh"  # the functions the GPU scripts share
 export_run_env
