@@ -218,6 +218,9 @@ class StepGraph:
         Returns the step's summed micro-batch loss, its logits and its targets (valid until the next
         replay)."""
         size = len(group)
+        if self.not_captured is not None:  # as the warm-up ran it: side stream, device learning rates
+            with self.warmup():
+                return self._run(group)
         for slot, batch in enumerate(group):
             if size not in self.static:
                 self.static[size] = tree_map(
@@ -225,11 +228,11 @@ class StepGraph:
                 )
             for buffer, tensor in zip(tree_leaves(self.static[size]), tree_leaves(batch), strict=True):
                 buffer[slot].copy_(tensor, non_blocking=True)
-        if size not in self.graphs and self.not_captured is None:
+        if size not in self.graphs:
             self._capture(size)  # a last, shorter group of an epoch gets its own graph
-        if self.not_captured is not None:
-            with self.warmup():  # as the warm-up ran it: on the side stream, reading the device rates
-                return self._step(size)
+            if self.not_captured is not None:  # (the group was read into the static buffers)
+                with self.warmup():
+                    return self._step(size)
         graph, outputs = self.graphs[size]
         self.lrs.sync()
         graph.replay()
@@ -276,7 +279,10 @@ class StepGraph:
     def _step(self, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """What the graph records: the eager training step, reading the static buffers."""
         static = self.static[group_size]
-        group = [tree_map(lambda t, j=j: t[j], static) for j in range(group_size)]
+        return self._run([tree_map(lambda t, j=j: t[j], static) for j in range(group_size)])
+
+    def _run(self, group: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The eager training step over ``group``'s micro-batches: the summed loss, the logits, the targets."""
         losses, logits_, targets_ = [], [], []
 
         def keep(loss: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor) -> None:

@@ -40,11 +40,14 @@ def mask_4d(model, attention_mask: torch.Tensor, causal: bool) -> torch.Tensor:
         keep = keep & torch.ones(tokens, tokens, dtype=torch.bool, device=keep.device).tril()
         keep = keep | torch.eye(tokens, dtype=torch.bool, device=keep.device)
     if model.config._attn_implementation == "eager":
-        dtype = next(model.parameters()).dtype
-        keep = torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(
-            ~keep, torch.finfo(dtype).min
-        )
+        return additive(keep, next(model.parameters()).dtype)
     return keep
+
+
+def additive(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (``True``: attend) as eager attention adds it to the scores: 0, or the dtype's minimum;
+    made on the device (no number copied from the host)."""
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, torch.finfo(dtype).min)
 
 
 def _no_mask(*args, **kwargs) -> None:
@@ -73,9 +76,7 @@ def _mask_on_device(*args, dtype: torch.dtype = torch.float32, **kwargs) -> torc
 
     kwargs["allow_is_causal_skip"] = False
     mask = sdpa_mask(*args, **kwargs)
-    if mask is None:
-        return None
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+    return None if mask is None else additive(mask, dtype)
 
 
 def own_attention(model) -> bool:
