@@ -207,7 +207,7 @@ def test_the_batch_norm_inputs_are_the_fits_simulation_of_the_run(tmp_path):
     assert inputs[0] == max(inputs)
 
 
-def test_a_fit_without_some_runs_predicts_them_with_the_others_ceilings(monkeypatch, capsys):
+def test_a_fit_without_some_runs_predicts_them_with_the_others_ceilings(monkeypatch, capsys, tmp_path):
     """devtools.speed.held_out_fit: the runs whose path holds the text are left out of the fit and predicted;
     here they ran 1.5x as long as the same step the fit saw, so each is predicted 50 % fast."""
     from devtools.speed import held_out_fit
@@ -238,7 +238,13 @@ def test_a_fit_without_some_runs_predicts_them_with_the_others_ceilings(monkeypa
     assert result["summary"]["predicted"]["within_25_percent"] == 0
     with pytest.raises(ValueError, match="0 to predict"):
         held_out_fit.held_out_fit(pts, "nowhere")
+    paths = [r.path for r in sc.read_runs("h200")]  # the docs' two commands find their committed runs
+    assert all(any(text in path for path in paths) for text in ("held-out", "unseen"))
     monkeypatch.setattr(sc, "read_runs", lambda gpu: [p.first for p in pts])
     with pytest.raises(SystemExit) as e:
         held_out_fit.main(["--without", "nowhere"])
     assert e.value.code != 0 and "no committed h200 run's path holds 'nowhere'" in capsys.readouterr().err
+    monkeypatch.setattr(sc, "points", lambda runs: pts)  # the command's simulations, stood in for
+    assert held_out_fit.main(["--without", "held-out", "--json", str(tmp_path / "out.json")]) == 0
+    assert "predicted: 2 configurations, median |error| 50%" in capsys.readouterr().out
+    assert json.loads((tmp_path / "out.json").read_text())["summary"] == result["summary"]
