@@ -14,7 +14,8 @@ differs; the image model also eager against eager (the run-to-run spread of its 
 graphs only; the causal LM in CUDA graphs too (``--cuda-graphs``: its own loss, the fused loss with selective
 checkpointing or accumulation, LoRA, activation offload); and the causal LMs with ``--fused-loss``
 against their own loss, eager (the Llama and Qwen2 0.2 B: at 2 x 511 tokens both take the torch path's
-256-token chunks, 8 and 32 times Liger's, so CUDA runs the torch path).
+256-token chunks, 8 and 32 times Liger's, so CUDA runs the torch path; Phi-1.5, whose output projection has a
+bias, at 8 x 1024 tokens, where CUDA runs Liger's kernel).
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ ROWS = [  # (name, common flags, flags of the reference run, flags of the run ch
      ["--mode", "eager"], ["--mode", "fast", "--cuda-graphs"]),
     ("hf llama-0.36b, fused loss vs its own loss (eager)", ["--model", LM, "--batch-size", "2", "--seq-len", "512",
      "--mode", "eager"], [], ["--fused-loss"]),
+    ("hf phi-1.5 (its head has a bias; 8 x 1024 tokens: Liger's kernel), fused loss vs its own loss (eager)",
+     ["--model", "hf:examples/configs/phi-1.5", "--batch-size", "8", "--seq-len", "1024", "--mode", "eager"], [],
+     ["--fused-loss"]),
     ("hf qwen2-0.2b (152 k vocabulary), fused loss vs its own loss (eager)", ["--model", QWEN, "--batch-size", "2",
      "--seq-len", "512", "--mode", "eager"], [], ["--fused-loss"]),
     # the sets a causal LM's graph would take by default (graphs/NOTES.md's probe ran them, not compared)

@@ -9,7 +9,9 @@ Implementations: ``plain``; ``liger`` (liger-kernel's LigerFusedLinearCrossEntro
 (cut-cross-entropy's linear_cross_entropy), ``torch`` (this project's chunked path,
 training/techniques/fused_loss.py, which CUDA runs where its chunks are 4 x Liger's); each skipped with a
 reason when its package is missing.
-Shapes: ``--tokens`` rows of ``--hidden`` features onto ``--vocab`` classes, bf16 (autocast's dtype).
+Shapes: ``--tokens`` rows of ``--hidden`` features onto ``--vocab`` classes, bf16 (autocast's dtype);
+``--bias``: the projection has a bias (Phi's head), whose gradient is compared too (cut-cross-entropy takes
+none: its row says so).
 """
 
 from __future__ import annotations
@@ -26,38 +28,42 @@ from fabric_memory_recipes.console import Parser
 from fabric_memory_recipes.training.techniques import fused_loss
 
 
-def _plain(h, w, t):
-    return F.cross_entropy(F.linear(h, w).float(), t, ignore_index=-100)
+def _plain(h, w, t, b):
+    return F.cross_entropy(F.linear(h, w, b).float(), t, ignore_index=-100)
 
 
-def _liger(h, w, t):
+def _liger(h, w, t, b):
     from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
-    return LigerFusedLinearCrossEntropyLoss(ignore_index=-100)(w, h, t)
+    return LigerFusedLinearCrossEntropyLoss(ignore_index=-100)(w, h, t, b)
 
 
-def _cce(h, w, t):
+def _cce(h, w, t, b):
     from cut_cross_entropy import linear_cross_entropy
 
+    if b is not None:
+        raise ValueError("cut-cross-entropy's linear_cross_entropy takes no bias")
     return linear_cross_entropy(h, w, t, ignore_index=-100)
 
 
-def _torch(h, w, t):
-    return fused_loss.ChunkedLinearCrossEntropy.apply(h, w, t)
+def _torch(h, w, t, b):
+    return fused_loss.ChunkedLinearCrossEntropy.apply(h, w, t, b)
 
 
 IMPLS = {"plain": _plain, "liger": _liger, "cce": _cce, "torch": _torch}
 
 
-def measure(fn, h, w, t, repeats: int) -> dict:
+def measure(fn, h, w, t, b, repeats: int) -> dict:
     times = []
     for i in range(repeats + 2):
         h.grad = w.grad = None
+        if b is not None:
+            b.grad = None
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
-        loss = fn(h, w, t)
+        loss = fn(h, w, t, b)
         loss.backward()
         torch.cuda.synchronize()
         if i >= 2:  # the first calls compile and autotune
@@ -71,6 +77,7 @@ def measure(fn, h, w, t, repeats: int) -> dict:
         "max_ms": 1e3 * max(times),
         "grad_h": h.grad.float().clone(),
         "grad_w": w.grad.float().clone(),
+        "grad_b": b.grad.float().clone() if b is not None else None,
     }
 
 
@@ -79,6 +86,7 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=8 * 1023)
     p.add_argument("--hidden", type=int, default=960)
     p.add_argument("--vocab", type=int, default=49152)
+    p.add_argument("--bias", action="store_true", help="the projection has a bias (default: none)")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--out", default="runs/fused-loss")
     a = p.parse_args()
@@ -86,21 +94,23 @@ def main() -> int:
     dev = "cuda"
     h = (torch.randn(a.tokens, a.hidden, device=dev) * 0.5).bfloat16().requires_grad_()
     w = (torch.randn(a.vocab, a.hidden, device=dev) * 0.02).bfloat16().requires_grad_()
+    b = (torch.randn(a.vocab, device=dev) * 0.5).bfloat16().requires_grad_() if a.bias else None
     t = torch.randint(0, a.vocab, (a.tokens,), device=dev)
     t[: a.tokens // 8] = -100  # a prompt's tokens
     rows, ref = [], None
     for name, fn in IMPLS.items():
         try:
-            r = measure(fn, h, w, t, a.repeats)
+            r = measure(fn, h, w, t, b, a.repeats)
         except Exception as e:
             rows.append({"impl": name, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"})
             continue
-        gh, gw = r.pop("grad_h"), r.pop("grad_w")
+        grads = r.pop("grad_h"), r.pop("grad_w"), r.pop("grad_b")
         if ref is None:
-            ref = (r["loss"], gh, gw)
+            ref = (r["loss"], *grads)
         r["loss_diff"] = abs(r["loss"] - ref[0])
-        r["grad_h_rel_l2"] = ((gh - ref[1]).norm() / ref[1].norm()).item()
-        r["grad_w_rel_l2"] = ((gw - ref[2]).norm() / ref[2].norm()).item()
+        for key, g, g_ref in zip(("grad_h", "grad_w", "grad_b"), grads, ref[1:], strict=True):
+            if g is not None:
+                r[f"{key}_rel_l2"] = ((g - g_ref).norm() / g_ref.norm()).item()
         rows.append({"impl": name, **r})
         print(json.dumps(rows[-1]), flush=True)
     os.makedirs(a.out, exist_ok=True)

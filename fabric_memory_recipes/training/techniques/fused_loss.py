@@ -12,7 +12,8 @@ Applied to any Hugging Face causal LM through its output embeddings (:func:`fuse
 projection's module is kept (its weight stays tied to the input embeddings) but returns its input, so the
 model's ``logits`` are the hidden states, and :func:`causal_lm_loss` projects them chunk by chunk. An
 encoder-decoder's decoder is the same (:func:`seq2seq_lm_loss`: T5 and mT5; T5's rescaling of tied
-outputs happens before the projection, so it stays; BART adds a bias after it and is refused).
+outputs happens before the projection, so it stays; BART adds a bias after it and is refused). A bias of
+the projection itself (Phi's) is added to each chunk's logits and gets its gradient, as ``nn.Linear`` would.
 
 Backends, one call (:func:`linear_cross_entropy`): on CUDA Liger-Kernel's ``LigerFusedLinearCrossEntropyLoss``
 (``pip install liger-kernel``), which computes the same chunked gradients with a Triton softmax; elsewhere,
@@ -77,13 +78,14 @@ class HiddenStates(torch.nn.Module):
         if shift:
             hidden = hidden[:, :-1]
         hidden = hidden.reshape(-1, hidden.shape[-1])
-        self._outcome = _loss_and_predictions(hidden, self.projection.weight, targets.reshape(-1))
+        head = self.projection
+        self._outcome = _loss_and_predictions(hidden, head.weight, targets.reshape(-1), head.bias)
         return self._outcome[0]
 
 
 def refusal(model: torch.nn.Module) -> str | None:
-    """Why the fused loss cannot apply to ``model`` (no output embeddings, a bias, or logits that the model
-    rescales after the projection), or None when it can."""
+    """Why the fused loss cannot apply to ``model`` (no output embeddings, a bias added after the projection,
+    or logits that the model rescales after it), or None when it can."""
     get = getattr(model, "get_output_embeddings", None)
     head = get() if get is not None else None
     if isinstance(head, HiddenStates):
@@ -93,9 +95,8 @@ def refusal(model: torch.nn.Module) -> str | None:
             f"--fused-loss: {type(model).__name__} has no output embeddings to fuse (a causal LM's"
             " linear projection onto the vocabulary)"
         )
-    bias_after = getattr(model, "final_logits_bias", None)  # BART adds one after the projection
-    if head.bias is not None or bias_after is not None:
-        return "--fused-loss: the output projection has a bias, which the fused loss does not add"
+    if getattr(model, "final_logits_bias", None) is not None:  # BART adds a bias after the projection
+        return "--fused-loss: the model adds a bias after its output projection, which the fused loss does not add"
     config = getattr(model, "config", None)
     for field in ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale"):
         if getattr(config, field, None) not in (None, 0, 1, 1.0):
@@ -136,20 +137,24 @@ def backend(hidden: torch.Tensor, vocab: int | None = None) -> str:
     return "liger" if importlib.util.find_spec("liger_kernel") else "torch"
 
 
-def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of ``hidden @ weight.T`` against ``targets`` (``IGNORE_INDEX`` skipped), as
-    ``F.cross_entropy(F.linear(hidden, weight), targets)`` under the same autocast, without the logits."""
+def linear_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Mean cross-entropy of ``hidden @ weight.T (+ bias)`` against ``targets`` (``IGNORE_INDEX`` skipped), as
+    ``F.cross_entropy(F.linear(hidden, weight, bias), targets)`` under the same autocast, without the logits."""
     if torch.is_autocast_enabled(hidden.device.type):  # the dtype nn.Linear would compute in
         dtype = torch.get_autocast_dtype(hidden.device.type)
         hidden, weight = hidden.to(dtype), weight.to(dtype)
     else:  # a 16-bit-true model's outputs come back from Fabric in fp32: the projection's dtype, as in the model
-        hidden = hidden.to(weight.dtype)
+        dtype = weight.dtype
+        hidden = hidden.to(dtype)
+    bias = bias.to(dtype) if bias is not None else None
     with torch.autocast(hidden.device.type, enabled=False):
         if backend(hidden, weight.shape[0]) == "liger":
             from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
-            return LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX)(weight, hidden, targets)
-        return ChunkedLinearCrossEntropy.apply(hidden, weight, targets)
+            return LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX)(weight, hidden, targets, bias)
+        return ChunkedLinearCrossEntropy.apply(hidden, weight, targets, bias)
 
 
 def liger_rows(tokens: int, vocab: int, hidden: int) -> int:
@@ -190,7 +195,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     (their hidden states and their rows of the hidden states' gradient), not in the chunk's logits."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, hidden, weight, targets, bias=None) -> torch.Tensor:
         rows = hidden.shape[0]
         count = (targets != IGNORE_INDEX).sum().clamp(min=1)
         grad_hidden = torch.zeros_like(hidden) if hidden.requires_grad else None
@@ -199,6 +204,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         # (a wide copy of the weight's size made, cast and added per chunk was 265 of the 474 GB a micro-batch of
         # Qwen2 0.2 B moved, simulated: 152 k vocabulary, 128 chunks)
         grad_weight = torch.zeros_like(weight) if weight.requires_grad else None
+        grad_bias = torch.zeros_like(bias, dtype=wide) if bias is not None and bias.requires_grad else None
         loss = torch.zeros((), device=hidden.device, dtype=wide)
         step = chunk_rows(rows, weight.shape[0], weight.shape[1])
         minus_one = torch.full((step, 1), -1.0, dtype=wide, device=hidden.device)  # the one-hot, subtracted
@@ -206,34 +212,44 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             h, t = hidden[start : start + step], targets[start : start + step]
             valid = (t != IGNORE_INDEX).unsqueeze(1)
             index = t.clamp(min=0).unsqueeze(1)
-            log_p = torch.log_softmax(h @ weight.t(), dim=-1, dtype=wide)
+            logits = h @ weight.t() if bias is None else torch.addmm(bias, h, weight.t())
+            log_p = torch.log_softmax(logits, dim=-1, dtype=wide)
+            del logits
             loss = loss - (log_p.gather(1, index) * valid).sum()
             # d(sum of losses)/d(logits) = softmax - one-hot; ignored rows are masked below
             grad = log_p.exp_().scatter_add_(1, index, minus_one[: t.shape[0]])
+            if grad_bias is not None:  # ignored rows masked: d(loss)/d(bias) sums the counted rows
+                grad_bias += (grad * valid).sum(0)
             grad = grad.to(hidden.dtype)
             del log_p
             if grad_hidden is not None:
                 grad_hidden[start : start + step] = (grad @ weight) * valid
             if grad_weight is not None:
                 torch.addmm(grad_weight, grad.t(), h * valid, out=grad_weight)
-        ctx.save_for_backward(grad_hidden, grad_weight, count)
+        grad_bias = grad_bias.to(bias.dtype) if grad_bias is not None else None
+        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias, count)
         return loss / count
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
-        grad_hidden, grad_weight, count = ctx.saved_tensors
+        grad_hidden, grad_weight, grad_bias, count = ctx.saved_tensors
         scale = grad_loss / count
         gh = grad_hidden.mul_(scale) if grad_hidden is not None else None
         gw = grad_weight.mul_(scale) if grad_weight is not None else None
-        return gh, gw, None
+        gb = grad_bias.mul_(scale) if grad_bias is not None else None
+        return gh, gw, None, gb
 
 
-def predicted_ids(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def predicted_ids(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """The most likely token of each row of ``hidden``, one chunk of logits at a time (evaluation)."""
     step = chunk_rows(hidden.shape[0], weight.shape[0], weight.shape[1])
+    weight = weight.to(hidden.dtype)
+    bias = bias.to(hidden.dtype) if bias is not None else None
     return torch.cat(
         [
-            (hidden[i : i + step] @ weight.t().to(hidden.dtype)).argmax(-1)
+            torch.nn.functional.linear(hidden[i : i + step], weight, bias).argmax(-1)
             for i in range(0, hidden.shape[0], step)
         ]
     )
@@ -260,14 +276,14 @@ def causal_lm_loss(head: HiddenStates):
     return batch_fn
 
 
-def _loss_and_predictions(hidden, weight, targets):
+def _loss_and_predictions(hidden, weight, targets, bias=None):
     """The fused loss of ``hidden`` against ``targets``; in evaluation (no gradients) also the predicted ids
     of the tokens that count, chunk by chunk, for the accuracy."""
-    loss = linear_cross_entropy(hidden, weight, targets)
+    loss = linear_cross_entropy(hidden, weight, targets, bias)
     if torch.is_grad_enabled():
         return loss, None, None
     keep = targets != IGNORE_INDEX
-    return loss, predicted_ids(hidden[keep], weight), targets[keep]
+    return loss, predicted_ids(hidden[keep], weight, bias), targets[keep]
 
 
 def seq2seq_lm_loss(head: HiddenStates, decoder_input_ids):

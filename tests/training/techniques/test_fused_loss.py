@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, PhiConfig, PhiForCausalLM
 
 from fabric_memory_recipes.config import UsageError
 from fabric_memory_recipes.training.data.text_samples import IGNORE_INDEX
@@ -20,17 +20,20 @@ from tests.conftest import free_port, result, submit
     ("vocab", "width", "rows"),
     [(1000, 32, 16), (4000, 96, 32)],  # Liger's chunks; 4 x Liger's (a third of the hidden size)
 )
-def test_chunked_loss_and_gradients_equal_the_plain_ones(vocab, width, rows):
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])  # Phi's head has one
+def test_chunked_loss_and_gradients_equal_the_plain_ones(vocab, width, rows, with_bias):
     torch.manual_seed(0)
     hidden = torch.randn(300, width, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(vocab, width, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(vocab, dtype=torch.float64, requires_grad=True) if with_bias else None
     targets = torch.randint(0, vocab, (300,))
     targets[::7] = IGNORE_INDEX
     assert fused_loss.chunk_rows(300, vocab, width) == rows  # several chunks
-    plain = F.cross_entropy(hidden @ weight.t(), targets, ignore_index=IGNORE_INDEX)
-    g_plain = torch.autograd.grad(plain * 3, (hidden, weight))
-    fused = fused_loss.linear_cross_entropy(hidden, weight, targets)
-    g_fused = torch.autograd.grad(fused * 3, (hidden, weight))
+    inputs = (hidden, weight, bias) if with_bias else (hidden, weight)
+    plain = F.cross_entropy(F.linear(hidden, weight, bias), targets, ignore_index=IGNORE_INDEX)
+    g_plain = torch.autograd.grad(plain * 3, inputs)
+    fused = fused_loss.linear_cross_entropy(hidden, weight, targets, bias)
+    g_fused = torch.autograd.grad(fused * 3, inputs)
     assert torch.allclose(fused, plain, rtol=1e-10)
     for a, b in zip(g_fused, g_plain, strict=True):
         assert torch.allclose(a, b, rtol=1e-8, atol=1e-12)
@@ -68,6 +71,18 @@ def test_fp32_hidden_states_of_a_bf16_true_model_meet_its_bf16_projection():
     assert hidden.grad.dtype == torch.float32 and weight.grad.dtype == torch.bfloat16
 
 
+def _phi() -> PhiForCausalLM:
+    """Phi's output projection has a bias (which the fused loss adds and trains)."""
+    config = PhiConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=500
+    )
+    torch.manual_seed(0)
+    model = PhiForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.bias.normal_()  # not zeros: the bias must matter to the loss
+    return model
+
+
 def _llama(tie: bool = True) -> LlamaForCausalLM:
     config = LlamaConfig(
         hidden_size=32,
@@ -82,13 +97,14 @@ def _llama(tie: bool = True) -> LlamaForCausalLM:
     return LlamaForCausalLM(config)
 
 
-def test_a_causal_lm_through_its_output_embeddings_learns_as_with_its_own_loss():
-    plain = _llama()
+@pytest.mark.parametrize("make", [_llama, _phi], ids=["llama-tied", "phi-head-bias"])
+def test_a_causal_lm_through_its_output_embeddings_learns_as_with_its_own_loss(make):
+    plain = make()
     fused = copy.deepcopy(plain)
     head = fused_loss.fuse_output_embeddings(fused)
-    assert (
-        fused.get_output_embeddings() is head and head.weight is fused.get_input_embeddings().weight
-    )  # tied
+    assert fused.get_output_embeddings() is head
+    tied = plain.config.tie_word_embeddings
+    assert (head.weight is fused.get_input_embeddings().weight) is tied
     ids = torch.randint(0, 500, (2, 16))
     labels = ids.clone()
     labels[:, :5] = IGNORE_INDEX  # the prompt
@@ -114,8 +130,8 @@ def test_what_cannot_be_fused_is_one_line():
     with pytest.raises(UsageError, match="no output embeddings"):
         fused_loss.fuse_output_embeddings(torch.nn.Linear(4, 4))
     model = _llama(tie=False)
-    model.lm_head.bias = torch.nn.Parameter(torch.zeros(500))
-    with pytest.raises(UsageError, match="bias"):
+    model.register_buffer("final_logits_bias", torch.zeros(1, 500))  # BART adds one after its projection
+    with pytest.raises(UsageError, match="bias after its output projection"):
         fused_loss.fuse_output_embeddings(model)
     model = _llama()
     model.config.final_logit_softcapping = 30.0
