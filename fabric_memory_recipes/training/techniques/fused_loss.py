@@ -41,8 +41,9 @@ BACKENDS = ("liger", "torch")
 
 
 class HiddenStates(torch.nn.Module):
-    """The output projection's stand-in: holds the projection (its weight stays a parameter of the model,
-    tied where it was) and returns its input, the hidden states, in place of the logits.
+    """The output projection's stand-in: holds the projection's weight and bias, the same parameters under the
+    same names (tied where they were; a checkpoint's keys are the plain model's), and returns its input, the
+    hidden states, in place of the logits.
 
     Told the targets first (:meth:`expect`, what the batch functions do), its forward computes the fused
     loss itself and returns the loss in place of the logits; :meth:`outcome` hands the batch function the
@@ -52,13 +53,10 @@ class HiddenStates(torch.nn.Module):
 
     def __init__(self, projection: torch.nn.Linear) -> None:
         super().__init__()
-        self.projection = projection
+        self.register_parameter("weight", projection.weight)
+        self.register_parameter("bias", projection.bias)
         self._expected: tuple[torch.Tensor, bool] | None = None
         self._outcome: tuple | None = None
-
-    @property
-    def weight(self) -> torch.nn.Parameter:
-        return self.projection.weight
 
     def expect(self, targets: torch.Tensor, shift: bool) -> None:
         """The next forward's targets; ``shift``: a causal LM's (the hidden state of token t predicts t + 1)."""
@@ -78,8 +76,7 @@ class HiddenStates(torch.nn.Module):
         if shift:
             hidden = hidden[:, :-1]
         hidden = hidden.reshape(-1, hidden.shape[-1])
-        head = self.projection
-        self._outcome = _loss_and_predictions(hidden, head.weight, targets.reshape(-1), head.bias)
+        self._outcome = _loss_and_predictions(hidden, self.weight, targets.reshape(-1), self.bias)
         return self._outcome[0]
 
 

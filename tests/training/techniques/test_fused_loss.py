@@ -103,6 +103,7 @@ def test_a_causal_lm_through_its_output_embeddings_learns_as_with_its_own_loss(m
     fused = copy.deepcopy(plain)
     head = fused_loss.fuse_output_embeddings(fused)
     assert fused.get_output_embeddings() is head
+    assert list(fused.state_dict()) == list(plain.state_dict())  # a checkpoint loads into the plain model
     tied = plain.config.tie_word_embeddings
     assert (head.weight is fused.get_input_embeddings().weight) is tied
     ids = torch.randint(0, 500, (2, 16))
