@@ -163,7 +163,13 @@ def test_the_h200_ranking_claim_is_the_committed_checks():
     that measured each model's three sets; the picks' repeats are left out)."""
     folder = REPO / "results" / "published" / "h200" / "ranking-check"
     rows = {}
-    unseen = ("unseen-call1", "unseen-call2", "unseen-call3", "unseen-call4-bloom")
+    unseen = (
+        "unseen-call1",
+        "unseen-call2",
+        "unseen-call3",
+        "unseen-call4-bloom",
+        "unseen-call6-bloom-graphed",
+    )
     for name in ("lm-graphs", "vision-graphs", "held-out-call1", "held-out-call2", *unseen):
         for row in json.loads((folder / f"summary-{name}.json").read_text())["rows"]:
             if row.get("pick_over_fastest") is not None:
