@@ -161,7 +161,7 @@ def test_fit_answers_for_bart_with_commands_that_keep_the_target_length(tiny, ca
 def test_bad_input_is_one_line_and_exit_2(tiny, capsys):
     cases = {
         "is an encoder-decoder's": ["--model", tiny["bert"], "--seq-len", "16", "--target-len", "8"],
-        "has a bias": ["--model", tiny["bart"], "--seq-len", "16", "--fused-loss"],
+        "a bias after its output projection": ["--model", tiny["bart"], "--seq-len", "16", "--fused-loss"],
         "has 128 positions": ["--model", tiny["bart"], "--seq-len", "16", "--target-len", "1000"],
     }
     for words, argv in cases.items():
