@@ -178,6 +178,7 @@ def simulate(
         stack.enter_context(tracker)
         # compiled blocks run as inductor partitions them, unless checkpointed (which keeps their input only)
         partition = tuple(b for b in plan.compiled_blocks if b not in plan.activation_checkpointing)
+        uncached = plan.activation_checkpointing if plan.compile else ()  # eager graph, casts not cached
         eager_compiled = plan.compile and not partition  # compiled blocks run their eager graph here
         stack.enter_context(attention_kernel(plan.attention_kernel, plan.device, kernels, eager_compiled))
         stack.enter_context(cuda_dropout(plan.device == "cuda"))  # a bool mask kept, as CUDA's dropout
@@ -251,7 +252,7 @@ def simulate(
         # recompute in backward, after the forward call has returned.
         stack.enter_context(_reparametrize_module(model, fake_state, tie_weights=True))
         context = (plan.device, plan.attention_kernel)  # what the blocks' traces depend on besides
-        stack.enter_context(partitioned(model, partition, context, kernels))
+        stack.enter_context(partitioned(model, partition, context, kernels, uncached))
         stack.enter_context(
             checkpointed(model, plan.activation_checkpointing, counter.add, plan.checkpoint_mode)
         )

@@ -19,6 +19,13 @@ arguments, autocast's state and the simulation's device and attention kernel), w
 dispatch modes and saved-tensor hooks set aside while it is traced, and kept for the process's later
 simulations: a trace costs about a second on a CPU (T5-small's 4 distinct blocks: 8 s on 2 busy cores,
 2 s when they are kept).
+
+A compiled block that is also checkpointed keeps only its input, so its eager graph runs in the simulation
+(``uncached``): but with autocast's cache of weight casts off inside it. Eager autocast keeps each fp32
+weight's low-precision copy until the forward pass ends; compiled code casts inside its graph and frees the
+copy after its last use. Phi-1.5 (1.4 B, bf16-mixed, fast mode, checkpointed blocks) was predicted 2.63 GB of
+such copies at its forward's peak and measured 2.68 GB under the prediction on an H200
+(results/published/h200/ranking-check/NOTES.md, "Phi-1.5 at 24 GB").
 """
 
 from __future__ import annotations
@@ -63,6 +70,21 @@ def _stand_ins(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         view = bases[id(storage)].view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
         out.append(view.detach().requires_grad_(t.requires_grad))
     return out
+
+
+class _Uncached:
+    """A block's own forward with autocast's weight-cast cache off inside it (compiled code casts in its graph)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.original = module.forward
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        cached = torch.is_autocast_cache_enabled()
+        torch.set_autocast_cache_enabled(False)
+        try:
+            return self.original(*args, **kwargs)
+        finally:
+            torch.set_autocast_cache_enabled(cached)
 
 
 class _Block:
@@ -129,17 +151,25 @@ class _Block:
 
 @contextlib.contextmanager
 def partitioned(
-    model: Any, class_names: tuple[str, ...], context: tuple = (), used: set[str] | None = None
+    model: Any,
+    class_names: tuple[str, ...],
+    context: tuple = (),
+    used: set[str] | None = None,
+    uncached: tuple[str, ...] = (),
 ) -> Iterator[int]:
     """Run every module of ``model`` whose class is named in ``class_names`` as its compiled block, for the
     duration (:class:`_Block`); yields how many. ``context``: what else the simulation's trace of a block
     depends on (its device and attention kernel: the stand-ins of planning/simulation/modelled.py); ``used``
-    collects the attention kernels the blocks run."""
+    collects the attention kernels the blocks run; ``uncached``: the compiled blocks that are checkpointed,
+    run eagerly with autocast's cast cache off (:class:`_Uncached`)."""
     used = set() if used is None else used
     wrapped = []
     for module in model.modules():
         if class_names and type(module).__name__ in class_names:
             module.forward = _Block(module, context, used)
+            wrapped.append(module)
+        elif uncached and type(module).__name__ in uncached:
+            module.forward = _Uncached(module)
             wrapped.append(module)
     try:
         yield len(wrapped)
