@@ -35,7 +35,8 @@ BACKGROUND_TESTS = {
 def _ladder(args: list[str]):
     tmp = session_dir("run_all")
     results = tmp / "results"
-    return run_all(*args, "--results-dir", str(results), tmp=tmp), results
+    cut = args.index("--") if "--" in args else len(args)  # after "--": the recipes' flags, not run_all.sh's
+    return run_all(*args[:cut], "--results-dir", str(results), *args[cut:], tmp=tmp), results
 
 
 def start_background_jobs() -> None:
