@@ -72,6 +72,11 @@ def _stand_ins(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
+def _holds_batch_norm(module: torch.nn.Module) -> bool:
+    """Fast mode leaves such a block eager (training/your_model/models.py ``compile_repeated``)."""
+    return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in module.modules())
+
+
 class _Uncached:
     """A block's own forward with autocast's weight-cast cache off inside it (compiled code casts in its graph)."""
 
@@ -161,14 +166,15 @@ def partitioned(
     duration (:class:`_Block`); yields how many. ``context``: what else the simulation's trace of a block
     depends on (its device and attention kernel: the stand-ins of planning/simulation/modelled.py); ``used``
     collects the attention kernels the blocks run; ``uncached``: the compiled blocks that are checkpointed,
-    run eagerly with autocast's cast cache off (:class:`_Uncached`)."""
+    run eagerly with autocast's cast cache off (:class:`_Uncached`), but for those holding BatchNorm, which
+    fast mode does not compile."""
     used = set() if used is None else used
     wrapped = []
     for module in model.modules():
         if class_names and type(module).__name__ in class_names:
             module.forward = _Block(module, context, used)
             wrapped.append(module)
-        elif uncached and type(module).__name__ in uncached:
+        elif uncached and type(module).__name__ in uncached and not _holds_batch_norm(module):
             module.forward = _Uncached(module)
             wrapped.append(module)
     try:
