@@ -8,13 +8,12 @@ Every recipe runs with FMR_OFFLINE=1 (no network look-ups) and FMR_LOG_DIR in a 
   ``__main__`` with a patched ``sys.argv`` (runpy), in the interpreter that has imported torch and
   Lightning once. This is how a recipe run is tested: its flags, its results JSON, its one-line
   refusals and exit codes (``SystemExit``).
-* A process (:func:`run_process`, :func:`run_recipe_process`, :class:`Started`): what needs one -
-  several ranks (gloo), real signals and their exit codes, ``run_all.sh`` and the tools' command lines.
-  A fresh interpreter spends ~6 s of CPU importing torch/Lightning, so these few start as background
-  jobs: a test module may define ``start_background_jobs()``; it is called once the tests are
-  collected (only for modules with selected tests) and submits its runs with :func:`submit` /
-  :func:`submit_recipe`. They run while the in-process tests go on; a test waits for its own with
-  :func:`result`.
+* A process (:func:`run_process`, :func:`run_recipe_process`, :class:`Started`; tests/processes): what
+  needs one - several ranks (gloo), real signals and their exit codes, ``run_all.sh`` and the tools' command
+  lines. A fresh interpreter spends ~6 s of CPU importing torch/Lightning, so these few start as background
+  jobs: a test module may define ``start_background_jobs()``; it is called once the tests are collected
+  (only for modules with selected tests) and submits its runs with :func:`submit` / :func:`submit_recipe`.
+  They run while the in-process tests go on; a test waits for its own with :func:`result`.
 """
 
 from __future__ import annotations
@@ -34,8 +33,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -43,7 +40,21 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.processes import (  # noqa: F401 - the tests import them from here
+    _LIVE,
+    _LIVE_LOCK,
+    BACKGROUND_NICE,
+    REPO,
+    SUBPROCESS_TIMEOUT,
+    Started,
+    _kill,
+    as_from_a_terminal,
+    background_priority,
+    from_a_terminal,
+    lower_this_threads_priority,
+    run_process,
+)
+
 RECIPES_DIR = REPO / "recipes"
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
@@ -80,7 +91,6 @@ CPU_ARGS = (
 # Rungs whose strategy (Fabric's FSDPStrategy) refuses the CPU: on CPU they must exit 2 with one line
 # saying so (docs/08_fsdp.md); everything else runs on CPU.
 CUDA_ONLY_RECIPES = frozenset({"08_fsdp"})
-SUBPROCESS_TIMEOUT = 400
 WORKERS = int(os.environ.get("FMR_TEST_WORKERS", "0")) or max(2, min(4, os.cpu_count() or 2))
 
 
@@ -131,70 +141,6 @@ def subprocess_env(log_dir: str | os.PathLike | None = None, **extra: str) -> di
     env.setdefault("OMP_NUM_THREADS", "1")
     env.update(extra)
     return env
-
-
-_LIVE: set[subprocess.Popen] = set()
-_LIVE_LOCK = threading.Lock()
-
-
-def as_from_a_terminal() -> None:
-    """``preexec_fn`` of the processes the tests start: SIGINT and SIGHUP at their defaults, as a terminal's
-    shell starts a command. A suite started in the background (``pytest &``, a CI runner) has SIGINT
-    ignored, one started under ``nohup`` SIGHUP, which its children inherit: Python then installs no
-    KeyboardInterrupt, a run keeps an ignored SIGHUP ignored (as it should under nohup), and the Ctrl-C and
-    hang-up tests would see nothing."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.signal(signal.SIGHUP, signal.SIG_DFL)
-
-
-def from_a_terminal(argv: Sequence[str]) -> tuple[list[str], dict]:
-    """(The command line, Popen's keyword arguments) that start ``argv`` as :func:`as_from_a_terminal`
-    does, through GNU env where it can (coreutils >= 8.31: it resets the two, then execs ``argv``): without
-    a preexec_fn, subprocess starts the child with vfork instead of forking this process (over a GB: ~0.1 s
-    of CPU per start, in page tables and copy-on-write faults)."""
-    argv = [str(a) for a in argv]
-    return ([*_RESET, *argv], {}) if _RESET else (argv, {"preexec_fn": as_from_a_terminal})
-
-
-_RESET = [shutil.which("env") or "env", "--default-signal=INT,HUP"]
-if not shutil.which("env") or subprocess.run([*_RESET, "true"], capture_output=True).returncode:
-    _RESET = None
-
-
-def run_process(
-    cmd: Sequence[str], env: dict[str, str], timeout: float = SUBPROCESS_TIMEOUT, cwd: Path = REPO
-):
-    """subprocess.run (in ``cwd``, the repository unless said), in its own process group, remembered so
-    that an aborted session can end it."""
-    argv, terminal = from_a_terminal(cmd)
-    proc = subprocess.Popen(
-        argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True, **terminal,
-    )  # fmt: skip
-    with _LIVE_LOCK:
-        _LIVE.add(proc)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _kill(proc)
-        out, err = proc.communicate()
-        err += f"\n[tests] killed after {timeout} s"
-    finally:
-        _kill(proc)  # whatever it launched and left behind (its process group) goes with it
-        with _LIVE_LOCK:
-            _LIVE.discard(proc)
-    return subprocess.CompletedProcess([str(c) for c in cmd], proc.returncode, out, err)
-
-
-def _killpg(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)  # the process group we started (it may have children)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _kill(proc: subprocess.Popen) -> None:
-    _killpg(proc.pid)
 
 
 def _option(args: Sequence[str], flag: str) -> str | None:
@@ -270,48 +216,6 @@ def run_recipe_process(
     return proc, payload
 
 
-class Started:
-    """A process started now, its output going to files: watched (``read``), signalled, waited for.
-    The signal tests use it (a real process: real signal handlers, real exit codes)."""
-
-    def __init__(self, argv: Sequence[str], env: dict[str, str], folder: Path) -> None:
-        folder.mkdir(parents=True, exist_ok=True)
-        stem = folder / f"run-{time.monotonic_ns()}"
-        self.out, self.err = stem.with_suffix(".out"), stem.with_suffix(".err")
-        with open(self.out, "w") as out, open(self.err, "w") as err:
-            self.argv = [sys.executable, *map(str, argv)]
-            command, terminal = from_a_terminal(self.argv)
-            self.proc = subprocess.Popen(
-                command, cwd=REPO, env=env, stdout=out, stderr=err, start_new_session=True, **terminal
-            )
-        with _LIVE_LOCK:
-            _LIVE.add(self.proc)
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def read(self) -> tuple[str, str]:
-        """(stdout, stderr) so far."""
-        return self.out.read_text(errors="replace"), self.err.read_text(errors="replace")
-
-    def running(self) -> bool:
-        return self.proc.poll() is None
-
-    def wait(self, timeout: float = SUBPROCESS_TIMEOUT) -> subprocess.CompletedProcess:
-        note = ""
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            note = f"\n[tests] killed after {timeout} s"
-        finally:
-            _kill(self.proc)  # what it launched and left behind (its process group) goes with it
-            with _LIVE_LOCK:
-                _LIVE.discard(self.proc)
-        out, err = self.read()
-        return subprocess.CompletedProcess(self.argv, self.proc.wait(), out, err + note)
-
-
 @pytest.fixture
 def run_recipe(tmp_path):
     """``run_recipe(name, *args)`` -> (CompletedProcess, parsed results JSON or None), run now in-process."""
@@ -340,27 +244,13 @@ def session_dir(name: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=f"{name}-", dir=_TMP_ROOT))
 
 
-# How much lower the priority of the background jobs' processes is than this process's: the in-process tests
-# are the session's longest chain, and with two jobs running on 2 cores the scheduler gave this process two
-# thirds of a core; lowered, the jobs take what this process leaves (a whole core, and both while it waits).
-BACKGROUND_NICE = 5
-
-
-def _lower_this_threads_priority() -> None:
-    """Run in each job's thread before its first job: Linux keeps a nice value per thread, and the processes a
-    thread starts inherit it."""
-    with contextlib.suppress(AttributeError, OSError):  # not Linux: as before
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + BACKGROUND_NICE))
-
-
 def submit(key: str, fn: Callable, *args) -> Future:
     """Start ``fn(*args)`` in the background (once per key), its processes at a lower priority
     (:data:`BACKGROUND_NICE`)."""
     global _EXECUTOR
     if _EXECUTOR is None:
         _EXECUTOR = ThreadPoolExecutor(
-            max_workers=WORKERS, thread_name_prefix="fmr-job", initializer=_lower_this_threads_priority
+            max_workers=WORKERS, thread_name_prefix="fmr-job", initializer=lower_this_threads_priority
         )
     if key not in _JOBS:
         _JOBS[key] = _EXECUTOR.submit(fn, *args)

@@ -38,6 +38,7 @@ from tests.conftest import (
     RECIPES_DIR,
     REPO,
     Started,
+    background_priority,
     describe,
     free_port,
     from_a_terminal,
@@ -403,6 +404,7 @@ def _run_all_ctrl_c() -> dict:
             stderr=e,
             start_new_session=True,
         )
+    background_priority(proc)
     try:
         deadline = time.monotonic() + TIMEOUT
         while proc.poll() is None and time.monotonic() < deadline:
