@@ -10,10 +10,12 @@ Every recipe runs with FMR_OFFLINE=1 (no network look-ups) and FMR_LOG_DIR in a 
   refusals and exit codes (``SystemExit``).
 * A process (:func:`run_process`, :func:`run_recipe_process`, :class:`Started`; tests/processes): what
   needs one - several ranks (gloo), real signals and their exit codes, ``run_all.sh`` and the tools' command
-  lines. A fresh interpreter spends ~6 s of CPU importing torch/Lightning, so these few start as background
-  jobs: a test module may define ``start_background_jobs()``; it is called once the tests are collected
-  (only for modules with selected tests) and submits its runs with :func:`submit` / :func:`submit_recipe`.
-  They run while the in-process tests go on; a test waits for its own with :func:`result`.
+  lines. A fresh interpreter spends ~6 s of CPU importing torch/Lightning: a recipe or tool that imports
+  Lightning first starts from a pre-imported zygote where that is the same (tests/processes/zygote.py).
+  These processes start as background jobs: a test module may define ``start_background_jobs()``; it is
+  called once the tests are collected (only for modules with selected tests) and submits its runs with
+  :func:`submit` / :func:`submit_recipe`. They run while the in-process tests go on; a test waits for its
+  own with :func:`result`.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from tests.processes import (  # noqa: F401 - the tests import them from here
     BACKGROUND_NICE,
     REPO,
     SUBPROCESS_TIMEOUT,
+    ZYGOTE,
     Started,
     _kill,
     as_from_a_terminal,
@@ -54,6 +57,7 @@ from tests.processes import (  # noqa: F401 - the tests import them from here
     lower_this_threads_priority,
     run_process,
 )
+from tests.processes.zygote import server_argv
 
 RECIPES_DIR = REPO / "recipes"
 if str(REPO) not in sys.path:
@@ -313,6 +317,20 @@ def pytest_collection_modifyitems(session, config, items):
     items[:] = [item for _, item in sorted(enumerate(items), key=key)]
 
 
+def pytest_sessionstart(session):
+    """Start the zygote (tests/processes/zygote.py) while the tests are collected: its imports then take the
+    core that collecting leaves idle."""
+    if not session.config.option.collectonly:
+        ZYGOTE.folder = _TMP_ROOT / "zygote"
+        ZYGOTE.start(from_a_terminal(server_argv(ZYGOTE.folder)), subprocess_env(), REPO)
+
+
+def _starts_processes(module) -> bool:
+    """Whether a test module starts processes through this file's helpers (then the zygote is started)."""
+    helpers = (run_process, run_recipe_process, Started, submit, submit_recipe, submit_estimate)
+    return module is not None and any(getattr(module, h.__name__, None) is h for h in helpers)
+
+
 def pytest_collection_finish(session):
     """Start the selected modules' background processes as soon as the test list is known.
 
@@ -321,6 +339,8 @@ def pytest_collection_finish(session):
     """
     if session.config.option.collectonly:
         return
+    if not any(_starts_processes(getattr(item, "module", None)) for item in session.items):
+        ZYGOTE.stop()  # started for nothing: these tests start no process
     selected: dict = {}
     for item in session.items:
         module = getattr(item, "module", None)
@@ -350,6 +370,7 @@ def pytest_sessionfinish(session, exitstatus):
         for proc in live:
             _kill(proc)
         _EXECUTOR.shutdown(wait=True)
+    ZYGOTE.stop()
     shutil.rmtree(_TMP_ROOT, ignore_errors=True)
 
 

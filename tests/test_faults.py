@@ -154,9 +154,9 @@ def tiny_cifar(folder: Path, files: int = 2, per_file: int = 60) -> list[str]:
 class Running(Started):
     """A recipe process started now: watched through its output, signalled, waited for."""
 
-    def __init__(self, name: str, args, log_dir: Path) -> None:
+    def __init__(self, name: str, args, log_dir: Path, fresh: bool = False) -> None:
         super().__init__(
-            [RECIPES_DIR / f"{name}.py", *args], subprocess_env(log_dir), log_dir.parent / "runs"
+            [RECIPES_DIR / f"{name}.py", *args], subprocess_env(log_dir), log_dir.parent / "runs", fresh
         )
 
     def wait_until(self, ready, timeout: float = TIMEOUT) -> bool:
@@ -184,7 +184,7 @@ def _sigint_and_a_second_run() -> dict:
     earlier = earlier_result(results, "01_baseline")
     before = snapshot(results)
     args = [*QUICK, *tiny_cifar(tmp / "data"), "--batch-size", "8", *UNTIL_STOPPED, "--results-dir", results]
-    first = Running("01_baseline", args, tmp / "logs")
+    first = Running("01_baseline", args, tmp / "logs", fresh=True)  # the lock names its pid: this one's
     ok = first.wait_until(started)
     second = Running("01_baseline", args, tmp / "logs-2").wait() if ok else None
     first_pid = first.pid
@@ -1244,8 +1244,8 @@ def test_every_recipe_imports_the_package_first():
 
 def test_ctrl_c_while_a_recipe_imports_is_one_line_and_exit_130(tmp_path):
     """It printed a 68-85 line traceback. A fresh interpreter spends seconds importing torch and
-    Lightning: a SIGINT 0.8 s after the start lands there."""
-    started = Started([RECIPES_DIR / "01_baseline.py", "--help"], subprocess_env(), tmp_path)
+    Lightning: a SIGINT 0.8 s after the start lands there (a fresh one: the zygote imported them already)."""
+    started = Started([RECIPES_DIR / "01_baseline.py", "--help"], subprocess_env(), tmp_path, fresh=True)
     time.sleep(0.8)
     os.kill(started.pid, signal.SIGINT)
     proc = started.wait(60)

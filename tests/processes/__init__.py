@@ -1,9 +1,11 @@
 """Starting the tests' processes: as from a terminal, each in a session of its own, remembered so that an
-aborted session can end them, at a lower priority from a background job's thread."""
+aborted session can end them, at a lower priority from a background job's thread, and a Python process from
+the pre-imported zygote where that is the same as a fresh interpreter (:mod:`tests.processes.zygote`)."""
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import shutil
 import signal
@@ -13,6 +15,8 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+
+from tests.processes.zygote import Zygote, kill_worker
 
 REPO = Path(__file__).resolve().parents[2]
 SUBPROCESS_TIMEOUT = 400
@@ -47,11 +51,13 @@ if not shutil.which("env") or subprocess.run([*_RESET, "true"], capture_output=T
 
 
 def run_process(
-    cmd: Sequence[str], env: dict[str, str], timeout: float = SUBPROCESS_TIMEOUT, cwd: Path = REPO
-):
+    cmd: Sequence[str], env: dict[str, str], timeout: float = SUBPROCESS_TIMEOUT, cwd: Path = REPO,
+    fresh: bool = False,
+):  # fmt: skip
     """subprocess.run (in ``cwd``, the repository unless said), in its own process group, remembered so
-    that an aborted session can end it."""
-    proc = _start(cmd, env, cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    that an aborted session can end it. A Python process starts from the zygote where that is the same
+    (tests/processes/zygote.py); ``fresh``: always a fresh interpreter."""
+    proc = _start(cmd, env, cwd, fresh, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     with _LIVE_LOCK:
         _LIVE.add(proc)
     try:
@@ -67,10 +73,20 @@ def run_process(
     return subprocess.CompletedProcess([str(c) for c in cmd], proc.returncode, out, err)
 
 
-def _start(cmd: Sequence[str], env: dict[str, str], cwd: Path, **popen) -> subprocess.Popen:
-    """Popen ``cmd`` as from a terminal in a session of its own, at the jobs' priority from a job's thread."""
-    argv, terminal = from_a_terminal(cmd)
+ZYGOTE = Zygote()
+_WORKER_FILES = itertools.count()
+
+
+def _start(cmd: Sequence[str], env: dict[str, str], cwd: Path, fresh: bool, **popen) -> subprocess.Popen:
+    """Popen ``cmd`` as from a terminal in a session of its own: through the zygote's launcher where it
+    runs it as a fresh interpreter would (unless ``fresh``), at the jobs' priority from a job's thread."""
+    background, launcher = getattr(_JOB_THREAD, "background", False), None
+    if not fresh and ZYGOTE.folder is not None:
+        worker_file = ZYGOTE.folder / f"worker-{next(_WORKER_FILES)}"
+        launcher = ZYGOTE.command(cmd, env, cwd, worker_file, AUTOGROUP_NICE if background else None)
+    argv, terminal = from_a_terminal(launcher or cmd)
     proc = subprocess.Popen(argv, cwd=cwd, env=env, start_new_session=True, **terminal, **popen)
+    proc.worker_file = worker_file if launcher else None
     background_priority(proc)
     return proc
 
@@ -84,19 +100,20 @@ def _killpg(pid: int) -> None:
 
 def _kill(proc: subprocess.Popen) -> None:
     _killpg(proc.pid)
+    kill_worker(getattr(proc, "worker_file", None))  # the zygote's worker runs in a session of its own
 
 
 class Started:
     """A process started now, its output going to files: watched (``read``), signalled, waited for.
     The signal tests use it (a real process: real signal handlers, real exit codes)."""
 
-    def __init__(self, argv: Sequence[str], env: dict[str, str], folder: Path) -> None:
+    def __init__(self, argv: Sequence[str], env: dict[str, str], folder: Path, fresh: bool = False) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         stem = folder / f"run-{time.monotonic_ns()}"
         self.out, self.err = stem.with_suffix(".out"), stem.with_suffix(".err")
         with open(self.out, "w") as out, open(self.err, "w") as err:
             self.argv = [sys.executable, *map(str, argv)]
-            self.proc = _start(self.argv, env, REPO, stdout=out, stderr=err)
+            self.proc = _start(self.argv, env, REPO, fresh, stdout=out, stderr=err)
         with _LIVE_LOCK:
             _LIVE.add(self.proc)
 
