@@ -56,6 +56,7 @@ from tests.processes import (  # noqa: F401 - the tests import them from here
     from_a_terminal,
     lower_this_threads_priority,
     run_process,
+    this_process_waits,
 )
 from tests.processes.zygote import server_argv
 
@@ -290,6 +291,8 @@ def result(key: str):
     if key not in _JOBS:
         errors = "".join(f"\n  {m}: {e!r}" for m, e in _START_ERRORS.items())
         raise KeyError(f"background job {key!r} was never submitted{errors or ''}")
+    if not _JOBS[key].done():
+        this_process_waits()
     return _JOBS[key].result()
 
 

@@ -83,7 +83,7 @@ def _start(cmd: Sequence[str], env: dict[str, str], cwd: Path, fresh: bool, **po
     background, launcher = getattr(_JOB_THREAD, "background", False), None
     if not fresh and ZYGOTE.folder is not None:
         worker_file = ZYGOTE.folder / f"worker-{next(_WORKER_FILES)}"
-        launcher = ZYGOTE.command(cmd, env, cwd, worker_file, AUTOGROUP_NICE if background else None)
+        launcher = ZYGOTE.command(cmd, env, cwd, worker_file, _autogroup_nice() if background else None)
     argv, terminal = from_a_terminal(launcher or cmd)
     proc = subprocess.Popen(argv, cwd=cwd, env=env, start_new_session=True, **terminal, **popen)
     proc.worker_file = worker_file if launcher else None
@@ -167,6 +167,21 @@ def lower_this_threads_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + BACKGROUND_NICE))
 
 
+def _autogroup_nice() -> int:
+    return 0 if _WAITING.is_set() else AUTOGROUP_NICE
+
+
+def _set_autogroup_nice(pid: int, nice: int) -> None:
+    for _ in range(20):  # without CAP_SYS_ADMIN the kernel takes one change in 0.1 s (EAGAIN)
+        try:
+            Path(f"/proc/{pid}/autogroup").write_text(f"{nice}\n")
+            return
+        except BlockingIOError:
+            time.sleep(0.05)
+        except OSError:  # no autogroups (another kernel, another OS), or the process ended
+            return
+
+
 def background_priority(proc: subprocess.Popen) -> None:
     """A process a background job started in a session of its own (``start_new_session``), at the jobs'
     lower priority. A thread's nice value reaches such a process but no longer counts: with Linux's
@@ -177,5 +192,25 @@ def background_priority(proc: subprocess.Popen) -> None:
     ~357 s. The autogroup's nice value (:data:`AUTOGROUP_NICE`, for every process of the session) is set
     here; a process started from this process's own thread (which this process waits for) keeps 0."""
     if getattr(_JOB_THREAD, "background", False):
-        with contextlib.suppress(OSError):  # no autogroups (another kernel, another OS): the thread's nice
-            Path(f"/proc/{proc.pid}/autogroup").write_text(f"{AUTOGROUP_NICE}\n")
+        proc.background = True
+        _set_autogroup_nice(proc.pid, _autogroup_nice())
+
+
+_WAITING = threading.Event()
+
+
+def this_process_waits() -> None:
+    """Called when this process waits for a job (the tests that read the jobs' results run last): from then
+    on the jobs' sessions run at nice 0 again, as they would without :func:`background_priority` (on a core
+    shared with other users' processes they then get their full share)."""
+    if _WAITING.is_set():
+        return
+    _WAITING.set()
+    with _LIVE_LOCK:
+        live = [p for p in _LIVE if getattr(p, "background", False)]
+    for proc in live:
+        _set_autogroup_nice(proc.pid, 0)
+        worker = getattr(proc, "worker_file", None)  # the zygote's worker: a session of its own
+        if worker is not None:
+            with contextlib.suppress(OSError, ValueError):
+                _set_autogroup_nice(int(worker.read_text()), 0)
