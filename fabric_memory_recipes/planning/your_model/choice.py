@@ -44,12 +44,6 @@ class Choice(Candidate):
         return (*super().key, self.devices, self.switched, self.checkpoint_mode, self.cpu_offload, sharded_by)
 
     @property
-    def checkpointed_under_autocast(self) -> bool:
-        """Checkpointed blocks under ``-mixed`` precision: compiled, their step keeps no autocast weight copies
-        (planning/simulation/compiled/partition.py), so fast mode's step is simulated apart from eager's."""
-        return self.rung.precision.endswith("-mixed") and self.techniques.uses(ACTIVATION_CHECKPOINTING)
-
-    @property
     def plain(self) -> tuple:
         """The same set without its memory techniques (what bounds its speed: the module's docstring)."""
         r = self.rung

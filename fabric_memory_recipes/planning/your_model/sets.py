@@ -234,10 +234,10 @@ class UserPlanner:
     def _key(self, c: Choice) -> tuple:
         """``c``'s simulated step in ``self.simulated``: the mode changes the card overhead, the time and the
         replay (sharded: the step, :attr:`Choice.key`), not the step, unless an eager CUDA step runs attention
-        on math where compiled blocks keep the fused kernel, or blocks are :attr:`partitioned` or checkpointed
-        under autocast (no cached weight copies: simulation/compiled/partition.py): then its own."""
-        own = self.partitioned or c.key in self.falls_back or c.checkpointed_under_autocast
-        compiled = c.mode != "eager" and self.compiled and bool(own)
+        on math where compiled blocks keep the fused kernel, or blocks are :attr:`partitioned`: then its own."""
+        compiled = (
+            c.mode != "eager" and self.compiled and (bool(self.partitioned) or c.key in self.falls_back)
+        )
         return (c.key, "compiled") if compiled else c.key
 
     def _simulate(self, c: Choice, key: tuple, compiled: bool) -> None:
