@@ -23,41 +23,34 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
-import inspect
 import io
 import json
 import os
 import runpy
 import shlex
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import traceback
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Sequence
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
 
 from tests.processes import (  # noqa: F401 - the tests import them from here
-    _LIVE,
-    _LIVE_LOCK,
-    BACKGROUND_NICE,
     REPO,
-    SUBPROCESS_TIMEOUT,
     ZYGOTE,
     Started,
-    _kill,
-    as_from_a_terminal,
     background_priority,
     from_a_terminal,
-    lower_this_threads_priority,
+    jobs,
     run_process,
-    this_process_waits,
 )
+from tests.processes.jobs import result, submit  # noqa: F401 - the tests import them from here
+from tests.processes.state import process_state_kept
 from tests.processes.zygote import server_argv
 
 RECIPES_DIR = REPO / "recipes"
@@ -96,7 +89,6 @@ CPU_ARGS = (
 # Rungs whose strategy (Fabric's FSDPStrategy) refuses the CPU: on CPU they must exit 2 with one line
 # saying so (docs/08_fsdp.md); everything else runs on CPU.
 CUDA_ONLY_RECIPES = frozenset({"08_fsdp"})
-WORKERS = int(os.environ.get("FMR_TEST_WORKERS", "0")) or max(2, min(4, os.cpu_count() or 2))
 
 
 # ------------------------------------------------------------------------------------------ discovery
@@ -240,26 +232,9 @@ def describe(proc: subprocess.CompletedProcess) -> str:
 
 
 # ------------------------------------------------------------------------------------- background jobs
-_EXECUTOR: ThreadPoolExecutor | None = None
-_JOBS: dict[str, Future] = {}
-
-
 def session_dir(name: str) -> Path:
     """A fresh folder for a background job (removed at the end of the session)."""
     return Path(tempfile.mkdtemp(prefix=f"{name}-", dir=_TMP_ROOT))
-
-
-def submit(key: str, fn: Callable, *args) -> Future:
-    """Start ``fn(*args)`` in the background (once per key), its processes at a lower priority
-    (:data:`BACKGROUND_NICE`)."""
-    global _EXECUTOR
-    if _EXECUTOR is None:
-        _EXECUTOR = ThreadPoolExecutor(
-            max_workers=WORKERS, thread_name_prefix="fmr-job", initializer=lower_this_threads_priority
-        )
-    if key not in _JOBS:
-        _JOBS[key] = _EXECUTOR.submit(fn, *args)
-    return _JOBS[key]
 
 
 def submit_recipe(key: str, name: str, args: Sequence[str], results_dir: Path | None = None) -> Future:
@@ -283,41 +258,8 @@ def submit_estimate(command: str) -> str:
     return key
 
 
-_START_ERRORS: dict[str, Exception] = {}
-
-
-def result(key: str):
-    """Wait for a background job's result (what its function returned)."""
-    if key not in _JOBS:
-        errors = "".join(f"\n  {m}: {e!r}" for m, e in _START_ERRORS.items())
-        raise KeyError(f"background job {key!r} was never submitted{errors or ''}")
-    if not _JOBS[key].done():
-        this_process_waits()
-    return _JOBS[key].result()
-
-
-def _waits_for_a_job(item) -> bool:
-    """Whether a test waits for one of its module's background jobs (its BACKGROUND_TESTS, or every test
-    of a module that starts jobs and names none)."""
-    module = getattr(item, "module", None)
-    if module is None or not hasattr(module, "start_background_jobs"):
-        return False
-    needs = getattr(module, "BACKGROUND_TESTS", None)
-    return needs is None or getattr(item, "originalname", item.name) in needs
-
-
 def pytest_collection_modifyitems(session, config, items):
-    """The tests that wait for background jobs run last, in the order their jobs start; until then the
-    in-process tests keep this process busy while the jobs use the other cores. (In file order, the
-    first such wait came early and left this process idle for over a minute on 2 cores.)"""
-
-    def key(pair):
-        index, item = pair
-        if not _waits_for_a_job(item):
-            return (0, 0, index)
-        return (1, getattr(item.module, "BACKGROUND_PRIORITY", 100), index)
-
-    items[:] = [item for _, item in sorted(enumerate(items), key=key)]
+    jobs.order(items)
 
 
 def pytest_sessionstart(session):
@@ -335,44 +277,17 @@ def _starts_processes(module) -> bool:
 
 
 def pytest_collection_finish(session):
-    """Start the selected modules' background processes as soon as the test list is known.
-
-    ``start_background_jobs()`` may take one argument: it then gets the names of its module's selected
-    tests (``test_x[param]``) and can start only the jobs they need.
-    """
+    """Start the selected modules' background processes as soon as the test list is known
+    (:func:`tests.processes.jobs.start_selected`)."""
     if session.config.option.collectonly:
         return
     if not any(_starts_processes(getattr(item, "module", None)) for item in session.items):
         ZYGOTE.stop()  # started for nothing: these tests start no process
-    selected: dict = {}
-    for item in session.items:
-        module = getattr(item, "module", None)
-        if module is None:
-            continue
-        # a module may name the tests that need its jobs (BACKGROUND_TESTS); otherwise any selected test
-        needs = getattr(module, "BACKGROUND_TESTS", None)
-        if needs is None or getattr(item, "originalname", item.name) in needs:
-            selected.setdefault(module, []).append(item.name)
-    # longest chains first, so they do not end up alone at the end of the session
-    for module in sorted(selected, key=lambda m: getattr(m, "BACKGROUND_PRIORITY", 100)):
-        start = getattr(module, "start_background_jobs", None)
-        if start is None:
-            continue
-        try:
-            takes_names = len(inspect.signature(start).parameters) > 0
-            start(selected[module]) if takes_names else start()
-        except Exception as exc:
-            _START_ERRORS[module.__name__] = exc
+    jobs.start_selected(session.items)
 
 
 def pytest_sessionfinish(session, exitstatus):
-    if _EXECUTOR is not None:
-        _EXECUTOR.shutdown(wait=False, cancel_futures=True)
-        with _LIVE_LOCK:
-            live = list(_LIVE)
-        for proc in live:
-            _kill(proc)
-        _EXECUTOR.shutdown(wait=True)
+    jobs.shutdown()
     ZYGOTE.stop()
     shutil.rmtree(_TMP_ROOT, ignore_errors=True)
 
@@ -387,50 +302,6 @@ def _one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-
-def _torch_state() -> tuple | None:
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return None
-    return (
-        torch.get_default_dtype(),
-        torch.get_num_threads(),
-        torch.get_float32_matmul_precision(),
-        torch.is_grad_enabled(),
-    )
-
-
-@contextlib.contextmanager
-def process_state_kept():
-    """Put back, on leaving, what code run inside set for the rest of its process: the environment, the
-    working folder, the stop signals' handlers, and torch's default dtype, thread count, float32 matmul
-    precision and grad mode (only what changed is set again)."""
-    env, cwd, torch_state = dict(os.environ), os.getcwd(), _torch_state()
-    handlers = {sig: signal.getsignal(sig) for sig in _SIGNALS}
-    try:
-        yield
-    finally:
-        if os.environ != env:
-            for name in set(os.environ) - set(env):
-                del os.environ[name]
-            os.environ.update(env)
-        if os.getcwd() != cwd:
-            os.chdir(cwd)
-        for sig, handler in handlers.items():
-            if signal.getsignal(sig) != handler and handler is not None:  # None: not installed from Python
-                signal.signal(sig, handler)
-        if torch_state is not None and _torch_state() != torch_state:
-            import torch
-
-            dtype, threads, precision, grad = torch_state
-            torch.set_default_dtype(dtype)
-            torch.set_num_threads(threads)
-            torch.set_float32_matmul_precision(precision)
-            torch.set_grad_enabled(grad)
 
 
 # Settings a test must find as the session began and leave so: what sets them for the process outside a
