@@ -33,7 +33,7 @@ def held_out_fit(pts: list[step_calibration.Point], without: str, gpu: str | Non
             f"--without {without!r} leaves {len(kept)} configurations to fit, {len(left)} to predict"
         )
     fields = [f for f in step_calibration.FIELDS if f not in step_calibration.OFFLOAD_FIELDS]
-    c = step_calibration.fit(kept, fields, step_calibration.START, step_calibration.upper_of(gpu))
+    c = step_calibration.fit(kept, fields, step_calibration.start_of(gpu), step_calibration.upper_of(gpu))
 
     def rows(sel: list[step_calibration.Point]) -> list[dict[str, Any]]:
         return [
@@ -70,7 +70,12 @@ def lines(result: dict[str, Any]) -> list[str]:
             f"{name}: {s['configurations']} configurations, median |error| {s['median_abs_error']:.0%},"
             f" max {s['max_abs_error']:.0%}, within 25 %: {s['within_25_percent']}"
         )
-    out.append("ceilings: " + ", ".join(f"{k}={v:.4g}" for k, v in result["ceilings"].items()))
+    out.append(
+        "ceilings: "
+        + ", ".join(
+            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in result["ceilings"].items()
+        )
+    )
     return out
 
 

@@ -21,6 +21,9 @@ follows from the state's bytes (planning/planner/step_time.py).
   vocabulary of 50257 tokens in bf16) runs cuBLAS's element-wise-reading kernels: GPT-2 small's fused loss
   ran its vocabulary products at about 105 TFLOP/s on an H200, its other linear layers at 600 and more
   (results/published/h200/your-model-speed/vision-graph-profile/).
+* shape: a matrix product's M, N, K (an [M, K] by [K, N] product; a batched one's batch folded into M) and its
+  operands' layout (n: rows contiguous, t: a transposed view): the step time model reads its rate from the GPU
+  kind's measured table of such products (planning/your_model/gemm_rates.py).
 * BatchNorm in training (:data:`STATISTICS_PASS`): ATen's CUDA kernels first reduce per channel (forward: the
   batch's statistics from the input; backward: the sums of the output's gradient and of its product with the
   input), then run the elementwise pass; the first pass's reads are ``reduced_bytes`` and a kernel more (the
@@ -102,6 +105,8 @@ class OpCost:
     strided: bool = False  # a memory-bound op whose tensors are not all dense in one order (:func:`strided`)
     # a matrix product with a dimension cuBLAS cannot read in 16-byte vectors (:func:`unaligned`)
     unaligned: bool = False
+    # a matrix product's (M, N, K, layout) (:func:`product_shape`); None for any other op
+    shape: tuple[int, int, int, str] | None = None
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
@@ -131,6 +136,7 @@ def op_cost(func: Any, args: tuple, kwargs: dict, out: Any) -> OpCost:
     reduced = statistics_bytes(func, name, args, kwargs)
     gather = formula is None and strided([*tensors_in, *tensors_out], tensors_out[0].dim())
     odd = name in MATRIX_PRODUCTS and unaligned([*tensors_in, *tensors_out])
+    shape = product_shape(name, args) if name in MATRIX_PRODUCTS else None
     kernels = 2 if reduced else 1
     return OpCost(
         name,
@@ -142,7 +148,22 @@ def op_cost(func: Any, args: tuple, kwargs: dict, out: Any) -> OpCost:
         reduced_bytes=reduced,
         strided=gather,
         unaligned=odd,
+        shape=shape,
     )
+
+
+def product_shape(name: str, args: tuple) -> tuple[int, int, int, str] | None:
+    """(M, N, K, layout) of a matrix product (``mm``, ``bmm``: the first two arguments are its operands; ``addmm``,
+    ``baddbmm``: the second and third): a batched product's batch folded into M; layout ``n`` or ``t`` per operand
+    (its last dimension contiguous, or its second-last: a transposed view). None when the operands are not two
+    tensors of two or three dimensions."""
+    a, b = args[1:3] if name in ("addmm", "baddbmm") else args[:2]
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() not in (2, 3):
+        return None
+    m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+    m *= a.shape[0] if a.dim() == 3 else 1
+    layout = "".join("t" if t.stride(-1) != 1 and t.stride(-2) == 1 else "n" for t in (a, b))
+    return int(m), int(n), int(k), layout
 
 
 def unaligned(tensors: list[torch.Tensor]) -> bool:

@@ -13,6 +13,7 @@ import dataclasses
 import numpy as np
 
 from fabric_memory_recipes.planning.simulation.costs import OpCost
+from fabric_memory_recipes.planning.your_model import gemm_rates
 
 # Dense TF32 over dense bf16 tensor-core peak of the H100 SXM datasheet (494.7 / 989.4 TFLOP/s): an fp32
 # matmul (TF32 allowed, as every run here sets) runs at this share of a bf16 one.
@@ -38,6 +39,9 @@ class Ceilings:
     statistics_bandwidth: float = 0.0  # B_stat: bytes/s of BatchNorm's per-channel statistics passes (0: B)
     strided_bandwidth: float = 0.0  # B_str: bytes/s of a memory-bound op on strided tensors (0: B)
     unaligned_flops: float = 0.0  # F_odd: FLOP/s of a matrix product on unaligned operands (0: F)
+    # the GPU kind whose measured products (gemm_rates.py) shape a matrix product's rate: F x its share of that
+    # table's best; "": F for every product. Not fitted.
+    gemm_table: str = ""
 
     def to_dict(self) -> dict[str, float]:
         return dataclasses.asdict(self)
@@ -60,6 +64,12 @@ class MicroBatch:
     strided: np.ndarray | bool = False  # bool: a memory-bound op on strided tensors (costs.strided)
     unaligned: np.ndarray | bool = False  # bool: a matrix product on unaligned operands (costs.unaligned)
     backward: np.ndarray | bool = False  # bool: run in the backward pass (its own ops and any recompute)
+    shapes: list | None = (
+        None  # each op's (M, N, K, layout) if a matrix product, else None (costs.product_shape)
+    )
+    _shares: dict = dataclasses.field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )  # per table kind
 
     @classmethod
     def of(cls, ops: list[OpCost], module_calls: int, compiled_calls: float = 0.0) -> MicroBatch:
@@ -81,6 +91,7 @@ class MicroBatch:
             strided=np.array([o.strided for o in ops], dtype=bool),
             unaligned=np.array([o.unaligned for o in ops], dtype=bool),
             backward=np.array([o.backward for o in ops], dtype=bool),
+            shapes=[None if o.unaligned or not o.low_precision else o.shape for o in ops],
         )
 
     @staticmethod
@@ -89,9 +100,15 @@ class MicroBatch:
         back), g where the host launches each (a kind fitted without g_graph: g everywhere)."""
         return c.graph_kernel_s if mode == "fast" and graphs and c.graph_kernel_s else c.kernel_s
 
-    def flop_rate(self, c: Ceilings) -> np.ndarray | float:
-        """Each op's FLOP/s: F, or F_odd for a matrix product on unaligned operands."""
-        return np.where(self.unaligned, c.unaligned_flops or c.matmul_flops, c.matmul_flops)
+    def flop_rate(self, c: Ceilings, shaped: bool = True) -> np.ndarray | float:
+        """Each op's FLOP/s: F, or F_odd for a matrix product on unaligned operands; with ``c.gemm_table`` (and
+        ``shaped``) an aligned half-precision matrix product's F times its shape's share of the table's best."""
+        rate = np.where(self.unaligned, c.unaligned_flops or c.matmul_flops, c.matmul_flops)
+        if not (shaped and c.gemm_table and self.shapes):
+            return rate
+        if c.gemm_table not in self._shares:
+            self._shares[c.gemm_table] = gemm_rates.shares(c.gemm_table, self.shapes)
+        return rate * self._shares[c.gemm_table]
 
     def fusion_share(self, c: Ceilings, mode: str, fused: bool) -> np.ndarray | float:
         """What is left of each memory-bound op's bytes and launches: in fast mode with compiled blocks, the
@@ -159,7 +176,9 @@ class MicroBatch:
         launched = runs * self.kernels * self.kernel_s(c, mode, graphs)
         share = self.fusion_share(c, mode, fused)
         gpu = float(
-            np.where(self.matmul, scale * self.flops / self.flop_rate(c) + launched, share * launched).sum()
+            np.where(
+                self.matmul, scale * self.flops / self.flop_rate(c, False) + launched, share * launched
+            ).sum()
         )
         if mode == "fast" and graphs:
             return gpu

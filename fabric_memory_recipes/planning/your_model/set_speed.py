@@ -225,5 +225,8 @@ def lines(planner: Any, verbose: bool = False) -> list[str]:
             " per GPU can be above what one GPU alone needs (leave out --devices to compare)."
         )
     if verbose:
-        out += [f"  {name}: {value:.4g}" for name, value in dataclasses.asdict(planner.ceilings).items()]
+        out += [
+            f"  {name}: {value:.4g}" if isinstance(value, float) else f"  {name}: {value or 'none'}"
+            for name, value in dataclasses.asdict(planner.ceilings).items()
+        ]
     return out

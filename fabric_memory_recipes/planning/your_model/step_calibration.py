@@ -36,7 +36,8 @@ from fabric_memory_recipes.planning.plan import plan_for
 from fabric_memory_recipes.planning.planner.calibration import REPO
 from fabric_memory_recipes.planning.simulation.costs import OpCosts
 from fabric_memory_recipes.planning.simulation.simulate import simulate
-from fabric_memory_recipes.planning.your_model import step_time
+from fabric_memory_recipes.planning.your_model import gemm_rates, step_time
+from fabric_memory_recipes.planning.your_model.calibration_report import summary, table_lines
 from fabric_memory_recipes.planning.your_model.estimate import meta_user_model, plan_of
 from fabric_memory_recipes.training.models import blocks as ladder_blocks
 from fabric_memory_recipes.training.models import meta_ladder_model
@@ -72,7 +73,7 @@ START = step_time.Ceilings(
     graph_kernel_s=2e-6, statistics_bandwidth=0.6e12, strided_bandwidth=1e12,
     unaligned_flops=100e12,
 )  # fmt: skip
-FIELDS = [f.name for f in dataclasses.fields(step_time.Ceilings)]
+FIELDS = [f.name for f in dataclasses.fields(step_time.Ceilings) if f.type in (float, "float")]  # the fitted
 OFFLOAD_FIELDS = ["host_bandwidth"]
 OFFLOAD_RUNGS = ("11_activation_offload", "14_memory_floor")  # the ladder's rungs that offload activations
 # Bounds the fit keeps: fusion a share (free, an H200 fit made it 9.2 at 39 TB/s), at least the smallest share a
@@ -83,6 +84,11 @@ LOWER = {"fusion": 0.09}
 # fit put B at 5.7 TB/s, trading it against fusion and g_graph; bounded, its errors the same within a point)
 PEAK = results_file.PEAK_BF16_FLOPS
 DATASHEET = {"h100": (3.35e12, PEAK["H100"]), "h200": (4.8e12, PEAK["H200"])}
+
+
+def start_of(gpu: str | None) -> step_time.Ceilings:
+    """:data:`START`, with ``gpu``'s measured matrix products where the package holds them (gemm_rates.py)."""
+    return dataclasses.replace(START, gemm_table=gpu if gpu in gemm_rates.kinds() else "")
 
 
 def upper_of(gpu: str | None) -> dict[str, float]:
@@ -249,14 +255,14 @@ def calibrate(
     core = [p for p in pts if not p.first.offload and not p.first.not_fitted]
     offload = [p for p in pts if p.first.offload and not p.first.not_fitted]
     fields = [f for f in FIELDS if f not in OFFLOAD_FIELDS]
-    c = fit(core, fields, START, upper)
+    c = fit(core, fields, start_of(gpu), upper)
     if offload:
         c = fit(offload, OFFLOAD_FIELDS, c)
     held_out: dict[str, float] = {}
     if leave_one_out:
         for model in sorted({p.first.model for p in core}):
             log(f"leaving {model} out")
-            rest = fit([p for p in core if p.first.model != model], fields, START, upper)
+            rest = fit([p for p in core if p.first.model != model], fields, start_of(gpu), upper)
             rest = dataclasses.replace(rest, host_bandwidth=c.host_bandwidth)
             held_out |= {p.first.group: _error(p, rest) for p in core if p.first.model == model}
     rows = []
@@ -288,80 +294,6 @@ def _error(p: Point, c: step_time.Ceilings) -> float:
     return p.measured_s / predicted_s(p.first, p.costs, c) - 1.0
 
 
-def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Max and median |error| and how many within 25 %: of the configurations every ceiling but B_host is
-    fitted on, of those held out one model at a time (when computed), and of the offload runs."""
-    out: dict[str, Any] = {}
-    core = [r for r in rows if r["fitted"] and r["fitted_for"] != "host_bandwidth"]
-    for key, sel in (
-        ("fitted", [r["error"] for r in core]),
-        (
-            "leave_one_model_out",
-            [r["leave_one_model_out_error"] for r in core if r["leave_one_model_out_error"] is not None],
-        ),
-        ("activation_offload", [r["error"] for r in rows if r["fitted_for"] == "host_bandwidth"]),
-    ):
-        if sel:
-            errors = [abs(e) for e in sel]
-            out[key] = {
-                "configurations": len(errors),
-                "max_abs_error": round(max(errors), 4),
-                "median_abs_error": round(statistics.median(errors), 4),
-                "within_25_percent": sum(e <= 0.25 for e in errors),
-            }
-    return out
-
-
-def table_lines(entry: dict[str, Any]) -> list[str]:
-    lines = [f"{'configuration':<100} {'measured s':>10} {'predicted s':>11} {'error':>7} {'held out':>8}"]
-    for r in entry["runs"]:
-        lomo = r["leave_one_model_out_error"]
-        mark = (
-            "  (not fitted)"
-            if not r["fitted"]
-            else ("  (B_host)" if r["fitted_for"] == "host_bandwidth" else "")
-        )
-        lines.append(
-            f"{r['configuration'][:100]:<100} {r['measured_s']:>10.4f} {r['predicted_s']:>11.4f}"
-            f" {r['error']:>+7.0%} {'' if lomo is None else format(lomo, '+.0%'):>8}{mark}"
-        )
-    for key, s in entry["summary"].items():
-        lines.append(
-            f"{key}: {s['configurations']} configurations, max |error| {s['max_abs_error']:.0%},"
-            f" median {s['median_abs_error']:.0%}, within 25 %: {s['within_25_percent']}"
-        )
-    return lines
-
-
-# How a configuration is shortened; a flagged technique not named here, to its flag (fused_loss=True: fused-loss).
-SHORT = (
-    ("hf:examples/configs/", ""), ("your_model ", ""), ("precision=", ""), ("batch_size=", "b"),
-    (" accumulation_steps=", "/k"), ("seq_len=", "s"), ("optimizer=", ""), ("checkpoint_blocks=True", "ckpt"),
-    (" checkpoint_mode=full", ""), ("checkpoint_mode=", "ckpt-"), ("activation_offload=True", "offload"),
-    ("optimizer_in_backward=True", "step-in-backward"),
-)  # fmt: skip
-
-
-def notes_lines(entry: dict[str, Any]) -> list[str]:
-    """The stored table as step_time.py's docstring shows it: one short line per configuration."""
-    lines = ["measured predicted  error held out  configuration (step s; error: samples/s)"]
-    for r in entry["runs"]:
-        name = r["configuration"]
-        for old, new in (*SHORT, *((f"{t.field}=True", t.flag[2:]) for t in techniques.flagged())):
-            name = name.replace(old, new)
-        lomo = r["leave_one_model_out_error"]
-        tag = (
-            " [not fitted]"
-            if not r["fitted"]
-            else (" [B_host]" if r["fitted_for"] == "host_bandwidth" else "")
-        )
-        lines.append(
-            f"{r['measured_s']:8.4f} {r['predicted_s']:9.4f} {r['error']:+6.0%}"
-            f"  {'' if lomo is None else format(lomo, '+.0%'):>8}  {name}{tag}"
-        )
-    return lines
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpu", default="h100", choices=sorted(RUN_GLOBS), help="the kind whose runs to fit")
@@ -378,7 +310,12 @@ def main(argv: list[str] | None = None) -> int:
     pts = points(runs)
     entry = calibrate(pts, args.leave_one_out, gpu=args.gpu)
     print("\n".join(table_lines(entry)))
-    print("ceilings: " + ", ".join(f"{k}={v:.4g}" for k, v in entry["ceilings"].items()))
+    print(
+        "ceilings: "
+        + ", ".join(
+            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in entry["ceilings"].items()
+        )
+    )
     if args.write:
         table = step_time.load_calibration()
         table = {

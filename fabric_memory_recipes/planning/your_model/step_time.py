@@ -8,7 +8,9 @@ convolution, fused attention), whether it launches a kernel, and which pass issu
 calls. On a GPU kind's calibrated ceilings (:class:`Ceilings`, in micro_batch_time.py) each op takes
 
     on the GPU   d = max(FLOPs / F, bytes / B) + g        a matmul-like op (fp32: F x TF32_RATIO; F_odd for
-                                                          a matrix product on unaligned operands)
+                                                          a matrix product on unaligned operands; a half-
+                                                          precision one on a kind with measured products:
+                                                          F x its shape's share of their best, gemm_rates.py)
                  d = bytes / B + g                        any other op with a kernel (B_str for one on
                                                           strided tensors; BatchNorm in training adds its
                                                           statistics pass: its reads / B_stat + g)

@@ -20,7 +20,7 @@ from fabric_memory_recipes.measurement import results_file
 from fabric_memory_recipes.measurement.results_file import PEAK_BF16_FLOPS
 from fabric_memory_recipes.planning.planner.calibration import REPO
 from fabric_memory_recipes.planning.simulation.costs import OpCosts
-from fabric_memory_recipes.planning.your_model import step_calibration, step_time
+from fabric_memory_recipes.planning.your_model import calibration_report, step_calibration, step_time
 from fabric_memory_recipes.planning.your_model.estimate import meta_user_model
 from tests.tiny import HF_BERT, causal_lm_config
 
@@ -296,7 +296,7 @@ def test_step_times_docstring_shows_the_stored_table():
     """The accuracy table in planning/your_model/step_time.py's docstring is the stored one (after a
     ``step_calibration --write``, paste ``notes_lines`` there)."""
     doc = [line.strip() for line in step_time.__doc__.splitlines()]
-    for line in step_calibration.notes_lines(stored()):
+    for line in calibration_report.notes_lines(stored()):
         assert line.strip() in doc, line
     summary = stored()["summary"]
     fitted, held_out = summary["fitted"], summary["leave_one_model_out"]
