@@ -92,6 +92,15 @@ MATRIX: dict[str, list[tuple[str, list[str], str]]] = {
         # which the fused loss took since: one set fits 24 GB now, NOTES.md "Phi-1.5 at 24 GB")
         ("phi-1.5", ["--model", "hf:examples/configs/phi-1.5", "--seq-len", "1024", "--batch-size", "8"], "32GB"),
     ],
+    # a third out-of-sample check, made after the matrix products' measured rates joined the step-time model
+    # (planning/your_model/gemm_rates.py): a causal LM of hidden 2048 (the large LMs fitted so far were predicted
+    # 20-33 % slow) and a text classifier, neither in any fit
+    "unfitted": [
+        ("gpt-neox-1.4b", ["--model", "hf:examples/configs/gpt-neox-1.4b", "--seq-len", "1024", "--batch-size", "8"],
+         "32GB"),
+        ("roberta-base", ["--model", "hf:examples/configs/roberta-base", "--seq-len", "512", "--batch-size", "32"],
+         "4GB"),
+    ],
     "peft": [  # LoRA rank 8 on the attention and MLP projections peft's defaults pick, 8 x 1024 tokens
         ("qwen2-0.5b-lora", ["--model", "hf:examples/configs/qwen2-0.5b", "--seq-len", "1024", "--batch-size", "8",
                              "--lora-rank", "8"], "6GB"),

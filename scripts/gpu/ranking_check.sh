@@ -20,6 +20,8 @@
 #   bash scripts/gpu/ranking_check.sh unseen   # six more families no fit had seen: ResNeXt-50 5 GB, EfficientNetV2-S
 #                                              # 6 GB, ShuffleNetV2 2.5 GB; OPT-350m 10 GB, BLOOM-560m 14 GB,
 #                                              # Phi-1.5 32 GB (8 x 1024)
+#   bash scripts/gpu/ranking_check.sh unfitted # neither in any fit: GPT-NeoX 1.4 B 32 GB (8 x 1024), RoBERTa-base
+#                                              # 4 GB (32 x 512)
 #
 # bf16-mixed AdamW (the user's, kept). STEPS (10) optimizer steps per set; MEASURE_TOP=K measures each plan's
 # first K sets only (the picks, when K is 1); ONLY=a,b (model names) reruns
@@ -32,7 +34,7 @@
 # Results, rewritten after each model: $OUT/ranking-<part>.tgz (each model's fit.json, plan.json, plan.md,
 # runs and logs), $OUT/summary-<part>.md (the table) and $OUT/summary-<part>.json.
 set -u
-part=${1:?lm, vision, held-out, unseen, peft or seq2seq}
+part=${1:?lm, vision, held-out, unseen, unfitted, peft or seq2seq}
 : "${OUT:?set OUT}"
 . "$(dirname "${BASH_SOURCE[0]}")/common.sh"  # the functions the GPU scripts share
 export_run_env
