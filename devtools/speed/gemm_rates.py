@@ -1,6 +1,6 @@
 """Measure the FLOP/s a GPU's bf16 matrix products reach over a grid of shapes.
 
-The step-time model reads a matrix product's rate from this table (planning/your_model/gemm_rates.py,
+The step-time model reads a matrix product's rate from this table (measurement/gemm_rates.py,
 ``fabric_memory_recipes/data/gemm_rates.json``).
 
     python -m devtools.speed.gemm_rates --out gemm-h200.json            # on the GPU (minutes)
@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from fabric_memory_recipes.console import Parser, fail
+from fabric_memory_recipes.measurement import gemm_rates
 
 # Powers of two, and the widths of common transformers' layers between them.
 DIMS = (
@@ -151,8 +152,6 @@ def main(argv: list[str] | None = None) -> int:
         measure(layouts=tuple(args.layouts.split(",")), out=Path(args.out), seed=args.seed)
         print(f"wrote {args.out}")
         return 0
-    from fabric_memory_recipes.planning.your_model import gemm_rates
-
     tables = [json.loads(Path(f).read_text()) for f in args.store]
     print(f"stored {gemm_rates.store(median_of(tables))} (the median of {len(tables)} table(s))")
     return 0

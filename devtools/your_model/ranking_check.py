@@ -93,7 +93,7 @@ MATRIX: dict[str, list[tuple[str, list[str], str]]] = {
         ("phi-1.5", ["--model", "hf:examples/configs/phi-1.5", "--seq-len", "1024", "--batch-size", "8"], "32GB"),
     ],
     # a third out-of-sample check, made after the matrix products' measured rates joined the step-time model
-    # (planning/your_model/gemm_rates.py): a causal LM of hidden 2048 (the large LMs fitted so far were predicted
+    # (measurement/gemm_rates.py): a causal LM of hidden 2048 (the large LMs fitted so far were predicted
     # 20-33 % slow) and a text classifier, neither in any fit
     "unfitted": [
         ("gpt-neox-1.4b", ["--model", "hf:examples/configs/gpt-neox-1.4b", "--seq-len", "1024", "--batch-size", "8"],

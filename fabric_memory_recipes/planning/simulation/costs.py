@@ -23,7 +23,7 @@ follows from the state's bytes (planning/planner/step_time.py).
   (results/published/h200/your-model-speed/vision-graph-profile/).
 * shape: a matrix product's M, N, K (an [M, K] by [K, N] product; a batched one's batch folded into M) and its
   operands' layout (n: rows contiguous, t: a transposed view): the step time model reads its rate from the GPU
-  kind's measured table of such products (planning/your_model/gemm_rates.py).
+  kind's measured table of such products (measurement/gemm_rates.py).
 * BatchNorm in training (:data:`STATISTICS_PASS`): ATen's CUDA kernels first reduce per channel (forward: the
   batch's statistics from the input; backward: the sums of the output's gradient and of its product with the
   input), then run the elementwise pass; the first pass's reads are ``reduced_bytes`` and a kernel more (the

@@ -12,8 +12,8 @@ import dataclasses
 
 import numpy as np
 
+from fabric_memory_recipes.measurement import gemm_rates
 from fabric_memory_recipes.planning.simulation.costs import OpCost
-from fabric_memory_recipes.planning.your_model import gemm_rates
 
 # Dense TF32 over dense bf16 tensor-core peak of the H100 SXM datasheet (494.7 / 989.4 TFLOP/s): an fp32
 # matmul (TF32 allowed, as every run here sets) runs at this share of a bf16 one.

@@ -1,6 +1,5 @@
-"""Where the step-time model's ceilings come from (planning/your_model/step_time.py): the committed runs
-it is fitted on, the fit, and the stored table an installed wheel plans with
-(``fabric_memory_recipes/data/step_time.json``).
+"""Where the step-time model's ceilings come from (planning/your_model/step_time.py): the committed runs it is fitted
+on, the fit, and the stored table an installed wheel plans with (``fabric_memory_recipes/data/step_time.json``).
 
     python -m fabric_memory_recipes.planning.your_model.step_calibration                  # the table, printed
     python -m fabric_memory_recipes.planning.your_model.step_calibration --write          # ... and stored
@@ -10,9 +9,9 @@ Each run's configuration (its results JSON's ``config``) is planned as the run p
 planning/your_model/estimate.py ``plan_of``, the fused loss as ``estimate`` applies it; a ladder rung:
 its declared rung, planning/plan.py ``plan_for``) and simulated on the meta model with the op-cost
 collector. Repeats of one configuration are one point, at their median. The fit: least squares on log time
-(``scipy.optimize.least_squares`` over the ceilings' logs, the best of four starts; log, so that the error is
-the ratio the planner's samples/s are off by), every ceiling but B_host on the runs without activation offload,
-then B_host alone on the offload runs. 8-bit AdamW runs are reported, not fitted (:data:`NOT_FITTED`).
+(``scipy.optimize.least_squares`` over the ceilings' logs, the best of four starts; log, so that the error is the
+ratio the planner's samples/s are off by), every ceiling but B_host on the runs without activation offload, then
+B_host alone on the offload runs. 8-bit AdamW runs are reported, not fitted (:data:`NOT_FITTED`).
 """
 
 from __future__ import annotations
@@ -30,14 +29,13 @@ from fabric_memory_recipes import techniques
 from fabric_memory_recipes.config import RunConfig
 from fabric_memory_recipes.console import Parser, fail
 from fabric_memory_recipes.declarations import declared_rung
-from fabric_memory_recipes.measurement import results_file
+from fabric_memory_recipes.measurement import gemm_rates, results_file
 from fabric_memory_recipes.measurement.results_file import gpu_slug, results_of, write_json_atomic
 from fabric_memory_recipes.planning.plan import plan_for
 from fabric_memory_recipes.planning.planner.calibration import REPO
 from fabric_memory_recipes.planning.simulation.costs import OpCosts
 from fabric_memory_recipes.planning.simulation.simulate import simulate
-from fabric_memory_recipes.planning.your_model import gemm_rates, step_time
-from fabric_memory_recipes.planning.your_model.calibration_report import summary, table_lines
+from fabric_memory_recipes.planning.your_model import step_time
 from fabric_memory_recipes.planning.your_model.estimate import meta_user_model, plan_of
 from fabric_memory_recipes.training.models import blocks as ladder_blocks
 from fabric_memory_recipes.training.models import meta_ladder_model
@@ -70,8 +68,7 @@ NOT_FITTED = {
 START = step_time.Ceilings(
     matmul_flops=500e12, bandwidth=2e12, kernel_s=3e-6, python_op_s=40e-6, module_s=10e-6, autograd_op_s=20e-6,
     recompute_block_s=1e-3, compiled_call_s=1e-3, fusion=0.5, hook_s=0.3e-3, host_bandwidth=10e9,
-    graph_kernel_s=2e-6, statistics_bandwidth=0.6e12, strided_bandwidth=1e12,
-    unaligned_flops=100e12,
+    graph_kernel_s=2e-6, statistics_bandwidth=0.6e12, strided_bandwidth=1e12, unaligned_flops=100e12,
 )  # fmt: skip
 FIELDS = [f.name for f in dataclasses.fields(step_time.Ceilings) if f.type in (float, "float")]  # the fitted
 OFFLOAD_FIELDS = ["host_bandwidth"]
@@ -135,9 +132,7 @@ class Run:
 
 
 def run_mode(config: dict[str, Any]) -> str:
-    if config.get("cuda_graphs"):
-        return "graphs"
-    return "fast" if config.get("compile") else "eager"
+    return "graphs" if config.get("cuda_graphs") else ("fast" if config.get("compile") else "eager")
 
 
 def read_runs(gpu: str = "h100", repo: Path = REPO) -> list[Run]:
@@ -166,22 +161,13 @@ def run_costs(run: Run) -> step_time.StepCosts:
         flags = {f.name for f in type(rung).flag_fields()}
         cfg = rung.with_flags(**{**{k: v for k, v in config.items() if k in flags}, "accelerator": "cuda"})
         um, model, blocks, _ = meta_user_model(cfg.model)
-        return step_time.simulated_costs(
-            model,
-            um,
-            plan_of(cfg, blocks, um=um),
-            cfg.seq_len if um.is_text else 0,
-            getattr(cfg, "target_len", None),
-            blocks,
-        )
+        seq_len, plan = cfg.seq_len if um.is_text else 0, plan_of(cfg, blocks, um=um)
+        return step_time.simulated_costs(model, um, plan, seq_len, getattr(cfg, "target_len", None), blocks)
     rung, _ = declared_rung(run.recipe)
     flags = {f.name for f in RunConfig.flag_fields()}
     cfg = rung.with_flags(**{**{k: v for k, v in config.items() if k in flags}, "accelerator": "cuda"})
-    model = meta_ladder_model(
-        config.get("model", "vit_l_16"),
-        fused_attention=cfg.fused_attention,
-        image_size=config.get("image_size"),
-    )
+    name, size = config.get("model", "vit_l_16"), config.get("image_size")
+    model = meta_ladder_model(name, fused_attention=cfg.fused_attention, image_size=size)
     plan, collector = plan_for(cfg), OpCosts({type(b).__name__ for b in ladder_blocks(model)})
     est = simulate(model, plan, op_costs=collector)
     offloaded = (est.activations_host_gb or 0.0) * 1e9 if plan.activation_offload else 0.0
@@ -292,6 +278,81 @@ def calibrate(
 def _error(p: Point, c: step_time.Ceilings) -> float:
     """Predicted samples/s over measured, less 1 (+: predicted faster than measured)."""
     return p.measured_s / predicted_s(p.first, p.costs, c) - 1.0
+
+
+def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Max and median |error| and how many within 25 %: of the configurations every ceiling but B_host is
+    fitted on, of those held out one model at a time (when computed), and of the offload runs."""
+    out: dict[str, Any] = {}
+    core = [r for r in rows if r["fitted"] and r["fitted_for"] != "host_bandwidth"]
+    for key, sel in (
+        ("fitted", [r["error"] for r in core]),
+        (
+            "leave_one_model_out",
+            [r["leave_one_model_out_error"] for r in core if r["leave_one_model_out_error"] is not None],
+        ),
+        ("activation_offload", [r["error"] for r in rows if r["fitted_for"] == "host_bandwidth"]),
+    ):
+        if sel:
+            errors = [abs(e) for e in sel]
+            out[key] = {
+                "configurations": len(errors),
+                "max_abs_error": round(max(errors), 4),
+                "median_abs_error": round(statistics.median(errors), 4),
+                "within_25_percent": sum(e <= 0.25 for e in errors),
+            }
+    return out
+
+
+def table_lines(entry: dict[str, Any]) -> list[str]:
+    lines = [f"{'configuration':<100} {'measured s':>10} {'predicted s':>11} {'error':>7} {'held out':>8}"]
+    for r in entry["runs"]:
+        lines.append(
+            f"{r['configuration'][:100]:<100} {r['measured_s']:>10.4f} {r['predicted_s']:>11.4f}"
+            f" {r['error']:>+7.0%} {_held_out(r):>8}" + (f"  {_why(r, '()')}" if _why(r, "()") else "")
+        )
+    for key, s in entry["summary"].items():
+        lines.append(
+            f"{key}: {s['configurations']} configurations, max |error| {s['max_abs_error']:.0%},"
+            f" median {s['median_abs_error']:.0%}, within 25 %: {s['within_25_percent']}"
+        )
+    return lines
+
+
+# How a configuration is shortened; a flagged technique not named here, to its flag (fused_loss=True: fused-loss).
+SHORT = (
+    ("hf:examples/configs/", ""), ("your_model ", ""), ("precision=", ""), ("batch_size=", "b"),
+    (" accumulation_steps=", "/k"), ("seq_len=", "s"), ("optimizer=", ""), ("checkpoint_blocks=True", "ckpt"),
+    (" checkpoint_mode=full", ""), ("checkpoint_mode=", "ckpt-"), ("activation_offload=True", "offload"),
+    ("optimizer_in_backward=True", "step-in-backward"),
+)  # fmt: skip
+
+
+def notes_lines(entry: dict[str, Any]) -> list[str]:
+    """The stored table as step_time.py's docstring shows it: one short line per configuration."""
+    lines = ["measured predicted  error held out  configuration (step s; error: samples/s)"]
+    for r in entry["runs"]:
+        name = r["configuration"]
+        for old, new in (*SHORT, *((f"{t.field}=True", t.flag[2:]) for t in techniques.flagged())):
+            name = name.replace(old, new)
+        tag = _why(r, "[]")
+        lines.append(
+            f"{r['measured_s']:8.4f} {r['predicted_s']:9.4f} {r['error']:+6.0%}  {_held_out(r):>8}  {name}"
+            + (f" {tag}" if tag else "")
+        )
+    return lines
+
+
+def _held_out(row: dict[str, Any]) -> str:
+    return (
+        "" if row["leave_one_model_out_error"] is None else format(row["leave_one_model_out_error"], "+.0%")
+    )
+
+
+def _why(row: dict[str, Any], brackets: str) -> str:
+    """Why a row was not fitted as the others, in ``brackets`` ("" if it was)."""
+    why = "not fitted" if not row["fitted"] else ("B_host" if row["fitted_for"] == "host_bandwidth" else "")
+    return f"{brackets[0]}{why}{brackets[1]}" if why else ""
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -57,6 +57,12 @@ terms), +66 % for RegNetY-1.6GF (grouped convolutions at F) and -47 % for TinyLl
 and its step in backward's hooks added after the passes: with them in the backward pass's queue and the fit again
 without these models, -31 %; devtools/speed/held_out_fit.py). Fitted with these runs too (68 configurations), the
 h200 kind's median is 10 % (max 59 %, 55 within 25 %), held out one model at a time 20 % (max 74 %).
+With each half-precision matrix product's rate read from its shape (measurement/gemm_rates.py: F times its share of
+the best rate an H200 measured; GPT-2 small's [8192, 768] x [768, 768] ran at 578 TFLOP/s, Phi-1.5's MLP products at
+803) and the runs since (89 configurations), the h200 kind's fitted median is 14 % (one F: 13 %), held out one model
+at a time 20 % (one F: 21 %, max 108 % against 113 %); its gain is out of sample: the unseen families' 18
+configurations 19 % (21 %), 13 within 25 % (11), and GPT-NeoX 1.4 B, in no fit, -10, -5 and -21 % on its three sets
+(one F: -20, -16, -31 %; docs/your_model.md, "Matrix products by shape").
 
 Accuracy on h100, as stored (tests/planning/your_model/test_step_time.py checks this copy against the table): 45
 configurations of 8 models (ResNet-50, ConvNeXt-T, timm ViT-B/16, torchvision ViT-L/16; BERT-base,

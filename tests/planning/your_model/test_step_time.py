@@ -20,7 +20,7 @@ from fabric_memory_recipes.measurement import results_file
 from fabric_memory_recipes.measurement.results_file import PEAK_BF16_FLOPS
 from fabric_memory_recipes.planning.planner.calibration import REPO
 from fabric_memory_recipes.planning.simulation.costs import OpCosts
-from fabric_memory_recipes.planning.your_model import calibration_report, step_calibration, step_time
+from fabric_memory_recipes.planning.your_model import step_calibration, step_time
 from fabric_memory_recipes.planning.your_model.estimate import meta_user_model
 from tests.tiny import HF_BERT, causal_lm_config
 
@@ -296,7 +296,7 @@ def test_step_times_docstring_shows_the_stored_table():
     """The accuracy table in planning/your_model/step_time.py's docstring is the stored one (after a
     ``step_calibration --write``, paste ``notes_lines`` there)."""
     doc = [line.strip() for line in step_time.__doc__.splitlines()]
-    for line in calibration_report.notes_lines(stored()):
+    for line in step_calibration.notes_lines(stored()):
         assert line.strip() in doc, line
     summary = stored()["summary"]
     fitted, held_out = summary["fitted"], summary["leave_one_model_out"]
@@ -370,10 +370,13 @@ def test_the_stored_h200_kind_is_physical_and_plans_for_an_h200():
     assert c.statistics_bandwidth < c.bandwidth and c.strided_bandwidth < c.bandwidth
     assert c.unaligned_flops < c.matmul_flops
     # 0.14 on 38 configurations; 0.152 on 55 (the ranking checks added); 0.083 with the kernel terms; 0.103 on 68
-    # (the five held-out models fitted too: RegNetY's grouped convolutions +35 to +57 %, TinyLlama -21 to -27 %)
-    assert entry["summary"]["fitted"]["median_abs_error"] <= 0.11
+    # (the five held-out models fitted too: RegNetY's grouped convolutions +35 to +57 %, TinyLlama -21 to -27 %);
+    # 0.132 on 89 (the second out-of-sample check's models, Phi-1.5, Qwen2-1.5B fitted too), 0.137 with the measured
+    # matrix products (gemm_rates.py; their gain is out of sample: docs/your_model.md, "Matrix products by shape")
+    assert entry["summary"]["fitted"]["median_abs_error"] <= 0.14
+    assert c.gemm_table == "h200"  # its products' rates by shape, measured on an H200
     # 3.68 while Swin-V2-T was priced fused, 0.97 before the ranking checks were added, 0.66 after, 1.03 with
-    # the kernel terms (Swin-V2-T held out: no other model's strided bytes set B_str)
+    # the kernel terms (Swin-V2-T held out: no other model's strided bytes set B_str), 1.08 on 89 (ShuffleNetV2)
     assert entry["summary"]["leave_one_model_out"]["max_abs_error"] <= 1.1
     assert step_time.ceilings("a100")[1].startswith("no a100 runs: h100")  # a kind without runs: h100's
 

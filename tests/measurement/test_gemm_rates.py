@@ -1,4 +1,4 @@
-"""A matrix product's rate by its shape (planning/your_model/gemm_rates.py): the collector records each product's
+"""A matrix product's rate by its shape (measurement/gemm_rates.py): the collector records each product's
 M, N, K and layout (planning/simulation/costs.py), the measured table gives its share of the GPU kind's best rate,
 and the step time model prices it at F times that share (micro_batch_time.py)."""
 
@@ -14,8 +14,9 @@ import torch
 from torch import nn
 
 from devtools.speed import gemm_rates as measure_tool
+from fabric_memory_recipes.measurement import gemm_rates
 from fabric_memory_recipes.planning.simulation.costs import product_shape
-from fabric_memory_recipes.planning.your_model import gemm_rates, set_speed, step_time
+from fabric_memory_recipes.planning.your_model import set_speed, step_time
 from fabric_memory_recipes.planning.your_model.micro_batch_time import MicroBatch
 from tests.planning.simulation.test_op_costs_kernels import collected
 

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from fabric_memory_recipes.config import DATA_DIR
+from fabric_memory_recipes.measurement.results_file import gpu_slug
 
 TABLE_FILE = Path(DATA_DIR) / "gemm_rates.json"
 LAYOUTS = ("nt", "nn", "tn")  # as measured; a product of both operands transposed takes their mean
@@ -90,8 +91,6 @@ def store(measured: dict[str, Any], path: Path = TABLE_FILE) -> str:
     """Keep a table devtools/speed/gemm_rates.py measured under its GPU's kind (rates to 4 significant digits: a small product's 0.17 TFLOP/s
     rounded to 0.1 would move the fixed time :func:`_grid` takes out);
     returns the kind."""
-    from fabric_memory_recipes.measurement.results_file import gpu_slug
-
     kind = gpu_slug(measured["gpu_name"])
     missing = [layout for layout in LAYOUTS if layout not in measured["rates"]]
     if missing:
@@ -108,7 +107,7 @@ def store(measured: dict[str, Any], path: Path = TABLE_FILE) -> str:
     }
     table = {
         "what": "the TFLOP/s bf16 torch.mm products reached on each GPU kind, by shape and operand layout"
-        " (planning/your_model/gemm_rates.py)",
+        " (measurement/gemm_rates.py)",
         "how": "python -m devtools.speed.gemm_rates --out FILE (on the GPU), then --store FILE",
         "kinds": {**stored.get("kinds", {}), kind: entry},
     }
