@@ -4,10 +4,10 @@ model reads a matrix product's rate from (planning/your_model/micro_batch_time.p
 ``fabric_memory_recipes/data/gemm_rates.json`` holds, per GPU kind, the TFLOP/s ``torch.mm`` reached there for each
 M, N, K of a grid and each layout of the operands (devtools/speed/gemm_rates.py measures and stores them). A product
 of another shape takes the rate interpolated between the grid's neighbours (linear in the logs of M, N, K and of
-the rate; a dimension beyond the grid takes its edge's), and its share is that rate over the table's best (the products' fixed time taken out:
-:func:`_grid`). Why:
-one FLOP/s for every matrix product could not fit both a small model's products (GPT-2 small's [8192, 768] by
-[768, 768]: 578 TFLOP/s on an H200) and a large one's ([8192, 2048] by [2048, 8192]: 803).
+the rate; a dimension beyond the grid takes its edge's), and its share is that rate over the table's best, the
+products' fixed time taken out (:func:`_grid`). Why: one FLOP/s for every matrix product could not fit both a small
+model's products (GPT-2 small's [8192, 768] by [768, 768]: 578 TFLOP/s on an H200) and a large one's ([8192, 2048]
+by [2048, 8192]: 803).
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ def kinds() -> list[str]:
 def _grid(kind: str) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """(log2 of the grid's dims, {layout: log of each product's share of the best rate}) of ``kind``'s table.
 
-    Each measured time (2 M N K / rate) less the smallest one, the fixed time any product takes (about 3 us on an
-    H200, the smallest product's whole time), which the step-time model counts apart as each kernel's g: what is
+    Each measured time (2 M N K / rate) less the smallest one, the fixed time any product takes (about 2.6 us on
+    an H200, the smallest product's whole time), which the step-time model counts apart as each kernel's g: what is
     left is the product's work, at most at the best measured rate (a product of little more than the fixed time
     would otherwise seem to run above it)."""
     table = load()["kinds"][kind]

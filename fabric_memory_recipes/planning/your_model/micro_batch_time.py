@@ -64,12 +64,9 @@ class MicroBatch:
     strided: np.ndarray | bool = False  # bool: a memory-bound op on strided tensors (costs.strided)
     unaligned: np.ndarray | bool = False  # bool: a matrix product on unaligned operands (costs.unaligned)
     backward: np.ndarray | bool = False  # bool: run in the backward pass (its own ops and any recompute)
-    shapes: list | None = (
-        None  # each op's (M, N, K, layout) if a matrix product, else None (costs.product_shape)
-    )
-    _shares: dict = dataclasses.field(
-        default_factory=dict, init=False, repr=False, compare=False
-    )  # per table kind
+    # each op's (M, N, K, layout) if a matrix product, else None (costs.product_shape); its shares per table kind
+    shapes: list | None = None
+    _shares: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def of(cls, ops: list[OpCost], module_calls: int, compiled_calls: float = 0.0) -> MicroBatch:
