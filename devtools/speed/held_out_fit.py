@@ -18,7 +18,7 @@ import statistics
 from typing import Any
 
 from fabric_memory_recipes.console import Parser, fail
-from fabric_memory_recipes.planning.your_model import step_calibration
+from fabric_memory_recipes.planning.your_model import step_calibration, step_time
 
 
 def held_out_fit(pts: list[step_calibration.Point], without: str, gpu: str | None = None) -> dict[str, Any]:
@@ -70,12 +70,8 @@ def lines(result: dict[str, Any]) -> list[str]:
             f"{name}: {s['configurations']} configurations, median |error| {s['median_abs_error']:.0%},"
             f" max {s['max_abs_error']:.0%}, within 25 %: {s['within_25_percent']}"
         )
-    out.append(
-        "ceilings: "
-        + ", ".join(
-            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in result["ceilings"].items()
-        )
-    )
+    shown = step_time.Ceilings(**result["ceilings"]).shown()
+    out.append("ceilings: " + ", ".join(f"{k}={v}" for k, v in shown.items()))
     return out
 
 

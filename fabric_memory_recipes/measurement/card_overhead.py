@@ -16,10 +16,10 @@ is what a planner asks with the device count.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import json
 from pathlib import Path
 from typing import Any
+
+from fabric_memory_recipes.measurement.results_file import kinds_table
 
 TABLE_FILE = Path(__file__).with_name("device_overhead.json")
 OVERHEAD_MODES = ("eager", "compiled", "inference")
@@ -38,14 +38,9 @@ def overhead_mode(mode_or_config: str | dict[str, Any]) -> str:
     return "compiled"
 
 
-@functools.cache
 def load_table(path: str = str(TABLE_FILE)) -> dict[str, Any]:
     """The committed table (an empty one when the file is missing or unreadable)."""
-    try:
-        table = json.loads(Path(path).read_text())
-        return table if isinstance(table.get("kinds"), dict) else {"kinds": {}}
-    except (OSError, ValueError, AttributeError):
-        return {"kinds": {}}
+    return kinds_table(path)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,20 +20,15 @@ from typing import Any
 import numpy as np
 
 from fabric_memory_recipes.config import DATA_DIR
-from fabric_memory_recipes.measurement.results_file import gpu_slug
+from fabric_memory_recipes.measurement.results_file import gpu_slug, kinds_table
 
 TABLE_FILE = Path(DATA_DIR) / "gemm_rates.json"
 LAYOUTS = ("nt", "nn", "tn")  # as measured; a product of both operands transposed takes their mean
 
 
-@functools.cache
-def load(path: str = str(TABLE_FILE)) -> dict[str, Any]:
+def load() -> dict[str, Any]:
     """The stored tables ({"kinds": {gpu: table}}), empty if missing or unreadable."""
-    try:
-        table = json.loads(Path(path).read_text())
-        return table if isinstance(table.get("kinds"), dict) else {"kinds": {}}
-    except (OSError, ValueError, AttributeError):
-        return {"kinds": {}}
+    return kinds_table(str(TABLE_FILE))
 
 
 def kinds() -> list[str]:
@@ -87,15 +82,16 @@ def shares(kind: str, shapes: list[tuple[int, int, int, str] | None]) -> np.ndar
     return out
 
 
-def store(measured: dict[str, Any], path: Path = TABLE_FILE) -> str:
-    """Keep a table devtools/speed/gemm_rates.py measured under its GPU's kind (rates to 4 significant digits: a small product's 0.17 TFLOP/s
-    rounded to 0.1 would move the fixed time :func:`_grid` takes out);
-    returns the kind."""
+def store(measured: dict[str, Any], path: Path | None = None) -> str:
+    """Keep a table devtools/speed/gemm_rates.py measured under its GPU's kind, in ``path`` (None: :data:`TABLE_FILE`),
+    its rates to 4 significant digits (a small product's 0.17 TFLOP/s rounded to 0.1 would move the fixed time
+    :func:`_grid` takes out); returns the kind."""
+    path = TABLE_FILE if path is None else path
     kind = gpu_slug(measured["gpu_name"])
     missing = [layout for layout in LAYOUTS if layout not in measured["rates"]]
     if missing:
         raise ValueError(f"the table holds no {', '.join(missing)} layout(s): measure all of {LAYOUTS}")
-    stored = load(str(path)) if path.exists() else {"kinds": {}}
+    stored = kinds_table(str(path))
     entry = {
         **{k: measured[k] for k in ("gpu_name", "torch", "dtype", "unit", "dims", "index")},
         "rates": {
@@ -108,10 +104,10 @@ def store(measured: dict[str, Any], path: Path = TABLE_FILE) -> str:
     table = {
         "what": "the TFLOP/s bf16 torch.mm products reached on each GPU kind, by shape and operand layout"
         " (measurement/gemm_rates.py)",
-        "how": "python -m devtools.speed.gemm_rates --out FILE (on the GPU), then --store FILE",
+        "how": "python -m devtools.speed.gemm_rates --out FILE (on the GPU), then --store FILES (their median)",
         "kinds": {**stored.get("kinds", {}), kind: entry},
     }
     path.write_text(json.dumps(table, separators=(",", ":")) + "\n")
-    load.cache_clear()
+    kinds_table.cache_clear()
     _grid.cache_clear()
     return kind

@@ -114,6 +114,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import functools
 import json
 import os
 import re
@@ -190,6 +191,17 @@ def write_atomic(path: str | os.PathLike, write: Any, binary: bool = False) -> N
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+@functools.cache
+def kinds_table(path: str) -> dict[str, Any]:
+    """A committed table per GPU kind (``{"kinds": {gpu: ...}}``: the card overheads, the step time's ceilings, the
+    measured matrix products), read once; an empty one when the file is missing or unreadable."""
+    try:
+        table = json.loads(Path(path).read_text())
+        return table if isinstance(table.get("kinds"), dict) else {"kinds": {}}
+    except (OSError, ValueError, AttributeError):
+        return {"kinds": {}}
 
 
 def write_json_atomic(path: str, payload: dict) -> None:

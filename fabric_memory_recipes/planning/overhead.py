@@ -43,11 +43,17 @@ from fabric_memory_recipes.measurement.card_overhead import (
     TABLE_FILE,
     Overhead,
     card_overhead,  # noqa: F401 - re-exported: the planner and its tests read it here
-    load_table,
+    load_table,  # noqa: F401 - re-exported: its tests read it here
     overhead_mode,
     overhead_per_gpu,
 )
-from fabric_memory_recipes.measurement.results_file import GB, SCHEMA_VERSION, gpu_slug, write_json_atomic
+from fabric_memory_recipes.measurement.results_file import (
+    GB,
+    SCHEMA_VERSION,
+    gpu_slug,
+    kinds_table,
+    write_json_atomic,
+)
 from fabric_memory_recipes.planning.planner.calibration import (
     RESULTS_DIR,
     ReservedRatio,
@@ -307,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.write:
         write_json_atomic(str(TABLE_FILE), table)
-        load_table.cache_clear()
+        kinds_table.cache_clear()
         print(f"-> {TABLE_FILE.relative_to(REPO)}")
     return 0
 

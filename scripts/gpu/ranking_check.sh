@@ -38,7 +38,8 @@ part=${1:?lm, vision, held-out, unseen, unfitted, peft or seq2seq}
 : "${OUT:?set OUT}"
 . "$(dirname "${BASH_SOURCE[0]}")/common.sh"  # the functions the GPU scripts share
 export_run_env
-R=/tmp/ranking-$part; mkdir -p "$R"
+# a fresh folder: on a machine still warm from an earlier call, its runs would join this call's archive
+R=/tmp/ranking-$part; rm -rf "$R"; mkdir -p "$R"
 finish() { record_machine "$R"
            { echo "Made by \`bash scripts/gpu/ranking_check.sh $part\` (STEPS=${STEPS:-10}) on $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1),"
              echo "commit $(git log -1 --format=%h 2>/dev/null), $(date -u +%F): each model's sets from \`fmr-estimate ... --fit SIZE --top 3\`,"

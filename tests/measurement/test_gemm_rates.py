@@ -34,16 +34,9 @@ def synthetic(rate) -> dict:
 
 @pytest.fixture
 def table(tmp_path, monkeypatch):
-    """Store a synthetic table in a file of its own and read shares from it."""
-    path = tmp_path / "gemm_rates.json"
-
-    def use(measured: dict) -> str:
-        kind = gemm_rates.store(measured, path)
-        monkeypatch.setattr(gemm_rates, "load", lambda: json.loads(path.read_text()))
-        gemm_rates._grid.cache_clear()
-        return kind
-
-    yield use
+    """The package's table in a file of its own: ``use(measured)`` stores a table there, as ``--store`` does."""
+    monkeypatch.setattr(gemm_rates, "TABLE_FILE", tmp_path / "gemm_rates.json")
+    yield gemm_rates.store
     gemm_rates._grid.cache_clear()
 
 
@@ -156,3 +149,17 @@ def test_verbose_plans_list_the_ceilings_with_the_table_they_read():
     assert "  gemm_table: h200" in shown and f"  matmul_flops: {c.matmul_flops:.4g}" in shown
     plain = set_speed.lines(types.SimpleNamespace(**{**vars(planner), "ceilings": c}), verbose=True)
     assert "  gemm_table: none" in plain
+
+
+def test_the_store_command_keeps_the_median_of_the_measured_tables(tmp_path, table, capsys):
+    """``python -m devtools.speed.gemm_rates --store FILES`` (docs/your_model.md): their median, under the GPU's
+    kind, in the package's table; the shares then read it."""
+    files = []
+    for v in (100.0, 400.0, 200.0):
+        files.append(tmp_path / f"t{v:.0f}.json")
+        files[-1].write_text(json.dumps(synthetic(lambda m, n, k, v=v: v * DIMS.index(k) + v)))
+    assert measure_tool.main(["--store", *map(str, files)]) == 0
+    assert "stored h200 (the median of 3 table(s))" in capsys.readouterr().out
+    stored = json.loads(gemm_rates.TABLE_FILE.read_text())["kinds"]["h200"]
+    assert stored["rates"]["nn"][0][0] == [200.0, 400.0, 600.0]
+    assert gemm_rates.kinds() == ["h200"] and 0 < gemm_rates.shares("h200", [(64, 64, 256, "nn")])[0] <= 1

@@ -46,6 +46,10 @@ class Ceilings:
     def to_dict(self) -> dict[str, float]:
         return dataclasses.asdict(self)
 
+    def shown(self) -> dict[str, str]:
+        """Each ceiling as printed: a rate or time to 4 significant digits, the measured products' kind by name."""
+        return {k: f"{v:.4g}" if isinstance(v, float) else (v or "none") for k, v in self.to_dict().items()}
+
 
 @dataclasses.dataclass
 class MicroBatch:

@@ -31,7 +31,6 @@ Each function takes the :class:`~.sets.UserPlanner` whose sets it predicts.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from fabric_memory_recipes.planning.plan import OPTIMIZER_STATE_FACTOR, Plan
@@ -225,8 +224,5 @@ def lines(planner: Any, verbose: bool = False) -> list[str]:
             " per GPU can be above what one GPU alone needs (leave out --devices to compare)."
         )
     if verbose:
-        out += [
-            f"  {name}: {value:.4g}" if isinstance(value, float) else f"  {name}: {value or 'none'}"
-            for name, value in dataclasses.asdict(planner.ceilings).items()
-        ]
+        out += [f"  {name}: {value}" for name, value in planner.ceilings.shown().items()]
     return out

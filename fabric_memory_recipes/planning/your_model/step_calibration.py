@@ -373,9 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(table_lines(entry)))
     print(
         "ceilings: "
-        + ", ".join(
-            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in entry["ceilings"].items()
-        )
+        + ", ".join(f"{k}={v}" for k, v in step_time.Ceilings(**entry["ceilings"]).shown().items())
     )
     if args.write:
         table = step_time.load_calibration()

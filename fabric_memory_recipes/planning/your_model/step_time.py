@@ -149,13 +149,11 @@ CUDA-graph run). The misses, honestly:
 from __future__ import annotations
 
 import dataclasses
-import functools
-import json
 from pathlib import Path
 from typing import Any
 
 from fabric_memory_recipes.config import DATA_DIR
-from fabric_memory_recipes.measurement.results_file import peak_bf16_flops
+from fabric_memory_recipes.measurement.results_file import kinds_table, peak_bf16_flops
 from fabric_memory_recipes.planning.plan import Plan
 from fabric_memory_recipes.planning.simulation.costs import OpCosts
 from fabric_memory_recipes.planning.your_model.estimate import estimate
@@ -310,14 +308,9 @@ def floor_step_seconds(
     return k * per + (2 * (opt["parameter_bytes"] + opt["state_bytes"]) + opt["gradient_bytes"]) / c.bandwidth
 
 
-@functools.cache
 def load_calibration(path: str = str(CALIBRATION_FILE)) -> dict[str, Any]:
     """The stored calibration ({"kinds": {gpu: {"ceilings": ..., "runs": [...], ...}}}), empty if missing."""
-    try:
-        table = json.loads(Path(path).read_text())
-        return table if isinstance(table.get("kinds"), dict) else {"kinds": {}}
-    except (OSError, ValueError, AttributeError):
-        return {"kinds": {}}
+    return kinds_table(path)
 
 
 def ceilings(gpu: str, table: dict[str, Any] | None = None) -> tuple[Ceilings, str]:

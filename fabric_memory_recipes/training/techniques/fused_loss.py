@@ -11,9 +11,10 @@ the weight's shape), not tokens x vocabulary.
 Applied to any Hugging Face causal LM through its output embeddings (:func:`fuse_output_embeddings`): the
 projection's parameters are kept under their names (its weight stays tied to the input embeddings) by a
 stand-in that returns its input, so the model's ``logits`` are the hidden states, and :func:`causal_lm_loss`
-projects them chunk by chunk. An encoder-decoder's decoder is the same (:func:`seq2seq_lm_loss`: T5 and mT5; T5's rescaling of tied
-outputs happens before the projection, so it stays; BART adds a bias after it and is refused). A bias of
-the projection itself (Phi's) is added to each chunk's logits and gets its gradient, as ``nn.Linear`` would.
+projects them chunk by chunk. An encoder-decoder's decoder is the same (:func:`seq2seq_lm_loss`: T5 and mT5;
+T5's rescaling of tied outputs happens before the projection, so it stays; BART adds a bias after it and is
+refused). A bias of the projection itself (Phi's) is added to each chunk's logits and gets its gradient, as
+``nn.Linear`` would.
 
 Backends, one call (:func:`linear_cross_entropy`): on CUDA Liger-Kernel's ``LigerFusedLinearCrossEntropyLoss``
 (``pip install liger-kernel``), which computes the same chunked gradients with a Triton softmax; elsewhere,

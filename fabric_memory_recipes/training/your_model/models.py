@@ -360,4 +360,9 @@ def _without_batch_norm(model: nn.Module, blocks: tuple[str, ...]) -> list[nn.Mo
     wrapped = [m for m in model.modules() if type(m).__name__ == "CheckpointedBlock"]
     inside = {id(m.block) for m in wrapped}
     chosen = wrapped + [m for m in model.modules() if type(m).__name__ in blocks and id(m) not in inside]
-    return [m for m in chosen if not any(isinstance(x, nn.modules.batchnorm._BatchNorm) for x in m.modules())]
+    return [m for m in chosen if not holds_batch_norm(m)]
+
+
+def holds_batch_norm(module: nn.Module) -> bool:
+    """Whether a block holds BatchNorm: fast mode leaves such a block eager (:func:`compile_repeated`)."""
+    return any(isinstance(x, nn.modules.batchnorm._BatchNorm) for x in module.modules())

@@ -43,6 +43,8 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from fabric_memory_recipes.training.your_model.models import holds_batch_norm
+
 PARTITION = functools.partial(min_cut_rematerialization_partition, compiler="inductor")
 KEPT = 64  # traced blocks kept per process (the oldest dropped first)
 _TRACED: dict[tuple, tuple[Callable, frozenset[str]]] = {}  # by what a trace depends on (:meth:`_Block.key`)
@@ -70,11 +72,6 @@ def _stand_ins(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         view = bases[id(storage)].view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
         out.append(view.detach().requires_grad_(t.requires_grad))
     return out
-
-
-def _holds_batch_norm(module: torch.nn.Module) -> bool:
-    """Fast mode leaves such a block eager (training/your_model/models.py ``compile_repeated``)."""
-    return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in module.modules())
 
 
 class _Uncached:
@@ -174,7 +171,7 @@ def partitioned(
         if class_names and type(module).__name__ in class_names:
             module.forward = _Block(module, context, used)
             wrapped.append(module)
-        elif uncached and type(module).__name__ in uncached and not _holds_batch_norm(module):
+        elif uncached and type(module).__name__ in uncached and not holds_batch_norm(module):
             module.forward = _Uncached(module)
             wrapped.append(module)
     try:
